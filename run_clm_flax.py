@@ -1,0 +1,1226 @@
+#!/usr/bin/env python3
+"""Pretrain a GPT-2 causal language model with JAX/Flax.
+
+Trains from scratch (a config and a tokenizer, for example from create_config.py and
+train_tokenizer.py) or continues from a Hugging Face GPT-2 checkpoint, on text from local files
+(txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
+Texts are tokenized, joined with the end-of-text token and packed into blocks of `--block_size` tokens.
+Each global batch is split over every device of every process with `jax.jit` over a device mesh.
+
+The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors,
+tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch.
+
+    ./run_clm_flax.py --output_dir gpt2-run --config_name my-model --tokenizer_name my-model \
+        --train_file "data/*.txt" --do_train --do_eval --block_size 512
+
+A single .json file holding the arguments works too: `./run_clm_flax.py args.json`.
+"""
+
+import glob
+import hashlib
+import json
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import datasets
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import transformers
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors.numpy import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, GPT2Config, HfArgumentParser
+
+logger = logging.getLogger(__name__)
+
+
+class UsageError(Exception):
+    """A mistake in the user's arguments or files; reported as one line, without a traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "A GPT-2 checkpoint to continue training from: a local directory holding config.json and "
+            "model.safetensors, or a hub name. Leave unset to train from scratch."
+        },
+    )
+    model_type: str = field(
+        default="gpt2",
+        metadata={"help": "Model type when training from scratch without --config_name. Only gpt2 is supported."},
+    )
+    config_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Config directory or hub name, if not the same as --model_name_or_path."},
+    )
+    tokenizer_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer directory or hub name, if not the same as --model_name_or_path."},
+    )
+    cache_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."},
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Computation dtype: float32, bfloat16 or float16. Parameters and optimizer state stay float32; "
+            "logits and the loss are always computed in float32.",
+            "choices": ["float32", "bfloat16", "float16"],
+        },
+    )
+    token: Optional[str] = field(
+        default=None,
+        metadata={"help": "Hugging Face hub token for private models or datasets. Never logged or saved."},
+    )
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "A `datasets` hub name, or a local directory: one written by Dataset.save_to_disk, or one "
+            "holding data files."
+        },
+    )
+    dataset_config_name: Optional[str] = field(
+        default=None, metadata={"help": "The configuration of the dataset given by --dataset_name."}
+    )
+    train_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."},
+    )
+    validation_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "Evaluation text, in the same formats as --train_file."},
+    )
+    text_column_name: str = field(
+        default="text", metadata={"help": "The column holding the text (txt files always give 'text')."}
+    )
+    max_train_samples: Optional[int] = field(
+        default=None, metadata={"help": "Keep only this many training blocks (for quick runs and debugging)."}
+    )
+    max_eval_samples: Optional[int] = field(
+        default=None, metadata={"help": "Keep only this many evaluation blocks."}
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Tokenize and pack again even if a cached result exists."}
+    )
+    validation_split_percentage: int = field(
+        default=5,
+        metadata={"help": "Percentage of the training texts held out for evaluation when there is no validation split."},
+    )
+    block_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Tokens per training sequence. Defaults to the smaller of the tokenizer's model_max_length and "
+            "the model's n_positions, capped at 1024."
+        },
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "Processes used to tokenize the texts."}
+    )
+    keep_linebreaks: bool = field(
+        default=True, metadata={"help": "Keep the line breaks at the end of each line of .txt files."}
+    )
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = field(
+        metadata={"help": "Where the model, its tokenizer, the results and the TensorBoard logs are written."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow training into an output directory that already holds files."}
+    )
+    do_train: bool = field(default=False, metadata={"help": "Train the model."})
+    do_eval: bool = field(default=False, metadata={"help": "Evaluate on the validation set."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Sequences per device per step; the global batch is this times the device count."}
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW weight decay; biases and LayerNorm parameters are never decayed."}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
+    max_steps: int = field(
+        default=-1, metadata={"help": "Number of optimizer steps; when positive it overrides --num_train_epochs."}
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "Steps of linear warm-up from 0 to the learning rate."})
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Warm-up as a fraction of all steps; used when --warmup_steps is 0."}
+    )
+    lr_scheduler_type: str = field(
+        default="linear",
+        metadata={"help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
+                  "choices": ["linear", "cosine", "constant"]},
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
+    )
+    logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
+    save_steps: int = field(default=500, metadata={"help": "Save the model every this many steps."})
+    eval_steps: Optional[int] = field(
+        default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
+    sample_prompt: str = field(
+        default="", metadata={"help": "Prompt for the text sampled from the saved model at the end of training."}
+    )
+    sample_tokens: int = field(
+        default=40, metadata={"help": "Tokens sampled from the saved model at the end of training; 0 for none."}
+    )
+
+
+def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments]:
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        json_path = os.path.abspath(sys.argv[1])
+        if not os.path.isfile(json_path):
+            raise UsageError(f"arguments file {sys.argv[1]} does not exist")
+        try:
+            return parser.parse_json_file(json_file=json_path)
+        except (ValueError, json.JSONDecodeError) as error:
+            raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
+    return parser.parse_args_into_dataclasses()
+
+
+def check_arguments(model_args, data_args, training_args):
+    if not (training_args.do_train or training_args.do_eval):
+        raise UsageError("nothing to do: pass --do_train, --do_eval or both")
+    if training_args.per_device_train_batch_size < 1 or training_args.per_device_eval_batch_size < 1:
+        raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
+    if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
+    for name in ("logging_steps", "save_steps"):
+        if getattr(training_args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1")
+    if training_args.eval_steps is not None and training_args.eval_steps < 1:
+        raise UsageError("--eval_steps must be at least 1")
+    if not 0 <= training_args.warmup_ratio < 1:
+        raise UsageError("--warmup_ratio must be in [0, 1)")
+    if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
+        raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
+    if training_args.do_train and data_args.dataset_name is None and data_args.train_file is None:
+        raise UsageError("--do_train needs --train_file or --dataset_name")
+    if not 0 < data_args.validation_split_percentage < 100:
+        raise UsageError("--validation_split_percentage must be between 1 and 99")
+    if data_args.block_size is not None and data_args.block_size < 2:
+        raise UsageError("--block_size must be at least 2")
+    output_dir = training_args.output_dir
+    if os.path.isfile(output_dir):
+        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
+    if (
+        training_args.do_train
+        and os.path.isdir(output_dir)
+        and os.listdir(output_dir)
+        and not training_args.overwrite_output_dir
+    ):
+        raise UsageError(
+            f"--output_dir {output_dir} already holds files; pass --overwrite_output_dir to train into it anyway"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: load texts, tokenize, pack into blocks, batch
+# ----------------------------------------------------------------------------------------------------
+
+DATA_FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+
+def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
+    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    if not files:
+        raise UsageError(f"--{flag} {pattern} matches no file")
+    builders = set()
+    for path in files:
+        if not os.path.isfile(path):
+            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--{flag}: {path} is not readable")
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in DATA_FILE_BUILDERS:
+            supported = ", ".join(DATA_FILE_BUILDERS)
+            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
+        builders.add(DATA_FILE_BUILDERS[extension])
+    if len(builders) > 1:
+        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
+    return builders.pop(), files
+
+
+def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
+    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+    try:
+        if data_args.dataset_name is not None:
+            name = data_args.dataset_name
+            if os.path.isdir(name) and any(
+                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
+            ):
+                raw = datasets.load_from_disk(name)
+            else:
+                raw = datasets.load_dataset(
+                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token
+                )
+            if isinstance(raw, datasets.Dataset):
+                raw = datasets.DatasetDict({"train": raw})
+        else:
+            data_files, builder = {}, None
+            for split, flag in (("train", "train_file"), ("validation", "validation_file")):
+                pattern = getattr(data_args, flag)
+                if pattern is not None:
+                    builder, data_files[split] = resolve_data_files(pattern, flag)
+            options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
+            raw = datasets.load_dataset(builder, data_files=data_files, cache_dir=model_args.cache_dir, **options)
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise UsageError(f"cannot load the dataset: {error}") from None
+    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
+        cause = error.__cause__ or error
+        raise UsageError(f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding") from None
+
+    if "train" in raw and "validation" not in raw:
+        train = raw["train"]
+        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
+        if len(train) < 2:
+            raise UsageError("the training data holds fewer than 2 texts; there is nothing to hold out for evaluation")
+        raw = datasets.DatasetDict(
+            {"validation": train.select(range(validation_size)), "train": train.select(range(validation_size, len(train)))}
+        )
+    for split, dataset in raw.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} data is empty")
+        if data_args.text_column_name not in dataset.column_names:
+            columns = ", ".join(dataset.column_names)
+            raise UsageError(
+                f"the {split} data has no column '{data_args.text_column_name}' (it has: {columns}); "
+                "pass --text_column_name"
+            )
+    return raw
+
+
+def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
+    """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
+    digest = hashlib.sha256()
+    for part in (dataset._fingerprint, tokenizer.backend_tokenizer.to_str(), *map(repr, settings)):
+        digest.update(part.encode())
+    return digest.hexdigest()[:24]
+
+
+def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split) -> np.ndarray:
+    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+
+    The result is cached beside the dataset's own cache files and memory-mapped on later runs. The
+    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
+    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, eos_id)
+    cache_path = None
+    if dataset.cache_files:
+        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
+        cache_path = os.path.join(cache_dir, f"packed-{fingerprint}-block{block_size}.npy")
+        if os.path.exists(cache_path) and not overwrite_cache:
+            logger.info("Loading packed %s blocks from cache %s", split, cache_path)
+            return np.load(cache_path, mmap_mode="r")
+
+    # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
+    # about texts longer than model_max_length, which is expected here since texts get packed.
+    backend = tokenizer.backend_tokenizer
+
+    def tokenize(batch):
+        encodings = backend.encode_batch(batch[text_column], add_special_tokens=False)
+        return {"input_ids": [encoding.ids + [eos_id] for encoding in encodings]}
+
+    tokenized = dataset.map(
+        tokenize,
+        batched=True,
+        num_proc=num_workers,
+        remove_columns=dataset.column_names,
+        new_fingerprint=fingerprint,
+        load_from_cache_file=not overwrite_cache,
+        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+        desc=f"Tokenizing {split} texts",
+    )
+    # Arrow stores the token lists as one flat buffer: flattening is a copy, not a Python loop.
+    tokens = tokenized.data.column("input_ids").combine_chunks().flatten().to_numpy()
+    num_blocks = len(tokens) // block_size
+    blocks = np.ascontiguousarray(tokens[: num_blocks * block_size].reshape(num_blocks, block_size))
+    logger.info("%s: %d tokens packed into %d blocks of %d", split, len(tokens), num_blocks, block_size)
+    if cache_path is not None:
+        temporary_path = f"{cache_path}.{os.getpid()}.tmp.npy"
+        np.save(temporary_path, blocks, allow_pickle=False)
+        os.replace(temporary_path, cache_path)
+    return blocks
+
+
+def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
+    """Run `iterator` in a background thread, `size` items ahead, so the host prepares the next batches
+    while the devices compute."""
+    items = queue.Queue(maxsize=size)
+    end = object()
+
+    def produce():
+        try:
+            for item in iterator:
+                items.put(item)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            items.put(error)
+        items.put(end)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := items.get()) is not end:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def process_slice(global_batch_size: int) -> slice:
+    """The rows of each global batch that this process loads; jax assembles them into one global array."""
+    local_size = global_batch_size // jax.process_count()
+    return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
+
+
+def train_batches(blocks: np.ndarray, global_batch_size: int, seed: int, epoch: int) -> Iterator[np.ndarray]:
+    """This process's rows of each global batch of one epoch, in an order fixed by seed and epoch.
+
+    The blocks left over after the last full batch differ from epoch to epoch, so all data is seen.
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
+    rows = process_slice(global_batch_size)
+    for step in range(len(blocks) // global_batch_size):
+        batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size][rows])
+        yield {"input_ids": np.asarray(blocks[batch_indices], dtype=np.int32)}
+
+
+def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
+    """Every block once, in order; the last batch is padded with zero-weight rows so none is dropped."""
+    rows = process_slice(global_batch_size)
+    for start in range(0, len(blocks), global_batch_size):
+        input_ids = np.asarray(blocks[start : start + global_batch_size], dtype=np.int32)
+        weights = np.ones(input_ids.shape, dtype=np.float32)
+        padding = global_batch_size - len(input_ids)
+        if padding:
+            input_ids = np.pad(input_ids, ((0, padding), (0, 0)))
+            weights = np.pad(weights, ((0, padding), (0, 0)))
+        yield {"input_ids": input_ids[rows], "weights": weights[rows]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model: GPT-2 in Flax, parameter names one-to-one with the Hugging Face checkpoint
+# ----------------------------------------------------------------------------------------------------
+
+ACTIVATIONS = {
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "gelu_new": partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+def check_gpt2_config(config):
+    if config.model_type != "gpt2":
+        raise UsageError(
+            f"this script trains GPT-2 but the config is of model type '{config.model_type}'; "
+            "use a gpt2 config (create_config.py --preset gpt2-tiny) or run_mlm_flax.py for roberta"
+        )
+    if config.n_embd % config.n_head:
+        raise UsageError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}; fix the config")
+    if config.activation_function not in ACTIVATIONS:
+        raise UsageError(
+            f"activation_function '{config.activation_function}' is not supported; use one of {', '.join(ACTIVATIONS)}"
+        )
+    if getattr(config, "add_cross_attention", False):
+        raise UsageError("add_cross_attention is not supported by this script; set it to false in the config")
+
+
+def dense(features: int, names: tuple, stddev: float, dtype, param_dtype, name: str) -> nn.Dense:
+    """A GPT-2 projection: weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the
+    checkpoint's Conv1D, with logical axis names for sharding."""
+    return nn.Dense(
+        features,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev), names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        name=name,
+    )
+
+
+def layer_norm(config, dtype, param_dtype, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=config.layer_norm_epsilon,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        name=name,
+    )
+
+
+class CausalSelfAttention(nn.Module):
+    config: GPT2Config
+    layer_index: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        config = self.config
+        batch, length, width = x.shape
+        head_dim = width // config.n_head
+        residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
+
+        qkv = dense(3 * width, ("embed", "heads"), config.initializer_range, self.dtype, self.param_dtype, "c_attn")(x)
+        query, key, value = (t.reshape(batch, length, config.n_head, head_dim) for t in jnp.split(qkv, 3, axis=-1))
+        scale = 1 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= self.layer_index + 1
+
+        if deterministic or config.attn_pdrop == 0:
+            # Fused attention where the backend has a kernel for it (cuDNN flash attention on GPUs).
+            y = jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=True)
+        else:
+            # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
+            y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop), deterministic)
+        y = y.reshape(batch, length, width)
+        y = dense(width, ("heads", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(y)
+        return nn.Dropout(config.resid_pdrop)(y, deterministic)
+
+
+def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, deterministic: bool):
+    """Causal attention written out, for training with dropout on the attention weights."""
+    # query, key, value: (batch, length, heads, head_dim)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
+    length = query.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), axis=-1)
+    weights = dropout(weights, deterministic).astype(value.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+
+
+class MLP(nn.Module):
+    config: GPT2Config
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        config = self.config
+        inner = config.n_inner or 4 * config.n_embd
+        residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
+        x = dense(inner, ("embed", "mlp"), config.initializer_range, self.dtype, self.param_dtype, "c_fc")(x)
+        x = ACTIVATIONS[config.activation_function](x)
+        x = dense(config.n_embd, ("mlp", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(x)
+        return nn.Dropout(config.resid_pdrop)(x, deterministic)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    config: GPT2Config
+    layer_index: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = x + CausalSelfAttention(config, self.layer_index, **dtypes, name="attn")(
+            layer_norm(config, **dtypes, name="ln_1")(x), deterministic
+        )
+        return x + MLP(config, **dtypes, name="mlp")(layer_norm(config, **dtypes, name="ln_2")(x), deterministic)
+
+
+class GPT2Model(nn.Module):
+    """Embeddings, the blocks and the final LayerNorm; `attend` reuses the token embedding as output layer."""
+
+    config: GPT2Config
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        embedding_init = nn.initializers.normal(config.initializer_range)
+        self.wte = nn.Embed(
+            config.vocab_size, config.n_embd, embedding_init=nn.with_logical_partitioning(embedding_init, ("vocab", "embed")), **dtypes
+        )
+        self.wpe = nn.Embed(
+            config.n_positions, config.n_embd, embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")), **dtypes
+        )
+        self.dropout = nn.Dropout(config.embd_pdrop)
+        # A list attribute names its modules h_0, h_1, ...: the checkpoint's h.0, h.1, ...
+        self.h = [Block(config, index, **dtypes) for index in range(config.n_layer)]
+        self.ln_f = layer_norm(config, **dtypes, name=None)
+
+    def __call__(self, input_ids, deterministic: bool):
+        # input_ids: (batch, length) -> hidden states (batch, length, n_embd)
+        positions = jnp.arange(input_ids.shape[1])[None, :]
+        x = self.dropout(self.wte(input_ids) + self.wpe(positions), deterministic)
+        for block in self.h:
+            x = block(x, deterministic)
+        return self.ln_f(x)
+
+    def attend(self, hidden):
+        # The output layer is the token embedding, transposed; products accumulate and come out in float32.
+        embedding = self.wte.embedding.astype(self.dtype)
+        return jnp.einsum("btd,vd->btv", hidden, embedding, preferred_element_type=jnp.float32)
+
+
+class FlaxGPT2LMHeadModel(nn.Module):
+    """GPT-2 with its language-model head; returns float32 logits (batch, length, vocab_size)."""
+
+    config: GPT2Config
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, deterministic: bool = True):
+        transformer = GPT2Model(self.config, self.dtype, self.param_dtype, name="transformer")
+        hidden = transformer(input_ids, deterministic)
+        if self.config.tie_word_embeddings:
+            logits = transformer.attend(hidden)
+        else:
+            logits = nn.Dense(
+                self.config.vocab_size,
+                use_bias=False,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(self.config.initializer_range), ("embed", "vocab")),
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                dot_general=partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
+                name="lm_head",
+            )(hidden)
+        return logits.astype(jnp.float32)
+
+
+def causal_lm_loss_sums(logits, input_ids, weights):
+    """Summed next-token cross-entropy and the number of predicted tokens, both float32.
+
+    Sums rather than means, so that averages over several batches (and over padded rows, weight 0)
+    are exact: divide once, on the host.
+    """
+    # Position t predicts token t + 1; the last position has nothing to predict.
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), input_ids[:, 1:])
+    target_weights = weights[:, 1:]
+    return jnp.sum(losses * target_weights), jnp.sum(target_weights)
+
+
+def hf_name(flax_path: tuple) -> str:
+    """('transformer', 'h_3', 'attn', 'c_attn', 'kernel') -> 'transformer.h.3.attn.c_attn.weight'."""
+    *modules, leaf = flax_path
+    modules = [f"h.{module[2:]}" if module.startswith("h_") and module[2:].isdigit() else module for module in modules]
+    return ".".join([*modules, "weight" if leaf in ("kernel", "scale", "embedding") else leaf])
+
+
+def to_hf_state_dict(params) -> dict[str, np.ndarray]:
+    """Flax parameters as the PyTorch GPT2LMHeadModel state dict (float32 numpy, HF names and layouts).
+
+    GPT-2's Conv1D stores weights (in, out) like a Flax kernel, so only the untied lm_head (an
+    nn.Linear, stored (out, in)) is transposed.
+    """
+    state_dict = {}
+    for path, value in flatten_dict(params).items():
+        value = np.asarray(value, dtype=np.float32)
+        name = hf_name(path)
+        state_dict[name] = np.ascontiguousarray(value.T if name == "lm_head.weight" else value)
+    return state_dict
+
+
+# Buffers some GPT-2 checkpoints carry (the causal mask); they are not parameters.
+IGNORED_CHECKPOINT_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
+    """The inverse of to_hf_state_dict, shaped like `abstract_params` (from jax.eval_shape of init).
+
+    Accepts GPT2LMHeadModel checkpoints and bare GPT2Model ones (names without 'transformer.').
+    """
+    if not any(name.startswith("transformer.") for name in state_dict):
+        state_dict = {f"transformer.{name}": value for name, value in state_dict.items()}
+    params, used = {}, set()
+    for path, expected in flatten_dict(abstract_params).items():
+        name = hf_name(path)
+        if name not in state_dict:
+            raise UsageError(f"the checkpoint has no tensor {name}; it does not match the model config")
+        value = np.asarray(state_dict[name], dtype=np.float32)
+        if name == "lm_head.weight":
+            value = value.T
+        if value.shape != expected.shape:
+            raise UsageError(
+                f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
+                "pass the config the checkpoint was trained with"
+            )
+        params[path] = value
+        used.add(name)
+    ignored = [name for name in state_dict if name not in used and not name.endswith(IGNORED_CHECKPOINT_SUFFIXES)]
+    ignored = [name for name in ignored if name != "lm_head.weight"]  # tied to wte when tie_word_embeddings
+    if ignored:
+        logger.warning("Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5]))
+    return unflatten_dict(params)
+
+
+def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
+    """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
+    index_name, single_name = "model.safetensors.index.json", "model.safetensors"
+    if os.path.isdir(name_or_path):
+        def fetch(filename):
+            path = os.path.join(name_or_path, filename)
+            return path if os.path.isfile(path) else None
+    else:
+        import huggingface_hub
+
+        def fetch(filename):
+            try:
+                return huggingface_hub.hf_hub_download(
+                    name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+                )
+            except huggingface_hub.errors.EntryNotFoundError:
+                return None
+            except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
+                raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
+
+    if (index_path := fetch(index_name)) is not None:
+        with open(index_path) as index_file:
+            shard_names = sorted(set(json.load(index_file)["weight_map"].values()))
+        state_dict = {}
+        for shard_name in shard_names:
+            state_dict.update(load_file(fetch(shard_name)))
+        return state_dict
+    if (path := fetch(single_name)) is not None:
+        return load_file(path)
+    raise UsageError(
+        f"{name_or_path} has no model.safetensors; only safetensors checkpoints are loaded "
+        "(convert a pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training state, sharding, optimizer, steps
+# ----------------------------------------------------------------------------------------------------
+
+# Logical axis names used by the model -> mesh axes. Every parameter is replicated and the batch is
+# split over the "data" axis: plain data parallelism.
+LOGICAL_AXIS_RULES = (
+    ("batch", "data"),
+    ("vocab", None),
+    ("positions", None),
+    ("embed", None),
+    ("heads", None),
+    ("mlp", None),
+)
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
+    warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
+    warmup_steps = min(warmup_steps, total_steps)
+    peak = training_args.learning_rate
+    decay_steps = max(total_steps - warmup_steps, 1)
+    decay = {
+        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
+        "constant": optax.constant_schedule(peak),
+    }[training_args.lr_scheduler_type]
+    warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def decay_mask(params):
+    """True for the weights AdamW decays: matrices and embeddings, not biases or LayerNorm parameters."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
+
+
+def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
+    if training_args.adafactor:
+        optimizer = optax.adafactor(learning_rate=schedule)
+    else:
+        optimizer = optax.adamw(
+            learning_rate=schedule,
+            b1=training_args.adam_beta1,
+            b2=training_args.adam_beta2,
+            eps=training_args.adam_epsilon,
+            weight_decay=training_args.weight_decay,
+            mask=decay_mask,
+        )
+    if training_args.max_grad_norm > 0:
+        optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
+    return optimizer
+
+
+def create_mesh() -> jax.sharding.Mesh:
+    """All devices of all processes on one "data" axis."""
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
+    """Each optimizer-state leaf that mirrors a parameter (Adam's moments) is sharded like it; the rest
+    (step counts, Adafactor's factored statistics) is replicated."""
+    by_path = {
+        jax.tree_util.keystr(path): (leaf.shape, sharding)
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree_util.tree_leaves(param_shardings)
+        )
+    }
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def choose(path, leaf):
+        for start in range(len(path)):
+            shape, sharding = by_path.get(jax.tree_util.keystr(path[start:]), (None, None))
+            if shape == leaf.shape:
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(choose, abstract_opt_state)
+
+
+def abstract_model_params(model, dummy_input, unbox: bool = True):
+    """Shapes and dtypes of the model's parameters, without computing them. Unboxed: plain arrays;
+    boxed: each carries its logical axis names."""
+    variables = jax.eval_shape(partial(model.init, deterministic=True), jax.random.key(0), dummy_input)
+    return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
+
+
+def create_train_state(model, optimizer, mesh, seed: int, dummy_input, loaded_params=None):
+    """The training state, created directly with its sharding: parameters are initialised (or placed,
+    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+    boxed_params = abstract_model_params(model, dummy_input, unbox=False)
+    param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
+    abstract_params = nn.meta.unbox(boxed_params)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    state_shardings = TrainState(
+        step=NamedSharding(mesh, PartitionSpec()),
+        params=param_shardings,
+        opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
+    )
+
+    def init(params):
+        if params is None:
+            params = nn.meta.unbox(model.init(jax.random.key(seed), dummy_input, deterministic=True)["params"])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    if loaded_params is not None:
+        loaded_params = jax.device_put(loaded_params, param_shardings)
+    return jax.jit(init, out_shardings=state_shardings)(loaded_params), state_shardings, abstract_params
+
+
+def make_train_step(model, optimizer, schedule, seed: int):
+    dropout_key = jax.random.key(seed + 1)
+
+    def train_step(state: TrainState, batch):
+        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
+        dropout_rng = jax.random.fold_in(dropout_key, state.step)
+        input_ids = batch["input_ids"]
+
+        def loss_fn(params):
+            logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
+            loss_sum, token_count = causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
+            return loss_sum / token_count, (loss_sum, token_count)
+
+        grads, (loss_sum, token_count) = jax.grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+        metrics = {
+            "loss_sum": loss_sum,
+            "token_count": token_count,
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": schedule(state.step),
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model):
+    def eval_step(params, batch):
+        logits = model.apply({"params": params}, batch["input_ids"], deterministic=True)
+        loss_sum, token_count = causal_lm_loss_sums(logits, batch["input_ids"], batch["weights"])
+        return {"loss_sum": loss_sum, "token_count": token_count}
+
+    return eval_step
+
+
+def to_global_batch(local_batch: dict, batch_sharding) -> dict:
+    """This process's rows -> one array split over every device of every process."""
+    return {
+        name: jax.make_array_from_process_local_data(batch_sharding, rows) for name, rows in local_batch.items()
+    }
+
+
+def evaluate(eval_step, params, blocks, global_batch_size, batch_sharding) -> dict:
+    """Loss and perplexity over the whole evaluation set, averaged exactly over predicted tokens."""
+    totals = {"loss_sum": 0.0, "token_count": 0.0}
+    num_batches = math.ceil(len(blocks) / global_batch_size)
+    batches = prefetch(to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, global_batch_size))
+    for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
+        for name, value in jax.device_get(eval_step(params, batch)).items():
+            totals[name] += float(value)
+    loss = totals["loss_sum"] / totals["token_count"]
+    return {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "tokens": int(totals["token_count"])}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging and saving
+# ----------------------------------------------------------------------------------------------------
+
+
+class TensorBoardWriter:
+    """Scalars and text for TensorBoard, written with the tensorboard package alone (no TensorFlow)."""
+
+    def __init__(self, log_dir: str):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event_pb2, self._summary_pb2, self._text_pb = event_pb2, summary_pb2, text_pb
+        self._writer = EventFileWriter(log_dir)
+
+    def _write(self, summary, step: int):
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def scalars(self, values: dict, step: int):
+        summary_values = [self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]
+        self._write(self._summary_pb2.Summary(value=summary_values), step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self._write(self._text_pb(tag, markdown), step)
+
+    def close(self):
+        self._writer.close()
+
+
+def arguments_markdown(*argument_groups) -> str:
+    """All arguments as a markdown table, for TensorBoard's text tab. The hub token is left out."""
+    rows = ["| argument | value |", "| --- | --- |"]
+    for group in argument_groups:
+        for name, value in sorted(asdict(group).items()):
+            if name != "token":
+                rows.append(f"| {name} | {value} |")
+    return "\n".join(rows)
+
+
+def write_json(path: str, values: dict):
+    """Write via a temporary file, so an interrupted write never leaves a truncated file behind."""
+    temporary_path = f"{path}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(values, file, indent=2)
+        file.write("\n")
+    os.replace(temporary_path, path)
+
+
+def save_model(output_dir: str, params, config, tokenizer):
+    """A Hugging Face model directory: config, safetensors weights, tokenizer, generation config.
+
+    Every process takes part in gathering the parameters; process 0 writes.
+    """
+    host_params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() != 0:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    weights_path = os.path.join(output_dir, "model.safetensors")
+    save_file(to_hf_state_dict(host_params), f"{weights_path}.tmp", metadata={"format": "pt"})
+    os.replace(f"{weights_path}.tmp", weights_path)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(output_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
+def sample_text(model, params, tokenizer, prompt: str, num_tokens: int, max_length: int, seed: int) -> str:
+    """Continue `prompt` by `num_tokens` tokens drawn with temperature 1 from the 40 most likely."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
+    prompt_ids = prompt_ids[-(max_length - 1) :]
+    length = min(max_length, len(prompt_ids) + num_tokens)
+    tokens = jnp.zeros((1, length), jnp.int32).at[0, : len(prompt_ids)].set(jnp.asarray(prompt_ids))
+
+    @jax.jit
+    def next_token(tokens, position, rng):
+        # A causal model: the tokens after `position` do not change its logits, so one fixed shape serves.
+        logits = model.apply({"params": params}, tokens)[0, position - 1]
+        top_logits, top_ids = jax.lax.top_k(logits, 40)
+        return top_ids[jax.random.categorical(rng, top_logits)]
+
+    rng = jax.random.key(seed)
+    for position in range(len(prompt_ids), length):
+        tokens = tokens.at[0, position].set(next_token(tokens, position, jax.random.fold_in(rng, position)))
+    return tokenizer.decode(np.asarray(tokens[0]), skip_special_tokens=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_config_and_tokenizer(model_args):
+    def load(loader, name, flag):
+        try:
+            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
+
+    config_source, config_flag = (
+        (model_args.config_name, "--config_name") if model_args.config_name else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if config_source:
+        config = load(AutoConfig, config_source, config_flag)
+    else:
+        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
+        config = transformers.CONFIG_MAPPING[model_args.model_type]()
+
+    tokenizer_source, tokenizer_flag = (
+        (model_args.tokenizer_name, "--tokenizer_name") if model_args.tokenizer_name else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if not tokenizer_source:
+        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
+    tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
+    if not tokenizer.is_fast:
+        raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if len(tokenizer) > config.vocab_size:
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
+            "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
+    return config, tokenizer
+
+
+def main():
+    model_args, data_args, training_args = parse_arguments()
+    check_arguments(model_args, data_args, training_args)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if jax.process_index() == 0 else logging.ERROR,
+    )
+    datasets.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.set_verbosity_warning()
+    logger.info("%d devices over %d processes: %s", jax.device_count(), jax.process_count(), jax.devices())
+
+    # Model config and tokenizer
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    check_gpt2_config(config)
+    block_size = data_args.block_size or min(tokenizer.model_max_length, config.n_positions, 1024)
+    if block_size > config.n_positions:
+        raise UsageError(
+            f"--block_size {block_size} exceeds the model's n_positions {config.n_positions}; lower --block_size"
+        )
+
+    # Data
+    raw_datasets = load_raw_datasets(model_args, data_args)
+    blocks = {
+        split: tokenize_and_pack(
+            raw_datasets[split], tokenizer, data_args.text_column_name, block_size,
+            data_args.preprocessing_num_workers, data_args.overwrite_cache, split,
+        )
+        for split in raw_datasets
+        if split in ("train", "validation")
+    }
+    if data_args.max_train_samples is not None and "train" in blocks:
+        blocks["train"] = blocks["train"][: data_args.max_train_samples]
+    if data_args.max_eval_samples is not None and "validation" in blocks:
+        blocks["validation"] = blocks["validation"][: data_args.max_eval_samples]
+    for split, split_blocks in blocks.items():
+        if len(split_blocks) == 0:
+            raise UsageError(
+                f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
+            )
+    if training_args.do_eval and "validation" not in blocks:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+
+    # Model, mesh, optimizer, training state
+    mesh = create_mesh()
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    train_batch_size = training_args.per_device_train_batch_size * jax.device_count()
+    eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
+    model = FlaxGPT2LMHeadModel(config, dtype=jnp.dtype(model_args.dtype))
+
+    total_steps = 1
+    if training_args.do_train:
+        steps_per_epoch = len(blocks["train"]) // train_batch_size
+        if steps_per_epoch == 0:
+            raise UsageError(
+                f"the training data makes {len(blocks['train'])} blocks of {block_size} tokens, fewer than one "
+                f"global batch of {train_batch_size}; add data or lower --per_device_train_batch_size or --block_size"
+            )
+        if training_args.max_steps > 0:
+            total_steps = training_args.max_steps
+        else:
+            total_steps = max(1, int(training_args.num_train_epochs * steps_per_epoch))
+    schedule = learning_rate_schedule(training_args, total_steps)
+    optimizer = create_optimizer(training_args, schedule)
+
+    loaded_params = None
+    dummy_input = jnp.zeros((1, block_size), jnp.int32)
+    if model_args.model_name_or_path:
+        loaded_params = from_hf_state_dict(
+            read_safetensors_checkpoint(model_args.model_name_or_path, model_args), abstract_model_params(model, dummy_input)
+        )
+        logger.info("Loaded weights from %s", model_args.model_name_or_path)
+    state, state_shardings, abstract_params = create_train_state(model, optimizer, mesh, training_args.seed, dummy_input, loaded_params)
+    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
+    logger.info("GPT-2 with %.1fM parameters, computing in %s", num_params / 1e6, model_args.dtype)
+
+    train_step = jax.jit(
+        make_train_step(model, optimizer, schedule, training_args.seed),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+    eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
+
+    is_main_process = jax.process_index() == 0
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
+    if writer:
+        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+
+    def run_evaluation(step: int) -> dict:
+        results = evaluate(eval_step, state.params, blocks["validation"], eval_batch_size, batch_sharding)
+        logger.info("step %d: eval loss %.4f, perplexity %.2f", step, results["loss"], results["perplexity"])
+        if writer:
+            writer.scalars({"eval/loss": results["loss"], "eval/perplexity": results["perplexity"]}, step)
+        return results
+
+    # Training loop
+    if training_args.do_train:
+        eval_steps = training_args.eval_steps or training_args.logging_steps
+        tokens_per_step = train_batch_size * block_size
+        logger.info(
+            "Training for %d steps (%.2f epochs of %d blocks), global batch %d x %d tokens",
+            total_steps, total_steps / steps_per_epoch, len(blocks["train"]), train_batch_size, block_size,
+        )
+
+        def all_train_batches():
+            epoch = 0
+            while True:
+                for batch in train_batches(blocks["train"], train_batch_size, training_args.seed, epoch):
+                    yield to_global_batch(batch, batch_sharding)
+                epoch += 1
+
+        batches = prefetch(all_train_batches())
+        progress = tqdm(total=total_steps, desc="Training", disable=not is_main_process)
+        window_metrics, window_start = [], time.perf_counter()
+        train_start, train_loss_sum, train_token_count = time.perf_counter(), 0.0, 0.0
+        for step in range(1, total_steps + 1):
+            state, metrics = train_step(state, next(batches))
+            window_metrics.append(metrics)
+            progress.update(1)
+
+            if step % training_args.logging_steps == 0 or step == total_steps:
+                window = jax.device_get(window_metrics)  # waits for the steps to finish
+                elapsed = time.perf_counter() - window_start
+                loss_sum = sum(float(m["loss_sum"]) for m in window)
+                token_count = sum(float(m["token_count"]) for m in window)
+                train_loss_sum, train_token_count = train_loss_sum + loss_sum, train_token_count + token_count
+                logged = {
+                    "train/loss": loss_sum / token_count,
+                    "train/learning_rate": float(window[-1]["learning_rate"]),
+                    "train/grad_norm": float(window[-1]["grad_norm"]),
+                    "train/tokens_per_second": len(window) * tokens_per_step / elapsed,
+                }
+                progress.set_postfix(
+                    loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/learning_rate']:.2e}",
+                    tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
+                )
+                logger.info(
+                    "step %d: loss %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+                    step, logged["train/loss"], logged["train/learning_rate"], logged["train/grad_norm"],
+                    logged["train/tokens_per_second"],
+                )
+                if writer:
+                    writer.scalars(logged, step)
+                window_metrics, window_start = [], time.perf_counter()
+
+            if training_args.do_eval and step % eval_steps == 0 and step != total_steps:
+                run_evaluation(step)
+            if step % training_args.save_steps == 0 and step != total_steps:
+                save_model(training_args.output_dir, state.params, config, tokenizer)
+                logger.info("step %d: saved the model to %s", step, training_args.output_dir)
+        progress.close()
+        train_runtime = time.perf_counter() - train_start
+
+        save_model(training_args.output_dir, state.params, config, tokenizer)
+        if is_main_process:
+            write_json(
+                os.path.join(training_args.output_dir, "train_results.json"),
+                {
+                    "train_loss": train_loss_sum / train_token_count,
+                    "train_steps": total_steps,
+                    "epochs": total_steps / steps_per_epoch,
+                    "train_runtime_seconds": train_runtime,
+                    "train_tokens_per_second": total_steps * tokens_per_step / train_runtime,
+                },
+            )
+        logger.info("Saved the model to %s", training_args.output_dir)
+
+    if training_args.do_eval:
+        step = int(state.step)
+        results = run_evaluation(step)
+        if is_main_process:
+            write_json(
+                os.path.join(training_args.output_dir, "eval_results.json"),
+                {"eval_loss": results["loss"], "eval_perplexity": results["perplexity"],
+                 "eval_tokens": results["tokens"], "step": step},
+            )
+            print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f})")
+    if writer:
+        writer.close()
+
+    if training_args.do_train and is_main_process and training_args.sample_tokens > 0:
+        # Read the export back, so the sample also shows that the saved files hold the trained model.
+        exported = from_hf_state_dict(
+            load_file(os.path.join(training_args.output_dir, "model.safetensors")), abstract_params
+        )
+        text = sample_text(
+            FlaxGPT2LMHeadModel(config), exported, tokenizer, training_args.sample_prompt,
+            training_args.sample_tokens, block_size, training_args.seed,
+        )
+        print(f"sample from {training_args.output_dir}: {text!r}")
+    if is_main_process and training_args.do_train:
+        print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
