@@ -1,0 +1,326 @@
+"""run_clm_flax.py: the Flax GPT-2 against transformers' PyTorch GPT-2, the data pipeline, and the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import run_clm_flax  # noqa: E402
+
+CORPUS = os.path.join(REPO, "tests", "fixtures", "en")
+OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def tiny_config(**overrides) -> GPT2Config:
+    settings = dict(vocab_size=512, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(**{**settings, **overrides})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer trained on the English fixture corpus, and a tiny GPT-2 config."""
+    directory = str(tmp_path_factory.mktemp("tiny-gpt2"))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([os.path.join(CORPUS, "train.txt")], trainer)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>", model_max_length=64,
+    ).save_pretrained(directory)
+    tiny_config().save_pretrained(directory)
+    return directory
+
+
+def flax_logits(config, params, input_ids):
+    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    return np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
+
+
+def abstract_params(config):
+    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    return run_clm_flax.abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
+
+
+CONFIG_VARIANTS = {
+    "default": {},
+    "untied-scaled-relu": dict(
+        tie_word_embeddings=False, scale_attn_by_inverse_layer_idx=True, activation_function="relu", n_inner=48
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", CONFIG_VARIANTS)
+def test_pytorch_weights_give_the_same_logits_in_flax(variant):
+    config = tiny_config(**CONFIG_VARIANTS[variant])
+    torch.manual_seed(0)
+    torch_model = GPT2LMHeadModel(config).eval()
+    input_ids = np.random.default_rng(0).integers(0, config.vocab_size, size=(3, 20))
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(input_ids)).logits.numpy()
+    state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
+    params = run_clm_flax.from_hf_state_dict(state_dict, abstract_params(config))
+    np.testing.assert_allclose(flax_logits(config, params, input_ids), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", CONFIG_VARIANTS)
+def test_flax_weights_load_in_pytorch_with_the_same_logits(variant, model_dir, tmp_path):
+    config = tiny_config(**CONFIG_VARIANTS[variant])
+    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    params = jax.tree_util.tree_map(
+        np.asarray, run_clm_flax.nn.meta.unbox(model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
+    )
+    run_clm_flax.save_model(str(tmp_path), params, config, AutoTokenizer.from_pretrained(model_dir))
+
+    torch_model, loading_info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(loading_info.values()), loading_info
+    input_ids = np.random.default_rng(1).integers(0, config.vocab_size, size=(2, 24))
+    with torch.no_grad():
+        expected = torch_model.eval()(torch.tensor(input_ids)).logits.numpy()
+    np.testing.assert_allclose(flax_logits(config, params, input_ids), expected, atol=1e-4, rtol=0)
+
+
+def test_residual_projections_get_the_scaled_initialisation():
+    config = tiny_config(n_embd=64, n_layer=8, n_head=2, initializer_range=0.02)
+    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    params = run_clm_flax.nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    block = params["transformer"]["h_0"]
+    scaled = 0.02 / np.sqrt(2 * config.n_layer)
+    assert np.std(block["attn"]["c_attn"]["kernel"]) == pytest.approx(0.02, rel=0.1)
+    assert np.std(block["attn"]["c_proj"]["kernel"]) == pytest.approx(scaled, rel=0.1)
+    assert np.std(block["mlp"]["c_proj"]["kernel"]) == pytest.approx(scaled, rel=0.1)
+    assert not np.any(block["attn"]["c_attn"]["bias"])
+
+
+def test_checkpoint_of_another_shape_is_refused_with_the_tensor_named():
+    torch_model = GPT2LMHeadModel(tiny_config(n_embd=64))
+    state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
+    with pytest.raises(run_clm_flax.UsageError, match=r"checkpoint tensor transformer\..* has shape .* but the config needs"):
+        run_clm_flax.from_hf_state_dict(state_dict, abstract_params(tiny_config()))
+
+
+def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 6, 11)).astype(np.float32)
+    input_ids = rng.integers(0, 11, size=(2, 6))
+    weights = np.array([[1.0] * 6, [0.0] * 6], dtype=np.float32)  # the second row is padding
+    loss_sum, count = run_clm_flax.causal_lm_loss_sums(jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights))
+    expected = torch.nn.functional.cross_entropy(
+        torch.tensor(logits[0, :-1]), torch.tensor(input_ids[0, 1:]), reduction="sum"
+    ).item()
+    assert float(count) == 5
+    assert float(loss_sum) == pytest.approx(expected, rel=1e-5)
+
+
+def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_path):
+    import datasets
+
+    texts = [f"Line number {i} of a small test file." for i in range(50)]
+    data_file = tmp_path / "texts.txt"
+    data_file.write_text("\n".join(texts) + "\n")
+    dataset = datasets.load_dataset(
+        "text", data_files=str(data_file), cache_dir=str(tmp_path / "cache"), split="train", keep_linebreaks=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    blocks = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 16, None, False, "train")
+    expected = [token for text in texts for token in tokenizer(text + "\n")["input_ids"] + [tokenizer.eos_token_id]]
+    expected = np.array(expected[: len(expected) // 16 * 16]).reshape(-1, 16)
+    np.testing.assert_array_equal(blocks, expected)
+
+    cached = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 16, None, False, "train")
+    assert isinstance(cached, np.memmap), "the second call should read the packed blocks from the cache"
+    np.testing.assert_array_equal(cached, expected)
+    other_block_size = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 8, None, False, "train")
+    assert other_block_size.shape[1] == 8
+
+
+def test_evaluation_batches_cover_every_block_once_with_padding_masked():
+    blocks = np.arange(7 * 4).reshape(7, 4)
+    batches = list(run_clm_flax.eval_batches(blocks, global_batch_size=3))
+    assert len(batches) == 3
+    assert all(batch["input_ids"].shape == (3, 4) for batch in batches)
+    real_rows = np.concatenate([batch["input_ids"][batch["weights"][:, 0] == 1] for batch in batches])
+    np.testing.assert_array_equal(real_rows, blocks)
+    assert batches[-1]["weights"].sum() == 4  # one real block, two padding rows
+
+
+def test_training_batches_follow_the_seed_and_differ_between_epochs():
+    blocks = np.arange(10 * 2).reshape(10, 2)
+    first = [batch["input_ids"] for batch in run_clm_flax.train_batches(blocks, 4, seed=3, epoch=0)]
+    again = [batch["input_ids"] for batch in run_clm_flax.train_batches(blocks, 4, seed=3, epoch=0)]
+    next_epoch = [batch["input_ids"] for batch in run_clm_flax.train_batches(blocks, 4, seed=3, epoch=1)]
+    assert len(first) == 2
+    np.testing.assert_array_equal(np.concatenate(first), np.concatenate(again))
+    assert not np.array_equal(np.concatenate(first), np.concatenate(next_epoch))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_script(arguments, env=None, check=True):
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "run_clm_flax.py"), *arguments],
+        capture_output=True, text=True, env=env or OFFLINE_ENV, cwd=REPO, timeout=600,
+    )
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def training_arguments(model_dir, output_dir, *extra):
+    return [
+        "--output_dir", str(output_dir), "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--train_file", os.path.join(CORPUS, "train.txt"), "--validation_file", os.path.join(CORPUS, "validation.txt"),
+        "--block_size", "32", "--seed", "0", *extra,
+    ]
+
+
+def scalars(output_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(str(output_dir), "tensorboard"))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def test_cli_run_trains_evaluates_and_writes_a_loadable_model(model_dir, tmp_path):
+    untrained = tmp_path / "untrained"
+    run_script(training_arguments(model_dir, untrained, "--do_eval", "--per_device_eval_batch_size", "16"))
+    initial_loss = json.loads((untrained / "eval_results.json").read_text())["eval_loss"]
+
+    output_dir = tmp_path / "trained"
+    result = run_script(training_arguments(
+        model_dir, output_dir, "--do_train", "--do_eval", "--per_device_train_batch_size", "16",
+        "--per_device_eval_batch_size", "16", "--learning_rate", "3e-3", "--warmup_steps", "5",
+        "--max_steps", "60", "--logging_steps", "20", "--eval_steps", "30", "--save_steps", "30",
+        "--weight_decay", "0.01", "--adam_beta2", "0.98", "--sample_tokens", "8",
+    ))
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "eval_results.json", "train_results.json"):
+        assert (output_dir / name).is_file(), f"{name} was not written"
+    eval_results = json.loads((output_dir / "eval_results.json").read_text())
+    train_results = json.loads((output_dir / "train_results.json").read_text())
+    assert eval_results["eval_loss"] < initial_loss - 1.0
+    assert eval_results["eval_perplexity"] == pytest.approx(np.exp(eval_results["eval_loss"]), rel=1e-6)
+    assert train_results["train_steps"] == 60 and train_results["train_tokens_per_second"] > 0
+    assert "eval perplexity:" in result.stdout and "tensorboard --logdir" in result.stdout
+    assert "sample from" in result.stdout
+
+    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second",
+                "eval/loss", "eval/perplexity"):
+        assert scalars(output_dir, tag), f"no {tag} in TensorBoard"
+    assert [step for step, _ in scalars(output_dir, "eval/loss")] == [30, 60]
+    assert scalars(output_dir, "eval/loss")[-1][1] == pytest.approx(eval_results["eval_loss"], rel=1e-5)
+
+    # The export is an ordinary transformers model directory with the trained weights.
+    tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
+    torch_model = AutoModelForCausalLM.from_pretrained(str(output_dir)).eval()
+    input_ids = tokenizer("The gardener counted to ten", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = torch_model(input_ids).logits.numpy()
+    config = GPT2Config.from_pretrained(str(output_dir))
+    params = run_clm_flax.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), abstract_params(config))
+    np.testing.assert_allclose(flax_logits(config, params, input_ids.numpy()), expected, atol=1e-4, rtol=0)
+
+
+def test_eight_devices_give_the_losses_of_one_device(model_dir, tmp_path):
+    common = ["--do_train", "--max_steps", "4", "--logging_steps", "1", "--learning_rate", "1e-3", "--sample_tokens", "0"]
+    run_script(training_arguments(model_dir, tmp_path / "one", *common, "--per_device_train_batch_size", "8"))
+    eight_devices_env = {**OFFLINE_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = run_script(
+        training_arguments(model_dir, tmp_path / "eight", *common, "--per_device_train_batch_size", "1"),
+        env=eight_devices_env,
+    )
+    assert "8 devices" in result.stderr
+    one = scalars(tmp_path / "one", "train/loss")
+    eight = scalars(tmp_path / "eight", "train/loss")
+    assert [step for step, _ in one] == [1, 2, 3, 4]
+    np.testing.assert_allclose([loss for _, loss in eight], [loss for _, loss in one], rtol=1e-5)
+
+
+def test_continues_training_from_a_pytorch_checkpoint(model_dir, tmp_path):
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "checkpoint"
+    GPT2LMHeadModel(tiny_config()).save_pretrained(str(checkpoint))
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(str(checkpoint))
+    result = run_script([
+        "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(checkpoint), "--do_eval",
+        "--validation_file", os.path.join(CORPUS, "validation.txt"), "--block_size", "32",
+    ])
+    assert f"Loaded weights from {checkpoint}" in result.stderr
+    loss = json.loads((tmp_path / "out" / "eval_results.json").read_text())["eval_loss"]
+    assert loss == pytest.approx(np.log(512), abs=0.3)  # an untrained model is close to uniform
+
+
+def test_bad_input_exits_with_one_clear_line_and_no_traceback(model_dir, tmp_path):
+    result = run_script(training_arguments(model_dir, tmp_path / "out", "--do_train", "--train_file", "missing.txt"), check=False)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: --train_file: missing.txt does not exist or is not a file"
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--train_file", "README.md"], "unsupported extension"),
+        (["--train_file", "no-such-dir/*.txt"], "matches no file"),
+        (["--text_column_name", "body"], "no column 'body'"),
+        (["--block_size", "128"], "exceeds the model's n_positions"),
+        (["--per_device_train_batch_size", "0"], "must be at least 1"),
+        (["--max_steps", "0", "--num_train_epochs", "0"], "no training steps"),
+        (["--per_device_train_batch_size", "100000"], "fewer than one global batch"),
+    ],
+)
+def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, tmp_path, monkeypatch):
+    arguments = training_arguments(model_dir, tmp_path / "out", "--do_train", *arguments)
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *arguments])
+    with pytest.raises(run_clm_flax.UsageError, match=message):
+        run_clm_flax.main()
+
+
+def test_config_of_another_model_type_is_refused(model_dir, tmp_path, monkeypatch):
+    from transformers import RobertaConfig
+
+    config_dir = tmp_path / "roberta"
+    RobertaConfig(vocab_size=512).save_pretrained(str(config_dir))
+    arguments = training_arguments(model_dir, tmp_path / "out", "--do_train", "--config_name", str(config_dir))
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *arguments])
+    with pytest.raises(run_clm_flax.UsageError, match="model type 'roberta'"):
+        run_clm_flax.main()
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(model_dir, tmp_path, monkeypatch):
+    config_dir = tmp_path / "small-vocab"
+    tiny_config(vocab_size=100).save_pretrained(str(config_dir))
+    arguments = training_arguments(model_dir, tmp_path / "out", "--do_train", "--config_name", str(config_dir))
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *arguments])
+    with pytest.raises(run_clm_flax.UsageError, match="the tokenizer has 512 tokens but the config's vocab_size is 100"):
+        run_clm_flax.main()
+
+
+def test_refuses_to_train_into_a_directory_with_files(model_dir, tmp_path):
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    (output_dir / "notes.txt").write_text("keep me")
+    result = run_script(training_arguments(model_dir, output_dir, "--do_train"), check=False)
+    assert result.returncode == 2 and "--overwrite_output_dir" in result.stderr
+    assert (output_dir / "notes.txt").read_text() == "keep me"
+    assert os.listdir(output_dir) == ["notes.txt"]
