@@ -1,0 +1,289 @@
+"""The Flax RoBERTa of run_mlm_flax.py against transformers' PyTorch RobertaForMaskedLM, plus masking and loss."""
+
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import run_mlm_flax  # noqa: E402
+
+VOCAB_SIZE = 101
+PAD, BOS, EOS, MASK = 1, 0, 2, 100
+
+
+def tiny_config(**overrides):
+    settings = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, max_position_embeddings=40, pad_token_id=PAD, bos_token_id=BOS,
+                    eos_token_id=EOS, type_vocab_size=2)
+    settings.update(overrides)
+    return transformers.RobertaConfig(**settings)
+
+
+def example_batch(padded):
+    """(input_ids, attention_mask), int32 (3, 12); with padded=True two rows are right-padded."""
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(3, VOCAB_SIZE, (3, 12)).astype(np.int32)
+    input_ids[:, 0] = BOS
+    lengths = [12, 7, 4] if padded else [12, 12, 12]
+    attention_mask = np.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        input_ids[row, length - 1] = EOS
+        input_ids[row, length:] = PAD
+        attention_mask[row, :length] = 1
+    return input_ids, attention_mask
+
+
+def torch_logits(torch_model, input_ids, attention_mask):
+    with torch.no_grad():
+        output = torch_model(input_ids=torch.from_numpy(input_ids).long(),
+                             attention_mask=torch.from_numpy(attention_mask).long())
+    return output.logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def tiny_flax():
+    """(model, unboxed params, jitted model.apply); jitted because eager Flax is slow on a small CPU."""
+    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config())
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))
+    return model, nn.meta.unbox(variables)["params"], jax.jit(model.apply, static_argnames="deterministic")
+
+
+def perturbed(params, scale=0.1):
+    """params plus noise, so that zero biases and unit LayerNorm scales also test the mapping."""
+    rng = np.random.default_rng(1)
+    return jax.tree_util.tree_map(lambda leaf: leaf + scale * rng.standard_normal(leaf.shape, np.float32), params)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_logits_match_pytorch_after_loading_a_pytorch_state_dict(tiny_flax, padded):
+    _, _, apply = tiny_flax
+    config = tiny_config()
+    torch.manual_seed(0)
+    torch_model = transformers.RobertaForMaskedLM(config).eval()
+    with torch.no_grad():  # biases and LayerNorms start at 0/1; make them random so a wrong mapping shows
+        for name, tensor in torch_model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name:
+                tensor.add_(torch.randn_like(tensor) * 0.1)
+    state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
+    params = run_mlm_flax.from_hf_state_dict(state_dict, config)
+
+    input_ids, attention_mask = example_batch(padded)
+    flax_logits = apply({"params": params}, input_ids, attention_mask)
+    assert flax_logits.shape == (3, 12, VOCAB_SIZE)
+    np.testing.assert_allclose(flax_logits, torch_logits(torch_model, input_ids, attention_mask), atol=1e-4)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(tiny_flax, tmp_path, padded):
+    _, params, apply = tiny_flax
+    params = perturbed(params)
+    config = tiny_config()
+    save_file(run_mlm_flax.to_hf_state_dict(params, config), str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    config.save_pretrained(tmp_path)
+    torch_model, loading_info = transformers.AutoModelForMaskedLM.from_pretrained(
+        tmp_path, output_loading_info=True)
+    assert type(torch_model) is transformers.RobertaForMaskedLM
+    assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"]
+    assert not loading_info["mismatched_keys"]
+
+    input_ids, attention_mask = example_batch(padded)
+    flax_logits = apply({"params": params}, input_ids, attention_mask)
+    np.testing.assert_allclose(flax_logits, torch_logits(torch_model.eval(), input_ids, attention_mask),
+                               atol=1e-4)
+
+
+def test_export_has_exactly_the_tensors_save_pretrained_writes(tiny_flax):
+    _, params, _ = tiny_flax
+    config = tiny_config()
+    state_dict = run_mlm_flax.to_hf_state_dict(params, config)
+    torch_state_dict = transformers.RobertaForMaskedLM(config).state_dict()
+    tied = {"lm_head.decoder.weight", "lm_head.decoder.bias"}
+    assert set(state_dict) == set(torch_state_dict) - tied
+    for name, array in state_dict.items():
+        assert array.dtype == np.float32 and array.flags["C_CONTIGUOUS"]
+        assert array.shape == tuple(torch_state_dict[name].shape), name
+
+
+def test_conversion_round_trip_is_exact(tiny_flax):
+    _, params, _ = tiny_flax
+    config = tiny_config()
+    loaded = run_mlm_flax.from_hf_state_dict(run_mlm_flax.to_hf_state_dict(params, config), config)
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(params)
+    for original, reloaded in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(loaded)):
+        np.testing.assert_array_equal(original, reloaded)
+
+
+def test_init_follows_huggingface(tiny_flax):
+    _, params, _ = tiny_flax
+    embeddings = params["roberta"]["embeddings"]
+    np.testing.assert_array_equal(embeddings["word_embeddings"]["embedding"][PAD], 0)
+    np.testing.assert_array_equal(embeddings["position_embeddings"]["embedding"][PAD], 0)
+    query_kernel = params["roberta"]["encoder"]["layer_0"]["attention"]["self"]["query"]["kernel"]
+    assert abs(float(jnp.std(query_kernel)) - tiny_config().initializer_range) < 0.003
+    np.testing.assert_array_equal(params["roberta"]["encoder"]["layer_0"]["intermediate"]["dense"]["bias"], 0)
+    np.testing.assert_array_equal(params["lm_head"]["bias"], 0)
+    np.testing.assert_array_equal(params["lm_head"]["layer_norm"]["scale"], 1)
+
+
+def test_params_carry_logical_axis_names():
+    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config())
+    variables = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.int32))
+    names = jax.tree_util.tree_map(tuple, nn.get_partition_spec(variables)["params"])
+    assert names["roberta"]["embeddings"]["word_embeddings"]["embedding"] == ("vocab", "embed")
+    layer = names["roberta"]["encoder"]["layer_1"]
+    assert layer["attention"]["self"]["key"]["kernel"] == ("embed", "heads")
+    assert layer["output"]["dense"]["kernel"] == ("mlp", "embed")
+    assert names["lm_head"]["bias"] == ("vocab",)
+
+
+def test_dropout_is_active_only_when_not_deterministic(tiny_flax):
+    _, params, apply = tiny_flax
+    input_ids, attention_mask = example_batch(padded=True)
+
+    def run(deterministic, seed):
+        return apply({"params": params}, input_ids, attention_mask, deterministic=deterministic,
+                     rngs={"dropout": jax.random.key(seed)})
+
+    np.testing.assert_array_equal(run(True, 1), run(True, 2))
+    np.testing.assert_array_equal(run(True, 1), apply({"params": params}, input_ids, attention_mask))
+    assert not np.allclose(run(False, 1), run(False, 2))
+    np.testing.assert_array_equal(run(False, 1), run(False, 1))
+
+
+def test_attention_dropout_alone_changes_the_output(tiny_flax):
+    _, params, _ = tiny_flax
+    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.1))
+    apply = jax.jit(model.apply, static_argnames="deterministic")
+    input_ids, attention_mask = example_batch(padded=True)
+
+    def run(seed):
+        return apply({"params": params}, input_ids, attention_mask, deterministic=False,
+                     rngs={"dropout": jax.random.key(seed)})
+
+    assert not np.allclose(run(1), run(2))
+
+
+def test_explicit_attention_equals_library_attention_without_dropout():
+    q, k, v = np.random.default_rng(0).standard_normal((3, 2, 7, 4, 8), np.float32)  # (batch, seq, heads, dim)
+    mask = np.array([[1] * 7, [1] * 5 + [0] * 2], bool)[:, None, None, :]
+    explicit = jax.jit(run_mlm_flax.attention_with_dropout, static_argnums=4)(q, k, v, mask, lambda probs: probs)
+    library = jax.jit(jax.nn.dot_product_attention)(q, k, v, mask=mask)
+    np.testing.assert_allclose(explicit, library, atol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits(tiny_flax):
+    _, params, apply_fp32 = tiny_flax
+    params = perturbed(params)  # logits of a few units rather than hundredths, so the tolerance means something
+    model_bf16 = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(), dtype=jnp.bfloat16)
+    shapes = jax.eval_shape(model_bf16.init, jax.random.key(0), jnp.ones((1, 4), jnp.int32))
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(shapes))
+
+    input_ids, attention_mask = example_batch(padded=True)
+    logits_bf16 = jax.jit(model_bf16.apply)({"params": params}, input_ids, attention_mask)
+    logits_fp32 = apply_fp32({"params": params}, input_ids, attention_mask)
+    assert logits_bf16.dtype == jnp.float32
+    error = float(jnp.abs(logits_bf16 - logits_fp32).max())
+    assert 0 < error < 0.03 * float(jnp.abs(logits_fp32).max())  # bfloat16 was used, and stayed accurate
+
+
+def test_wrong_shaped_checkpoint_is_a_usage_error_naming_the_tensor(tiny_flax):
+    _, params, _ = tiny_flax
+    config = tiny_config()
+    state_dict = run_mlm_flax.to_hf_state_dict(params, config)
+    state_dict["roberta.embeddings.word_embeddings.weight"] = np.zeros((120, 64), np.float32)
+    with pytest.raises(run_mlm_flax.UsageError, match=r"roberta\.embeddings\.word_embeddings\.weight has shape "
+                                                      r"\(120, 64\) but the config needs \(101, 64\)"):
+        run_mlm_flax.from_hf_state_dict(state_dict, config)
+
+
+def test_checkpoint_with_missing_or_extra_tensors_is_a_usage_error(tiny_flax):
+    _, params, _ = tiny_flax
+    config = tiny_config()
+    state_dict = run_mlm_flax.to_hf_state_dict(params, config)
+    state_dict["roberta.pooler.dense.weight"] = np.zeros((64, 64), np.float32)  # ignored, as in HF
+    state_dict["lm_head.decoder.weight"] = state_dict["roberta.embeddings.word_embeddings.weight"]  # tied
+    run_mlm_flax.from_hf_state_dict(state_dict, config)
+
+    extra_layer = dict(state_dict, **{"roberta.encoder.layer.2.output.dense.bias": np.zeros(64, np.float32)})
+    with pytest.raises(run_mlm_flax.UsageError, match=r"layer\.2\.output\.dense\.bias is not part of"):
+        run_mlm_flax.from_hf_state_dict(extra_layer, config)
+    del state_dict["lm_head.dense.weight"]
+    with pytest.raises(run_mlm_flax.UsageError, match=r"no tensor lm_head\.dense\.weight"):
+        run_mlm_flax.from_hf_state_dict(state_dict, config)
+
+
+def test_unsupported_config_is_a_usage_error():
+    dummy_ids = jnp.ones((1, 4), jnp.int32)
+    with pytest.raises(run_mlm_flax.UsageError, match="is_decoder"):
+        run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(is_decoder=True)).init(jax.random.key(0), dummy_ids)
+    with pytest.raises(run_mlm_flax.UsageError, match="position_embedding_type"):
+        run_mlm_flax.check_model_config(tiny_config(position_embedding_type="relative_key"))
+
+
+def make_masking_inputs():
+    rng = np.random.default_rng(123)
+    input_ids = rng.integers(3, MASK, (400, 500)).astype(np.int32)  # 200k positions, no special ids
+    special_tokens_mask = np.zeros(input_ids.shape, bool)
+    special_tokens_mask[:, 0] = special_tokens_mask[:, -1] = True  # <s> and </s>
+    special_tokens_mask[::2, 400:] = True  # padding on every other row
+    return input_ids, special_tokens_mask
+
+
+def test_mask_tokens_chooses_mlm_probability_and_splits_80_10_10():
+    input_ids, special_tokens_mask = make_masking_inputs()
+    masked, labels, weights = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
+                                                       np.random.default_rng(0))
+    chosen = weights == 1.0
+    np.testing.assert_array_equal(labels, input_ids)
+    assert weights.dtype == np.float32 and set(np.unique(weights)) <= {0.0, 1.0}
+    assert not chosen[special_tokens_mask].any()
+    assert abs(chosen.sum() / (~special_tokens_mask).sum() - 0.15) < 0.01
+    np.testing.assert_array_equal(masked[~chosen], input_ids[~chosen])
+
+    to_mask = masked[chosen] == MASK
+    unchanged = masked[chosen] == input_ids[chosen]
+    randomized = ~to_mask & ~unchanged
+    assert abs(to_mask.mean() - 0.8) < 0.02
+    # A random replacement can draw the original id (1 time in VOCAB_SIZE); that counts as unchanged.
+    assert abs(unchanged.mean() - (0.1 + 0.1 / VOCAB_SIZE)) < 0.02
+    assert abs(randomized.mean() - 0.1 * (1 - 1 / VOCAB_SIZE)) < 0.02
+    assert masked.dtype == input_ids.dtype and masked.min() >= 0 and masked.max() < VOCAB_SIZE
+
+
+def test_mask_tokens_is_reproducible_from_the_seed():
+    input_ids, special_tokens_mask = make_masking_inputs()
+
+    def mask(seed):
+        return run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
+                                        np.random.default_rng(seed))
+
+    for first, second in zip(mask(7), mask(7)):
+        np.testing.assert_array_equal(first, second)
+    assert not np.array_equal(mask(7)[0], mask(8)[0])
+
+
+def test_masked_lm_loss_sums_equal_torch_cross_entropy_over_chosen_positions():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 9, VOCAB_SIZE)).astype(np.float32) * 3
+    labels = rng.integers(0, VOCAB_SIZE, (4, 9))
+    labels[0, :3] = logits[0, :3].argmax(-1)  # a few correct predictions
+    weights = (rng.random((4, 9)) < 0.3).astype(np.float32)
+    weights[0, :3] = 1.0
+
+    loss_sum, correct_sum, weight_sum = run_mlm_flax.masked_lm_loss_sums(jnp.asarray(logits), labels, weights)
+    chosen = weights == 1.0
+    reference = torch.nn.functional.cross_entropy(torch.from_numpy(logits[chosen]), torch.from_numpy(labels[chosen]),
+                                                  reduction="sum")
+    assert loss_sum.dtype == correct_sum.dtype == weight_sum.dtype == jnp.float32
+    np.testing.assert_allclose(loss_sum, reference.item(), rtol=1e-5)
+    assert weight_sum == chosen.sum()
+    assert correct_sum == (logits.argmax(-1) == labels)[chosen].sum()
