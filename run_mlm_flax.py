@@ -26,7 +26,8 @@ class UsageError(Exception):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Model
+# Model: RoBERTa in Flax, parameter names one-to-one with the Hugging Face checkpoint
+# ----------------------------------------------------------------------------------------------------
 
 # Copied from run_clm_flax.ACTIVATIONS
 ACTIVATIONS = {
@@ -266,6 +267,7 @@ class FlaxRobertaForMaskedLM(RobertaModule):
 
 # ----------------------------------------------------------------------------------------------------
 # Checkpoint conversion to and from the PyTorch layout of transformers
+# ----------------------------------------------------------------------------------------------------
 
 # Tensors a RobertaForMaskedLM checkpoint may hold that this model does not need: the decoder weight and
 # bias are tied to the word embeddings and lm_head.bias (save_pretrained leaves them out), the pooler
@@ -349,6 +351,8 @@ def from_hf_state_dict(state_dict, config):
 
 # ----------------------------------------------------------------------------------------------------
 # Masking (on the host, per batch)
+# ----------------------------------------------------------------------------------------------------
+
 
 def mask_tokens(input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, rng):
     """Choose positions to predict and corrupt them the BERT way.
@@ -371,6 +375,8 @@ def mask_tokens(input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_p
 
 # ----------------------------------------------------------------------------------------------------
 # Loss
+# ----------------------------------------------------------------------------------------------------
+
 
 def masked_lm_loss_sums(logits, labels, label_weights):
     """Sum of cross-entropy, number of correct predictions and number of counted positions.
