@@ -514,14 +514,25 @@ class CausalSelfAttention(nn.Module):
             scale /= self.layer_index + 1
 
         if deterministic or config.attn_pdrop == 0:
-            # Fused attention where the backend has a kernel for it (cuDNN flash attention on GPUs).
-            y = jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=True)
+            y = jax.nn.dot_product_attention(
+                query, key, value, scale=scale, is_causal=True, implementation=attention_implementation(query.dtype)
+            )
         else:
             # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
             y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop), deterministic)
         y = y.reshape(batch, length, width)
         y = dense(width, ("heads", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(y)
         return nn.Dropout(config.resid_pdrop)(y, deterministic)
+
+
+def attention_implementation(dtype) -> Optional[str]:
+    """cuDNN's fused (flash) attention on NVIDIA GPUs in half precision, XLA's attention elsewhere.
+
+    jax.nn.dot_product_attention does not choose cuDNN by itself, and cuDNN has no float32 kernel.
+    """
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return None
 
 
 def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, deterministic: bool):

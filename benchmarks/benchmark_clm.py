@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Throughput of run_clm_flax.py: training tokens/s and model-FLOPs utilisation, and preprocessing tokens/s.
+
+Training: the script's own train step (the Flax GPT-2, AdamW, gradient clipping, dropout) on random
+tokens already on the devices, so the number is the step's speed, not the disk's. Model-FLOPs
+utilisation (MFU) divides the model's FLOPs (6 x parameters + attention, per token, as in the PaLM
+paper's appendix B; position embeddings excluded) by a matmul peak measured in the same run on the same
+devices and dtype, so the ratio says how close the step comes to what this machine's matmuls reach.
+
+Preprocessing: the script's tokenize_and_pack (tokenize, join with EOS, pack into blocks, write the
+cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run.
+
+    python benchmarks/benchmark_clm.py                  # the CPU target: 4 layers x 256, vocab 8192
+    python benchmarks/benchmark_clm.py --preset gpt2    # GPT-2 124M, sequence 1024, bfloat16 (for a GPU)
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import run_clm_flax  # noqa: E402
+
+PRESETS = {
+    # The CPU target: small enough for a 2-core laptop, big enough for matmuls to dominate.
+    "cpu-small": dict(layers=4, width=256, heads=4, vocab_size=8192, block_size=128, batch_size=16, dtype="float32"),
+    # GPT-2 124M as published (12 layers, 768 wide, 12 heads, 50257 tokens padded to a multiple of 64).
+    "gpt2": dict(layers=12, width=768, heads=12, vocab_size=50304, block_size=1024, batch_size=32, dtype="bfloat16"),
+}
+
+
+def parse_arguments():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=PRESETS, default="cpu-small")
+    for name in ("layers", "width", "heads", "vocab_size", "block_size", "batch_size"):
+        parser.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset's compute dtype")
+    parser.add_argument("--steps", type=int, default=20, help="timed training steps")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (GPT-2 uses 0.1)")
+    parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
+    parser.add_argument("--skip_preprocessing", action="store_true")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    arguments = parser.parse_args()
+    settings = dict(PRESETS[arguments.preset])
+    for name in settings:
+        if getattr(arguments, name) is not None:
+            settings[name] = getattr(arguments, name)
+    return arguments, settings
+
+
+def time_calls(function, *arguments, repeats: int):
+    jax.block_until_ready(function(*arguments))  # compile and warm up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        result = function(*arguments)
+    jax.block_until_ready(result)
+    return (time.perf_counter() - start) / repeats
+
+
+def matmul_peak_flops(dtype) -> float:
+    """The best FLOP/s of square matmuls on all devices at once (each device multiplies its own pair)."""
+    mesh = run_clm_flax.create_mesh()
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    on_gpu = jax.devices()[0].platform == "gpu"
+    best = 0.0
+    for size in (4096, 8192) if on_gpu else (512, 1024, 2048):
+        shape = (jax.device_count(), size, size)
+        a = jax.device_put(jnp.ones(shape, dtype), sharding)
+        b = jax.device_put(jnp.ones(shape, dtype), sharding)
+        matmul = jax.jit(lambda a, b: jnp.einsum("dij,djk->dik", a, b, preferred_element_type=dtype))
+        seconds = time_calls(matmul, a, b, repeats=10 if on_gpu else 3)
+        best = max(best, 2 * size**3 * jax.device_count() / seconds)
+    return best
+
+
+def benchmark_training(settings, arguments) -> dict:
+    config = run_clm_flax.GPT2Config(
+        vocab_size=settings["vocab_size"], n_positions=settings["block_size"], n_embd=settings["width"],
+        n_layer=settings["layers"], n_head=settings["heads"], resid_pdrop=arguments.dropout,
+        embd_pdrop=arguments.dropout, attn_pdrop=arguments.dropout,
+    )
+    dtype = jnp.dtype(settings["dtype"])
+    model = run_clm_flax.FlaxGPT2LMHeadModel(config, dtype=dtype)
+    training_arguments = run_clm_flax.TrainingArguments(output_dir="unused", learning_rate=3e-4, weight_decay=0.1)
+    schedule = run_clm_flax.learning_rate_schedule(training_arguments, total_steps=10_000)
+    optimizer = run_clm_flax.create_optimizer(training_arguments, schedule)
+    mesh = run_clm_flax.create_mesh()
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
+    state, state_shardings, _ = run_clm_flax.create_train_state(model, optimizer, mesh, 0, dummy_input)
+    train_step = jax.jit(
+        run_clm_flax.make_train_step(model, optimizer, schedule, 0),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+    tokens = np.random.default_rng(0).integers(
+        0, config.vocab_size, size=(settings["batch_size"], settings["block_size"]), dtype=np.int32
+    )
+    batch = {"input_ids": jax.device_put(tokens, batch_sharding)}
+
+    compile_start = time.perf_counter()
+    state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    compile_seconds = time.perf_counter() - compile_start
+    for _ in range(2):
+        state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(arguments.steps):
+        state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    step_seconds = (time.perf_counter() - start) / arguments.steps
+
+    parameters = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
+    matmul_parameters = parameters - config.n_positions * config.n_embd
+    attention_flops = 12 * config.n_layer * config.n_embd * settings["block_size"]
+    flops_per_token = 6 * matmul_parameters + attention_flops
+    tokens_per_second = settings["batch_size"] * settings["block_size"] / step_seconds
+    peak = matmul_peak_flops(dtype)
+    return {
+        "parameters": parameters,
+        "step_seconds": step_seconds,
+        "compile_seconds": compile_seconds,
+        "train_tokens_per_second": tokens_per_second,
+        "model_tflops_per_second": tokens_per_second * flops_per_token / 1e12,
+        "matmul_peak_tflops_per_second": peak / 1e12,
+        "mfu": tokens_per_second * flops_per_token / peak,
+        "final_loss": float(metrics["loss_sum"] / metrics["token_count"]),
+    }
+
+
+def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
+    """Raw tokenizer batch encoding vs the script's whole tokenize + pack + cache, on the same texts."""
+    import datasets
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+    texts, size = [], 0
+    for path in sources:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            texts.append(file.read())
+        size += len(texts[-1].encode())
+        if size >= arguments.corpus_megabytes * 1e6:
+            break
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts[:200], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+    with tempfile.TemporaryDirectory() as directory:
+        data_file = os.path.join(directory, "texts.jsonl")
+        with open(data_file, "w") as file:
+            for text in texts:
+                file.write(json.dumps({"text": text}) + "\n")
+        dataset = datasets.load_dataset("json", data_files=data_file, cache_dir=directory, split="train")
+
+        # The same batches of 1000 texts as the pipeline; one EOS per text joins them.
+        start = time.perf_counter()
+        num_tokens = len(texts)
+        for index in range(0, len(texts), 1000):
+            encodings = backend.encode_batch(texts[index : index + 1000], add_special_tokens=False)
+            num_tokens += sum(len(encoding.ids) for encoding in encodings)
+        raw_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        blocks = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 128, None, True, "benchmark")
+        pipeline_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 128, None, False, "benchmark")
+        cached_seconds = time.perf_counter() - start
+    return {
+        "corpus_megabytes": size / 1e6,
+        "tokens": num_tokens,
+        "raw_tokenizer_tokens_per_second": num_tokens / raw_seconds,
+        "pipeline_tokens_per_second": num_tokens / pipeline_seconds,
+        "pipeline_fraction_of_raw": raw_seconds / pipeline_seconds,
+        "cached_load_seconds": cached_seconds,
+        "blocks": int(len(blocks)),
+    }
+
+
+def main():
+    arguments, settings = parse_arguments()
+    import datasets
+
+    datasets.disable_progress_bars()
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; settings: {settings}")
+    results = {"settings": settings, "devices": [str(device) for device in jax.devices()]}
+    results["training"] = benchmark_training(settings, arguments)
+    training = results["training"]
+    print(
+        f"training: {training['train_tokens_per_second']:,.0f} tokens/s, {training['step_seconds'] * 1000:.1f} ms/step, "
+        f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
+        f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
+        f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
+    )
+    if not arguments.skip_preprocessing:
+        results["preprocessing"] = benchmark_preprocessing(arguments, min(settings["vocab_size"], 8192))
+        preprocessing = results["preprocessing"]
+        print(
+            f"preprocessing: {preprocessing['pipeline_tokens_per_second']:,.0f} tokens/s for tokenize + pack + cache, "
+            f"{preprocessing['pipeline_fraction_of_raw']:.0%} of the raw tokenizer's "
+            f"{preprocessing['raw_tokenizer_tokens_per_second']:,.0f} tokens/s "
+            f"({preprocessing['corpus_megabytes']:.1f} MB, {preprocessing['tokens']:,} tokens); "
+            f"a cached rerun loads in {preprocessing['cached_load_seconds']:.2f} s"
+        )
+    if arguments.json:
+        with open(arguments.json, "w") as file:
+            json.dump(results, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
