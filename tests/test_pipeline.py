@@ -1,0 +1,32 @@
+"""The quickstart in miniature: tokenizer, config and GPT-2 training chained through the command-line tools."""
+
+import json
+import shutil
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+from conftest import FIXTURES_DIR
+
+
+def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, gpt2_tokenizer_dir, tmp_path):
+    model_dir = shutil.copytree(gpt2_tokenizer_dir, tmp_path / "gpt2-tiny")
+    result = run_tool("create_config.py", "--preset", "gpt2-tiny", "--tokenizer_dir", model_dir)
+    assert result.returncode == 0, result.stderr
+
+    output_dir = tmp_path / "trained"
+    result = run_tool(
+        "run_clm_flax.py",
+        "--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--train_file", FIXTURES_DIR / "en" / "train.txt", "--do_train", "--do_eval",
+        "--block_size", 64, "--per_device_train_batch_size", 8, "--max_steps", 20, "--logging_steps", 10,
+        "--learning_rate", 3e-3, "--sample_tokens", 5,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((output_dir / "eval_results.json").read_text())["eval_loss"] < 6.5  # ln(1000) = 6.9
+
+    generator = pipeline(
+        "text-generation", model=AutoModelForCausalLM.from_pretrained(output_dir),
+        tokenizer=AutoTokenizer.from_pretrained(output_dir),
+    )
+    text = generator("The gardener", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("The gardener") and len(text) > len("The gardener")
