@@ -1,15 +1,47 @@
 #!/usr/bin/env python3
-"""Pretrain a RoBERTa masked language model with JAX/Flax, from scratch or from an existing checkpoint.
-The model is a Flax (linen) RoBERTa whose parameters map one-to-one onto the PyTorch `RobertaForMaskedLM`
-of `transformers`, so the `model.safetensors` this script writes loads with
-`AutoModelForMaskedLM.from_pretrained` and a RoBERTa checkpoint from the Hugging Face Hub can be loaded
-here to continue pretraining. Inputs are masked on the host with numpy: of the chosen tokens, 80% become
-the mask token, 10% a random token and 10% stay as they are.
+"""Pretrain a RoBERTa masked language model with JAX/Flax.
+
+Trains from scratch (a config and a tokenizer, for example from create_config.py --preset roberta-tiny and
+train_tokenizer.py --model_type roberta) or continues from a Hugging Face RoBERTa checkpoint, on text from
+local files (txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
+
+Two ways to make examples:
+- grouped (the default): texts are tokenized, joined with the separator </s> and cut into blocks, each
+  framed as `<s> ... </s>`, of exactly --max_seq_length tokens;
+- --line_by_line: every non-empty line (or text) is one example, framed the same way and truncated to
+  --max_seq_length; batches are padded and carry an attention mask.
+
+Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special
+token or padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random
+token and 10% stay as they are. The loss and the accuracy count the chosen tokens only. Each global batch is
+split over every device of every process with `jax.jit` over a device mesh.
+
+The model is a Flax RoBERTa whose parameters map one-to-one onto the PyTorch `RobertaForMaskedLM` of
+`transformers`: the output directory is an ordinary Hugging Face model directory (config.json,
+model.safetensors, tokenizer files) that `AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch.
+
+    ./run_mlm_flax.py --output_dir roberta-run --config_name my-model --tokenizer_name my-model \
+        --train_file "data/*.txt" --do_train --do_eval --max_seq_length 128
+
+A single .json file holding the arguments works too: `./run_mlm_flax.py args.json`.
 """
 
+import glob
+import hashlib
+import json
 import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
 from functools import partial
+from typing import Any, Iterator, Optional, Union
 
+import datasets
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,12 +49,618 @@ import numpy as np
 import optax
 import transformers
 from flax import traverse_util
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors.numpy import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 logger = logging.getLogger(__name__)
 
 
+# Copied from run_clm_flax.UsageError
 class UsageError(Exception):
     """A mistake in the user's arguments or files; reported as one line, without a traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "A RoBERTa masked-LM checkpoint to continue training from: a local directory holding config.json "
+            "and model.safetensors, or a hub name. Leave unset to train from scratch."
+        },
+    )
+    model_type: str = field(
+        default="roberta",
+        metadata={"help": "Model type when training from scratch without --config_name. Only roberta is supported."},
+    )
+    config_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Config directory or hub name, if not the same as --model_name_or_path."},
+    )
+    tokenizer_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer directory or hub name, if not the same as --model_name_or_path."},
+    )
+    cache_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."},
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Computation dtype: float32, bfloat16 or float16. Parameters and optimizer state stay float32; "
+            "logits and the loss are always computed in float32.",
+            "choices": ["float32", "bfloat16", "float16"],
+        },
+    )
+    token: Optional[str] = field(
+        default=None,
+        metadata={"help": "Hugging Face hub token for private models or datasets. Never logged or saved."},
+    )
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "A `datasets` hub name, or a local directory: one written by Dataset.save_to_disk, or one "
+            "holding data files."
+        },
+    )
+    dataset_config_name: Optional[str] = field(
+        default=None, metadata={"help": "The configuration of the dataset given by --dataset_name."}
+    )
+    train_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."},
+    )
+    validation_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "Evaluation text, in the same formats as --train_file."},
+    )
+    text_column_name: str = field(
+        default="text", metadata={"help": "The column holding the text (txt files always give 'text')."}
+    )
+    max_train_samples: Optional[int] = field(
+        default=None,
+        metadata={"help": "Keep only this many training examples (blocks, or lines with --line_by_line)."},
+    )
+    max_eval_samples: Optional[int] = field(
+        default=None, metadata={"help": "Keep only this many evaluation examples."}
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Tokenize again even if a cached result exists."}
+    )
+    validation_split_percentage: int = field(
+        default=5,
+        metadata={"help": "Percentage of the training texts held out for evaluation when there is no validation split."},
+    )
+    max_seq_length: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Tokens per example, <s> and </s> included. Defaults to the smaller of the tokenizer's "
+            "model_max_length and the positions the model has (max_position_embeddings - pad_token_id - 1)."
+        },
+    )
+    mlm_probability: float = field(
+        default=0.15, metadata={"help": "Fraction of the tokens chosen for the model to predict."}
+    )
+    line_by_line: bool = field(
+        default=False,
+        metadata={
+            "help": "Make every non-empty line (or text) one example, truncated to --max_seq_length, instead of "
+            "joining the texts and cutting them into full blocks."
+        },
+    )
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={
+            "help": "With --line_by_line, pad every batch to --max_seq_length. Otherwise a batch is padded to the "
+            "next power of two (at least 16) above its longest example, so jit compiles only a few shapes."
+        },
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "Processes used to tokenize the texts."}
+    )
+    keep_linebreaks: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the line breaks at the end of each line of .txt files (with --line_by_line they are "
+            "always removed, since every line is an example of its own)."
+        },
+    )
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = field(
+        metadata={"help": "Where the model, its tokenizer, the results and the TensorBoard logs are written."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow training into an output directory that already holds files."}
+    )
+    do_train: bool = field(
+        default=False,
+        metadata={"help": "Train the model. With neither --do_train nor --do_eval, the script does both."},
+    )
+    do_eval: bool = field(default=False, metadata={"help": "Evaluate on the validation set."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Sequences per device per step; the global batch is this times the device count."}
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW weight decay; biases and LayerNorm parameters are never decayed."}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
+    max_steps: int = field(
+        default=-1, metadata={"help": "Number of optimizer steps; when positive it overrides --num_train_epochs."}
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "Steps of linear warm-up from 0 to the learning rate."})
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Warm-up as a fraction of all steps; used when --warmup_steps is 0."}
+    )
+    lr_scheduler_type: str = field(
+        default="linear",
+        metadata={"help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
+                  "choices": ["linear", "cosine", "constant"]},
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
+    )
+    logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
+    save_steps: int = field(default=500, metadata={"help": "Save the model every this many steps."})
+    eval_steps: Optional[int] = field(
+        default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order, masking and dropout."})
+    fill_mask_text: str = field(
+        default="",
+        metadata={
+            "help": "Text with one <mask> (the tokenizer's mask token) for the fill-mask demo run on the saved model "
+            "at the end of training. Default: the start of the first validation text, its middle word masked."
+        },
+    )
+    fill_mask_top_k: int = field(
+        default=5, metadata={"help": "Predictions shown by the fill-mask demo; 0 for no demo."}
+    )
+
+
+def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments]:
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        json_path = os.path.abspath(sys.argv[1])
+        if not os.path.isfile(json_path):
+            raise UsageError(f"arguments file {sys.argv[1]} does not exist")
+        try:
+            return parser.parse_json_file(json_file=json_path)
+        except (ValueError, json.JSONDecodeError) as error:
+            raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
+    *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        if any(argument.split("=")[0] in ("--push_to_hub", "--push-to-hub") for argument in unknown):
+            raise UsageError("--push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`")
+        raise UsageError(f"unknown argument {unknown[0]}; see --help for the arguments this script takes")
+    return tuple(arguments)
+
+
+def check_arguments(model_args, data_args, training_args):
+    if model_args.model_type != "roberta":
+        raise UsageError(
+            f"--model_type {model_args.model_type} is not supported; this script trains roberta "
+            "(run_clm_flax.py trains gpt2)"
+        )
+    if training_args.per_device_train_batch_size < 1 or training_args.per_device_eval_batch_size < 1:
+        raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
+    if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
+    for name in ("logging_steps", "save_steps"):
+        if getattr(training_args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1")
+    if training_args.eval_steps is not None and training_args.eval_steps < 1:
+        raise UsageError("--eval_steps must be at least 1")
+    if not 0 <= training_args.warmup_ratio < 1:
+        raise UsageError("--warmup_ratio must be in [0, 1)")
+    if training_args.fill_mask_top_k < 0:
+        raise UsageError("--fill_mask_top_k must be 0 (no demo) or more")
+    if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
+        raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
+    if training_args.do_train and data_args.dataset_name is None and data_args.train_file is None:
+        raise UsageError("--do_train needs --train_file or --dataset_name")
+    if not 0 < data_args.validation_split_percentage < 100:
+        raise UsageError("--validation_split_percentage must be between 1 and 99")
+    if data_args.max_seq_length is not None and data_args.max_seq_length < 3:
+        raise UsageError("--max_seq_length must be at least 3: <s>, one token and </s>")
+    if not 0 < data_args.mlm_probability < 1:
+        raise UsageError(f"--mlm_probability {data_args.mlm_probability} must be between 0 and 1, such as 0.15")
+    output_dir = training_args.output_dir
+    if os.path.isfile(output_dir):
+        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
+    if (
+        training_args.do_train
+        and os.path.isdir(output_dir)
+        and os.listdir(output_dir)
+        and not training_args.overwrite_output_dir
+    ):
+        raise UsageError(
+            f"--output_dir {output_dir} already holds files; pass --overwrite_output_dir to train into it anyway"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: load texts, tokenize into blocks or lines, batch and mask
+# ----------------------------------------------------------------------------------------------------
+
+# Copied from run_clm_flax.DATA_FILE_BUILDERS
+DATA_FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+
+# Copied from run_clm_flax.resolve_data_files
+def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
+    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    if not files:
+        raise UsageError(f"--{flag} {pattern} matches no file")
+    builders = set()
+    for path in files:
+        if not os.path.isfile(path):
+            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--{flag}: {path} is not readable")
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in DATA_FILE_BUILDERS:
+            supported = ", ".join(DATA_FILE_BUILDERS)
+            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
+        builders.add(DATA_FILE_BUILDERS[extension])
+    if len(builders) > 1:
+        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
+    return builders.pop(), files
+
+
+# Copied from run_clm_flax.load_raw_datasets
+def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
+    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+    try:
+        if data_args.dataset_name is not None:
+            name = data_args.dataset_name
+            if os.path.isdir(name) and any(
+                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
+            ):
+                raw = datasets.load_from_disk(name)
+            else:
+                raw = datasets.load_dataset(
+                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token
+                )
+            if isinstance(raw, datasets.Dataset):
+                raw = datasets.DatasetDict({"train": raw})
+        else:
+            data_files, builder = {}, None
+            for split, flag in (("train", "train_file"), ("validation", "validation_file")):
+                pattern = getattr(data_args, flag)
+                if pattern is not None:
+                    builder, data_files[split] = resolve_data_files(pattern, flag)
+            options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
+            raw = datasets.load_dataset(builder, data_files=data_files, cache_dir=model_args.cache_dir, **options)
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise UsageError(f"cannot load the dataset: {error}") from None
+    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
+        cause = error.__cause__ or error
+        raise UsageError(f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding") from None
+
+    if "train" in raw and "validation" not in raw:
+        train = raw["train"]
+        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
+        if len(train) < 2:
+            raise UsageError("the training data holds fewer than 2 texts; there is nothing to hold out for evaluation")
+        raw = datasets.DatasetDict(
+            {"validation": train.select(range(validation_size)), "train": train.select(range(validation_size, len(train)))}
+        )
+    for split, dataset in raw.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} data is empty")
+        if data_args.text_column_name not in dataset.column_names:
+            columns = ", ".join(dataset.column_names)
+            raise UsageError(
+                f"the {split} data has no column '{data_args.text_column_name}' (it has: {columns}); "
+                "pass --text_column_name"
+            )
+    return raw
+
+
+# Copied from run_clm_flax.tokenized_fingerprint
+def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
+    """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
+    digest = hashlib.sha256()
+    for part in (dataset._fingerprint, tokenizer.backend_tokenizer.to_str(), *map(repr, settings)):
+        digest.update(part.encode())
+    return digest.hexdigest()[:24]
+
+
+# Grouped mode: the texts, each followed by </s>, joined and cut into blocks of max_seq_length - 2 tokens;
+# BatchMaker frames every block as <s> block </s>. RoBERTa's pretraining data is made the same way: full
+# sentences across document boundaries, with a separator between documents.
+# Copied from run_clm_flax.tokenize_and_pack
+def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split) -> np.ndarray:
+    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+
+    The result is cached beside the dataset's own cache files and memory-mapped on later runs. The
+    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
+    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, eos_id)
+    cache_path = None
+    if dataset.cache_files:
+        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
+        cache_path = os.path.join(cache_dir, f"packed-{fingerprint}-block{block_size}.npy")
+        if os.path.exists(cache_path) and not overwrite_cache:
+            logger.info("Loading packed %s blocks from cache %s", split, cache_path)
+            return np.load(cache_path, mmap_mode="r")
+
+    # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
+    # about texts longer than model_max_length, which is expected here since texts get packed.
+    backend = tokenizer.backend_tokenizer
+
+    def tokenize(batch):
+        encodings = backend.encode_batch(batch[text_column], add_special_tokens=False)
+        return {"input_ids": [encoding.ids + [eos_id] for encoding in encodings]}
+
+    tokenized = dataset.map(
+        tokenize,
+        batched=True,
+        num_proc=num_workers,
+        remove_columns=dataset.column_names,
+        new_fingerprint=fingerprint,
+        load_from_cache_file=not overwrite_cache,
+        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+        desc=f"Tokenizing {split} texts",
+    )
+    # Arrow stores the token lists as one flat buffer: flattening is a copy, not a Python loop.
+    tokens = tokenized.data.column("input_ids").combine_chunks().flatten().to_numpy()
+    num_blocks = len(tokens) // block_size
+    blocks = np.ascontiguousarray(tokens[: num_blocks * block_size].reshape(num_blocks, block_size))
+    logger.info("%s: %d tokens packed into %d blocks of %d", split, len(tokens), num_blocks, block_size)
+    if cache_path is not None:
+        temporary_path = f"{cache_path}.{os.getpid()}.tmp.npy"
+        np.save(temporary_path, blocks, allow_pickle=False)
+        os.replace(temporary_path, cache_path)
+    return blocks
+
+
+@dataclass(frozen=True)
+class LineExamples:
+    """One example per line (or text) in line-by-line mode, stored flat rather than as Python lists:
+    example i is tokens[offsets[i] : offsets[i + 1]], without special tokens and not yet truncated."""
+
+    tokens: np.ndarray  # int32, every example end to end
+    offsets: np.ndarray  # int64, len(self) + 1 entries
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def head(self, count: int) -> "LineExamples":
+        return LineExamples(self.tokens, self.offsets[: count + 1])
+
+
+def tokenize_lines(dataset, tokenizer, text_column, num_workers, overwrite_cache, split) -> LineExamples:
+    """The token ids of every non-empty text (every line of a .txt file), for --line_by_line.
+
+    Line breaks at the end are removed and texts of only whitespace skipped. Like the packed blocks of
+    tokenize_and_pack, the result is cached beside the dataset's own cache files and memory-mapped on
+    later runs; it does not depend on --max_seq_length, since examples are truncated when batched.
+    """
+    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, "line_by_line")
+    cache_paths = None
+    if dataset.cache_files:
+        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
+        cache_paths = {part: os.path.join(cache_dir, f"lines-{fingerprint}-{part}.npy") for part in ("tokens", "offsets")}
+        if all(os.path.exists(path) for path in cache_paths.values()) and not overwrite_cache:
+            logger.info("Loading tokenized %s lines from cache %s", split, cache_paths["tokens"])
+            return LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in cache_paths.items()})
+
+    backend = tokenizer.backend_tokenizer
+
+    def tokenize(batch):
+        texts = [text.rstrip("\r\n") for text in batch[text_column] if text and not text.isspace()]
+        return {"input_ids": [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]}
+
+    tokenized = dataset.map(
+        tokenize,
+        batched=True,
+        num_proc=num_workers,
+        remove_columns=dataset.column_names,
+        new_fingerprint=fingerprint,
+        load_from_cache_file=not overwrite_cache,
+        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+        desc=f"Tokenizing {split} lines",
+    )
+    # Chunk by chunk, so that the 32-bit offsets of one Arrow list array never have to cover every token.
+    chunks = tokenized.data.column("input_ids").chunks
+    lengths = np.concatenate([np.zeros(0, np.int64)] + [chunk.value_lengths().to_numpy() for chunk in chunks])
+    tokens = np.concatenate([np.zeros(0, np.int32)] + [chunk.flatten().to_numpy() for chunk in chunks])
+    examples = LineExamples(tokens.astype(np.int32), np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+    logger.info("%s: %d lines of %d tokens in all", split, len(examples), len(tokens))
+    if cache_paths is not None:
+        for part, path in cache_paths.items():  # offsets last: their presence marks a complete cache
+            temporary_path = f"{path}.{os.getpid()}.tmp.npy"
+            np.save(temporary_path, getattr(examples, part), allow_pickle=False)
+            os.replace(temporary_path, path)
+    return examples
+
+
+def first_examples(examples: Union[np.ndarray, LineExamples], count: int):
+    """The first `count` examples, as blocks or as lines (for --max_train_samples, --max_eval_samples)."""
+    return examples.head(count) if isinstance(examples, LineExamples) else examples[:count]
+
+
+# Copied from run_clm_flax.prefetch
+def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
+    """Run `iterator` in a background thread, `size` items ahead, so the host prepares the next batches
+    while the devices compute."""
+    items = queue.Queue(maxsize=size)
+    end = object()
+
+    def produce():
+        try:
+            for item in iterator:
+                items.put(item)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            items.put(error)
+        items.put(end)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := items.get()) is not end:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+# Copied from run_clm_flax.process_slice
+def process_slice(global_batch_size: int) -> slice:
+    """The rows of each global batch that this process loads; jax assembles them into one global array."""
+    local_size = global_batch_size // jax.process_count()
+    return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
+
+
+# Masking and batches, on the host: numpy, per batch, reproducible from the seed.
+
+
+def mask_tokens(input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, rng):
+    """Choose positions to predict and corrupt them the BERT way.
+
+    input_ids: (batch, seq) int; special_tokens_mask: (batch, seq) bool, True for special tokens and
+    padding, which are never chosen; rng: np.random.Generator, so a seed reproduces the batch.
+    Each other position is chosen with probability mlm_probability; of the chosen, 80% become
+    mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model cannot
+    learn that only masked positions matter).
+    Returns (masked input_ids, labels = the original ids, label_weights: float32, 1.0 where chosen).
+    """
+    shape = input_ids.shape
+    chosen = (rng.random(shape) < mlm_probability) & ~special_tokens_mask
+    action = rng.random(shape)  # below 0.8: mask, 0.8 to 0.9: random token, above 0.9: keep
+    random_ids = rng.integers(0, vocab_size, shape, dtype=input_ids.dtype)
+    masked = np.where(chosen & (action < 0.8), mask_token_id, input_ids)
+    masked = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, masked).astype(input_ids.dtype)
+    return masked, input_ids.copy(), chosen.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class BatchMaker:
+    """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
+
+    Examples are blocks (a 2-D array of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
+    A batch is a dict of (rows, length) arrays: input_ids (masked), attention_mask (1 for tokens, 0 for
+    padding), labels (the original ids) and label_weights (1.0 where a token is to be predicted).
+    """
+
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    mask_token_id: int
+    special_token_ids: tuple  # never chosen for prediction
+    random_token_count: int  # random replacements are drawn from the ids [0, random_token_count)
+    mlm_probability: float
+    max_seq_length: int
+    pad_to_max_length: bool = False
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, max_seq_length: int, mlm_probability: float, pad_to_max_length: bool):
+        return cls(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, mask_token_id=tokenizer.mask_token_id,
+            special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))), random_token_count=len(tokenizer),
+            mlm_probability=mlm_probability, max_seq_length=max_seq_length, pad_to_max_length=pad_to_max_length,
+        )
+
+    def padded_length(self, longest: int) -> int:
+        """The length a batch whose longest row has `longest` tokens is padded to. jit compiles the step once
+        per length, so padded batches take only a few: powers of two from 16, capped at max_seq_length."""
+        if self.pad_to_max_length:
+            return self.max_seq_length
+        return min(self.max_seq_length, max(16, 1 << (longest - 1).bit_length()))
+
+    def token_ids(self, examples, indices: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask), int32 (num_rows, length), unmasked. Rows past len(indices) fill up a
+        partial batch: empty examples (<s> </s>), which have nothing to predict."""
+        if isinstance(examples, LineExamples):
+            starts = examples.offsets[indices]
+            lengths = np.minimum(examples.offsets[indices + 1] - starts, self.max_seq_length - 2)
+        else:
+            lengths = np.full(len(indices), examples.shape[1])
+        row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
+        row_lengths[: len(indices)] = lengths
+        length = self.padded_length(int(row_lengths.max()) + 2)
+
+        input_ids = np.full((num_rows, length), self.pad_token_id, np.int32)
+        input_ids[:, 0] = self.bos_token_id
+        if isinstance(examples, LineExamples):
+            for row, (start, size) in enumerate(zip(starts, lengths)):
+                input_ids[row, 1 : size + 1] = examples.tokens[start : start + size]
+        elif len(indices):
+            input_ids[: len(indices), 1:-1] = examples[indices]
+        input_ids[np.arange(num_rows), row_lengths + 1] = self.eos_token_id
+        attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
+        return input_ids, attention_mask
+
+    def __call__(self, examples, indices: np.ndarray, num_rows: int, rng: np.random.Generator) -> dict:
+        input_ids, attention_mask = self.token_ids(examples, indices, num_rows)
+        special_tokens_mask = np.isin(input_ids, self.special_token_ids) | (attention_mask == 0)
+        masked_ids, labels, label_weights = mask_tokens(
+            input_ids, special_tokens_mask, self.mask_token_id, self.random_token_count, self.mlm_probability, rng
+        )
+        return {"input_ids": masked_ids, "attention_mask": attention_mask, "labels": labels, "label_weights": label_weights}
+
+
+# Separate random streams for the masks of training and of evaluation batches.
+TRAIN_MASKING, EVAL_MASKING = 0, 1
+
+
+def train_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int) -> Iterator[tuple[dict, int]]:
+    """This process's rows of each masked global batch of one epoch, with the batch's number of tokens
+    (padding left out).
+
+    The order and the masks are fixed by seed, epoch and step, so that a run can be repeated exactly. Every
+    process makes the whole global batch (a few megabytes) and keeps its own rows, so the masks do not
+    depend on the number of processes. The examples left over after the last full batch differ from epoch to
+    epoch, so all data is seen.
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+    rows = process_slice(global_batch_size)
+    for step in range(len(examples) // global_batch_size):
+        indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
+        batch = make_batch(examples, indices, global_batch_size, np.random.default_rng([seed, TRAIN_MASKING, epoch, step]))
+        yield {name: values[rows] for name, values in batch.items()}, int(batch["attention_mask"].sum())
+
+
+def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int) -> Iterator[dict]:
+    """Every example once, in order, masked the same way at every evaluation (the masks are seeded by the
+    batch's index), so evaluations are comparable. The last batch is filled up with empty rows, none dropped."""
+    rows = process_slice(global_batch_size)
+    for batch_index, start in enumerate(range(0, len(examples), global_batch_size)):
+        indices = np.arange(start, min(start + global_batch_size, len(examples)))
+        batch = make_batch(examples, indices, global_batch_size, np.random.default_rng([seed, EVAL_MASKING, batch_index]))
+        yield {name: values[rows] for name, values in batch.items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -42,6 +680,11 @@ ACTIVATIONS = {
 
 def check_model_config(config):
     """Raise UsageError if `config` asks for a RoBERTa variant this model does not implement."""
+    if config.model_type != "roberta":
+        raise UsageError(
+            f"this script trains RoBERTa but the config is of model type '{config.model_type}'; "
+            "use a roberta config (create_config.py --preset roberta-tiny) or run_clm_flax.py for gpt2"
+        )
     if config.is_decoder or config.add_cross_attention:
         raise UsageError("the config makes RoBERTa a decoder (is_decoder or add_cross_attention); "
                          "masked language modelling needs an encoder, so set both to false")
@@ -349,28 +992,40 @@ def from_hf_state_dict(state_dict, config):
     return traverse_util.unflatten_dict(flat_params)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Masking (on the host, per batch)
-# ----------------------------------------------------------------------------------------------------
+# Copied from run_clm_flax.read_safetensors_checkpoint
+def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
+    """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
+    index_name, single_name = "model.safetensors.index.json", "model.safetensors"
+    if os.path.isdir(name_or_path):
+        def fetch(filename):
+            path = os.path.join(name_or_path, filename)
+            return path if os.path.isfile(path) else None
+    else:
+        import huggingface_hub
 
+        def fetch(filename):
+            try:
+                return huggingface_hub.hf_hub_download(
+                    name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+                )
+            except huggingface_hub.errors.EntryNotFoundError:
+                return None
+            except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
+                raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
 
-def mask_tokens(input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, rng):
-    """Choose positions to predict and corrupt them the BERT way.
-
-    input_ids: (batch, seq) int; special_tokens_mask: (batch, seq) bool, True for special tokens and
-    padding, which are never chosen; rng: np.random.Generator, so a seed reproduces the batch.
-    Each other position is chosen with probability mlm_probability; of the chosen, 80% become
-    mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model cannot
-    learn that only masked positions matter).
-    Returns (masked input_ids, labels = the original ids, label_weights: float32, 1.0 where chosen).
-    """
-    shape = input_ids.shape
-    chosen = (rng.random(shape) < mlm_probability) & ~special_tokens_mask
-    action = rng.random(shape)  # below 0.8: mask, 0.8 to 0.9: random token, above 0.9: keep
-    random_ids = rng.integers(0, vocab_size, shape, dtype=input_ids.dtype)
-    masked = np.where(chosen & (action < 0.8), mask_token_id, input_ids)
-    masked = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, masked).astype(input_ids.dtype)
-    return masked, input_ids.copy(), chosen.astype(np.float32)
+    if (index_path := fetch(index_name)) is not None:
+        with open(index_path) as index_file:
+            shard_names = sorted(set(json.load(index_file)["weight_map"].values()))
+        state_dict = {}
+        for shard_name in shard_names:
+            state_dict.update(load_file(fetch(shard_name)))
+        return state_dict
+    if (path := fetch(single_name)) is not None:
+        return load_file(path)
+    raise UsageError(
+        f"{name_or_path} has no model.safetensors; only safetensors checkpoints are loaded "
+        "(convert a pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -390,3 +1045,590 @@ def masked_lm_loss_sums(logits, labels, label_weights):
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # (batch, seq)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     return (loss * label_weights).sum(), (correct * label_weights).sum(), label_weights.sum()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training state, sharding, optimizer, steps
+# ----------------------------------------------------------------------------------------------------
+
+# Copied from run_clm_flax.LOGICAL_AXIS_RULES
+LOGICAL_AXIS_RULES = (
+    ("batch", "data"),
+    ("vocab", None),
+    ("positions", None),
+    ("embed", None),
+    ("heads", None),
+    ("mlp", None),
+)
+
+
+# Copied from run_clm_flax.TrainState
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+# Copied from run_clm_flax.learning_rate_schedule
+def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
+    warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
+    warmup_steps = min(warmup_steps, total_steps)
+    peak = training_args.learning_rate
+    decay_steps = max(total_steps - warmup_steps, 1)
+    decay = {
+        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
+        "constant": optax.constant_schedule(peak),
+    }[training_args.lr_scheduler_type]
+    warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+# Copied from run_clm_flax.decay_mask
+def decay_mask(params):
+    """True for the weights AdamW decays: matrices and embeddings, not biases or LayerNorm parameters."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
+
+
+# Copied from run_clm_flax.create_optimizer
+def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
+    if training_args.adafactor:
+        optimizer = optax.adafactor(learning_rate=schedule)
+    else:
+        optimizer = optax.adamw(
+            learning_rate=schedule,
+            b1=training_args.adam_beta1,
+            b2=training_args.adam_beta2,
+            eps=training_args.adam_epsilon,
+            weight_decay=training_args.weight_decay,
+            mask=decay_mask,
+        )
+    if training_args.max_grad_norm > 0:
+        optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
+    return optimizer
+
+
+# Copied from run_clm_flax.create_mesh
+def create_mesh() -> jax.sharding.Mesh:
+    """All devices of all processes on one "data" axis."""
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+# Copied from run_clm_flax.optimizer_state_shardings
+def optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
+    """Each optimizer-state leaf that mirrors a parameter (Adam's moments) is sharded like it; the rest
+    (step counts, Adafactor's factored statistics) is replicated."""
+    by_path = {
+        jax.tree_util.keystr(path): (leaf.shape, sharding)
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree_util.tree_leaves(param_shardings)
+        )
+    }
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def choose(path, leaf):
+        for start in range(len(path)):
+            shape, sharding = by_path.get(jax.tree_util.keystr(path[start:]), (None, None))
+            if shape == leaf.shape:
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(choose, abstract_opt_state)
+
+
+# Copied from run_clm_flax.abstract_model_params
+def abstract_model_params(model, dummy_input, unbox: bool = True):
+    """Shapes and dtypes of the model's parameters, without computing them. Unboxed: plain arrays;
+    boxed: each carries its logical axis names."""
+    variables = jax.eval_shape(partial(model.init, deterministic=True), jax.random.key(0), dummy_input)
+    return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
+
+
+# Copied from run_clm_flax.create_train_state
+def create_train_state(model, optimizer, mesh, seed: int, dummy_input, loaded_params=None):
+    """The training state, created directly with its sharding: parameters are initialised (or placed,
+    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+    boxed_params = abstract_model_params(model, dummy_input, unbox=False)
+    param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
+    abstract_params = nn.meta.unbox(boxed_params)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    state_shardings = TrainState(
+        step=NamedSharding(mesh, PartitionSpec()),
+        params=param_shardings,
+        opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
+    )
+
+    def init(params):
+        if params is None:
+            params = nn.meta.unbox(model.init(jax.random.key(seed), dummy_input, deterministic=True)["params"])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    if loaded_params is not None:
+        loaded_params = jax.device_put(loaded_params, param_shardings)
+    return jax.jit(init, out_shardings=state_shardings)(loaded_params), state_shardings, abstract_params
+
+
+def make_train_step(model, optimizer, schedule, seed: int):
+    dropout_key = jax.random.key(seed + 1)
+
+    def train_step(state: TrainState, batch):
+        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
+        dropout_rng = jax.random.fold_in(dropout_key, state.step)
+
+        def loss_fn(params):
+            logits = model.apply(
+                {"params": params}, batch["input_ids"], batch["attention_mask"], deterministic=False,
+                rngs={"dropout": dropout_rng},
+            )
+            loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["labels"], batch["label_weights"])
+            # The mean over the masked tokens of the whole global batch (a batch with none has loss 0).
+            return loss_sum / jnp.maximum(weight_sum, 1.0), (loss_sum, correct_sum, weight_sum)
+
+        grads, (loss_sum, correct_sum, weight_sum) = jax.grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+        metrics = {
+            "loss_sum": loss_sum,
+            "correct_sum": correct_sum,
+            "weight_sum": weight_sum,
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": schedule(state.step),
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model):
+    def eval_step(params, batch):
+        logits = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"], deterministic=True)
+        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["labels"], batch["label_weights"])
+        return {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
+
+    return eval_step
+
+
+# Copied from run_clm_flax.to_global_batch
+def to_global_batch(local_batch: dict, batch_sharding) -> dict:
+    """This process's rows -> one array split over every device of every process."""
+    return {
+        name: jax.make_array_from_process_local_data(batch_sharding, rows) for name, rows in local_batch.items()
+    }
+
+
+def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, batch_sharding) -> dict:
+    """Loss, perplexity and accuracy over the whole evaluation set, averaged exactly over masked tokens."""
+    totals = {"loss_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
+    num_batches = math.ceil(len(examples) / global_batch_size)
+    batches = prefetch(
+        to_global_batch(batch, batch_sharding) for batch in eval_batches(examples, make_batch, global_batch_size, seed)
+    )
+    for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
+        for name, value in jax.device_get(eval_step(params, batch)).items():
+            totals[name] += float(value)
+    masked_tokens = totals["weight_sum"]
+    loss = totals["loss_sum"] / max(masked_tokens, 1.0)
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 100.0)),
+        "accuracy": totals["correct_sum"] / max(masked_tokens, 1.0),
+        "masked_tokens": int(masked_tokens),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging, saving and the fill-mask demo
+# ----------------------------------------------------------------------------------------------------
+
+
+# Copied from run_clm_flax.TensorBoardWriter
+class TensorBoardWriter:
+    """Scalars and text for TensorBoard, written with the tensorboard package alone (no TensorFlow)."""
+
+    def __init__(self, log_dir: str):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event_pb2, self._summary_pb2, self._text_pb = event_pb2, summary_pb2, text_pb
+        self._writer = EventFileWriter(log_dir)
+
+    def _write(self, summary, step: int):
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def scalars(self, values: dict, step: int):
+        summary_values = [self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]
+        self._write(self._summary_pb2.Summary(value=summary_values), step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self._write(self._text_pb(tag, markdown), step)
+
+    def close(self):
+        self._writer.close()
+
+
+# Copied from run_clm_flax.arguments_markdown
+def arguments_markdown(*argument_groups) -> str:
+    """All arguments as a markdown table, for TensorBoard's text tab. The hub token is left out."""
+    rows = ["| argument | value |", "| --- | --- |"]
+    for group in argument_groups:
+        for name, value in sorted(asdict(group).items()):
+            if name != "token":
+                rows.append(f"| {name} | {value} |")
+    return "\n".join(rows)
+
+
+# Copied from run_clm_flax.write_json
+def write_json(path: str, values: dict):
+    """Write via a temporary file, so an interrupted write never leaves a truncated file behind."""
+    temporary_path = f"{path}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(values, file, indent=2)
+        file.write("\n")
+    os.replace(temporary_path, path)
+
+
+def save_model(output_dir: str, params, config, tokenizer):
+    """A Hugging Face model directory: config, safetensors weights, tokenizer.
+
+    Every process takes part in gathering the parameters; process 0 writes.
+    """
+    host_params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() != 0:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    weights_path = os.path.join(output_dir, "model.safetensors")
+    save_file(to_hf_state_dict(host_params, config), f"{weights_path}.tmp", metadata={"format": "pt"})
+    os.replace(f"{weights_path}.tmp", weights_path)
+    config.architectures = ["RobertaForMaskedLM"]  # what AutoModelForMaskedLM and pipeline("fill-mask") build
+    config.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
+def fill_mask_demo_text(texts, mask_token: str) -> tuple[Optional[str], Optional[str]]:
+    """(text, masked word): the first 16 words of the first text that has at least 6, the middle one masked."""
+    for text in texts:
+        words = (text or "").split()[:16]
+        if len(words) >= 6:
+            middle = len(words) // 2
+            return " ".join(words[:middle] + [mask_token] + words[middle + 1 :]), words[middle]
+    return None, None
+
+
+def fill_mask(model, params, tokenizer, text: str, top_k: int, max_length: int) -> list[tuple[str, float]]:
+    """The `top_k` most likely tokens, with their probabilities, at the first mask token of `text`."""
+    input_ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+    if tokenizer.mask_token_id not in input_ids:
+        return []
+    position = input_ids.index(tokenizer.mask_token_id)
+    logits = jax.jit(model.apply)({"params": params}, jnp.asarray([input_ids], jnp.int32))[0, position]
+    probabilities = np.asarray(jax.nn.softmax(logits))
+    best = np.argsort(-probabilities)[:top_k]
+    return [(tokenizer.decode([int(token_id)]), float(probabilities[token_id])) for token_id in best]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------
+
+
+# Copied from run_clm_flax.load_config_and_tokenizer
+def load_config_and_tokenizer(model_args):
+    def load(loader, name, flag):
+        try:
+            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
+
+    config_source, config_flag = (
+        (model_args.config_name, "--config_name") if model_args.config_name else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if config_source:
+        config = load(AutoConfig, config_source, config_flag)
+    else:
+        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
+        config = transformers.CONFIG_MAPPING[model_args.model_type]()
+
+    tokenizer_source, tokenizer_flag = (
+        (model_args.tokenizer_name, "--tokenizer_name") if model_args.tokenizer_name else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if not tokenizer_source:
+        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
+    tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
+    if not tokenizer.is_fast:
+        raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if len(tokenizer) > config.vocab_size:
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
+            "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
+    return config, tokenizer
+
+
+def check_tokenizer(tokenizer, config):
+    """The special tokens masked language modelling and RoBERTa's position numbering need."""
+    if tokenizer.mask_token_id is None:
+        raise UsageError(
+            "the tokenizer has no mask token, which masked language modelling needs; "
+            "train it with train_tokenizer.py --model_type roberta"
+        )
+    for role in ("bos", "eos", "pad"):
+        if getattr(tokenizer, f"{role}_token_id") is None:
+            raise UsageError(
+                f"the tokenizer has no {role}_token, which RoBERTa needs; train it with train_tokenizer.py --model_type roberta"
+            )
+    if tokenizer.pad_token_id != config.pad_token_id:
+        raise UsageError(
+            f"the tokenizer's padding token has id {tokenizer.pad_token_id} but the config's pad_token_id is "
+            f"{config.pad_token_id}; RoBERTa numbers positions from it, so make them equal "
+            "(create_config.py --tokenizer_dir takes it from the tokenizer)"
+        )
+
+
+def choose_max_seq_length(data_args, tokenizer, config) -> int:
+    # RoBERTa numbers positions from pad_token_id + 1, so that many position embeddings are never used.
+    usable_positions = config.max_position_embeddings - config.pad_token_id - 1
+    if data_args.max_seq_length is None:
+        return min(tokenizer.model_max_length, usable_positions)
+    if data_args.max_seq_length > usable_positions:
+        raise UsageError(
+            f"--max_seq_length {data_args.max_seq_length} does not fit the model's positions: max_position_embeddings "
+            f"{config.max_position_embeddings} minus the padding offset {config.pad_token_id + 1} leaves "
+            f"{usable_positions}; lower --max_seq_length"
+        )
+    return data_args.max_seq_length
+
+
+def main():
+    model_args, data_args, training_args = parse_arguments()
+    if not (training_args.do_train or training_args.do_eval):
+        # As in the Hugging Face Flax example: without either flag, train (given training data) and evaluate.
+        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
+        training_args.do_eval = True
+    check_arguments(model_args, data_args, training_args)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if jax.process_index() == 0 else logging.ERROR,
+    )
+    datasets.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.set_verbosity_warning()
+    logger.info("%d devices over %d processes: %s", jax.device_count(), jax.process_count(), jax.devices())
+
+    # Model config and tokenizer
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    check_model_config(config)
+    check_tokenizer(tokenizer, config)
+    max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
+    if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
+        raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
+
+    # Data
+    raw_datasets = load_raw_datasets(model_args, data_args)
+    examples = {}
+    for split in ("train", "validation"):
+        if split not in raw_datasets:
+            continue
+        dataset, column = raw_datasets[split], data_args.text_column_name
+        workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
+        if data_args.line_by_line:
+            examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
+        else:  # blocks of max_seq_length - 2 tokens, which BatchMaker frames as <s> block </s>
+            examples[split] = tokenize_and_pack(dataset, tokenizer, column, max_seq_length - 2, workers, overwrite_cache, split)
+    if data_args.max_train_samples is not None and "train" in examples:
+        examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
+    if data_args.max_eval_samples is not None and "validation" in examples:
+        examples["validation"] = first_examples(examples["validation"], data_args.max_eval_samples)
+    for split, split_examples in examples.items():
+        if len(split_examples) == 0:
+            raise UsageError(
+                f"the {split} data has no non-empty lines" if data_args.line_by_line else
+                f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower --max_seq_length"
+            )
+    if training_args.do_eval and "validation" not in examples:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+    if data_args.line_by_line:
+        for split, split_examples in examples.items():
+            lengths = np.diff(split_examples.offsets)
+            logger.info("%s: %d of %d lines are longer than %d tokens and get truncated",
+                        split, int(np.sum(lengths > max_seq_length - 2)), len(lengths), max_seq_length - 2)
+    make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length)
+
+    # Model, mesh, optimizer, training state
+    mesh = create_mesh()
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    train_batch_size = training_args.per_device_train_batch_size * jax.device_count()
+    eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
+    model = FlaxRobertaForMaskedLM(config, dtype=jnp.dtype(model_args.dtype))
+
+    total_steps = 1
+    if training_args.do_train:
+        steps_per_epoch = len(examples["train"]) // train_batch_size
+        if steps_per_epoch == 0:
+            raise UsageError(
+                f"the training data makes {len(examples['train'])} examples, fewer than one global batch of "
+                f"{train_batch_size}; add data or lower --per_device_train_batch_size or --max_seq_length"
+            )
+        if training_args.max_steps > 0:
+            total_steps = training_args.max_steps
+        else:
+            total_steps = max(1, int(training_args.num_train_epochs * steps_per_epoch))
+    schedule = learning_rate_schedule(training_args, total_steps)
+    optimizer = create_optimizer(training_args, schedule)
+
+    loaded_params = None
+    if model_args.model_name_or_path:
+        loaded_params = from_hf_state_dict(read_safetensors_checkpoint(model_args.model_name_or_path, model_args), config)
+        logger.info("Loaded weights from %s", model_args.model_name_or_path)
+    dummy_input = jnp.zeros((1, max_seq_length), jnp.int32)
+    state, state_shardings, _ = create_train_state(model, optimizer, mesh, training_args.seed, dummy_input, loaded_params)
+    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
+    logger.info("RoBERTa with %.1fM parameters, computing in %s", num_params / 1e6, model_args.dtype)
+
+    train_step = jax.jit(
+        make_train_step(model, optimizer, schedule, training_args.seed),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+    eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
+
+    is_main_process = jax.process_index() == 0
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
+    if writer:
+        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+
+    def run_evaluation(step: int) -> dict:
+        results = evaluate(
+            eval_step, state.params, examples["validation"], make_batch, eval_batch_size, training_args.seed,
+            batch_sharding,
+        )
+        logger.info(
+            "step %d: eval loss %.4f, perplexity %.2f, accuracy %.4f over %d masked tokens",
+            step, results["loss"], results["perplexity"], results["accuracy"], results["masked_tokens"],
+        )
+        if writer:
+            writer.scalars(
+                {"eval/loss": results["loss"], "eval/perplexity": results["perplexity"], "eval/accuracy": results["accuracy"]},
+                step,
+            )
+        return results
+
+    # Training loop
+    if training_args.do_train:
+        eval_steps = training_args.eval_steps or training_args.logging_steps
+        logger.info(
+            "Training for %d steps (%.2f epochs of %d examples), global batch %d x %d tokens%s",
+            total_steps, total_steps / steps_per_epoch, len(examples["train"]), train_batch_size, max_seq_length,
+            " at most (padded per batch)" if data_args.line_by_line else "",
+        )
+
+        def all_train_batches():
+            epoch = 0
+            while True:
+                for batch, num_tokens in train_batches(examples["train"], make_batch, train_batch_size, training_args.seed, epoch):
+                    yield to_global_batch(batch, batch_sharding), num_tokens
+                epoch += 1
+
+        batches = prefetch(all_train_batches())
+        progress = tqdm(total=total_steps, desc="Training", disable=not is_main_process)
+        window_metrics, window_tokens, window_start = [], 0, time.perf_counter()
+        train_start, train_sums, train_tokens = time.perf_counter(), {"loss_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}, 0
+        for step in range(1, total_steps + 1):
+            batch, num_tokens = next(batches)
+            state, metrics = train_step(state, batch)
+            window_metrics.append(metrics)
+            window_tokens += num_tokens
+            progress.update(1)
+
+            if step % training_args.logging_steps == 0 or step == total_steps:
+                window = jax.device_get(window_metrics)  # waits for the steps to finish
+                elapsed = time.perf_counter() - window_start
+                sums = {name: sum(float(m[name]) for m in window) for name in train_sums}
+                train_sums = {name: train_sums[name] + sums[name] for name in train_sums}
+                train_tokens += window_tokens
+                masked_tokens = max(sums["weight_sum"], 1.0)
+                logged = {
+                    "train/loss": sums["loss_sum"] / masked_tokens,
+                    "train/accuracy": sums["correct_sum"] / masked_tokens,
+                    "train/learning_rate": float(window[-1]["learning_rate"]),
+                    "train/grad_norm": float(window[-1]["grad_norm"]),
+                    "train/tokens_per_second": window_tokens / elapsed,
+                }
+                progress.set_postfix(
+                    loss=f"{logged['train/loss']:.4f}", accuracy=f"{logged['train/accuracy']:.3f}",
+                    lr=f"{logged['train/learning_rate']:.2e}", tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
+                )
+                logger.info(
+                    "step %d: loss %.4f, accuracy %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+                    step, logged["train/loss"], logged["train/accuracy"], logged["train/learning_rate"],
+                    logged["train/grad_norm"], logged["train/tokens_per_second"],
+                )
+                if writer:
+                    writer.scalars(logged, step)
+                window_metrics, window_tokens, window_start = [], 0, time.perf_counter()
+
+            if training_args.do_eval and step % eval_steps == 0 and step != total_steps:
+                run_evaluation(step)
+            if step % training_args.save_steps == 0 and step != total_steps:
+                save_model(training_args.output_dir, state.params, config, tokenizer)
+                logger.info("step %d: saved the model to %s", step, training_args.output_dir)
+        progress.close()
+        train_runtime = time.perf_counter() - train_start
+
+        save_model(training_args.output_dir, state.params, config, tokenizer)
+        if is_main_process:
+            masked_tokens = max(train_sums["weight_sum"], 1.0)
+            write_json(
+                os.path.join(training_args.output_dir, "train_results.json"),
+                {
+                    "train_loss": train_sums["loss_sum"] / masked_tokens,
+                    "train_accuracy": train_sums["correct_sum"] / masked_tokens,
+                    "train_steps": total_steps,
+                    "epochs": total_steps / steps_per_epoch,
+                    "train_runtime_seconds": train_runtime,
+                    "train_tokens_per_second": train_tokens / train_runtime,
+                },
+            )
+        logger.info("Saved the model to %s", training_args.output_dir)
+
+    if training_args.do_eval:
+        step = int(state.step)
+        results = run_evaluation(step)
+        if is_main_process:
+            write_json(
+                os.path.join(training_args.output_dir, "eval_results.json"),
+                {"eval_loss": results["loss"], "eval_perplexity": results["perplexity"],
+                 "eval_accuracy": results["accuracy"], "eval_masked_tokens": results["masked_tokens"], "step": step},
+            )
+            print(
+                f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
+                f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
+            )
+    if writer:
+        writer.close()
+
+    if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0:
+        text, masked_word = training_args.fill_mask_text, None
+        if not text and "validation" in raw_datasets:
+            text, masked_word = fill_mask_demo_text(
+                raw_datasets["validation"].select(range(min(100, len(raw_datasets["validation"]))))[data_args.text_column_name],
+                tokenizer.mask_token,
+            )
+        if text:
+            # Read the export back, so the demo also shows that the saved files hold the trained model.
+            exported = from_hf_state_dict(load_file(os.path.join(training_args.output_dir, "model.safetensors")), config)
+            predictions = fill_mask(FlaxRobertaForMaskedLM(config), exported, tokenizer, text, training_args.fill_mask_top_k, max_seq_length)
+            print(f"fill-mask with {training_args.output_dir}: {text!r}" + (f" (masked: {masked_word!r})" if masked_word else ""))
+            for token, probability in predictions:
+                print(f"  {probability:.3f} {token!r}")
+    if is_main_process and training_args.do_train:
+        print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

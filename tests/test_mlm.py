@@ -1,0 +1,390 @@
+"""run_mlm_flax.py: examples, batches and masking, the command line, the export, and devices.
+
+The model itself (logits against transformers' PyTorch RoBERTa, conversion both ways, the masking
+fractions) is tested in test_mlm_model.py.
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+
+import datasets
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from transformers import (
+    AutoModelForMaskedLM, AutoTokenizer, GPT2Config, RobertaConfig, RobertaForMaskedLM, pipeline,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import run_mlm_flax  # noqa: E402
+
+TRAIN_FILE = os.path.join(REPO, "tests", "fixtures", "en", "train.txt")
+VALIDATION_FILE = os.path.join(REPO, "tests", "fixtures", "en", "validation.txt")
+SEQUENCE_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(run_tool, roberta_tokenizer_dir, tmp_path_factory):
+    """A RoBERTa tokenizer of 1000 tokens (train_tokenizer.py) and a 2-layer, 64-wide config (create_config.py)."""
+    directory = tmp_path_factory.mktemp("tiny-roberta")
+    shutil.copytree(roberta_tokenizer_dir, directory, dirs_exist_ok=True)
+    result = run_tool(
+        "create_config.py", "--preset", "roberta-tiny", "--tokenizer_dir", directory,
+        "--set", "num_hidden_layers=2", "hidden_size=64", "num_attention_heads=2", "intermediate_size=128",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def batch_maker(tokenizer, max_seq_length=SEQUENCE_LENGTH, **options):
+    return run_mlm_flax.BatchMaker.from_tokenizer(
+        tokenizer, max_seq_length, options.pop("mlm_probability", 0.15), options.pop("pad_to_max_length", False)
+    )
+
+
+def text_dataset(path, cache_dir):
+    return datasets.load_dataset("text", data_files=str(path), cache_dir=str(cache_dir), split="train", keep_linebreaks=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Examples, batches, masking
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_grouped_blocks_are_the_texts_joined_with_separators_and_framed_as_s_to_slash_s(tokenizer, tmp_path):
+    dataset = text_dataset(VALIDATION_FILE, tmp_path)
+    blocks = run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", SEQUENCE_LENGTH - 2, None, False, "validation")
+    joined = [token for text in dataset["text"] for token in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    assert len(blocks) == len(joined) // (SEQUENCE_LENGTH - 2)
+
+    input_ids, attention_mask = batch_maker(tokenizer).token_ids(blocks, np.arange(len(blocks)), len(blocks))
+    assert input_ids.shape == (len(blocks), SEQUENCE_LENGTH)
+    assert (input_ids[:, 0] == tokenizer.bos_token_id).all() and (input_ids[:, -1] == tokenizer.eos_token_id).all()
+    assert attention_mask.all()
+    np.testing.assert_array_equal(input_ids[:, 1:-1].reshape(-1), joined[: len(blocks) * (SEQUENCE_LENGTH - 2)])
+
+
+def test_line_by_line_keeps_every_non_empty_line_and_caches_the_tokens(tokenizer, tmp_path):
+    lines = ["The first line.", "", "   ", "A second, longer line of the file.", "Third."]
+    data_file = tmp_path / "lines.txt"
+    data_file.write_text("\n".join(lines) + "\n")
+    dataset = text_dataset(data_file, tmp_path / "cache")
+
+    examples = run_mlm_flax.tokenize_lines(dataset, tokenizer, "text", None, False, "train")
+    kept = [line for line in lines if line.strip()]
+    assert len(examples) == len(kept)
+    for index, line in enumerate(kept):
+        expected = tokenizer(line, add_special_tokens=False)["input_ids"]  # the line break is removed
+        np.testing.assert_array_equal(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]], expected)
+
+    cached = run_mlm_flax.tokenize_lines(dataset, tokenizer, "text", None, False, "train")
+    assert isinstance(cached.tokens, np.memmap), "the second call should read the tokens from the cache"
+    np.testing.assert_array_equal(cached.offsets, examples.offsets)
+    assert len(run_mlm_flax.first_examples(cached, 2)) == 2
+
+
+def test_line_batches_are_padded_with_an_attention_mask_and_padding_is_never_masked(tokenizer):
+    lengths = [3, 20, 9, 100]  # the last one is longer than max_seq_length - 2
+    tokens = np.concatenate([np.full(length, 500 + row, np.int32) for row, length in enumerate(lengths)])
+    examples = run_mlm_flax.LineExamples(tokens, np.concatenate([[0], np.cumsum(lengths)]))
+    make_batch = batch_maker(tokenizer, mlm_probability=0.5)
+
+    input_ids, attention_mask = make_batch.token_ids(examples, np.arange(3), num_rows=4)
+    assert input_ids.shape == (4, 32)  # longest row 20 + 2, padded to the next power of two
+    for row, length in enumerate(lengths[:3]):
+        np.testing.assert_array_equal(input_ids[row, : length + 2], [0] + [500 + row] * length + [2])
+        assert (input_ids[row, length + 2 :] == tokenizer.pad_token_id).all()
+        np.testing.assert_array_equal(attention_mask[row], np.arange(32) < length + 2)
+    np.testing.assert_array_equal(input_ids[3, :2], [0, 2])  # a row that fills up a partial batch: empty
+    assert attention_mask[3].sum() == 2
+
+    truncated, _ = make_batch.token_ids(examples, np.array([3]), num_rows=1)
+    assert truncated.shape == (1, SEQUENCE_LENGTH) and truncated[0, -1] == tokenizer.eos_token_id
+    padded_to_max, _ = batch_maker(tokenizer, pad_to_max_length=True).token_ids(examples, np.array([0]), 1)
+    assert padded_to_max.shape == (1, SEQUENCE_LENGTH)
+
+    for seed in range(20):
+        batch = make_batch(examples, np.arange(3), 4, np.random.default_rng(seed))
+        assert set(batch) == {"input_ids", "attention_mask", "labels", "label_weights"}
+        chosen = batch["label_weights"] == 1
+        assert not chosen[attention_mask == 0].any(), "padding was chosen for prediction"
+        assert not np.isin(input_ids[chosen], tokenizer.all_special_ids).any(), "a special token was chosen"
+        np.testing.assert_array_equal(batch["labels"], input_ids)
+
+
+def test_masking_of_real_batches_chooses_the_mlm_probability_and_no_special_token(tokenizer, tmp_path):
+    examples = run_mlm_flax.tokenize_lines(text_dataset(TRAIN_FILE, tmp_path), tokenizer, "text", None, False, "train")
+    batch = batch_maker(tokenizer)(examples, np.arange(len(examples)), len(examples), np.random.default_rng(0))
+    original = batch["labels"]
+    special = np.isin(original, tokenizer.all_special_ids) | (batch["attention_mask"] == 0)
+    chosen = batch["label_weights"] == 1
+    assert (~special).sum() > 15_000
+    assert not chosen[special].any()
+    assert abs(chosen.sum() / (~special).sum() - 0.15) < 0.01
+    assert abs(np.mean(batch["input_ids"][chosen] == tokenizer.mask_token_id) - 0.8) < 0.03
+    np.testing.assert_array_equal(batch["input_ids"][~chosen], original[~chosen])
+
+
+def test_evaluation_covers_every_example_once_with_the_same_masks_every_time(tokenizer):
+    blocks = np.arange(7 * 6, dtype=np.int32).reshape(7, 6) + 100
+    make_batch = batch_maker(tokenizer, max_seq_length=8)
+    batches = list(run_mlm_flax.eval_batches(blocks, make_batch, global_batch_size=3, seed=0))
+    assert len(batches) == 3 and all(batch["input_ids"].shape == (3, 8) for batch in batches)
+    labels = np.concatenate([batch["labels"] for batch in batches])
+    np.testing.assert_array_equal(labels[:7, 1:-1], blocks)
+    assert batches[-1]["label_weights"][1:].sum() == 0  # the two rows that fill up the last batch
+    again = list(run_mlm_flax.eval_batches(blocks, make_batch, global_batch_size=3, seed=0))
+    for first, second in zip(batches, again):
+        np.testing.assert_array_equal(first["input_ids"], second["input_ids"])
+
+
+def test_training_batches_and_masks_follow_the_seed_and_differ_between_epochs(tokenizer):
+    blocks = np.arange(10 * 30, dtype=np.int32).reshape(10, 30) + 100
+    make_batch = batch_maker(tokenizer, max_seq_length=32)
+
+    def epoch(seed, number):
+        return [(batch["input_ids"], tokens) for batch, tokens in run_mlm_flax.train_batches(blocks, make_batch, 4, seed, number)]
+
+    first, again, next_epoch = epoch(3, 0), epoch(3, 0), epoch(3, 1)
+    assert len(first) == 2 and first[0][1] == 4 * 32
+    for (ids, _), (same_ids, _) in zip(first, again):
+        np.testing.assert_array_equal(ids, same_ids)
+    assert not np.array_equal(first[0][0], next_epoch[0][0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_mlm(run_tool, arguments, check=True):
+    """run_mlm_flax.py in a fresh Python process, offline (conftest's run_tool)."""
+    result = run_tool("run_mlm_flax.py", *arguments)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def scalars(output_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(str(output_dir), "tensorboard"))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def hf_example_command_line(model_dir, output_dir):
+    """The command line of the Hugging Face Flax MLM example, with local files and small numbers."""
+    return [
+        f"--output_dir={output_dir}", "--model_type=roberta", f"--config_name={model_dir}",
+        f"--tokenizer_name={model_dir}", f"--train_file={TRAIN_FILE}", f"--validation_file={VALIDATION_FILE}",
+        f"--max_seq_length={SEQUENCE_LENGTH}", "--weight_decay=0.01", "--per_device_train_batch_size=16",
+        "--per_device_eval_batch_size=16", "--learning_rate=3e-3", "--warmup_steps=5", "--overwrite_output_dir",
+        "--num_train_epochs=3", "--adam_beta1=0.9", "--adam_beta2=0.98", "--logging_steps=10", "--save_steps=30",
+        "--eval_steps=30", "--seed=0",
+    ]
+
+
+@pytest.fixture(scope="module")
+def untrained_checkpoint_eval(run_tool, model_dir, tmp_path_factory):
+    """Evaluation of an untrained PyTorch RobertaForMaskedLM checkpoint of the test config, loaded with
+    --model_name_or_path: (the run, its eval_results). With the seed, sequence length and batch size of the
+    training run below it sees the same masks, so it is the baseline that training must beat."""
+    checkpoint = tmp_path_factory.mktemp("pytorch-checkpoint")
+    torch.manual_seed(0)
+    RobertaForMaskedLM(RobertaConfig.from_pretrained(model_dir)).save_pretrained(str(checkpoint))
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(str(checkpoint))
+    output_dir = tmp_path_factory.mktemp("untrained")
+    result = run_mlm(run_tool, [
+        "--output_dir", output_dir, "--model_name_or_path", checkpoint, "--do_eval", "--validation_file",
+        VALIDATION_FILE, "--max_seq_length", SEQUENCE_LENGTH, "--per_device_eval_batch_size", 16, "--seed", 0,
+    ])
+    return result, json.loads((output_dir / "eval_results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def trained_run(run_tool, model_dir, tmp_path_factory):
+    """The Hugging Face example's command line (no --do_train or --do_eval: it does both): (output dir, run)."""
+    output_dir = tmp_path_factory.mktemp("trained")
+    return output_dir, run_mlm(run_tool, hf_example_command_line(model_dir, output_dir))
+
+
+def test_continues_from_a_pytorch_checkpoint(untrained_checkpoint_eval, model_dir):
+    result, eval_results = untrained_checkpoint_eval
+    assert "Loaded weights from" in result.stderr
+    vocab_size = RobertaConfig.from_pretrained(model_dir).vocab_size
+    assert eval_results["eval_loss"] == pytest.approx(math.log(vocab_size), abs=0.3)  # close to uniform
+    assert eval_results["eval_accuracy"] < 0.02
+
+
+def test_hf_example_command_line_writes_every_expected_file(trained_run):
+    output_dir, result = trained_run
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "eval_results.json", "train_results.json"):
+        assert (output_dir / name).is_file(), f"{name} was not written"
+    assert os.listdir(output_dir / "tensorboard")
+    eval_results = json.loads((output_dir / "eval_results.json").read_text())
+    assert set(eval_results) == {"eval_loss", "eval_perplexity", "eval_accuracy", "eval_masked_tokens", "step"}
+    assert eval_results["eval_perplexity"] == pytest.approx(math.exp(eval_results["eval_loss"]), rel=1e-6)
+    train_results = json.loads((output_dir / "train_results.json").read_text())
+    steps_per_epoch = train_results["train_steps"] / train_results["epochs"]
+    assert train_results["epochs"] == 3 and steps_per_epoch == int(steps_per_epoch) > 10
+    assert train_results["train_tokens_per_second"] > 0
+    assert json.loads((output_dir / "config.json").read_text())["architectures"] == ["RobertaForMaskedLM"]
+    assert "eval accuracy:" in result.stdout and "tensorboard --logdir" in result.stdout
+    assert "fill-mask with" in result.stdout
+
+
+def test_training_lowers_eval_loss_and_raises_accuracy(trained_run, untrained_checkpoint_eval):
+    output_dir, _ = trained_run
+    _, untrained = untrained_checkpoint_eval
+    trained = json.loads((output_dir / "eval_results.json").read_text())
+    assert trained["eval_masked_tokens"] == untrained["eval_masked_tokens"] > 300  # the same masks
+    assert trained["eval_loss"] < untrained["eval_loss"] - 1.0
+    assert trained["eval_accuracy"] > untrained["eval_accuracy"] + 0.05
+
+
+def test_tensorboard_has_the_training_and_evaluation_scalars(trained_run):
+    output_dir, _ = trained_run
+    for tag in ("train/loss", "train/accuracy", "train/learning_rate", "train/grad_norm", "train/tokens_per_second",
+                "eval/loss", "eval/perplexity", "eval/accuracy"):
+        assert scalars(output_dir, tag), f"no {tag} in TensorBoard"
+    eval_results = json.loads((output_dir / "eval_results.json").read_text())
+    eval_steps = [step for step, _ in scalars(output_dir, "eval/loss")]
+    assert eval_steps[:-1] == list(range(30, eval_results["step"], 30)) and eval_steps[-1] == eval_results["step"]
+    assert scalars(output_dir, "eval/accuracy")[-1][1] == pytest.approx(eval_results["eval_accuracy"], rel=1e-5)
+
+
+def test_export_loads_in_transformers_with_the_logits_of_the_flax_model(trained_run):
+    output_dir, _ = trained_run
+    torch_model, loading_info = AutoModelForMaskedLM.from_pretrained(str(output_dir), output_loading_info=True)
+    assert type(torch_model) is RobertaForMaskedLM
+    assert not any(loading_info.values()), loading_info
+    tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
+    inputs = tokenizer(["The gardener counted to ten.", "A quiet tourist said nothing here is ever where you left it."],
+                       padding=True, return_tensors="np")
+    with torch.no_grad():
+        expected = torch_model.eval()(**{name: torch.from_numpy(value) for name, value in inputs.items()}).logits.numpy()
+
+    config = RobertaConfig.from_pretrained(str(output_dir))
+    params = run_mlm_flax.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), config)
+    logits = run_mlm_flax.FlaxRobertaForMaskedLM(config).apply(
+        {"params": params}, jnp.asarray(inputs["input_ids"]), jnp.asarray(inputs["attention_mask"])
+    )
+    real = inputs["attention_mask"].astype(bool)  # PyTorch and Flax differ only at the padding
+    np.testing.assert_allclose(np.asarray(logits)[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_export_works_in_the_fill_mask_pipeline(trained_run):
+    output_dir, _ = trained_run
+    fill_mask = pipeline("fill-mask", model=str(output_dir), device="cpu")
+    predictions = fill_mask("The gardener counted to <mask> while everyone else was asleep.", top_k=5)
+    assert len(predictions) == 5
+    assert all(prediction["token_str"] and 0 < prediction["score"] <= 1 for prediction in predictions)
+    assert [p["score"] for p in predictions] == sorted((p["score"] for p in predictions), reverse=True)
+
+
+def test_eight_devices_give_the_losses_of_one_device_run_from_a_json_file(run_tool, model_dir, tmp_path, monkeypatch):
+    """line_by_line training and evaluation on 8 devices of 1 sequence equal 1 device of 8 sequences. The
+    one-device run reads its arguments from a .json file."""
+    common = dict(
+        config_name=model_dir, tokenizer_name=model_dir, train_file=TRAIN_FILE, validation_file=VALIDATION_FILE,
+        line_by_line=True, max_seq_length=SEQUENCE_LENGTH, do_train=True, do_eval=True, max_steps=4, logging_steps=1,
+        eval_steps=2, max_eval_samples=20, learning_rate=1e-3, fill_mask_top_k=0, seed=0,
+    )
+    arguments_file = tmp_path / "one-device.json"
+    arguments_file.write_text(json.dumps(dict(
+        common, output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, per_device_eval_batch_size=8,
+    )))
+    run_mlm(run_tool, [arguments_file])
+    eight_arguments = [f"--{name}={value}" for name, value in common.items()]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    result = run_mlm(run_tool, [
+        *eight_arguments, f"--output_dir={tmp_path / 'eight'}", "--per_device_train_batch_size=1",
+        "--per_device_eval_batch_size=1",
+    ])
+    assert "8 devices" in result.stderr
+    for tag in ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy"):
+        one, eight = scalars(tmp_path / "one", tag), scalars(tmp_path / "eight", tag)
+        assert [step for step, _ in one] == [step for step, _ in eight] and len(one) >= 2
+        np.testing.assert_allclose([value for _, value in eight], [value for _, value in one], rtol=1e-5)
+
+
+def test_json_arguments_file_gives_the_arguments_of_the_command_line(tmp_path, monkeypatch):
+    values = {"output_dir": str(tmp_path / "out"), "train_file": TRAIN_FILE, "max_seq_length": 96,
+              "line_by_line": True, "mlm_probability": 0.2, "do_train": True, "learning_rate": 1e-3}
+    arguments_file = tmp_path / "arguments.json"
+    arguments_file.write_text(json.dumps(values))
+    monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", str(arguments_file)])
+    from_file = run_mlm_flax.parse_arguments()
+    monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", *(f"--{name}={value}" for name, value in values.items())])
+    assert from_file == run_mlm_flax.parse_arguments()
+    assert from_file[1].mlm_probability == 0.2 and from_file[1].line_by_line
+
+
+def test_a_mistake_exits_with_one_clear_line_and_leaves_the_disk_alone(run_tool, model_dir, tmp_path):
+    output_dir = tmp_path / "out"
+    result = run_mlm(run_tool, [*hf_example_command_line(model_dir, output_dir), "--push_to_hub"], check=False)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`"
+    ]
+    assert not output_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(model_dir, tmp_path_factory):
+    """Directories and files for the usage-error tests."""
+    directory = tmp_path_factory.mktemp("bad-inputs")
+    GPT2Config(vocab_size=1000).save_pretrained(str(directory / "gpt2-config"))
+    RobertaConfig.from_pretrained(model_dir, pad_token_id=3).save_pretrained(str(directory / "other-pad"))
+    no_mask = AutoTokenizer.from_pretrained(model_dir)
+    no_mask.mask_token = None
+    no_mask.save_pretrained(str(directory / "no-mask-tokenizer"))
+    (directory / "empty.txt").write_text("\n  \n\n")
+    (directory / "output-with-files").mkdir()
+    (directory / "output-with-files" / "notes.txt").write_text("keep me")
+    return directory
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--max_seq_length", "300"], "--max_seq_length 300 does not fit the model's positions: .* leaves 256"),
+        (["--config_name", "{bad}/gpt2-config"], "trains RoBERTa but the config is of model type 'gpt2'"),
+        (["--tokenizer_name", "{bad}/no-mask-tokenizer"], "no mask token.*train_tokenizer.py --model_type roberta"),
+        (["--config_name", "{bad}/other-pad"], "padding token has id 1 but the config's pad_token_id is 3"),
+        (["--model_type", "bert"], "--model_type bert is not supported"),
+        (["--mlm_probability", "1.5"], "--mlm_probability 1.5 must be between 0 and 1"),
+        (["--max_seq_length", "2"], "--max_seq_length must be at least 3"),
+        (["--fill_mask_text", "no mask here"], "--fill_mask_text must contain the mask token <mask>"),
+        (["--train_file", "missing.txt"], "--train_file: missing.txt does not exist"),
+        (["--line_by_line", "--train_file", "{bad}/empty.txt"], "the train data has no non-empty lines"),
+        (["--per_device_train_batch_size", "100000"], "fewer than one global batch"),
+        (["--output_dir", "{bad}/output-with-files"], "already holds files; pass --overwrite_output_dir"),
+        (["--hub_model_id", "me/model"], "unknown argument --hub_model_id"),
+    ],
+)
+def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, bad_inputs, tmp_path, monkeypatch):
+    command_line = [
+        "--output_dir", str(tmp_path / "out"), "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--train_file", TRAIN_FILE, "--validation_file", VALIDATION_FILE, "--do_train", "--do_eval",
+        *(argument.format(bad=bad_inputs) for argument in arguments),
+    ]
+    monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", *command_line])
+    with pytest.raises(run_mlm_flax.UsageError, match=message):
+        run_mlm_flax.main()
+    assert (bad_inputs / "output-with-files" / "notes.txt").read_text() == "keep me"
