@@ -1,0 +1,468 @@
+#!/usr/bin/env python3
+"""Write the config.json of a GPT-2 or RoBERTa model from a preset size, with your changes.
+
+The presets are stored here, so no network is needed. Given a tokenizer directory, the vocabulary size and the
+special-token ids are taken from the tokenizer, and config.json is written next to it, so that one directory holds
+the tokenizer and the model configuration:
+
+    python train_tokenizer.py --train_file "data/*.txt" --model_type roberta --output_dir my-model
+    python create_config.py --preset roberta-mini --tokenizer_dir my-model --set num_hidden_layers=6
+
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained("my-model")
+
+A single .json file holding the arguments works as well: `python create_config.py args.json`.
+"""
+
+import dataclasses
+import difflib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoTokenizer, GPT2Config, HfArgumentParser, RobertaConfig
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Presets: edit or add sizes here.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# GPT-2 sizes as published with the GPT-2 paper (Radford et al., 2019) and the openai-community/gpt2,
+# gpt2-medium, gpt2-large and gpt2-xl configurations on the Hugging Face Hub; distilgpt2 as distilbert/distilgpt2.
+# Other values are the GPT2Config defaults, which are those of the published models.
+GPT2_PRESETS = {
+    "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
+    "gpt2-medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 1024, "vocab_size": 50257},
+    "gpt2-large": {"n_layer": 36, "n_embd": 1280, "n_head": 20, "n_positions": 1024, "vocab_size": 50257},
+    "gpt2-xl": {"n_layer": 48, "n_embd": 1600, "n_head": 25, "n_positions": 1024, "vocab_size": 50257},
+    "distilgpt2": {"n_layer": 6, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
+    # Small sizes of our own that train on a CPU.
+    "gpt2-tiny": {"n_layer": 2, "n_embd": 128, "n_head": 2, "n_positions": 256, "vocab_size": 50257},
+    "gpt2-mini": {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 512, "vocab_size": 50257},
+}
+
+# RoBERTa sizes as published with the RoBERTa paper (Liu et al., 2019) and the FacebookAI/roberta-base and
+# roberta-large configurations on the Hugging Face Hub. RoBERTa numbers positions from pad_token_id + 1, so
+# max_position_embeddings 514 leaves room for 512 tokens.
+ROBERTA_SHARED = {
+    "vocab_size": 50265,
+    "type_vocab_size": 1,
+    "layer_norm_eps": 1e-5,
+    "bos_token_id": 0,
+    "pad_token_id": 1,
+    "eos_token_id": 2,
+}
+ROBERTA_PRESETS = {
+    "roberta-base": {
+        "num_hidden_layers": 12,
+        "hidden_size": 768,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 514,
+        **ROBERTA_SHARED,
+    },
+    "roberta-large": {
+        "num_hidden_layers": 24,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "intermediate_size": 4096,
+        "max_position_embeddings": 514,
+        **ROBERTA_SHARED,
+    },
+    # Small sizes of our own that train on a CPU; roberta-tiny has room for 256 tokens.
+    "roberta-tiny": {
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "intermediate_size": 512,
+        "max_position_embeddings": 258,
+        **ROBERTA_SHARED,
+    },
+    "roberta-mini": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "intermediate_size": 1024,
+        "max_position_embeddings": 514,
+        **ROBERTA_SHARED,
+    },
+}
+
+PRESETS = {
+    **{name: ("gpt2", values) for name, values in GPT2_PRESETS.items()},
+    **{name: ("roberta", values) for name, values in ROBERTA_PRESETS.items()},
+}
+CONFIG_CLASSES = {"gpt2": GPT2Config, "roberta": RobertaConfig}
+# The model class each config is written for, so that pipeline() and the Auto classes pick the right head.
+ARCHITECTURES = {"gpt2": ["GPT2LMHeadModel"], "roberta": ["RobertaForMaskedLM"]}
+# Keys of config.json that describe the file rather than the model.
+BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}
+# Files that make a directory a tokenizer directory.
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json"]
+
+
+class UsageError(Exception):
+    """A mistake in the arguments, reported as one line without a traceback."""
+
+
+@dataclass
+class ConfigArguments:
+    preset: str = field(
+        metadata={"help": "The model size to start from.", "choices": list(PRESETS)},
+    )
+    tokenizer_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "A tokenizer directory (from train_tokenizer.py): vocab_size and special-token ids are taken "
+                  "from it, and config.json is written into it unless --output_dir is given."},
+    )
+    output_dir: Optional[str] = field(
+        default=None, metadata={"help": "Directory to write config.json to. Default: --tokenizer_dir."}
+    )
+    pad_vocab_to_multiple_of: Optional[int] = field(
+        default=None,
+        metadata={"help": "Round vocab_size up to a multiple of this (64 or 128 make the embedding matmuls faster)."},
+    )
+    overrides: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "Config values to change, as key=value separated by spaces, e.g. --set n_layer=6 "
+            "resid_pdrop=0.0. Values are read as JSON, or else taken as strings.",
+            "aliases": ["--set"],
+            "metavar": "KEY=VALUE",
+        },
+    )
+    overwrite: bool = field(default=False, metadata={"help": "Replace a config.json already in the output directory."})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+# Copied from train_tokenizer.parse_arguments
+def parse_arguments(dataclass_types):
+    """Parse the command line, or a single .json file of arguments."""
+    parser = HfArgumentParser(dataclass_types)
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        json_path = sys.argv[1]
+        try:
+            with open(json_path, encoding="utf-8") as json_file:
+                values = json.load(json_file)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read the arguments file {json_path}: {error}") from None
+        if not isinstance(values, dict):
+            raise UsageError(f"the arguments file {json_path} must hold one JSON object of flag names and values")
+        for dataclass_type in dataclass_types:
+            for argument in dataclasses.fields(dataclass_type):
+                required = argument.default is dataclasses.MISSING and argument.default_factory is dataclasses.MISSING
+                if required and argument.name not in values:
+                    raise UsageError(f"the arguments file {json_path} has no '{argument.name}'; add it")
+        try:
+            parsed = parser.parse_dict(values)
+        except ValueError as error:
+            raise UsageError(f"the arguments file {json_path}: {error}") from None
+        for arguments in parsed:
+            check_argument_types(arguments, json_path)
+        return parsed
+    return parser.parse_args_into_dataclasses()
+
+
+# Copied from train_tokenizer.check_argument_types
+def check_argument_types(arguments, source):
+    """Check value types the way the command line would; a JSON file of arguments bypasses that check."""
+    type_hints = typing.get_type_hints(type(arguments))
+    for argument in dataclasses.fields(arguments):
+        value = getattr(arguments, argument.name)
+        if isinstance(value, str) and typing.get_origin(type_hints[argument.name]) is typing.Union:
+            # A single string where a list is expected, e.g. "train_file": "data.txt".
+            if list in [typing.get_origin(option) for option in typing.get_args(type_hints[argument.name])]:
+                value = [value]
+                setattr(arguments, argument.name, value)
+        if not value_has_type(value, type_hints[argument.name]):
+            annotation = type_hints[argument.name]
+            expected = annotation.__name__ if type(annotation) is type else str(annotation).replace("typing.", "")
+            raise UsageError(f"{source}: '{argument.name}' must be of type {expected}, not {value!r}")
+        choices = argument.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise UsageError(f"{source}: '{argument.name}' must be one of {', '.join(choices)}, not {value!r}")
+
+
+# Copied from train_tokenizer.value_has_type
+def value_has_type(value, annotation):
+    if annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(value_has_type(value, option) for option in typing.get_args(annotation))
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(value_has_type(item, item_type) for item in value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def parse_overrides(overrides, model_type):
+    """["n_layer=6", "hidden_size=256"] to {"n_layer": 6, "n_embd": 256}, with keys checked against the config class.
+
+    Keys may use either name of an attribute with two (GPT-2's n_embd is also hidden_size); they are stored under the
+    name config.json uses.
+    """
+    config_class = CONFIG_CLASSES[model_type]
+    defaults = config_class().to_dict()
+    canonical_names = {key: key for key in defaults if key not in BOOKKEEPING_KEYS}
+    canonical_names.update(config_class.attribute_map)
+    values, given_as = {}, {}
+    for override in overrides or []:
+        key, separator, text = override.partition("=")
+        key = key.strip()
+        if not separator or not key:
+            raise UsageError(f"--set {override!r} is not key=value; write e.g. --set n_layer=6")
+        if key not in canonical_names:
+            close = difflib.get_close_matches(key, list(canonical_names), n=3)
+            hint = f"did you mean {' or '.join(close)}?" if close else "see the keys of config.json"
+            raise UsageError(f"--set {key}: {config_class.__name__} has no such key; {hint}")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        name = canonical_names[key]
+        if isinstance(defaults.get(name), float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # layer_norm_eps=1 means 1.0
+        if name == "model_type":
+            if value != model_type:
+                raise UsageError(
+                    f"--set model_type={value} contradicts the preset, which is a {model_type} model; "
+                    "choose a preset of that model type instead"
+                )
+            continue
+        if name in values and values[name] != value:
+            raise UsageError(
+                f"--set {given_as[name]}={values[name]!r} and --set {key}={value!r} contradict each other; "
+                "give one value"
+            )
+        values[name], given_as[name] = value, key
+    return values
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(tokenizer_dir):
+    if not os.path.isdir(tokenizer_dir):
+        raise UsageError(f"--tokenizer_dir {tokenizer_dir} is not a directory; train one with train_tokenizer.py")
+    if not any(os.path.isfile(os.path.join(tokenizer_dir, name)) for name in TOKENIZER_FILES):
+        raise UsageError(
+            f"--tokenizer_dir {tokenizer_dir} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
+            "train one with train_tokenizer.py"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UsageError(f"cannot load a tokenizer from --tokenizer_dir {tokenizer_dir}: {first_line}") from None
+
+
+def values_from_tokenizer(tokenizer, model_type, tokenizer_dir):
+    """The vocabulary size and special-token ids a model for this tokenizer needs."""
+    values = {"vocab_size": len(tokenizer)}
+    for role in ["bos", "eos", "pad"]:
+        token_id = getattr(tokenizer, f"{role}_token_id")
+        if token_id is not None:
+            values[f"{role}_token_id"] = token_id
+    if model_type == "roberta" and tokenizer.pad_token_id is None:
+        raise UsageError(
+            f"the tokenizer in {tokenizer_dir} has no padding token, which RoBERTa needs; "
+            "train it with train_tokenizer.py --model_type roberta"
+        )
+    return values
+
+
+def round_up(number, multiple):
+    return math.ceil(number / multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks and parameter count
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_config(config, preset, tokenizer=None):
+    """Refuse settings the model cannot be built or trained with."""
+    sizes = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+    for name, size in sizes.items():
+        if size < 1:
+            raise UsageError(f"{name} must be 1 or more, not {size}")
+    if config.hidden_size % config.num_attention_heads != 0:
+        raise UsageError(
+            f"hidden size {config.hidden_size} is not divisible by the {config.num_attention_heads} attention heads; "
+            "change one of them with --set"
+        )
+    for name in ["bos_token_id", "eos_token_id", "pad_token_id"]:
+        token_id = getattr(config, name, None)
+        if token_id is not None and not 0 <= token_id < config.vocab_size:
+            raise UsageError(
+                f"{name} {token_id} is outside the vocabulary of {config.vocab_size}; set vocab_size higher"
+            )
+
+    if config.model_type == "roberta":
+        if config.pad_token_id is None:
+            raise UsageError("RoBERTa needs a pad_token_id; set one with --set pad_token_id=1")
+        # Positions are numbered from pad_token_id + 1, so that many positions are never used.
+        position_offset = config.pad_token_id + 1
+        if config.max_position_embeddings <= position_offset:
+            raise UsageError(
+                f"max_position_embeddings {config.max_position_embeddings} leaves no positions after the padding "
+                f"offset of {position_offset}; set it to at least {position_offset + 1}"
+            )
+    else:
+        position_offset = 0
+    usable_positions = config.max_position_embeddings - position_offset
+
+    if tokenizer is not None:
+        if config.vocab_size < len(tokenizer):
+            raise UsageError(
+                f"vocab_size {config.vocab_size} is smaller than the tokenizer's vocabulary of {len(tokenizer)}; "
+                f"leave vocab_size out or set it to at least {len(tokenizer)}"
+            )
+        # A tokenizer without a limit has model_max_length of 1e30; only a real limit is checked.
+        if usable_positions < tokenizer.model_max_length < 1e9:
+            name = "n_positions" if config.model_type == "gpt2" else "max_position_embeddings"
+            raise UsageError(
+                f"{preset} with {name} {config.max_position_embeddings} has room for {usable_positions} tokens, "
+                f"but the tokenizer's model_max_length is {tokenizer.model_max_length}; "
+                f"--set {name}={tokenizer.model_max_length + position_offset}, or retrain the tokenizer with "
+                f"--model_max_length {usable_positions}"
+            )
+
+
+def count_parameters(config):
+    """Parameters of GPT2LMHeadModel or RobertaForMaskedLM built from this config, counted from the sizes.
+
+    The output layer shares its weights with the token embeddings unless tie_word_embeddings is false.
+    """
+    vocab, hidden, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    layer_norm = 2 * hidden  # scale and bias
+    if config.model_type == "gpt2":
+        inner = config.n_inner or 4 * hidden
+        embeddings = vocab * hidden + config.n_positions * hidden
+        attention = (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden)  # fused q/k/v, then output
+        mlp = (hidden * inner + inner) + (inner * hidden + hidden)
+        block = layer_norm + attention + layer_norm + mlp
+        output_layer = 0 if config.tie_word_embeddings else vocab * hidden
+        return embeddings + layers * block + layer_norm + output_layer
+    inner = config.intermediate_size
+    embeddings = (vocab + config.max_position_embeddings + config.type_vocab_size) * hidden + layer_norm
+    attention = 4 * (hidden * hidden + hidden) + layer_norm  # q, k, v, output, then layer norm
+    mlp = (hidden * inner + inner) + (inner * hidden + hidden) + layer_norm
+    # The masked-LM head: dense, layer norm, then the decoder's bias. Untied, the decoder has its own weights and,
+    # in transformers' RobertaLMHead, a bias apart from the head's.
+    lm_head = (hidden * hidden + hidden) + layer_norm + vocab
+    lm_head += 0 if config.tie_word_embeddings else vocab * hidden + vocab
+    return embeddings + layers * (attention + mlp) + lm_head
+
+
+def write_config_atomically(config, output_dir):
+    """Write config.json through a temporary file and a rename, so no reader ever sees half a file."""
+    os.makedirs(output_dir, exist_ok=True)
+    file_descriptor, temporary_path = tempfile.mkstemp(prefix=".config-", suffix=".json", dir=output_dir)
+    os.close(file_descriptor)
+    try:
+        config.to_json_file(temporary_path)
+        os.replace(temporary_path, os.path.join(output_dir, "config.json"))
+    finally:
+        if os.path.exists(temporary_path):
+            os.remove(temporary_path)
+
+
+def main():
+    # Arguments ------------------------------------------------------------------------------------------------------
+    (args,) = parse_arguments((ConfigArguments,))
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+        level=logging.INFO,
+    )
+    model_type, preset_values = PRESETS[args.preset]
+    overrides = parse_overrides(args.overrides, model_type)
+    if args.pad_vocab_to_multiple_of is not None and args.pad_vocab_to_multiple_of < 1:
+        raise UsageError(f"--pad_vocab_to_multiple_of must be 1 or more, not {args.pad_vocab_to_multiple_of}")
+
+    output_dir = args.output_dir or args.tokenizer_dir
+    if output_dir is None:
+        raise UsageError("no output directory: pass --tokenizer_dir (config.json goes next to it) or --output_dir")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
+    if os.path.exists(os.path.join(output_dir, "config.json")) and not args.overwrite:
+        raise UsageError(f"{output_dir} already has a config.json; pass --overwrite to replace it")
+
+    # Values: the preset, then what the tokenizer needs, then the user's changes -------------------------------------
+    values = dict(preset_values)
+    tokenizer = None
+    if args.tokenizer_dir is not None:
+        tokenizer = load_tokenizer(args.tokenizer_dir)
+        from_tokenizer = values_from_tokenizer(tokenizer, model_type, args.tokenizer_dir)
+        logger.info(
+            "From the tokenizer in %s: %s",
+            args.tokenizer_dir,
+            ", ".join(f"{key}={value}" for key, value in from_tokenizer.items()),
+        )
+        values.update(from_tokenizer)
+    if args.pad_vocab_to_multiple_of is not None:
+        explicit_vocab_size = overrides.get("vocab_size")
+        if isinstance(explicit_vocab_size, int) and explicit_vocab_size % args.pad_vocab_to_multiple_of != 0:
+            raise UsageError(
+                f"--set vocab_size={overrides['vocab_size']} is not a multiple of --pad_vocab_to_multiple_of "
+                f"{args.pad_vocab_to_multiple_of}; leave one of them out"
+            )
+        values["vocab_size"] = round_up(values["vocab_size"], args.pad_vocab_to_multiple_of)
+    values["architectures"] = ARCHITECTURES[model_type]
+    values.update(overrides)
+
+    # Config ---------------------------------------------------------------------------------------------------------
+    try:
+        config = CONFIG_CLASSES[model_type](**values)
+    except (StrictDataclassError, TypeError, ValueError) as error:
+        # The config class checks the type of every value, e.g. that n_layer is an integer.
+        message = str(error).strip().splitlines()[-1].strip().removeprefix("TypeError: ")
+        raise UsageError(f"invalid config value: {message}; fix it with --set") from None
+    check_config(config, args.preset, tokenizer)
+
+    # Save -----------------------------------------------------------------------------------------------------------
+    write_config_atomically(config, output_dir)
+    parameters = count_parameters(config)
+    print(f"Wrote {os.path.abspath(os.path.join(output_dir, 'config.json'))}")
+    print(
+        f"{args.preset} ({model_type}): {config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, {config.max_position_embeddings} positions, "
+        f"vocab size {config.vocab_size}"
+    )
+    print(f"parameters: {parameters:,} ({parameters / 1e6:.1f}M)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

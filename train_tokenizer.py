@@ -1,0 +1,590 @@
+#!/usr/bin/env python3
+"""Train a byte-level BPE tokenizer for GPT-2 or RoBERTa on your own text.
+
+The text comes from local files (.txt, .json/.jsonl, .csv, .parquet; several files and glob patterns), from a
+local dataset directory, or from a dataset on the Hugging Face Hub. It is streamed in batches, so a corpus larger
+than memory works. The result is an ordinary tokenizer directory:
+
+    python train_tokenizer.py --train_file "data/*.txt" --model_type gpt2 --vocab_size 32000 --output_dir my-model
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained("my-model")
+
+A single .json file holding the arguments works as well: `python train_tokenizer.py args.json`.
+"""
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+import datasets
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GPT2Tokenizer, HfArgumentParser, RobertaTokenizer
+
+logger = logging.getLogger(__name__)
+
+# File extensions and the `datasets` builder that reads them.
+BUILDER_FOR_EXTENSION = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+# Special tokens of each model type, by role. The order is the order of their ids: the tokenizer gets ids 0, 1, ...
+# for the distinct tokens in this order. GPT-2 has one token for beginning, end and unknown text, and no padding
+# token; RoBERTa has <s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4, as in the published roberta-base vocabulary.
+SPECIAL_TOKEN_PRESETS = {
+    "gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"},
+    "roberta": {
+        "bos_token": "<s>",
+        "pad_token": "<pad>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    },
+}
+SPECIAL_TOKEN_ROLES = ["bos_token", "pad_token", "eos_token", "unk_token", "mask_token"]
+
+# The longest input the model takes, in tokens: GPT-2 has 1024 positions; RoBERTa has 514 position embeddings, two
+# of which are taken by the padding offset, leaving 512.
+DEFAULT_MODEL_MAX_LENGTH = {"gpt2": 1024, "roberta": 512}
+
+# Every byte is in the initial alphabet, so any text can be encoded without an unknown token.
+BYTE_ALPHABET_SIZE = len(pre_tokenizers.ByteLevel.alphabet())
+
+TEXTS_PER_BATCH = 1000
+
+# Files the tokenizer writes, plus files older tokenizer formats wrote; replaced or removed with --overwrite.
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"]
+
+
+class UsageError(Exception):
+    """A mistake in the arguments or the input data, reported as one line without a traceback."""
+
+
+@dataclass
+class DataArguments:
+    """Where the text comes from."""
+
+    train_file: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "Text files (.txt, .json/.jsonl, .csv, .parquet), separated by spaces or each after its own "
+            "--train_file. Quoted glob patterns such as 'data/*.jsonl' are expanded; '**' matches subdirectories.",
+            "action": "extend",
+        },
+    )
+    dataset_name: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "A dataset on the Hugging Face Hub (needs network), or a local directory: one written by "
+            "`save_to_disk`, or one holding data files."
+        },
+    )
+    dataset_config_name: Optional[str] = field(
+        default=None, metadata={"help": "The configuration of --dataset_name, if it has several."}
+    )
+    dataset_split: str = field(default="train", metadata={"help": "The split of --dataset_name to read."})
+    text_column_name: str = field(
+        default="text",
+        metadata={"help": "The column (JSON field) that holds the text. Text files always use their lines."},
+    )
+    keep_linebreaks: bool = field(
+        default=False, metadata={"help": "Keep the line break at the end of each line of .txt files."}
+    )
+    max_texts: Optional[int] = field(
+        default=None, metadata={"help": "Stop reading after this many texts (rows or lines); leave out to read all."}
+    )
+    max_characters: Optional[int] = field(
+        default=None, metadata={"help": "Stop reading after this many characters; leave out to read all."}
+    )
+
+
+@dataclass
+class TokenizerArguments:
+    """What to train and where to save it."""
+
+    output_dir: str = field(
+        default="tokenizer",
+        metadata={"help": "Directory to save the tokenizer in. Other files already there (config.json) are kept."},
+    )
+    model_type: str = field(
+        default="gpt2",
+        metadata={
+            "help": "Special tokens preset: the tokens and ids the model type expects.",
+            "choices": list(SPECIAL_TOKEN_PRESETS),
+        },
+    )
+    vocab_size: int = field(
+        default=32000,
+        metadata={"help": f"Size of the vocabulary, special tokens included: {BYTE_ALPHABET_SIZE} + specials or more."},
+    )
+    min_frequency: int = field(default=2, metadata={"help": "Only merge pairs that occur at least this often."})
+    model_max_length: Optional[int] = field(
+        default=None,
+        metadata={"help": "Longest input the model takes, in tokens; leave out for 1024 (gpt2) or 512 (roberta)."},
+    )
+    bos_token: Optional[str] = field(default=None, metadata={"help": "Replace the preset's beginning-of-text token."})
+    eos_token: Optional[str] = field(default=None, metadata={"help": "Replace the preset's end-of-text token."})
+    unk_token: Optional[str] = field(default=None, metadata={"help": "Replace the preset's unknown token."})
+    pad_token: Optional[str] = field(
+        default=None, metadata={"help": "Replace the preset's padding token, or give gpt2 one."}
+    )
+    mask_token: Optional[str] = field(
+        default=None, metadata={"help": "Replace the preset's mask token, or give gpt2 one."}
+    )
+    extra_special_tokens: Optional[list[str]] = field(
+        default=None, metadata={"help": "More special tokens, never split, with ids after the preset's."}
+    )
+    overwrite: bool = field(
+        default=False, metadata={"help": "Replace a tokenizer already saved in --output_dir."}
+    )
+
+
+@dataclass
+class ReadCounts:
+    """What the reader has read so far."""
+
+    texts: int = 0
+    characters: int = 0
+    bytes: int = 0
+    first_text: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def parse_arguments(dataclass_types):
+    """Parse the command line, or a single .json file of arguments."""
+    parser = HfArgumentParser(dataclass_types)
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        json_path = sys.argv[1]
+        try:
+            with open(json_path, encoding="utf-8") as json_file:
+                values = json.load(json_file)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read the arguments file {json_path}: {error}") from None
+        if not isinstance(values, dict):
+            raise UsageError(f"the arguments file {json_path} must hold one JSON object of flag names and values")
+        for dataclass_type in dataclass_types:
+            for argument in dataclasses.fields(dataclass_type):
+                required = argument.default is dataclasses.MISSING and argument.default_factory is dataclasses.MISSING
+                if required and argument.name not in values:
+                    raise UsageError(f"the arguments file {json_path} has no '{argument.name}'; add it")
+        try:
+            parsed = parser.parse_dict(values)
+        except ValueError as error:
+            raise UsageError(f"the arguments file {json_path}: {error}") from None
+        for arguments in parsed:
+            check_argument_types(arguments, json_path)
+        return parsed
+    return parser.parse_args_into_dataclasses()
+
+
+def check_argument_types(arguments, source):
+    """Check value types the way the command line would; a JSON file of arguments bypasses that check."""
+    type_hints = typing.get_type_hints(type(arguments))
+    for argument in dataclasses.fields(arguments):
+        value = getattr(arguments, argument.name)
+        if isinstance(value, str) and typing.get_origin(type_hints[argument.name]) is typing.Union:
+            # A single string where a list is expected, e.g. "train_file": "data.txt".
+            if list in [typing.get_origin(option) for option in typing.get_args(type_hints[argument.name])]:
+                value = [value]
+                setattr(arguments, argument.name, value)
+        if not value_has_type(value, type_hints[argument.name]):
+            annotation = type_hints[argument.name]
+            expected = annotation.__name__ if type(annotation) is type else str(annotation).replace("typing.", "")
+            raise UsageError(f"{source}: '{argument.name}' must be of type {expected}, not {value!r}")
+        choices = argument.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise UsageError(f"{source}: '{argument.name}' must be one of {', '.join(choices)}, not {value!r}")
+
+
+def value_has_type(value, annotation):
+    if annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(value_has_type(value, option) for option in typing.get_args(annotation))
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(value_has_type(item, item_type) for item in value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def special_tokens_by_role(tokenizer_args):
+    """The preset's special tokens with the user's replacements, e.g. {"bos_token": "<s>", ...}."""
+    roles = dict(SPECIAL_TOKEN_PRESETS[tokenizer_args.model_type])
+    for role in SPECIAL_TOKEN_ROLES:
+        replacement = getattr(tokenizer_args, role)
+        if replacement is not None:
+            if not replacement:
+                raise UsageError(f"--{role} must not be empty")
+            roles[role] = replacement
+    return {role: roles[role] for role in SPECIAL_TOKEN_ROLES if role in roles}
+
+
+def check_output_dir(output_dir, overwrite):
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
+    existing = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(output_dir, name))]
+    if existing and not overwrite:
+        raise UsageError(
+            f"--output_dir {output_dir} already holds a tokenizer ({existing[0]}); pass --overwrite to replace it "
+            "or choose another directory"
+        )
+    # The nearest directory that exists must be writable, so that training is not wasted.
+    ancestor = os.path.abspath(output_dir)
+    while not os.path.isdir(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.access(ancestor, os.W_OK):
+        raise UsageError(f"cannot write to --output_dir {output_dir}: {ancestor} is not writable")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading text
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def expand_train_files(patterns):
+    """Glob patterns and paths to a list of existing files, in the order given."""
+    files = []
+    for pattern in patterns:
+        if any(character in pattern for character in "*?["):
+            matches = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
+            if not matches:
+                raise UsageError(
+                    f"--train_file pattern '{pattern}' matches no files; check the path and quote the pattern"
+                )
+            files.extend(matches)
+        elif os.path.isdir(pattern):
+            raise UsageError(
+                f"--train_file {pattern} is a directory; pass the files in it (e.g. '{pattern}/*.txt') "
+                "or pass the directory with --dataset_name"
+            )
+        elif not os.path.isfile(pattern):
+            raise UsageError(f"--train_file {pattern} does not exist; check the path")
+        else:
+            files.append(pattern)
+    return list(dict.fromkeys(files))  # a file named twice is read once
+
+
+def builder_for_file(path):
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in BUILDER_FOR_EXTENSION:
+        supported = ", ".join(BUILDER_FOR_EXTENSION)
+        raise UsageError(f"--train_file {path} has an unsupported extension; supported: {supported}")
+    return BUILDER_FOR_EXTENSION[extension]
+
+
+def is_saved_dataset(directory):
+    """True for a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    return os.path.isfile(os.path.join(directory, "dataset_dict.json")) or os.path.isfile(
+        os.path.join(directory, "state.json")
+    )
+
+
+def open_text_sources(data_args):
+    """The datasets to read, each as (description, dataset, column name, number of rows or None).
+
+    Local files are streamed; a directory written by `save_to_disk` is memory-mapped. Either way the text is read
+    in batches and never held in memory all at once.
+    """
+    if data_args.train_file and data_args.dataset_name:
+        raise UsageError("pass either --train_file or --dataset_name, not both")
+    if not data_args.train_file and not data_args.dataset_name:
+        raise UsageError("no input: pass text files with --train_file or a dataset with --dataset_name")
+
+    if data_args.train_file:
+        files_by_builder = {}
+        for path in expand_train_files(data_args.train_file):
+            files_by_builder.setdefault(builder_for_file(path), []).append(path)
+        sources = []
+        for builder, files in files_by_builder.items():
+            description = files[0] if len(files) == 1 else f"{len(files)} {builder} files"
+            options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
+            try:
+                dataset = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+            except (OSError, ValueError) as error:
+                raise UsageError(f"cannot read {description}: {first_line(error)}") from None
+            # Text files have one column, "text", holding their lines.
+            column = "text" if builder == "text" else data_args.text_column_name
+            sources.append((description, dataset, column, None))
+        return sources
+
+    name = data_args.dataset_name
+    if os.path.isdir(name) and is_saved_dataset(name):
+        try:
+            dataset = datasets.load_from_disk(name)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot load the saved dataset {name}: {first_line(error)}") from None
+        if isinstance(dataset, datasets.DatasetDict):
+            if data_args.dataset_split not in dataset:
+                splits = ", ".join(dataset)
+                raise UsageError(f"--dataset_split {data_args.dataset_split} is not in {name}; it has: {splits}")
+            dataset = dataset[data_args.dataset_split]
+        return [(name, dataset, data_args.text_column_name, dataset.num_rows)]
+
+    where = "the local directory" if os.path.isdir(name) else "the dataset"
+    try:
+        dataset = datasets.load_dataset(
+            name, data_args.dataset_config_name, split=data_args.dataset_split, streaming=True
+        )
+    except (OSError, ValueError) as error:
+        raise UsageError(
+            f"cannot load {where} {name} (--dataset_name): {first_line(error)}; check the name and split, "
+            "or pass local files with --train_file"
+        ) from None
+    return [(name, dataset, data_args.text_column_name, None)]
+
+
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def text_batches(sources, counts, max_texts=None, max_characters=None):
+    """Yield lists of up to TEXTS_PER_BATCH non-empty strings from all sources, updating `counts` as it goes."""
+    for description, dataset, column, _ in sources:
+        rows = iter(dataset.iter(batch_size=TEXTS_PER_BATCH))
+        while True:
+            try:
+                batch = next(rows)
+            except StopIteration:
+                break
+            except (OSError, ValueError) as error:
+                # What the json, csv, parquet and text readers raise for a malformed or undecodable file.
+                raise UsageError(f"cannot read {description}: {first_line(error)}") from None
+            if column not in batch:
+                available = ", ".join(batch) or "none"
+                raise UsageError(
+                    f"{description} has no column '{column}' (it has: {available}); "
+                    "pass the text column with --text_column_name"
+                )
+            texts = []
+            for text in batch[column]:
+                if text is None or text == "":
+                    continue
+                if not isinstance(text, str):
+                    raise UsageError(
+                        f"column '{column}' of {description} holds {type(text).__name__} values, not text; "
+                        "pass the text column with --text_column_name"
+                    )
+                if max_characters is not None:
+                    text = text[: max_characters - counts.characters]
+                texts.append(text)
+                counts.texts += 1
+                counts.characters += len(text)
+                counts.bytes += len(text.encode("utf-8"))
+                if counts.first_text is None:
+                    counts.first_text = text
+                if counts.texts == max_texts or counts.characters == max_characters:
+                    yield texts
+                    return
+            if texts:
+                yield texts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def special_token(token, takes_space_before=False):
+    """Special tokens are never split or normalized. The mask token also takes the space before it, as in RoBERTa:
+    in "the <mask> sat" it stands for " cat", the word with its leading space, as the tokenizer would encode it."""
+    return AddedToken(token, special=True, normalized=False, lstrip=takes_space_before)
+
+
+def new_byte_level_bpe():
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def wrap_for_transformers(tokenizer, model_type, roles, extra_special_tokens, model_max_length):
+    """The `transformers` tokenizer class of the model type, around the trained `tokenizers` object.
+
+    Saved, it loads with AutoTokenizer.from_pretrained as GPT2Tokenizer or RobertaTokenizer, the fast tokenizer
+    classes of transformers 5.
+    """
+    tokens = {role: special_token(token, takes_space_before=role == "mask_token") for role, token in roles.items()}
+    options = dict(
+        tokenizer_object=tokenizer,
+        model_max_length=model_max_length,
+        extra_special_tokens=[special_token(token) for token in extra_special_tokens],
+        **tokens,
+    )
+    if model_type == "roberta":
+        # RoBERTa starts a sequence with its classifier token and ends it with the separator: <s> A </s></s> B </s>.
+        return RobertaTokenizer(cls_token=tokens["bos_token"], sep_token=tokens["eos_token"], **options)
+    return GPT2Tokenizer(**options)
+
+
+def save_tokenizer(fast_tokenizer, output_dir):
+    """Save into a temporary directory beside output_dir, then move the files in: an interrupted run leaves the
+    directory as it was."""
+    output_dir = os.path.abspath(output_dir)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}-", dir=parent)
+    try:
+        fast_tokenizer.save_pretrained(staging_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        written = sorted(os.listdir(staging_dir))
+        for name in written:
+            os.replace(os.path.join(staging_dir, name), os.path.join(output_dir, name))
+        for name in TOKENIZER_FILES:
+            stale = os.path.join(output_dir, name)
+            if name not in written and os.path.exists(stale):
+                os.remove(stale)
+    finally:
+        shutil.rmtree(staging_dir, ignore_errors=True)
+    return written
+
+
+def sample_sentence(text, max_characters=80):
+    """The start of a text, cut at a word boundary: something short to show the tokenizer on."""
+    text = " ".join(text.split())
+    if len(text) <= max_characters:
+        return text
+    cut = text.rfind(" ", 0, max_characters)
+    return text[: cut if cut > 0 else max_characters]
+
+
+def main():
+    # Arguments ------------------------------------------------------------------------------------------------------
+    data_args, tokenizer_args = parse_arguments((DataArguments, TokenizerArguments))
+
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+        level=logging.INFO,
+    )
+    datasets.logging.set_verbosity_error()
+    # The file readers log an error right before raising it; the raised error is reported instead.
+    datasets.logging.disable_propagation()
+    for reader in ["json", "csv", "parquet", "text"]:
+        logging.getLogger(f"datasets.packaged_modules.{reader}.{reader}").setLevel(logging.CRITICAL)
+
+    roles = special_tokens_by_role(tokenizer_args)
+    extra_special_tokens = tokenizer_args.extra_special_tokens or []
+    special_tokens = list(dict.fromkeys(list(roles.values()) + extra_special_tokens))
+    minimum_vocab_size = BYTE_ALPHABET_SIZE + len(special_tokens)
+    if tokenizer_args.vocab_size < minimum_vocab_size:
+        raise UsageError(
+            f"--vocab_size {tokenizer_args.vocab_size} is too small: it must be at least {minimum_vocab_size} "
+            f"({BYTE_ALPHABET_SIZE} byte tokens + {len(special_tokens)} special token"
+            f"{'' if len(special_tokens) == 1 else 's'})"
+        )
+    if tokenizer_args.min_frequency < 0:
+        raise UsageError(f"--min_frequency must be 0 or more, not {tokenizer_args.min_frequency}")
+    for flag in ["max_texts", "max_characters"]:
+        limit = getattr(data_args, flag)
+        if limit is not None and limit < 1:
+            raise UsageError(f"--{flag} must be 1 or more, not {limit}; leave it out to read everything")
+    model_max_length = tokenizer_args.model_max_length
+    if model_max_length is None:
+        model_max_length = DEFAULT_MODEL_MAX_LENGTH[tokenizer_args.model_type]
+    if model_max_length < 1:
+        raise UsageError(f"--model_max_length must be 1 or more, not {model_max_length}")
+    check_output_dir(tokenizer_args.output_dir, tokenizer_args.overwrite)
+
+    # Data -----------------------------------------------------------------------------------------------------------
+    sources = open_text_sources(data_args)
+    known_rows = [rows for _, _, _, rows in sources]
+    expected_texts = sum(known_rows) if None not in known_rows else None
+    if data_args.max_texts is not None:
+        expected_texts = min(expected_texts or data_args.max_texts, data_args.max_texts)
+    logger.info("Reading text from %s", ", ".join(description for description, _, _, _ in sources))
+
+    # Training -------------------------------------------------------------------------------------------------------
+    tokenizer = new_byte_level_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=tokenizer_args.vocab_size,
+        min_frequency=tokenizer_args.min_frequency,
+        special_tokens=[
+            special_token(token, takes_space_before=token == roles.get("mask_token")) for token in special_tokens
+        ],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=sys.stderr.isatty(),  # the bars are drawn on a terminal only
+    )
+    counts = ReadCounts()
+    start_time = time.perf_counter()
+    # The trainer's progress bar counts the texts as they are read, then shows the merges.
+    tokenizer.train_from_iterator(
+        text_batches(sources, counts, data_args.max_texts, data_args.max_characters),
+        trainer=trainer,
+        length=expected_texts,
+    )
+    seconds = max(time.perf_counter() - start_time, 1e-6)
+    if counts.texts == 0:
+        where = ", ".join(description for description, _, _, _ in sources)
+        raise UsageError(f"no text found in {where}; check the files and --text_column_name")
+    logger.info(
+        "Trained on %d texts (%d characters, %.2f MB) in %.1f s (%.2f MB/s)",
+        counts.texts,
+        counts.characters,
+        counts.bytes / 1e6,
+        seconds,
+        counts.bytes / 1e6 / seconds,
+    )
+    if tokenizer.get_vocab_size() < tokenizer_args.vocab_size:
+        logger.warning(
+            "The corpus only supports %d tokens, fewer than --vocab_size %d: every pair seen at least "
+            "--min_frequency times has been merged.",
+            tokenizer.get_vocab_size(),
+            tokenizer_args.vocab_size,
+        )
+    if tokenizer_args.model_type == "roberta":
+        tokenizer.post_processor = processors.RobertaProcessing(
+            (roles["eos_token"], tokenizer.token_to_id(roles["eos_token"])),
+            (roles["bos_token"], tokenizer.token_to_id(roles["bos_token"])),
+            trim_offsets=True,
+            add_prefix_space=False,
+        )
+
+    # Save -----------------------------------------------------------------------------------------------------------
+    fast_tokenizer = wrap_for_transformers(
+        tokenizer, tokenizer_args.model_type, roles, extra_special_tokens, model_max_length
+    )
+    written = save_tokenizer(fast_tokenizer, tokenizer_args.output_dir)
+    logger.info("Wrote %s", ", ".join(written))
+
+    sample = sample_sentence(counts.first_text)
+    encoding = fast_tokenizer(sample)
+    special_ids = ", ".join(f"{token}={fast_tokenizer.convert_tokens_to_ids(token)}" for token in special_tokens)
+    print(f"Saved the tokenizer to {os.path.abspath(tokenizer_args.output_dir)}")
+    print(f"vocab size: {len(fast_tokenizer)} (special tokens: {special_ids}), model_max_length: {model_max_length}")
+    print(f"sample: {sample!r}")
+    print(f"tokens: {fast_tokenizer.convert_ids_to_tokens(encoding['input_ids'])}")
+    print(f"ids: {encoding['input_ids']}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
