@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import transformers
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 class UsageError(Exception):
-    """A mistake in the user's arguments or files; reported as one line, without a traceback."""
+    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -93,6 +95,13 @@ class ModelArguments:
     token: Optional[str] = field(
         default=None,
         metadata={"help": "Hugging Face hub token for private models or datasets. Never logged or saved."},
+    )
+    allow_pickle_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "Also load --model_name_or_path from a pytorch_model.bin (a pickle; needs PyTorch). Only for "
+            "files you trust; safetensors needs no such opt-in."
+        },
     )
 
 
@@ -186,7 +195,28 @@ class TrainingArguments:
         default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
     )
     logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
-    save_steps: int = field(default=500, metadata={"help": "Save the model every this many steps."})
+    save_steps: int = field(
+        default=500,
+        metadata={"help": "Save a training checkpoint and the model every this many steps."},
+    )
+    save_total_limit: int = field(
+        default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
+    )
+    resume_from_checkpoint: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Continue an interrupted run from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, "
+            "or no value for the newest checkpoint in --output_dir.",
+            "nargs": "?",
+            "const": "newest",
+        },
+    )
+    skip_nonfinite_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "When the loss or gradient norm is not finite, skip that update and go on, instead of stopping."
+        },
+    )
     eval_steps: Optional[int] = field(
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
@@ -219,7 +249,7 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
-    for name in ("logging_steps", "save_steps"):
+    for name in ("logging_steps", "save_steps", "save_total_limit"):
         if getattr(training_args, name) < 1:
             raise UsageError(f"--{name} must be at least 1")
     if training_args.eval_steps is not None and training_args.eval_steps < 1:
@@ -237,14 +267,18 @@ def check_arguments(model_args, data_args, training_args):
     output_dir = training_args.output_dir
     if os.path.isfile(output_dir):
         raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
+    if training_args.resume_from_checkpoint and not training_args.do_train:
+        raise UsageError("--resume_from_checkpoint continues training; add --do_train")
     if (
         training_args.do_train
         and os.path.isdir(output_dir)
         and os.listdir(output_dir)
         and not training_args.overwrite_output_dir
+        and not training_args.resume_from_checkpoint
     ):
         raise UsageError(
-            f"--output_dir {output_dir} already holds files; pass --overwrite_output_dir to train into it anyway"
+            f"--output_dir {output_dir} already holds files; pass --resume_from_checkpoint to continue its run, "
+            "or --overwrite_output_dir to train into it anyway"
         )
 
 
@@ -273,6 +307,8 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
             raise UsageError(f"--{flag}: {path} does not exist or is not a file")
         if not os.access(path, os.R_OK):
             raise UsageError(f"--{flag}: {path} is not readable")
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"--{flag}: {path} is empty")
         extension = os.path.splitext(path)[1].lower()
         if extension not in DATA_FILE_BUILDERS:
             supported = ", ".join(DATA_FILE_BUILDERS)
@@ -415,14 +451,15 @@ def process_slice(global_batch_size: int) -> slice:
     return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
 
 
-def train_batches(blocks: np.ndarray, global_batch_size: int, seed: int, epoch: int) -> Iterator[np.ndarray]:
-    """This process's rows of each global batch of one epoch, in an order fixed by seed and epoch.
+def train_batches(blocks: np.ndarray, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0) -> Iterator[dict]:
+    """This process's rows of each global batch of one epoch, from batch `first_batch` on, in an order
+    fixed by seed and epoch (so a resumed run continues with the very batches it would have seen).
 
     The blocks left over after the last full batch differ from epoch to epoch, so all data is seen.
     """
     order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
     rows = process_slice(global_batch_size)
-    for step in range(len(blocks) // global_batch_size):
+    for step in range(first_batch, len(blocks) // global_batch_size):
         batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size][rows])
         yield {"input_ids": np.asarray(blocks[batch_indices], dtype=np.int32)}
 
@@ -735,10 +772,19 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
         return state_dict
     if (path := fetch(single_name)) is not None:
         return load_file(path)
-    raise UsageError(
-        f"{name_or_path} has no model.safetensors; only safetensors checkpoints are loaded "
-        "(convert a pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
-    )
+    if (pickle_path := fetch("pytorch_model.bin")) is None:
+        raise UsageError(f"{name_or_path} has no model.safetensors")
+    if not model_args.allow_pickle_weights:
+        raise UsageError(
+            f"{name_or_path} holds only pytorch_model.bin, a pickle that can run code when loaded; convert it to "
+            "model.safetensors, or pass --allow_pickle_weights if you trust the file"
+        )
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("reading pytorch_model.bin needs PyTorch: pip install torch") from None
+    # weights_only refuses anything in the pickle but tensors and plain containers.
+    return {name: tensor.float().numpy() for name, tensor in torch.load(pickle_path, map_location="cpu", weights_only=True).items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -832,18 +878,25 @@ def abstract_model_params(model, dummy_input, unbox: bool = True):
     return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
 
 
-def create_train_state(model, optimizer, mesh, seed: int, dummy_input, loaded_params=None):
-    """The training state, created directly with its sharding: parameters are initialised (or placed,
-    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
+    """Shape, dtype and sharding of every leaf of the training state, computed without allocating it."""
     boxed_params = abstract_model_params(model, dummy_input, unbox=False)
     param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
     abstract_params = nn.meta.unbox(boxed_params)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
-    state_shardings = TrainState(
+    shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
         opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
     )
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)
+    return jax.tree_util.tree_map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding), shapes, shardings)
+
+
+def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, dummy_input, loaded_params=None):
+    """The training state, created directly with its sharding: parameters are initialised (or placed,
+    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+    shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
 
     def init(params):
         if params is None:
@@ -851,8 +904,8 @@ def create_train_state(model, optimizer, mesh, seed: int, dummy_input, loaded_pa
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
     if loaded_params is not None:
-        loaded_params = jax.device_put(loaded_params, param_shardings)
-    return jax.jit(init, out_shardings=state_shardings)(loaded_params), state_shardings, abstract_params
+        loaded_params = jax.device_put(loaded_params, shardings.params)
+    return jax.jit(init, out_shardings=shardings)(loaded_params)
 
 
 def make_train_step(model, optimizer, schedule, seed: int):
@@ -870,14 +923,22 @@ def make_train_step(model, optimizer, schedule, seed: int):
 
         grads, (loss_sum, token_count) = jax.grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
+        params, opt_state = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(finite, new, old),
+            (optax.apply_updates(state.params, updates), opt_state),
+            (state.params, state.opt_state),
+        )
         metrics = {
             "loss_sum": loss_sum,
             "token_count": token_count,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": schedule(state.step),
+            "finite": finite,
         }
-        return new_state, metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
 
@@ -908,6 +969,114 @@ def evaluate(eval_step, params, blocks, global_batch_size, batch_sharding) -> di
             totals[name] += float(value)
     loss = totals["loss_sum"] / totals["token_count"]
     return {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "tokens": int(totals["token_count"])}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training checkpoints, stopping on request, non-finite steps
+# ----------------------------------------------------------------------------------------------------
+
+
+def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointManager:
+    """The run's training checkpoints, OUTPUT_DIR/checkpoints/STEP, the newest `save_total_limit` kept.
+
+    Orbax writes each checkpoint into a temporary directory and renames it once complete, so a process
+    killed while saving leaves the earlier checkpoints intact; the unfinished one is deleted when the
+    directory is next opened. With several processes, every process writes its own shards.
+    """
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(output_dir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, cleanup_tmp_directories=True),
+    )
+
+
+def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progress_record: dict):
+    """Returns once the arrays are copied off the devices; the files are written while training goes on."""
+    checkpoints.save(
+        progress_record["step"],
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record)),
+    )
+
+
+def restore_checkpoint(location: str, output_dir: str, abstract_state: TrainState) -> tuple[TrainState, dict, str]:
+    """The training state (placed with the shardings of `abstract_state`), the progress record and the path
+    of the checkpoint at `location`: "newest" (in output_dir), a checkpoints directory, or one STEP in it."""
+    location_path = os.path.normpath(os.path.join(output_dir, "checkpoints") if location == "newest" else location)
+    if os.path.basename(location_path).isdigit():
+        directory, step = os.path.dirname(location_path), int(os.path.basename(location_path))
+    else:
+        directory, step = location_path, None
+    if not os.path.isdir(directory):
+        raise UsageError(f"--resume_from_checkpoint: there are no training checkpoints in {directory}")
+    manager = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(create=False))
+    step = manager.latest_step() if step is None else step
+    if step not in manager.all_steps():
+        raise UsageError(f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}")
+    path = os.path.join(directory, str(step))
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), progress=ocp.args.JsonRestore())
+        )
+    except (ValueError, KeyError, TypeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UsageError(
+            f"the checkpoint {path} does not fit this model ({reason}); resume with the config it was trained with"
+        ) from None
+    finally:
+        manager.close()
+    return restored.state, restored.progress, path
+
+
+def saved_arguments(*argument_groups) -> dict:
+    """All arguments, for the checkpoint's record; the hub token is never written."""
+    return {name: value for group in argument_groups for name, value in asdict(group).items() if name != "token"}
+
+
+class StopRequest:
+    """While active (a `with` block), Ctrl-C (SIGINT) or a preemption notice (SIGTERM) asks the loop to
+    save a checkpoint and stop cleanly after the current step. A second Ctrl-C stops at once."""
+
+    def __enter__(self):
+        self.signal_name = None
+        self._previous_handlers = {
+            signal_number: signal.signal(signal_number, self._request) for signal_number in (signal.SIGINT, signal.SIGTERM)
+        }
+        return self
+
+    def __exit__(self, *exception):
+        for signal_number, handler in self._previous_handlers.items():
+            signal.signal(signal_number, handler)
+
+    def _request(self, signal_number, frame):
+        if self.signal_name is not None:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signal_number).name
+        logger.warning("%s: saving a checkpoint after this step, then stopping (Ctrl-C again stops at once)", self.signal_name)
+
+    def requested(self, check_other_processes: bool) -> bool:
+        """Whether to stop now. With several processes all must stop at the same step, so they agree on it
+        only where `check_other_processes` (the same steps on every process) and otherwise carry on."""
+        if jax.process_count() == 1:
+            return self.signal_name is not None
+        if not check_other_processes:
+            return False
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.signal_name is not None))))
+
+
+def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool, checkpoints) -> list[dict]:
+    """The metrics of the steps whose loss and gradient norm were finite. A non-finite step stops the run,
+    or is reported and skipped with --skip_nonfinite_steps (its update was never applied either way)."""
+    bad_steps = [first_step + index for index, metrics in enumerate(step_metrics) if not metrics["finite"]]
+    if bad_steps and not skip_nonfinite:
+        newest = checkpoints.latest_step()
+        last_good = os.path.join(str(checkpoints.directory), str(newest)) if newest is not None else "none was saved yet"
+        raise UsageError(
+            f"the loss or gradient norm is not finite at step {bad_steps[0]}; its update was not applied and nothing "
+            f"was saved after it. Last good checkpoint: {last_good}. Lower --learning_rate and continue with "
+            "--resume_from_checkpoint, or pass --skip_nonfinite_steps to skip such steps"
+        )
+    for step in bad_steps:
+        logger.warning("step %d: the loss or gradient norm is not finite; the update was skipped", step)
+    return [metrics for metrics in step_metrics if metrics["finite"]]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -943,10 +1112,7 @@ class TensorBoardWriter:
 def arguments_markdown(*argument_groups) -> str:
     """All arguments as a markdown table, for TensorBoard's text tab. The hub token is left out."""
     rows = ["| argument | value |", "| --- | --- |"]
-    for group in argument_groups:
-        for name, value in sorted(asdict(group).items()):
-            if name != "token":
-                rows.append(f"| {name} | {value} |")
+    rows += [f"| {name} | {value} |" for name, value in sorted(saved_arguments(*argument_groups).items())]
     return "\n".join(rows)
 
 
@@ -1040,7 +1206,9 @@ def main():
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if jax.process_index() == 0 else logging.ERROR,
+        force=True,  # importing orbax installs absl's handler, which would hide these logs
     )
+    logging.getLogger("absl").setLevel(logging.WARNING)
     datasets.utils.logging.set_verbosity_warning()
     transformers.utils.logging.set_verbosity_warning()
     logger.info("%d devices over %d processes: %s", jax.device_count(), jax.process_count(), jax.devices())
@@ -1098,14 +1266,34 @@ def main():
     schedule = learning_rate_schedule(training_args, total_steps)
     optimizer = create_optimizer(training_args, schedule)
 
-    loaded_params = None
     dummy_input = jnp.zeros((1, block_size), jnp.int32)
-    if model_args.model_name_or_path:
-        loaded_params = from_hf_state_dict(
-            read_safetensors_checkpoint(model_args.model_name_or_path, model_args), abstract_model_params(model, dummy_input)
+    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+    progress_record = {"step": 0, "train_loss_sum": 0.0, "train_token_count": 0.0}
+    if training_args.resume_from_checkpoint:
+        state, progress_record, checkpoint_path = restore_checkpoint(
+            training_args.resume_from_checkpoint, training_args.output_dir, abstract_state
         )
-        logger.info("Loaded weights from %s", model_args.model_name_or_path)
-    state, state_shardings, abstract_params = create_train_state(model, optimizer, mesh, training_args.seed, dummy_input, loaded_params)
+        logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
+        if (progress_record["global_batch_size"], progress_record["block_size"]) != (train_batch_size, block_size):
+            logger.warning(
+                "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
+                "order differs from the interrupted run's", progress_record["global_batch_size"],
+                progress_record["block_size"], train_batch_size, block_size,
+            )
+        if progress_record["step"] >= total_steps:
+            raise UsageError(
+                f"the checkpoint is at step {progress_record['step']}, the run ends at step {total_steps}; "
+                "raise --max_steps or --num_train_epochs to train further"
+            )
+    else:
+        loaded_params = None
+        if model_args.model_name_or_path:
+            loaded_params = from_hf_state_dict(
+                read_safetensors_checkpoint(model_args.model_name_or_path, model_args), abstract_state.params
+            )
+            logger.info("Loaded weights from %s", model_args.model_name_or_path)
+        state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
     num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
     logger.info("GPT-2 with %.1fM parameters, computing in %s", num_params / 1e6, model_args.dtype)
 
@@ -1134,70 +1322,102 @@ def main():
     if training_args.do_train:
         eval_steps = training_args.eval_steps or training_args.logging_steps
         tokens_per_step = train_batch_size * block_size
+        start_step = progress_record["step"]
         logger.info(
-            "Training for %d steps (%.2f epochs of %d blocks), global batch %d x %d tokens",
-            total_steps, total_steps / steps_per_epoch, len(blocks["train"]), train_batch_size, block_size,
+            "Training steps %d to %d (%.2f epochs of %d blocks), global batch %d x %d tokens",
+            start_step + 1, total_steps, total_steps / steps_per_epoch, len(blocks["train"]), train_batch_size, block_size,
         )
 
-        def all_train_batches():
-            epoch = 0
+        def batches_from(step: int):
+            # The data order is a function of the step, so a resumed run sees the batches the interrupted one would have.
+            epoch, first_batch = divmod(step, steps_per_epoch)
             while True:
-                for batch in train_batches(blocks["train"], train_batch_size, training_args.seed, epoch):
+                for batch in train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch):
                     yield to_global_batch(batch, batch_sharding)
-                epoch += 1
+                epoch, first_batch = epoch + 1, 0
 
-        batches = prefetch(all_train_batches())
-        progress = tqdm(total=total_steps, desc="Training", disable=not is_main_process)
-        window_metrics, window_start = [], time.perf_counter()
-        train_start, train_loss_sum, train_token_count = time.perf_counter(), 0.0, 0.0
-        for step in range(1, total_steps + 1):
-            state, metrics = train_step(state, next(batches))
-            window_metrics.append(metrics)
-            progress.update(1)
+        def save(step: int):
+            progress_record.update(
+                step=step, epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch,
+                global_batch_size=train_batch_size, block_size=block_size,
+                arguments=saved_arguments(model_args, data_args, training_args),
+            )
+            save_checkpoint(checkpoints, state, progress_record)
+            save_model(training_args.output_dir, state.params, config, tokenizer)
+            logger.info("step %d: saved a training checkpoint and the model to %s", step, training_args.output_dir)
 
-            if step % training_args.logging_steps == 0 or step == total_steps:
-                window = jax.device_get(window_metrics)  # waits for the steps to finish
-                elapsed = time.perf_counter() - window_start
-                loss_sum = sum(float(m["loss_sum"]) for m in window)
-                token_count = sum(float(m["token_count"]) for m in window)
-                train_loss_sum, train_token_count = train_loss_sum + loss_sum, train_token_count + token_count
-                logged = {
-                    "train/loss": loss_sum / token_count,
-                    "train/learning_rate": float(window[-1]["learning_rate"]),
-                    "train/grad_norm": float(window[-1]["grad_norm"]),
-                    "train/tokens_per_second": len(window) * tokens_per_step / elapsed,
-                }
-                progress.set_postfix(
-                    loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/learning_rate']:.2e}",
-                    tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
-                )
-                logger.info(
-                    "step %d: loss %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
-                    step, logged["train/loss"], logged["train/learning_rate"], logged["train/grad_norm"],
-                    logged["train/tokens_per_second"],
-                )
-                if writer:
-                    writer.scalars(logged, step)
-                window_metrics, window_start = [], time.perf_counter()
+        # Leaving this block, for whatever reason, waits for a checkpoint still being written.
+        with open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints, StopRequest() as stop:
+            batches = prefetch(batches_from(start_step))
+            progress = tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process)
+            unread_metrics, log_window, window_start = [], [], time.perf_counter()
+            train_start = time.perf_counter()
+            for step in range(start_step + 1, total_steps + 1):
+                state, metrics = train_step(state, next(batches))
+                unread_metrics.append(metrics)
+                progress.update(1)
+                is_last = step == total_steps
+                is_log_step = step % training_args.logging_steps == 0 or is_last
+                stopping = stop.requested(check_other_processes=is_log_step)
+                is_save_step = step % training_args.save_steps == 0 or is_last or stopping
 
-            if training_args.do_eval and step % eval_steps == 0 and step != total_steps:
-                run_evaluation(step)
-            if step % training_args.save_steps == 0 and step != total_steps:
-                save_model(training_args.output_dir, state.params, config, tokenizer)
-                logger.info("step %d: saved the model to %s", step, training_args.output_dir)
-        progress.close()
+                if is_log_step or is_save_step:
+                    # Reading the metrics waits for the steps to finish; checking them here means no non-finite
+                    # step goes unnoticed into a checkpoint.
+                    fetched = jax.device_get(unread_metrics)
+                    finite = finite_steps(fetched, step - len(fetched) + 1, training_args.skip_nonfinite_steps, checkpoints)
+                    progress_record["train_loss_sum"] += sum(float(m["loss_sum"]) for m in finite)
+                    progress_record["train_token_count"] += sum(float(m["token_count"]) for m in finite)
+                    log_window += finite
+                    unread_metrics = []
+                if (is_log_step or stopping) and log_window:
+                    elapsed = time.perf_counter() - window_start
+                    logged = {
+                        "train/loss": sum(float(m["loss_sum"]) for m in log_window) / sum(float(m["token_count"]) for m in log_window),
+                        "train/learning_rate": float(log_window[-1]["learning_rate"]),
+                        "train/grad_norm": float(log_window[-1]["grad_norm"]),
+                        "train/tokens_per_second": len(log_window) * tokens_per_step / elapsed,
+                    }
+                    progress.set_postfix(
+                        loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/learning_rate']:.2e}",
+                        tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
+                    )
+                    logger.info(
+                        "step %d: loss %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+                        step, logged["train/loss"], logged["train/learning_rate"], logged["train/grad_norm"],
+                        logged["train/tokens_per_second"],
+                    )
+                    if writer:
+                        writer.scalars(logged, step)
+                    log_window, window_start = [], time.perf_counter()
+
+                if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
+                    run_evaluation(step)
+                if is_save_step:
+                    save(step)
+                if stopping:
+                    break
+            progress.close()
         train_runtime = time.perf_counter() - train_start
 
-        save_model(training_args.output_dir, state.params, config, tokenizer)
+        if stopping:
+            if writer:
+                writer.close()
+            print(
+                f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
+                f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
+                "command with --resume_from_checkpoint added."
+            )
+            return
         if is_main_process:
             write_json(
                 os.path.join(training_args.output_dir, "train_results.json"),
                 {
-                    "train_loss": train_loss_sum / train_token_count,
+                    "train_loss": progress_record["train_loss_sum"] / progress_record["train_token_count"],
                     "train_steps": total_steps,
                     "epochs": total_steps / steps_per_epoch,
                     "train_runtime_seconds": train_runtime,
-                    "train_tokens_per_second": total_steps * tokens_per_step / train_runtime,
+                    "train_tokens_per_second": (total_steps - start_step) * tokens_per_step / train_runtime,
                 },
             )
         logger.info("Saved the model to %s", training_args.output_dir)
@@ -1218,7 +1438,7 @@ def main():
     if training_args.do_train and is_main_process and training_args.sample_tokens > 0:
         # Read the export back, so the sample also shows that the saved files hold the trained model.
         exported = from_hf_state_dict(
-            load_file(os.path.join(training_args.output_dir, "model.safetensors")), abstract_params
+            load_file(os.path.join(training_args.output_dir, "model.safetensors")), abstract_state.params
         )
         text = sample_text(
             FlaxGPT2LMHeadModel(config), exported, tokenizer, training_args.sample_prompt,
@@ -1227,7 +1447,6 @@ def main():
         print(f"sample from {training_args.output_dir}: {text!r}")
     if is_main_process and training_args.do_train:
         print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
-
 
 if __name__ == "__main__":
     try:
