@@ -87,9 +87,29 @@ class ModelArguments:
     dtype: str = field(
         default="float32",
         metadata={
-            "help": "Computation dtype: float32, bfloat16 or float16. Parameters and optimizer state stay float32; "
-            "logits and the loss are always computed in float32.",
+            "help": "Computation dtype: float32, bfloat16 or float16. Logits and the loss are always computed in "
+            "float32.",
             "choices": ["float32", "bfloat16", "float16"],
+        },
+    )
+    param_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype of the parameters and the optimizer state. float32 (the default) keeps small updates "
+            "from being rounded away; bfloat16 halves their memory.",
+            "choices": ["float32", "bfloat16"],
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute each block's activations in the backward pass instead of storing them."},
+    )
+    remat_policy: str = field(
+        default="nothing_saveable",
+        metadata={
+            "help": "What --gradient_checkpointing keeps: nothing_saveable (least memory), dots_saveable (matmul "
+            "outputs: less recomputation), dots_with_no_batch_dims_saveable (in between).",
+            "choices": ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"],
         },
     )
     token: Optional[str] = field(
@@ -170,6 +190,20 @@ class TrainingArguments:
         default=8, metadata={"help": "Sequences per device per step; the global batch is this times the device count."}
     )
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
+    gradient_accumulation_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Micro-batches whose gradients are summed into one update: the global batch becomes "
+            "per_device_train_batch_size x devices x this, in the memory of one micro-batch."
+        },
+    )
+    mesh_shape: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "How the devices are arranged, e.g. data=2,fsdp=4: the batch is split over all devices, and "
+            "parameters, gradients and optimizer state over the fsdp axis (like ZeRO-3). Default: data=all devices."
+        },
+    )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(
         default=0.0, metadata={"help": "AdamW weight decay; biases and LayerNorm parameters are never decayed."}
@@ -247,6 +281,8 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("nothing to do: pass --do_train, --do_eval or both")
     if training_args.per_device_train_batch_size < 1 or training_args.per_device_eval_batch_size < 1:
         raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
+    if training_args.gradient_accumulation_steps < 1:
+        raise UsageError("--gradient_accumulation_steps must be at least 1")
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
     for name in ("logging_steps", "save_steps", "save_total_limit"):
@@ -622,6 +658,7 @@ class GPT2Model(nn.Module):
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    remat_policy: Optional[str] = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
 
     def setup(self):
         config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -633,8 +670,12 @@ class GPT2Model(nn.Module):
             config.n_positions, config.n_embd, embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")), **dtypes
         )
         self.dropout = nn.Dropout(config.embd_pdrop)
+        block = Block
+        if self.remat_policy:
+            # Argument 2 (deterministic) is a Python bool that selects code, not an array.
+            block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(2,))
         # A list attribute names its modules h_0, h_1, ...: the checkpoint's h.0, h.1, ...
-        self.h = [Block(config, index, **dtypes) for index in range(config.n_layer)]
+        self.h = [block(config, index, **dtypes) for index in range(config.n_layer)]
         self.ln_f = layer_norm(config, **dtypes, name=None)
 
     def __call__(self, input_ids, deterministic: bool):
@@ -657,10 +698,11 @@ class FlaxGPT2LMHeadModel(nn.Module):
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    remat_policy: Optional[str] = None
 
     @nn.compact
     def __call__(self, input_ids, deterministic: bool = True):
-        transformer = GPT2Model(self.config, self.dtype, self.param_dtype, name="transformer")
+        transformer = GPT2Model(self.config, self.dtype, self.param_dtype, self.remat_policy, name="transformer")
         hidden = transformer(input_ids, deterministic)
         if self.config.tie_word_embeddings:
             logits = transformer.attend(hidden)
@@ -734,7 +776,7 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
                 f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
                 "pass the config the checkpoint was trained with"
             )
-        params[path] = value
+        params[path] = value.astype(expected.dtype)
         used.add(name)
     ignored = [name for name in state_dict if name not in used and not name.endswith(IGNORED_CHECKPOINT_SUFFIXES)]
     ignored = [name for name in ignored if name != "lm_head.weight"]  # tied to wte when tie_word_embeddings
@@ -791,13 +833,16 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
 # Training state, sharding, optimizer, steps
 # ----------------------------------------------------------------------------------------------------
 
-# Logical axis names used by the model -> mesh axes. Every parameter is replicated and the batch is
-# split over the "data" axis: plain data parallelism.
+# The mesh has two axes. The batch is split over both; parameters (and with them gradients and optimizer
+# state) are split along their embedding dimension over "fsdp" and replicated over "data". With the
+# default mesh (fsdp=1) that is plain data parallelism; with fsdp=N each device holds 1/N of the state
+# and XLA gathers the parameters for each layer as needed, as ZeRO-3/FSDP do.
+MESH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp")
 LOGICAL_AXIS_RULES = (
-    ("batch", "data"),
     ("vocab", None),
     ("positions", None),
-    ("embed", None),
+    ("embed", "fsdp"),
     ("heads", None),
     ("mlp", None),
 )
@@ -845,9 +890,28 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     return optimizer
 
 
-def create_mesh() -> jax.sharding.Mesh:
-    """All devices of all processes on one "data" axis."""
-    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+def create_mesh(mesh_shape: Optional[str] = None) -> jax.sharding.Mesh:
+    """All devices of all processes on the axes of MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4");
+    by default all on "data"."""
+    sizes = {"data": jax.device_count(), "fsdp": 1}
+    if mesh_shape:
+        try:
+            given = {name.strip(): int(size) for name, size in (part.split("=") for part in mesh_shape.split(","))}
+        except ValueError:
+            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M") from None
+        if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
+            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are {' and '.join(MESH_AXES)}, each at least 1")
+        sizes = {"data": 1, "fsdp": 1, **given}
+        if "data" not in given:
+            sizes["data"] = max(1, jax.device_count() // sizes["fsdp"])
+        if sizes["data"] * sizes["fsdp"] != jax.device_count():
+            raise UsageError(
+                f"--mesh_shape {mesh_shape} has {sizes['data'] * sizes['fsdp']} devices but there are "
+                f"{jax.device_count()}; make the sizes multiply to the device count"
+            )
+    return jax.make_mesh(
+        tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    )
 
 
 def optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
@@ -911,17 +975,35 @@ def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, 
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
-    def train_step(state: TrainState, batch):
-        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
-        dropout_rng = jax.random.fold_in(dropout_key, state.step)
-        input_ids = batch["input_ids"]
+    def micro_batch_gradients(params, input_ids, dropout_rng):
+        """Gradients of the summed loss of one micro-batch, with that sum and its token count."""
 
-        def loss_fn(params):
+        def loss_sum_fn(params):
             logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
-            loss_sum, token_count = causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
-            return loss_sum / token_count, (loss_sum, token_count)
+            return causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
 
-        grads, (loss_sum, token_count) = jax.grad(loss_fn, has_aux=True)(state.params)
+        (loss_sum, token_count), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
+        return grads, loss_sum, token_count
+
+    def train_step(state: TrainState, batch):
+        # batch["input_ids"]: (gradient_accumulation_steps, micro_batch, length)
+        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
+        step_rng = jax.random.fold_in(dropout_key, state.step)
+        micro_batches = batch["input_ids"]
+        if micro_batches.shape[0] == 1:
+            grads, loss_sum, token_count = micro_batch_gradients(state.params, micro_batches[0], step_rng)
+        else:
+
+            def accumulate(totals, index):
+                grads, loss_sum, token_count = micro_batch_gradients(
+                    state.params, micro_batches[index], jax.random.fold_in(step_rng, index)
+                )
+                return jax.tree_util.tree_map(jnp.add, totals, (grads, loss_sum, token_count)), None
+
+            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), jnp.float32(0), jnp.float32(0))
+            (grads, loss_sum, token_count), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches.shape[0]))
+        # The mean over every predicted token of the whole batch, however it was split into micro-batches.
+        grads = jax.tree_util.tree_map(lambda grad: grad / token_count, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
@@ -1245,11 +1327,18 @@ def main():
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
 
     # Model, mesh, optimizer, training state
-    mesh = create_mesh()
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    train_batch_size = training_args.per_device_train_batch_size * jax.device_count()
+    mesh = create_mesh(training_args.mesh_shape)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, token)
+    accumulation_steps = training_args.gradient_accumulation_steps
+    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
     eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
-    model = FlaxGPT2LMHeadModel(config, dtype=jnp.dtype(model_args.dtype))
+    model = FlaxGPT2LMHeadModel(
+        config,
+        dtype=jnp.dtype(model_args.dtype),
+        param_dtype=jnp.dtype(model_args.param_dtype),
+        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
+    )
 
     total_steps = 1
     if training_args.do_train:
@@ -1295,11 +1384,14 @@ def main():
             logger.info("Loaded weights from %s", model_args.model_name_or_path)
         state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
     num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
-    logger.info("GPT-2 with %.1fM parameters, computing in %s", num_params / 1e6, model_args.dtype)
+    logger.info(
+        "GPT-2 with %.1fM parameters in %s, computing in %s, on a mesh of %s",
+        num_params / 1e6, model_args.param_dtype, model_args.dtype, dict(mesh.shape),
+    )
 
     train_step = jax.jit(
         make_train_step(model, optimizer, schedule, training_args.seed),
-        in_shardings=(state_shardings, batch_sharding),
+        in_shardings=(state_shardings, micro_batches_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
     )
@@ -1333,7 +1425,8 @@ def main():
             epoch, first_batch = divmod(step, steps_per_epoch)
             while True:
                 for batch in train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch):
-                    yield to_global_batch(batch, batch_sharding)
+                    micro_batches = {"input_ids": batch["input_ids"].reshape(accumulation_steps, -1, block_size)}
+                    yield to_global_batch(micro_batches, micro_batches_sharding)
                 epoch, first_batch = epoch + 1, 0
 
         def save(step: int):

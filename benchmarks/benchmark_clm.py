@@ -47,6 +47,10 @@ def parse_arguments():
     parser.add_argument("--steps", type=int, default=10, help="training steps timed in each round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of timing; the best round counts")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (GPT-2 uses 0.1)")
+    parser.add_argument("--param_dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--remat_policy", help="gradient checkpointing with this jax.checkpoint_policies name")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--mesh_shape", help="e.g. data=2,fsdp=4 (default: all devices on data)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
     parser.add_argument("--skip_preprocessing", action="store_true")
     parser.add_argument("--json", help="also write the results to this JSON file")
@@ -90,24 +94,30 @@ def benchmark_training(settings, arguments) -> dict:
         embd_pdrop=arguments.dropout, attn_pdrop=arguments.dropout, bos_token_id=0, eos_token_id=0,
     )
     dtype = jnp.dtype(settings["dtype"])
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config, dtype=dtype)
+    model = run_clm_flax.FlaxGPT2LMHeadModel(
+        config, dtype=dtype, param_dtype=jnp.dtype(arguments.param_dtype), remat_policy=arguments.remat_policy
+    )
     training_arguments = run_clm_flax.TrainingArguments(output_dir="unused", learning_rate=3e-4, weight_decay=0.1)
     schedule = run_clm_flax.learning_rate_schedule(training_arguments, total_steps=10_000)
     optimizer = run_clm_flax.create_optimizer(training_arguments, schedule)
-    mesh = run_clm_flax.create_mesh()
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    mesh = run_clm_flax.create_mesh(arguments.mesh_shape)
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, run_clm_flax.BATCH_AXES))
     dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
-    state, state_shardings, _ = run_clm_flax.create_train_state(model, optimizer, mesh, 0, dummy_input)
+    abstract_state = run_clm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
+    state = run_clm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
     train_step = jax.jit(
         run_clm_flax.make_train_step(model, optimizer, schedule, 0),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
     )
+    # The global batch of the step, as gradient_accumulation_steps micro-batches.
     tokens = np.random.default_rng(0).integers(
-        0, config.vocab_size, size=(settings["batch_size"], settings["block_size"]), dtype=np.int32
+        0, config.vocab_size, size=(arguments.gradient_accumulation_steps, settings["batch_size"] // arguments.gradient_accumulation_steps, settings["block_size"]), dtype=np.int32
     )
     batch = {"input_ids": jax.device_put(tokens, batch_sharding)}
+    memory = train_step.lower(state, batch).compile().memory_analysis()
 
     compile_start = time.perf_counter()
     state, metrics = train_step(state, batch)
@@ -132,6 +142,9 @@ def benchmark_training(settings, arguments) -> dict:
     tokens_per_second = settings["batch_size"] * settings["block_size"] / step_seconds
     return {
         "parameters": parameters,
+        # Per device: the state (arguments) and what the step needs besides (activations, temporaries).
+        "state_megabytes_per_device": memory.argument_size_in_bytes / 1e6 if memory else None,
+        "temporary_megabytes_per_device": memory.temp_size_in_bytes / 1e6 if memory else None,
         "step_seconds": step_seconds,
         "compile_seconds": compile_seconds,
         "train_tokens_per_second": tokens_per_second,
@@ -215,6 +228,11 @@ def main():
         f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
         f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
     )
+    if training["temporary_megabytes_per_device"] is not None:
+        print(
+            f"memory per device: {training['state_megabytes_per_device']:.1f} MB of state and batch, "
+            f"{training['temporary_megabytes_per_device']:.1f} MB of activations and temporaries"
+        )
     if not arguments.skip_preprocessing:
         results["preprocessing"] = benchmark_preprocessing(arguments, min(settings["vocab_size"], 8192))
         preprocessing = results["preprocessing"]
