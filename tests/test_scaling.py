@@ -152,3 +152,26 @@ def test_fsdp_divides_the_state_over_devices_and_keeps_the_losses():
 def test_bad_mesh_shape_is_refused(mesh_shape, message):
     with pytest.raises(run_clm_flax.UsageError, match=message):
         run_clm_flax.create_mesh(mesh_shape)
+
+
+def test_command_line_accumulation_matches_the_larger_batch(gpt2_tokenizer_dir, tmp_path, monkeypatch):
+    from test_clm import scalars
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in os.listdir(gpt2_tokenizer_dir):
+        (model_dir / name).write_bytes((gpt2_tokenizer_dir / name).read_bytes())
+    tiny_config(vocab_size=1000, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).save_pretrained(model_dir)
+    losses = {}
+    for name, batch_options in [("whole", ["--per_device_train_batch_size", "8"]),
+                                ("accumulated", ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"])]:
+        monkeypatch.setattr(sys, "argv", [
+            "run_clm_flax.py", "--output_dir", str(tmp_path / name), "--config_name", str(model_dir),
+            "--tokenizer_name", str(model_dir), "--train_file", str(REPO_DIR / "tests" / "fixtures" / "en" / "train.txt"),
+            "--do_train", "--block_size", "32", "--max_steps", "3", "--logging_steps", "1", "--learning_rate", "1e-3",
+            "--adam_epsilon", "1e-3", "--sample_tokens", "0", *batch_options,
+        ])  # fmt: skip
+        run_clm_flax.main()
+        losses[name] = [loss for _, loss in scalars(tmp_path / name, "train/loss")]
+    assert len(losses["whole"]) == 3
+    np.testing.assert_allclose(losses["accumulated"], losses["whole"], rtol=1e-5)
