@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -47,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import transformers
 from flax import traverse_util
 from jax.experimental import multihost_utils
@@ -60,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 # Copied from run_clm_flax.UsageError
 class UsageError(Exception):
-    """A mistake in the user's arguments or files; reported as one line, without a traceback."""
+    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -96,14 +98,41 @@ class ModelArguments:
     dtype: str = field(
         default="float32",
         metadata={
-            "help": "Computation dtype: float32, bfloat16 or float16. Parameters and optimizer state stay float32; "
-            "logits and the loss are always computed in float32.",
+            "help": "Computation dtype: float32, bfloat16 or float16. Logits and the loss are always computed in "
+            "float32.",
             "choices": ["float32", "bfloat16", "float16"],
+        },
+    )
+    param_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype of the parameters and the optimizer state. float32 (the default) keeps small updates "
+            "from being rounded away; bfloat16 halves their memory.",
+            "choices": ["float32", "bfloat16"],
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Recompute each layer's activations in the backward pass instead of storing them."},
+    )
+    remat_policy: str = field(
+        default="nothing_saveable",
+        metadata={
+            "help": "What --gradient_checkpointing keeps: nothing_saveable (least memory), dots_saveable (matmul "
+            "outputs: less recomputation), dots_with_no_batch_dims_saveable (in between).",
+            "choices": ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"],
         },
     )
     token: Optional[str] = field(
         default=None,
         metadata={"help": "Hugging Face hub token for private models or datasets. Never logged or saved."},
+    )
+    allow_pickle_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "Also load --model_name_or_path from a pytorch_model.bin (a pickle; needs PyTorch). Only for "
+            "files you trust; safetensors needs no such opt-in."
+        },
     )
 
 
@@ -197,6 +226,20 @@ class TrainingArguments:
         default=8, metadata={"help": "Sequences per device per step; the global batch is this times the device count."}
     )
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
+    gradient_accumulation_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Micro-batches whose gradients are summed into one update: the global batch becomes "
+            "per_device_train_batch_size x devices x this, in the memory of one micro-batch."
+        },
+    )
+    mesh_shape: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "How the devices are arranged, e.g. data=2,fsdp=4: the batch is split over all devices, and "
+            "parameters, gradients and optimizer state over the fsdp axis (like ZeRO-3). Default: data=all devices."
+        },
+    )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(
         default=0.0, metadata={"help": "AdamW weight decay; biases and LayerNorm parameters are never decayed."}
@@ -222,7 +265,28 @@ class TrainingArguments:
         default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
     )
     logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
-    save_steps: int = field(default=500, metadata={"help": "Save the model every this many steps."})
+    save_steps: int = field(
+        default=500,
+        metadata={"help": "Save a training checkpoint and the model every this many steps."},
+    )
+    save_total_limit: int = field(
+        default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
+    )
+    resume_from_checkpoint: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Continue an interrupted run from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, "
+            "or no value for the newest checkpoint in --output_dir.",
+            "nargs": "?",
+            "const": "newest",
+        },
+    )
+    skip_nonfinite_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "When the loss or gradient norm is not finite, skip that update and go on, instead of stopping."
+        },
+    )
     eval_steps: Optional[int] = field(
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
@@ -265,9 +329,11 @@ def check_arguments(model_args, data_args, training_args):
         )
     if training_args.per_device_train_batch_size < 1 or training_args.per_device_eval_batch_size < 1:
         raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
+    if training_args.gradient_accumulation_steps < 1:
+        raise UsageError("--gradient_accumulation_steps must be at least 1")
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
-    for name in ("logging_steps", "save_steps"):
+    for name in ("logging_steps", "save_steps", "save_total_limit"):
         if getattr(training_args, name) < 1:
             raise UsageError(f"--{name} must be at least 1")
     if training_args.eval_steps is not None and training_args.eval_steps < 1:
@@ -289,14 +355,18 @@ def check_arguments(model_args, data_args, training_args):
     output_dir = training_args.output_dir
     if os.path.isfile(output_dir):
         raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
+    if training_args.resume_from_checkpoint and not training_args.do_train:
+        raise UsageError("--resume_from_checkpoint continues training; add --do_train")
     if (
         training_args.do_train
         and os.path.isdir(output_dir)
         and os.listdir(output_dir)
         and not training_args.overwrite_output_dir
+        and not training_args.resume_from_checkpoint
     ):
         raise UsageError(
-            f"--output_dir {output_dir} already holds files; pass --overwrite_output_dir to train into it anyway"
+            f"--output_dir {output_dir} already holds files; pass --resume_from_checkpoint to continue its run, "
+            "or --overwrite_output_dir to train into it anyway"
         )
 
 
@@ -327,6 +397,8 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
             raise UsageError(f"--{flag}: {path} does not exist or is not a file")
         if not os.access(path, os.R_OK):
             raise UsageError(f"--{flag}: {path} is not readable")
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"--{flag}: {path} is empty")
         extension = os.path.splitext(path)[1].lower()
         if extension not in DATA_FILE_BUILDERS:
             supported = ", ".join(DATA_FILE_BUILDERS)
@@ -570,8 +642,7 @@ class BatchMaker:
     """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
 
     Examples are blocks (a 2-D array of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
-    A batch is a dict of (rows, length) arrays: input_ids (masked), attention_mask (1 for tokens, 0 for
-    padding), labels (the original ids) and label_weights (1.0 where a token is to be predicted).
+    Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding.
     """
 
     bos_token_id: int
@@ -623,31 +694,56 @@ class BatchMaker:
         attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
         return input_ids, attention_mask
 
+    def predictions_per_row(self, length: int) -> int:
+        """Room for the positions to predict in a row of `length` tokens: the mean number chosen plus five
+        standard deviations, so that a batch needs more (and one more compilation) about once in millions."""
+        mean = length * self.mlm_probability
+        bound = mean + 5 * math.sqrt(mean * (1 - self.mlm_probability))
+        return min(length, 8 * math.ceil(bound / 8))
+
     def __call__(self, examples, indices: np.ndarray, num_rows: int, rng: np.random.Generator) -> dict:
+        """The masked batch: input_ids (masked) and attention_mask, (rows, length); and for the positions
+        to predict, masked_positions, masked_labels (the original ids) and masked_weights (1.0, or 0.0 for
+        the unused room), (rows, predictions)."""
         input_ids, attention_mask = self.token_ids(examples, indices, num_rows)
         special_tokens_mask = np.isin(input_ids, self.special_token_ids) | (attention_mask == 0)
         masked_ids, labels, label_weights = mask_tokens(
             input_ids, special_tokens_mask, self.mask_token_id, self.random_token_count, self.mlm_probability, rng
         )
-        return {"input_ids": masked_ids, "attention_mask": attention_mask, "labels": labels, "label_weights": label_weights}
+        chosen = label_weights > 0
+        predictions = self.predictions_per_row(input_ids.shape[1])
+        if chosen.sum(axis=1).max() > predictions:
+            predictions = input_ids.shape[1]
+        # The chosen positions of each row first, in order; then unchosen ones, with weight 0, as filler.
+        positions = np.argsort(~chosen, axis=1, kind="stable")[:, :predictions]
+        return {
+            "input_ids": masked_ids,
+            "attention_mask": attention_mask,
+            "masked_positions": positions.astype(np.int32),
+            "masked_labels": np.take_along_axis(labels, positions, axis=1),
+            "masked_weights": np.take_along_axis(label_weights, positions, axis=1),
+        }
 
 
 # Separate random streams for the masks of training and of evaluation batches.
 TRAIN_MASKING, EVAL_MASKING = 0, 1
 
 
-def train_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int) -> Iterator[tuple[dict, int]]:
-    """This process's rows of each masked global batch of one epoch, with the batch's number of tokens
-    (padding left out).
+def train_batches(
+    examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
+) -> Iterator[tuple[dict, int]]:
+    """This process's rows of each masked global batch of one epoch, from batch `first_batch` on, with the
+    batch's number of tokens (padding left out).
 
-    The order and the masks are fixed by seed, epoch and step, so that a run can be repeated exactly. Every
+    The order and the masks are fixed by seed, epoch and batch, so a resumed run continues with the very
+    batches, masked the very same way, that the interrupted run would have seen. Every
     process makes the whole global batch (a few megabytes) and keeps its own rows, so the masks do not
     depend on the number of processes. The examples left over after the last full batch differ from epoch to
     epoch, so all data is seen.
     """
     order = np.random.default_rng([seed, epoch]).permutation(len(examples))
     rows = process_slice(global_batch_size)
-    for step in range(len(examples) // global_batch_size):
+    for step in range(first_batch, len(examples) // global_batch_size):
         indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
         batch = make_batch(examples, indices, global_batch_size, np.random.default_rng([seed, TRAIN_MASKING, epoch, step]))
         yield {name: values[rows] for name, values in batch.items()}, int(batch["attention_mask"].sum())
@@ -717,11 +813,13 @@ class RobertaModule(nn.Module):
     """Base of every part of the model: the config, the two dtypes and factories for its layers.
 
     `dtype` is the dtype of the computation (e.g. bfloat16), `param_dtype` the dtype the parameters are
-    stored in. Every parameter gets logical axis names so that a mesh can shard it later.
+    stored in. Every parameter gets logical axis names so that a mesh can shard it. `remat_policy`, a
+    jax.checkpoint_policies name, makes the encoder recompute each layer in the backward pass.
     """
     config: transformers.RobertaConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    remat_policy: Optional[str] = None
 
     def dense(self, features, kernel_axes, bias_axes, name):
         kernel_init = nn.initializers.normal(self.config.initializer_range)
@@ -745,8 +843,8 @@ class RobertaModule(nn.Module):
                         embedding_init=nn.with_logical_partitioning(init, axes), name=name)
 
     def child(self, module_class, name):
-        """A submodule that shares this module's config and dtypes."""
-        return module_class(self.config, self.dtype, self.param_dtype, name=name)
+        """A submodule that shares this module's config, dtypes and remat policy."""
+        return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name)
 
 
 class RobertaEmbeddings(RobertaModule):
@@ -772,6 +870,17 @@ class RobertaEmbeddings(RobertaModule):
         x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
              + self.token_type_embeddings(token_type_ids))  # (batch, seq, hidden)
         return self.dropout(self.LayerNorm(x), deterministic=deterministic)
+
+
+# Copied from run_clm_flax.attention_implementation
+def attention_implementation(dtype) -> Optional[str]:
+    """cuDNN's fused (flash) attention on NVIDIA GPUs in half precision, XLA's attention elsewhere.
+
+    jax.nn.dot_product_attention does not choose cuDNN by itself, and cuDNN has no float32 kernel.
+    """
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return None
 
 
 def attention_with_dropout(query, key, value, mask, dropout):
@@ -810,8 +919,11 @@ class RobertaSelfAttention(RobertaModule):
             dropout = partial(nn.Dropout(config.attention_probs_dropout_prob), deterministic=False)
             out = attention_with_dropout(query, key, value, mask, dropout)
         else:
-            # Softmax runs in float32 inside, whatever the dtype of query and key.
-            out = jax.nn.dot_product_attention(query, key, value, mask=mask)
+            # Softmax runs in float32 inside, whatever the dtype of query and key. With cuDNN the padding
+            # mask becomes an additive bias of the fused kernel.
+            out = jax.nn.dot_product_attention(
+                query, key, value, mask=mask, implementation=attention_implementation(query.dtype)
+            )
         return out.reshape(batch, seq, config.hidden_size)
 
 
@@ -853,8 +965,12 @@ class RobertaLayer(RobertaModule):
 class RobertaEncoder(RobertaModule):
     @nn.compact
     def __call__(self, hidden_states, mask, deterministic):
+        layer = RobertaLayer
+        if self.remat_policy:
+            # Argument 3 (deterministic) is a Python bool that selects code, not an array.
+            layer = nn.remat(RobertaLayer, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(3,))
         for i in range(self.config.num_hidden_layers):
-            hidden_states = self.child(RobertaLayer, f"layer_{i}")(hidden_states, mask, deterministic)
+            hidden_states = self.child(layer, f"layer_{i}")(hidden_states, mask, deterministic)
         return hidden_states
 
 
@@ -889,7 +1005,8 @@ class RobertaLMHead(RobertaModule):
 
 
 class FlaxRobertaForMaskedLM(RobertaModule):
-    """RoBERTa encoder with its masked-language-modelling head; returns float32 logits (batch, seq, vocab).
+    """RoBERTa encoder with its masked-language-modelling head; returns float32 logits (batch, seq, vocab),
+    or (batch, predictions, vocab) at `masked_positions` only.
 
     The parameter tree mirrors the PyTorch names of `transformers.RobertaForMaskedLM`
     (see `hf_name`): e.g. params["roberta"]["encoder"]["layer_0"]["attention"]["self"]["query"]["kernel"]
@@ -901,8 +1018,15 @@ class FlaxRobertaForMaskedLM(RobertaModule):
         self.roberta = self.child(RobertaModel, "roberta")
         self.lm_head = self.child(RobertaLMHead, "lm_head")
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True,
+                 masked_positions=None):
         hidden_states = self.roberta(input_ids, attention_mask, token_type_ids, deterministic)
+        if masked_positions is not None:
+            # masked_positions: (batch, predictions) int. Training predicts about 15% of the tokens, so running
+            # the head (whose vocabulary projection is the largest matmul of a small model) only there saves
+            # most of its work.
+            rows = jnp.arange(hidden_states.shape[0])[:, None]
+            hidden_states = hidden_states[rows, masked_positions]  # (batch, predictions, hidden)
         # The output projection is the word embedding table itself (tied weights, as in RoBERTa).
         word_embeddings = self.roberta.embeddings.word_embeddings.embedding  # (vocab, hidden)
         return self.lm_head(hidden_states, word_embeddings)
@@ -1022,10 +1146,19 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
         return state_dict
     if (path := fetch(single_name)) is not None:
         return load_file(path)
-    raise UsageError(
-        f"{name_or_path} has no model.safetensors; only safetensors checkpoints are loaded "
-        "(convert a pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
-    )
+    if (pickle_path := fetch("pytorch_model.bin")) is None:
+        raise UsageError(f"{name_or_path} has no model.safetensors")
+    if not model_args.allow_pickle_weights:
+        raise UsageError(
+            f"{name_or_path} holds only pytorch_model.bin, a pickle that can run code when loaded; convert it to "
+            "model.safetensors, or pass --allow_pickle_weights if you trust the file"
+        )
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("reading pytorch_model.bin needs PyTorch: pip install torch") from None
+    # weights_only refuses anything in the pickle but tensors and plain containers.
+    return {name: tensor.float().numpy() for name, tensor in torch.load(pickle_path, map_location="cpu", weights_only=True).items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1036,13 +1169,14 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
 def masked_lm_loss_sums(logits, labels, label_weights):
     """Sum of cross-entropy, number of correct predictions and number of counted positions.
 
-    logits: (batch, seq, vocab); labels: (batch, seq) int; label_weights: (batch, seq), 1.0 where the
-    position counts. Returns three float32 scalars; summing them over batches and dividing once on the
-    host gives exact averages whatever the number of masked positions per batch.
+    logits: (batch, positions, vocab), at every position or only at those to predict; labels: (batch,
+    positions) int; label_weights: (batch, positions), 1.0 where the position counts. Returns three float32
+    scalars; summing them over batches and dividing once on the host gives exact averages whatever the
+    number of masked positions per batch.
     """
     logits = logits.astype(jnp.float32)
     label_weights = label_weights.astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # (batch, seq)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # (batch, positions)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     return (loss * label_weights).sum(), (correct * label_weights).sum(), label_weights.sum()
 
@@ -1051,12 +1185,15 @@ def masked_lm_loss_sums(logits, labels, label_weights):
 # Training state, sharding, optimizer, steps
 # ----------------------------------------------------------------------------------------------------
 
+# Copied from run_clm_flax.MESH_AXES
+MESH_AXES = ("data", "fsdp")
+# Copied from run_clm_flax.BATCH_AXES
+BATCH_AXES = ("data", "fsdp")
 # Copied from run_clm_flax.LOGICAL_AXIS_RULES
 LOGICAL_AXIS_RULES = (
-    ("batch", "data"),
     ("vocab", None),
     ("positions", None),
-    ("embed", None),
+    ("embed", "fsdp"),
     ("heads", None),
     ("mlp", None),
 )
@@ -1109,9 +1246,28 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
 
 
 # Copied from run_clm_flax.create_mesh
-def create_mesh() -> jax.sharding.Mesh:
-    """All devices of all processes on one "data" axis."""
-    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+def create_mesh(mesh_shape: Optional[str] = None) -> jax.sharding.Mesh:
+    """All devices of all processes on the axes of MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4");
+    by default all on "data"."""
+    sizes = {"data": jax.device_count(), "fsdp": 1}
+    if mesh_shape:
+        try:
+            given = {name.strip(): int(size) for name, size in (part.split("=") for part in mesh_shape.split(","))}
+        except ValueError:
+            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M") from None
+        if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
+            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are {' and '.join(MESH_AXES)}, each at least 1")
+        sizes = {"data": 1, "fsdp": 1, **given}
+        if "data" not in given:
+            sizes["data"] = max(1, jax.device_count() // sizes["fsdp"])
+        if sizes["data"] * sizes["fsdp"] != jax.device_count():
+            raise UsageError(
+                f"--mesh_shape {mesh_shape} has {sizes['data'] * sizes['fsdp']} devices but there are "
+                f"{jax.device_count()}; make the sizes multiply to the device count"
+            )
+    return jax.make_mesh(
+        tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    )
 
 
 # Copied from run_clm_flax.optimizer_state_shardings
@@ -1144,19 +1300,27 @@ def abstract_model_params(model, dummy_input, unbox: bool = True):
     return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
 
 
-# Copied from run_clm_flax.create_train_state
-def create_train_state(model, optimizer, mesh, seed: int, dummy_input, loaded_params=None):
-    """The training state, created directly with its sharding: parameters are initialised (or placed,
-    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+# Copied from run_clm_flax.abstract_train_state
+def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
+    """Shape, dtype and sharding of every leaf of the training state, computed without allocating it."""
     boxed_params = abstract_model_params(model, dummy_input, unbox=False)
     param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
     abstract_params = nn.meta.unbox(boxed_params)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
-    state_shardings = TrainState(
+    shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=param_shardings,
         opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
     )
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)
+    return jax.tree_util.tree_map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding), shapes, shardings)
+
+
+# Copied from run_clm_flax.create_train_state
+def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, dummy_input, loaded_params=None):
+    """The training state, created directly with its sharding: parameters are initialised (or placed,
+    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+    shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
 
     def init(params):
         if params is None:
@@ -1164,45 +1328,76 @@ def create_train_state(model, optimizer, mesh, seed: int, dummy_input, loaded_pa
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
     if loaded_params is not None:
-        loaded_params = jax.device_put(loaded_params, param_shardings)
-    return jax.jit(init, out_shardings=state_shardings)(loaded_params), state_shardings, abstract_params
+        loaded_params = jax.device_put(loaded_params, shardings.params)
+    return jax.jit(init, out_shardings=shardings)(loaded_params)
 
 
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
-    def train_step(state: TrainState, batch):
-        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
-        dropout_rng = jax.random.fold_in(dropout_key, state.step)
+    def micro_batch_gradients(params, batch, dropout_rng):
+        """Gradients of the summed loss of one micro-batch, with that sum, the correct predictions and the
+        number of predicted tokens."""
 
-        def loss_fn(params):
+        def loss_sum_fn(params):
             logits = model.apply(
                 {"params": params}, batch["input_ids"], batch["attention_mask"], deterministic=False,
-                rngs={"dropout": dropout_rng},
+                masked_positions=batch["masked_positions"], rngs={"dropout": dropout_rng},
             )
-            loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["labels"], batch["label_weights"])
-            # The mean over the masked tokens of the whole global batch (a batch with none has loss 0).
-            return loss_sum / jnp.maximum(weight_sum, 1.0), (loss_sum, correct_sum, weight_sum)
+            loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["masked_labels"], batch["masked_weights"])
+            return loss_sum, (correct_sum, weight_sum)
 
-        grads, (loss_sum, correct_sum, weight_sum) = jax.grad(loss_fn, has_aux=True)(state.params)
+        (loss_sum, (correct_sum, weight_sum)), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
+        return grads, loss_sum, correct_sum, weight_sum
+
+    def train_step(state: TrainState, batch):
+        # Every array of the batch is (gradient_accumulation_steps, micro_batch, ...).
+        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
+        step_rng = jax.random.fold_in(dropout_key, state.step)
+        if batch["input_ids"].shape[0] == 1:
+            micro_batch = jax.tree_util.tree_map(lambda values: values[0], batch)
+            grads, loss_sum, correct_sum, weight_sum = micro_batch_gradients(state.params, micro_batch, step_rng)
+        else:
+
+            def accumulate(totals, index):
+                micro_batch = jax.tree_util.tree_map(lambda values: values[index], batch)
+                sums = micro_batch_gradients(state.params, micro_batch, jax.random.fold_in(step_rng, index))
+                return jax.tree_util.tree_map(jnp.add, totals, sums), None
+
+            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), *(jnp.float32(0),) * 3)
+            sums, _ = jax.lax.scan(accumulate, zeros, jnp.arange(batch["input_ids"].shape[0]))
+            grads, loss_sum, correct_sum, weight_sum = sums
+        # The mean over every masked token of the whole batch, however it was split into micro-batches
+        # (a batch with none leaves the gradients at 0).
+        grads = jax.tree_util.tree_map(lambda grad: grad / jnp.maximum(weight_sum, 1.0), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
+        params, opt_state = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(finite, new, old),
+            (optax.apply_updates(state.params, updates), opt_state),
+            (state.params, state.opt_state),
+        )
         metrics = {
             "loss_sum": loss_sum,
             "correct_sum": correct_sum,
             "weight_sum": weight_sum,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": schedule(state.step),
+            "finite": finite,
         }
-        return new_state, metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
 
 
 def make_eval_step(model):
     def eval_step(params, batch):
-        logits = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"], deterministic=True)
-        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["labels"], batch["label_weights"])
+        logits = model.apply(
+            {"params": params}, batch["input_ids"], batch["attention_mask"], masked_positions=batch["masked_positions"]
+        )
+        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["masked_labels"], batch["masked_weights"])
         return {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     return eval_step
@@ -1234,6 +1429,120 @@ def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, b
         "accuracy": totals["correct_sum"] / max(masked_tokens, 1.0),
         "masked_tokens": int(masked_tokens),
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training checkpoints, stopping on request, non-finite steps
+# ----------------------------------------------------------------------------------------------------
+
+
+# Copied from run_clm_flax.open_checkpoints
+def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointManager:
+    """The run's training checkpoints, OUTPUT_DIR/checkpoints/STEP, the newest `save_total_limit` kept.
+
+    Orbax writes each checkpoint into a temporary directory and renames it once complete, so a process
+    killed while saving leaves the earlier checkpoints intact; the unfinished one is deleted when the
+    directory is next opened. With several processes, every process writes its own shards.
+    """
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(output_dir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, cleanup_tmp_directories=True),
+    )
+
+
+# Copied from run_clm_flax.save_checkpoint
+def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progress_record: dict):
+    """Returns once the arrays are copied off the devices; the files are written while training goes on."""
+    checkpoints.save(
+        progress_record["step"],
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record)),
+    )
+
+
+# Copied from run_clm_flax.restore_checkpoint
+def restore_checkpoint(location: str, output_dir: str, abstract_state: TrainState) -> tuple[TrainState, dict, str]:
+    """The training state (placed with the shardings of `abstract_state`), the progress record and the path
+    of the checkpoint at `location`: "newest" (in output_dir), a checkpoints directory, or one STEP in it."""
+    location_path = os.path.normpath(os.path.join(output_dir, "checkpoints") if location == "newest" else location)
+    if os.path.basename(location_path).isdigit():
+        directory, step = os.path.dirname(location_path), int(os.path.basename(location_path))
+    else:
+        directory, step = location_path, None
+    if not os.path.isdir(directory):
+        raise UsageError(f"--resume_from_checkpoint: there are no training checkpoints in {directory}")
+    manager = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(create=False))
+    step = manager.latest_step() if step is None else step
+    if step not in manager.all_steps():
+        raise UsageError(f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}")
+    path = os.path.join(directory, str(step))
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), progress=ocp.args.JsonRestore())
+        )
+    except (ValueError, KeyError, TypeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UsageError(
+            f"the checkpoint {path} does not fit this model ({reason}); resume with the config it was trained with"
+        ) from None
+    finally:
+        manager.close()
+    return restored.state, restored.progress, path
+
+
+# Copied from run_clm_flax.saved_arguments
+def saved_arguments(*argument_groups) -> dict:
+    """All arguments, for the checkpoint's record; the hub token is never written."""
+    return {name: value for group in argument_groups for name, value in asdict(group).items() if name != "token"}
+
+
+# Copied from run_clm_flax.StopRequest
+class StopRequest:
+    """While active (a `with` block), Ctrl-C (SIGINT) or a preemption notice (SIGTERM) asks the loop to
+    save a checkpoint and stop cleanly after the current step. A second Ctrl-C stops at once."""
+
+    def __enter__(self):
+        self.signal_name = None
+        self._previous_handlers = {
+            signal_number: signal.signal(signal_number, self._request) for signal_number in (signal.SIGINT, signal.SIGTERM)
+        }
+        return self
+
+    def __exit__(self, *exception):
+        for signal_number, handler in self._previous_handlers.items():
+            signal.signal(signal_number, handler)
+
+    def _request(self, signal_number, frame):
+        if self.signal_name is not None:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signal_number).name
+        logger.warning("%s: saving a checkpoint after this step, then stopping (Ctrl-C again stops at once)", self.signal_name)
+
+    def requested(self, check_other_processes: bool) -> bool:
+        """Whether to stop now. With several processes all must stop at the same step, so they agree on it
+        only where `check_other_processes` (the same steps on every process) and otherwise carry on."""
+        if jax.process_count() == 1:
+            return self.signal_name is not None
+        if not check_other_processes:
+            return False
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.signal_name is not None))))
+
+
+# Copied from run_clm_flax.finite_steps
+def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool, checkpoints) -> list[dict]:
+    """The metrics of the steps whose loss and gradient norm were finite. A non-finite step stops the run,
+    or is reported and skipped with --skip_nonfinite_steps (its update was never applied either way)."""
+    bad_steps = [first_step + index for index, metrics in enumerate(step_metrics) if not metrics["finite"]]
+    if bad_steps and not skip_nonfinite:
+        newest = checkpoints.latest_step()
+        last_good = os.path.join(str(checkpoints.directory), str(newest)) if newest is not None else "none was saved yet"
+        raise UsageError(
+            f"the loss or gradient norm is not finite at step {bad_steps[0]}; its update was not applied and nothing "
+            f"was saved after it. Last good checkpoint: {last_good}. Lower --learning_rate and continue with "
+            "--resume_from_checkpoint, or pass --skip_nonfinite_steps to skip such steps"
+        )
+    for step in bad_steps:
+        logger.warning("step %d: the loss or gradient norm is not finite; the update was skipped", step)
+    return [metrics for metrics in step_metrics if metrics["finite"]]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1271,10 +1580,7 @@ class TensorBoardWriter:
 def arguments_markdown(*argument_groups) -> str:
     """All arguments as a markdown table, for TensorBoard's text tab. The hub token is left out."""
     rows = ["| argument | value |", "| --- | --- |"]
-    for group in argument_groups:
-        for name, value in sorted(asdict(group).items()):
-            if name != "token":
-                rows.append(f"| {name} | {value} |")
+    rows += [f"| {name} | {value} |" for name, value in sorted(saved_arguments(*argument_groups).items())]
     return "\n".join(rows)
 
 
@@ -1409,7 +1715,9 @@ def main():
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if jax.process_index() == 0 else logging.ERROR,
+        force=True,  # importing orbax installs absl's handler, which would hide these logs
     )
+    logging.getLogger("absl").setLevel(logging.WARNING)
     datasets.utils.logging.set_verbosity_warning()
     transformers.utils.logging.set_verbosity_warning()
     logger.info("%d devices over %d processes: %s", jax.device_count(), jax.process_count(), jax.devices())
@@ -1454,11 +1762,18 @@ def main():
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length)
 
     # Model, mesh, optimizer, training state
-    mesh = create_mesh()
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    train_batch_size = training_args.per_device_train_batch_size * jax.device_count()
+    mesh = create_mesh(training_args.mesh_shape)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, ...)
+    accumulation_steps = training_args.gradient_accumulation_steps
+    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
     eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
-    model = FlaxRobertaForMaskedLM(config, dtype=jnp.dtype(model_args.dtype))
+    model = FlaxRobertaForMaskedLM(
+        config,
+        dtype=jnp.dtype(model_args.dtype),
+        param_dtype=jnp.dtype(model_args.param_dtype),
+        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
+    )
 
     total_steps = 1
     if training_args.do_train:
@@ -1475,18 +1790,45 @@ def main():
     schedule = learning_rate_schedule(training_args, total_steps)
     optimizer = create_optimizer(training_args, schedule)
 
-    loaded_params = None
-    if model_args.model_name_or_path:
-        loaded_params = from_hf_state_dict(read_safetensors_checkpoint(model_args.model_name_or_path, model_args), config)
-        logger.info("Loaded weights from %s", model_args.model_name_or_path)
     dummy_input = jnp.zeros((1, max_seq_length), jnp.int32)
-    state, state_shardings, _ = create_train_state(model, optimizer, mesh, training_args.seed, dummy_input, loaded_params)
+    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+    progress_record = {"step": 0, "train_loss_sum": 0.0, "train_correct_sum": 0.0, "train_weight_sum": 0.0}
+    if training_args.resume_from_checkpoint:
+        state, progress_record, checkpoint_path = restore_checkpoint(
+            training_args.resume_from_checkpoint, training_args.output_dir, abstract_state
+        )
+        logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
+        if (progress_record["global_batch_size"], progress_record["max_seq_length"]) != (train_batch_size, max_seq_length):
+            logger.warning(
+                "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
+                "order and the masks differ from the interrupted run's", progress_record["global_batch_size"],
+                progress_record["max_seq_length"], train_batch_size, max_seq_length,
+            )
+        if progress_record["step"] >= total_steps:
+            raise UsageError(
+                f"the checkpoint is at step {progress_record['step']}, the run ends at step {total_steps}; "
+                "raise --max_steps or --num_train_epochs to train further"
+            )
+    else:
+        loaded_params = None
+        if model_args.model_name_or_path:
+            loaded_params = jax.tree_util.tree_map(
+                lambda value, leaf: value.astype(leaf.dtype),
+                from_hf_state_dict(read_safetensors_checkpoint(model_args.model_name_or_path, model_args), config),
+                abstract_state.params,
+            )
+            logger.info("Loaded weights from %s", model_args.model_name_or_path)
+        state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
     num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
-    logger.info("RoBERTa with %.1fM parameters, computing in %s", num_params / 1e6, model_args.dtype)
+    logger.info(
+        "RoBERTa with %.1fM parameters in %s, computing in %s, on a mesh of %s",
+        num_params / 1e6, model_args.param_dtype, model_args.dtype, dict(mesh.shape),
+    )
 
     train_step = jax.jit(
         make_train_step(model, optimizer, schedule, training_args.seed),
-        in_shardings=(state_shardings, batch_sharding),
+        in_shardings=(state_shardings, micro_batches_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
     )
@@ -1517,73 +1859,111 @@ def main():
     # Training loop
     if training_args.do_train:
         eval_steps = training_args.eval_steps or training_args.logging_steps
+        start_step = progress_record["step"]
         logger.info(
-            "Training for %d steps (%.2f epochs of %d examples), global batch %d x %d tokens%s",
-            total_steps, total_steps / steps_per_epoch, len(examples["train"]), train_batch_size, max_seq_length,
-            " at most (padded per batch)" if data_args.line_by_line else "",
+            "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
+            start_step + 1, total_steps, total_steps / steps_per_epoch, len(examples["train"]), train_batch_size,
+            max_seq_length, " at most (padded per batch)" if data_args.line_by_line else "",
         )
 
-        def all_train_batches():
-            epoch = 0
+        def batches_from(step: int):
+            # The data order and the masks are a function of the step, so a resumed run sees the batches the
+            # interrupted one would have.
+            epoch, first_batch = divmod(step, steps_per_epoch)
             while True:
-                for batch, num_tokens in train_batches(examples["train"], make_batch, train_batch_size, training_args.seed, epoch):
-                    yield to_global_batch(batch, batch_sharding), num_tokens
-                epoch += 1
+                for batch, num_tokens in train_batches(
+                    examples["train"], make_batch, train_batch_size, training_args.seed, epoch, first_batch
+                ):
+                    micro_batches = {
+                        name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()
+                    }
+                    yield to_global_batch(micro_batches, micro_batches_sharding), num_tokens
+                epoch, first_batch = epoch + 1, 0
 
-        batches = prefetch(all_train_batches())
-        progress = tqdm(total=total_steps, desc="Training", disable=not is_main_process)
-        window_metrics, window_tokens, window_start = [], 0, time.perf_counter()
-        train_start, train_sums, train_tokens = time.perf_counter(), {"loss_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}, 0
-        for step in range(1, total_steps + 1):
-            batch, num_tokens = next(batches)
-            state, metrics = train_step(state, batch)
-            window_metrics.append(metrics)
-            window_tokens += num_tokens
-            progress.update(1)
+        def save(step: int):
+            progress_record.update(
+                step=step, epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch,
+                global_batch_size=train_batch_size, max_seq_length=max_seq_length,
+                arguments=saved_arguments(model_args, data_args, training_args),
+            )
+            save_checkpoint(checkpoints, state, progress_record)
+            save_model(training_args.output_dir, state.params, config, tokenizer)
+            logger.info("step %d: saved a training checkpoint and the model to %s", step, training_args.output_dir)
 
-            if step % training_args.logging_steps == 0 or step == total_steps:
-                window = jax.device_get(window_metrics)  # waits for the steps to finish
-                elapsed = time.perf_counter() - window_start
-                sums = {name: sum(float(m[name]) for m in window) for name in train_sums}
-                train_sums = {name: train_sums[name] + sums[name] for name in train_sums}
-                train_tokens += window_tokens
-                masked_tokens = max(sums["weight_sum"], 1.0)
-                logged = {
-                    "train/loss": sums["loss_sum"] / masked_tokens,
-                    "train/accuracy": sums["correct_sum"] / masked_tokens,
-                    "train/learning_rate": float(window[-1]["learning_rate"]),
-                    "train/grad_norm": float(window[-1]["grad_norm"]),
-                    "train/tokens_per_second": window_tokens / elapsed,
-                }
-                progress.set_postfix(
-                    loss=f"{logged['train/loss']:.4f}", accuracy=f"{logged['train/accuracy']:.3f}",
-                    lr=f"{logged['train/learning_rate']:.2e}", tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
-                )
-                logger.info(
-                    "step %d: loss %.4f, accuracy %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
-                    step, logged["train/loss"], logged["train/accuracy"], logged["train/learning_rate"],
-                    logged["train/grad_norm"], logged["train/tokens_per_second"],
-                )
-                if writer:
-                    writer.scalars(logged, step)
-                window_metrics, window_tokens, window_start = [], 0, time.perf_counter()
+        # Leaving this block, for whatever reason, waits for a checkpoint still being written.
+        with open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints, StopRequest() as stop:
+            batches = prefetch(batches_from(start_step))
+            progress = tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process)
+            unread_metrics, log_window, window_start = [], [], time.perf_counter()
+            train_start, train_tokens = time.perf_counter(), 0
+            for step in range(start_step + 1, total_steps + 1):
+                batch, num_tokens = next(batches)
+                state, metrics = train_step(state, batch)
+                unread_metrics.append({**metrics, "tokens": num_tokens})
+                train_tokens += num_tokens
+                progress.update(1)
+                is_last = step == total_steps
+                is_log_step = step % training_args.logging_steps == 0 or is_last
+                stopping = stop.requested(check_other_processes=is_log_step)
+                is_save_step = step % training_args.save_steps == 0 or is_last or stopping
 
-            if training_args.do_eval and step % eval_steps == 0 and step != total_steps:
-                run_evaluation(step)
-            if step % training_args.save_steps == 0 and step != total_steps:
-                save_model(training_args.output_dir, state.params, config, tokenizer)
-                logger.info("step %d: saved the model to %s", step, training_args.output_dir)
-        progress.close()
+                if is_log_step or is_save_step:
+                    # Reading the metrics waits for the steps to finish; checking them here means no non-finite
+                    # step goes unnoticed into a checkpoint.
+                    fetched = jax.device_get(unread_metrics)
+                    finite = finite_steps(fetched, step - len(fetched) + 1, training_args.skip_nonfinite_steps, checkpoints)
+                    for name in ("loss_sum", "correct_sum", "weight_sum"):
+                        progress_record[f"train_{name}"] += sum(float(m[name]) for m in finite)
+                    log_window += finite
+                    unread_metrics = []
+                if (is_log_step or stopping) and log_window:
+                    elapsed = time.perf_counter() - window_start
+                    masked_tokens = max(sum(float(m["weight_sum"]) for m in log_window), 1.0)
+                    logged = {
+                        "train/loss": sum(float(m["loss_sum"]) for m in log_window) / masked_tokens,
+                        "train/accuracy": sum(float(m["correct_sum"]) for m in log_window) / masked_tokens,
+                        "train/learning_rate": float(log_window[-1]["learning_rate"]),
+                        "train/grad_norm": float(log_window[-1]["grad_norm"]),
+                        "train/tokens_per_second": sum(m["tokens"] for m in log_window) / elapsed,
+                    }
+                    progress.set_postfix(
+                        loss=f"{logged['train/loss']:.4f}", accuracy=f"{logged['train/accuracy']:.3f}",
+                        lr=f"{logged['train/learning_rate']:.2e}", tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
+                    )
+                    logger.info(
+                        "step %d: loss %.4f, accuracy %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+                        step, logged["train/loss"], logged["train/accuracy"], logged["train/learning_rate"],
+                        logged["train/grad_norm"], logged["train/tokens_per_second"],
+                    )
+                    if writer:
+                        writer.scalars(logged, step)
+                    log_window, window_start = [], time.perf_counter()
+
+                if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
+                    run_evaluation(step)
+                if is_save_step:
+                    save(step)
+                if stopping:
+                    break
+            progress.close()
         train_runtime = time.perf_counter() - train_start
 
-        save_model(training_args.output_dir, state.params, config, tokenizer)
+        if stopping:
+            if writer:
+                writer.close()
+            print(
+                f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
+                f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
+                "command with --resume_from_checkpoint added."
+            )
+            return
         if is_main_process:
-            masked_tokens = max(train_sums["weight_sum"], 1.0)
+            masked_tokens = max(progress_record["train_weight_sum"], 1.0)
             write_json(
                 os.path.join(training_args.output_dir, "train_results.json"),
                 {
-                    "train_loss": train_sums["loss_sum"] / masked_tokens,
-                    "train_accuracy": train_sums["correct_sum"] / masked_tokens,
+                    "train_loss": progress_record["train_loss_sum"] / masked_tokens,
+                    "train_accuracy": progress_record["train_correct_sum"] / masked_tokens,
                     "train_steps": total_steps,
                     "epochs": total_steps / steps_per_epoch,
                     "train_runtime_seconds": train_runtime,
@@ -1611,15 +1991,18 @@ def main():
     if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0:
         text, masked_word = training_args.fill_mask_text, None
         if not text and "validation" in raw_datasets:
+            validation = raw_datasets["validation"]
             text, masked_word = fill_mask_demo_text(
-                raw_datasets["validation"].select(range(min(100, len(raw_datasets["validation"]))))[data_args.text_column_name],
-                tokenizer.mask_token,
+                validation.select(range(min(100, len(validation))))[data_args.text_column_name], tokenizer.mask_token
             )
         if text:
             # Read the export back, so the demo also shows that the saved files hold the trained model.
             exported = from_hf_state_dict(load_file(os.path.join(training_args.output_dir, "model.safetensors")), config)
-            predictions = fill_mask(FlaxRobertaForMaskedLM(config), exported, tokenizer, text, training_args.fill_mask_top_k, max_seq_length)
-            print(f"fill-mask with {training_args.output_dir}: {text!r}" + (f" (masked: {masked_word!r})" if masked_word else ""))
+            predictions = fill_mask(
+                FlaxRobertaForMaskedLM(config), exported, tokenizer, text, training_args.fill_mask_top_k, max_seq_length
+            )
+            masked = f" (masked: {masked_word!r})" if masked_word else ""
+            print(f"fill-mask with {training_args.output_dir}: {text!r}{masked}")
             for token, probability in predictions:
                 print(f"  {probability:.3f} {token!r}")
     if is_main_process and training_args.do_train:

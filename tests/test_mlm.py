@@ -54,6 +54,14 @@ def batch_maker(tokenizer, max_seq_length=SEQUENCE_LENGTH, **options):
     )
 
 
+def chosen_positions(batch):
+    """(rows, length) bool: the positions a batch asks the model to predict."""
+    chosen = np.zeros(batch["input_ids"].shape, bool)
+    rows = np.arange(len(chosen))[:, None].repeat(batch["masked_positions"].shape[1], axis=1)
+    chosen[rows[batch["masked_weights"] == 1], batch["masked_positions"][batch["masked_weights"] == 1]] = True
+    return chosen
+
+
 def text_dataset(path, cache_dir):
     return datasets.load_dataset("text", data_files=str(path), cache_dir=str(cache_dir), split="train", keep_linebreaks=True)
 
@@ -117,24 +125,32 @@ def test_line_batches_are_padded_with_an_attention_mask_and_padding_is_never_mas
 
     for seed in range(20):
         batch = make_batch(examples, np.arange(3), 4, np.random.default_rng(seed))
-        assert set(batch) == {"input_ids", "attention_mask", "labels", "label_weights"}
-        chosen = batch["label_weights"] == 1
+        assert set(batch) == {"input_ids", "attention_mask", "masked_positions", "masked_labels", "masked_weights"}
+        chosen = chosen_positions(batch)
+        assert chosen.sum() == batch["masked_weights"].sum() > 0
         assert not chosen[attention_mask == 0].any(), "padding was chosen for prediction"
         assert not np.isin(input_ids[chosen], tokenizer.all_special_ids).any(), "a special token was chosen"
-        np.testing.assert_array_equal(batch["labels"], input_ids)
+        np.testing.assert_array_equal(
+            batch["masked_labels"], np.take_along_axis(input_ids, batch["masked_positions"], axis=1)
+        )
+        np.testing.assert_array_equal(batch["input_ids"][~chosen], input_ids[~chosen])
 
 
 def test_masking_of_real_batches_chooses_the_mlm_probability_and_no_special_token(tokenizer, tmp_path):
     examples = run_mlm_flax.tokenize_lines(text_dataset(TRAIN_FILE, tmp_path), tokenizer, "text", None, False, "train")
-    batch = batch_maker(tokenizer)(examples, np.arange(len(examples)), len(examples), np.random.default_rng(0))
-    original = batch["labels"]
-    special = np.isin(original, tokenizer.all_special_ids) | (batch["attention_mask"] == 0)
-    chosen = batch["label_weights"] == 1
+    make_batch = batch_maker(tokenizer)
+    indices = np.arange(len(examples))
+    original, attention_mask = make_batch.token_ids(examples, indices, len(examples))
+    batch = make_batch(examples, indices, len(examples), np.random.default_rng(0))
+    special = np.isin(original, tokenizer.all_special_ids) | (attention_mask == 0)
+    chosen = chosen_positions(batch)
     assert (~special).sum() > 15_000
     assert not chosen[special].any()
     assert abs(chosen.sum() / (~special).sum() - 0.15) < 0.01
     assert abs(np.mean(batch["input_ids"][chosen] == tokenizer.mask_token_id) - 0.8) < 0.03
     np.testing.assert_array_equal(batch["input_ids"][~chosen], original[~chosen])
+    # Room for the predictions is much less than the sequence, so the LM head runs on few positions.
+    assert batch["masked_positions"].shape == (len(examples), 24)
 
 
 def test_evaluation_covers_every_example_once_with_the_same_masks_every_time(tokenizer):
@@ -142,12 +158,14 @@ def test_evaluation_covers_every_example_once_with_the_same_masks_every_time(tok
     make_batch = batch_maker(tokenizer, max_seq_length=8)
     batches = list(run_mlm_flax.eval_batches(blocks, make_batch, global_batch_size=3, seed=0))
     assert len(batches) == 3 and all(batch["input_ids"].shape == (3, 8) for batch in batches)
-    labels = np.concatenate([batch["labels"] for batch in batches])
-    np.testing.assert_array_equal(labels[:7, 1:-1], blocks)
-    assert batches[-1]["label_weights"][1:].sum() == 0  # the two rows that fill up the last batch
+    chosen = np.concatenate([chosen_positions(batch) for batch in batches])
+    assert chosen[:7].sum() > 0 and not chosen[7:].any()  # the two rows that fill up the last batch: nothing
+    unmasked = np.concatenate([batch["input_ids"] for batch in batches])
+    np.testing.assert_array_equal(unmasked[:7, 1:-1][~chosen[:7, 1:-1]], blocks[~chosen[:7, 1:-1]])
     again = list(run_mlm_flax.eval_batches(blocks, make_batch, global_batch_size=3, seed=0))
     for first, second in zip(batches, again):
-        np.testing.assert_array_equal(first["input_ids"], second["input_ids"])
+        for name in first:
+            np.testing.assert_array_equal(first[name], second[name])
 
 
 def test_training_batches_and_masks_follow_the_seed_and_differ_between_epochs(tokenizer):
@@ -296,30 +314,95 @@ def test_export_works_in_the_fill_mask_pipeline(trained_run):
     assert [p["score"] for p in predictions] == sorted((p["score"] for p in predictions), reverse=True)
 
 
-def test_eight_devices_give_the_losses_of_one_device_run_from_a_json_file(run_tool, model_dir, tmp_path, monkeypatch):
-    """line_by_line training and evaluation on 8 devices of 1 sequence equal 1 device of 8 sequences. The
-    one-device run reads its arguments from a .json file."""
-    common = dict(
+def line_by_line_arguments(model_dir) -> dict:
+    """A short line_by_line run that trains and evaluates, logs every step and saves every other."""
+    return dict(
         config_name=model_dir, tokenizer_name=model_dir, train_file=TRAIN_FILE, validation_file=VALIDATION_FILE,
         line_by_line=True, max_seq_length=SEQUENCE_LENGTH, do_train=True, do_eval=True, max_steps=4, logging_steps=1,
-        eval_steps=2, max_eval_samples=20, learning_rate=1e-3, fill_mask_top_k=0, seed=0,
+        eval_steps=2, save_steps=2, max_eval_samples=20, learning_rate=1e-3, fill_mask_top_k=0, seed=0,
     )
-    arguments_file = tmp_path / "one-device.json"
-    arguments_file.write_text(json.dumps(dict(
-        common, output_dir=str(tmp_path / "one"), per_device_train_batch_size=8, per_device_eval_batch_size=8,
-    )))
+
+
+@pytest.fixture(scope="module")
+def one_device_run(run_tool, model_dir, tmp_path_factory):
+    """The line_by_line run on one device with 8 sequences per step, its arguments read from a .json file:
+    (output dir, arguments)."""
+    directory = tmp_path_factory.mktemp("one-device")
+    values = dict(
+        line_by_line_arguments(model_dir), output_dir=str(directory / "out"), per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+    )
+    arguments_file = directory / "arguments.json"
+    arguments_file.write_text(json.dumps(values))
     run_mlm(run_tool, [arguments_file])
-    eight_arguments = [f"--{name}={value}" for name, value in common.items()]
+    return directory / "out", values
+
+
+def test_eight_devices_sharing_the_parameters_give_the_losses_of_one_device(run_tool, model_dir, one_device_run,
+                                                                           tmp_path, monkeypatch):
+    """Training and evaluation on 8 devices of 1 sequence each, with the parameters and optimizer state split
+    over 4 of them (FSDP), equal 1 device of 8 sequences (run from a .json file)."""
+    one_device_dir, _ = one_device_run
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     result = run_mlm(run_tool, [
-        *eight_arguments, f"--output_dir={tmp_path / 'eight'}", "--per_device_train_batch_size=1",
-        "--per_device_eval_batch_size=1",
+        *(f"--{name}={value}" for name, value in line_by_line_arguments(model_dir).items()),
+        f"--output_dir={tmp_path / 'eight'}", "--per_device_train_batch_size=1", "--per_device_eval_batch_size=1",
+        "--mesh_shape=data=2,fsdp=4",
     ])
-    assert "8 devices" in result.stderr
+    assert "8 devices" in result.stderr and "'fsdp': 4" in result.stderr
     for tag in ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy"):
-        one, eight = scalars(tmp_path / "one", tag), scalars(tmp_path / "eight", tag)
+        one, eight = scalars(one_device_dir, tag), scalars(tmp_path / "eight", tag)
         assert [step for step, _ in one] == [step for step, _ in eight] and len(one) >= 2
         np.testing.assert_allclose([value for _, value in eight], [value for _, value in one], rtol=1e-5)
+
+
+def test_resumed_run_continues_with_the_same_batches_masks_and_weights(run_tool, one_device_run, tmp_path):
+    """Resuming the run from its step-2 checkpoint gives the losses and final weights of the uninterrupted run."""
+    uninterrupted_dir, values = one_device_run
+    output_dir = tmp_path / "resumed"
+    shutil.copytree(uninterrupted_dir, output_dir)
+    shutil.rmtree(output_dir / "checkpoints" / "4")
+    shutil.rmtree(output_dir / "tensorboard")
+    (output_dir / "model.safetensors").unlink()
+    result = run_mlm(run_tool, [
+        *(f"--{name}={value}" for name, value in dict(values, output_dir=output_dir).items()),
+        "--resume_from_checkpoint",
+    ])
+    assert "Resumed from" in result.stderr and "at step 2" in result.stderr
+    assert scalars(output_dir, "train/loss") == scalars(uninterrupted_dir, "train/loss")[2:]
+    final, expected = load_file(str(output_dir / "model.safetensors")), load_file(str(uninterrupted_dir / "model.safetensors"))
+    assert final.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
+
+
+def test_gradient_accumulation_gives_the_step_of_the_whole_batch(tokenizer):
+    config = RobertaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=40, pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    model = run_mlm_flax.FlaxRobertaForMaskedLM(config)
+    arguments = run_mlm_flax.TrainingArguments(output_dir="unused", learning_rate=1e-2)
+    schedule = run_mlm_flax.learning_rate_schedule(arguments, 10)
+    optimizer = run_mlm_flax.create_optimizer(arguments, schedule)
+    dummy_input = jnp.zeros((1, 32), jnp.int32)
+    abstract_state = run_mlm_flax.abstract_train_state(model, optimizer, run_mlm_flax.create_mesh(), dummy_input)
+    state = run_mlm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
+    train_step = jax.jit(run_mlm_flax.make_train_step(model, optimizer, schedule, seed=0))
+    blocks = np.random.default_rng(0).integers(5, len(tokenizer), (8, 30), dtype=np.int32)
+    batch = batch_maker(tokenizer, max_seq_length=32)(blocks, np.arange(8), 8, np.random.default_rng(0))
+
+    def step(micro_batches):
+        split = {name: values.reshape(micro_batches, -1, *values.shape[1:]) for name, values in batch.items()}
+        return jax.device_get(train_step(state, split))
+
+    (whole_state, whole), (accumulated_state, accumulated) = step(1), step(2)
+    for name in ("loss_sum", "correct_sum", "weight_sum", "grad_norm"):
+        np.testing.assert_allclose(accumulated[name], whole[name], rtol=1e-5, err_msg=name)
+    for whole_leaf, accumulated_leaf in zip(jax.tree_util.tree_leaves(whole_state.params),
+                                            jax.tree_util.tree_leaves(accumulated_state.params)):
+        np.testing.assert_allclose(accumulated_leaf, whole_leaf, atol=1e-5)  # Adam steps are about 1e-2
+    assert not np.allclose(whole_state.params["lm_head"]["bias"], 0)  # the step did change the parameters
 
 
 def test_json_arguments_file_gives_the_arguments_of_the_command_line(tmp_path, monkeypatch):
@@ -374,7 +457,7 @@ def bad_inputs(model_dir, tmp_path_factory):
         (["--train_file", "missing.txt"], "--train_file: missing.txt does not exist"),
         (["--line_by_line", "--train_file", "{bad}/empty.txt"], "the train data has no non-empty lines"),
         (["--per_device_train_batch_size", "100000"], "fewer than one global batch"),
-        (["--output_dir", "{bad}/output-with-files"], "already holds files; pass --overwrite_output_dir"),
+        (["--output_dir", "{bad}/output-with-files"], "already holds files; pass --resume_from_checkpoint"),
         (["--hub_model_id", "me/model"], "unknown argument --hub_model_id"),
     ],
 )

@@ -101,6 +101,18 @@ def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(tiny_fla
                                atol=1e-4)
 
 
+def test_logits_at_masked_positions_equal_those_of_the_whole_sequence(tiny_flax):
+    _, params, apply = tiny_flax
+    params = perturbed(params)
+    input_ids, attention_mask = example_batch(padded=True)
+    masked_positions = np.array([[1, 5, 11], [2, 3, 0], [1, 1, 2]], np.int32)  # (batch, predictions)
+    at_positions = apply({"params": params}, input_ids, attention_mask, masked_positions=masked_positions)
+    everywhere = apply({"params": params}, input_ids, attention_mask)
+    assert at_positions.shape == (3, 3, VOCAB_SIZE)
+    np.testing.assert_allclose(at_positions, np.take_along_axis(everywhere, masked_positions[:, :, None], axis=1),
+                               atol=1e-5)
+
+
 def test_export_has_exactly_the_tensors_save_pretrained_writes(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()

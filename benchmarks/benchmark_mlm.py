@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Throughput of run_mlm_flax.py: training tokens/s and model-FLOPs utilisation, host masking and preprocessing.
+
+Training: the script's own train step (the Flax RoBERTa, AdamW, gradient clipping) on batches made and
+masked by the script's BatchMaker from random tokens, already on the devices, so the number is the step's
+speed, not the disk's. Model-FLOPs utilisation (MFU) divides the model's FLOPs per token (6 x parameters +
+attention, as in the PaLM paper's appendix B; embedding lookups excluded; the LM head and its tied
+vocabulary projection counted only at the positions it runs at, the room for predictions, about 30% of
+them) by a matmul peak measured in the same run on the same devices and dtype
+(benchmark_clm.matmul_peak_flops), so the ratio says how close the step comes to what this machine's
+matmuls reach.
+
+Host: how many tokens per second BatchMaker frames and masks with numpy, which must stay well above the
+training speed since it runs on the host, one batch ahead of the step.
+
+Preprocessing: the script's tokenize_and_pack (grouped mode) and tokenize_lines (--line_by_line), each
+tokenizing and writing its cache, against the raw `tokenizers` batch encoding of the same texts.
+
+    python benchmarks/benchmark_mlm.py                          # the CPU target: 4 layers x 256, vocab 8192
+    python benchmarks/benchmark_mlm.py --preset roberta-base    # RoBERTa-base, sequence 512, bfloat16 (a GPU)
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import run_mlm_flax  # noqa: E402
+from benchmark_clm import matmul_peak_flops  # noqa: E402  (same folder)
+
+PRESETS = {
+    # The CPU target: small enough for a 2-core laptop, big enough for matmuls to dominate.
+    "cpu-small": dict(layers=4, width=256, heads=4, vocab_size=8192, seq_length=128, batch_size=16, dtype="float32"),
+    # RoBERTa-base as published (12 layers, 768 wide, 12 heads, 50265 tokens padded to a multiple of 64).
+    "roberta-base": dict(layers=12, width=768, heads=12, vocab_size=50304, seq_length=512, batch_size=32, dtype="bfloat16"),
+}
+PAD_TOKEN_ID = 1  # RoBERTa's special tokens: <s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4
+
+
+def parse_arguments():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=PRESETS, default="cpu-small")
+    for name in ("layers", "width", "heads", "vocab_size", "seq_length", "batch_size"):
+        parser.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset's compute dtype")
+    parser.add_argument("--steps", type=int, default=10, help="training steps timed in each round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of timing; the best round counts")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (RoBERTa uses 0.1)")
+    parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
+    parser.add_argument("--skip_preprocessing", action="store_true")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    arguments = parser.parse_args()
+    settings = dict(PRESETS[arguments.preset])
+    for name in settings:
+        if getattr(arguments, name) is not None:
+            settings[name] = getattr(arguments, name)
+    return arguments, settings
+
+
+def random_blocks(settings, count: int) -> np.ndarray:
+    """Grouped-mode examples of random ordinary tokens (ids past the 5 special tokens)."""
+    shape = (count, settings["seq_length"] - 2)
+    return np.random.default_rng(0).integers(5, settings["vocab_size"], size=shape, dtype=np.int32)
+
+
+def batch_maker(settings) -> run_mlm_flax.BatchMaker:
+    return run_mlm_flax.BatchMaker(
+        bos_token_id=0, eos_token_id=2, pad_token_id=PAD_TOKEN_ID, mask_token_id=4, special_token_ids=(0, 1, 2, 3, 4),
+        random_token_count=settings["vocab_size"], mlm_probability=0.15, max_seq_length=settings["seq_length"],
+    )
+
+
+def benchmark_training(settings, arguments) -> dict:
+    config = run_mlm_flax.transformers.RobertaConfig(
+        vocab_size=settings["vocab_size"], hidden_size=settings["width"], num_hidden_layers=settings["layers"],
+        num_attention_heads=settings["heads"], intermediate_size=4 * settings["width"],
+        max_position_embeddings=settings["seq_length"] + PAD_TOKEN_ID + 1, type_vocab_size=1,
+        hidden_dropout_prob=arguments.dropout, attention_probs_dropout_prob=arguments.dropout,
+        pad_token_id=PAD_TOKEN_ID, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5,
+    )
+    dtype = jnp.dtype(settings["dtype"])
+    model = run_mlm_flax.FlaxRobertaForMaskedLM(config, dtype=dtype)
+    training_arguments = run_mlm_flax.TrainingArguments(output_dir="unused", learning_rate=3e-4, weight_decay=0.01)
+    schedule = run_mlm_flax.learning_rate_schedule(training_arguments, total_steps=10_000)
+    optimizer = run_mlm_flax.create_optimizer(training_arguments, schedule)
+    mesh = run_mlm_flax.create_mesh()
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, run_mlm_flax.BATCH_AXES))
+    dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
+    abstract_state = run_mlm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+    state = run_mlm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
+    train_step = jax.jit(
+        run_mlm_flax.make_train_step(model, optimizer, schedule, 0),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+    )
+    blocks = random_blocks(settings, settings["batch_size"])
+    batch = batch_maker(settings)(blocks, np.arange(len(blocks)), len(blocks), np.random.default_rng(0))
+    # One micro-batch: (1, batch, ...), as the script passes a step without gradient accumulation.
+    batch = {name: jax.device_put(values[None], batch_sharding) for name, values in batch.items()}
+
+    compile_start = time.perf_counter()
+    state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    compile_seconds = time.perf_counter() - compile_start
+
+    # Steps and the matmul peak are timed in alternating rounds and the best of each kept, so that a
+    # moment of load from other programs on the machine does not skew their ratio.
+    step_seconds, peak = float("inf"), 0.0
+    for _ in range(arguments.rounds):
+        start = time.perf_counter()
+        for _ in range(arguments.steps):
+            state, metrics = train_step(state, batch)
+        jax.block_until_ready(metrics)
+        step_seconds = min(step_seconds, (time.perf_counter() - start) / arguments.steps)
+        peak = max(peak, matmul_peak_flops(dtype))
+
+    def count(tree):
+        return sum(leaf.size for leaf in jax.tree_util.tree_leaves(tree))
+
+    # The encoder runs at every position, the LM head (with the tied word embeddings as its output layer)
+    # only at the room left for predictions; embedding lookups are not matmuls and are left out.
+    parameters = count(state.params)
+    head_parameters = count(state.params["lm_head"]) + config.vocab_size * config.hidden_size
+    head_fraction = batch["masked_positions"].shape[2] / settings["seq_length"]
+    attention_flops = 12 * config.num_hidden_layers * config.hidden_size * settings["seq_length"]
+    flops_per_token = 6 * count(state.params["roberta"]["encoder"]) + 6 * head_parameters * head_fraction + attention_flops
+    tokens_per_second = settings["batch_size"] * settings["seq_length"] / step_seconds
+    return {
+        "parameters": parameters,
+        "lm_head_fraction_of_positions": head_fraction,
+        "step_seconds": step_seconds,
+        "compile_seconds": compile_seconds,
+        "train_tokens_per_second": tokens_per_second,
+        "model_tflops_per_second": tokens_per_second * flops_per_token / 1e12,
+        "matmul_peak_tflops_per_second": peak / 1e12,
+        "mfu": tokens_per_second * flops_per_token / peak,
+        "final_loss": float(metrics["loss_sum"] / metrics["weight_sum"]),
+    }
+
+
+def benchmark_host_masking(settings) -> dict:
+    """Tokens per second that BatchMaker frames and masks, one global batch at a time, in grouped mode."""
+    blocks = random_blocks(settings, 64 * settings["batch_size"])
+    make_batch = batch_maker(settings)
+    start = time.perf_counter()
+    for step in range(64):
+        indices = np.arange(step * settings["batch_size"], (step + 1) * settings["batch_size"])
+        make_batch(blocks, indices, len(indices), np.random.default_rng([0, step]))
+    seconds = time.perf_counter() - start
+    return {"masking_tokens_per_second": 64 * settings["batch_size"] * settings["seq_length"] / seconds}
+
+
+def benchmark_preprocessing(arguments, vocab_size: int, seq_length: int) -> dict:
+    """Raw tokenizer batch encoding vs the script's tokenize + group + cache and tokenize lines + cache."""
+    import datasets
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+    texts, size = [], 0
+    for path in sources:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            texts.append(file.read())
+        size += len(texts[-1].encode())
+        if size >= arguments.corpus_megabytes * 1e6:
+            break
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    special_tokens = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts[:200], trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+        mask_token="<mask>",
+    )
+
+    with tempfile.TemporaryDirectory() as directory:
+        data_file = os.path.join(directory, "texts.jsonl")
+        with open(data_file, "w") as file:
+            for text in texts:
+                file.write(json.dumps({"text": text}) + "\n")
+        dataset = datasets.load_dataset("json", data_files=data_file, cache_dir=directory, split="train")
+
+        # The same batches of 1000 texts as the pipeline; one separator per text joins them.
+        start = time.perf_counter()
+        num_tokens = len(texts)
+        for index in range(0, len(texts), 1000):
+            encodings = backend.encode_batch(texts[index : index + 1000], add_special_tokens=False)
+            num_tokens += sum(len(encoding.ids) for encoding in encodings)
+        raw_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        blocks = run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", seq_length - 2, None, True, "benchmark")
+        grouped_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", seq_length - 2, None, False, "benchmark")
+        cached_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        lines = run_mlm_flax.tokenize_lines(dataset, tokenizer, "text", None, True, "benchmark")
+        lines_seconds = time.perf_counter() - start
+    return {
+        "corpus_megabytes": size / 1e6,
+        "tokens": num_tokens,
+        "raw_tokenizer_tokens_per_second": num_tokens / raw_seconds,
+        "grouped_tokens_per_second": num_tokens / grouped_seconds,
+        "grouped_fraction_of_raw": raw_seconds / grouped_seconds,
+        "line_by_line_tokens_per_second": len(lines.tokens) / lines_seconds,
+        "cached_load_seconds": cached_seconds,
+        "blocks": int(len(blocks)),
+    }
+
+
+def main():
+    arguments, settings = parse_arguments()
+    import datasets
+
+    datasets.disable_progress_bars()
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; settings: {settings}")
+    results = {"settings": settings, "devices": [str(device) for device in jax.devices()]}
+    results["training"] = training = benchmark_training(settings, arguments)
+    print(
+        f"training: {training['train_tokens_per_second']:,.0f} tokens/s, {training['step_seconds'] * 1000:.1f} ms/step, "
+        f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
+        f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
+        f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
+    )
+    results["host"] = host = benchmark_host_masking(settings)
+    print(f"host masking: {host['masking_tokens_per_second']:,.0f} tokens/s (framing, padding and masking batches in numpy)")
+    if not arguments.skip_preprocessing:
+        results["preprocessing"] = preprocessing = benchmark_preprocessing(
+            arguments, min(settings["vocab_size"], 8192), settings["seq_length"]
+        )
+        print(
+            f"preprocessing: grouped {preprocessing['grouped_tokens_per_second']:,.0f} tokens/s for tokenize + pack + "
+            f"cache ({preprocessing['grouped_fraction_of_raw']:.0%} of the raw tokenizer's "
+            f"{preprocessing['raw_tokenizer_tokens_per_second']:,.0f} tokens/s), line_by_line "
+            f"{preprocessing['line_by_line_tokens_per_second']:,.0f} tokens/s "
+            f"({preprocessing['corpus_megabytes']:.1f} MB, {preprocessing['tokens']:,} tokens); "
+            f"a cached rerun loads in {preprocessing['cached_load_seconds']:.2f} s"
+        )
+    if arguments.json:
+        with open(arguments.json, "w") as file:
+            json.dump(results, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
