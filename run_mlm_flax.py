@@ -14,7 +14,8 @@ Two ways to make examples:
 Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special
 token or padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random
 token and 10% stay as they are. The loss and the accuracy count the chosen tokens only. Each global batch is
-split over every device of every process with `jax.jit` over a device mesh.
+split over every device of every process with `jax.jit` over a device mesh. Training checkpoints in
+OUTPUT_DIR/checkpoints let an interrupted run continue exactly with --resume_from_checkpoint.
 
 The model is a Flax RoBERTa whose parameters map one-to-one onto the PyTorch `RobertaForMaskedLM` of
 `transformers`: the output directory is an ordinary Hugging Face model directory (config.json,
@@ -696,7 +697,8 @@ class BatchMaker:
 
     def predictions_per_row(self, length: int) -> int:
         """Room for the positions to predict in a row of `length` tokens: the mean number chosen plus five
-        standard deviations, so that a batch needs more (and one more compilation) about once in millions."""
+        standard deviations, rounded up to a multiple of 8. About one row in a million needs more; its batch
+        then gets room for every position (and the step one more compilation)."""
         mean = length * self.mlm_probability
         bound = mean + 5 * math.sqrt(mean * (1 - self.mlm_probability))
         return min(length, 8 * math.ceil(bound / 8))
