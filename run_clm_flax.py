@@ -273,7 +273,12 @@ def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingAr
             return parser.parse_json_file(json_file=json_path)
         except (ValueError, json.JSONDecodeError) as error:
             raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
-    return parser.parse_args_into_dataclasses()
+    *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        if any(argument.split("=")[0] in ("--push_to_hub", "--push-to-hub") for argument in unknown):
+            raise UsageError("--push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`")
+        raise UsageError(f"unknown argument {unknown[0]}; see --help for the arguments this script takes")
+    return tuple(arguments)
 
 
 def check_arguments(model_args, data_args, training_args):
@@ -448,8 +453,9 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
         features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
         desc=f"Tokenizing {split} texts",
     )
-    # Arrow stores the token lists as one flat buffer: flattening is a copy, not a Python loop.
-    tokens = tokenized.data.column("input_ids").combine_chunks().flatten().to_numpy()
+    # Arrow stores the token lists of each chunk as one flat buffer: flattening is a copy, not a Python
+    # loop. Chunk by chunk, because one list array cannot hold more than 2**31 tokens.
+    tokens = np.concatenate([chunk.flatten().to_numpy() for chunk in tokenized.data.column("input_ids").chunks])
     num_blocks = len(tokens) // block_size
     blocks = np.ascontiguousarray(tokens[: num_blocks * block_size].reshape(num_blocks, block_size))
     logger.info("%s: %d tokens packed into %d blocks of %d", split, len(tokens), num_blocks, block_size)

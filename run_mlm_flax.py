@@ -304,6 +304,7 @@ class TrainingArguments:
     )
 
 
+# Copied from run_clm_flax.parse_arguments
 def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments]:
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
@@ -509,8 +510,9 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
         features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
         desc=f"Tokenizing {split} texts",
     )
-    # Arrow stores the token lists as one flat buffer: flattening is a copy, not a Python loop.
-    tokens = tokenized.data.column("input_ids").combine_chunks().flatten().to_numpy()
+    # Arrow stores the token lists of each chunk as one flat buffer: flattening is a copy, not a Python
+    # loop. Chunk by chunk, because one list array cannot hold more than 2**31 tokens.
+    tokens = np.concatenate([chunk.flatten().to_numpy() for chunk in tokenized.data.column("input_ids").chunks])
     num_blocks = len(tokens) // block_size
     blocks = np.ascontiguousarray(tokens[: num_blocks * block_size].reshape(num_blocks, block_size))
     logger.info("%s: %d tokens packed into %d blocks of %d", split, len(tokens), num_blocks, block_size)

@@ -287,6 +287,8 @@ def test_bad_input_exits_with_one_clear_line_and_no_traceback(model_dir, tmp_pat
         (["--per_device_train_batch_size", "0"], "must be at least 1"),
         (["--max_steps", "0", "--num_train_epochs", "0"], "no training steps"),
         (["--per_device_train_batch_size", "100000"], "fewer than one global batch"),
+        (["--push_to_hub"], "--push_to_hub is not supported"),
+        (["--learning_rte", "1e-3"], "unknown argument --learning_rte"),
     ],
 )
 def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, tmp_path, monkeypatch):
