@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# From nothing to a trained small GPT-2, offline, in a few minutes on a laptop CPU.
+# From nothing to a trained small model, offline, in a few minutes on a laptop CPU.
 #
 # The corpus is the Python standard library's own source code, which every Python installation has.
 # Each step is one command you would also run on your own data:
 #   1. train a byte-level BPE tokenizer      (train_tokenizer.py)
-#   2. write a GPT-2 config sized for a CPU  (create_config.py)
-#   3. train, evaluate and export the model  (run_clm_flax.py)
-# Usage: ./quickstart.sh [WORK_DIR]   (default: quickstart/)
+#   2. write a config sized for a CPU        (create_config.py)
+#   3. train, evaluate and export the model  (run_clm_flax.py for GPT-2, run_mlm_flax.py for RoBERTa)
+# Usage: ./quickstart.sh [clm|mlm] [WORK_DIR]   (default: clm, quickstart/)
 set -euo pipefail
 cd "$(dirname "$0")"
-work_dir=${1:-quickstart}
-model_dir=$work_dir/gpt2-tiny
+task=${1:-clm}
+work_dir=${2:-quickstart}
 corpus=$work_dir/python-stdlib.jsonl
+case "$task" in clm|mlm) ;; *) echo "error: the first argument is clm or mlm, not '$task'" >&2; exit 2 ;; esac
 mkdir -p "$work_dir"
 
 # To use your own data, skip this and point --train_file below at your .txt/.jsonl/.csv/.parquet files.
@@ -25,13 +26,27 @@ with open(sys.argv[1], "w") as corpus:
 print(f"corpus: {len(sources)} standard-library modules, {os.path.getsize(sys.argv[1]) / 1e6:.1f} MB -> {sys.argv[1]}")
 PYTHON
 
-./train_tokenizer.py --train_file "$corpus" --model_type gpt2 --vocab_size 8192 \
-    --model_max_length 256 --output_dir "$model_dir" --overwrite
-./create_config.py --preset gpt2-tiny --tokenizer_dir "$model_dir" --pad_vocab_to_multiple_of 64 \
-    --set resid_pdrop=0.0 embd_pdrop=0.0 attn_pdrop=0.0 --overwrite
-./run_clm_flax.py --output_dir "$work_dir/gpt2-tiny-trained" --overwrite_output_dir \
-    --config_name "$model_dir" --tokenizer_name "$model_dir" --train_file "$corpus" \
-    --do_train --do_eval --block_size 128 --per_device_train_batch_size 16 --per_device_eval_batch_size 32 \
-    --learning_rate 2e-3 --warmup_steps 30 --lr_scheduler_type cosine --weight_decay 0.01 --adam_beta2 0.98 \
-    --max_steps 300 --logging_steps 50 --eval_steps 150 --save_steps 300 \
-    --sample_prompt "def " --sample_tokens 60
+if [ "$task" = clm ]; then
+    model_dir=$work_dir/gpt2-tiny
+    ./train_tokenizer.py --train_file "$corpus" --model_type gpt2 --vocab_size 8192 \
+        --model_max_length 256 --output_dir "$model_dir" --overwrite
+    ./create_config.py --preset gpt2-tiny --tokenizer_dir "$model_dir" --pad_vocab_to_multiple_of 64 \
+        --set resid_pdrop=0.0 embd_pdrop=0.0 attn_pdrop=0.0 --overwrite
+    ./run_clm_flax.py --output_dir "$work_dir/gpt2-tiny-trained" --overwrite_output_dir \
+        --config_name "$model_dir" --tokenizer_name "$model_dir" --train_file "$corpus" \
+        --do_train --do_eval --block_size 128 --per_device_train_batch_size 16 --per_device_eval_batch_size 32 \
+        --learning_rate 2e-3 --warmup_steps 30 --lr_scheduler_type cosine --weight_decay 0.01 --adam_beta2 0.98 \
+        --max_steps 300 --logging_steps 50 --eval_steps 150 --save_steps 300 \
+        --sample_prompt "def " --sample_tokens 60
+else
+    model_dir=$work_dir/roberta-tiny
+    ./train_tokenizer.py --train_file "$corpus" --model_type roberta --vocab_size 8192 \
+        --model_max_length 256 --output_dir "$model_dir" --overwrite
+    ./create_config.py --preset roberta-tiny --tokenizer_dir "$model_dir" --pad_vocab_to_multiple_of 64 \
+        --set hidden_dropout_prob=0.0 attention_probs_dropout_prob=0.0 --overwrite
+    ./run_mlm_flax.py --output_dir "$work_dir/roberta-tiny-trained" --overwrite_output_dir \
+        --config_name "$model_dir" --tokenizer_name "$model_dir" --train_file "$corpus" \
+        --do_train --do_eval --max_seq_length 128 --per_device_train_batch_size 16 --per_device_eval_batch_size 32 \
+        --learning_rate 1e-3 --warmup_steps 30 --lr_scheduler_type cosine --weight_decay 0.01 --adam_beta2 0.98 \
+        --max_steps 300 --logging_steps 50 --eval_steps 150 --save_steps 300
+fi
