@@ -221,8 +221,10 @@ def test_unusable_data_is_refused(content, extra_arguments, message, model_dir, 
 def test_pickle_weights_load_only_on_request(model_dir, tmp_path, monkeypatch):
     checkpoint = tmp_path / "pickled"
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config.from_pretrained(model_dir)).save_pretrained(checkpoint, safe_serialization=False)
-    assert (checkpoint / "pytorch_model.bin").is_file() and not (checkpoint / "model.safetensors").exists()
+    torch_model = GPT2LMHeadModel(GPT2Config.from_pretrained(model_dir))
+    # The layout of older checkpoints: a config and a pickled state dict, no safetensors.
+    torch_model.config.save_pretrained(checkpoint)
+    torch.save(torch_model.state_dict(), checkpoint / "pytorch_model.bin")
     evaluate = [
         "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(checkpoint), "--tokenizer_name", model_dir,
         "--validation_file", str(CORPUS / "validation.txt"), "--do_eval", "--block_size", "32",
