@@ -1095,11 +1095,32 @@ def restore_checkpoint(location: str, output_dir: str, abstract_state: TrainStat
         directory, step = location_path, None
     if not os.path.isdir(directory):
         raise UsageError(f"--resume_from_checkpoint: there are no training checkpoints in {directory}")
-    manager = ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(create=False))
+    manager = ocp.CheckpointManager(
+        os.path.abspath(directory),
+        options=ocp.CheckpointManagerOptions(create=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "progress": ocp.JsonCheckpointHandler()},
+    )
     step = manager.latest_step() if step is None else step
     if step not in manager.all_steps():
         raise UsageError(f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}")
     path = os.path.join(directory, str(step))
+
+    # Compare parameter shapes first: a mismatch found by the restore itself surfaces as a flood of
+    # errors from Orbax's background reads.
+    def parameter_shapes(tree):
+        return {
+            jax.tree_util.keystr(key_path[1:]): tuple(leaf.shape)
+            for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if str(getattr(key_path[0], "key", getattr(key_path[0], "name", ""))) == "params"
+        }
+
+    stored, needed = parameter_shapes(manager.item_metadata(step)["state"]), parameter_shapes(abstract_state)
+    if stored != needed:
+        name = next(name for name in sorted(set(stored) | set(needed)) if stored.get(name) != needed.get(name))
+        raise UsageError(
+            f"the checkpoint {path} does not fit this model (parameter {name} has shape {stored.get(name)} there, "
+            f"{needed.get(name)} here); resume with the config it was trained with"
+        )
     try:
         restored = manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), progress=ocp.args.JsonRestore())
