@@ -155,29 +155,41 @@ def benchmark_training(settings, arguments) -> dict:
     }
 
 
-def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
-    """Raw tokenizer batch encoding vs the script's whole tokenize + pack + cache, on the same texts."""
-    import datasets
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+def stdlib_texts(megabytes: float) -> tuple[list[str], int]:
+    """The Python standard library's source files, about `megabytes` of them, and their size in bytes."""
     sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
     texts, size = [], 0
     for path in sources:
         with open(path, encoding="utf-8", errors="replace") as file:
             texts.append(file.read())
         size += len(texts[-1].encode())
-        if size >= arguments.corpus_megabytes * 1e6:
+        if size >= megabytes * 1e6:
             break
+    return texts, size
+
+
+def byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]):
+    """A byte-level BPE tokenizer (the `tokenizers` object) trained on the first 200 texts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(texts[:200], trainer)
+    return backend
+
+
+def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
+    """Raw tokenizer batch encoding vs the script's whole tokenize + pack + cache, on the same texts."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    texts, size = stdlib_texts(arguments.corpus_megabytes)
+    backend = byte_level_bpe(texts, vocab_size, ["<|endoftext|>"])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
 
     with tempfile.TemporaryDirectory() as directory:

@@ -21,11 +21,9 @@ tokenizing and writing its cache, against the raw `tokenizers` batch encoding of
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
-import sysconfig
 import tempfile
 import time
 
@@ -35,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_mlm_flax  # noqa: E402
-from benchmark_clm import matmul_peak_flops  # noqa: E402  (same folder)
+from benchmark_clm import byte_level_bpe, matmul_peak_flops, stdlib_texts  # noqa: E402  (same folder)
 
 PRESETS = {
     # The CPU target: small enough for a 2-core laptop, big enough for matmuls to dominate.
@@ -164,27 +162,10 @@ def benchmark_host_masking(settings) -> dict:
 def benchmark_preprocessing(arguments, vocab_size: int, seq_length: int) -> dict:
     """Raw tokenizer batch encoding vs the script's tokenize + group + cache and tokenize lines + cache."""
     import datasets
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
-    texts, size = [], 0
-    for path in sources:
-        with open(path, encoding="utf-8", errors="replace") as file:
-            texts.append(file.read())
-        size += len(texts[-1].encode())
-        if size >= arguments.corpus_megabytes * 1e6:
-            break
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    special_tokens = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(texts[:200], trainer)
+    texts, size = stdlib_texts(arguments.corpus_megabytes)
+    backend = byte_level_bpe(texts, vocab_size, ["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
         mask_token="<mask>",
