@@ -140,7 +140,7 @@ def runs(model_dir, tmp_path_factory):
         stopped.wait_until(lambda: "step 1: loss" in stopped.stderr(0), "process 0 logged step 1")
         stopped.processes[1].send_signal(signal.SIGINT)
         stopped.wait()
-        stop_step = int(os.listdir(two_dir / "checkpoints")[0])
+        stopped_checkpoints = os.listdir(two_dir / "checkpoints")
         stopped_losses = losses_per_process(two_dir)[0]
         resumed = Processes(
             arguments(model_dir, two_dir, "--resume_from_checkpoint", "--sample_tokens", "4"), 2, 4, logs["resumed"],
@@ -150,13 +150,14 @@ def runs(model_dir, tmp_path_factory):
     finally:
         single.kill()
     return {
-        "single": single, "single_dir": single_dir, "stopped": stopped, "stop_step": stop_step,
-        "stopped_losses": stopped_losses, "resumed": resumed, "two_dir": two_dir,
+        "single": single, "single_dir": single_dir, "stopped": stopped, "stopped_checkpoints": stopped_checkpoints,
+        "stop_step": max(stopped_losses), "stopped_losses": stopped_losses, "resumed": resumed, "two_dir": two_dir,
     }  # fmt: skip
 
 
 def test_a_signal_to_one_process_stops_every_process_at_the_same_step_with_a_checkpoint(runs):
     stop_step = runs["stop_step"]
+    assert runs["stopped_checkpoints"] == [str(stop_step)]
     assert 1 <= stop_step < MAX_STEPS, "the signal should stop the run before its end"
     assert sorted(runs["stopped_losses"]) == list(range(1, stop_step + 1))
     stdout = runs["stopped"].stdout(0)
