@@ -6,6 +6,8 @@ train_tokenizer.py) or continues from a Hugging Face GPT-2 checkpoint, on text f
 (txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
 Texts are tokenized, joined with the end-of-text token and packed into blocks of `--block_size` tokens.
 Each global batch is split over every device of every process with `jax.jit` over a device mesh.
+On several hosts every host runs the same command (see initialize_distributed for how the processes
+find each other) and process 0 writes the outputs.
 
 The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors,
 tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch.
@@ -16,6 +18,7 @@ tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM
 A single .json file holding the arguments works too: `./run_clm_flax.py args.json`.
 """
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -263,8 +266,39 @@ class TrainingArguments:
     )
 
 
-def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments]:
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+@dataclass
+class DistributedArguments:
+    """How the processes of a run started by hand find each other. Not needed for a single process, nor
+    where the launcher tells JAX (Cloud TPU VMs, Slurm's srun, Open MPI's mpirun): see initialize_distributed."""
+
+    coordinator_address: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "HOST:PORT of process 0, which every process of a multi-process run connects to (any free port). "
+            "Give it with --num_processes and --process_id when starting one command per host by hand."
+        },
+    )
+    num_processes: Optional[int] = field(
+        default=None, metadata={"help": "How many processes take part in the run, with --coordinator_address."}
+    )
+    process_id: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "This process's number, 0 to --num_processes - 1, with --coordinator_address. Process 0 logs "
+            "and writes the model, the results and the TensorBoard logs."
+        },
+    )
+    local_device_ids: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated ids of the local GPUs this process drives, e.g. 0,1,2,3 (multi-process runs "
+            "only). Defaults to all of them, except under Slurm and Open MPI: one GPU per task."
+        },
+    )
+
+
+def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments, DistributedArguments]:
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, DistributedArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         json_path = os.path.abspath(sys.argv[1])
         if not os.path.isfile(json_path):
@@ -321,6 +355,123 @@ def check_arguments(model_args, data_args, training_args):
             f"--output_dir {output_dir} already holds files; pass --resume_from_checkpoint to continue its run, "
             "or --overwrite_output_dir to train into it anyway"
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Processes: one, or several joined by JAX's distributed runtime (one per host, or per GPU)
+# ----------------------------------------------------------------------------------------------------
+
+
+def on_cloud_tpu_vm() -> bool:
+    """Whether this is a Cloud TPU VM (one host of a TPU slice), as JAX found when it was imported. The flag
+    lives in a private module of JAX; should it move, TPU users pass the three flags instead."""
+    try:
+        from jax._src import cloud_tpu_init
+    except ImportError:
+        return False
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+def multi_process_launcher() -> Optional[str]:
+    """The launcher that started this process as one of several, with the settings jax.distributed reads
+    from the environment; None for a process started on its own."""
+    environment = os.environ
+    # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
+    if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
+        return "Slurm"
+    if int(environment.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if on_cloud_tpu_vm():
+        return "Cloud TPU"
+    return None
+
+
+def initialize_distributed(distributed_args):
+    """Join the other processes of a multi-process run; call before anything touches the devices.
+
+    1. --coordinator_address, --num_processes and --process_id given: join with those settings
+       (processes started by hand, one command per host).
+    2. Otherwise, started by Slurm's srun or Open MPI's mpirun as one of several tasks, or on a Cloud TPU
+       VM: jax.distributed.initialize() reads the settings from the environment (on a single TPU VM it
+       finds one process).
+    3. Otherwise: a single process, which connects to nothing.
+
+    Afterwards every device of every process is in jax.devices(), and process 0 is the one that writes.
+    """
+    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
+    if any(value is not None for value in explicit) and any(value is None for value in explicit):
+        raise UsageError(
+            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
+            "Slurm, Open MPI or Cloud TPU supplies them"
+        )
+    local_device_ids = None
+    if distributed_args.local_device_ids is not None:
+        try:
+            local_device_ids = [int(device_id) for device_id in distributed_args.local_device_ids.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"--local_device_ids {distributed_args.local_device_ids} is not a comma-separated list of integers"
+            ) from None
+
+    explicit = distributed_args.coordinator_address is not None
+    if explicit:
+        num_processes, process_id = distributed_args.num_processes, distributed_args.process_id
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise UsageError(
+                f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
+                "--num_processes - 1"
+            )
+        if ":" not in distributed_args.coordinator_address:
+            raise UsageError(f"--coordinator_address {distributed_args.coordinator_address} has no port; give HOST:PORT")
+        several_processes = num_processes > 1
+    else:
+        launcher = multi_process_launcher()
+        several_processes = launcher is not None
+    if not several_processes:
+        if local_device_ids is not None:
+            raise UsageError(
+                "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
+                "CUDA_VISIBLE_DEVICES"
+            )
+        return
+
+    # Processes on CPU exchange data through Gloo over TCP (older JAX versions have no default for this).
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=distributed_args.coordinator_address,
+            num_processes=distributed_args.num_processes,
+            process_id=distributed_args.process_id,
+            local_device_ids=local_device_ids,
+        )
+    except ValueError as error:
+        if explicit:
+            raise
+        # The launcher's environment lacks something JAX reads, e.g. the address of Open MPI 5's launcher.
+        raise UsageError(
+            f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
+            f"({error}); pass --coordinator_address, --num_processes and --process_id"
+        ) from None
+
+
+def wait_for_all_processes(name: str):
+    """Return once every process has called this with the same `name` (at once for a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+@contextlib.contextmanager
+def main_process_first(name: str):
+    """Process 0 runs the block first, then the others: they then read the caches it filled (on a file
+    system the hosts share) instead of all writing the same files at once."""
+    if jax.process_index() > 0:
+        wait_for_all_processes(name)
+    try:
+        yield
+    finally:  # also when process 0 fails: the others then try, and report the same error
+        if jax.process_index() == 0:
+            wait_for_all_processes(name)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -502,7 +653,9 @@ def train_batches(blocks: np.ndarray, global_batch_size: int, seed: int, epoch: 
     order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
     rows = process_slice(global_batch_size)
     for step in range(first_batch, len(blocks) // global_batch_size):
-        batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size][rows])
+        # Sorted (for reading the memory-mapped blocks in order) before the split, so that the global batch,
+        # row for row, does not depend on the number of processes.
+        batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])[rows]
         yield {"input_ids": np.asarray(blocks[batch_indices], dtype=np.int32)}
 
 
@@ -1069,7 +1222,8 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
 
     Orbax writes each checkpoint into a temporary directory and renames it once complete, so a process
     killed while saving leaves the earlier checkpoints intact; the unfinished one is deleted when the
-    directory is next opened. With several processes, every process writes its own shards.
+    directory is next opened. With several processes, every process writes its own shards into the same
+    directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a mounted bucket).
     """
     return ocp.CheckpointManager(
         os.path.abspath(os.path.join(output_dir, "checkpoints")),
@@ -1168,7 +1322,10 @@ class StopRequest:
             return self.signal_name is not None
         if not check_other_processes:
             return False
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.signal_name is not None))))
+        if not np.any(multihost_utils.process_allgather(np.asarray(self.signal_name is not None))):
+            return False
+        self.signal_name = self.signal_name or "a signal to another process"
+        return True
 
 
 def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool, checkpoints) -> list[dict]:
@@ -1310,17 +1467,29 @@ def load_config_and_tokenizer(model_args):
 
 
 def main():
-    model_args, data_args, training_args = parse_arguments()
+    model_args, data_args, training_args, distributed_args = parse_arguments()
+    initialize_distributed(distributed_args)
     check_arguments(model_args, data_args, training_args)
+    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
+    # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
+    # they have all joined, they do.
+    wait_for_all_processes("arguments checked")
+    is_main_process = jax.process_index() == 0
+    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
     logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if jax.process_index() == 0 else logging.ERROR,
+        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if is_main_process else logging.ERROR,
         force=True,  # importing orbax installs absl's handler, which would hide these logs
     )
     logging.getLogger("absl").setLevel(logging.WARNING)
     datasets.utils.logging.set_verbosity_warning()
     transformers.utils.logging.set_verbosity_warning()
-    logger.info("%d devices over %d processes: %s", jax.device_count(), jax.process_count(), jax.devices())
+    if not is_main_process:
+        datasets.disable_progress_bars()
+    logger.info(
+        "%d devices over %d processes (%d here): %s", jax.device_count(), jax.process_count(),
+        jax.local_device_count(), jax.devices(),
+    )
 
     # Model config and tokenizer
     config, tokenizer = load_config_and_tokenizer(model_args)
@@ -1331,16 +1500,17 @@ def main():
             f"--block_size {block_size} exceeds the model's n_positions {config.n_positions}; lower --block_size"
         )
 
-    # Data
-    raw_datasets = load_raw_datasets(model_args, data_args)
-    blocks = {
-        split: tokenize_and_pack(
-            raw_datasets[split], tokenizer, data_args.text_column_name, block_size,
-            data_args.preprocessing_num_workers, data_args.overwrite_cache, split,
-        )
-        for split in raw_datasets
-        if split in ("train", "validation")
-    }
+    # Data: every process holds all blocks (memory-mapped from the cache) and loads its rows of each batch.
+    with main_process_first("data prepared"):
+        raw_datasets = load_raw_datasets(model_args, data_args)
+        blocks = {
+            split: tokenize_and_pack(
+                raw_datasets[split], tokenizer, data_args.text_column_name, block_size,
+                data_args.preprocessing_num_workers, data_args.overwrite_cache, split,
+            )
+            for split in raw_datasets
+            if split in ("train", "validation")
+        }
     if data_args.max_train_samples is not None and "train" in blocks:
         blocks["train"] = blocks["train"][: data_args.max_train_samples]
     if data_args.max_eval_samples is not None and "validation" in blocks:
@@ -1424,7 +1594,6 @@ def main():
     )
     eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
 
-    is_main_process = jax.process_index() == 0
     os.makedirs(training_args.output_dir, exist_ok=True)
     writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
     if writer:
@@ -1523,11 +1692,12 @@ def main():
         if stopping:
             if writer:
                 writer.close()
-            print(
-                f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
-                f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
-                "command with --resume_from_checkpoint added."
-            )
+            if is_main_process:
+                print(
+                    f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
+                    f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
+                    "command with --resume_from_checkpoint added."
+                )
             return
         if is_main_process:
             write_json(
