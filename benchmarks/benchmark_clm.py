@@ -48,7 +48,8 @@ def parse_arguments():
     parser.add_argument("--rounds", type=int, default=3, help="rounds of timing; the best round counts")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (GPT-2 uses 0.1)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
-    parser.add_argument("--skip_preprocessing", action="store_true")
+    parser.add_argument("--skip_training", action="store_true", help="only time the preprocessing")
+    parser.add_argument("--skip_preprocessing", action="store_true", help="only time the training step")
     parser.add_argument("--json", help="also write the results to this JSON file")
     arguments = parser.parse_args()
     settings = dict(PRESETS[arguments.preset])
@@ -97,7 +98,9 @@ def benchmark_training(settings, arguments) -> dict:
     mesh = run_clm_flax.create_mesh()
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
-    state, state_shardings, _ = run_clm_flax.create_train_state(model, optimizer, mesh, 0, dummy_input)
+    abstract_state = run_clm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+    state = run_clm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
     train_step = jax.jit(
         run_clm_flax.make_train_step(model, optimizer, schedule, 0),
         in_shardings=(state_shardings, batch_sharding),
@@ -207,14 +210,15 @@ def main():
     datasets.disable_progress_bars()
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; settings: {settings}")
     results = {"settings": settings, "devices": [str(device) for device in jax.devices()]}
-    results["training"] = benchmark_training(settings, arguments)
-    training = results["training"]
-    print(
-        f"training: {training['train_tokens_per_second']:,.0f} tokens/s, {training['step_seconds'] * 1000:.1f} ms/step, "
-        f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
-        f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
-        f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
-    )
+    if not arguments.skip_training:
+        results["training"] = benchmark_training(settings, arguments)
+        training = results["training"]
+        print(
+            f"training: {training['train_tokens_per_second']:,.0f} tokens/s, {training['step_seconds'] * 1000:.1f} ms/step, "
+            f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
+            f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
+            f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
+        )
     if not arguments.skip_preprocessing:
         results["preprocessing"] = benchmark_preprocessing(arguments, min(settings["vocab_size"], 8192))
         preprocessing = results["preprocessing"]
