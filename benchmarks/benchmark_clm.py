@@ -8,7 +8,8 @@ paper's appendix B; position embeddings excluded) by a matmul peak measured in t
 devices and dtype, so the ratio says how close the step comes to what this machine's matmuls reach.
 
 Preprocessing: the script's tokenize_and_pack (tokenize, join with EOS, pack into blocks, write the
-cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run.
+cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run; and the
+same texts read as a stream, tokenized and packed on the fly as --streaming does.
 
     python benchmarks/benchmark_clm.py                  # the CPU target: 4 layers x 256, vocab 8192
     python benchmarks/benchmark_clm.py --preset gpt2    # GPT-2 124M, sequence 1024, bfloat16 (for a GPU)
@@ -192,6 +193,14 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
         start = time.perf_counter()
         run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 128, None, False, "benchmark")
         cached_seconds = time.perf_counter() - start
+
+        stream = datasets.load_dataset("json", data_files=data_file, split="train", streaming=True)
+        start = time.perf_counter()
+        streamed_blocks = sum(
+            len(blocks) for blocks in run_clm_flax.pack_blocks(run_clm_flax.token_arrays(stream, tokenizer, "text"), 128)
+        )
+        streaming_seconds = time.perf_counter() - start
+        assert streamed_blocks == len(blocks)
     return {
         "corpus_megabytes": size / 1e6,
         "tokens": num_tokens,
@@ -199,6 +208,8 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
         "pipeline_tokens_per_second": num_tokens / pipeline_seconds,
         "pipeline_fraction_of_raw": raw_seconds / pipeline_seconds,
         "cached_load_seconds": cached_seconds,
+        "streaming_tokens_per_second": num_tokens / streaming_seconds,
+        "streaming_fraction_of_raw": raw_seconds / streaming_seconds,
         "blocks": int(len(blocks)),
     }
 
@@ -228,6 +239,10 @@ def main():
             f"{preprocessing['raw_tokenizer_tokens_per_second']:,.0f} tokens/s "
             f"({preprocessing['corpus_megabytes']:.1f} MB, {preprocessing['tokens']:,} tokens); "
             f"a cached rerun loads in {preprocessing['cached_load_seconds']:.2f} s"
+        )
+        print(
+            f"streaming: {preprocessing['streaming_tokens_per_second']:,.0f} tokens/s read, tokenized and packed on "
+            f"the fly, {preprocessing['streaming_fraction_of_raw']:.0%} of the raw tokenizer"
         )
     if arguments.json:
         with open(arguments.json, "w") as file:
