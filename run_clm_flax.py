@@ -19,22 +19,28 @@ A single .json file holding the arguments works too: `./run_clm_flax.py args.jso
 """
 
 import contextlib
+import copy
+import functools
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
 import queue
+import re
+import shutil
 import signal
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import datasets
+import datasets.distributed
 import flax
 import flax.linen as nn
 import jax
@@ -128,6 +134,10 @@ class ModelArguments:
     )
 
 
+# Shards of a packed corpus hold this many tokens (512 MiB as uint16); the last shard of a split may hold fewer.
+PACKED_TOKENS_PER_SHARD = 2**28
+
+
 @dataclass
 class DataTrainingArguments:
     dataset_name: Optional[str] = field(
@@ -172,10 +182,38 @@ class DataTrainingArguments:
         },
     )
     preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "Processes used to tokenize the texts."}
+        default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
     )
     keep_linebreaks: bool = field(
         default=True, metadata={"help": "Keep the line breaks at the end of each line of .txt files."}
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read the data as a stream, never copied to disk first: for corpora larger than memory or disk. "
+            "Alone, texts are tokenized and packed on the fly while training, which needs --max_steps; with "
+            "--packed_data_dir, the stream is packed into its shards once and training reads those."
+        },
+    )
+    shuffle_buffer_size: int = field(
+        default=10000,
+        metadata={
+            "help": "With --streaming (and no --packed_data_dir): texts held in the buffer the stream is shuffled "
+            "through, an approximate shuffle; 0 keeps the stream's order."
+        },
+    )
+    packed_data_dir: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "A directory of packed token blocks in memory-mappable shards. Used as it is when it holds the "
+            "data packed with this tokenizer and --block_size; otherwise the data arguments are tokenized and packed "
+            "into it first (by process 0). Later runs and every process read only the blocks they need, nothing is "
+            "tokenized again. Refused when packed with another tokenizer, block size or data."
+        },
+    )
+    packed_tokens_per_shard: int = field(
+        default=PACKED_TOKENS_PER_SHARD,
+        metadata={"help": "Tokens per shard file written in --packed_data_dir (rounded down to whole blocks)."},
     )
 
 
@@ -258,6 +296,13 @@ class TrainingArguments:
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
+    ignore_data_skip: bool = field(
+        default=False,
+        metadata={
+            "help": "When resuming a --streaming run, start the stream afresh instead of re-reading (and "
+            "re-tokenizing) the blocks already trained on: faster, but the data differs from the interrupted run's."
+        },
+    )
     sample_prompt: str = field(
         default="", metadata={"help": "Prompt for the text sampled from the saved model at the end of training."}
     )
@@ -316,8 +361,8 @@ def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingAr
 
 
 def check_arguments(model_args, data_args, training_args):
-    if not (training_args.do_train or training_args.do_eval):
-        raise UsageError("nothing to do: pass --do_train, --do_eval or both")
+    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
+        raise UsageError("nothing to do: pass --do_train, --do_eval or both (or --packed_data_dir alone to only pack the data)")
     if training_args.per_device_train_batch_size < 1 or training_args.per_device_eval_batch_size < 1:
         raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
     if training_args.gradient_accumulation_steps < 1:
@@ -331,10 +376,23 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("--eval_steps must be at least 1")
     if not 0 <= training_args.warmup_ratio < 1:
         raise UsageError("--warmup_ratio must be in [0, 1)")
-    if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
+    has_data = data_args.dataset_name is not None or data_args.train_file is not None
+    if not has_data and data_args.validation_file is None and not data_args.packed_data_dir:
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
-    if training_args.do_train and data_args.dataset_name is None and data_args.train_file is None:
+    if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    streaming_training = data_args.streaming and not data_args.packed_data_dir
+    if streaming_training and training_args.do_train and training_args.max_steps <= 0:
+        raise UsageError(
+            "--streaming needs --max_steps: the length of a stream is unknown, so --num_train_epochs cannot be "
+            "turned into steps (or add --packed_data_dir to pack the stream once and train on the shards)"
+        )
+    if streaming_training and data_args.max_train_samples is not None:
+        raise UsageError("--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with --max_steps")
+    if data_args.shuffle_buffer_size < 0:
+        raise UsageError("--shuffle_buffer_size must be at least 0")
+    if data_args.packed_tokens_per_shard < 1:
+        raise UsageError("--packed_tokens_per_shard must be at least 1")
     if not 0 < data_args.validation_split_percentage < 100:
         raise UsageError("--validation_split_percentage must be between 1 and 99")
     if data_args.block_size is not None and data_args.block_size < 2:
@@ -511,8 +569,9 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
-def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
-    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
+    """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
+    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated."""
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -520,12 +579,14 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
                 os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
             ):
                 raw = datasets.load_from_disk(name)
+                if streaming:
+                    raw = {split: dataset.to_iterable_dataset() for split, dataset in datasets.DatasetDict(
+                        raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}).items()}
             else:
                 raw = datasets.load_dataset(
-                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token
+                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token,
+                    streaming=streaming,
                 )
-            if isinstance(raw, datasets.Dataset):
-                raw = datasets.DatasetDict({"train": raw})
         else:
             data_files, builder = {}, None
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):
@@ -533,13 +594,29 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
                 if pattern is not None:
                     builder, data_files[split] = resolve_data_files(pattern, flag)
             options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
-            raw = datasets.load_dataset(builder, data_files=data_files, cache_dir=model_args.cache_dir, **options)
+            raw = datasets.load_dataset(
+                builder, data_files=data_files, cache_dir=model_args.cache_dir, streaming=streaming, **options
+            )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
         cause = error.__cause__ or error
         raise UsageError(f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding") from None
+    if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
+        raw = {"train": raw}
+    for split, dataset in raw.items():
+        columns = dataset.column_names  # None for a stream whose columns are only known once read
+        if columns is not None and data_args.text_column_name not in columns:
+            raise UsageError(
+                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
+                "pass --text_column_name"
+            )
+    return dict(raw)
 
+
+def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
+    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+    raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
     if "train" in raw and "validation" not in raw:
         train = raw["train"]
         validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
@@ -551,12 +628,6 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
     for split, dataset in raw.items():
         if len(dataset) == 0:
             raise UsageError(f"the {split} data is empty")
-        if data_args.text_column_name not in dataset.column_names:
-            columns = ", ".join(dataset.column_names)
-            raise UsageError(
-                f"the {split} data has no column '{data_args.text_column_name}' (it has: {columns}); "
-                "pass --text_column_name"
-            )
     return raw
 
 
@@ -568,24 +639,20 @@ def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> st
     return digest.hexdigest()[:24]
 
 
-def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split) -> np.ndarray:
-    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+TEXTS_PER_BATCH = 1000
 
-    The result is cached beside the dataset's own cache files and memory-mapped on later runs. The
-    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+
+def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train") -> Iterator[np.ndarray]:
+    """The tokens of every text of `dataset`, each text followed by EOS, as flat int32 arrays of one batch of
+    texts each, in the dataset's order.
+
+    A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
+    own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
+    batch as it is read. Either way only one batch of tokens is in memory at a time.
     """
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
-    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, eos_id)
-    cache_path = None
-    if dataset.cache_files:
-        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
-        cache_path = os.path.join(cache_dir, f"packed-{fingerprint}-block{block_size}.npy")
-        if os.path.exists(cache_path) and not overwrite_cache:
-            logger.info("Loading packed %s blocks from cache %s", split, cache_path)
-            return np.load(cache_path, mmap_mode="r")
-
     # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
     # about texts longer than model_max_length, which is expected here since texts get packed.
     backend = tokenizer.backend_tokenizer
@@ -594,26 +661,351 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
         encodings = backend.encode_batch(batch[text_column], add_special_tokens=False)
         return {"input_ids": [encoding.ids + [eos_id] for encoding in encodings]}
 
-    tokenized = dataset.map(
-        tokenize,
-        batched=True,
-        num_proc=num_workers,
-        remove_columns=dataset.column_names,
-        new_fingerprint=fingerprint,
-        load_from_cache_file=not overwrite_cache,
-        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-        desc=f"Tokenizing {split} texts",
-    )
-    # Arrow stores the token lists of each chunk as one flat buffer: flattening is a copy, not a Python
-    # loop. Chunk by chunk, because one list array cannot hold more than 2**31 tokens.
-    tokens = np.concatenate([chunk.flatten().to_numpy() for chunk in tokenized.data.column("input_ids").chunks])
-    num_blocks = len(tokens) // block_size
-    blocks = np.ascontiguousarray(tokens[: num_blocks * block_size].reshape(num_blocks, block_size))
-    logger.info("%s: %d tokens packed into %d blocks of %d", split, len(tokens), num_blocks, block_size)
-    if cache_path is not None:
-        temporary_path = f"{cache_path}.{os.getpid()}.tmp.npy"
-        np.save(temporary_path, blocks, allow_pickle=False)
-        os.replace(temporary_path, cache_path)
+    if isinstance(dataset, datasets.IterableDataset):
+        texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
+        while True:
+            try:
+                batch = next(texts)
+            except StopIteration:
+                return
+            except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
+                cause = error.__cause__ or error
+                raise UsageError(f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding") from None
+            if text_column not in batch:
+                raise UsageError(
+                    f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
+                )
+            token_lists = tokenize(batch)["input_ids"]
+            yield np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+    else:
+        tokenized = dataset.map(
+            tokenize,
+            batched=True,
+            batch_size=TEXTS_PER_BATCH,
+            num_proc=num_workers,
+            remove_columns=dataset.column_names,
+            new_fingerprint=tokenized_fingerprint(dataset, tokenizer, text_column, eos_id),
+            load_from_cache_file=not overwrite_cache,
+            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+            desc=f"Tokenizing {split} texts",
+        )
+        # Arrow stores each chunk's token lists as one flat buffer: flattening is a view, not a Python loop.
+        for chunk in tokenized.data.column("input_ids").chunks:
+            yield chunk.flatten().to_numpy()
+
+
+def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
+    """Join the token arrays end to end and cut them into blocks: arrays of shape (count, block_size), int32.
+
+    The tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    carry = np.zeros(0, np.int32)
+    for tokens in token_arrays:
+        if len(carry):
+            tokens = np.concatenate([carry, tokens])
+        usable = len(tokens) // block_size * block_size
+        if usable:
+            yield np.asarray(tokens[:usable], dtype=np.int32).reshape(-1, block_size)
+        carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
+
+
+# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
+# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
+# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
+# vocabulary fits (half the disk of int32) and always read as int32.
+PACKED_INDEX_FILE = "index.json"
+PACKED_FORMAT_VERSION = 1
+
+
+def packed_dtype(tokenizer) -> np.dtype:
+    """uint16 when every id of the tokenizer fits in it, int32 otherwise."""
+    largest_id = max(len(tokenizer), tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)) - 1
+    return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Changes with anything that changes the token ids: vocabulary, merges, normalisation, special tokens."""
+    settings = json.loads(tokenizer.backend_tokenizer.to_str())
+    for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
+        settings.pop(transient, None)
+    described = json.dumps({"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id}, sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()[:24]
+
+
+def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
+    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
+    shorter) and return the split's entry of the index.
+
+    Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
+    and written under a temporary name, then renamed. No shard is written for an empty split.
+    """
+    dtype = np.dtype(dtype)
+    largest = np.iinfo(dtype).max
+    shards, shard, filled, num_blocks = [], None, 0, 0
+
+    def finish_shard():
+        name = f"{split}-{len(shards):05d}.npy"
+        if filled == len(shard):
+            shard.flush()
+            written_path = shard.filename
+        else:  # the last shard, shorter: copied into a file of its own size
+            written_path = os.path.join(directory, f"{name}.{os.getpid()}.end.tmp.npy")
+            np.save(written_path, shard[:filled], allow_pickle=False)
+            os.remove(shard.filename)
+        os.replace(written_path, os.path.join(directory, name))
+        shards.append({"file": name, "num_blocks": filled})
+
+    for block_array in blocks:
+        if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
+            raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
+        start = 0
+        while start < len(block_array):
+            if shard is None:
+                name = f"{split}-{len(shards):05d}.npy"
+                shard = np.lib.format.open_memmap(
+                    os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"), mode="w+", dtype=dtype,
+                    shape=(blocks_per_shard, block_array.shape[1]),
+                )
+                filled = 0
+            count = min(blocks_per_shard - filled, len(block_array) - start)
+            shard[filled : filled + count] = block_array[start : start + count]
+            filled, start, num_blocks = filled + count, start + count, num_blocks + count
+            if filled == blocks_per_shard:
+                finish_shard()
+                shard = None
+    if shard is not None:
+        finish_shard()
+        del shard
+    return {"num_blocks": num_blocks, "shards": shards}
+
+
+def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
+    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
+    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
+
+    The index is removed first and written last, so an interrupted write leaves a directory that is
+    recognised as unfinished; shards left by an earlier unfinished write are replaced.
+    """
+    os.makedirs(directory, exist_ok=True)
+    index_path = os.path.join(directory, PACKED_INDEX_FILE)
+    if os.path.exists(index_path):
+        os.remove(index_path)
+    leftover = re.compile(r"^(%s)-\d{5}\.npy(\.\d+(\.end)?\.tmp\.npy)?$" % "|".join(map(re.escape, splits)))
+    for name in os.listdir(directory):
+        if leftover.match(name):
+            os.remove(os.path.join(directory, name))
+    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    index = {
+        "format_version": PACKED_FORMAT_VERSION,
+        **description,
+        "dtype": np.dtype(dtype).name,
+        "blocks_per_shard": blocks_per_shard,
+        "splits": {split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard) for split, blocks in splits.items()},
+    }
+    temporary_path = f"{index_path}.{os.getpid()}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(index, file, indent=2)
+    os.replace(temporary_path, index_path)
+    return index
+
+
+def read_packed_index(directory: str) -> Optional[dict]:
+    """The index of the packed corpus in `directory`, or None when there is no finished one."""
+    path = os.path.join(directory, PACKED_INDEX_FILE)
+    try:
+        with open(path) as file:
+            index = json.load(file)
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        index = None
+    if not (isinstance(index, dict) and "format_version" in index and "splits" in index):
+        raise UsageError(f"{path} is not the index of a packed corpus; use another directory for the packed data")
+    return index
+
+
+class PackedBlocks:
+    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
+    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
+
+    Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
+    only the blocks it asks for, whatever the size of the corpus.
+    """
+
+    dtype = np.dtype(np.int32)
+    ndim = 2
+    open_shards = 64
+
+    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: Optional[int] = None):
+        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
+        sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        total = int(self.shard_starts[-1])
+        self.start, self.stop = start, total if stop is None else stop
+        self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
+
+    def open_shard(self, shard_number: int) -> np.ndarray:
+        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.block_size)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(len(self))
+            view = copy.copy(self)
+            view.start, view.stop = self.start + start, self.start + max(start, stop)
+            return view
+        if isinstance(index, (int, np.integer)):
+            return self[np.array([index])][0]
+        positions = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index)
+        if positions.dtype == bool or not np.issubdtype(positions.dtype, np.integer):
+            raise IndexError("PackedBlocks takes an integer, a slice or an array of integer indices")
+        positions = np.where(positions < 0, positions + len(self), positions)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"index out of range for {len(self)} blocks")
+        return self.read(positions + self.start)
+
+    def read(self, positions: np.ndarray) -> np.ndarray:
+        """The blocks at these positions of the whole split, in the order given."""
+        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
+        shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
+        for shard_number in np.unique(shard_numbers):
+            chosen = shard_numbers == shard_number
+            blocks[chosen] = self.shard(int(shard_number))[positions[chosen] - self.shard_starts[shard_number]]
+        return blocks
+
+    def __array__(self, dtype=None, copy=None):
+        blocks = self.read(np.arange(self.start, self.stop))
+        return blocks if dtype is None else blocks.astype(dtype, copy=False)
+
+
+def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
+    return {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+
+
+def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
+    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+
+    The blocks are written as a packed corpus beside the dataset's own cache files and memory-mapped, on
+    this and later runs (a PackedBlocks); a dataset held only in memory gives an in-memory array. The
+    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
+    if not dataset.cache_files:
+        return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
+    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, tokenizer.eos_token_id)
+    cache_path = os.path.join(os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}")
+    index = None if overwrite_cache else read_packed_index(cache_path)
+    if index is not None:
+        logger.info("Loading packed %s blocks from cache %s", split, cache_path)
+    else:
+        # Written under a name of this process's own and renamed when complete, so that processes sharing
+        # the cache never read or write each other's unfinished files.
+        temporary_path = f"{cache_path}.{os.getpid()}.tmp"
+        description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                       "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column}}
+        index = write_packed_corpus(
+            temporary_path, {"blocks": pack_blocks(tokens, block_size)}, description, packed_dtype(tokenizer),
+            PACKED_TOKENS_PER_SHARD,
+        )
+        if os.path.isdir(cache_path):
+            shutil.rmtree(cache_path, ignore_errors=True)
+        try:
+            os.rename(temporary_path, cache_path)
+        except OSError:  # another process finished the same cache first
+            shutil.rmtree(temporary_path, ignore_errors=True)
+        num_blocks = index["splits"]["blocks"]["num_blocks"]
+        logger.info("%s: packed into %d blocks of %d tokens, cached in %s", split, num_blocks, block_size, cache_path)
+    return open_packed_corpus(cache_path, index)["blocks"]
+
+
+def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dict:
+    """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
+    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the data arguments read as
+    they are or, with --streaming, as a stream. A directory packed with another tokenizer, block size or
+    source is refused, never reused. Without a validation split, the first --validation_split_percentage
+    percent of the training blocks are held out."""
+    directory = data_args.packed_data_dir
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
+    source = {
+        name: getattr(data_args, name)
+        for name in ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name", "keep_linebreaks")
+    }
+    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
+        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
+            source[name] = os.path.abspath(source[name])
+    description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "source": source}
+    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
+
+    def check(index: dict):
+        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
+        if index["format_version"] != PACKED_FORMAT_VERSION:
+            raise UsageError(f"--packed_data_dir {directory} holds a packed corpus of format version {index['format_version']}; {fix}")
+        if index["block_size"] != block_size:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds blocks of {index['block_size']} tokens, not --block_size {block_size}; {fix}"
+            )
+        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
+            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        differences = [name for name in source if index["source"].get(name) != source[name]]
+        if has_source and differences:
+            recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
+            raise UsageError(
+                f"--packed_data_dir {directory} was packed from other data ({recorded}); pass the same data "
+                f"arguments, or none to train on it as it is, or {fix}"
+            )
+
+    index = read_packed_index(directory)  # read even with --overwrite_cache: never overwrite a directory of other files
+    if data_args.overwrite_cache:
+        index = None
+    if index is not None:
+        check(index)
+    elif not has_source:
+        raise UsageError(
+            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
+        )
+    if jax.process_index() == 0 and index is None:
+        sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+        logger.info("Packing %s into %s", " and ".join(sources), directory)
+
+        def blocks_with_progress(split, dataset):
+            tokens = token_arrays(
+                dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers,
+                data_args.overwrite_cache, split,
+            )
+            with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
+                for blocks in pack_blocks(tokens, block_size):
+                    progress.update(len(blocks))
+                    yield blocks
+
+        index = write_packed_corpus(
+            directory, {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
+            description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard,
+        )
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("packed corpus written")
+        index = read_packed_index(directory)
+        if index is None:
+            raise UsageError(
+                f"process {jax.process_index()} cannot see the packed corpus process 0 wrote in --packed_data_dir "
+                f"{directory}; put it on a filesystem every process shares"
+            )
+        check(index)
+    blocks = open_packed_corpus(directory, index)
+    for split, split_blocks in blocks.items():
+        logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
+    if "train" in blocks and "validation" not in blocks:
+        train = blocks["train"]
+        if len(train) < 2:
+            raise UsageError("the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation")
+        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
+        blocks = {"validation": train[:validation_size], "train": train[validation_size:]}
     return blocks
 
 
@@ -670,6 +1062,63 @@ def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
             input_ids = np.pad(input_ids, ((0, padding), (0, 0)))
             weights = np.pad(weights, ((0, padding), (0, 0)))
         yield {"input_ids": input_ids[rows], "weights": weights[rows]}
+
+
+def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
+    """This process's share of a stream: whole files (shards) when their number is a multiple of the process
+    count, otherwise every process_count-th text. The shares are disjoint and together cover the stream."""
+    if jax.process_count() == 1:
+        return dataset
+    return datasets.distributed.split_dataset_by_node(dataset, rank=jax.process_index(), world_size=jax.process_count())
+
+
+def streaming_train_batches(
+    dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, global_batch_size: int,
+    seed: int, shuffle_buffer_size: int, first_batch: int = 0,
+) -> Iterator[dict]:
+    """This process's rows of each global batch, tokenized and packed on the fly from its share of the
+    stream, without end: pass after pass over the share, each shuffled differently.
+
+    The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
+    files is shuffled). The batches depend only on the data, these arguments and the process count, so a
+    resumed run starting at `first_batch` re-reads (and re-tokenizes) the batches before it and goes on
+    with the very batches the interrupted run would have seen.
+    """
+    local_batch_size = len(range(global_batch_size)[process_slice(global_batch_size)])
+    share = stream_share(dataset)
+    if shuffle_buffer_size > 0:
+        share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
+
+    def every_pass():
+        for epoch in itertools.count():
+            if shuffle_buffer_size > 0:
+                share.set_epoch(epoch)  # reshuffles the files and the buffer
+            num_tokens = 0
+            for tokens in token_arrays(share, tokenizer, text_column):
+                num_tokens += len(tokens)
+                yield tokens
+            if num_tokens == 0:
+                raise UsageError(f"process {jax.process_index()}'s share of the training stream holds no text")
+
+    rows = np.zeros((0, block_size), np.int32)
+    batch_number = 0
+    for blocks in pack_blocks(every_pass(), block_size):
+        rows = np.concatenate([rows, blocks])
+        while len(rows) >= local_batch_size:
+            if batch_number >= first_batch:
+                yield {"input_ids": rows[:local_batch_size]}
+            rows, batch_number = rows[local_batch_size:], batch_number + 1
+
+
+def first_blocks(dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, count: Optional[int], split: str) -> np.ndarray:
+    """The first `count` blocks packed from a stream (all of them when `count` is None), read into memory."""
+    blocks, total = [np.zeros((0, block_size), np.int32)], 0
+    for block_array in pack_blocks(token_arrays(dataset, tokenizer, text_column, split=split), block_size):
+        blocks.append(block_array)
+        total += len(block_array)
+        if count is not None and total >= count:
+            break
+    return np.concatenate(blocks)[:count]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1500,17 +1949,44 @@ def main():
             f"--block_size {block_size} exceeds the model's n_positions {config.n_positions}; lower --block_size"
         )
 
-    # Data: every process holds all blocks (memory-mapped from the cache) and loads its rows of each batch.
-    with main_process_first("data prepared"):
-        raw_datasets = load_raw_datasets(model_args, data_args)
-        blocks = {
-            split: tokenize_and_pack(
-                raw_datasets[split], tokenizer, data_args.text_column_name, block_size,
-                data_args.preprocessing_num_workers, data_args.overwrite_cache, split,
+    # Data: blocks of block_size tokens, {split: array-like}; with --streaming the training blocks come from a
+    # stream. Every process holds all blocks (memory-mapped) and loads only its rows of each batch.
+    blocks, train_stream = {}, None
+    if data_args.packed_data_dir:
+        blocks = load_packed_corpus(model_args, data_args, tokenizer, block_size)
+        if not (training_args.do_train or training_args.do_eval):
+            if jax.process_index() == 0:
+                print(f"packed data: {data_args.packed_data_dir}")
+            return
+    elif data_args.streaming:
+        streams = load_text_datasets(model_args, data_args, streaming=True)
+        if training_args.do_train:
+            if "train" not in streams:
+                raise UsageError("--do_train needs training data, and the dataset has no train split")
+            train_stream = streams["train"]
+        if training_args.do_eval:
+            if "validation" not in streams:
+                raise UsageError(
+                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
+                    "has no length to hold a percentage out from"
+                )
+            # Read once, so that every evaluation (on every process) sees the same blocks.
+            blocks["validation"] = first_blocks(
+                streams["validation"], tokenizer, data_args.text_column_name, block_size, data_args.max_eval_samples,
+                "validation",
             )
-            for split in raw_datasets
-            if split in ("train", "validation")
-        }
+            logger.info("validation: the first %d blocks of the stream", len(blocks["validation"]))
+    else:
+        with main_process_first("data prepared"):
+            raw_datasets = load_raw_datasets(model_args, data_args)
+            blocks = {
+                split: tokenize_and_pack(
+                    raw_datasets[split], tokenizer, data_args.text_column_name, block_size,
+                    data_args.preprocessing_num_workers, data_args.overwrite_cache, split,
+                )
+                for split in raw_datasets
+                if split in ("train", "validation")
+            }
     if data_args.max_train_samples is not None and "train" in blocks:
         blocks["train"] = blocks["train"][: data_args.max_train_samples]
     if data_args.max_eval_samples is not None and "validation" in blocks:
@@ -1520,6 +1996,8 @@ def main():
             raise UsageError(
                 f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
             )
+    if training_args.do_train and "train" not in blocks and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
     if training_args.do_eval and "validation" not in blocks:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
 
@@ -1538,7 +2016,10 @@ def main():
     )
 
     total_steps = 1
-    if training_args.do_train:
+    if training_args.do_train and train_stream is not None:
+        steps_per_epoch = None  # a stream's length is unknown
+        total_steps = training_args.max_steps
+    elif training_args.do_train:
         steps_per_epoch = len(blocks["train"]) // train_batch_size
         if steps_per_epoch == 0:
             raise UsageError(
@@ -1611,26 +2092,50 @@ def main():
         eval_steps = training_args.eval_steps or training_args.logging_steps
         tokens_per_step = train_batch_size * block_size
         start_step = progress_record["step"]
-        logger.info(
-            "Training steps %d to %d (%.2f epochs of %d blocks), global batch %d x %d tokens",
-            start_step + 1, total_steps, total_steps / steps_per_epoch, len(blocks["train"]), train_batch_size, block_size,
-        )
+        if train_stream is None:
+            logger.info(
+                "Training steps %d to %d (%.2f epochs of %d blocks), global batch %d x %d tokens",
+                start_step + 1, total_steps, total_steps / steps_per_epoch, len(blocks["train"]), train_batch_size, block_size,
+            )
+        else:
+            logger.info(
+                "Training steps %d to %d on blocks packed from a stream, global batch %d x %d tokens",
+                start_step + 1, total_steps, train_batch_size, block_size,
+            )
+            if start_step and training_args.ignore_data_skip:
+                logger.warning("--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's")
+            elif start_step:
+                logger.warning(
+                    "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with "
+                    "the batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
+                    start_step * train_batch_size // jax.process_count(), start_step,
+                )
 
-        def batches_from(step: int):
+        def local_batches_from(step: int):
+            if train_stream is not None:
+                first_batch, seed = (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
+                yield from streaming_train_batches(
+                    train_stream, tokenizer, data_args.text_column_name, block_size, train_batch_size, seed,
+                    data_args.shuffle_buffer_size, first_batch,
+                )  # repeats without end
             # The data order is a function of the step, so a resumed run sees the batches the interrupted one would have.
             epoch, first_batch = divmod(step, steps_per_epoch)
             while True:
-                for batch in train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch):
-                    micro_batches = {"input_ids": batch["input_ids"].reshape(accumulation_steps, -1, block_size)}
-                    yield to_global_batch(micro_batches, micro_batches_sharding)
+                yield from train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch)
                 epoch, first_batch = epoch + 1, 0
+
+        def batches_from(step: int):
+            for batch in local_batches_from(step):
+                micro_batches = {"input_ids": batch["input_ids"].reshape(accumulation_steps, -1, block_size)}
+                yield to_global_batch(micro_batches, micro_batches_sharding)
 
         def save(step: int):
             progress_record.update(
-                step=step, epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch,
-                global_batch_size=train_batch_size, block_size=block_size,
+                step=step, global_batch_size=train_batch_size, block_size=block_size,
                 arguments=saved_arguments(model_args, data_args, training_args),
             )
+            if steps_per_epoch:
+                progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
             save_checkpoint(checkpoints, state, progress_record)
             save_model(training_args.output_dir, state.params, config, tokenizer)
             logger.info("step %d: saved a training checkpoint and the model to %s", step, training_args.output_dir)
@@ -1705,7 +2210,7 @@ def main():
                 {
                     "train_loss": progress_record["train_loss_sum"] / progress_record["train_token_count"],
                     "train_steps": total_steps,
-                    "epochs": total_steps / steps_per_epoch,
+                    "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
                     "train_runtime_seconds": train_runtime,
                     "train_tokens_per_second": (total_steps - start_step) * tokens_per_step / train_runtime,
                 },

@@ -8,7 +8,8 @@ paper's appendix B; position embeddings excluded) by a matmul peak measured in t
 devices and dtype, so the ratio says how close the step comes to what this machine's matmuls reach.
 
 Preprocessing: the script's tokenize_and_pack (tokenize, join with EOS, pack into blocks, write the
-cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run.
+cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run; and the
+same texts read as a stream, tokenized and packed on the fly as --streaming does.
 
     python benchmarks/benchmark_clm.py                  # the CPU target: 4 layers x 256, vocab 8192
     python benchmarks/benchmark_clm.py --preset gpt2    # GPT-2 124M, sequence 1024, bfloat16 (for a GPU)
@@ -52,7 +53,8 @@ def parse_arguments():
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--mesh_shape", help="e.g. data=2,fsdp=4 (default: all devices on data)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
-    parser.add_argument("--skip_preprocessing", action="store_true")
+    parser.add_argument("--skip_training", action="store_true", help="only time the preprocessing")
+    parser.add_argument("--skip_preprocessing", action="store_true", help="only time the training step")
     parser.add_argument("--json", help="also write the results to this JSON file")
     arguments = parser.parse_args()
     settings = dict(PRESETS[arguments.preset])
@@ -214,6 +216,14 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
         start = time.perf_counter()
         run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 128, None, False, "benchmark")
         cached_seconds = time.perf_counter() - start
+
+        stream = datasets.load_dataset("json", data_files=data_file, split="train", streaming=True)
+        start = time.perf_counter()
+        streamed_blocks = sum(
+            len(blocks) for blocks in run_clm_flax.pack_blocks(run_clm_flax.token_arrays(stream, tokenizer, "text"), 128)
+        )
+        streaming_seconds = time.perf_counter() - start
+        assert streamed_blocks == len(blocks)
     return {
         "corpus_megabytes": size / 1e6,
         "tokens": num_tokens,
@@ -221,6 +231,8 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
         "pipeline_tokens_per_second": num_tokens / pipeline_seconds,
         "pipeline_fraction_of_raw": raw_seconds / pipeline_seconds,
         "cached_load_seconds": cached_seconds,
+        "streaming_tokens_per_second": num_tokens / streaming_seconds,
+        "streaming_fraction_of_raw": raw_seconds / streaming_seconds,
         "blocks": int(len(blocks)),
     }
 
@@ -232,19 +244,20 @@ def main():
     datasets.disable_progress_bars()
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; settings: {settings}")
     results = {"settings": settings, "devices": [str(device) for device in jax.devices()]}
-    results["training"] = benchmark_training(settings, arguments)
-    training = results["training"]
-    print(
-        f"training: {training['train_tokens_per_second']:,.0f} tokens/s, {training['step_seconds'] * 1000:.1f} ms/step, "
-        f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
-        f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
-        f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
-    )
-    if training["temporary_megabytes_per_device"] is not None:
+    if not arguments.skip_training:
+        results["training"] = benchmark_training(settings, arguments)
+        training = results["training"]
         print(
-            f"memory per device: {training['state_megabytes_per_device']:.1f} MB of state and batch, "
-            f"{training['temporary_megabytes_per_device']:.1f} MB of activations and temporaries"
+            f"training: {training['train_tokens_per_second']:,.0f} tokens/s, {training['step_seconds'] * 1000:.1f} ms/step, "
+            f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
+            f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
+            f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
         )
+        if training["temporary_megabytes_per_device"] is not None:
+            print(
+                f"memory per device: {training['state_megabytes_per_device']:.1f} MB of state and batch, "
+                f"{training['temporary_megabytes_per_device']:.1f} MB of activations and temporaries"
+            )
     if not arguments.skip_preprocessing:
         results["preprocessing"] = benchmark_preprocessing(arguments, min(settings["vocab_size"], 8192))
         preprocessing = results["preprocessing"]
@@ -254,6 +267,10 @@ def main():
             f"{preprocessing['raw_tokenizer_tokens_per_second']:,.0f} tokens/s "
             f"({preprocessing['corpus_megabytes']:.1f} MB, {preprocessing['tokens']:,} tokens); "
             f"a cached rerun loads in {preprocessing['cached_load_seconds']:.2f} s"
+        )
+        print(
+            f"streaming: {preprocessing['streaming_tokens_per_second']:,.0f} tokens/s read, tokenized and packed on "
+            f"the fly, {preprocessing['streaming_fraction_of_raw']:.0%} of the raw tokenizer"
         )
     if arguments.json:
         with open(arguments.json, "w") as file:

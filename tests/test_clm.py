@@ -127,7 +127,7 @@ def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
     assert float(loss_sum) == pytest.approx(expected, rel=1e-5)
 
 
-def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_path):
+def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_path, caplog):
     import datasets
 
     texts = [f"Line number {i} of a small test file." for i in range(50)]
@@ -143,8 +143,9 @@ def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_
     expected = np.array(expected[: len(expected) // 16 * 16]).reshape(-1, 16)
     np.testing.assert_array_equal(blocks, expected)
 
+    caplog.set_level("INFO", logger="run_clm_flax")
     cached = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 16, None, False, "train")
-    assert isinstance(cached, np.memmap), "the second call should read the packed blocks from the cache"
+    assert "Loading packed train blocks from cache" in caplog.text, "the second call should read the cached blocks"
     np.testing.assert_array_equal(cached, expected)
     other_block_size = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 8, None, False, "train")
     assert other_block_size.shape[1] == 8

@@ -1,0 +1,334 @@
+"""Data at scale in run_clm_flax.py: packed corpora in memory-mapped shards, reused by later runs and every
+process, and --streaming, which tokenizes and packs a stream on the fly."""
+
+import itertools
+import json
+import os
+import shutil
+import sys
+import tracemalloc
+
+import datasets
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import FIXTURES_DIR
+from test_clm import run_clm_flax, scalars, tiny_config
+
+CORPUS = FIXTURES_DIR / "en"
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    """The 1000-token test tokenizer (its ids fit in uint16) with a tiny GPT-2."""
+    directory = tmp_path_factory.mktemp("data-model")
+    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
+    tiny_config(vocab_size=1000, n_positions=64).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def expected_blocks(tokenizer, texts, block_size):
+    """Every text followed by EOS, joined and cut: the packing written out the slow, obvious way."""
+    tokens = [token for text in texts for token in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    return np.array(tokens[: len(tokens) // block_size * block_size]).reshape(-1, block_size)
+
+
+def train_texts():
+    return (CORPUS / "train.txt").read_text().splitlines(keepends=True)
+
+
+def data_arguments(packed_dir, **overrides):
+    settings = dict(train_file=str(CORPUS / "train.txt"), packed_data_dir=str(packed_dir), packed_tokens_per_shard=2000)
+    return run_clm_flax.DataTrainingArguments(**{**settings, **overrides})
+
+
+def pack(packed_dir, tokenizer, block_size=32, **overrides):
+    return run_clm_flax.load_packed_corpus(
+        run_clm_flax.ModelArguments(), data_arguments(packed_dir, **overrides), tokenizer, block_size
+    )
+
+
+def forbid_tokenizing(monkeypatch):
+    def tokenizing(*arguments, **keywords):
+        raise AssertionError("the texts were tokenized again")
+
+    monkeypatch.setattr(run_clm_flax, "token_arrays", tokenizing)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packed corpora
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["from-files", "from-a-stream"])
+def test_packed_shards_hold_the_blocks_of_the_in_memory_packing(streaming, tokenizer, tmp_path):
+    blocks = pack(tmp_path / "packed", tokenizer, streaming=streaming)
+    expected = expected_blocks(tokenizer, train_texts(), 32)
+    validation_size = len(expected) * 5 // 100  # held out from the start of the packed training blocks
+    np.testing.assert_array_equal(np.asarray(blocks["validation"]), expected[:validation_size])
+    np.testing.assert_array_equal(np.asarray(blocks["train"]), expected[validation_size:])
+
+    index = json.loads((tmp_path / "packed" / "index.json").read_text())
+    assert index["dtype"] == "uint16" and index["blocks_per_shard"] == 2000 // 32
+    assert len(index["splits"]["train"]["shards"]) == -(-len(expected) // 62) > 10
+    shard = np.load(tmp_path / "packed" / "train-00000.npy", mmap_mode="r")
+    assert shard.dtype == np.uint16 and shard.shape == (62, 32)
+
+
+def test_packed_blocks_index_like_an_array_across_shards(tokenizer, tmp_path):
+    train = pack(tmp_path / "packed", tokenizer)["train"]
+    expected = np.asarray(train)
+    assert isinstance(train, run_clm_flax.PackedBlocks) and train.shape == expected.shape
+    indices = np.array([0, 61, 62, 63, 300, len(train) - 1, 5])  # on both sides of shard boundaries, unsorted
+    np.testing.assert_array_equal(train[indices], expected[indices])
+    assert train[indices].dtype == np.int32
+    np.testing.assert_array_equal(train[-1], expected[-1])
+    view = train[100:300]
+    assert len(view) == 200
+    np.testing.assert_array_equal(view[[0, 199]], expected[[100, 299]])
+    np.testing.assert_array_equal(np.asarray(view[:10]), expected[100:110])
+    with pytest.raises(IndexError):
+        view[[200]]
+
+    # Training and evaluation batches are the same from shards as from an array.
+    for packed_batch, array_batch in zip(
+        run_clm_flax.train_batches(train, 8, seed=1, epoch=2), run_clm_flax.train_batches(expected, 8, seed=1, epoch=2)
+    ):
+        np.testing.assert_array_equal(packed_batch["input_ids"], array_batch["input_ids"])
+    evaluation = list(run_clm_flax.eval_batches(view, 64))
+    np.testing.assert_array_equal(np.concatenate([batch["input_ids"] for batch in evaluation])[:200], expected[100:300])
+
+
+def test_packed_data_dir_is_reused_by_later_runs_without_tokenizing(tokenizer, tmp_path, monkeypatch):
+    first = pack(tmp_path / "packed", tokenizer)
+    index_time = os.path.getmtime(tmp_path / "packed" / "index.json")
+    forbid_tokenizing(monkeypatch)
+    again = pack(tmp_path / "packed", tokenizer)
+    np.testing.assert_array_equal(np.asarray(again["train"]), np.asarray(first["train"]))
+    # Without data arguments the packed corpus is used as it is.
+    as_it_is = pack(tmp_path / "packed", tokenizer, train_file=None)
+    assert len(as_it_is["train"]) == len(first["train"])
+    assert os.path.getmtime(tmp_path / "packed" / "index.json") == index_time
+
+
+def test_unfinished_packed_directory_is_rewritten_not_reused(tokenizer, tmp_path, monkeypatch):
+    packed_dir = tmp_path / "packed"
+    real_pack_blocks = run_clm_flax.pack_blocks
+
+    def killed_after_a_few_shards(tokens, block_size):
+        for blocks in real_pack_blocks(tokens, block_size):
+            for start in range(0, len(blocks), 10):
+                if start == 200:
+                    raise KeyboardInterrupt  # as if the run were stopped mid-write
+                yield blocks[start : start + 10]
+
+    monkeypatch.setattr(run_clm_flax, "pack_blocks", killed_after_a_few_shards)
+    with pytest.raises(KeyboardInterrupt):
+        pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
+    written = os.listdir(packed_dir)
+    assert "index.json" not in written and any(name.startswith("train-") for name in written)
+    assert run_clm_flax.read_packed_index(str(packed_dir)) is None
+
+    monkeypatch.setattr(run_clm_flax, "pack_blocks", real_pack_blocks)
+    blocks = pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
+    expected = expected_blocks(tokenizer, train_texts(), 32)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(blocks["validation"]), np.asarray(blocks["train"])]), expected)
+    index = json.loads((packed_dir / "index.json").read_text())
+    listed = {shard["file"] for shard in index["splits"]["train"]["shards"]}
+    assert set(os.listdir(packed_dir)) == listed | {"index.json"}, "leftovers of the unfinished write remain"
+
+
+def test_packed_data_dir_of_another_block_size_tokenizer_or_data_is_refused(tokenizer, roberta_tokenizer_dir, tmp_path, monkeypatch):
+    pack(tmp_path / "packed", tokenizer)
+    forbid_tokenizing(monkeypatch)
+    with pytest.raises(run_clm_flax.UsageError, match="holds blocks of 32 tokens, not --block_size 16; use another --packed_data_dir"):
+        pack(tmp_path / "packed", tokenizer, block_size=16)
+    with pytest.raises(run_clm_flax.UsageError, match="was packed with another tokenizer"):
+        pack(tmp_path / "packed", AutoTokenizer.from_pretrained(roberta_tokenizer_dir))
+    with pytest.raises(run_clm_flax.UsageError, match=r"was packed from other data \(--train_file .*train.txt\)"):
+        pack(tmp_path / "packed", tokenizer, train_file=str(CORPUS / "validation.txt"))
+
+
+def test_overwrite_cache_packs_the_directory_again(tokenizer, tmp_path):
+    pack(tmp_path / "packed", tokenizer)
+    blocks = pack(tmp_path / "packed", tokenizer, block_size=16, overwrite_cache=True)
+    assert blocks["train"].shape[1] == 16
+    assert json.loads((tmp_path / "packed" / "index.json").read_text())["block_size"] == 16
+
+
+def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_path):
+    block_size, chunk_tokens, num_chunks = 64, 8192, 400  # 3.3 million tokens: 13 MB as int32
+
+    def token_chunks():
+        for number in range(num_chunks):
+            yield np.arange(number * chunk_tokens, (number + 1) * chunk_tokens, dtype=np.int32) % 50000
+
+    tracemalloc.start()
+    try:
+        index = run_clm_flax.write_packed_corpus(
+            str(tmp_path), {"train": run_clm_flax.pack_blocks(token_chunks(), block_size)},
+            {"block_size": block_size}, np.uint16, tokens_per_shard=64 * 128,
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, f"{peak} bytes held while writing a corpus of {num_chunks * chunk_tokens * 4} bytes"
+    assert len(index["splits"]["train"]["shards"]) == num_chunks and len(os.listdir(tmp_path)) == num_chunks + 1
+    blocks = run_clm_flax.open_packed_corpus(str(tmp_path), index)["train"]
+    np.testing.assert_array_equal(blocks[[0, 12345, len(blocks) - 1]][:, 0], np.array([0, 12345, len(blocks) - 1]) * 64 % 50000)
+
+
+def test_ids_that_do_not_fit_the_shard_dtype_are_refused(tmp_path):
+    too_large = [np.array([[1, 2], [70000, 3]], dtype=np.int32)]
+    with pytest.raises(ValueError, match="outside the range of uint16"):
+        run_clm_flax.write_packed_split(too_large, str(tmp_path), "train", np.uint16, blocks_per_shard=4)
+
+
+def test_only_process_zero_writes_the_packed_corpus(tokenizer, tmp_path, monkeypatch):
+    barriers = []
+    monkeypatch.setattr(run_clm_flax.multihost_utils, "sync_global_devices", barriers.append)
+    monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
+    with pytest.raises(run_clm_flax.UsageError, match="process 1 cannot see the packed corpus process 0 wrote"):
+        pack(tmp_path / "packed", tokenizer)
+    assert barriers and not (tmp_path / "packed").exists(), "process 1 should wait for process 0, not write"
+
+    monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 0)
+    written = pack(tmp_path / "packed", tokenizer)
+    monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
+    forbid_tokenizing(monkeypatch)
+    read = pack(tmp_path / "packed", tokenizer)
+    np.testing.assert_array_equal(np.asarray(read["train"]), np.asarray(written["train"]))
+
+
+def test_training_from_a_packed_data_dir(model_dir, tmp_path, monkeypatch, capfd):
+    packed_dir = tmp_path / "packed"
+    common = [
+        "--config_name", model_dir, "--tokenizer_name", model_dir, "--block_size", "32",
+        "--packed_data_dir", str(packed_dir), "--sample_tokens", "0",
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", str(tmp_path / "unused"), *common,
+                                      "--train_file", str(CORPUS / "train.txt"), "--streaming"])
+    run_clm_flax.main()  # no --do_train or --do_eval: only pack
+    assert (packed_dir / "index.json").is_file() and not (tmp_path / "unused").exists()
+
+    forbid_tokenizing(monkeypatch)
+    output_dir = tmp_path / "trained"
+    monkeypatch.setattr(sys, "argv", [
+        "run_clm_flax.py", "--output_dir", str(output_dir), *common, "--do_train", "--do_eval", "--max_steps", "30",
+        "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--logging_steps", "10",
+    ])  # fmt: skip
+    run_clm_flax.main()
+    packed = json.loads((packed_dir / "index.json").read_text())["splits"]["train"]["num_blocks"]
+    assert f"epochs of {packed - packed * 5 // 100} blocks" in capfd.readouterr().err  # 5% held out for evaluation
+    eval_loss = json.loads((output_dir / "eval_results.json").read_text())["eval_loss"]
+    assert eval_loss < np.log(1000) - 0.5
+
+
+# ----------------------------------------------------------------------------------------------------
+# Streaming
+# ----------------------------------------------------------------------------------------------------
+
+
+def text_stream(*paths):
+    return datasets.load_dataset(
+        "text", data_files=[str(path) for path in paths], split="train", streaming=True, keep_linebreaks=True
+    )
+
+
+def test_streaming_run_trains_with_max_steps_and_lowers_the_loss(run_tool, model_dir, tmp_path):
+    output_dir = tmp_path / "streamed"
+    result = run_tool(
+        "run_clm_flax.py",
+        "--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--train_file", CORPUS / "train.txt", "--validation_file", CORPUS / "validation.txt", "--streaming",
+        "--do_train", "--do_eval", "--max_steps", 40, "--block_size", 32, "--per_device_train_batch_size", 8,
+        "--learning_rate", 3e-3, "--logging_steps", 10, "--eval_steps", 20, "--max_eval_samples", 64,
+        "--shuffle_buffer_size", 100, "--sample_tokens", 0,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on blocks packed from a stream" in result.stderr
+    losses = [loss for _, loss in scalars(output_dir, "train/loss")]
+    evaluations = scalars(output_dir, "eval/loss")
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
+    assert [step for step, _ in evaluations] == [20, 40] and evaluations[-1][1] < np.log(1000) - 0.5
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    assert results["eval_tokens"] == 64 * 31  # --max_eval_samples blocks, 31 predicted tokens each
+    assert json.loads((output_dir / "train_results.json").read_text())["train_steps"] == 40
+
+
+@pytest.mark.parametrize(
+    "extra_arguments, message",
+    [
+        ([], "--streaming needs --max_steps"),
+        (["--max_steps", "5", "--max_train_samples", "10"], "--max_train_samples does not apply to --streaming"),
+        (["--max_steps", "5", "--do_eval"], "--streaming --do_eval needs --validation_file"),
+    ],
+)
+def test_streaming_misuse_is_refused(extra_arguments, message, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [
+        "run_clm_flax.py", "--output_dir", str(tmp_path / "out"), "--config_name", model_dir, "--tokenizer_name",
+        model_dir, "--train_file", str(CORPUS / "train.txt"), "--block_size", "32", "--streaming", "--do_train",
+        *extra_arguments,
+    ])  # fmt: skip
+    with pytest.raises(run_clm_flax.UsageError, match=message):
+        run_clm_flax.main()
+
+
+@pytest.mark.parametrize("num_files, num_processes", [(1, 2), (1, 3), (2, 2)])
+def test_each_process_reads_its_own_share_of_the_stream(num_files, num_processes, tmp_path, monkeypatch):
+    lines = train_texts()
+    paths = []
+    for number in range(num_files):  # one file (every process skips the others' texts) or one file per process
+        paths.append(tmp_path / f"part{number}.txt")
+        paths[-1].write_text("".join(lines[number::num_files]))
+    stream = text_stream(*paths).shuffle(seed=0, buffer_size=50)
+    monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: num_processes)
+    shares = []
+    for process_index in range(num_processes):
+        monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: process_index)
+        shares.append([example["text"] for example in run_clm_flax.stream_share(stream)])
+    assert all(len(share) >= len(lines) // num_processes - 1 for share in shares), "the shares are unbalanced"
+    assert sorted(itertools.chain.from_iterable(shares)) == sorted(lines), "the shares overlap or miss texts"
+
+
+def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(tokenizer, monkeypatch):
+    stream = text_stream(CORPUS / "train.txt")
+    monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
+
+    def batches(first_batch=0, seed=0):
+        return run_clm_flax.streaming_train_batches(stream, tokenizer, "text", 32, 16, seed, 100, first_batch)
+
+    # 160 batches of 8 rows run past the end of this process's share (about 420 blocks): the stream repeats.
+    uninterrupted = [batch["input_ids"] for batch in itertools.islice(batches(), 160)]
+    assert all(batch.shape == (8, 32) and batch.dtype == np.int32 for batch in uninterrupted)
+    resumed = [batch["input_ids"] for batch in itertools.islice(batches(first_batch=150), 10)]
+    np.testing.assert_array_equal(np.stack(resumed), np.stack(uninterrupted[150:]))
+    # The shuffle follows the seed, and each pass over the stream is shuffled anew.
+    other_seed = next(batches(seed=1))["input_ids"]
+    assert not np.array_equal(other_seed, uninterrupted[0])
+    first_pass, second_pass = np.concatenate(uninterrupted[:40]), np.concatenate(uninterrupted[90:130])
+    assert not np.array_equal(first_pass, second_pass)
+
+
+def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_stream(tokenizer):
+    stream = text_stream(CORPUS / "validation.txt")
+    texts = (CORPUS / "validation.txt").read_text().splitlines(keepends=True)
+    expected = expected_blocks(tokenizer, texts, 32)
+    np.testing.assert_array_equal(run_clm_flax.first_blocks(stream, tokenizer, "text", 32, 50, "validation"), expected[:50])
+    np.testing.assert_array_equal(run_clm_flax.first_blocks(stream, tokenizer, "text", 32, None, "validation"), expected)
+
+
+def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text('{"body": "a text"}\n' * 3)
+    stream = datasets.load_dataset("json", data_files=str(data_file), split="train", streaming=True)
+    with pytest.raises(run_clm_flax.UsageError, match="no column 'text' .*pass --text_column_name"):
+        run_clm_flax.first_blocks(stream, tokenizer, "text", 32, None, "validation")
