@@ -1633,6 +1633,16 @@ def make_train_step(model, optimizer, schedule, seed: int):
     return train_step
 
 
+def train_step_compiler_options() -> dict:
+    """XLA options for compiling the train step. On CPU, XLA's default scheduler orders the work for
+    concurrency and so keeps alive the activations that gradient checkpointing means to free (GPT-2 124M,
+    2 x 1024 tokens, remat nothing_saveable: 7.5 GiB of temporaries either way); its memory-optimised
+    scheduler frees them (2.7 GiB), at no measured cost in speed."""
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    return {}
+
+
 def make_eval_step(model):
     def eval_step(params, batch):
         logits = model.apply({"params": params}, batch["input_ids"], deterministic=True)
@@ -2072,6 +2082,7 @@ def main():
         in_shardings=(state_shardings, micro_batches_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
+        compiler_options=train_step_compiler_options(),
     )
     eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
 

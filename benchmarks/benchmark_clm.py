@@ -113,6 +113,7 @@ def benchmark_training(settings, arguments) -> dict:
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
+        compiler_options=run_clm_flax.train_step_compiler_options(),
     )
     # The global batch of the step, as gradient_accumulation_steps micro-batches.
     tokens = np.random.default_rng(0).integers(
