@@ -1296,8 +1296,12 @@ class GPT2Model(nn.Module):
 
     def attend(self, hidden):
         # The output layer is the token embedding, transposed; products accumulate and come out in float32.
+        # Multiplied as one (batch x length, n_embd) matrix: XLA then computes the embedding's gradient from the
+        # logits' gradient as it is laid out, where with three dimensions it makes a transposed copy of it.
         embedding = self.wte.embedding.astype(self.dtype)
-        return jnp.einsum("btd,vd->btv", hidden, embedding, preferred_element_type=jnp.float32)
+        batch, length, width = hidden.shape
+        logits = jnp.dot(hidden.reshape(batch * length, width), embedding.T, preferred_element_type=jnp.float32)
+        return logits.reshape(batch, length, -1)
 
 
 class FlaxGPT2LMHeadModel(nn.Module):
@@ -1333,9 +1337,12 @@ def causal_lm_loss_sums(logits, input_ids, weights):
     Sums rather than means, so that averages over several batches (and over padded rows, weight 0)
     are exact: divide once, on the host.
     """
-    # Position t predicts token t + 1; the last position has nothing to predict.
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), input_ids[:, 1:])
-    target_weights = weights[:, 1:]
+    # Position t predicts token t + 1; the last position has nothing to predict, so its weight is 0. The
+    # labels and weights are shifted rather than the logits sliced: slicing would copy the (batch, length,
+    # vocabulary) logits, and its gradient pad them back, in every step.
+    next_tokens = jnp.roll(input_ids, -1, axis=1)
+    target_weights = jnp.concatenate([weights[:, 1:], jnp.zeros_like(weights[:, :1])], axis=1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), next_tokens)
     return jnp.sum(losses * target_weights), jnp.sum(target_weights)
 
 
@@ -1608,10 +1615,17 @@ def make_train_step(model, optimizer, schedule, seed: int):
                 )
                 return jax.tree_util.tree_map(jnp.add, totals, (grads, loss_sum, token_count)), None
 
-            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), jnp.float32(0), jnp.float32(0))
+            # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
+            zeros = (
+                jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), state.params),
+                jnp.float32(0),
+                jnp.float32(0),
+            )
             (grads, loss_sum, token_count), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches.shape[0]))
-        # The mean over every predicted token of the whole batch, however it was split into micro-batches.
-        grads = jax.tree_util.tree_map(lambda grad: grad / token_count, grads)
+        # The mean over every predicted token of the whole batch, however it was split into micro-batches, in
+        # the parameters' dtype: the float32 count would otherwise turn bfloat16 gradients, and with them the
+        # optimizer state, into float32.
+        grads = jax.tree_util.tree_map(lambda grad, param: (grad / token_count).astype(param.dtype), grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)

@@ -104,11 +104,17 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_state_and_logits():
     assert "bf16[2,16,128]" in jaxpr  # the MLP's activations are bfloat16
 
 
-def test_bfloat16_parameters_on_request():
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16(micro_batches):
     state, train_step = training_setup(tiny_config(), param_dtype=jnp.bfloat16)
-    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(state.params)} == {"bfloat16"}
-    new_state, metrics = train_step(state, {"input_ids": batch(4)[None]})
-    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(new_state.params)} == {"bfloat16"}
+
+    def float_dtypes(tree):
+        return {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)}
+
+    assert float_dtypes(state.params) == float_dtypes(state.opt_state) == {"bfloat16"}
+    new_state, metrics = train_step(state, {"input_ids": batch(4).reshape(micro_batches, -1, LENGTH)})
+    # A float32 leaf after the step would mean more memory than asked for, and a recompilation at the next step.
+    assert float_dtypes(new_state.params) == float_dtypes(new_state.opt_state) == {"bfloat16"}
     assert np.isfinite(float(metrics["loss_sum"]))
 
 
