@@ -268,10 +268,14 @@ def make_masking_inputs():
     return input_ids, special_tokens_mask
 
 
+def row_generators(seed, num_rows):
+    return [np.random.default_rng([seed, row]) for row in range(num_rows)]
+
+
 def test_mask_tokens_chooses_mlm_probability_and_splits_80_10_10():
     input_ids, special_tokens_mask = make_masking_inputs()
     masked, labels, weights = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                                       np.random.default_rng(0))
+                                                       row_generators(0, len(input_ids)))
     chosen = weights == 1.0
     np.testing.assert_array_equal(labels, input_ids)
     assert weights.dtype == np.float32 and set(np.unique(weights)) <= {0.0, 1.0}
@@ -294,7 +298,7 @@ def test_mask_tokens_is_reproducible_from_the_seed():
 
     def mask(seed):
         return run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                        np.random.default_rng(seed))
+                                        row_generators(seed, len(input_ids)))
 
     for first, second in zip(mask(7), mask(7)):
         np.testing.assert_array_equal(first, second)
