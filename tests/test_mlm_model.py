@@ -305,6 +305,35 @@ def test_mask_tokens_is_reproducible_from_the_seed():
     assert not np.array_equal(mask(7)[0], mask(8)[0])
 
 
+def test_mask_tokens_masks_each_row_from_its_own_generator_alone():
+    input_ids, special_tokens_mask = make_masking_inputs()
+    whole = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, row_generators(7, 400))
+    generators = row_generators(7, 400)[100:200]
+    part = run_mlm_flax.mask_tokens(input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, generators)
+    for whole_result, part_result in zip(whole, part):
+        np.testing.assert_array_equal(whole_result[100:200], part_result)
+
+
+def test_a_row_with_more_chosen_positions_than_allowed_keeps_a_random_subset_of_them():
+    input_ids, special_tokens_mask = make_masking_inputs()
+
+    def chosen(max_chosen_per_row=None):
+        weights = run_mlm_flax.mask_tokens(
+            input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, row_generators(3, 400), max_chosen_per_row
+        )[2]
+        return weights == 1.0
+
+    unlimited, limited = chosen(), chosen(max_chosen_per_row=60)
+    crowded = unlimited.sum(axis=1) > 60
+    assert 50 < crowded.sum() < 350, "the test needs rows on both sides of the limit"
+    np.testing.assert_array_equal(limited[~crowded], unlimited[~crowded])
+    assert (limited[crowded].sum(axis=1) == 60).all() and not (limited & ~unlimited).any()
+    # A random subset, not the first 60: kept positions reach as far along the rows as the chosen ones.
+    last_kept = [np.flatnonzero(row).max() for row in limited[crowded]]
+    last_chosen = [np.flatnonzero(row).max() for row in unlimited[crowded]]
+    assert np.mean(last_kept) > 0.9 * np.mean(last_chosen)
+
+
 def test_masked_lm_loss_sums_equal_torch_cross_entropy_over_chosen_positions():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 9, VOCAB_SIZE)).astype(np.float32) * 3
