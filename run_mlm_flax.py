@@ -7,14 +7,18 @@ local files (txt, json/jsonl, csv, parquet; globs allowed), a local dataset dire
 
 Two ways to make examples:
 - grouped (the default): texts are tokenized, joined with the separator </s> and cut into blocks, each
-  framed as `<s> ... </s>`, of exactly --max_seq_length tokens;
+  framed as `<s> ... </s>`, of exactly --max_seq_length tokens. For corpora larger than memory or disk, the
+  blocks can be packed once into memory-mapped shards (--packed_data_dir) or made on the fly from a stream
+  (--streaming);
 - --line_by_line: every non-empty line (or text) is one example, framed the same way and truncated to
   --max_seq_length; batches are padded and carry an attention mask.
 
 Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special
 token or padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random
 token and 10% stay as they are. The loss and the accuracy count the chosen tokens only. Each global batch is
-split over every device of every process with `jax.jit` over a device mesh. Training checkpoints in
+split over every device of every process with `jax.jit` over a device mesh. On several hosts every host runs
+the same command (see initialize_distributed for how the processes find each other), each makes and masks
+only its own rows of every batch, and process 0 writes the outputs. Training checkpoints in
 OUTPUT_DIR/checkpoints let an interrupted run continue exactly with --resume_from_checkpoint.
 
 The model is a Flax RoBERTa whose parameters map one-to-one onto the PyTorch `RobertaForMaskedLM` of
@@ -1257,33 +1261,52 @@ def first_blocks(dataset: datasets.IterableDataset, tokenizer, text_column: str,
 # the seed.
 
 
-def mask_tokens(input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, row_rngs, max_chosen_per_row=None):
+def random_bits(seed: np.uint64, counters: np.ndarray) -> np.ndarray:
+    """64 random bits for each counter: output number `counter` of SplitMix64 seeded with `seed` (Steele, Lea
+    and Flood, 2014). An output depends on its number alone, so numpy computes any of them directly, all at once."""
+    bits = seed + (counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps around at 2**64, as it should
+    bits = (bits ^ (bits >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    bits = (bits ^ (bits >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return bits ^ (bits >> np.uint64(31))
+
+
+def uniform_from_bits(bits: np.ndarray) -> np.ndarray:
+    """Numbers in [0, 1), from the top 53 of the random bits."""
+    return (bits >> np.uint64(11)) * 2.0**-53
+
+
+def mask_tokens(
+    input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, seed, row_numbers, max_chosen_per_row=None
+):
     """Choose positions to predict and corrupt them the BERT way.
 
     input_ids: (rows, seq) int; special_tokens_mask: (rows, seq) bool, True for special tokens and
-    padding, which are never chosen; row_rngs: one np.random.Generator per row. A row's masks are drawn
-    from its own generator alone, so a seed per row reproduces the row whatever other rows are masked with it.
-    Each other position is chosen with probability mlm_probability, at most max_chosen_per_row of a row (of
-    more, a uniformly random subset: those with the smallest draws); of the chosen, 80% become
-    mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model cannot
-    learn that only masked positions matter).
+    padding, which are never chosen; seed: an integer or a tuple of them; row_numbers: (rows,) the number of
+    each row in its global batch. Each other position is chosen with probability mlm_probability, at most
+    max_chosen_per_row of a row (of more, a uniformly random subset: those with the smallest draws); of the
+    chosen, 80% become mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model
+    cannot learn that only masked positions matter).
+
+    The random numbers of a position are drawn from counters of its own, given by its row number and place in
+    the row, so a row is masked the same whatever rows are masked with it, on whichever process.
     Returns (masked input_ids, labels = the original ids, label_weights: float32, 1.0 where chosen).
     """
-    if len(row_rngs) != len(input_ids):
-        raise ValueError(f"{len(row_rngs)} random generators for {len(input_ids)} rows")
-    shape = input_ids.shape
-    choice_draws, action = np.empty(shape), np.empty(shape)  # action below 0.8: mask, 0.8 to 0.9: random token, above 0.9: keep
-    random_ids = np.empty(shape, input_ids.dtype)
-    for row, rng in enumerate(row_rngs):
-        choice_draws[row], action[row] = rng.random((2, shape[1]))
-        random_ids[row] = rng.integers(0, vocab_size, shape[1], dtype=input_ids.dtype)
+    length = input_ids.shape[1]
+    seed = np.random.SeedSequence(seed).generate_state(1, np.uint64)[0]
+    # Three counters per position: whether it is chosen, then, if it is, what becomes of it and which random id.
+    positions = np.asarray(row_numbers, np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
+    counters = positions * np.uint64(3)
+    choice_draws = uniform_from_bits(random_bits(seed, counters))
     chosen = (choice_draws < mlm_probability) & ~special_tokens_mask
     if max_chosen_per_row is not None and (crowded := chosen.sum(axis=1) > max_chosen_per_row).any():
         draws = np.where(chosen[crowded], choice_draws[crowded], np.inf)
         largest_kept = np.partition(draws, max_chosen_per_row - 1, axis=1)[:, max_chosen_per_row - 1 : max_chosen_per_row]
         chosen[crowded] &= draws <= largest_kept
-    masked = np.where(chosen & (action < 0.8), mask_token_id, input_ids)
-    masked = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, masked).astype(input_ids.dtype)
+    chosen_counters = counters[chosen]
+    action = uniform_from_bits(random_bits(seed, chosen_counters + np.uint64(1)))  # below 0.8: mask, 0.8 to 0.9: random id
+    random_ids = (random_bits(seed, chosen_counters + np.uint64(2)) % np.uint64(vocab_size)).astype(input_ids.dtype)
+    masked = input_ids.copy()
+    masked[chosen] = np.where(action < 0.8, mask_token_id, np.where(action < 0.9, random_ids, input_ids[chosen]))
     return masked, input_ids.copy(), chosen.astype(np.float32)
 
 
@@ -1293,9 +1316,9 @@ class BatchMaker:
 
     Examples are blocks (a 2-D array-like of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
     Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding. Each process
-    makes only its own rows of a global batch: it reads only their examples, and masks every row from a
-    generator seeded with the batch's seed and the row's number in the global batch, so the global batch is
-    the same row for row whatever the number of processes.
+    makes only its own rows of a global batch: it reads only their examples and masks them with random numbers
+    drawn for the row's number in the global batch (see mask_tokens), so the global batch is the same row for
+    row whatever the number of processes.
     """
 
     bos_token_id: int
@@ -1363,13 +1386,13 @@ class BatchMaker:
     def masked(self, input_ids: np.ndarray, attention_mask: np.ndarray, seed: tuple, row_numbers: np.ndarray) -> dict:
         """The masked batch: input_ids (masked) and attention_mask, (rows, length); and for the positions
         to predict, masked_positions, masked_labels (the original ids) and masked_weights (1.0, or 0.0 for
-        the unused room), (rows, predictions). Row i is masked from a generator seeded with
-        (*seed, row_numbers[i]), its number in the global batch."""
+        the unused room), (rows, predictions). row_numbers: each row's number in the global batch, which with
+        the seed fixes its masks."""
         special_tokens_mask = np.isin(input_ids, self.special_token_ids) | (attention_mask == 0)
         predictions = self.predictions_per_row(input_ids.shape[1])
         masked_ids, labels, label_weights = mask_tokens(
-            input_ids, special_tokens_mask, self.mask_token_id, self.random_token_count, self.mlm_probability,
-            [np.random.default_rng([*seed, row]) for row in row_numbers], predictions,
+            input_ids, special_tokens_mask, self.mask_token_id, self.random_token_count, self.mlm_probability, seed,
+            row_numbers, predictions,
         )
         # The chosen positions of each row first, in order; then unchosen ones, with weight 0, as filler.
         positions = np.argsort(label_weights == 0, axis=1, kind="stable")[:, :predictions]

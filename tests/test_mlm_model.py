@@ -268,14 +268,10 @@ def make_masking_inputs():
     return input_ids, special_tokens_mask
 
 
-def row_generators(seed, num_rows):
-    return [np.random.default_rng([seed, row]) for row in range(num_rows)]
-
-
 def test_mask_tokens_chooses_mlm_probability_and_splits_80_10_10():
     input_ids, special_tokens_mask = make_masking_inputs()
     masked, labels, weights = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                                       row_generators(0, len(input_ids)))
+                                                       seed=0, row_numbers=np.arange(len(input_ids)))
     chosen = weights == 1.0
     np.testing.assert_array_equal(labels, input_ids)
     assert weights.dtype == np.float32 and set(np.unique(weights)) <= {0.0, 1.0}
@@ -298,20 +294,25 @@ def test_mask_tokens_is_reproducible_from_the_seed():
 
     def mask(seed):
         return run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                        row_generators(seed, len(input_ids)))
+                                        seed=seed, row_numbers=np.arange(len(input_ids)))
 
     for first, second in zip(mask(7), mask(7)):
         np.testing.assert_array_equal(first, second)
     assert not np.array_equal(mask(7)[0], mask(8)[0])
 
 
-def test_mask_tokens_masks_each_row_from_its_own_generator_alone():
+def test_a_row_is_masked_by_its_number_whatever_rows_are_masked_with_it():
     input_ids, special_tokens_mask = make_masking_inputs()
-    whole = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, row_generators(7, 400))
-    generators = row_generators(7, 400)[100:200]
-    part = run_mlm_flax.mask_tokens(input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, generators)
+    rows = np.arange(400)
+    whole = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, (7, 1), rows)
+    part = run_mlm_flax.mask_tokens(
+        input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, (7, 1), rows[100:200]
+    )
     for whole_result, part_result in zip(whole, part):
         np.testing.assert_array_equal(whole_result[100:200], part_result)
+    # Rows of equal tokens but other numbers are masked differently.
+    shifted = run_mlm_flax.mask_tokens(input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, (7, 1), rows[:100])
+    assert not np.array_equal(shifted[2], part[2])
 
 
 def test_a_row_with_more_chosen_positions_than_allowed_keeps_a_random_subset_of_them():
@@ -319,7 +320,7 @@ def test_a_row_with_more_chosen_positions_than_allowed_keeps_a_random_subset_of_
 
     def chosen(max_chosen_per_row=None):
         weights = run_mlm_flax.mask_tokens(
-            input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, row_generators(3, 400), max_chosen_per_row
+            input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, 3, np.arange(400), max_chosen_per_row
         )[2]
         return weights == 1.0
 
