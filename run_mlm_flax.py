@@ -7,14 +7,18 @@ local files (txt, json/jsonl, csv, parquet; globs allowed), a local dataset dire
 
 Two ways to make examples:
 - grouped (the default): texts are tokenized, joined with the separator </s> and cut into blocks, each
-  framed as `<s> ... </s>`, of exactly --max_seq_length tokens;
+  framed as `<s> ... </s>`, of exactly --max_seq_length tokens. For corpora larger than memory or disk, the
+  blocks can be packed once into memory-mapped shards (--packed_data_dir) or made on the fly from a stream
+  (--streaming);
 - --line_by_line: every non-empty line (or text) is one example, framed the same way and truncated to
   --max_seq_length; batches are padded and carry an attention mask.
 
 Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special
 token or padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random
 token and 10% stay as they are. The loss and the accuracy count the chosen tokens only. Each global batch is
-split over every device of every process with `jax.jit` over a device mesh. Training checkpoints in
+split over every device of every process with `jax.jit` over a device mesh. On several hosts every host runs
+the same command (see initialize_distributed for how the processes find each other), each makes and masks
+only its own rows of every batch, and process 0 writes the outputs. Training checkpoints in
 OUTPUT_DIR/checkpoints let an interrupted run continue exactly with --resume_from_checkpoint.
 
 The model is a Flax RoBERTa whose parameters map one-to-one onto the PyTorch `RobertaForMaskedLM` of
@@ -27,22 +31,29 @@ model.safetensors, tokenizer files) that `AutoModelForMaskedLM` and `pipeline("f
 A single .json file holding the arguments works too: `./run_mlm_flax.py args.json`.
 """
 
+import contextlib
+import copy
+import functools
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
 import queue
+import re
+import shutil
 import signal
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import datasets
+import datasets.distributed
 import flax
 import flax.linen as nn
 import jax
@@ -137,6 +148,11 @@ class ModelArguments:
     )
 
 
+# Shards of a packed corpus hold this many tokens (512 MiB as uint16); the last shard of a split may hold fewer.
+# Copied from run_clm_flax.PACKED_TOKENS_PER_SHARD
+PACKED_TOKENS_PER_SHARD = 2**28
+
+
 @dataclass
 class DataTrainingArguments:
     dataset_name: Optional[str] = field(
@@ -199,7 +215,7 @@ class DataTrainingArguments:
         },
     )
     preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "Processes used to tokenize the texts."}
+        default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
     )
     keep_linebreaks: bool = field(
         default=True,
@@ -207,6 +223,36 @@ class DataTrainingArguments:
             "help": "Keep the line breaks at the end of each line of .txt files (with --line_by_line they are "
             "always removed, since every line is an example of its own)."
         },
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read the data as a stream, never copied to disk first: for corpora larger than memory or disk. "
+            "Alone, texts are tokenized and grouped into blocks on the fly while training, which needs --max_steps; "
+            "with --packed_data_dir, the stream is packed into its shards once and training reads those. Not with "
+            "--line_by_line."
+        },
+    )
+    shuffle_buffer_size: int = field(
+        default=10000,
+        metadata={
+            "help": "With --streaming (and no --packed_data_dir): texts held in the buffer the stream is shuffled "
+            "through, an approximate shuffle; 0 keeps the stream's order."
+        },
+    )
+    packed_data_dir: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "A directory of grouped token blocks in memory-mappable shards. Used as it is when it holds the "
+            "data packed with this tokenizer and --max_seq_length; otherwise the data arguments are tokenized and "
+            "packed into it first (by process 0). Later runs and every process read only the blocks they need, "
+            "nothing is tokenized again. Refused when packed with another tokenizer, length or data. Not with "
+            "--line_by_line."
+        },
+    )
+    packed_tokens_per_shard: int = field(
+        default=PACKED_TOKENS_PER_SHARD,
+        metadata={"help": "Tokens per shard file written in --packed_data_dir (rounded down to whole blocks)."},
     )
 
 
@@ -292,6 +338,13 @@ class TrainingArguments:
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order, masking and dropout."})
+    ignore_data_skip: bool = field(
+        default=False,
+        metadata={
+            "help": "When resuming a --streaming run, start the stream afresh instead of re-reading (and "
+            "re-tokenizing) the blocks already trained on: faster, but the data differs from the interrupted run's."
+        },
+    )
     fill_mask_text: str = field(
         default="",
         metadata={
@@ -304,9 +357,41 @@ class TrainingArguments:
     )
 
 
+# Copied from run_clm_flax.DistributedArguments
+@dataclass
+class DistributedArguments:
+    """How the processes of a run started by hand find each other. Not needed for a single process, nor
+    where the launcher tells JAX (Cloud TPU VMs, Slurm's srun, Open MPI's mpirun): see initialize_distributed."""
+
+    coordinator_address: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "HOST:PORT of process 0, which every process of a multi-process run connects to (any free port). "
+            "Give it with --num_processes and --process_id when starting one command per host by hand."
+        },
+    )
+    num_processes: Optional[int] = field(
+        default=None, metadata={"help": "How many processes take part in the run, with --coordinator_address."}
+    )
+    process_id: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "This process's number, 0 to --num_processes - 1, with --coordinator_address. Process 0 logs "
+            "and writes the model, the results and the TensorBoard logs."
+        },
+    )
+    local_device_ids: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated ids of the local GPUs this process drives, e.g. 0,1,2,3 (multi-process runs "
+            "only). Defaults to all of them, except under Slurm and Open MPI: one GPU per task."
+        },
+    )
+
+
 # Copied from run_clm_flax.parse_arguments
-def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments]:
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments, DistributedArguments]:
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, DistributedArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         json_path = os.path.abspath(sys.argv[1])
         if not os.path.isfile(json_path):
@@ -344,10 +429,31 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("--warmup_ratio must be in [0, 1)")
     if training_args.fill_mask_top_k < 0:
         raise UsageError("--fill_mask_top_k must be 0 (no demo) or more")
-    if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
+    has_data = data_args.dataset_name is not None or data_args.train_file is not None
+    if not has_data and data_args.validation_file is None and not data_args.packed_data_dir:
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
-    if training_args.do_train and data_args.dataset_name is None and data_args.train_file is None:
+    if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    grouping_flags = [flag for flag in ("streaming", "packed_data_dir") if getattr(data_args, flag)]
+    if data_args.line_by_line and grouping_flags:
+        flags = " and ".join(f"--{flag}" for flag in grouping_flags)
+        raise UsageError(
+            f"--line_by_line cannot be combined with {flags}, which group the texts into full blocks; drop "
+            f"--line_by_line to train on such blocks, or drop {flags} (line-by-line examples are cached and "
+            "memory-mapped all the same)"
+        )
+    streaming_training = data_args.streaming and not data_args.packed_data_dir
+    if streaming_training and training_args.do_train and training_args.max_steps <= 0:
+        raise UsageError(
+            "--streaming needs --max_steps: the length of a stream is unknown, so --num_train_epochs cannot be "
+            "turned into steps (or add --packed_data_dir to pack the stream once and train on the shards)"
+        )
+    if streaming_training and data_args.max_train_samples is not None:
+        raise UsageError("--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with --max_steps")
+    if data_args.shuffle_buffer_size < 0:
+        raise UsageError("--shuffle_buffer_size must be at least 0")
+    if data_args.packed_tokens_per_shard < 1:
+        raise UsageError("--packed_tokens_per_shard must be at least 1")
     if not 0 < data_args.validation_split_percentage < 100:
         raise UsageError("--validation_split_percentage must be between 1 and 99")
     if data_args.max_seq_length is not None and data_args.max_seq_length < 3:
@@ -370,6 +476,128 @@ def check_arguments(model_args, data_args, training_args):
             f"--output_dir {output_dir} already holds files; pass --resume_from_checkpoint to continue its run, "
             "or --overwrite_output_dir to train into it anyway"
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Processes: one, or several joined by JAX's distributed runtime (one per host, or per GPU)
+# ----------------------------------------------------------------------------------------------------
+
+
+# Copied from run_clm_flax.on_cloud_tpu_vm
+def on_cloud_tpu_vm() -> bool:
+    """Whether this is a Cloud TPU VM (one host of a TPU slice), as JAX found when it was imported. The flag
+    lives in a private module of JAX; should it move, TPU users pass the three flags instead."""
+    try:
+        from jax._src import cloud_tpu_init
+    except ImportError:
+        return False
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+# Copied from run_clm_flax.multi_process_launcher
+def multi_process_launcher() -> Optional[str]:
+    """The launcher that started this process as one of several, with the settings jax.distributed reads
+    from the environment; None for a process started on its own."""
+    environment = os.environ
+    # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
+    if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
+        return "Slurm"
+    if int(environment.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if on_cloud_tpu_vm():
+        return "Cloud TPU"
+    return None
+
+
+# Copied from run_clm_flax.initialize_distributed
+def initialize_distributed(distributed_args):
+    """Join the other processes of a multi-process run; call before anything touches the devices.
+
+    1. --coordinator_address, --num_processes and --process_id given: join with those settings
+       (processes started by hand, one command per host).
+    2. Otherwise, started by Slurm's srun or Open MPI's mpirun as one of several tasks, or on a Cloud TPU
+       VM: jax.distributed.initialize() reads the settings from the environment (on a single TPU VM it
+       finds one process).
+    3. Otherwise: a single process, which connects to nothing.
+
+    Afterwards every device of every process is in jax.devices(), and process 0 is the one that writes.
+    """
+    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
+    if any(value is not None for value in explicit) and any(value is None for value in explicit):
+        raise UsageError(
+            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
+            "Slurm, Open MPI or Cloud TPU supplies them"
+        )
+    local_device_ids = None
+    if distributed_args.local_device_ids is not None:
+        try:
+            local_device_ids = [int(device_id) for device_id in distributed_args.local_device_ids.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"--local_device_ids {distributed_args.local_device_ids} is not a comma-separated list of integers"
+            ) from None
+
+    explicit = distributed_args.coordinator_address is not None
+    if explicit:
+        num_processes, process_id = distributed_args.num_processes, distributed_args.process_id
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise UsageError(
+                f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
+                "--num_processes - 1"
+            )
+        if ":" not in distributed_args.coordinator_address:
+            raise UsageError(f"--coordinator_address {distributed_args.coordinator_address} has no port; give HOST:PORT")
+        several_processes = num_processes > 1
+    else:
+        launcher = multi_process_launcher()
+        several_processes = launcher is not None
+    if not several_processes:
+        if local_device_ids is not None:
+            raise UsageError(
+                "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
+                "CUDA_VISIBLE_DEVICES"
+            )
+        return
+
+    # Processes on CPU exchange data through Gloo over TCP (older JAX versions have no default for this).
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=distributed_args.coordinator_address,
+            num_processes=distributed_args.num_processes,
+            process_id=distributed_args.process_id,
+            local_device_ids=local_device_ids,
+        )
+    except ValueError as error:
+        if explicit:
+            raise
+        # The launcher's environment lacks something JAX reads, e.g. the address of Open MPI 5's launcher.
+        raise UsageError(
+            f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
+            f"({error}); pass --coordinator_address, --num_processes and --process_id"
+        ) from None
+
+
+# Copied from run_clm_flax.wait_for_all_processes
+def wait_for_all_processes(name: str):
+    """Return once every process has called this with the same `name` (at once for a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+# Copied from run_clm_flax.main_process_first
+@contextlib.contextmanager
+def main_process_first(name: str):
+    """Process 0 runs the block first, then the others: they then read the caches it filled (on a file
+    system the hosts share) instead of all writing the same files at once."""
+    if jax.process_index() > 0:
+        wait_for_all_processes(name)
+    try:
+        yield
+    finally:  # also when process 0 fails: the others then try, and report the same error
+        if jax.process_index() == 0:
+            wait_for_all_processes(name)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -411,9 +639,10 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
-# Copied from run_clm_flax.load_raw_datasets
-def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
-    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+# Copied from run_clm_flax.load_text_datasets
+def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
+    """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
+    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated."""
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -421,12 +650,14 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
                 os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
             ):
                 raw = datasets.load_from_disk(name)
+                if streaming:
+                    raw = {split: dataset.to_iterable_dataset() for split, dataset in datasets.DatasetDict(
+                        raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}).items()}
             else:
                 raw = datasets.load_dataset(
-                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token
+                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token,
+                    streaming=streaming,
                 )
-            if isinstance(raw, datasets.Dataset):
-                raw = datasets.DatasetDict({"train": raw})
         else:
             data_files, builder = {}, None
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):
@@ -434,13 +665,30 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
                 if pattern is not None:
                     builder, data_files[split] = resolve_data_files(pattern, flag)
             options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
-            raw = datasets.load_dataset(builder, data_files=data_files, cache_dir=model_args.cache_dir, **options)
+            raw = datasets.load_dataset(
+                builder, data_files=data_files, cache_dir=model_args.cache_dir, streaming=streaming, **options
+            )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
         cause = error.__cause__ or error
         raise UsageError(f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding") from None
+    if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
+        raw = {"train": raw}
+    for split, dataset in raw.items():
+        columns = dataset.column_names  # None for a stream whose columns are only known once read
+        if columns is not None and data_args.text_column_name not in columns:
+            raise UsageError(
+                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
+                "pass --text_column_name"
+            )
+    return dict(raw)
 
+
+# Copied from run_clm_flax.load_raw_datasets
+def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
+    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+    raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
     if "train" in raw and "validation" not in raw:
         train = raw["train"]
         validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
@@ -452,12 +700,6 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
     for split, dataset in raw.items():
         if len(dataset) == 0:
             raise UsageError(f"the {split} data is empty")
-        if data_args.text_column_name not in dataset.column_names:
-            columns = ", ".join(dataset.column_names)
-            raise UsageError(
-                f"the {split} data has no column '{data_args.text_column_name}' (it has: {columns}); "
-                "pass --text_column_name"
-            )
     return raw
 
 
@@ -470,28 +712,22 @@ def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> st
     return digest.hexdigest()[:24]
 
 
-# Grouped mode: the texts, each followed by </s>, joined and cut into blocks of max_seq_length - 2 tokens;
-# BatchMaker frames every block as <s> block </s>. RoBERTa's pretraining data is made the same way: full
-# sentences across document boundaries, with a separator between documents.
-# Copied from run_clm_flax.tokenize_and_pack
-def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split) -> np.ndarray:
-    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+# Copied from run_clm_flax.TEXTS_PER_BATCH
+TEXTS_PER_BATCH = 1000
 
-    The result is cached beside the dataset's own cache files and memory-mapped on later runs. The
-    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+
+# Copied from run_clm_flax.token_arrays
+def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train") -> Iterator[np.ndarray]:
+    """The tokens of every text of `dataset`, each text followed by EOS, as flat int32 arrays of one batch of
+    texts each, in the dataset's order.
+
+    A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
+    own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
+    batch as it is read. Either way only one batch of tokens is in memory at a time.
     """
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
-    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, eos_id)
-    cache_path = None
-    if dataset.cache_files:
-        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
-        cache_path = os.path.join(cache_dir, f"packed-{fingerprint}-block{block_size}.npy")
-        if os.path.exists(cache_path) and not overwrite_cache:
-            logger.info("Loading packed %s blocks from cache %s", split, cache_path)
-            return np.load(cache_path, mmap_mode="r")
-
     # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
     # about texts longer than model_max_length, which is expected here since texts get packed.
     backend = tokenizer.backend_tokenizer
@@ -500,26 +736,369 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
         encodings = backend.encode_batch(batch[text_column], add_special_tokens=False)
         return {"input_ids": [encoding.ids + [eos_id] for encoding in encodings]}
 
-    tokenized = dataset.map(
-        tokenize,
-        batched=True,
-        num_proc=num_workers,
-        remove_columns=dataset.column_names,
-        new_fingerprint=fingerprint,
-        load_from_cache_file=not overwrite_cache,
-        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-        desc=f"Tokenizing {split} texts",
-    )
-    # Arrow stores the token lists of each chunk as one flat buffer: flattening is a copy, not a Python
-    # loop. Chunk by chunk, because one list array cannot hold more than 2**31 tokens.
-    tokens = np.concatenate([chunk.flatten().to_numpy() for chunk in tokenized.data.column("input_ids").chunks])
-    num_blocks = len(tokens) // block_size
-    blocks = np.ascontiguousarray(tokens[: num_blocks * block_size].reshape(num_blocks, block_size))
-    logger.info("%s: %d tokens packed into %d blocks of %d", split, len(tokens), num_blocks, block_size)
-    if cache_path is not None:
-        temporary_path = f"{cache_path}.{os.getpid()}.tmp.npy"
-        np.save(temporary_path, blocks, allow_pickle=False)
-        os.replace(temporary_path, cache_path)
+    if isinstance(dataset, datasets.IterableDataset):
+        texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
+        while True:
+            try:
+                batch = next(texts)
+            except StopIteration:
+                return
+            except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
+                cause = error.__cause__ or error
+                raise UsageError(f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding") from None
+            if text_column not in batch:
+                raise UsageError(
+                    f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
+                )
+            token_lists = tokenize(batch)["input_ids"]
+            yield np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+    else:
+        tokenized = dataset.map(
+            tokenize,
+            batched=True,
+            batch_size=TEXTS_PER_BATCH,
+            num_proc=num_workers,
+            remove_columns=dataset.column_names,
+            new_fingerprint=tokenized_fingerprint(dataset, tokenizer, text_column, eos_id),
+            load_from_cache_file=not overwrite_cache,
+            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+            desc=f"Tokenizing {split} texts",
+        )
+        # Arrow stores each chunk's token lists as one flat buffer: flattening is a view, not a Python loop.
+        for chunk in tokenized.data.column("input_ids").chunks:
+            yield chunk.flatten().to_numpy()
+
+
+# Copied from run_clm_flax.pack_blocks
+def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
+    """Join the token arrays end to end and cut them into blocks: arrays of shape (count, block_size), int32.
+
+    The tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    carry = np.zeros(0, np.int32)
+    for tokens in token_arrays:
+        if len(carry):
+            tokens = np.concatenate([carry, tokens])
+        usable = len(tokens) // block_size * block_size
+        if usable:
+            yield np.asarray(tokens[:usable], dtype=np.int32).reshape(-1, block_size)
+        carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
+
+
+# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
+# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
+# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
+# vocabulary fits (half the disk of int32) and always read as int32.
+# Copied from run_clm_flax.PACKED_INDEX_FILE
+PACKED_INDEX_FILE = "index.json"
+# Copied from run_clm_flax.PACKED_FORMAT_VERSION
+PACKED_FORMAT_VERSION = 1
+
+
+# Copied from run_clm_flax.packed_dtype
+def packed_dtype(tokenizer) -> np.dtype:
+    """uint16 when every id of the tokenizer fits in it, int32 otherwise."""
+    largest_id = max(len(tokenizer), tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)) - 1
+    return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
+
+
+# Copied from run_clm_flax.tokenizer_fingerprint
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Changes with anything that changes the token ids: vocabulary, merges, normalisation, special tokens."""
+    settings = json.loads(tokenizer.backend_tokenizer.to_str())
+    for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
+        settings.pop(transient, None)
+    described = json.dumps({"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id}, sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()[:24]
+
+
+# Copied from run_clm_flax.write_packed_split
+def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
+    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
+    shorter) and return the split's entry of the index.
+
+    Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
+    and written under a temporary name, then renamed. No shard is written for an empty split.
+    """
+    dtype = np.dtype(dtype)
+    largest = np.iinfo(dtype).max
+    shards, shard, filled, num_blocks = [], None, 0, 0
+
+    def finish_shard():
+        name = f"{split}-{len(shards):05d}.npy"
+        if filled == len(shard):
+            shard.flush()
+            written_path = shard.filename
+        else:  # the last shard, shorter: copied into a file of its own size
+            written_path = os.path.join(directory, f"{name}.{os.getpid()}.end.tmp.npy")
+            np.save(written_path, shard[:filled], allow_pickle=False)
+            os.remove(shard.filename)
+        os.replace(written_path, os.path.join(directory, name))
+        shards.append({"file": name, "num_blocks": filled})
+
+    for block_array in blocks:
+        if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
+            raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
+        start = 0
+        while start < len(block_array):
+            if shard is None:
+                name = f"{split}-{len(shards):05d}.npy"
+                shard = np.lib.format.open_memmap(
+                    os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"), mode="w+", dtype=dtype,
+                    shape=(blocks_per_shard, block_array.shape[1]),
+                )
+                filled = 0
+            count = min(blocks_per_shard - filled, len(block_array) - start)
+            shard[filled : filled + count] = block_array[start : start + count]
+            filled, start, num_blocks = filled + count, start + count, num_blocks + count
+            if filled == blocks_per_shard:
+                finish_shard()
+                shard = None
+    if shard is not None:
+        finish_shard()
+        del shard
+    return {"num_blocks": num_blocks, "shards": shards}
+
+
+# Copied from run_clm_flax.write_packed_corpus
+def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
+    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
+    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
+
+    The index is removed first and written last, so an interrupted write leaves a directory that is
+    recognised as unfinished; shards left by an earlier unfinished write are replaced.
+    """
+    os.makedirs(directory, exist_ok=True)
+    index_path = os.path.join(directory, PACKED_INDEX_FILE)
+    if os.path.exists(index_path):
+        os.remove(index_path)
+    leftover = re.compile(r"^(%s)-\d{5}\.npy(\.\d+(\.end)?\.tmp\.npy)?$" % "|".join(map(re.escape, splits)))
+    for name in os.listdir(directory):
+        if leftover.match(name):
+            os.remove(os.path.join(directory, name))
+    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    index = {
+        "format_version": PACKED_FORMAT_VERSION,
+        **description,
+        "dtype": np.dtype(dtype).name,
+        "blocks_per_shard": blocks_per_shard,
+        "splits": {split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard) for split, blocks in splits.items()},
+    }
+    temporary_path = f"{index_path}.{os.getpid()}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(index, file, indent=2)
+    os.replace(temporary_path, index_path)
+    return index
+
+
+# Copied from run_clm_flax.read_packed_index
+def read_packed_index(directory: str) -> Optional[dict]:
+    """The index of the packed corpus in `directory`, or None when there is no finished one."""
+    path = os.path.join(directory, PACKED_INDEX_FILE)
+    try:
+        with open(path) as file:
+            index = json.load(file)
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        index = None
+    if not (isinstance(index, dict) and "format_version" in index and "splits" in index):
+        raise UsageError(f"{path} is not the index of a packed corpus; use another directory for the packed data")
+    return index
+
+
+# Copied from run_clm_flax.PackedBlocks
+class PackedBlocks:
+    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
+    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
+
+    Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
+    only the blocks it asks for, whatever the size of the corpus.
+    """
+
+    dtype = np.dtype(np.int32)
+    ndim = 2
+    open_shards = 64
+
+    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: Optional[int] = None):
+        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
+        sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        total = int(self.shard_starts[-1])
+        self.start, self.stop = start, total if stop is None else stop
+        self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
+
+    def open_shard(self, shard_number: int) -> np.ndarray:
+        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.block_size)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(len(self))
+            view = copy.copy(self)
+            view.start, view.stop = self.start + start, self.start + max(start, stop)
+            return view
+        if isinstance(index, (int, np.integer)):
+            return self[np.array([index])][0]
+        positions = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index)
+        if positions.dtype == bool or not np.issubdtype(positions.dtype, np.integer):
+            raise IndexError("PackedBlocks takes an integer, a slice or an array of integer indices")
+        positions = np.where(positions < 0, positions + len(self), positions)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"index out of range for {len(self)} blocks")
+        return self.read(positions + self.start)
+
+    def read(self, positions: np.ndarray) -> np.ndarray:
+        """The blocks at these positions of the whole split, in the order given."""
+        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
+        shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
+        for shard_number in np.unique(shard_numbers):
+            chosen = shard_numbers == shard_number
+            blocks[chosen] = self.shard(int(shard_number))[positions[chosen] - self.shard_starts[shard_number]]
+        return blocks
+
+    def __array__(self, dtype=None, copy=None):
+        blocks = self.read(np.arange(self.start, self.stop))
+        return blocks if dtype is None else blocks.astype(dtype, copy=False)
+
+
+# Copied from run_clm_flax.open_packed_corpus
+def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
+    return {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+
+
+# Grouped mode: the texts, each followed by </s>, joined and cut into blocks of max_seq_length - 2 tokens;
+# BatchMaker frames every block as <s> block </s>. RoBERTa's pretraining data is made the same way: full
+# sentences across document boundaries, with a separator between documents.
+# Copied from run_clm_flax.tokenize_and_pack
+def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
+    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+
+    The blocks are written as a packed corpus beside the dataset's own cache files and memory-mapped, on
+    this and later runs (a PackedBlocks); a dataset held only in memory gives an in-memory array. The
+    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
+    if not dataset.cache_files:
+        return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
+    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, tokenizer.eos_token_id)
+    cache_path = os.path.join(os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}")
+    index = None if overwrite_cache else read_packed_index(cache_path)
+    if index is not None:
+        logger.info("Loading packed %s blocks from cache %s", split, cache_path)
+    else:
+        # Written under a name of this process's own and renamed when complete, so that processes sharing
+        # the cache never read or write each other's unfinished files.
+        temporary_path = f"{cache_path}.{os.getpid()}.tmp"
+        description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                       "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column}}
+        index = write_packed_corpus(
+            temporary_path, {"blocks": pack_blocks(tokens, block_size)}, description, packed_dtype(tokenizer),
+            PACKED_TOKENS_PER_SHARD,
+        )
+        if os.path.isdir(cache_path):
+            shutil.rmtree(cache_path, ignore_errors=True)
+        try:
+            os.rename(temporary_path, cache_path)
+        except OSError:  # another process finished the same cache first
+            shutil.rmtree(temporary_path, ignore_errors=True)
+        num_blocks = index["splits"]["blocks"]["num_blocks"]
+        logger.info("%s: packed into %d blocks of %d tokens, cached in %s", split, num_blocks, block_size, cache_path)
+    return open_packed_corpus(cache_path, index)["blocks"]
+
+
+def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) -> dict:
+    """The grouped blocks of --packed_data_dir, {split: PackedBlocks} of max_seq_length - 2 tokens per block:
+    packed there first when it holds no finished corpus (or --overwrite_cache), by process 0 alone while the
+    others wait, from the data arguments read as they are or, with --streaming, as a stream. A directory packed
+    with another tokenizer, length or source is refused, never reused. Without a validation split, the first
+    --validation_split_percentage percent of the training blocks are held out.
+
+    run_clm_flax.load_packed_corpus, with the block size told as --max_seq_length: the format is the same."""
+    directory = data_args.packed_data_dir
+    block_size = max_seq_length - 2  # BatchMaker frames each block as <s> block </s>
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
+    source = {
+        name: getattr(data_args, name)
+        for name in ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name", "keep_linebreaks")
+    }
+    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
+        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
+            source[name] = os.path.abspath(source[name])
+    description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "source": source}
+    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
+
+    def check(index: dict):
+        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
+        if index["format_version"] != PACKED_FORMAT_VERSION:
+            raise UsageError(f"--packed_data_dir {directory} holds a packed corpus of format version {index['format_version']}; {fix}")
+        if index["block_size"] != block_size:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds blocks for --max_seq_length {index['block_size'] + 2}, not "
+                f"{max_seq_length}; {fix}"
+            )
+        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
+            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        differences = [name for name in source if index["source"].get(name) != source[name]]
+        if has_source and differences:
+            recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
+            raise UsageError(
+                f"--packed_data_dir {directory} was packed from other data ({recorded}); pass the same data "
+                f"arguments, or none to train on it as it is, or {fix}"
+            )
+
+    index = read_packed_index(directory)  # read even with --overwrite_cache: never overwrite a directory of other files
+    if data_args.overwrite_cache:
+        index = None
+    if index is not None:
+        check(index)
+    elif not has_source:
+        raise UsageError(
+            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
+        )
+    if jax.process_index() == 0 and index is None:
+        sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+        logger.info("Packing %s into %s", " and ".join(sources), directory)
+
+        def blocks_with_progress(split, dataset):
+            tokens = token_arrays(
+                dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers,
+                data_args.overwrite_cache, split,
+            )
+            with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
+                for blocks in pack_blocks(tokens, block_size):
+                    progress.update(len(blocks))
+                    yield blocks
+
+        index = write_packed_corpus(
+            directory, {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
+            description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard,
+        )
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("packed corpus written")
+        index = read_packed_index(directory)
+        if index is None:
+            raise UsageError(
+                f"process {jax.process_index()} cannot see the packed corpus process 0 wrote in --packed_data_dir "
+                f"{directory}; put it on a filesystem every process shares"
+            )
+        check(index)
+    blocks = open_packed_corpus(directory, index)
+    for split, split_blocks in blocks.items():
+        logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
+    if "train" in blocks and "validation" not in blocks:
+        train = blocks["train"]
+        if len(train) < 2:
+            raise UsageError("the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation")
+        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
+        blocks = {"validation": train[:validation_size], "train": train[validation_size:]}
     return blocks
 
 
@@ -618,25 +1197,116 @@ def process_slice(global_batch_size: int) -> slice:
     return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
 
 
-# Masking and batches, on the host: numpy, per batch, reproducible from the seed.
+# Copied from run_clm_flax.stream_share
+def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
+    """This process's share of a stream: whole files (shards) when their number is a multiple of the process
+    count, otherwise every process_count-th text. The shares are disjoint and together cover the stream."""
+    if jax.process_count() == 1:
+        return dataset
+    return datasets.distributed.split_dataset_by_node(dataset, rank=jax.process_index(), world_size=jax.process_count())
 
 
-def mask_tokens(input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, rng):
+# Copied from run_clm_flax.streaming_train_batches
+def streaming_train_batches(
+    dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, global_batch_size: int,
+    seed: int, shuffle_buffer_size: int, first_batch: int = 0,
+) -> Iterator[dict]:
+    """This process's rows of each global batch, tokenized and packed on the fly from its share of the
+    stream, without end: pass after pass over the share, each shuffled differently.
+
+    The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
+    files is shuffled). The batches depend only on the data, these arguments and the process count, so a
+    resumed run starting at `first_batch` re-reads (and re-tokenizes) the batches before it and goes on
+    with the very batches the interrupted run would have seen.
+    """
+    local_batch_size = len(range(global_batch_size)[process_slice(global_batch_size)])
+    share = stream_share(dataset)
+    if shuffle_buffer_size > 0:
+        share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
+
+    def every_pass():
+        for epoch in itertools.count():
+            if shuffle_buffer_size > 0:
+                share.set_epoch(epoch)  # reshuffles the files and the buffer
+            num_tokens = 0
+            for tokens in token_arrays(share, tokenizer, text_column):
+                num_tokens += len(tokens)
+                yield tokens
+            if num_tokens == 0:
+                raise UsageError(f"process {jax.process_index()}'s share of the training stream holds no text")
+
+    rows = np.zeros((0, block_size), np.int32)
+    batch_number = 0
+    for blocks in pack_blocks(every_pass(), block_size):
+        rows = np.concatenate([rows, blocks])
+        while len(rows) >= local_batch_size:
+            if batch_number >= first_batch:
+                yield {"input_ids": rows[:local_batch_size]}
+            rows, batch_number = rows[local_batch_size:], batch_number + 1
+
+
+# Copied from run_clm_flax.first_blocks
+def first_blocks(dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, count: Optional[int], split: str) -> np.ndarray:
+    """The first `count` blocks packed from a stream (all of them when `count` is None), read into memory."""
+    blocks, total = [np.zeros((0, block_size), np.int32)], 0
+    for block_array in pack_blocks(token_arrays(dataset, tokenizer, text_column, split=split), block_size):
+        blocks.append(block_array)
+        total += len(block_array)
+        if count is not None and total >= count:
+            break
+    return np.concatenate(blocks)[:count]
+
+
+# Masking and batches, on the host: numpy, this process's rows of a global batch at a time, reproducible from
+# the seed.
+
+
+def random_bits(seed: np.uint64, counters: np.ndarray) -> np.ndarray:
+    """64 random bits for each counter: output number `counter` of SplitMix64 seeded with `seed` (Steele, Lea
+    and Flood, 2014). An output depends on its number alone, so numpy computes any of them directly, all at once."""
+    bits = seed + (counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps around at 2**64, as it should
+    bits = (bits ^ (bits >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    bits = (bits ^ (bits >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return bits ^ (bits >> np.uint64(31))
+
+
+def uniform_from_bits(bits: np.ndarray) -> np.ndarray:
+    """Numbers in [0, 1), from the top 53 of the random bits."""
+    return (bits >> np.uint64(11)) * 2.0**-53
+
+
+def mask_tokens(
+    input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, seed, row_numbers, max_chosen_per_row=None
+):
     """Choose positions to predict and corrupt them the BERT way.
 
-    input_ids: (batch, seq) int; special_tokens_mask: (batch, seq) bool, True for special tokens and
-    padding, which are never chosen; rng: np.random.Generator, so a seed reproduces the batch.
-    Each other position is chosen with probability mlm_probability; of the chosen, 80% become
-    mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model cannot
-    learn that only masked positions matter).
+    input_ids: (rows, seq) int; special_tokens_mask: (rows, seq) bool, True for special tokens and
+    padding, which are never chosen; seed: an integer or a tuple of them; row_numbers: (rows,) the number of
+    each row in its global batch. Each other position is chosen with probability mlm_probability, at most
+    max_chosen_per_row of a row (of more, a uniformly random subset: those with the smallest draws); of the
+    chosen, 80% become mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model
+    cannot learn that only masked positions matter).
+
+    The random numbers of a position are drawn from counters of its own, given by its row number and place in
+    the row, so a row is masked the same whatever rows are masked with it, on whichever process.
     Returns (masked input_ids, labels = the original ids, label_weights: float32, 1.0 where chosen).
     """
-    shape = input_ids.shape
-    chosen = (rng.random(shape) < mlm_probability) & ~special_tokens_mask
-    action = rng.random(shape)  # below 0.8: mask, 0.8 to 0.9: random token, above 0.9: keep
-    random_ids = rng.integers(0, vocab_size, shape, dtype=input_ids.dtype)
-    masked = np.where(chosen & (action < 0.8), mask_token_id, input_ids)
-    masked = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, masked).astype(input_ids.dtype)
+    length = input_ids.shape[1]
+    seed = np.random.SeedSequence(seed).generate_state(1, np.uint64)[0]
+    # Three counters per position: whether it is chosen, then, if it is, what becomes of it and which random id.
+    positions = np.asarray(row_numbers, np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
+    counters = positions * np.uint64(3)
+    choice_draws = uniform_from_bits(random_bits(seed, counters))
+    chosen = (choice_draws < mlm_probability) & ~special_tokens_mask
+    if max_chosen_per_row is not None and (crowded := chosen.sum(axis=1) > max_chosen_per_row).any():
+        draws = np.where(chosen[crowded], choice_draws[crowded], np.inf)
+        largest_kept = np.partition(draws, max_chosen_per_row - 1, axis=1)[:, max_chosen_per_row - 1 : max_chosen_per_row]
+        chosen[crowded] &= draws <= largest_kept
+    chosen_counters = counters[chosen]
+    action = uniform_from_bits(random_bits(seed, chosen_counters + np.uint64(1)))  # below 0.8: mask, 0.8 to 0.9: random id
+    random_ids = (random_bits(seed, chosen_counters + np.uint64(2)) % np.uint64(vocab_size)).astype(input_ids.dtype)
+    masked = input_ids.copy()
+    masked[chosen] = np.where(action < 0.8, mask_token_id, np.where(action < 0.9, random_ids, input_ids[chosen]))
     return masked, input_ids.copy(), chosen.astype(np.float32)
 
 
@@ -644,8 +1314,11 @@ def mask_tokens(input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_p
 class BatchMaker:
     """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
 
-    Examples are blocks (a 2-D array of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
-    Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding.
+    Examples are blocks (a 2-D array-like of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
+    Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding. Each process
+    makes only its own rows of a global batch: it reads only their examples and masks them with random numbers
+    drawn for the row's number in the global batch (see mask_tokens), so the global batch is the same row for
+    row whatever the number of processes.
     """
 
     bos_token_id: int
@@ -674,52 +1347,55 @@ class BatchMaker:
             return self.max_seq_length
         return min(self.max_seq_length, max(16, 1 << (longest - 1).bit_length()))
 
-    def token_ids(self, examples, indices: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids, attention_mask), int32 (num_rows, length), unmasked. Rows past len(indices) fill up a
-        partial batch: empty examples (<s> </s>), which have nothing to predict."""
+    def example_lengths(self, examples, indices: np.ndarray) -> np.ndarray:
+        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length
+        truncated to fit max_seq_length. Reads only the offsets of lines, never their tokens."""
         if isinstance(examples, LineExamples):
-            starts = examples.offsets[indices]
-            lengths = np.minimum(examples.offsets[indices + 1] - starts, self.max_seq_length - 2)
-        else:
-            lengths = np.full(len(indices), examples.shape[1])
-        row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
-        row_lengths[: len(indices)] = lengths
-        length = self.padded_length(int(row_lengths.max()) + 2)
+            return np.minimum(examples.offsets[indices + 1] - examples.offsets[indices], self.max_seq_length - 2)
+        return np.full(len(indices), examples.shape[1])
 
-        input_ids = np.full((num_rows, length), self.pad_token_id, np.int32)
+    def token_ids(self, examples, indices: np.ndarray, num_rows: int, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask), int32 (rows, length), unmasked: the rows `rows` of a batch of `num_rows`
+        rows, examples[indices] and then empty examples (<s> </s>), which fill up a partial batch and have nothing
+        to predict. Only the examples of these rows are read; the length, the same on every process, is that of
+        the longest example of the whole batch, padded."""
+        row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
+        row_lengths[: len(indices)] = self.example_lengths(examples, indices)
+        length = self.padded_length(int(row_lengths.max()) + 2)
+        own_indices, row_lengths = indices[rows], row_lengths[rows]  # the examples come first, so they lead here too
+
+        input_ids = np.full((len(row_lengths), length), self.pad_token_id, np.int32)
         input_ids[:, 0] = self.bos_token_id
         if isinstance(examples, LineExamples):
-            for row, (start, size) in enumerate(zip(starts, lengths)):
+            for row, (start, size) in enumerate(zip(examples.offsets[own_indices], row_lengths)):
                 input_ids[row, 1 : size + 1] = examples.tokens[start : start + size]
-        elif len(indices):
-            input_ids[: len(indices), 1:-1] = examples[indices]
-        input_ids[np.arange(num_rows), row_lengths + 1] = self.eos_token_id
+        elif len(own_indices):
+            input_ids[: len(own_indices), 1:-1] = examples[own_indices]
+        input_ids[np.arange(len(row_lengths)), row_lengths + 1] = self.eos_token_id
         attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
         return input_ids, attention_mask
 
     def predictions_per_row(self, length: int) -> int:
         """Room for the positions to predict in a row of `length` tokens: the mean number chosen plus five
-        standard deviations, rounded up to a multiple of 8. About one row in a million needs more; its batch
-        then gets room for every position (and the step one more compilation)."""
+        standard deviations, rounded up to a multiple of 8. About one row in a million has more chosen; a
+        random subset of them is kept, so every batch of a length has the same shape."""
         mean = length * self.mlm_probability
         bound = mean + 5 * math.sqrt(mean * (1 - self.mlm_probability))
         return min(length, 8 * math.ceil(bound / 8))
 
-    def __call__(self, examples, indices: np.ndarray, num_rows: int, rng: np.random.Generator) -> dict:
+    def masked(self, input_ids: np.ndarray, attention_mask: np.ndarray, seed: tuple, row_numbers: np.ndarray) -> dict:
         """The masked batch: input_ids (masked) and attention_mask, (rows, length); and for the positions
         to predict, masked_positions, masked_labels (the original ids) and masked_weights (1.0, or 0.0 for
-        the unused room), (rows, predictions)."""
-        input_ids, attention_mask = self.token_ids(examples, indices, num_rows)
+        the unused room), (rows, predictions). row_numbers: each row's number in the global batch, which with
+        the seed fixes its masks."""
         special_tokens_mask = np.isin(input_ids, self.special_token_ids) | (attention_mask == 0)
-        masked_ids, labels, label_weights = mask_tokens(
-            input_ids, special_tokens_mask, self.mask_token_id, self.random_token_count, self.mlm_probability, rng
-        )
-        chosen = label_weights > 0
         predictions = self.predictions_per_row(input_ids.shape[1])
-        if chosen.sum(axis=1).max() > predictions:
-            predictions = input_ids.shape[1]
+        masked_ids, labels, label_weights = mask_tokens(
+            input_ids, special_tokens_mask, self.mask_token_id, self.random_token_count, self.mlm_probability, seed,
+            row_numbers, predictions,
+        )
         # The chosen positions of each row first, in order; then unchosen ones, with weight 0, as filler.
-        positions = np.argsort(~chosen, axis=1, kind="stable")[:, :predictions]
+        positions = np.argsort(label_weights == 0, axis=1, kind="stable")[:, :predictions]
         return {
             "input_ids": masked_ids,
             "attention_mask": attention_mask,
@@ -727,6 +1403,12 @@ class BatchMaker:
             "masked_labels": np.take_along_axis(labels, positions, axis=1),
             "masked_weights": np.take_along_axis(label_weights, positions, axis=1),
         }
+
+    def __call__(self, examples, indices: np.ndarray, num_rows: int, seed: tuple, rows: slice = slice(None)) -> dict:
+        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices] (see token_ids and
+        masked)."""
+        input_ids, attention_mask = self.token_ids(examples, indices, num_rows, rows)
+        return self.masked(input_ids, attention_mask, seed, np.arange(num_rows)[rows])
 
 
 # Separate random streams for the masks of training and of evaluation batches.
@@ -737,30 +1419,45 @@ def train_batches(
     examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
 ) -> Iterator[tuple[dict, int]]:
     """This process's rows of each masked global batch of one epoch, from batch `first_batch` on, with the
-    batch's number of tokens (padding left out).
+    global batch's number of tokens (padding left out).
 
     The order and the masks are fixed by seed, epoch and batch, so a resumed run continues with the very
-    batches, masked the very same way, that the interrupted run would have seen. Every
-    process makes the whole global batch (a few megabytes) and keeps its own rows, so the masks do not
-    depend on the number of processes. The examples left over after the last full batch differ from epoch to
-    epoch, so all data is seen.
+    batches, masked the very same way, that the interrupted run would have seen. The examples left over
+    after the last full batch differ from epoch to epoch, so all data is seen.
     """
     order = np.random.default_rng([seed, epoch]).permutation(len(examples))
     rows = process_slice(global_batch_size)
     for step in range(first_batch, len(examples) // global_batch_size):
+        # Sorted (for reading memory-mapped examples in order) before the split, so that the global batch,
+        # row for row, does not depend on the number of processes.
         indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
-        batch = make_batch(examples, indices, global_batch_size, np.random.default_rng([seed, TRAIN_MASKING, epoch, step]))
-        yield {name: values[rows] for name, values in batch.items()}, int(batch["attention_mask"].sum())
+        batch = make_batch(examples, indices, global_batch_size, (seed, TRAIN_MASKING, epoch, step), rows)
+        yield batch, int(np.sum(make_batch.example_lengths(examples, indices) + 2))
 
 
 def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int) -> Iterator[dict]:
-    """Every example once, in order, masked the same way at every evaluation (the masks are seeded by the
-    batch's index), so evaluations are comparable. The last batch is filled up with empty rows, none dropped."""
+    """This process's rows of batches holding every example once, in order, masked the same way at every
+    evaluation (the masks are seeded by the batch's index), so evaluations are comparable. The last batch is
+    filled up with empty rows, none dropped."""
     rows = process_slice(global_batch_size)
     for batch_index, start in enumerate(range(0, len(examples), global_batch_size)):
         indices = np.arange(start, min(start + global_batch_size, len(examples)))
-        batch = make_batch(examples, indices, global_batch_size, np.random.default_rng([seed, EVAL_MASKING, batch_index]))
-        yield {name: values[rows] for name, values in batch.items()}
+        yield make_batch(examples, indices, global_batch_size, (seed, EVAL_MASKING, batch_index), rows)
+
+
+def masked_stream_batches(
+    block_batches: Iterable[dict], make_batch: BatchMaker, global_batch_size: int, seed: int, first_step: int
+) -> Iterator[tuple[dict, int]]:
+    """Frame and mask this process's rows of the global batches of blocks packed from a stream
+    (streaming_train_batches, whose first batch is that of step `first_step`), with the global batch's number
+    of tokens. The masks of step s's batch are drawn from (seed, s), so a resumed run masks its batches as
+    the interrupted one would have."""
+    row_numbers = np.arange(global_batch_size)[process_slice(global_batch_size)]
+    for step, batch in zip(itertools.count(first_step), block_batches):
+        blocks = batch["input_ids"]
+        input_ids, attention_mask = make_batch.token_ids(blocks, np.arange(len(blocks)), len(blocks))
+        masked = make_batch.masked(input_ids, attention_mask, (seed, TRAIN_MASKING, step), row_numbers)
+        yield masked, global_batch_size * make_batch.max_seq_length
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1446,7 +2143,8 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
 
     Orbax writes each checkpoint into a temporary directory and renames it once complete, so a process
     killed while saving leaves the earlier checkpoints intact; the unfinished one is deleted when the
-    directory is next opened. With several processes, every process writes its own shards.
+    directory is next opened. With several processes, every process writes its own shards into the same
+    directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a mounted bucket).
     """
     return ocp.CheckpointManager(
         os.path.abspath(os.path.join(output_dir, "checkpoints")),
@@ -1549,7 +2247,10 @@ class StopRequest:
             return self.signal_name is not None
         if not check_other_processes:
             return False
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.signal_name is not None))))
+        if not np.any(multihost_utils.process_allgather(np.asarray(self.signal_name is not None))):
+            return False
+        self.signal_name = self.signal_name or "a signal to another process"
+        return True
 
 
 # Copied from run_clm_flax.finite_steps
@@ -1634,6 +2335,18 @@ def save_model(output_dir: str, params, config, tokenizer):
     config.architectures = ["RobertaForMaskedLM"]  # what AutoModelForMaskedLM and pipeline("fill-mask") build
     config.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+
+
+def example_texts(examples, tokenizer, count: int) -> Iterator[str]:
+    """The texts of the first `count` examples, decoded: each line, or each piece of a block between the
+    </s> that end its texts."""
+    for index in range(min(count, len(examples))):
+        if isinstance(examples, LineExamples):
+            yield tokenizer.decode(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]])
+        else:
+            block = np.asarray(examples[index])
+            for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
+                yield tokenizer.decode(piece, skip_special_tokens=True)
 
 
 def fill_mask_demo_text(texts, mask_token: str) -> tuple[Optional[str], Optional[str]]:
@@ -1731,21 +2444,34 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
 
 
 def main():
-    model_args, data_args, training_args = parse_arguments()
-    if not (training_args.do_train or training_args.do_eval):
+    model_args, data_args, training_args, distributed_args = parse_arguments()
+    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
         # As in the Hugging Face Flax example: without either flag, train (given training data) and evaluate.
+        # With --packed_data_dir and neither flag, the data is only packed, as in run_clm_flax.py.
         training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
         training_args.do_eval = True
+    initialize_distributed(distributed_args)
     check_arguments(model_args, data_args, training_args)
+    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
+    # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
+    # they have all joined, they do.
+    wait_for_all_processes("arguments checked")
+    is_main_process = jax.process_index() == 0
+    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
     logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if jax.process_index() == 0 else logging.ERROR,
+        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if is_main_process else logging.ERROR,
         force=True,  # importing orbax installs absl's handler, which would hide these logs
     )
     logging.getLogger("absl").setLevel(logging.WARNING)
     datasets.utils.logging.set_verbosity_warning()
     transformers.utils.logging.set_verbosity_warning()
-    logger.info("%d devices over %d processes: %s", jax.device_count(), jax.process_count(), jax.devices())
+    if not is_main_process:
+        datasets.disable_progress_bars()
+    logger.info(
+        "%d devices over %d processes (%d here): %s", jax.device_count(), jax.process_count(),
+        jax.local_device_count(), jax.devices(),
+    )
 
     # Model config and tokenizer
     config, tokenizer = load_config_and_tokenizer(model_args)
@@ -1755,18 +2481,47 @@ def main():
     if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
         raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
 
-    # Data
-    raw_datasets = load_raw_datasets(model_args, data_args)
-    examples = {}
-    for split in ("train", "validation"):
-        if split not in raw_datasets:
-            continue
-        dataset, column = raw_datasets[split], data_args.text_column_name
-        workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
-        if data_args.line_by_line:
-            examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
-        else:  # blocks of max_seq_length - 2 tokens, which BatchMaker frames as <s> block </s>
-            examples[split] = tokenize_and_pack(dataset, tokenizer, column, max_seq_length - 2, workers, overwrite_cache, split)
+    # Data: {split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
+    # <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
+    # holds all examples (memory-mapped) and reads only its rows of each batch.
+    block_size = max_seq_length - 2
+    examples, train_stream = {}, None
+    if data_args.packed_data_dir:
+        examples = load_packed_corpus(model_args, data_args, tokenizer, max_seq_length)
+        if not (training_args.do_train or training_args.do_eval):
+            if is_main_process:
+                print(f"packed data: {data_args.packed_data_dir}")
+            return
+    elif data_args.streaming:
+        streams = load_text_datasets(model_args, data_args, streaming=True)
+        if training_args.do_train:
+            if "train" not in streams:
+                raise UsageError("--do_train needs training data, and the dataset has no train split")
+            train_stream = streams["train"]
+        if training_args.do_eval:
+            if "validation" not in streams:
+                raise UsageError(
+                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
+                    "has no length to hold a percentage out from"
+                )
+            # Read once, so that every evaluation (on every process) sees the same blocks.
+            examples["validation"] = first_blocks(
+                streams["validation"], tokenizer, data_args.text_column_name, block_size, data_args.max_eval_samples,
+                "validation",
+            )
+            logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
+    else:
+        with main_process_first("data prepared"):
+            raw_datasets = load_raw_datasets(model_args, data_args)
+            for split in ("train", "validation"):
+                if split not in raw_datasets:
+                    continue
+                dataset, column = raw_datasets[split], data_args.text_column_name
+                workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
+                if data_args.line_by_line:
+                    examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
+                else:
+                    examples[split] = tokenize_and_pack(dataset, tokenizer, column, block_size, workers, overwrite_cache, split)
     if data_args.max_train_samples is not None and "train" in examples:
         examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
     if data_args.max_eval_samples is not None and "validation" in examples:
@@ -1777,6 +2532,8 @@ def main():
                 f"the {split} data has no non-empty lines" if data_args.line_by_line else
                 f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower --max_seq_length"
             )
+    if training_args.do_train and "train" not in examples and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
     if training_args.do_eval and "validation" not in examples:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
     if data_args.line_by_line:
@@ -1801,7 +2558,10 @@ def main():
     )
 
     total_steps = 1
-    if training_args.do_train:
+    if training_args.do_train and train_stream is not None:
+        steps_per_epoch = None  # a stream's length is unknown
+        total_steps = training_args.max_steps
+    elif training_args.do_train:
         steps_per_epoch = len(examples["train"]) // train_batch_size
         if steps_per_epoch == 0:
             raise UsageError(
@@ -1859,7 +2619,6 @@ def main():
     )
     eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
 
-    is_main_process = jax.process_index() == 0
     os.makedirs(training_args.output_dir, exist_ok=True)
     writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
     if writer:
@@ -1885,32 +2644,56 @@ def main():
     if training_args.do_train:
         eval_steps = training_args.eval_steps or training_args.logging_steps
         start_step = progress_record["step"]
-        logger.info(
-            "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
-            start_step + 1, total_steps, total_steps / steps_per_epoch, len(examples["train"]), train_batch_size,
-            max_seq_length, " at most (padded per batch)" if data_args.line_by_line else "",
-        )
+        if train_stream is None:
+            logger.info(
+                "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
+                start_step + 1, total_steps, total_steps / steps_per_epoch, len(examples["train"]), train_batch_size,
+                max_seq_length, " at most (padded per batch)" if data_args.line_by_line else "",
+            )
+        else:
+            logger.info(
+                "Training steps %d to %d on blocks grouped from a stream, global batch %d x %d tokens",
+                start_step + 1, total_steps, train_batch_size, max_seq_length,
+            )
+            if start_step and training_args.ignore_data_skip:
+                logger.warning("--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's")
+            elif start_step:
+                logger.warning(
+                    "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with "
+                    "the batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
+                    start_step * train_batch_size // jax.process_count(), start_step,
+                )
 
-        def batches_from(step: int):
+        def local_batches_from(step: int):
             # The data order and the masks are a function of the step, so a resumed run sees the batches the
             # interrupted one would have.
-            epoch, first_batch = divmod(step, steps_per_epoch)
-            while True:
-                for batch, num_tokens in train_batches(
-                    examples["train"], make_batch, train_batch_size, training_args.seed, epoch, first_batch
-                ):
-                    micro_batches = {
-                        name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()
-                    }
-                    yield to_global_batch(micro_batches, micro_batches_sharding), num_tokens
-                epoch, first_batch = epoch + 1, 0
+            if train_stream is not None:
+                first_batch, seed = (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
+                block_batches = streaming_train_batches(
+                    train_stream, tokenizer, data_args.text_column_name, block_size, train_batch_size, seed,
+                    data_args.shuffle_buffer_size, first_batch,
+                )
+                yield from masked_stream_batches(block_batches, make_batch, train_batch_size, training_args.seed, step)
+            else:
+                epoch, first_batch = divmod(step, steps_per_epoch)
+                while True:
+                    yield from train_batches(examples["train"], make_batch, train_batch_size, training_args.seed, epoch, first_batch)
+                    epoch, first_batch = epoch + 1, 0
+
+        def batches_from(step: int):
+            for batch, num_tokens in local_batches_from(step):
+                micro_batches = {
+                    name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()
+                }
+                yield to_global_batch(micro_batches, micro_batches_sharding), num_tokens
 
         def save(step: int):
             progress_record.update(
-                step=step, epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch,
-                global_batch_size=train_batch_size, max_seq_length=max_seq_length,
+                step=step, global_batch_size=train_batch_size, max_seq_length=max_seq_length,
                 arguments=saved_arguments(model_args, data_args, training_args),
             )
+            if steps_per_epoch:
+                progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
             save_checkpoint(checkpoints, state, progress_record)
             save_model(training_args.output_dir, state.params, config, tokenizer)
             logger.info("step %d: saved a training checkpoint and the model to %s", step, training_args.output_dir)
@@ -1976,11 +2759,12 @@ def main():
         if stopping:
             if writer:
                 writer.close()
-            print(
-                f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
-                f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
-                "command with --resume_from_checkpoint added."
-            )
+            if is_main_process:
+                print(
+                    f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
+                    f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
+                    "command with --resume_from_checkpoint added."
+                )
             return
         if is_main_process:
             masked_tokens = max(progress_record["train_weight_sum"], 1.0)
@@ -1990,7 +2774,7 @@ def main():
                     "train_loss": progress_record["train_loss_sum"] / masked_tokens,
                     "train_accuracy": progress_record["train_correct_sum"] / masked_tokens,
                     "train_steps": total_steps,
-                    "epochs": total_steps / steps_per_epoch,
+                    "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
                     "train_runtime_seconds": train_runtime,
                     "train_tokens_per_second": train_tokens / train_runtime,
                 },
@@ -2015,11 +2799,8 @@ def main():
 
     if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0:
         text, masked_word = training_args.fill_mask_text, None
-        if not text and "validation" in raw_datasets:
-            validation = raw_datasets["validation"]
-            text, masked_word = fill_mask_demo_text(
-                validation.select(range(min(100, len(validation))))[data_args.text_column_name], tokenizer.mask_token
-            )
+        if not text and "validation" in examples:
+            text, masked_word = fill_mask_demo_text(example_texts(examples["validation"], tokenizer, 100), tokenizer.mask_token)
         if text:
             # Read the export back, so the demo also shows that the saved files hold the trained model.
             exported = from_hf_state_dict(load_file(os.path.join(training_args.output_dir, "model.safetensors")), config)

@@ -69,7 +69,7 @@ def environment(devices_per_process: int, hf_home, compilation_cache) -> dict:
 class Processes:
     """The processes of one run, each with its output in log files (read back on failure)."""
 
-    def __init__(self, argument_list, num_processes: int, devices_per_process: int, log_dir, cache_dir):
+    def __init__(self, argument_list, num_processes: int, devices_per_process: int, log_dir, cache_dir, script="run_clm_flax.py"):
         coordinator = ["--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", str(num_processes)]
         self.logs, self.processes = [], []
         for process_id in range(num_processes):
@@ -78,7 +78,7 @@ class Processes:
             self.logs.append((stdout, stderr))
             with open(stdout, "w") as out, open(stderr, "w") as err:
                 self.processes.append(subprocess.Popen(
-                    [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *argument_list, *distributed],
+                    [sys.executable, str(REPO_DIR / script), *argument_list, *distributed],
                     env=environment(devices_per_process, cache_dir / "hf_home", cache_dir / "jax"), stdout=out,
                     stderr=err, cwd=REPO_DIR,
                 ))  # fmt: skip

@@ -271,7 +271,7 @@ def make_masking_inputs():
 def test_mask_tokens_chooses_mlm_probability_and_splits_80_10_10():
     input_ids, special_tokens_mask = make_masking_inputs()
     masked, labels, weights = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                                       np.random.default_rng(0))
+                                                       seed=0, row_numbers=np.arange(len(input_ids)))
     chosen = weights == 1.0
     np.testing.assert_array_equal(labels, input_ids)
     assert weights.dtype == np.float32 and set(np.unique(weights)) <= {0.0, 1.0}
@@ -294,11 +294,45 @@ def test_mask_tokens_is_reproducible_from_the_seed():
 
     def mask(seed):
         return run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                        np.random.default_rng(seed))
+                                        seed=seed, row_numbers=np.arange(len(input_ids)))
 
     for first, second in zip(mask(7), mask(7)):
         np.testing.assert_array_equal(first, second)
     assert not np.array_equal(mask(7)[0], mask(8)[0])
+
+
+def test_a_row_is_masked_by_its_number_whatever_rows_are_masked_with_it():
+    input_ids, special_tokens_mask = make_masking_inputs()
+    rows = np.arange(400)
+    whole = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, (7, 1), rows)
+    part = run_mlm_flax.mask_tokens(
+        input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, (7, 1), rows[100:200]
+    )
+    for whole_result, part_result in zip(whole, part):
+        np.testing.assert_array_equal(whole_result[100:200], part_result)
+    # Rows of equal tokens but other numbers are masked differently.
+    shifted = run_mlm_flax.mask_tokens(input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, (7, 1), rows[:100])
+    assert not np.array_equal(shifted[2], part[2])
+
+
+def test_a_row_with_more_chosen_positions_than_allowed_keeps_a_random_subset_of_them():
+    input_ids, special_tokens_mask = make_masking_inputs()
+
+    def chosen(max_chosen_per_row=None):
+        weights = run_mlm_flax.mask_tokens(
+            input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, 3, np.arange(400), max_chosen_per_row
+        )[2]
+        return weights == 1.0
+
+    unlimited, limited = chosen(), chosen(max_chosen_per_row=60)
+    crowded = unlimited.sum(axis=1) > 60
+    assert 50 < crowded.sum() < 350, "the test needs rows on both sides of the limit"
+    np.testing.assert_array_equal(limited[~crowded], unlimited[~crowded])
+    assert (limited[crowded].sum(axis=1) == 60).all() and not (limited & ~unlimited).any()
+    # A random subset, not the first 60: kept positions reach as far along the rows as the chosen ones.
+    last_kept = [np.flatnonzero(row).max() for row in limited[crowded]]
+    last_chosen = [np.flatnonzero(row).max() for row in unlimited[crowded]]
+    assert np.mean(last_kept) > 0.9 * np.mean(last_chosen)
 
 
 def test_masked_lm_loss_sums_equal_torch_cross_entropy_over_chosen_positions():
