@@ -101,6 +101,7 @@ def benchmark_training(settings, arguments) -> dict:
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=(0,),
+        compiler_options=run_mlm_flax.train_step_compiler_options(),
     )
     blocks = random_blocks(settings, settings["batch_size"])
     batch = batch_maker(settings)(blocks, np.arange(len(blocks)), len(blocks), (0,))

@@ -351,3 +351,33 @@ def test_masked_lm_loss_sums_equal_torch_cross_entropy_over_chosen_positions():
     np.testing.assert_allclose(loss_sum, reference.item(), rtol=1e-5)
     assert weight_sum == chosen.sum()
     assert correct_sum == (logits.argmax(-1) == labels)[chosen].sum()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16_through_a_step(micro_batches):
+    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(), param_dtype=jnp.bfloat16)
+    training_args = run_mlm_flax.TrainingArguments(output_dir="unused")
+    schedule = run_mlm_flax.learning_rate_schedule(training_args, total_steps=10)
+    optimizer = run_mlm_flax.create_optimizer(training_args, schedule)
+    dummy_input = jnp.ones((1, 12), jnp.int32)
+    abstract_state = run_mlm_flax.abstract_train_state(model, optimizer, run_mlm_flax.create_mesh(), dummy_input)
+    state = run_mlm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
+    input_ids, attention_mask = example_batch(padded=False)
+    rows = np.concatenate([input_ids, input_ids[:1]])  # 4 rows, split into micro-batches
+    batch = {
+        "input_ids": rows,
+        "attention_mask": np.ones_like(rows),
+        "masked_positions": np.tile(np.array([1, 4, 6], np.int32), (4, 1)),
+        "masked_labels": rows[:, [1, 4, 6]],
+        "masked_weights": np.ones((4, 3), np.float32),
+    }
+    batch = {name: values.reshape(micro_batches, -1, *values.shape[1:]) for name, values in batch.items()}
+
+    def float_dtypes(tree):
+        return {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)}
+
+    assert float_dtypes(state.params) == float_dtypes(state.opt_state) == {"bfloat16"}
+    new_state, metrics = jax.jit(run_mlm_flax.make_train_step(model, optimizer, schedule, seed=0))(state, batch)
+    # A float32 leaf after the step would mean more memory than asked for, and a recompilation at the next step.
+    assert float_dtypes(new_state.params) == float_dtypes(new_state.opt_state) == {"bfloat16"}
+    assert np.isfinite(float(metrics["loss_sum"])) and float(metrics["weight_sum"]) == 12
