@@ -6,6 +6,9 @@ tokens already on the devices, so the number is the step's speed, not the disk's
 utilisation (MFU) divides the model's FLOPs (6 x parameters + attention, per token, as in the PaLM
 paper's appendix B; position embeddings excluded) by a matmul peak measured in the same run on the same
 devices and dtype, so the ratio says how close the step comes to what this machine's matmuls reach.
+The step's matrix products are also timed alone, at the step's own shapes: their share of the peak is
+the most MFU such shapes allow, and the rest of the gap is the work between the products (softmax,
+layer norms, GELU, the optimizer, layout copies).
 
 Preprocessing: the script's tokenize_and_pack (tokenize, join with EOS, pack into blocks, write the
 cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run; and the
@@ -89,6 +92,40 @@ def matmul_peak_flops(dtype) -> float:
     return best
 
 
+def step_matmul_flops(settings, dtype) -> float:
+    """FLOP/s of the train step's own matrix products alone, at one device's shapes: every projection, the
+    attention products and the LM head, forward and both gradients, with nothing else in between. Its
+    ratio to the peak is the most MFU that matmuls of these shapes allow."""
+    tokens = settings["batch_size"] * settings["block_size"] // jax.device_count()
+    width, heads, length = settings["width"], settings["heads"], settings["block_size"]
+    projections = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * settings["layers"]
+    projections.append((width, settings["vocab_size"]))
+    rows = tokens // length
+    keys = iter(jax.random.split(jax.random.key(0), 4 * len(projections) + 8))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape, dtype)
+
+    inputs = [normal(tokens, fan_in) for fan_in, _ in projections]
+    weights = [normal(fan_in, fan_out) for fan_in, fan_out in projections]
+    attention = [normal(settings["layers"], rows, heads, length, width // heads) for _ in range(3)]
+
+    def products(inputs, weights, queries, keys, values):
+        scores = jnp.einsum("lbhqd,lbhkd->lbhqk", queries, keys, preferred_element_type=dtype)
+        return [x @ w for x, w in zip(inputs, weights)], jnp.einsum("lbhqk,lbhkd->lbhqd", scores, values)
+
+    def forward_and_gradients(arguments, output_gradients):
+        outputs, gradients_of = jax.vjp(products, *arguments)
+        return outputs, gradients_of(output_gradients)
+
+    arguments = (inputs, weights, *attention)
+    output_gradients = jax.tree_util.tree_map(lambda out: normal(*out.shape), jax.eval_shape(products, *arguments))
+    seconds = time_calls(jax.jit(forward_and_gradients), arguments, output_gradients, repeats=3)
+    flops = 3 * sum(2 * tokens * fan_in * fan_out for fan_in, fan_out in projections)
+    flops += 3 * 2 * 2 * settings["layers"] * rows * length * length * width
+    return flops * jax.device_count() / seconds
+
+
 def benchmark_training(settings, arguments) -> dict:
     config = run_clm_flax.GPT2Config(
         vocab_size=settings["vocab_size"], n_positions=settings["block_size"], n_embd=settings["width"],
@@ -129,7 +166,7 @@ def benchmark_training(settings, arguments) -> dict:
 
     # Steps and the matmul peak are timed in alternating rounds and the best of each kept, so that a
     # moment of load from other programs on the machine does not skew their ratio.
-    step_seconds, peak = float("inf"), 0.0
+    step_seconds, peak, step_matmuls = float("inf"), 0.0, 0.0
     for _ in range(arguments.rounds):
         start = time.perf_counter()
         for _ in range(arguments.steps):
@@ -137,6 +174,7 @@ def benchmark_training(settings, arguments) -> dict:
         jax.block_until_ready(metrics)
         step_seconds = min(step_seconds, (time.perf_counter() - start) / arguments.steps)
         peak = max(peak, matmul_peak_flops(dtype))
+        step_matmuls = max(step_matmuls, step_matmul_flops(settings, dtype))
 
     parameters = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
     matmul_parameters = parameters - config.n_positions * config.n_embd
@@ -154,6 +192,7 @@ def benchmark_training(settings, arguments) -> dict:
         "model_tflops_per_second": tokens_per_second * flops_per_token / 1e12,
         "matmul_peak_tflops_per_second": peak / 1e12,
         "mfu": tokens_per_second * flops_per_token / peak,
+        "step_matmuls_fraction_of_peak": step_matmuls / peak,
         "final_loss": float(metrics["loss_sum"] / metrics["token_count"]),
     }
 
@@ -253,6 +292,10 @@ def main():
             f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
             f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
             f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
+        )
+        print(
+            f"the step's matrix products alone, at its shapes, run at {training['step_matmuls_fraction_of_peak']:.1%} "
+            "of the peak: the most MFU these shapes allow"
         )
         if training["temporary_megabytes_per_device"] is not None:
             print(
