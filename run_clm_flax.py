@@ -970,31 +970,33 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dic
         raise UsageError(
             f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
         )
-    if jax.process_index() == 0 and index is None:
-        sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
-        logger.info("Packing %s into %s", " and ".join(sources), directory)
+    # Process 0 packs while the others wait. It reaches the barrier even when packing fails, so that the others
+    # stop with an error rather than wait for it until the distributed runtime gives up.
+    with main_process_first("packed corpus written"):
+        if jax.process_index() == 0 and index is None:
+            sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+            logger.info("Packing %s into %s", " and ".join(sources), directory)
 
-        def blocks_with_progress(split, dataset):
-            tokens = token_arrays(
-                dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers,
-                data_args.overwrite_cache, split,
+            def blocks_with_progress(split, dataset):
+                tokens = token_arrays(
+                    dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers,
+                    data_args.overwrite_cache, split,
+                )
+                with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
+                    for blocks in pack_blocks(tokens, block_size):
+                        progress.update(len(blocks))
+                        yield blocks
+
+            index = write_packed_corpus(
+                directory, {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
+                description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard,
             )
-            with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-                for blocks in pack_blocks(tokens, block_size):
-                    progress.update(len(blocks))
-                    yield blocks
-
-        index = write_packed_corpus(
-            directory, {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
-            description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard,
-        )
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("packed corpus written")
         index = read_packed_index(directory)
         if index is None:
             raise UsageError(
-                f"process {jax.process_index()} cannot see the packed corpus process 0 wrote in --packed_data_dir "
-                f"{directory}; put it on a filesystem every process shares"
+                f"process {jax.process_index()} finds no packed corpus in --packed_data_dir {directory}: process 0 "
+                "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
             )
         check(index)
     blocks = open_packed_corpus(directory, index)

@@ -190,12 +190,27 @@ def test_ids_that_do_not_fit_the_shard_dtype_are_refused(tmp_path):
         run_clm_flax.write_packed_split(too_large, str(tmp_path), "train", np.uint16, blocks_per_shard=4)
 
 
+def test_process_zero_failing_to_pack_still_releases_the_waiting_processes(tokenizer, tmp_path, monkeypatch):
+    barriers = []
+    monkeypatch.setattr(run_clm_flax.multihost_utils, "sync_global_devices", barriers.append)
+    monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 0)
+
+    def fail(*arguments, **options):
+        raise run_clm_flax.UsageError("cannot read the data files")
+
+    monkeypatch.setattr(run_clm_flax, "load_text_datasets", fail)
+    with pytest.raises(run_clm_flax.UsageError, match="cannot read the data files"):
+        pack(tmp_path / "packed", tokenizer)
+    assert barriers == ["packed corpus written"]
+
+
 def test_only_process_zero_writes_the_packed_corpus(tokenizer, tmp_path, monkeypatch):
     barriers = []
     monkeypatch.setattr(run_clm_flax.multihost_utils, "sync_global_devices", barriers.append)
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
-    with pytest.raises(run_clm_flax.UsageError, match="process 1 cannot see the packed corpus process 0 wrote"):
+    with pytest.raises(run_clm_flax.UsageError, match="process 1 finds no packed corpus in --packed_data_dir .*: process 0 failed to pack it"):
         pack(tmp_path / "packed", tokenizer)
     assert barriers and not (tmp_path / "packed").exists(), "process 1 should wait for process 0, not write"
 
