@@ -57,7 +57,7 @@ def test_gradient_checkpointing_keeps_loss_and_gradients():
     rows = {"input_ids": batch(4)[None]}
     state, train_step = training_setup(config)
     plain, plain_metrics = train_step(state, rows)
-    for policy in ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"]:
+    for policy in ["nothing_saveable", "dots_with_no_batch_dims_saveable"]:
         state, train_step = training_setup(config, remat_policy=policy)
         remat, remat_metrics = train_step(state, rows)
         assert float(remat_metrics["loss_sum"]) == pytest.approx(float(plain_metrics["loss_sum"]), rel=1e-6), policy
@@ -104,8 +104,8 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_state_and_logits():
     assert "bf16[2,16,128]" in jaxpr  # the MLP's activations are bfloat16
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16(micro_batches):
+def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16():
+    micro_batches = 2  # the accumulation path: float32 sums, then the division shared with the single-batch path
     state, train_step = training_setup(tiny_config(), param_dtype=jnp.bfloat16)
 
     def float_dtypes(tree):
