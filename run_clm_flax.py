@@ -2139,17 +2139,18 @@ def main():
                 )
 
         def local_batches_from(step: int):
+            # The data order is a function of the step, so a resumed run sees the batches the interrupted one would have.
             if train_stream is not None:
                 first_batch, seed = (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
                 yield from streaming_train_batches(
                     train_stream, tokenizer, data_args.text_column_name, block_size, train_batch_size, seed,
                     data_args.shuffle_buffer_size, first_batch,
-                )  # repeats without end
-            # The data order is a function of the step, so a resumed run sees the batches the interrupted one would have.
-            epoch, first_batch = divmod(step, steps_per_epoch)
-            while True:
-                yield from train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch)
-                epoch, first_batch = epoch + 1, 0
+                )
+            else:
+                epoch, first_batch = divmod(step, steps_per_epoch)
+                while True:
+                    yield from train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch)
+                    epoch, first_batch = epoch + 1, 0
 
         def batches_from(step: int):
             for batch in local_batches_from(step):

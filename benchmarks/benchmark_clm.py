@@ -20,6 +20,7 @@ same texts read as a stream, tokenized and packed on the fly as --streaming does
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import sys
@@ -101,7 +102,7 @@ def step_matmul_flops(settings, dtype) -> float:
     projections = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * settings["layers"]
     projections.append((width, settings["vocab_size"]))
     rows = tokens // length
-    keys = iter(jax.random.split(jax.random.key(0), 4 * len(projections) + 8))
+    keys = (jax.random.fold_in(jax.random.key(0), number) for number in itertools.count())
 
     def normal(*shape):
         return jax.random.normal(next(keys), shape, dtype)
@@ -225,6 +226,26 @@ def byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str])
     return backend
 
 
+def write_jsonl(texts: list[str], directory: str) -> str:
+    """The texts as a JSON-lines file in `directory`, one {"text": ...} per line; its path."""
+    path = os.path.join(directory, "texts.jsonl")
+    with open(path, "w") as file:
+        for text in texts:
+            file.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def raw_encoding(backend, texts: list[str]) -> tuple[int, float]:
+    """Tokens (one separator per text included) and seconds of the raw `tokenizers` batch encoding of the
+    texts, in the same batches of 1000 texts as the scripts' pipelines."""
+    start = time.perf_counter()
+    num_tokens = len(texts)
+    for index in range(0, len(texts), 1000):
+        encodings = backend.encode_batch(texts[index : index + 1000], add_special_tokens=False)
+        num_tokens += sum(len(encoding.ids) for encoding in encodings)
+    return num_tokens, time.perf_counter() - start
+
+
 def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
     """Raw tokenizer batch encoding vs the script's whole tokenize + pack + cache, on the same texts."""
     import datasets
@@ -235,19 +256,9 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
 
     with tempfile.TemporaryDirectory() as directory:
-        data_file = os.path.join(directory, "texts.jsonl")
-        with open(data_file, "w") as file:
-            for text in texts:
-                file.write(json.dumps({"text": text}) + "\n")
+        data_file = write_jsonl(texts, directory)
         dataset = datasets.load_dataset("json", data_files=data_file, cache_dir=directory, split="train")
-
-        # The same batches of 1000 texts as the pipeline; one EOS per text joins them.
-        start = time.perf_counter()
-        num_tokens = len(texts)
-        for index in range(0, len(texts), 1000):
-            encodings = backend.encode_batch(texts[index : index + 1000], add_special_tokens=False)
-            num_tokens += sum(len(encoding.ids) for encoding in encodings)
-        raw_seconds = time.perf_counter() - start
+        num_tokens, raw_seconds = raw_encoding(backend, texts)  # one EOS per text joins them
 
         start = time.perf_counter()
         blocks = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 128, None, True, "benchmark")

@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_mlm_flax  # noqa: E402
-from benchmark_clm import byte_level_bpe, matmul_peak_flops, stdlib_texts  # noqa: E402  (same folder)
+from benchmark_clm import byte_level_bpe, matmul_peak_flops, raw_encoding, stdlib_texts, write_jsonl  # noqa: E402  (same folder)
 
 PRESETS = {
     # The CPU target: small enough for a 2-core laptop, big enough for matmuls to dominate.
@@ -173,19 +173,9 @@ def benchmark_preprocessing(arguments, vocab_size: int, seq_length: int) -> dict
     )
 
     with tempfile.TemporaryDirectory() as directory:
-        data_file = os.path.join(directory, "texts.jsonl")
-        with open(data_file, "w") as file:
-            for text in texts:
-                file.write(json.dumps({"text": text}) + "\n")
+        data_file = write_jsonl(texts, directory)
         dataset = datasets.load_dataset("json", data_files=data_file, cache_dir=directory, split="train")
-
-        # The same batches of 1000 texts as the pipeline; one separator per text joins them.
-        start = time.perf_counter()
-        num_tokens = len(texts)
-        for index in range(0, len(texts), 1000):
-            encodings = backend.encode_batch(texts[index : index + 1000], add_special_tokens=False)
-            num_tokens += sum(len(encoding.ids) for encoding in encodings)
-        raw_seconds = time.perf_counter() - start
+        num_tokens, raw_seconds = raw_encoding(backend, texts)  # one separator per text joins them
 
         start = time.perf_counter()
         blocks = run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", seq_length - 2, None, True, "benchmark")

@@ -16,16 +16,22 @@ from test_clm import run_clm_flax, tiny_config
 LENGTH = 16
 
 
-def training_setup(config, adam_epsilon=1e-8, **model_options):
+def training_parts(config, length=LENGTH, adam_epsilon=1e-8, **model_options):
+    """The model, optimizer, schedule and abstract training state, built as the script builds them."""
     model = run_clm_flax.FlaxGPT2LMHeadModel(config, **model_options)
     training_args = run_clm_flax.TrainingArguments(
         output_dir="unused", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=adam_epsilon
     )
     schedule = run_clm_flax.learning_rate_schedule(training_args, total_steps=10)
     optimizer = run_clm_flax.create_optimizer(training_args, schedule)
-    mesh = run_clm_flax.create_mesh()
+    dummy_input = jnp.zeros((1, length), jnp.int32)
+    abstract_state = run_clm_flax.abstract_train_state(model, optimizer, run_clm_flax.create_mesh(), dummy_input)
+    return model, optimizer, schedule, abstract_state
+
+
+def training_setup(config, adam_epsilon=1e-8, **model_options):
+    model, optimizer, schedule, abstract_state = training_parts(config, adam_epsilon=adam_epsilon, **model_options)
     dummy_input = jnp.zeros((1, LENGTH), jnp.int32)
-    abstract_state = run_clm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
     state = run_clm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
     train_step = jax.jit(run_clm_flax.make_train_step(model, optimizer, schedule, seed=0))
     return state, train_step
@@ -72,12 +78,7 @@ def test_gradient_checkpointing_lowers_the_step_memory():
     input_shape = {"input_ids": jax.ShapeDtypeStruct((1, 8, 128), jnp.int32)}
     temporary_bytes = {}
     for policy in [None, "nothing_saveable"]:
-        model = run_clm_flax.FlaxGPT2LMHeadModel(config, remat_policy=policy)
-        training_args = run_clm_flax.TrainingArguments(output_dir="unused")
-        schedule = run_clm_flax.learning_rate_schedule(training_args, total_steps=10)
-        optimizer = run_clm_flax.create_optimizer(training_args, schedule)
-        dummy_input = jnp.zeros((1, 128), jnp.int32)
-        abstract_state = run_clm_flax.abstract_train_state(model, optimizer, run_clm_flax.create_mesh(), dummy_input)
+        model, optimizer, schedule, abstract_state = training_parts(config, length=128, remat_policy=policy)
         train_step = jax.jit(
             run_clm_flax.make_train_step(model, optimizer, schedule, seed=0),
             compiler_options=run_clm_flax.train_step_compiler_options(),
