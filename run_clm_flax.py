@@ -53,6 +53,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
+from tokenizers import pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, GPT2Config, HfArgumentParser
 
@@ -184,8 +185,18 @@ class DataTrainingArguments:
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
     )
+    text_sample_by: str = field(
+        default="document",
+        metadata={
+            "help": "What one document of a .txt file is, each followed by the end-of-text token: 'document' (the "
+            "whole file, as written), 'paragraph' (text between blank lines) or 'line'. Rows of other formats are "
+            "always one document each.",
+            "choices": ["document", "paragraph", "line"],
+        },
+    )
     keep_linebreaks: bool = field(
-        default=True, metadata={"help": "Keep the line breaks at the end of each line of .txt files."}
+        default=True,
+        metadata={"help": "With --text_sample_by line, keep the line break at the end of each line."},
     )
     streaming: bool = field(
         default=False,
@@ -569,9 +580,22 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
+def text_builder_options(data_args) -> dict:
+    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
+    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
+
+
 def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
     """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
-    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated."""
+    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated.
+    Each row is one document. Each split's files are read with the builder of their own format."""
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -583,20 +607,27 @@ def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
                     raw = {split: dataset.to_iterable_dataset() for split, dataset in datasets.DatasetDict(
                         raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}).items()}
             else:
+                holds_text_files = os.path.isdir(name) and any(
+                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
+                    for _, _, files in os.walk(name) for file in files
+                )
+                options = text_builder_options(data_args) if holds_text_files else {}
                 raw = datasets.load_dataset(
                     name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token,
-                    streaming=streaming,
+                    streaming=streaming, **options,
                 )
         else:
-            data_files, builder = {}, None
+            raw = {}
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):
                 pattern = getattr(data_args, flag)
-                if pattern is not None:
-                    builder, data_files[split] = resolve_data_files(pattern, flag)
-            options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
-            raw = datasets.load_dataset(
-                builder, data_files=data_files, cache_dir=model_args.cache_dir, streaming=streaming, **options
-            )
+                if pattern is None:
+                    continue
+                builder, files = resolve_data_files(pattern, flag)
+                options = text_builder_options(data_args) if builder == "text" else {}
+                raw[split] = datasets.load_dataset(
+                    builder, data_files={split: files}, split=split, cache_dir=model_args.cache_dir,
+                    streaming=streaming, **options,
+                )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
@@ -614,10 +645,11 @@ def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
     return dict(raw)
 
 
-def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
-    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+def load_raw_datasets(model_args, data_args, hold_out_texts: bool = True) -> datasets.DatasetDict:
+    """Train and validation texts. Without a validation split, one is carved from the start of train when
+    `hold_out_texts`; otherwise it is left to be held out from the training blocks (hold_out_blocks)."""
     raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
-    if "train" in raw and "validation" not in raw:
+    if "train" in raw and "validation" not in raw and hold_out_texts:
         train = raw["train"]
         validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
         if len(train) < 2:
@@ -631,6 +663,18 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
     return raw
 
 
+def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
+    """{split: blocks} with a validation split: the first validation_split_percentage percent of the training
+    blocks when there is none (by blocks rather than texts, so that one long document can be split too)."""
+    if "train" not in blocks or "validation" in blocks:
+        return blocks
+    train = blocks["train"]
+    if len(train) < 2:
+        raise UsageError("the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation")
+    validation_size = max(1, len(train) * validation_split_percentage // 100)
+    return {"validation": train[:validation_size], "train": train[validation_size:]}
+
+
 def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
     """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
     digest = hashlib.sha256()
@@ -640,11 +684,52 @@ def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> st
 
 
 TEXTS_PER_BATCH = 1000
+# A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many
+# pieces at a time: encoding holds ~300 bytes of memory per token until it returns, and one text uses one core.
+TEXT_PIECE_CHARACTERS = 2**18
+TEXT_PIECES_AT_ONCE = 16
+# Where a line that ends in a visible character is followed by one that starts with one.
+LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
+    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
+    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
+    normalizer and no prefix space; not assumed for any other tokenizer."""
+    settings = json.loads(backend.to_str())
+    pre_tokenizer = settings.get("pre_tokenizer") or {}
+    return (
+        settings.get("normalizer") is None
+        and pre_tokenizer.get("type") == "ByteLevel"
+        and pre_tokenizer.get("use_regex", True)
+        and not pre_tokenizer.get("add_prefix_space", False)
+    )
+
+
+def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
+    """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
+    if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    token_lists = []
+    for text in texts:
+        starts = [0]
+        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
+            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
+            if line_start is None:
+                break
+            starts.append(line_start.start())
+        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+        ids = []
+        for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
+            for encoding in backend.encode_batch(pieces[first : first + TEXT_PIECES_AT_ONCE], add_special_tokens=False):
+                ids.extend(encoding.ids)
+        token_lists.append(ids)
+    return token_lists
 
 
 def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train") -> Iterator[np.ndarray]:
-    """The tokens of every text of `dataset`, each text followed by EOS, as flat int32 arrays of one batch of
-    texts each, in the dataset's order.
+    """The tokens of every text of `dataset`, each text (a document) followed by EOS, as flat int32 arrays of one
+    batch of texts each, in the dataset's order.
 
     A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
     own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
@@ -656,10 +741,10 @@ def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_ca
     # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
     # about texts longer than model_max_length, which is expected here since texts get packed.
     backend = tokenizer.backend_tokenizer
+    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
 
     def tokenize(batch):
-        encodings = backend.encode_batch(batch[text_column], add_special_tokens=False)
-        return {"input_ids": [encoding.ids + [eos_id] for encoding in encodings]}
+        return {"input_ids": [ids + [eos_id] for ids in encode_texts(backend, batch[text_column], cut_long_texts)]}
 
     if isinstance(dataset, datasets.IterableDataset):
         texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
@@ -684,7 +769,7 @@ def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_ca
             batch_size=TEXTS_PER_BATCH,
             num_proc=num_workers,
             remove_columns=dataset.column_names,
-            new_fingerprint=tokenized_fingerprint(dataset, tokenizer, text_column, eos_id),
+            new_fingerprint=tokenized_fingerprint(dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens),
             load_from_cache_file=not overwrite_cache,
             features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
             desc=f"Tokenizing {split} texts",
@@ -728,7 +813,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
-    described = json.dumps({"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id}, sort_keys=True)
+    described = json.dumps(
+        {"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id,
+         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens},
+        sort_keys=True,
+    )
     return hashlib.sha256(described.encode()).hexdigest()[:24]
 
 
@@ -898,7 +987,9 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
     tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
     if not dataset.cache_files:
         return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
-    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, tokenizer.eos_token_id)
+    fingerprint = tokenized_fingerprint(
+        dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
+    )
     cache_path = os.path.join(os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}")
     index = None if overwrite_cache else read_packed_index(cache_path)
     if index is not None:
@@ -935,7 +1026,10 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dic
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
     source = {
         name: getattr(data_args, name)
-        for name in ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name", "keep_linebreaks")
+        for name in (
+            "dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name", "text_sample_by",
+            "keep_linebreaks",
+        )
     }
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
@@ -1002,13 +1096,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dic
     blocks = open_packed_corpus(directory, index)
     for split, split_blocks in blocks.items():
         logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
-    if "train" in blocks and "validation" not in blocks:
-        train = blocks["train"]
-        if len(train) < 2:
-            raise UsageError("the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation")
-        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
-        blocks = {"validation": train[:validation_size], "train": train[validation_size:]}
-    return blocks
+    return hold_out_blocks(blocks, data_args.validation_split_percentage)
 
 
 def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
@@ -1659,11 +1747,41 @@ def train_step_compiler_options() -> dict:
     return {}
 
 
-def make_eval_step(model):
+def token_byte_counts(tokenizer, vocab_size: int) -> Optional[np.ndarray]:
+    """The UTF-8 bytes of text each id stands for, float32 (vocab_size,), or None where that is not fixed.
+
+    Byte-level BPE tokens are fixed byte strings, one character of the byte alphabet per byte; special tokens
+    (EOS) stand for no text. Other tokenizers (WordPiece, SentencePiece) add or drop spaces when decoding, so
+    their tokens have no fixed byte count.
+    """
+    backend = tokenizer.backend_tokenizer
+    if (json.loads(backend.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
+        return None
+    byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    counts = np.zeros(vocab_size, np.float32)
+    for token, token_id in backend.get_vocab(with_added_tokens=False).items():
+        if not set(token) <= byte_alphabet:
+            return None
+        counts[token_id] = len(token)
+    for token_id, token in backend.get_added_tokens_decoder().items():
+        if token_id < vocab_size:
+            counts[token_id] = 0 if token.special else len(token.content.encode("utf-8"))
+    return counts
+
+
+def make_eval_step(model, token_bytes: Optional[np.ndarray] = None):
+    """The summed loss and predicted tokens of a batch; with `token_bytes` (token_byte_counts) also the UTF-8
+    bytes of the predicted tokens, for bits per byte."""
+
     def eval_step(params, batch):
         logits = model.apply({"params": params}, batch["input_ids"], deterministic=True)
         loss_sum, token_count = causal_lm_loss_sums(logits, batch["input_ids"], batch["weights"])
-        return {"loss_sum": loss_sum, "token_count": token_count}
+        sums = {"loss_sum": loss_sum, "token_count": token_count}
+        if token_bytes is not None:
+            # The bytes of exactly the tokens the loss predicts: every token but the first of each block.
+            target_bytes = jnp.asarray(token_bytes)[batch["input_ids"][:, 1:]]
+            sums["byte_count"] = jnp.sum(target_bytes * batch["weights"][:, 1:])
+        return sums
 
     return eval_step
 
@@ -1676,15 +1794,20 @@ def to_global_batch(local_batch: dict, batch_sharding) -> dict:
 
 
 def evaluate(eval_step, params, blocks, global_batch_size, batch_sharding) -> dict:
-    """Loss and perplexity over the whole evaluation set, averaged exactly over predicted tokens."""
-    totals = {"loss_sum": 0.0, "token_count": 0.0}
+    """Loss and perplexity over the whole evaluation set, averaged exactly over predicted tokens, and bits per
+    byte (the summed loss in bits over the UTF-8 bytes of the predicted text) where the step counts bytes."""
+    totals = {}
     num_batches = math.ceil(len(blocks) / global_batch_size)
     batches = prefetch(to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, global_batch_size))
     for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
         for name, value in jax.device_get(eval_step(params, batch)).items():
-            totals[name] += float(value)
+            totals[name] = totals.get(name, 0.0) + float(value)
     loss = totals["loss_sum"] / totals["token_count"]
-    return {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "tokens": int(totals["token_count"])}
+    results = {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "tokens": int(totals["token_count"])}
+    if totals.get("byte_count"):
+        results["bits_per_byte"] = totals["loss_sum"] / math.log(2) / totals["byte_count"]
+        results["bytes"] = int(totals["byte_count"])
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1901,7 +2024,10 @@ def sample_text(model, params, tokenizer, prompt: str, num_tokens: int, max_leng
     rng = jax.random.key(seed)
     for position in range(len(prompt_ids), length):
         tokens = tokens.at[0, position].set(next_token(tokens, position, jax.random.fold_in(rng, position)))
-    return tokenizer.decode(np.asarray(tokens[0]), skip_special_tokens=False)
+        if int(tokens[0, position]) == tokenizer.eos_token_id:  # the end of the document
+            length = position
+            break
+    return tokenizer.decode(np.asarray(tokens[0, :length]), skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1933,10 +2059,36 @@ def load_config_and_tokenizer(model_args):
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
-    if len(tokenizer) > config.vocab_size:
+    backend = tokenizer.backend_tokenizer
+    added_beyond = {
+        token_id: token for token_id, token in backend.get_added_tokens_decoder().items() if token_id >= config.vocab_size
+    }
+    # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
+    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
+    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
         raise UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
             "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
+    if added_beyond:
+        # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
+        # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
+        backend.encode_special_tokens = True
+        logger.warning(
+            "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
+            "written in the texts are encoded as text", ", ".join(token.content for token in added_beyond.values()),
+            config.vocab_size,
+        )
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
+        logger.info("Documents end with %s, id %d (the tokenizer's end-of-text token)", tokenizer.eos_token, tokenizer.eos_token_id)
+    elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
+        # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+        logger.info("Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id)
+    else:
+        raise UsageError(
+            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} ids "
+            "and the config names none that is; set eos_token_id in the config or eos_token in tokenizer_config.json"
         )
     return config, tokenizer
 
@@ -2004,7 +2156,7 @@ def main():
             logger.info("validation: the first %d blocks of the stream", len(blocks["validation"]))
     else:
         with main_process_first("data prepared"):
-            raw_datasets = load_raw_datasets(model_args, data_args)
+            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=False)
             blocks = {
                 split: tokenize_and_pack(
                     raw_datasets[split], tokenizer, data_args.text_column_name, block_size,
@@ -2013,6 +2165,7 @@ def main():
                 for split in raw_datasets
                 if split in ("train", "validation")
             }
+        blocks = hold_out_blocks(blocks, data_args.validation_split_percentage)
     if data_args.max_train_samples is not None and "train" in blocks:
         blocks["train"] = blocks["train"][: data_args.max_train_samples]
     if data_args.max_eval_samples is not None and "validation" in blocks:
@@ -2100,7 +2253,10 @@ def main():
         donate_argnums=(0,),
         compiler_options=train_step_compiler_options(),
     )
-    eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
+    token_bytes = token_byte_counts(tokenizer, config.vocab_size)
+    if token_bytes is None:
+        logger.info("No bits per byte: the tokens of this tokenizer do not stand for fixed byte strings")
+    eval_step = jax.jit(make_eval_step(model, token_bytes), in_shardings=(state_shardings.params, batch_sharding))
 
     os.makedirs(training_args.output_dir, exist_ok=True)
     writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
@@ -2109,9 +2265,13 @@ def main():
 
     def run_evaluation(step: int) -> dict:
         results = evaluate(eval_step, state.params, blocks["validation"], eval_batch_size, batch_sharding)
-        logger.info("step %d: eval loss %.4f, perplexity %.2f", step, results["loss"], results["perplexity"])
+        bits_per_byte = f", bits per byte {results['bits_per_byte']:.4f}" if "bits_per_byte" in results else ""
+        logger.info("step %d: eval loss %.4f, perplexity %.2f%s", step, results["loss"], results["perplexity"], bits_per_byte)
         if writer:
-            writer.scalars({"eval/loss": results["loss"], "eval/perplexity": results["perplexity"]}, step)
+            logged = {"eval/loss": results["loss"], "eval/perplexity": results["perplexity"]}
+            if "bits_per_byte" in results:
+                logged["eval/bits_per_byte"] = results["bits_per_byte"]
+            writer.scalars(logged, step)
         return results
 
     # Training loop
@@ -2252,9 +2412,11 @@ def main():
             write_json(
                 os.path.join(training_args.output_dir, "eval_results.json"),
                 {"eval_loss": results["loss"], "eval_perplexity": results["perplexity"],
-                 "eval_tokens": results["tokens"], "step": step},
+                 "eval_bits_per_byte": results.get("bits_per_byte"), "eval_tokens": results["tokens"],
+                 "eval_bytes": results.get("bytes"), "step": step},
             )
-            print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f})")
+            bits_per_byte = f", {results['bits_per_byte']:.4f} bits per byte" if "bits_per_byte" in results else ""
+            print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f}{bits_per_byte})")
     if writer:
         writer.close()
 
