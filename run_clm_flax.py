@@ -173,7 +173,7 @@ class DataTrainingArguments:
     )
     validation_split_percentage: int = field(
         default=5,
-        metadata={"help": "Percentage of the training texts held out for evaluation when there is no validation split."},
+        metadata={"help": "Percentage of the training blocks held out for evaluation when there is no validation split."},
     )
     block_size: Optional[int] = field(
         default=None,

@@ -188,7 +188,10 @@ class DataTrainingArguments:
     )
     validation_split_percentage: int = field(
         default=5,
-        metadata={"help": "Percentage of the training texts held out for evaluation when there is no validation split."},
+        metadata={
+            "help": "Percentage of the training blocks (lines with --line_by_line) held out for evaluation when "
+            "there is no validation split."
+        },
     )
     max_seq_length: Optional[int] = field(
         default=None,
@@ -217,11 +220,21 @@ class DataTrainingArguments:
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
     )
+    text_sample_by: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "What one text of a .txt file is: 'document' (the whole file, as written; the default), "
+            "'paragraph' (text between blank lines) or 'line' (the default with --line_by_line). Grouped, texts are "
+            "joined with </s>; with --line_by_line each text is one example. Rows of other formats are always one "
+            "text each.",
+            "choices": ["document", "paragraph", "line"],
+        },
+    )
     keep_linebreaks: bool = field(
         default=True,
         metadata={
-            "help": "Keep the line breaks at the end of each line of .txt files (with --line_by_line they are "
-            "always removed, since every line is an example of its own)."
+            "help": "With --text_sample_by line, keep the line break at the end of each line (with --line_by_line "
+            "it is always removed, since every line is an example of its own)."
         },
     )
     streaming: bool = field(
@@ -434,6 +447,8 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    if data_args.text_sample_by is None:
+        data_args.text_sample_by = "line" if data_args.line_by_line else "document"
     grouping_flags = [flag for flag in ("streaming", "packed_data_dir") if getattr(data_args, flag)]
     if data_args.line_by_line and grouping_flags:
         flags = " and ".join(f"--{flag}" for flag in grouping_flags)
@@ -639,10 +654,24 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
+# Copied from run_clm_flax.text_builder_options
+def text_builder_options(data_args) -> dict:
+    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
+    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
+
+
 # Copied from run_clm_flax.load_text_datasets
 def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
     """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
-    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated."""
+    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated.
+    Each row is one document. Each split's files are read with the builder of their own format."""
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -654,20 +683,27 @@ def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
                     raw = {split: dataset.to_iterable_dataset() for split, dataset in datasets.DatasetDict(
                         raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}).items()}
             else:
+                holds_text_files = os.path.isdir(name) and any(
+                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
+                    for _, _, files in os.walk(name) for file in files
+                )
+                options = text_builder_options(data_args) if holds_text_files else {}
                 raw = datasets.load_dataset(
                     name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token,
-                    streaming=streaming,
+                    streaming=streaming, **options,
                 )
         else:
-            data_files, builder = {}, None
+            raw = {}
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):
                 pattern = getattr(data_args, flag)
-                if pattern is not None:
-                    builder, data_files[split] = resolve_data_files(pattern, flag)
-            options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
-            raw = datasets.load_dataset(
-                builder, data_files=data_files, cache_dir=model_args.cache_dir, streaming=streaming, **options
-            )
+                if pattern is None:
+                    continue
+                builder, files = resolve_data_files(pattern, flag)
+                options = text_builder_options(data_args) if builder == "text" else {}
+                raw[split] = datasets.load_dataset(
+                    builder, data_files={split: files}, split=split, cache_dir=model_args.cache_dir,
+                    streaming=streaming, **options,
+                )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
@@ -686,10 +722,11 @@ def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
 
 
 # Copied from run_clm_flax.load_raw_datasets
-def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
-    """Train and validation texts; a validation split is carved from the start of train when none exists."""
+def load_raw_datasets(model_args, data_args, hold_out_texts: bool = True) -> datasets.DatasetDict:
+    """Train and validation texts. Without a validation split, one is carved from the start of train when
+    `hold_out_texts`; otherwise it is left to be held out from the training blocks (hold_out_blocks)."""
     raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
-    if "train" in raw and "validation" not in raw:
+    if "train" in raw and "validation" not in raw and hold_out_texts:
         train = raw["train"]
         validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
         if len(train) < 2:
@@ -701,6 +738,19 @@ def load_raw_datasets(model_args, data_args) -> datasets.DatasetDict:
         if len(dataset) == 0:
             raise UsageError(f"the {split} data is empty")
     return raw
+
+
+# Copied from run_clm_flax.hold_out_blocks
+def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
+    """{split: blocks} with a validation split: the first validation_split_percentage percent of the training
+    blocks when there is none (by blocks rather than texts, so that one long document can be split too)."""
+    if "train" not in blocks or "validation" in blocks:
+        return blocks
+    train = blocks["train"]
+    if len(train) < 2:
+        raise UsageError("the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation")
+    validation_size = max(1, len(train) * validation_split_percentage // 100)
+    return {"validation": train[:validation_size], "train": train[validation_size:]}
 
 
 # Copied from run_clm_flax.tokenized_fingerprint
@@ -716,10 +766,60 @@ def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> st
 TEXTS_PER_BATCH = 1000
 
 
+# A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many
+# pieces at a time: encoding holds ~300 bytes of memory per token until it returns, and one text uses one core.
+# Copied from run_clm_flax.TEXT_PIECE_CHARACTERS
+TEXT_PIECE_CHARACTERS = 2**18
+# Copied from run_clm_flax.TEXT_PIECES_AT_ONCE
+TEXT_PIECES_AT_ONCE = 16
+# Where a line that ends in a visible character is followed by one that starts with one.
+# Copied from run_clm_flax.LINE_START
+LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+# Copied from run_clm_flax.cuts_at_line_starts_keep_the_tokens
+def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
+    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
+    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
+    normalizer and no prefix space; not assumed for any other tokenizer."""
+    settings = json.loads(backend.to_str())
+    pre_tokenizer = settings.get("pre_tokenizer") or {}
+    return (
+        settings.get("normalizer") is None
+        and pre_tokenizer.get("type") == "ByteLevel"
+        and pre_tokenizer.get("use_regex", True)
+        and not pre_tokenizer.get("add_prefix_space", False)
+    )
+
+
+# Copied from run_clm_flax.encode_texts
+def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
+    """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
+    if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    token_lists = []
+    for text in texts:
+        starts = [0]
+        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
+            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
+            if line_start is None:
+                break
+            starts.append(line_start.start())
+        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+        ids = []
+        for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
+            for encoding in backend.encode_batch(pieces[first : first + TEXT_PIECES_AT_ONCE], add_special_tokens=False):
+                ids.extend(encoding.ids)
+        token_lists.append(ids)
+    return token_lists
+
+
+
+
 # Copied from run_clm_flax.token_arrays
 def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train") -> Iterator[np.ndarray]:
-    """The tokens of every text of `dataset`, each text followed by EOS, as flat int32 arrays of one batch of
-    texts each, in the dataset's order.
+    """The tokens of every text of `dataset`, each text (a document) followed by EOS, as flat int32 arrays of one
+    batch of texts each, in the dataset's order.
 
     A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
     own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
@@ -731,10 +831,10 @@ def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_ca
     # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
     # about texts longer than model_max_length, which is expected here since texts get packed.
     backend = tokenizer.backend_tokenizer
+    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
 
     def tokenize(batch):
-        encodings = backend.encode_batch(batch[text_column], add_special_tokens=False)
-        return {"input_ids": [encoding.ids + [eos_id] for encoding in encodings]}
+        return {"input_ids": [ids + [eos_id] for ids in encode_texts(backend, batch[text_column], cut_long_texts)]}
 
     if isinstance(dataset, datasets.IterableDataset):
         texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
@@ -759,7 +859,7 @@ def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_ca
             batch_size=TEXTS_PER_BATCH,
             num_proc=num_workers,
             remove_columns=dataset.column_names,
-            new_fingerprint=tokenized_fingerprint(dataset, tokenizer, text_column, eos_id),
+            new_fingerprint=tokenized_fingerprint(dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens),
             load_from_cache_file=not overwrite_cache,
             features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
             desc=f"Tokenizing {split} texts",
@@ -808,7 +908,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
-    described = json.dumps({"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id}, sort_keys=True)
+    described = json.dumps(
+        {"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id,
+         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens},
+        sort_keys=True,
+    )
     return hashlib.sha256(described.encode()).hexdigest()[:24]
 
 
@@ -987,7 +1091,9 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
     tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
     if not dataset.cache_files:
         return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
-    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, tokenizer.eos_token_id)
+    fingerprint = tokenized_fingerprint(
+        dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
+    )
     cache_path = os.path.join(os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}")
     index = None if overwrite_cache else read_packed_index(cache_path)
     if index is not None:
@@ -1027,7 +1133,10 @@ def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) ->
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
     source = {
         name: getattr(data_args, name)
-        for name in ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name", "keep_linebreaks")
+        for name in (
+            "dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name", "text_sample_by",
+            "keep_linebreaks",
+        )
     }
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
@@ -1095,13 +1204,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) ->
     blocks = open_packed_corpus(directory, index)
     for split, split_blocks in blocks.items():
         logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
-    if "train" in blocks and "validation" not in blocks:
-        train = blocks["train"]
-        if len(train) < 2:
-            raise UsageError("the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation")
-        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
-        blocks = {"validation": train[:validation_size], "train": train[validation_size:]}
-    return blocks
+    return hold_out_blocks(blocks, data_args.validation_split_percentage)
 
 
 @dataclass(frozen=True)
@@ -2421,16 +2524,47 @@ def load_config_and_tokenizer(model_args):
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
-    if len(tokenizer) > config.vocab_size:
+    backend = tokenizer.backend_tokenizer
+    added_beyond = {
+        token_id: token for token_id, token in backend.get_added_tokens_decoder().items() if token_id >= config.vocab_size
+    }
+    # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
+    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
+    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
         raise UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
             "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
+    if added_beyond:
+        # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
+        # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
+        backend.encode_special_tokens = True
+        logger.warning(
+            "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
+            "written in the texts are encoded as text", ", ".join(token.content for token in added_beyond.values()),
+            config.vocab_size,
+        )
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
+        logger.info("Documents end with %s, id %d (the tokenizer's end-of-text token)", tokenizer.eos_token, tokenizer.eos_token_id)
+    elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
+        # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+        logger.info("Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id)
+    else:
+        raise UsageError(
+            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} ids "
+            "and the config names none that is; set eos_token_id in the config or eos_token in tokenizer_config.json"
         )
     return config, tokenizer
 
 
 def check_tokenizer(tokenizer, config):
     """The special tokens masked language modelling and RoBERTa's position numbering need."""
+    if len(tokenizer) > config.vocab_size:  # masking draws random replacements from every id of the tokenizer
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
+            "raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
     if tokenizer.mask_token_id is None:
         raise UsageError(
             "the tokenizer has no mask token, which masked language modelling needs; "
@@ -2532,7 +2666,8 @@ def main():
             logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
     else:
         with main_process_first("data prepared"):
-            raw_datasets = load_raw_datasets(model_args, data_args)
+            # Lines are held out for evaluation as lines; grouped, blocks are held out, as from a packed corpus.
+            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=data_args.line_by_line)
             for split in ("train", "validation"):
                 if split not in raw_datasets:
                     continue
@@ -2542,6 +2677,7 @@ def main():
                     examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
                 else:
                     examples[split] = tokenize_and_pack(dataset, tokenizer, column, block_size, workers, overwrite_cache, split)
+        examples = hold_out_blocks(examples, data_args.validation_split_percentage)
     if data_args.max_train_samples is not None and "train" in examples:
         examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
     if data_args.max_eval_samples is not None and "validation" in examples:
