@@ -1188,7 +1188,10 @@ def streaming_train_batches(
                 num_tokens += len(tokens)
                 yield tokens
             if num_tokens == 0:
-                raise UsageError(f"process {jax.process_index()}'s share of the training stream holds no text")
+                raise UsageError(
+                    f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
+                    "text unless --text_sample_by says otherwise): give at least as many texts as processes"
+                )
 
     rows = np.zeros((0, block_size), np.int32)
     batch_number = 0
@@ -2073,7 +2076,7 @@ def load_config_and_tokenizer(model_args):
     if added_beyond:
         # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
         # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
-        backend.encode_special_tokens = True
+        tokenizer.split_special_tokens = backend.encode_special_tokens = True  # the wrapper resets the backend's
         logger.warning(
             "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
             "written in the texts are encoded as text", ", ".join(token.content for token in added_beyond.values()),

@@ -40,6 +40,11 @@ def expected_blocks(tokenizer, texts, block_size):
 
 
 def train_texts():
+    """The documents of train.txt: the whole file, as written."""
+    return [(CORPUS / "train.txt").read_text()]
+
+
+def train_lines():
     return (CORPUS / "train.txt").read_text().splitlines(keepends=True)
 
 
@@ -298,7 +303,7 @@ def test_streaming_misuse_is_refused(extra_arguments, message, model_dir, tmp_pa
 
 @pytest.mark.parametrize("num_files, num_processes", [(1, 2), (1, 3), (2, 2)])
 def test_each_process_reads_its_own_share_of_the_stream(num_files, num_processes, tmp_path, monkeypatch):
-    lines = train_texts()
+    lines = train_lines()
     paths = []
     for number in range(num_files):  # one file (every process skips the others' texts) or one file per process
         paths.append(tmp_path / f"part{number}.txt")
@@ -334,8 +339,9 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
 
 
 def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_stream(tokenizer):
-    stream = text_stream(CORPUS / "validation.txt")
-    texts = (CORPUS / "validation.txt").read_text().splitlines(keepends=True)
+    arguments = data_arguments(None, train_file=None, validation_file=str(CORPUS / "validation.txt"))
+    stream = run_clm_flax.load_text_datasets(run_clm_flax.ModelArguments(), arguments, streaming=True)["validation"]
+    texts = [(CORPUS / "validation.txt").read_text()]  # one document: the file as written
     expected = expected_blocks(tokenizer, texts, 32)
     np.testing.assert_array_equal(run_clm_flax.first_blocks(stream, tokenizer, "text", 32, 50, "validation"), expected[:50])
     np.testing.assert_array_equal(run_clm_flax.first_blocks(stream, tokenizer, "text", 32, None, "validation"), expected)

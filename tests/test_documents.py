@@ -1,0 +1,188 @@
+"""What run_clm_flax.py trains on: .txt files as written (one document each, unless --text_sample_by says
+otherwise), each split read with its own format, the model's own end-of-text token (the README's tokenizer
+recipe), and bits per byte; checked against the exported model scored in PyTorch on the raw validation text."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import AutoTokenizer, GPT2LMHeadModel
+
+from conftest import FIXTURES_DIR, TOKENIZER_TRAINING_FILES
+from test_clm import run_clm_flax, tiny_config
+
+CORPUS = FIXTURES_DIR / "en"
+BLOCK_SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def recipe_dir(tmp_path_factory):
+    """The README recipe: a ByteLevelBPETokenizer with <s> <pad> </s> <unk> <mask>, saved as tokenizer.json
+    beside a GPT-2 config of the same vocab_size whose eos_token_id is 2 (</s>)."""
+    directory = tmp_path_factory.mktemp("recipe")
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train(
+        [str(path) for path in TOKENIZER_TRAINING_FILES], vocab_size=1000, min_frequency=2, show_progress=False,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    )
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tiny_config(vocab_size=1000, n_positions=BLOCK_SIZE, bos_token_id=0, eos_token_id=2).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def recipe_tokenizer(recipe_dir):
+    return run_clm_flax.load_config_and_tokenizer(run_clm_flax.ModelArguments(tokenizer_name=recipe_dir, config_name=recipe_dir))[1]
+
+
+def load(tmp_path, **data_arguments):
+    model_arguments = run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
+    return run_clm_flax.load_text_datasets(model_arguments, run_clm_flax.DataTrainingArguments(**data_arguments))
+
+
+def write_text_files(tmp_path):
+    first = "A first file.\nIts second line,\n  indented.\n\nA paragraph after a blank line.\n"
+    second = "The second file has no line break at its end"
+    (tmp_path / "a.txt").write_text(first)
+    (tmp_path / "b.txt").write_text(second)
+    return first, second
+
+
+@pytest.mark.parametrize("sample_by", ["document", "paragraph", "line"])
+def test_txt_files_are_cut_into_documents_each_followed_by_eos(sample_by, recipe_tokenizer, tmp_path):
+    first, second = write_text_files(tmp_path)
+    expected_texts = {
+        "document": [first, second],
+        "paragraph": [*first.split("\n\n"), second],
+        "line": [*first.splitlines(keepends=True), second],
+    }[sample_by]
+    dataset = load(tmp_path, train_file=str(tmp_path / "*.txt"), text_sample_by=sample_by)["train"]
+    assert dataset["text"] == expected_texts
+
+    eos = recipe_tokenizer.eos_token_id
+    tokens = np.concatenate(list(run_clm_flax.token_arrays(dataset, recipe_tokenizer, "text")))
+    expected = [token for text in expected_texts for token in recipe_tokenizer(text)["input_ids"] + [eos]]
+    np.testing.assert_array_equal(tokens, expected)
+    assert np.sum(tokens == eos) == len(expected_texts)
+
+
+def test_text_files_of_prose_get_one_eos_per_file_not_per_line(recipe_tokenizer, tmp_path):
+    shares = {}
+    for sample_by in ("line", "document"):
+        dataset = load(tmp_path, train_file=str(CORPUS / "train.txt"), text_sample_by=sample_by)["train"]
+        tokens = np.concatenate(list(run_clm_flax.token_arrays(dataset, recipe_tokenizer, "text")))
+        shares[sample_by] = np.mean(tokens == recipe_tokenizer.eos_token_id)
+    lines = len((CORPUS / "train.txt").read_text().splitlines())
+    assert shares["document"] < 1e-4 and shares["line"] > 100 * shares["document"] and lines > 100
+
+
+def test_each_split_is_read_with_the_builder_of_its_own_format(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"text": "a json document"}\n{"text": "another one"}\n')
+    (tmp_path / "validation.txt").write_text('{"text": "this is text, not json"}\nsecond line\n')
+    splits = load(tmp_path, train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "validation.txt"))
+    assert splits["train"]["text"] == ["a json document", "another one"]
+    assert splits["validation"]["text"] == ['{"text": "this is text, not json"}\nsecond line\n']
+    (tmp_path / "more.txt").write_text("text")
+    with pytest.raises(run_clm_flax.UsageError, match="mixes file formats; give files of one format"):
+        load(tmp_path, train_file=str(tmp_path / "*.*"))
+
+
+def test_dropping_line_breaks_is_refused_unless_reading_lines(tmp_path):
+    write_text_files(tmp_path)
+    with pytest.raises(run_clm_flax.UsageError, match="--keep_linebreaks False applies to --text_sample_by line only"):
+        load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False)
+    assert load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False, text_sample_by="line")["train"][0] == {
+        "text": "A first file."
+    }
+
+
+def test_long_texts_encoded_in_pieces_give_the_tokens_of_the_whole_text(recipe_tokenizer, monkeypatch):
+    backend = recipe_tokenizer.backend_tokenizer
+    assert run_clm_flax.cuts_at_line_starts_keep_the_tokens(backend)
+    monkeypatch.setattr(run_clm_flax, "TEXT_PIECE_CHARACTERS", 300)
+    monkeypatch.setattr(run_clm_flax, "TEXT_PIECES_AT_ONCE", 3)
+    texts = [path.read_text() for path in [*TOKENIZER_TRAINING_FILES, CORPUS / "validation.txt"] if path.suffix == ".txt"]
+    texts.append("code:\n    indented line\n\n\nend\n" * 200)  # line starts after blank and indented lines
+    whole = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    assert run_clm_flax.encode_texts(backend, texts, cut_long_texts=True) == whole
+    assert len(run_clm_flax.LINE_START.findall(texts[-1])) > 100
+
+
+def test_the_recipe_tokenizer_ends_documents_with_the_models_eos(recipe_tokenizer, caplog):
+    assert len(recipe_tokenizer) == 1001  # AutoTokenizer added GPT-2's <|endoftext|> beyond the vocabulary
+    assert (recipe_tokenizer.eos_token, recipe_tokenizer.eos_token_id) == ("</s>", 2)
+    ids = recipe_tokenizer("a text that says <|endoftext|> and </s>", add_special_tokens=False)["input_ids"]
+    assert max(ids) < 1000 and 2 not in ids, "special tokens written in a text are encoded as text"
+
+
+def test_a_tokenizer_whose_text_ids_exceed_the_vocabulary_is_still_refused(recipe_dir, tmp_path):
+    directory = tmp_path / "small"
+    shutil.copytree(recipe_dir, directory)
+    tiny_config(vocab_size=900, eos_token_id=2).save_pretrained(directory)
+    with pytest.raises(run_clm_flax.UsageError, match="the tokenizer has 1001 tokens but the config's vocab_size is 900"):
+        run_clm_flax.load_config_and_tokenizer(run_clm_flax.ModelArguments(tokenizer_name=str(directory), config_name=str(directory)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# A short run on .txt files with the recipe tokenizer, and its export scored in PyTorch
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_dir(run_tool, recipe_dir, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = run_tool(
+        "run_clm_flax.py", "--output_dir", output_dir, "--config_name", recipe_dir, "--tokenizer_name", recipe_dir,
+        "--train_file", CORPUS / "train.txt", "--validation_file", CORPUS / "validation.txt",
+        "--do_train", "--do_eval", "--block_size", BLOCK_SIZE, "--per_device_train_batch_size", 16,
+        "--per_device_eval_batch_size", 16, "--max_steps", 40, "--learning_rate", 3e-3, "--logging_steps", 20,
+        "--sample_tokens", 20,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Documents end with </s>, id 2 (the config's eos_token_id)" in result.stderr
+    return output_dir, result
+
+
+def validation_blocks(tokenizer):
+    """The raw validation text, tokenized as written, ended by EOS and cut into blocks."""
+    ids = tokenizer((CORPUS / "validation.txt").read_text())["input_ids"] + [tokenizer.eos_token_id]
+    return np.array(ids[: len(ids) // BLOCK_SIZE * BLOCK_SIZE]).reshape(-1, BLOCK_SIZE)
+
+
+def test_exported_model_scored_in_pytorch_on_the_raw_validation_text_gives_the_eval_loss(trained_dir):
+    output_dir, _ = trained_dir
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
+    assert tokenizer.eos_token == "</s>", "the export names the model's end-of-text token"
+    model = GPT2LMHeadModel.from_pretrained(str(output_dir)).eval()
+    blocks = torch.tensor(validation_blocks(tokenizer))
+    with torch.no_grad():
+        loss = model(blocks, labels=blocks).loss.item()  # every block predicts BLOCK_SIZE - 1 tokens
+    assert results["eval_tokens"] == blocks.numel() - len(blocks)
+    assert results["eval_loss"] < math.log(1000) - 1.0, "the run should have learned something"
+    assert abs(loss - results["eval_loss"]) < 0.02, (loss, results["eval_loss"])
+
+
+def test_bits_per_byte_counts_the_bytes_of_the_predicted_text_once(trained_dir):
+    output_dir, result = trained_dir
+    results = json.loads((output_dir / "eval_results.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
+    # Decoded rather than looked up: the text each block's predicted tokens stand for, EOS standing for none.
+    predicted_bytes = sum(
+        len(tokenizer.decode(block[1:], skip_special_tokens=True).encode("utf-8")) for block in validation_blocks(tokenizer)
+    )
+    assert results["eval_bytes"] == predicted_bytes
+    expected = results["eval_loss"] * results["eval_tokens"] / math.log(2) / predicted_bytes
+    assert results["eval_bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+    assert f"{results['eval_bits_per_byte']:.4f} bits per byte" in result.stdout
+
+
+def test_the_sample_is_text_without_special_tokens(trained_dir):
+    _, result = trained_dir
+    sample = next(line for line in result.stdout.splitlines() if line.startswith("sample from"))
+    assert not any(token in sample for token in ("</s>", "<s>", "<|endoftext|>", "<pad>")), sample
+    assert len(sample.split(": ", 1)[1]) > len("''"), "the sample should hold some text"
