@@ -4,7 +4,9 @@
 Trains from scratch (a config and a tokenizer, for example from create_config.py and
 train_tokenizer.py) or continues from a Hugging Face GPT-2 checkpoint, on text from local files
 (txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
-Texts are tokenized, joined with the end-of-text token and packed into blocks of `--block_size` tokens.
+Documents (a whole .txt file as written, unless --text_sample_by says otherwise; one row of other formats)
+are tokenized, each ended by the end-of-text token, joined and packed into blocks of `--block_size` tokens.
+Evaluation reports loss, perplexity and bits per byte.
 Each global batch is split over every device of every process with `jax.jit` over a device mesh.
 On several hosts every host runs the same command (see initialize_distributed for how the processes
 find each other) and process 0 writes the outputs.

@@ -6,7 +6,8 @@ train_tokenizer.py --model_type roberta) or continues from a Hugging Face RoBERT
 local files (txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
 
 Two ways to make examples:
-- grouped (the default): texts are tokenized, joined with the separator </s> and cut into blocks, each
+- grouped (the default): texts (a whole .txt file, unless --text_sample_by says otherwise; one row of other
+  formats) are tokenized, joined with the separator </s> and cut into blocks, each
   framed as `<s> ... </s>`, of exactly --max_seq_length tokens. For corpora larger than memory or disk, the
   blocks can be packed once into memory-mapped shards (--packed_data_dir) or made on the fly from a stream
   (--streaming);
