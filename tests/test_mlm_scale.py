@@ -297,8 +297,9 @@ def test_packed_data_dir_holds_the_grouped_blocks_of_the_files_in_shards(packed_
     assert index["block_size"] == SEQUENCE_LENGTH - 2 and len(index["splits"]["train"]["shards"]) > 10
     blocks = run_mlm_flax.open_packed_corpus(str(packed_dir), index)
     for split in ("train", "validation"):
-        # Every text followed by </s>, joined and cut: the grouping written out the slow, obvious way.
-        texts = (CORPUS / f"{split}.txt").read_text().splitlines(keepends=True)
+        # Every text (a .txt file: one, as written) followed by </s>, joined and cut: the grouping written out
+        # the slow, obvious way.
+        texts = [(CORPUS / f"{split}.txt").read_text()]
         tokens = [token for text in texts for token in tokenizer(text, add_special_tokens=False)["input_ids"] + [2]]
         expected = np.array(tokens[: len(tokens) // 30 * 30]).reshape(-1, 30)
         np.testing.assert_array_equal(np.asarray(blocks[split]), expected, err_msg=split)
