@@ -186,3 +186,16 @@ def test_the_sample_is_text_without_special_tokens(trained_dir):
     sample = next(line for line in result.stdout.splitlines() if line.startswith("sample from"))
     assert not any(token in sample for token in ("</s>", "<s>", "<|endoftext|>", "<pad>")), sample
     assert len(sample.split(": ", 1)[1]) > len("''"), "the sample should hold some text"
+
+
+@pytest.mark.parametrize("line_by_line, sample_by, num_texts", [(True, "line", 5), (False, "document", 1)])
+def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(line_by_line, sample_by, num_texts, tmp_path):
+    import run_mlm_flax
+
+    write_text_files(tmp_path)
+    model_args = run_mlm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
+    data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "a.txt"), line_by_line=line_by_line)
+    training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
+    run_mlm_flax.check_arguments(model_args, data_args, training_args)
+    assert data_args.text_sample_by == sample_by
+    assert len(run_mlm_flax.load_text_datasets(model_args, data_args)["train"]) == num_texts
