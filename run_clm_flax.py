@@ -801,7 +801,7 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
 # directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
 # vocabulary fits (half the disk of int32) and always read as int32.
 PACKED_INDEX_FILE = "index.json"
-PACKED_FORMAT_VERSION = 1
+PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
 
 
 def packed_dtype(tokenizer) -> np.dtype:

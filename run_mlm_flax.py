@@ -893,7 +893,7 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
 # Copied from run_clm_flax.PACKED_INDEX_FILE
 PACKED_INDEX_FILE = "index.json"
 # Copied from run_clm_flax.PACKED_FORMAT_VERSION
-PACKED_FORMAT_VERSION = 1
+PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
 
 
 # Copied from run_clm_flax.packed_dtype

@@ -13,7 +13,7 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from conftest import FIXTURES_DIR, TOKENIZER_TRAINING_FILES
-from test_clm import run_clm_flax, tiny_config
+from test_clm import run_clm_flax, scalars, tiny_config
 
 CORPUS = FIXTURES_DIR / "en"
 BLOCK_SIZE = 64
@@ -179,6 +179,7 @@ def test_bits_per_byte_counts_the_bytes_of_the_predicted_text_once(trained_dir):
     expected = results["eval_loss"] * results["eval_tokens"] / math.log(2) / predicted_bytes
     assert results["eval_bits_per_byte"] == pytest.approx(expected, rel=1e-5)
     assert f"{results['eval_bits_per_byte']:.4f} bits per byte" in result.stdout
+    assert scalars(output_dir, "eval/bits_per_byte")[-1][1] == pytest.approx(results["eval_bits_per_byte"], rel=1e-5)
 
 
 def test_the_sample_is_text_without_special_tokens(trained_dir):
