@@ -175,7 +175,9 @@ class DataTrainingArguments:
     )
     validation_split_percentage: int = field(
         default=5,
-        metadata={"help": "Percentage of the training blocks held out for evaluation when there is no validation split."},
+        metadata={
+            "help": "Percentage of the training blocks held out for evaluation when there is no validation split."
+        },
     )
     block_size: Optional[int] = field(
         default=None,
@@ -672,7 +674,9 @@ def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
         return blocks
     train = blocks["train"]
     if len(train) < 2:
-        raise UsageError("the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation")
+        raise UsageError(
+            "the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation"
+        )
     validation_size = max(1, len(train) * validation_split_percentage // 100)
     return {"validation": train[:validation_size], "train": train[validation_size:]}
 
@@ -723,7 +727,8 @@ def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[i
         pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
         ids = []
         for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
-            for encoding in backend.encode_batch(pieces[first : first + TEXT_PIECES_AT_ONCE], add_special_tokens=False):
+            group = pieces[first : first + TEXT_PIECES_AT_ONCE]
+            for encoding in backend.encode_batch(group, add_special_tokens=False):
                 ids.extend(encoding.ids)
         token_lists.append(ids)
     return token_lists
@@ -771,7 +776,9 @@ def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_ca
             batch_size=TEXTS_PER_BATCH,
             num_proc=num_workers,
             remove_columns=dataset.column_names,
-            new_fingerprint=tokenized_fingerprint(dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens),
+            new_fingerprint=tokenized_fingerprint(
+                dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens
+            ),
             load_from_cache_file=not overwrite_cache,
             features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
             desc=f"Tokenizing {split} texts",
@@ -1029,8 +1036,8 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dic
     source = {
         name: getattr(data_args, name)
         for name in (
-            "dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name", "text_sample_by",
-            "keep_linebreaks",
+            "dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name",
+            "text_sample_by", "keep_linebreaks",
         )
     }
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
@@ -2066,7 +2073,9 @@ def load_config_and_tokenizer(model_args):
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
     backend = tokenizer.backend_tokenizer
     added_beyond = {
-        token_id: token for token_id, token in backend.get_added_tokens_decoder().items() if token_id >= config.vocab_size
+        token_id: token
+        for token_id, token in backend.get_added_tokens_decoder().items()
+        if token_id >= config.vocab_size
     }
     # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
     text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
@@ -2085,15 +2094,21 @@ def load_config_and_tokenizer(model_args):
             config.vocab_size,
         )
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
-        logger.info("Documents end with %s, id %d (the tokenizer's end-of-text token)", tokenizer.eos_token, tokenizer.eos_token_id)
+        logger.info(
+            "Documents end with %s, id %d (the tokenizer's end-of-text token)",
+            tokenizer.eos_token, tokenizer.eos_token_id,
+        )
     elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
         # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
-        logger.info("Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id)
+        logger.info(
+            "Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id
+        )
     else:
         raise UsageError(
-            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} ids "
-            "and the config names none that is; set eos_token_id in the config or eos_token in tokenizer_config.json"
+            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
+            "ids and the config names none that is; set eos_token_id in the config or eos_token in "
+            "tokenizer_config.json"
         )
     return config, tokenizer
 
@@ -2271,7 +2286,9 @@ def main():
     def run_evaluation(step: int) -> dict:
         results = evaluate(eval_step, state.params, blocks["validation"], eval_batch_size, batch_sharding)
         bits_per_byte = f", bits per byte {results['bits_per_byte']:.4f}" if "bits_per_byte" in results else ""
-        logger.info("step %d: eval loss %.4f, perplexity %.2f%s", step, results["loss"], results["perplexity"], bits_per_byte)
+        logger.info(
+            "step %d: eval loss %.4f, perplexity %.2f%s", step, results["loss"], results["perplexity"], bits_per_byte
+        )
         if writer:
             logged = {"eval/loss": results["loss"], "eval/perplexity": results["perplexity"]}
             if "bits_per_byte" in results:

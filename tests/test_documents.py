@@ -36,7 +36,8 @@ def recipe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recipe_tokenizer(recipe_dir):
-    return run_clm_flax.load_config_and_tokenizer(run_clm_flax.ModelArguments(tokenizer_name=recipe_dir, config_name=recipe_dir))[1]
+    model_arguments = run_clm_flax.ModelArguments(tokenizer_name=recipe_dir, config_name=recipe_dir)
+    return run_clm_flax.load_config_and_tokenizer(model_arguments)[1]
 
 
 def load(tmp_path, **data_arguments):
@@ -95,9 +96,8 @@ def test_dropping_line_breaks_is_refused_unless_reading_lines(tmp_path):
     write_text_files(tmp_path)
     with pytest.raises(run_clm_flax.UsageError, match="--keep_linebreaks False applies to --text_sample_by line only"):
         load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False)
-    assert load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False, text_sample_by="line")["train"][0] == {
-        "text": "A first file."
-    }
+    lines = load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False, text_sample_by="line")["train"]
+    assert lines[0] == {"text": "A first file."}
 
 
 def test_long_texts_encoded_in_pieces_give_the_tokens_of_the_whole_text(recipe_tokenizer, monkeypatch):
@@ -105,7 +105,8 @@ def test_long_texts_encoded_in_pieces_give_the_tokens_of_the_whole_text(recipe_t
     assert run_clm_flax.cuts_at_line_starts_keep_the_tokens(backend)
     monkeypatch.setattr(run_clm_flax, "TEXT_PIECE_CHARACTERS", 300)
     monkeypatch.setattr(run_clm_flax, "TEXT_PIECES_AT_ONCE", 3)
-    texts = [path.read_text() for path in [*TOKENIZER_TRAINING_FILES, CORPUS / "validation.txt"] if path.suffix == ".txt"]
+    paths = [*TOKENIZER_TRAINING_FILES, CORPUS / "validation.txt"]
+    texts = [path.read_text() for path in paths if path.suffix == ".txt"]
     texts.append("code:\n    indented line\n\n\nend\n" * 200)  # line starts after blank and indented lines
     whole = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
     assert run_clm_flax.encode_texts(backend, texts, cut_long_texts=True) == whole
@@ -123,8 +124,9 @@ def test_a_tokenizer_whose_text_ids_exceed_the_vocabulary_is_still_refused(recip
     directory = tmp_path / "small"
     shutil.copytree(recipe_dir, directory)
     tiny_config(vocab_size=900, eos_token_id=2).save_pretrained(directory)
-    with pytest.raises(run_clm_flax.UsageError, match="the tokenizer has 1001 tokens but the config's vocab_size is 900"):
-        run_clm_flax.load_config_and_tokenizer(run_clm_flax.ModelArguments(tokenizer_name=str(directory), config_name=str(directory)))
+    model_arguments = run_clm_flax.ModelArguments(tokenizer_name=str(directory), config_name=str(directory))
+    with pytest.raises(run_clm_flax.UsageError, match="tokenizer has 1001 tokens but the config's vocab_size is 900"):
+        run_clm_flax.load_config_and_tokenizer(model_arguments)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,7 +175,8 @@ def test_bits_per_byte_counts_the_bytes_of_the_predicted_text_once(trained_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
     # Decoded rather than looked up: the text each block's predicted tokens stand for, EOS standing for none.
     predicted_bytes = sum(
-        len(tokenizer.decode(block[1:], skip_special_tokens=True).encode("utf-8")) for block in validation_blocks(tokenizer)
+        len(tokenizer.decode(block[1:], skip_special_tokens=True).encode("utf-8"))
+        for block in validation_blocks(tokenizer)
     )
     assert results["eval_bytes"] == predicted_bytes
     expected = results["eval_loss"] * results["eval_tokens"] / math.log(2) / predicted_bytes
@@ -190,7 +193,8 @@ def test_the_sample_is_text_without_special_tokens(trained_dir):
 
 
 @pytest.mark.parametrize("line_by_line, sample_by, num_texts", [(True, "line", 5), (False, "document", 1)])
-def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(line_by_line, sample_by, num_texts, tmp_path):
+def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(line_by_line, sample_by, num_texts,
+                                                                           tmp_path):
     import run_mlm_flax
 
     write_text_files(tmp_path)
