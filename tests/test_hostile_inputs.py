@@ -307,16 +307,27 @@ def test_the_exported_weights_have_the_mode_of_the_other_files(run_skipping_rows
     assert mode == 0o666 & ~umask
 
 
-def test_skipping_rows_works_in_every_script_that_reads_texts(run_tool, paths, tmp_path):
-    tokenizer = run_tool(
-        "train_tokenizer.py", *TOKENIZER, paths["null"], "--output_dir", tmp_path / "tokenizer", "--skip_missing_texts"
-    )
-    assert tokenizer.returncode == 0, tokenizer.stderr
-    assert "Left out 1 rows of" in tokenizer.stdout + tokenizer.stderr
-    arguments = [*MLM, "--train_file", "{null}", "--line_by_line", "--skip_missing_texts", "--max_steps", "1"]
-    mlm = run_tool("run_mlm_flax.py", *script_arguments("run_mlm_flax", arguments, paths, tmp_path))
-    assert mlm.returncode == 0, mlm.stderr[-3000:]
-    assert "left out 1 of 300 rows without text" in mlm.stderr
+@pytest.mark.parametrize("streaming", [False, True], ids=["dataset", "stream"])
+@pytest.mark.parametrize("script", ["run_clm_flax", "run_mlm_flax"])
+def test_skip_missing_texts_leaves_out_the_rows_without_text(script, streaming, paths, tmp_path, caplog):
+    module = SCRIPTS[script]
+    data_args = module.DataTrainingArguments(train_file=str(paths["null"]), skip_missing_texts=True)
+    with caplog.at_level(logging.WARNING, logger=module.logger.name):
+        train = module.load_text_datasets(module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming)["train"]
+        texts = [text for batch in train.iter(batch_size=100) for text in batch["text"]]
+    expected = [json.loads(line)["text"] for line in paths["null"].read_text().splitlines()]
+    assert texts == [text for text in expected if text is not None] and len(texts) == 299
+    assert "left out 1" in caplog.text and "rows without text, the first at row 58 of" in caplog.text
+
+
+def test_skip_missing_texts_leaves_out_the_rows_without_text_in_train_tokenizer(paths, tmp_path, monkeypatch, caplog):
+    module = SCRIPTS["train_tokenizer"]
+    arguments = [*TOKENIZER, str(paths["null"]), "--output_dir", str(tmp_path / "tokenizer"), "--skip_missing_texts"]
+    monkeypatch.setattr(sys, "argv", ["train_tokenizer.py", *arguments])
+    with caplog.at_level(logging.INFO):
+        module.main()
+    assert "Trained on 299 texts" in caplog.text and "Left out 1 rows of" in caplog.text
+    assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
 
 
 # ----------------------------------------------------------------------------------------------------
