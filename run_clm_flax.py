@@ -730,9 +730,10 @@ def rows_with_text(dataset, split: str, data_args):
     column_type = dataset.features[column]
     if getattr(column_type, "dtype", None) not in ("string", "large_string", "string_view", "null"):
         raise not_text(getattr(column_type, "dtype", type(column_type).__name__))
-    missing = dataset.data.column(column).is_null().to_numpy(zero_copy_only=False)
-    if not missing.any():
+    texts = dataset.data.column(column)
+    if texts.null_count == 0:
         return dataset
+    missing = texts.is_null().to_numpy(zero_copy_only=False)
     if not skip:
         raise missing_text(int(np.argmax(missing)))
     logger.warning("%s: left out %d of %d rows without text, the first at row %d of %s", split, int(missing.sum()),
@@ -2100,7 +2101,9 @@ def write_json(path: str, values: dict):
 
 
 def current_umask() -> int:
-    umask = os.umask(0o022)  # it can only be read by setting it
+    # It can only be read by setting it: to the strictest value, so that a file another thread creates meanwhile
+    # is never more open than the user asked for.
+    umask = os.umask(0o077)
     os.umask(umask)
     return umask
 
