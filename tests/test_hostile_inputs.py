@@ -108,11 +108,13 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
         save_model_dir(root / name, gpt2, tiny_config(vocab_size=1000, n_positions=64))
         (root / name / "model.safetensors").write_bytes(content)
     pickled = save_model_dir(root / "pickled", gpt2, tiny_config(vocab_size=1000, n_positions=64))
-    torch.save({"transformer.wte.weight": PickleThatWritesAFile(str(root / "pickle-ran"))}, pickled / "pytorch_model.bin")
+    code = PickleThatWritesAFile(str(root / "pickle-ran"))
+    torch.save({"transformer.wte.weight": code}, pickled / "pytorch_model.bin")
 
     return {
         "gpt2": gpt2, "roberta": roberta, "config_only": config_only, "unknown_only": unknown_only,
-        "train": TRAIN_FILE, "texts": data / "texts.jsonl", "null": data / "null.jsonl", "missing": data / "missing.jsonl",
+        "train": TRAIN_FILE, "texts": data / "texts.jsonl", "null": data / "null.jsonl",
+        "missing": data / "missing.jsonl",
         "int": data / "int.parquet", "whitespace": data / "whitespace.txt", "pickled": pickled,
         "pickle_ran": root / "pickle-ran", "root": root, **{name: root / name for name in bad_weights},
     }  # fmt: skip
@@ -155,7 +157,8 @@ REFUSALS = {
         "run_clm_flax", [*CLM, "--train_file", "{null}", "--packed_data_dir", "{root}/packed-null"],
         ["null.jsonl", *MISSING_TEXT]),
     "clm-null-validation-text": (
-        "run_clm_flax", [*CLM, "--train_file", "{texts}", "--validation_file", "{null}"], ["null.jsonl", *MISSING_TEXT]),
+        "run_clm_flax", [*CLM, "--train_file", "{texts}", "--validation_file", "{null}"],
+        ["null.jsonl", *MISSING_TEXT]),
     "mlm-null-text": ("run_mlm_flax", [*MLM, "--train_file", "{null}"], ["null.jsonl", *MISSING_TEXT]),
     "mlm-null-text-line-by-line": (
         "run_mlm_flax", [*MLM, "--train_file", "{null}", "--line_by_line"], ["null.jsonl", *MISSING_TEXT]),
@@ -186,7 +189,8 @@ REFUSALS = {
     "config-unwritable-output-dir": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", UNWRITABLE], ["cannot write to --output_dir"]),
     # Numbers out of range
-    "clm-negative-learning-rate": ("run_clm_flax", [*CLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
+    "clm-negative-learning-rate": (
+        "run_clm_flax", [*CLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
     "clm-nan-learning-rate": ("run_clm_flax", [*CLM, "--learning_rate", "nan"], ["--learning_rate nan"]),
     "clm-negative-warmup": ("run_clm_flax", [*CLM, "--warmup_steps", "-5"], ["--warmup_steps -5", "0 or more"]),
     "clm-adam-beta2-above-1": ("run_clm_flax", [*CLM, "--adam_beta2", "1.5"], ["--adam_beta2 1.5", "[0, 1)"]),
@@ -194,7 +198,8 @@ REFUSALS = {
     "clm-negative-max-train-samples": (
         "run_clm_flax", [*CLM, "--max_train_samples", "-5"], ["--max_train_samples -5", "at least 1"]),
     "clm-negative-sample-tokens": ("run_clm_flax", [*CLM, "--sample_tokens", "-1"], ["--sample_tokens"]),
-    "mlm-negative-learning-rate": ("run_mlm_flax", [*MLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
+    "mlm-negative-learning-rate": (
+        "run_mlm_flax", [*MLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
     "mlm-negative-weight-decay": ("run_mlm_flax", [*MLM, "--weight_decay", "-0.1"], ["--weight_decay -0.1"]),
     "config-dropout-above-1": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "resid_pdrop=1.5"],
@@ -241,7 +246,7 @@ def test_bad_input_is_refused_in_one_line(case, paths, tmp_path, monkeypatch):
 
 
 def test_pickle_is_refused_without_running_it(paths):
-    # The table's clm-pickle-with-code case has loaded it by now in a session running the whole file; run it here too.
+    # The table checks the message; this checks that the call pickled in the file was never made.
     module = run_clm_flax
     with pytest.raises(module.UsageError):
         module.read_safetensors_checkpoint(str(paths["pickled"]), module.ModelArguments(allow_pickle_weights=True))
@@ -263,7 +268,8 @@ def assert_one_error_line(result, *fragments):
 
 
 def test_rows_without_text_end_the_command_with_one_line(run_tool, paths, tmp_path):
-    result = run_tool("run_clm_flax.py", *script_arguments("run_clm_flax", [*CLM, "--train_file", "{null}"], paths, tmp_path))
+    arguments = script_arguments("run_clm_flax", [*CLM, "--train_file", "{null}"], paths, tmp_path)
+    result = run_tool("run_clm_flax.py", *arguments)
     assert_one_error_line(result, "null.jsonl", *MISSING_TEXT)
 
 
@@ -281,7 +287,7 @@ def test_whitespace_only_text_leaves_a_tokenizer_it_would_overwrite_as_it_was(ru
 def run_skipping_rows(run_tool, paths, tmp_path_factory):
     """A short CLM run on a file with a null row, with --skip_missing_texts, and that file also as validation."""
     directory = tmp_path_factory.mktemp("skipping")
-    arguments = [*CLM, "--train_file", "{null}", "--validation_file", "{null}", "--do_eval", "--skip_missing_texts"]
+    arguments = [*CLM, "--train_file", "{null}", "--validation_file", "{null}", "--skip_missing_texts", "--max_steps", "1"]
     result = run_tool("run_clm_flax.py", *script_arguments("run_clm_flax", arguments, paths, directory))
     assert result.returncode == 0, result.stderr[-3000:]
     return result, directory / "out"
@@ -313,7 +319,8 @@ def test_skip_missing_texts_leaves_out_the_rows_without_text(script, streaming, 
     module = SCRIPTS[script]
     data_args = module.DataTrainingArguments(train_file=str(paths["null"]), skip_missing_texts=True)
     with caplog.at_level(logging.WARNING, logger=module.logger.name):
-        train = module.load_text_datasets(module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming)["train"]
+        splits = module.load_text_datasets(module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming)
+        train = splits["train"]
         texts = [text for batch in train.iter(batch_size=100) for text in batch["text"]]
     expected = [json.loads(line)["text"] for line in paths["null"].read_text().splitlines()]
     assert texts == [text for text in expected if text is not None] and len(texts) == 299
@@ -347,7 +354,10 @@ def cut_in_half(path):
 
 def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, caplog):
     tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
-    pack = lambda: run_clm_flax.tokenize_and_pack(text_dataset, tokenizer, "text", 32, None, False, "train")  # noqa: E731
+
+    def pack():
+        return run_clm_flax.tokenize_and_pack(text_dataset, tokenizer, "text", 32, None, False, "train")
+
     expected = np.asarray(pack())
     shard = os.path.join(pack().directory, "blocks-00000.npy")
     cut_in_half(shard)
@@ -372,10 +382,13 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
 def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, caplog):
     mlm = SCRIPTS["run_mlm_flax"]
     tokenizer = mlm.AutoTokenizer.from_pretrained(paths["roberta"])
-    tokenize = lambda: mlm.tokenize_lines(text_dataset, tokenizer, "text", None, False, "train")  # noqa: E731
+
+    def tokenize():
+        return mlm.tokenize_lines(text_dataset, tokenizer, "text", None, False, "train")
+
     expected = tokenize()
     cache_dir = os.path.dirname(text_dataset.cache_files[0]["filename"])
-    (tokens_file,) = [name for name in os.listdir(cache_dir) if name.startswith("lines-") and name.endswith("tokens.npy")]
+    (tokens_file,) = [name for name in os.listdir(cache_dir) if name.startswith("lines-") and "tokens" in name]
     cut_in_half(os.path.join(cache_dir, tokens_file))
     with caplog.at_level(logging.WARNING, logger=mlm.logger.name):
         again = tokenize()
