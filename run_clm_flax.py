@@ -1186,6 +1186,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dic
     # stop with an error rather than wait for it until the distributed runtime gives up.
     with main_process_first("packed corpus written"):
         if jax.process_index() == 0 and index is None:
+            check_writable_directory(directory, "packed_data_dir")
             sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
             check_tokenizer_encodes(tokenizer, sources, data_args.text_column_name)
             logger.info("Packing %s into %s", " and ".join(sources), directory)

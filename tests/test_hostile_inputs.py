@@ -184,6 +184,9 @@ REFUSALS = {
         "run_clm_flax", [*CLM, "--output_dir", UNWRITABLE], ["--output_dir", UNWRITABLE, "cannot be written"]),
     "mlm-unwritable-output-dir": (
         "run_mlm_flax", [*MLM, "--output_dir", UNWRITABLE], ["--output_dir", UNWRITABLE, "cannot be written"]),
+    "clm-unwritable-packed-data-dir": (
+        "run_clm_flax", [*CLM, "--packed_data_dir", UNWRITABLE],
+        ["--packed_data_dir", UNWRITABLE, "cannot be written"]),
     "tokenizer-unwritable-output-dir": (
         "train_tokenizer", [*TOKENIZER, "{train}", "--output_dir", UNWRITABLE], ["cannot write to --output_dir"]),
     "config-unwritable-output-dir": (
@@ -287,7 +290,8 @@ def test_whitespace_only_text_leaves_a_tokenizer_it_would_overwrite_as_it_was(ru
 def run_skipping_rows(run_tool, paths, tmp_path_factory):
     """A short CLM run on a file with a null row, with --skip_missing_texts, and that file also as validation."""
     directory = tmp_path_factory.mktemp("skipping")
-    arguments = [*CLM, "--train_file", "{null}", "--validation_file", "{null}", "--skip_missing_texts", "--max_steps", "1"]
+    arguments = [*CLM, "--train_file", "{null}", "--validation_file", "{null}", "--skip_missing_texts"]
+    arguments += ["--max_steps", "1"]
     result = run_tool("run_clm_flax.py", *script_arguments("run_clm_flax", arguments, paths, directory))
     assert result.returncode == 0, result.stderr[-3000:]
     return result, directory / "out"
