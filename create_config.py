@@ -309,9 +309,21 @@ def check_config(config, preset, tokenizer=None):
         "num_attention_heads": config.num_attention_heads,
         "max_position_embeddings": config.max_position_embeddings,
     }
+    values = config.to_dict()
+    for name in ["n_inner", "intermediate_size", "type_vocab_size"]:  # n_inner None: four times the width
+        if name in values:
+            sizes[name] = values[name]
     for name, size in sizes.items():
-        if size < 1:
+        if size is not None and size < 1:
             raise UsageError(f"{name} must be 1 or more, not {size}")
+    # Dropout rates are probabilities; 1 would drop everything.
+    for name, rate in values.items():
+        if name.endswith(("pdrop", "dropout", "dropout_prob")) and rate is not None and not 0 <= rate < 1:
+            raise UsageError(f"{name} is a dropout probability, in [0, 1), not {rate}; fix it with --set {name}=0.1")
+    for name in ["layer_norm_epsilon", "layer_norm_eps", "initializer_range"]:
+        value = getattr(config, name, None)
+        if value is not None and not value > 0:
+            raise UsageError(f"{name} must be positive, not {value}; fix it with --set")
     if config.hidden_size % config.num_attention_heads != 0:
         raise UsageError(
             f"hidden size {config.hidden_size} is not divisible by the {config.num_attention_heads} attention heads; "
@@ -415,6 +427,15 @@ def main():
         raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
     if os.path.exists(os.path.join(output_dir, "config.json")) and not args.overwrite:
         raise UsageError(f"{output_dir} already has a config.json; pass --overwrite to replace it")
+    existing_ancestor = os.path.abspath(output_dir)
+    while not os.path.exists(existing_ancestor):
+        existing_ancestor = os.path.dirname(existing_ancestor)
+    try:
+        with tempfile.TemporaryFile(dir=existing_ancestor):
+            pass
+    except OSError as error:
+        reason = f"{error.strerror} in {existing_ancestor}"
+        raise UsageError(f"cannot write to --output_dir {output_dir}: {reason}") from None
 
     # Values: the preset, then what the tokenizer needs, then the user's changes -------------------------------------
     values = dict(preset_values)

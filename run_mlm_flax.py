@@ -42,11 +42,13 @@ import json
 import logging
 import math
 import os
+import pickle
 import queue
 import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -66,6 +68,7 @@ import transformers
 from flax import traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
@@ -176,6 +179,12 @@ class DataTrainingArguments:
     )
     text_column_name: str = field(
         default="text", metadata={"help": "The column holding the text (txt files always give 'text')."}
+    )
+    skip_missing_texts: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave out rows whose text is missing or null (counted in the log) instead of stopping there."
+        },
     )
     max_train_samples: Optional[int] = field(
         default=None,
@@ -476,9 +485,11 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("--max_seq_length must be at least 3: <s>, one token and </s>")
     if not 0 < data_args.mlm_probability < 1:
         raise UsageError(f"--mlm_probability {data_args.mlm_probability} must be between 0 and 1, such as 0.15")
+    check_numeric_arguments(data_args, training_args)
     output_dir = training_args.output_dir
     if os.path.isfile(output_dir):
         raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
+    check_writable_directory(output_dir, "output_dir")
     if training_args.resume_from_checkpoint and not training_args.do_train:
         raise UsageError("--resume_from_checkpoint continues training; add --do_train")
     if (
@@ -497,6 +508,48 @@ def check_arguments(model_args, data_args, training_args):
 # ----------------------------------------------------------------------------------------------------
 # Processes: one, or several joined by JAX's distributed runtime (one per host, or per GPU)
 # ----------------------------------------------------------------------------------------------------
+
+
+# Copied from run_clm_flax.check_numeric_arguments
+def check_numeric_arguments(data_args, training_args):
+    """Refuse numbers outside the range where they mean anything, before any work (the arguments with a message
+    of their own are checked in check_arguments)."""
+    ranges = {  # argument: (the test its value must pass, what the message asks for)
+        "learning_rate": (lambda value: value > 0, "must be positive, such as 3e-4"),
+        "weight_decay": (lambda value: value >= 0, "must be 0 or more"),
+        "adam_beta1": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.9"),
+        "adam_beta2": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.999"),
+        "adam_epsilon": (lambda value: value >= 0, "must be 0 or more, such as 1e-8"),
+        "max_grad_norm": (lambda value: value >= 0, "must be 0 (no clipping) or more"),
+        "num_train_epochs": (lambda value: value >= 0, "must be 0 or more"),
+        "max_steps": (lambda value: value >= -1, "must be positive, or -1 to train for --num_train_epochs"),
+        "warmup_steps": (lambda value: value >= 0, "must be 0 or more"),
+        "seed": (lambda value: value >= 0, "must be 0 or more"),
+        "max_train_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
+        "max_eval_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
+        "preprocessing_num_workers": (lambda value: value is None or value >= 1, "must be at least 1"),
+    }
+    for name, (in_range, requirement) in ranges.items():
+        value = getattr(training_args if hasattr(training_args, name) else data_args, name)
+        if not in_range(value) or (isinstance(value, float) and not math.isfinite(value)):
+            raise UsageError(f"--{name} {value} {requirement}")
+
+
+# Copied from run_clm_flax.check_writable_directory
+def check_writable_directory(path: str, flag: str):
+    """Refuse a directory that cannot be created or written into, before any work rather than at the first save."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--{flag} {path}: {existing} is a file; pass a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise UsageError(
+            f"--{flag} {path} cannot be written ({error.strerror} in {existing}); pass a directory you can write to"
+        ) from None
 
 
 # Copied from run_clm_flax.on_cloud_tpu_vm
@@ -719,7 +772,117 @@ def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
                 f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
                 "pass --text_column_name"
             )
-    return dict(raw)
+    warn_of_files_in_both_splits(data_args)
+    return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
+
+
+# Copied from run_clm_flax.warn_of_files_in_both_splits
+def warn_of_files_in_both_splits(data_args):
+    if data_args.train_file is None or data_args.validation_file is None:
+        return
+    train_files, validation_files = (
+        {os.path.realpath(path) for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])}
+        for pattern in (data_args.train_file, data_args.validation_file)
+    )
+    if shared := sorted(train_files & validation_files):
+        logger.warning(
+            "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
+            "training texts, not how it does on new text", ", ".join(shared),
+        )
+
+
+# Copied from run_clm_flax.text_source
+def text_source(split: str, data_args) -> str:
+    """Where the texts of a split come from, as the user named them, for messages about a row."""
+    pattern = {"train": data_args.train_file, "validation": data_args.validation_file}.get(split)
+    if pattern is None:
+        return f"the {split} split of --dataset_name {data_args.dataset_name}"
+    if glob.has_magic(pattern):
+        return f"the files of {pattern} (counted through them in sorted order)"
+    return pattern
+
+
+# Copied from run_clm_flax.rows_with_text
+def rows_with_text(dataset, split: str, data_args):
+    """The dataset without rows whose text is missing or null: such a row is refused in one line naming its file
+    and row, or with --skip_missing_texts left out and counted in the log. A column of other values than strings
+    is refused. A stream is checked lazily, batch by batch as it is read."""
+    column, skip = data_args.text_column_name, data_args.skip_missing_texts
+
+    def not_text(type_name: str) -> UsageError:
+        return UsageError(
+            f"column '{column}' of {text_source(split, data_args)} holds {type_name} values, not text; "
+            "pass the column of texts with --text_column_name"
+        )
+
+    def missing_text(row: int) -> UsageError:
+        return UsageError(
+            f"row {row + 1} of {text_source(split, data_args)} has no text (its '{column}' is missing or null); "
+            "fix the data, or pass --skip_missing_texts to leave such rows out"
+        )
+
+    if isinstance(dataset, datasets.IterableDataset):
+        def keep(batch, rows):
+            if column not in batch:  # token_arrays names the missing column
+                return [True] * len(rows)
+            kept = []
+            for text, row in zip(batch[column], rows):
+                if text is not None and not isinstance(text, str):
+                    raise not_text(type(text).__name__)
+                if text is None and not skip:
+                    raise missing_text(row)
+                kept.append(text is not None)
+            if not all(kept):
+                logger.warning("%s: left out %d rows without text, the first at row %d of %s", split,
+                               kept.count(False), rows[kept.index(False)] + 1, text_source(split, data_args))
+            return kept
+
+        return dataset.filter(keep, with_indices=True, batched=True, batch_size=TEXTS_PER_BATCH)
+    column_type = dataset.features[column]
+    if getattr(column_type, "dtype", None) not in ("string", "large_string", "string_view", "null"):
+        raise not_text(getattr(column_type, "dtype", type(column_type).__name__))
+    texts = dataset.data.column(column)
+    if texts.null_count == 0:
+        return dataset
+    missing = texts.is_null().to_numpy(zero_copy_only=False)
+    if not skip:
+        raise missing_text(int(np.argmax(missing)))
+    logger.warning("%s: left out %d of %d rows without text, the first at row %d of %s", split, int(missing.sum()),
+                   len(dataset), int(np.argmax(missing)) + 1, text_source(split, data_args))
+    return dataset.filter(
+        lambda texts: [text is not None for text in texts], input_columns=column, batched=True,
+        desc=f"Leaving out {split} rows without text",
+    )
+
+
+# Copied from run_clm_flax.first_texts
+def first_texts(dataset, text_column: str, count: int) -> list[str]:
+    if isinstance(dataset, datasets.IterableDataset):
+        try:
+            batch = next(iter(dataset.iter(batch_size=count)), {})
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
+            return []  # token_arrays reports the unreadable stream
+        return batch.get(text_column, [])
+    return dataset[:count][text_column]
+
+
+# Copied from run_clm_flax.check_tokenizer_encodes
+def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
+    """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
+    trained on that learns nothing of the texts while its loss looks like training."""
+    for split, dataset in text_datasets.items():
+        # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
+        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
+        if not texts:
+            continue
+        ids = [token for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+               for token in encoding.ids]
+        if not ids or set(ids) == {tokenizer.unk_token_id}:
+            outcome = "no tokens" if not ids else f"only the unknown token {tokenizer.unk_token}"
+            raise UsageError(
+                f"the tokenizer {tokenizer.name_or_path} cannot encode the {split} data: its first {len(texts)} "
+                f"texts give {outcome}; pass a tokenizer trained on such text (train_tokenizer.py makes one)"
+            )
 
 
 # Copied from run_clm_flax.load_raw_datasets
@@ -1017,6 +1180,32 @@ def read_packed_index(directory: str) -> Optional[dict]:
     return index
 
 
+# Copied from run_clm_flax.packed_shards_problem
+def packed_shards_problem(directory: str, index: dict) -> Optional[str]:
+    """What is wrong with the shard files of a packed corpus whose index is intact (a shard missing, cut short, or of
+    another shape than the index says), or None. Found here, before training, rather than when a shard is first
+    memory-mapped, maybe hours into the run."""
+    for entry in index["splits"].values():
+        for shard in entry["shards"]:
+            path = os.path.join(directory, shard["file"])
+            try:
+                with open(path, "rb") as file:
+                    if np.lib.format.read_magic(file) == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
+                    else:
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
+                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
+                    size = os.fstat(file.fileno()).st_size
+            except (OSError, ValueError) as error:
+                return f"{shard['file']} cannot be read ({error})"
+            expected = (shard["num_blocks"], index["block_size"])
+            if tuple(shape) != expected:
+                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
+            if size < expected_size:
+                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
+    return None
+
+
 # Copied from run_clm_flax.PackedBlocks
 class PackedBlocks:
     """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
@@ -1086,6 +1275,29 @@ def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
 # Grouped mode: the texts, each followed by </s>, joined and cut into blocks of max_seq_length - 2 tokens;
 # BatchMaker frames every block as <s> block </s>. RoBERTa's pretraining data is made the same way: full
 # sentences across document boundaries, with a separator between documents.
+# What an interrupted run leaves in a datasets cache directory: Dataset.map's result file before it is renamed
+# (tempfile's tmpXXXXXXXX), and the unfinished packed corpora and line caches of this script.
+# Copied from run_clm_flax.STALE_TEMPORARY_NAME
+STALE_TEMPORARY_NAME = re.compile(r"tmp[a-z0-9_]{8}|packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+# Copied from run_clm_flax.STALE_AFTER_SECONDS
+STALE_AFTER_SECONDS = 600
+
+
+# Copied from run_clm_flax.remove_stale_temporary_files
+def remove_stale_temporary_files(cache_dir: str):
+    """Remove the temporary files that runs killed mid-tokenization left behind (about the size of the tokens each).
+    Only files untouched for STALE_AFTER_SECONDS go: a live run, this one or another sharing the cache, writes to
+    its own every few seconds."""
+    for entry in os.scandir(cache_dir):
+        if STALE_TEMPORARY_NAME.fullmatch(entry.name) and time.time() - entry.stat().st_mtime > STALE_AFTER_SECONDS:
+            logger.info("Removing %s, left in the cache by an interrupted run", entry.path)
+            if entry.is_dir():
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
+
+
 # Copied from run_clm_flax.tokenize_and_pack
 def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
     """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
@@ -1101,7 +1313,11 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
         dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
     )
     cache_path = os.path.join(os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}")
+    remove_stale_temporary_files(os.path.dirname(cache_path))
     index = None if overwrite_cache else read_packed_index(cache_path)
+    if index is not None and (problem := packed_shards_problem(cache_path, index)):
+        logger.warning("The packed cache %s is damaged (%s); packing it again", cache_path, problem)
+        index = None
     if index is not None:
         logger.info("Loading packed %s blocks from cache %s", split, cache_path)
     else:
@@ -1110,10 +1326,14 @@ def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, 
         temporary_path = f"{cache_path}.{os.getpid()}.tmp"
         description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                        "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column}}
-        index = write_packed_corpus(
-            temporary_path, {"blocks": pack_blocks(tokens, block_size)}, description, packed_dtype(tokenizer),
-            PACKED_TOKENS_PER_SHARD,
-        )
+        try:
+            index = write_packed_corpus(
+                temporary_path, {"blocks": pack_blocks(tokens, block_size)}, description, packed_dtype(tokenizer),
+                PACKED_TOKENS_PER_SHARD,
+            )
+        except BaseException:
+            shutil.rmtree(temporary_path, ignore_errors=True)
+            raise
         if os.path.isdir(cache_path):
             shutil.rmtree(cache_path, ignore_errors=True)
         try:
@@ -1161,6 +1381,8 @@ def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) ->
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if problem := packed_shards_problem(directory, index):
+            raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
         differences = [name for name in source if index["source"].get(name) != source[name]]
         if has_source and differences:
             recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
@@ -1182,7 +1404,9 @@ def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) ->
     # stop with an error rather than wait for it until the distributed runtime gives up.
     with main_process_first("packed corpus written"):
         if jax.process_index() == 0 and index is None:
+            check_writable_directory(directory, "packed_data_dir")
             sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+            check_tokenizer_encodes(tokenizer, sources, data_args.text_column_name)
             logger.info("Packing %s into %s", " and ".join(sources), directory)
 
             def blocks_with_progress(split, dataset):
@@ -1240,9 +1464,17 @@ def tokenize_lines(dataset, tokenizer, text_column, num_workers, overwrite_cache
     if dataset.cache_files:
         cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
         cache_paths = {part: os.path.join(cache_dir, f"lines-{fingerprint}-{part}.npy") for part in ("tokens", "offsets")}
+        remove_stale_temporary_files(cache_dir)
         if all(os.path.exists(path) for path in cache_paths.values()) and not overwrite_cache:
-            logger.info("Loading tokenized %s lines from cache %s", split, cache_paths["tokens"])
-            return LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in cache_paths.items()})
+            try:
+                examples = LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in cache_paths.items()})
+            except (OSError, ValueError) as error:  # a file cut short: "mmap length is greater than file size"
+                logger.warning("The cached %s lines in %s are damaged (%s); tokenizing again", split, cache_dir, error)
+            else:
+                if examples.offsets[-1] == len(examples.tokens):
+                    logger.info("Loading tokenized %s lines from cache %s", split, cache_paths["tokens"])
+                    return examples
+                logger.warning("The cached %s lines in %s are damaged; tokenizing again", split, cache_dir)
 
     backend = tokenizer.backend_tokenizer
 
@@ -1952,15 +2184,27 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
                 raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
 
+    def read(path):
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as error:
+            reason = str(error).splitlines()[0]
+            raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
+
     if (index_path := fetch(index_name)) is not None:
-        with open(index_path) as index_file:
-            shard_names = sorted(set(json.load(index_file)["weight_map"].values()))
+        try:
+            with open(index_path) as index_file:
+                shard_names = sorted(set(json.load(index_file)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UsageError(f"{index_path} is not a safetensors index (JSON with a weight_map)") from None
         state_dict = {}
         for shard_name in shard_names:
-            state_dict.update(load_file(fetch(shard_name)))
+            if (shard_path := fetch(shard_name)) is None:
+                raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
+            state_dict.update(read(shard_path))
         return state_dict
     if (path := fetch(single_name)) is not None:
-        return load_file(path)
+        return read(path)
     if (pickle_path := fetch("pytorch_model.bin")) is None:
         raise UsageError(f"{name_or_path} has no model.safetensors")
     if not model_args.allow_pickle_weights:
@@ -1972,8 +2216,17 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
         import torch
     except ImportError:
         raise UsageError("reading pytorch_model.bin needs PyTorch: pip install torch") from None
-    # weights_only refuses anything in the pickle but tensors and plain containers.
-    return {name: tensor.float().numpy() for name, tensor in torch.load(pickle_path, map_location="cpu", weights_only=True).items()}
+    # weights_only refuses anything in the pickle but tensors and plain containers, before running any of it.
+    try:
+        state_dict = torch.load(pickle_path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError):
+        raise UsageError(
+            f"{pickle_path} cannot be loaded as plain tensors: it holds other objects (none of them was run) or is "
+            "damaged; convert it to model.safetensors where you trust it"
+        ) from None
+    if not (isinstance(state_dict, dict) and all(isinstance(tensor, torch.Tensor) for tensor in state_dict.values())):
+        raise UsageError(f"{pickle_path} is not a state dict of named tensors; convert it to model.safetensors")
+    return {name: tensor.float().numpy() for name, tensor in state_dict.items()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2452,6 +2705,15 @@ def write_json(path: str, values: dict):
     os.replace(temporary_path, path)
 
 
+# Copied from run_clm_flax.current_umask
+def current_umask() -> int:
+    # It can only be read by setting it: to the strictest value, so that a file another thread creates meanwhile
+    # is never more open than the user asked for.
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
 def save_model(output_dir: str, params, config, tokenizer):
     """A Hugging Face model directory: config, safetensors weights, tokenizer.
 
@@ -2463,6 +2725,7 @@ def save_model(output_dir: str, params, config, tokenizer):
     os.makedirs(output_dir, exist_ok=True)
     weights_path = os.path.join(output_dir, "model.safetensors")
     save_file(to_hf_state_dict(host_params, config), f"{weights_path}.tmp", metadata={"format": "pt"})
+    os.chmod(f"{weights_path}.tmp", 0o666 & ~current_umask())  # safetensors writes 0600; the other files, the umask
     os.replace(f"{weights_path}.tmp", weights_path)
     config.architectures = ["RobertaForMaskedLM"]  # what AutoModelForMaskedLM and pipeline("fill-mask") build
     config.save_pretrained(output_dir)
@@ -2533,6 +2796,11 @@ def load_config_and_tokenizer(model_args):
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0:
+        raise UsageError(
+            f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
+            "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
+        )
     backend = tokenizer.backend_tokenizer
     added_beyond = {
         token_id: token
@@ -2665,6 +2933,7 @@ def main():
             return
     elif data_args.streaming:
         streams = load_text_datasets(model_args, data_args, streaming=True)
+        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
         if training_args.do_train:
             if "train" not in streams:
                 raise UsageError("--do_train needs training data, and the dataset has no train split")
@@ -2685,6 +2954,7 @@ def main():
         with main_process_first("data prepared"):
             # Lines are held out for evaluation as lines; grouped, blocks are held out, as from a packed corpus.
             raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=data_args.line_by_line)
+            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
             for split in ("train", "validation"):
                 if split not in raw_datasets:
                     continue

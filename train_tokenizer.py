@@ -105,6 +105,12 @@ class DataArguments:
     keep_linebreaks: bool = field(
         default=False, metadata={"help": "Keep the line break at the end of each line of .txt files."}
     )
+    skip_missing_texts: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave out rows whose text is missing or null (counted in the log) instead of stopping there."
+        },
+    )
     max_texts: Optional[int] = field(
         default=None, metadata={"help": "Stop reading after this many texts (rows or lines); leave out to read all."}
     )
@@ -161,7 +167,8 @@ class ReadCounts:
     texts: int = 0
     characters: int = 0
     bytes: int = 0
-    first_text: Optional[str] = None
+    first_text: Optional[str] = None  # the first with more than whitespace
+    missing_texts: int = 0  # rows left out by --skip_missing_texts
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -252,12 +259,18 @@ def check_output_dir(output_dir, overwrite):
             f"--output_dir {output_dir} already holds a tokenizer ({existing[0]}); pass --overwrite to replace it "
             "or choose another directory"
         )
-    # The nearest directory that exists must be writable, so that training is not wasted.
+    # The nearest directory that exists must be writable, so that training is not wasted. Writing a file is the
+    # test: os.access says yes to root on a read-only filesystem.
     ancestor = os.path.abspath(output_dir)
-    while not os.path.isdir(ancestor):
+    while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
-    if not os.access(ancestor, os.W_OK):
-        raise UsageError(f"cannot write to --output_dir {output_dir}: {ancestor} is not writable")
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"--output_dir {output_dir}: {ancestor} is a file; pass a directory")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as error:
+        raise UsageError(f"cannot write to --output_dir {output_dir}: {error.strerror} in {ancestor}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,10 +375,14 @@ def first_line(error):
     return lines[0] if lines else type(error).__name__
 
 
-def text_batches(sources, counts, max_texts=None, max_characters=None):
-    """Yield lists of up to TEXTS_PER_BATCH non-empty strings from all sources, updating `counts` as it goes."""
+def text_batches(sources, counts, max_texts=None, max_characters=None, skip_missing_texts=False):
+    """Yield lists of up to TEXTS_PER_BATCH non-empty strings from all sources, updating `counts` as it goes.
+
+    A row whose text is missing or null is refused, naming the source and the row, or with `skip_missing_texts`
+    left out and counted."""
     for description, dataset, column, _ in sources:
         rows = iter(dataset.iter(batch_size=TEXTS_PER_BATCH))
+        row = 0
         while True:
             try:
                 batch = next(rows)
@@ -382,7 +399,16 @@ def text_batches(sources, counts, max_texts=None, max_characters=None):
                 )
             texts = []
             for text in batch[column]:
-                if text is None or text == "":
+                row += 1
+                if text is None and not skip_missing_texts:
+                    raise UsageError(
+                        f"row {row} of {description} has no text (its '{column}' is missing or null); "
+                        "fix the data, or pass --skip_missing_texts to leave such rows out"
+                    )
+                if text is None:
+                    counts.missing_texts += 1
+                    continue
+                if text == "":
                     continue
                 if not isinstance(text, str):
                     raise UsageError(
@@ -395,7 +421,7 @@ def text_batches(sources, counts, max_texts=None, max_characters=None):
                 counts.texts += 1
                 counts.characters += len(text)
                 counts.bytes += len(text.encode("utf-8"))
-                if counts.first_text is None:
+                if counts.first_text is None and not text.isspace():
                     counts.first_text = text
                 if counts.texts == max_texts or counts.characters == max_characters:
                     yield texts
@@ -534,14 +560,18 @@ def main():
     start_time = time.perf_counter()
     # The trainer's progress bar counts the texts as they are read, then shows the merges.
     tokenizer.train_from_iterator(
-        text_batches(sources, counts, data_args.max_texts, data_args.max_characters),
+        text_batches(sources, counts, data_args.max_texts, data_args.max_characters, data_args.skip_missing_texts),
         trainer=trainer,
         length=expected_texts,
     )
     seconds = max(time.perf_counter() - start_time, 1e-6)
+    where = ", ".join(description for description, _, _, _ in sources)
     if counts.texts == 0:
-        where = ", ".join(description for description, _, _, _ in sources)
         raise UsageError(f"no text found in {where}; check the files and --text_column_name")
+    if counts.first_text is None:  # checked before anything is saved, so a tokenizer in --output_dir stays as it was
+        raise UsageError(f"{where} holds only whitespace, nothing to learn tokens from; check the files")
+    if counts.missing_texts:
+        logger.warning("Left out %d rows of %s without text (--skip_missing_texts)", counts.missing_texts, where)
     logger.info(
         "Trained on %d texts (%d characters, %.2f MB) in %.1f s (%.2f MB/s)",
         counts.texts,

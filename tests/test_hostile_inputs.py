@@ -1,0 +1,422 @@
+"""Bad inputs to the four scripts, as a careless user or a hostile environment would give them: each is refused in
+one line (a UsageError, which the scripts print as `error: ...` with exit status 2) before any training, or works.
+
+The table runs each command line inside this process (a fresh interpreter per case would cost seconds of imports
+each); the tests below it run the scripts as commands where the exit status, the log or the files left on disk are
+the point."""
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+
+import datasets
+import numpy as np
+import pyarrow
+import pyarrow.parquet
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast, RobertaConfig
+
+from conftest import FIXTURES_DIR, REPO_DIR
+from test_clm import run_clm_flax, tiny_config
+
+TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
+NULL_ROW = 57  # the row of the JSON-lines files below whose text is null (or absent): row 58 counted from 1
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SCRIPTS = {
+    "run_clm_flax": run_clm_flax,
+    "run_mlm_flax": load_script("run_mlm_flax"),
+    "train_tokenizer": load_script("train_tokenizer"),
+    "create_config": load_script("create_config"),
+}
+
+
+class PickleThatWritesAFile:
+    """Unpickled without weights_only, this writes a file: the test that the loader never runs it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def save_model_dir(directory, tokenizer_dir, config):
+    shutil.copytree(tokenizer_dir, directory, dirs_exist_ok=True)
+    config.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
+    """Model directories and data files, good and bad, named for the placeholders of the table."""
+    root = tmp_path_factory.mktemp("hostile")
+    gpt2 = save_model_dir(root / "gpt2", gpt2_tokenizer_dir, tiny_config(vocab_size=1000, n_positions=64))
+    roberta_config = RobertaConfig(
+        vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    )
+    roberta = save_model_dir(root / "roberta", roberta_tokenizer_dir, roberta_config)
+    config_only = root / "config-only"  # AutoTokenizer builds a tokenizer without vocabulary from it
+    tiny_config(vocab_size=1000).save_pretrained(config_only)
+
+    # A tokenizer that knows one word, not in the corpus: every text encodes to unknown tokens.
+    unknown_only = root / "unknown-only"
+    word_level = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<unk>": 1, "xylophone": 2}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<|endoftext|>", unk_token="<unk>").save_pretrained(
+        unknown_only
+    )
+    tiny_config(vocab_size=8).save_pretrained(unknown_only)
+
+    lines = TRAIN_FILE.read_text().splitlines()[:300]
+    data = root / "data"
+    data.mkdir()
+    with open(data / "null.jsonl", "w") as file:
+        for row, line in enumerate(lines):
+            file.write(json.dumps({"text": None if row == NULL_ROW else line}) + "\n")
+    with open(data / "missing.jsonl", "w") as file:
+        for row, line in enumerate(lines):
+            file.write(json.dumps({"id": row} if row == NULL_ROW else {"id": row, "text": line}) + "\n")
+    with open(data / "texts.jsonl", "w") as file:
+        file.writelines(json.dumps({"text": line}) + "\n" for line in lines)
+    pyarrow.parquet.write_table(pyarrow.table({"text": list(range(300))}), data / "int.parquet")
+    (data / "whitespace.txt").write_text("   \n\t\n \u3000 \n" * 50)
+
+    GPT2LMHeadModel(tiny_config(vocab_size=1000, n_positions=64)).save_pretrained(root / "good")
+    good_weights = (root / "good" / "model.safetensors").read_bytes()
+    bad_weights = {
+        "truncated_weights": good_weights[: len(good_weights) // 2],
+        "garbage_weights": os.urandom(4096),
+        "empty_weights": b"",
+    }
+    for name, content in bad_weights.items():
+        save_model_dir(root / name, gpt2, tiny_config(vocab_size=1000, n_positions=64))
+        (root / name / "model.safetensors").write_bytes(content)
+    pickled = save_model_dir(root / "pickled", gpt2, tiny_config(vocab_size=1000, n_positions=64))
+    code = PickleThatWritesAFile(str(root / "pickle-ran"))
+    torch.save({"transformer.wte.weight": code}, pickled / "pytorch_model.bin")
+
+    return {
+        "gpt2": gpt2, "roberta": roberta, "config_only": config_only, "unknown_only": unknown_only,
+        "train": TRAIN_FILE, "texts": data / "texts.jsonl", "null": data / "null.jsonl",
+        "missing": data / "missing.jsonl",
+        "int": data / "int.parquet", "whitespace": data / "whitespace.txt", "pickled": pickled,
+        "pickle_ran": root / "pickle-ran", "root": root, **{name: root / name for name in bad_weights},
+    }  # fmt: skip
+
+
+CLM = [
+    "--config_name", "{gpt2}", "--tokenizer_name", "{gpt2}", "--do_train", "--train_file", "{train}",
+    "--block_size", "32", "--per_device_train_batch_size", "4", "--max_steps", "2", "--sample_tokens", "0",
+]  # fmt: skip
+MLM = [
+    "--config_name", "{roberta}", "--tokenizer_name", "{roberta}", "--do_train", "--train_file", "{train}",
+    "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "2",
+]  # fmt: skip
+TOKENIZER = ["--vocab_size", "300", "--train_file"]
+# Under /proc nothing can be created, not even by root, for whom os.access says yes to everything.
+UNWRITABLE = "/proc/no-such-directory/output"
+MISSING_TEXT = ["row 58 of", "has no text", "--skip_missing_texts"]
+
+# (script, arguments, fragments of the error line). Placeholders name the paths of the fixture above; training
+# scripts also get --output_dir and --cache_dir in a fresh directory unless the arguments give --output_dir.
+REFUSALS = {
+    # A tokenizer that cannot encode text
+    "clm-tokenizer-without-vocabulary": (
+        "run_clm_flax", [*CLM, "--tokenizer_name", "{config_only}"], ["--tokenizer_name", "has no vocabulary"]),
+    "mlm-tokenizer-without-vocabulary": (
+        "run_mlm_flax", [*MLM, "--tokenizer_name", "{config_only}"], ["--tokenizer_name", "has no vocabulary"]),
+    "clm-tokenizer-of-unknown-tokens-only": (
+        "run_clm_flax", [*CLM, "--config_name", "{unknown_only}", "--tokenizer_name", "{unknown_only}"],
+        ["cannot encode the", "data", "only the unknown token <unk>"]),
+    "clm-tokenizer-of-unknown-tokens-only-streaming": (
+        "run_clm_flax",
+        [*CLM, "--config_name", "{unknown_only}", "--tokenizer_name", "{unknown_only}", "--streaming"],
+        ["cannot encode the train data", "only the unknown token <unk>"]),
+    # Rows without text
+    "clm-null-text": ("run_clm_flax", [*CLM, "--train_file", "{null}"], ["null.jsonl", *MISSING_TEXT]),
+    "clm-absent-text": ("run_clm_flax", [*CLM, "--train_file", "{missing}"], ["missing.jsonl", *MISSING_TEXT]),
+    "clm-null-text-streaming": (
+        "run_clm_flax", [*CLM, "--train_file", "{null}", "--streaming"], ["null.jsonl", *MISSING_TEXT]),
+    "clm-null-text-packing": (
+        "run_clm_flax", [*CLM, "--train_file", "{null}", "--packed_data_dir", "{root}/packed-null"],
+        ["null.jsonl", *MISSING_TEXT]),
+    "clm-null-validation-text": (
+        "run_clm_flax", [*CLM, "--train_file", "{texts}", "--validation_file", "{null}"],
+        ["null.jsonl", *MISSING_TEXT]),
+    "mlm-null-text": ("run_mlm_flax", [*MLM, "--train_file", "{null}"], ["null.jsonl", *MISSING_TEXT]),
+    "mlm-null-text-line-by-line": (
+        "run_mlm_flax", [*MLM, "--train_file", "{null}", "--line_by_line"], ["null.jsonl", *MISSING_TEXT]),
+    "tokenizer-null-text": ("train_tokenizer", [*TOKENIZER, "{null}"], ["null.jsonl", *MISSING_TEXT]),
+    "clm-int-column": ("run_clm_flax", [*CLM, "--train_file", "{int}"], ["column 'text'", "int64", "not text"]),
+    "clm-int-column-streaming": (
+        "run_clm_flax", [*CLM, "--train_file", "{int}", "--streaming"], ["column 'text'", "int", "not text"]),
+    "mlm-int-column": ("run_mlm_flax", [*MLM, "--train_file", "{int}"], ["column 'text'", "int64", "not text"]),
+    "tokenizer-int-column": ("train_tokenizer", [*TOKENIZER, "{int}"], ["column 'text'", "int", "not text"]),
+    "tokenizer-whitespace-only": ("train_tokenizer", [*TOKENIZER, "{whitespace}"], ["only whitespace"]),
+    # Damaged weights
+    **{
+        f"clm-{name.replace('_', '-')}": (
+            "run_clm_flax", [*CLM, "--model_name_or_path", f"{{{name}}}"],
+            ["model.safetensors", "is not a readable safetensors file"])
+        for name in ["truncated_weights", "garbage_weights", "empty_weights"]
+    },
+    "clm-pickle-with-code": (
+        "run_clm_flax", [*CLM, "--model_name_or_path", "{pickled}", "--allow_pickle_weights"],
+        ["pytorch_model.bin", "cannot be loaded as plain tensors", "none of them was run"]),
+    # Unwritable output directories
+    "clm-unwritable-output-dir": (
+        "run_clm_flax", [*CLM, "--output_dir", UNWRITABLE], ["--output_dir", UNWRITABLE, "cannot be written"]),
+    "mlm-unwritable-output-dir": (
+        "run_mlm_flax", [*MLM, "--output_dir", UNWRITABLE], ["--output_dir", UNWRITABLE, "cannot be written"]),
+    "clm-unwritable-packed-data-dir": (
+        "run_clm_flax", [*CLM, "--packed_data_dir", UNWRITABLE],
+        ["--packed_data_dir", UNWRITABLE, "cannot be written"]),
+    "tokenizer-unwritable-output-dir": (
+        "train_tokenizer", [*TOKENIZER, "{train}", "--output_dir", UNWRITABLE], ["cannot write to --output_dir"]),
+    "config-unwritable-output-dir": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", UNWRITABLE], ["cannot write to --output_dir"]),
+    # Numbers out of range
+    "clm-negative-learning-rate": (
+        "run_clm_flax", [*CLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
+    "clm-nan-learning-rate": ("run_clm_flax", [*CLM, "--learning_rate", "nan"], ["--learning_rate nan"]),
+    "clm-negative-warmup": ("run_clm_flax", [*CLM, "--warmup_steps", "-5"], ["--warmup_steps -5", "0 or more"]),
+    "clm-adam-beta2-above-1": ("run_clm_flax", [*CLM, "--adam_beta2", "1.5"], ["--adam_beta2 1.5", "[0, 1)"]),
+    "clm-negative-max-grad-norm": ("run_clm_flax", [*CLM, "--max_grad_norm", "-1"], ["--max_grad_norm -1.0"]),
+    "clm-negative-max-train-samples": (
+        "run_clm_flax", [*CLM, "--max_train_samples", "-5"], ["--max_train_samples -5", "at least 1"]),
+    "clm-negative-sample-tokens": ("run_clm_flax", [*CLM, "--sample_tokens", "-1"], ["--sample_tokens"]),
+    "mlm-negative-learning-rate": (
+        "run_mlm_flax", [*MLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
+    "mlm-negative-weight-decay": ("run_mlm_flax", [*MLM, "--weight_decay", "-0.1"], ["--weight_decay -0.1"]),
+    "config-dropout-above-1": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "resid_pdrop=1.5"],
+        ["resid_pdrop", "dropout probability", "1.5"]),
+    "config-roberta-dropout-of-1": (
+        "create_config", ["--preset", "roberta-tiny", "--output_dir", "{out}", "--set", "hidden_dropout_prob=1"],
+        ["hidden_dropout_prob", "dropout probability"]),
+    "config-negative-dropout": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "attn_pdrop=-0.1"],
+        ["attn_pdrop", "-0.1"]),
+    "config-zero-inner-size": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "n_inner=0"],
+        ["n_inner must be 1 or more"]),
+    "config-zero-layer-norm-epsilon": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "layer_norm_epsilon=0"],
+        ["layer_norm_epsilon must be positive"]),
+}  # fmt: skip
+
+
+def script_arguments(script, arguments, paths, directory):
+    placeholders = {**paths, "out": directory / "out"}
+    arguments = [argument.format(**placeholders) for argument in arguments]
+    if script.startswith("run_") and "--output_dir" not in arguments:
+        arguments += ["--output_dir", str(directory / "out")]
+    if script.startswith("run_"):
+        arguments += ["--cache_dir", str(directory / "cache")]
+    if script == "train_tokenizer" and "--output_dir" not in arguments:
+        arguments += ["--output_dir", str(directory / "out")]
+    return arguments
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_bad_input_is_refused_in_one_line(case, paths, tmp_path, monkeypatch):
+    script, arguments, fragments = REFUSALS[case]
+    module = SCRIPTS[script]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *script_arguments(script, arguments, paths, tmp_path)])
+    with pytest.raises(module.UsageError) as refusal:
+        module.main()
+    message = str(refusal.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out"), "it wrote output before refusing"
+
+
+def test_pickle_is_refused_without_running_it(paths):
+    # The table checks the message; this checks that the call pickled in the file was never made.
+    module = run_clm_flax
+    with pytest.raises(module.UsageError):
+        module.read_safetensors_checkpoint(str(paths["pickled"]), module.ModelArguments(allow_pickle_weights=True))
+    assert not paths["pickle_ran"].exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# As commands: exit status, log and files on disk
+# ----------------------------------------------------------------------------------------------------
+
+
+def assert_one_error_line(result, *fragments):
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in last_line
+
+
+def test_rows_without_text_end_the_command_with_one_line(run_tool, paths, tmp_path):
+    arguments = script_arguments("run_clm_flax", [*CLM, "--train_file", "{null}"], paths, tmp_path)
+    result = run_tool("run_clm_flax.py", *arguments)
+    assert_one_error_line(result, "null.jsonl", *MISSING_TEXT)
+
+
+def test_whitespace_only_text_leaves_a_tokenizer_it_would_overwrite_as_it_was(run_tool, paths, tmp_path):
+    shutil.copytree(paths["gpt2"], tmp_path / "tokenizer")
+    before = hashlib.sha256((tmp_path / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
+    result = run_tool(
+        "train_tokenizer.py", *TOKENIZER, paths["whitespace"], "--output_dir", tmp_path / "tokenizer", "--overwrite"
+    )
+    assert_one_error_line(result, "only whitespace")
+    assert hashlib.sha256((tmp_path / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest() == before
+
+
+@pytest.fixture(scope="module")
+def run_skipping_rows(run_tool, paths, tmp_path_factory):
+    """A short CLM run on a file with a null row, with --skip_missing_texts, and that file also as validation."""
+    directory = tmp_path_factory.mktemp("skipping")
+    arguments = [*CLM, "--train_file", "{null}", "--validation_file", "{null}", "--skip_missing_texts"]
+    arguments += ["--max_steps", "1"]
+    result = run_tool("run_clm_flax.py", *script_arguments("run_clm_flax", arguments, paths, directory))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, directory / "out"
+
+
+def test_skipped_rows_are_counted_in_the_log(run_skipping_rows):
+    result, _ = run_skipping_rows
+    for split in ("train", "validation"):
+        assert f"{split}: left out 1 of 300 rows without text, the first at row 58 of" in result.stderr
+
+
+def test_the_same_file_for_training_and_validation_is_warned_of(run_skipping_rows):
+    result, _ = run_skipping_rows
+    assert "WARNING" in result.stderr and "--train_file and --validation_file share" in result.stderr
+
+
+def test_the_exported_weights_have_the_mode_of_the_other_files(run_skipping_rows):
+    _, output_dir = run_skipping_rows
+    mode = os.stat(output_dir / "model.safetensors").st_mode & 0o777
+    assert mode == os.stat(output_dir / "config.json").st_mode & 0o777
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["dataset", "stream"])
+@pytest.mark.parametrize("script", ["run_clm_flax", "run_mlm_flax"])
+def test_skip_missing_texts_leaves_out_the_rows_without_text(script, streaming, paths, tmp_path, caplog):
+    module = SCRIPTS[script]
+    data_args = module.DataTrainingArguments(train_file=str(paths["null"]), skip_missing_texts=True)
+    with caplog.at_level(logging.WARNING, logger=module.logger.name):
+        splits = module.load_text_datasets(module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming)
+        train = splits["train"]
+        texts = [text for batch in train.iter(batch_size=100) for text in batch["text"]]
+    expected = [json.loads(line)["text"] for line in paths["null"].read_text().splitlines()]
+    assert texts == [text for text in expected if text is not None] and len(texts) == 299
+    assert "left out 1" in caplog.text and "rows without text, the first at row 58 of" in caplog.text
+
+
+def test_skip_missing_texts_leaves_out_the_rows_without_text_in_train_tokenizer(paths, tmp_path, monkeypatch, caplog):
+    module = SCRIPTS["train_tokenizer"]
+    arguments = [*TOKENIZER, str(paths["null"]), "--output_dir", str(tmp_path / "tokenizer"), "--skip_missing_texts"]
+    monkeypatch.setattr(sys, "argv", ["train_tokenizer.py", *arguments])
+    with caplog.at_level(logging.INFO):
+        module.main()
+    assert "Trained on 299 texts" in caplog.text and "Left out 1 rows of" in caplog.text
+    assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Caches: damaged shards, leftovers of killed runs
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def text_dataset(tmp_path):
+    """The training texts as a dataset with cache files, as load_raw_datasets gives them."""
+    return datasets.load_dataset("text", data_files=str(TRAIN_FILE), split="train", cache_dir=str(tmp_path / "cache"))
+
+
+def cut_in_half(path):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, caplog):
+    tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
+
+    def pack():
+        return run_clm_flax.tokenize_and_pack(text_dataset, tokenizer, "text", 32, None, False, "train")
+
+    expected = np.asarray(pack())
+    shard = os.path.join(pack().directory, "blocks-00000.npy")
+    cut_in_half(shard)
+    with caplog.at_level(logging.WARNING, logger=run_clm_flax.logger.name):
+        np.testing.assert_array_equal(np.asarray(pack()), expected)
+    assert "is damaged (blocks-00000.npy is cut short" in caplog.text
+
+
+def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
+    tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
+
+    def load(**settings):
+        data_args = run_clm_flax.DataTrainingArguments(packed_data_dir=str(tmp_path / "packed"), **settings)
+        return run_clm_flax.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, tokenizer, 32)
+
+    load(train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000)
+    cut_in_half(tmp_path / "packed" / "train-00001.npy")
+    with pytest.raises(run_clm_flax.UsageError, match=r"is damaged: train-00001.npy is cut short .*--overwrite_cache"):
+        load()
+
+
+def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, caplog):
+    mlm = SCRIPTS["run_mlm_flax"]
+    tokenizer = mlm.AutoTokenizer.from_pretrained(paths["roberta"])
+
+    def tokenize():
+        return mlm.tokenize_lines(text_dataset, tokenizer, "text", None, False, "train")
+
+    expected = tokenize()
+    cache_dir = os.path.dirname(text_dataset.cache_files[0]["filename"])
+    (tokens_file,) = [name for name in os.listdir(cache_dir) if name.startswith("lines-") and "tokens" in name]
+    cut_in_half(os.path.join(cache_dir, tokens_file))
+    with caplog.at_level(logging.WARNING, logger=mlm.logger.name):
+        again = tokenize()
+    np.testing.assert_array_equal(again.tokens, expected.tokens)
+    np.testing.assert_array_equal(again.offsets, expected.offsets)
+    assert "are damaged" in caplog.text
+
+
+def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset, paths):
+    """A run killed while Dataset.map writes leaves its tmpXXXXXXXX file (megabytes) in the cache; the next run
+    removes those untouched for ten minutes, and leaves a fresh one, which may be a live run's."""
+    cache_dir = os.path.dirname(text_dataset.cache_files[0]["filename"])
+    stale = [os.path.join(cache_dir, name) for name in ("tmpab12cd_3", "packed-0123abcd-block32.4242.tmp")]
+    fresh = os.path.join(cache_dir, "tmpzz99yy_8")
+    kept = os.path.join(cache_dir, "notes-tmpab12cd_3")
+    with open(stale[0], "wb") as file:
+        file.write(b"\0" * 1000)
+    os.makedirs(os.path.join(stale[1]))
+    for path in (fresh, kept):
+        open(path, "wb").close()
+    an_hour_ago = time.time() - 3600
+    for path in (*stale, kept):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
+    run_clm_flax.tokenize_and_pack(text_dataset, tokenizer, "text", 32, None, False, "train")
+    assert not any(os.path.exists(path) for path in stale)
+    assert os.path.exists(fresh) and os.path.exists(kept)
