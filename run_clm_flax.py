@@ -1851,14 +1851,14 @@ def array_shapes(tree, only_params: bool = False) -> dict[str, tuple]:
     }
 
 
-PROGRESS_RECORD_KEYS = ("step", "train_loss_sum", "train_token_count", "global_batch_size", "block_size")
-
-
-def restore_checkpoint(location: str, output_dir: str, abstract_state: TrainState) -> Optional[tuple[TrainState, dict, str]]:
-    """The training state (placed with the shardings of `abstract_state`), the progress record and the path
-    of the checkpoint at `location`: "auto" (the newest complete and readable one in output_dir, None if there
-    is none: a fresh start), a checkpoints directory, or one STEP in it. An unreadable checkpoint is skipped with
-    a warning for the next older one, except the one STEP asked for; one of another model is refused."""
+def restore_checkpoint(
+    location: str, output_dir: str, abstract_state: TrainState, progress_keys: list[str]
+) -> Optional[tuple[TrainState, dict, str]]:
+    """The training state (placed with the shardings of `abstract_state`), the progress record (which must hold
+    `progress_keys`) and the path of the checkpoint at `location`: "auto" (the newest complete and readable one in
+    output_dir; None if there is none, for a fresh start), a checkpoints directory, or one STEP in it. An unreadable
+    checkpoint is skipped with a warning for the next older one, except the one STEP asked for; a checkpoint of
+    another model is refused."""
     newest = location == "auto"
     location_path = os.path.normpath(os.path.join(output_dir, "checkpoints") if newest else location)
     if os.path.basename(location_path).isdigit():
@@ -1885,8 +1885,8 @@ def restore_checkpoint(location: str, output_dir: str, abstract_state: TrainStat
             path = os.path.join(directory, str(candidate))
             try:
                 progress = manager.restore(candidate, args=ocp.args.Composite(progress=ocp.args.JsonRestore())).progress
-                if not isinstance(progress, dict) or any(key not in progress for key in PROGRESS_RECORD_KEYS):
-                    raise ValueError("its progress record lacks one of " + ", ".join(PROGRESS_RECORD_KEYS))
+                if not isinstance(progress, dict) or any(key not in progress for key in progress_keys):
+                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
                 if progress["step"] != candidate:
                     raise ValueError(f"its progress record is of step {progress['step']}")
                 check_checkpoint_fits(path, manager.item_metadata(candidate)["state"], abstract_state)
@@ -2240,7 +2240,10 @@ def main():
     progress_record = {"step": 0, "train_loss_sum": 0.0, "train_token_count": 0.0}
     restored = None
     if training_args.resume_from_checkpoint:
-        restored = restore_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir, abstract_state)
+        restored = restore_checkpoint(
+            training_args.resume_from_checkpoint, training_args.output_dir, abstract_state,
+            [*progress_record, "global_batch_size", "block_size"],
+        )
         if restored is None:
             logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
     run_complete = False
