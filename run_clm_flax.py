@@ -287,8 +287,8 @@ class TrainingArguments:
         default=None,
         metadata={
             "help": "Continue from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, or no value (or "
-            "auto) for the newest readable one in --output_dir, starting afresh when there is none and exiting at once "
-            "when the run is complete, so the same command can be repeated until the run is done.",
+            "auto) for the newest readable one in --output_dir, starting afresh when there is none and exiting at "
+            "once when the run is complete, so the same command can be repeated until the run is done.",
             "nargs": "?",
             "const": "auto",
         },
@@ -1699,7 +1699,9 @@ def lock_output_dir(output_dir: str):
         os.makedirs(output_dir, exist_ok=True)
         lock_file = open(os.path.join(output_dir, OUTPUT_DIR_LOCK), "a+")
     except OSError as error:
-        raise UsageError(f"cannot write into --output_dir {output_dir} ({error.strerror}); pass a writable directory") from None
+        raise UsageError(
+            f"cannot write into --output_dir {output_dir} ({error.strerror}); pass a writable directory"
+        ) from None
     try:
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1707,10 +1709,13 @@ def lock_output_dir(output_dir: str):
         holder = lock_file.read().strip() or "another process"
         lock_file.close()
         raise UsageError(
-            f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or pass another --output_dir"
+            f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or pass another "
+            "--output_dir"
         ) from None
     except OSError as error:  # a file system without locks
-        logger.warning("cannot lock --output_dir %s (%s): make sure no other run writes into it", output_dir, error.strerror)
+        logger.warning(
+            "cannot lock --output_dir %s (%s): make sure no other run writes into it", output_dir, error.strerror
+        )
         return lock_file
     lock_file.seek(0)
     lock_file.truncate()
@@ -1725,9 +1730,13 @@ def previous_run_entries(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     checkpoints = os.path.join(output_dir, "checkpoints")
-    unfinished_only = os.path.isdir(checkpoints) and all(ocp.step.is_tmp_checkpoint(os.path.join(checkpoints, name)) for name in os.listdir(checkpoints))
+    unfinished_only = os.path.isdir(checkpoints) and all(
+        ocp.step.is_tmp_checkpoint(os.path.join(checkpoints, name)) for name in os.listdir(checkpoints)
+    )
     return sorted(
-        name for name in os.listdir(output_dir) if name != OUTPUT_DIR_LOCK and not (name == "checkpoints" and unfinished_only)
+        name
+        for name in os.listdir(output_dir)
+        if name != OUTPUT_DIR_LOCK and not (name == "checkpoints" and unfinished_only)
     )
 
 
@@ -1751,13 +1760,17 @@ def claim_output_dir(training_args):
         except UsageError as error:
             failure = error
     if jax.process_count() > 1 and not np.all(multihost_utils.process_allgather(np.asarray(failure is None))):
-        raise failure or UsageError(f"process 0 could not claim --output_dir {training_args.output_dir} (see its error)")
+        raise failure or UsageError(
+            f"process 0 could not claim --output_dir {training_args.output_dir} (see its error)"
+        )
     if failure:
         raise failure
     return lock
 
 
-PREVIOUS_RUN_RESULTS = ["checkpoints", "discarded-checkpoints", "tensorboard", "train_results.json", "eval_results.json"]
+PREVIOUS_RUN_RESULTS = [
+    "checkpoints", "discarded-checkpoints", "tensorboard", "train_results.json", "eval_results.json"
+]
 
 
 def clear_previous_run(output_dir: str):
@@ -1781,7 +1794,8 @@ def set_aside_checkpoints_after(output_dir: str, step: int):
     """Move the training checkpoints after `step` (unreadable ones, or those of a later point the run resumes
     before) to OUTPUT_DIR/discarded-checkpoints, so that this run's saves at those steps are not refused."""
     directory = os.path.join(output_dir, "checkpoints")
-    later = sorted(int(name) for name in os.listdir(directory) if name.isdigit() and int(name) > step) if os.path.isdir(directory) else []
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    later = sorted(int(name) for name in names if name.isdigit() and int(name) > step)
     if not later:
         return
     discarded = os.path.join(output_dir, "discarded-checkpoints")
@@ -1823,7 +1837,9 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
         )
 
 
-def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: Optional[int], wait: bool = False) -> Optional[int]:
+def committed_checkpoint(
+    checkpoints: ocp.CheckpointManager, step: Optional[int], wait: bool = False
+) -> Optional[int]:
     """Log when the checkpoint of `step` being written is complete on disk (a kill after this message loses
     nothing before it), waiting for it with `wait`. Returns the step still being written, None once none is."""
     if wait:
@@ -1879,12 +1895,15 @@ def restore_checkpoint(
         steps = sorted(manager.all_steps(), reverse=True)
         if step is not None:
             if step not in steps:
-                raise UsageError(f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}")
+                raise UsageError(
+                    f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}"
+                )
             steps = [step]
         for candidate in steps:
             path = os.path.join(directory, str(candidate))
             try:
-                progress = manager.restore(candidate, args=ocp.args.Composite(progress=ocp.args.JsonRestore())).progress
+                progress_args = ocp.args.Composite(progress=ocp.args.JsonRestore())
+                progress = manager.restore(candidate, args=progress_args).progress
                 if not isinstance(progress, dict) or any(key not in progress for key in progress_keys):
                     raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
                 if progress["step"] != candidate:
@@ -1898,8 +1917,9 @@ def restore_checkpoint(
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for damaged files
                 restored, reason = None, str(error).splitlines()[0][:300] if str(error) else type(error).__name__
             # Every process takes the same checkpoint, even where only some could not read theirs.
-            if jax.process_count() > 1 and not np.all(multihost_utils.process_allgather(np.asarray(restored is not None))):
-                restored, reason = None, reason or "another process could not read it"
+            if jax.process_count() > 1:
+                if not np.all(multihost_utils.process_allgather(np.asarray(restored is not None))):
+                    restored, reason = None, reason or "another process could not read it"
             if restored:
                 return restored
             if not newest:
@@ -1916,7 +1936,8 @@ def restore_checkpoint(
 def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState):
     """Refuse a checkpoint of another model or optimizer in one line (a mismatch found by the restore itself
     surfaces as a flood of errors from Orbax's background reads)."""
-    for only_params, what, fix in [(True, "parameter", "config"), (False, "optimizer state array", "optimizer settings")]:
+    checks = [(True, "parameter", "config"), (False, "optimizer state array", "optimizer settings")]
+    for only_params, what, fix in checks:
         stored, needed = array_shapes(stored_metadata, only_params), array_shapes(abstract_state, only_params)
         if stored != needed:
             name = next(name for name in sorted(set(stored) | set(needed)) if stored.get(name) != needed.get(name))
@@ -1975,7 +1996,10 @@ def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool
             advice = "no training checkpoint was saved yet. Lower --learning_rate and start again"
         else:
             last_good = os.path.join(str(checkpoints.directory), str(newest))
-            advice = f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with --resume_from_checkpoint"
+            advice = (
+                f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with "
+                "--resume_from_checkpoint"
+            )
         raise UsageError(
             f"the loss or gradient norm is not finite at step {bad_steps[0]}; its update was not applied and nothing "
             f"was saved after it; {advice}, or pass --skip_nonfinite_steps to skip such steps"
@@ -2307,7 +2331,8 @@ def main():
         return results
 
     # Training loop
-    if training_args.do_train and run_complete and not os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors")):
+    exported = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
+    if training_args.do_train and run_complete and not exported:
         save_model(training_args.output_dir, state.params, config, tokenizer)
         logger.info("Exported the model of the complete run to %s", training_args.output_dir)
     if training_args.do_train and not run_complete:
@@ -2421,7 +2446,8 @@ def main():
                 if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
                     run_evaluation(step)
                 if is_save_step:
-                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)  # the save would wait for it
+                    # The save would wait for the checkpoint still being written: announce it first.
+                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
                     checkpoint_being_written = save(step)
                 if stopping:
                     break
@@ -2452,7 +2478,9 @@ def main():
         logger.info("Saved the model to %s", training_args.output_dir)
 
     if training_args.do_eval and run_complete and evaluated_step(training_args.output_dir) == total_steps:
-        logger.info("The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json"))
+        logger.info(
+            "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
+        )
     elif training_args.do_eval:
         step = int(state.step)
         results = run_evaluation(step)

@@ -39,13 +39,16 @@ CORPUS = os.path.join(REPO_DIR, "tests", "fixtures", "en")
 def prepare_model_dir(directory: str, environment: dict):
     """A 1000-token tokenizer trained on the test corpus and a one-layer GPT-2 config (dropout on)."""
     subprocess.run(
-        [sys.executable, os.path.join(REPO_DIR, "train_tokenizer.py"), "--train_file", os.path.join(CORPUS, "train.txt"),
-         "--model_type", "gpt2", "--vocab_size", "1000", "--model_max_length", "64", "--output_dir", directory],
+        [sys.executable, os.path.join(REPO_DIR, "train_tokenizer.py"),
+         "--train_file", os.path.join(CORPUS, "train.txt"), "--model_type", "gpt2", "--vocab_size", "1000",
+         "--model_max_length", "64", "--output_dir", directory],
         env=environment, check=True, capture_output=True,
     )  # fmt: skip
     from transformers import GPT2Config
 
-    GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0).save_pretrained(directory)
+    GPT2Config(
+        vocab_size=1000, n_positions=64, n_embd=64, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    ).save_pretrained(directory)
 
 
 def command(model_dir: str, output_dir: str, arguments) -> list[str]:
@@ -53,7 +56,8 @@ def command(model_dir: str, output_dir: str, arguments) -> list[str]:
         sys.executable, os.path.join(REPO_DIR, "run_clm_flax.py"), "--output_dir", output_dir,
         "--config_name", model_dir, "--tokenizer_name", model_dir, "--train_file", os.path.join(CORPUS, "train.txt"),
         "--do_train", "--block_size", "32", "--per_device_train_batch_size", "8", "--learning_rate", "1e-3",
-        "--seed", str(arguments.seed), "--max_steps", str(arguments.max_steps), "--save_steps", str(arguments.save_steps),
+        "--seed", str(arguments.seed), "--max_steps", str(arguments.max_steps),
+        "--save_steps", str(arguments.save_steps),
         "--logging_steps", "1", "--save_total_limit", "2", "--sample_tokens", "0", "--resume_from_checkpoint",
     ]  # fmt: skip
 
@@ -63,7 +67,9 @@ class Run:
 
     def __init__(self, argument_list, environment):
         self.started = time.perf_counter()
-        self.process = subprocess.Popen(argument_list, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            argument_list, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.lines = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stderr), daemon=True)
         self.reader.start()
@@ -95,7 +101,8 @@ def main():
         environment = {
             **os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             "HF_HOME": os.path.join(work_dir, "hf_home"), "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": os.path.join(work_dir, "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_COMPILATION_CACHE_DIR": os.path.join(work_dir, "jax_cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         }  # fmt: skip
         model_dir = os.path.join(work_dir, "model")
         prepare_model_dir(model_dir, environment)
@@ -113,7 +120,10 @@ def main():
             f"uninterrupted run: {arguments.max_steps} steps, a checkpoint every {arguments.save_steps}, "
             f"{duration:.1f} s; {arguments.kills} kills at moments drawn uniformly over that time\n"
         )
-        print(f"{'kill at':>8} {'steps done':>10} {'committed':>9} {'resumed at':>10} {'lost':>4} {'in flight':>9} {'same weights':>12}")
+        print(
+            f"{'kill at':>8} {'steps done':>10} {'committed':>9} {'resumed at':>10} {'lost':>4} {'in flight':>9} "
+            f"{'same weights':>12}"
+        )
 
         results = []
         for trial in range(arguments.kills):
@@ -133,7 +143,9 @@ def main():
                 sys.exit(f"trial {trial}: the resumed run failed:\n{resumed.log()[-3000:]}")
             resumed_from = last_number(r"Resumed from .* at step (\d+)", resumed.log(), 0)
             final = load_file(os.path.join(output_dir, "model.safetensors"))
-            same = final.keys() == expected.keys() and all(np.array_equal(final[name], expected[name]) for name in expected)
+            same = final.keys() == expected.keys() and all(
+                np.array_equal(final[name], expected[name]) for name in expected
+            )
             lost = max(0, steps_done - resumed_from)
             in_flight = steps_done - newest_save if newest_save > committed else 0
             results.append(dict(lost=lost, in_flight=in_flight, kept_commit=resumed_from >= committed, same=same))

@@ -68,7 +68,7 @@ def complete_run(model_dir, cached_environment, tmp_path_factory):
     """A run of 6 steps, checkpoints at 2, 4 and 6; every case works on a copy of it."""
     output_dir = tmp_path_factory.mktemp("complete")
     result = subprocess.run(
-        [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *arguments(model_dir, output_dir, "--overwrite_output_dir")],
+        [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *arguments(model_dir, output_dir)],
         env=cached_environment, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -83,7 +83,10 @@ def copy_of(complete_run, tmp_path):
 
 
 def assert_same_weights(output_dir, expected_dir):
-    final, expected = load_file(str(output_dir / "model.safetensors")), load_file(str(expected_dir / "model.safetensors"))
+    final, expected = (
+        load_file(str(output_dir / "model.safetensors")),
+        load_file(str(expected_dir / "model.safetensors")),
+    )
     assert final.keys() == expected.keys()
     for name in expected:
         np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
@@ -92,24 +95,28 @@ def assert_same_weights(output_dir, expected_dir):
 def snapshot(directory) -> dict:
     """Every file under `directory` with its size and modification time, but the lock (which names its holder)."""
     return {
-        os.path.relpath(os.path.join(root, name), directory): (os.path.getsize(os.path.join(root, name)), os.path.getmtime(os.path.join(root, name)))
+        os.path.relpath(os.path.join(root, name), directory): (
+            os.path.getsize(os.path.join(root, name)),
+            os.path.getmtime(os.path.join(root, name)),
+        )
         for root, _, names in os.walk(directory)
         for name in names
         if name != run_clm_flax.OUTPUT_DIR_LOCK
     }
 
 
-def largest_data_file(checkpoint) -> str:
+def truncate_largest_data_file(checkpoint):
     files = [os.path.join(root, name) for root, _, names in os.walk(checkpoint / "state") for name in names]
-    return max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
+    largest = max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
+    os.truncate(largest, os.path.getsize(largest) // 2)
 
 
 # How a checkpoint gets damaged: a disk filling up, a copy cut short, a file system losing a write.
 DAMAGE = {
-    "truncated data file": lambda checkpoint: os.truncate(largest_data_file(checkpoint), os.path.getsize(largest_data_file(checkpoint)) // 2),
+    "truncated data file": truncate_largest_data_file,
     "corrupt _METADATA": lambda checkpoint: (checkpoint / "state" / "_METADATA").write_text('{"tree_metadata": {'),
     "corrupt manifest.ocdbt": lambda checkpoint: (checkpoint / "state" / "manifest.ocdbt").write_bytes(b"\0" * 16),
-    "corrupt progress JSON": lambda checkpoint: (checkpoint / "progress" / "metadata").write_text('{"step": 6, "train_lo'),
+    "corrupt progress JSON": lambda checkpoint: (checkpoint / "progress" / "metadata").write_text('{"step": 6, "tr'),
     "progress record of another step": lambda checkpoint: (checkpoint / "progress" / "metadata").write_text(
         json.dumps({**json.loads((checkpoint / "progress" / "metadata").read_text()), "step": 5})
     ),
@@ -117,7 +124,9 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(model_dir, damage, complete_run, tmp_path, monkeypatch, capfd):
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
+    model_dir, damage, complete_run, tmp_path, monkeypatch, capfd
+):
     output_dir = copy_of(complete_run, tmp_path)
     DAMAGE[damage](output_dir / "checkpoints" / "6")
     os.remove(output_dir / "model.safetensors")
@@ -134,18 +143,24 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(model_dir, da
 
 
 @pytest.mark.parametrize("damage", ["truncated data file", "corrupt progress JSON"])
-def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(model_dir, damage, complete_run, tmp_path, monkeypatch):
+def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(
+    model_dir, damage, complete_run, tmp_path, monkeypatch
+):
     output_dir = copy_of(complete_run, tmp_path)
     DAMAGE[damage](output_dir / "checkpoints" / "6")
     before = snapshot(output_dir)
     resume = arguments(model_dir, output_dir, "--resume_from_checkpoint", str(output_dir / "checkpoints" / "6"))
-    with pytest.raises(run_clm_flax.UsageError, match=r"checkpoints/6 is unreadable \(.*\); resume from an earlier one") as error:
+    with pytest.raises(
+        run_clm_flax.UsageError, match=r"checkpoints/6 is unreadable \(.*\); resume from an earlier one"
+    ) as error:
         run_main(monkeypatch, resume)
     assert "\n" not in str(error.value) and "config" not in str(error.value)
     assert snapshot(output_dir) == before
 
 
-def test_a_leftover_temporary_checkpoint_blocks_neither_a_resume_nor_a_fresh_start(model_dir, complete_run, tmp_path, monkeypatch):
+def test_a_leftover_temporary_checkpoint_blocks_neither_a_resume_nor_a_fresh_start(
+    model_dir, complete_run, tmp_path, monkeypatch
+):
     # A run killed while writing checkpoint 6: Orbax leaves it under a temporary name.
     output_dir = copy_of(complete_run, tmp_path)
     unfinished = output_dir / "checkpoints" / "6.orbax-checkpoint-tmp-1234"
@@ -170,7 +185,9 @@ def test_resume_with_nothing_to_resume_starts_a_new_run(model_dir, complete_run,
     assert_same_weights(output_dir, complete_run)
 
 
-def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missing(model_dir, complete_run, tmp_path, monkeypatch, capfd):
+def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missing(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
     output_dir = copy_of(complete_run, tmp_path)
     os.remove(output_dir / "model.safetensors")
     evaluate = ["--do_eval", "--validation_file", str(CORPUS / "validation.txt"), "--resume_from_checkpoint"]
@@ -183,12 +200,16 @@ def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missin
     before = snapshot(output_dir)
     run_main(monkeypatch, arguments(model_dir, output_dir, *evaluate))
     assert "evaluation is in" in capfd.readouterr().err
-    changed = {name for name in set(before) | set(snapshot(output_dir)) if before.get(name) != snapshot(output_dir).get(name)}
+    changed = {
+        name for name in set(before) | set(snapshot(output_dir)) if before.get(name) != snapshot(output_dir).get(name)
+    }
     assert all(name.startswith("tensorboard") for name in changed), changed
 
 
-def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(model_dir, complete_run, tmp_path, monkeypatch, capfd):
-    # The earlier run saved at 2, 4 and 6; this one saves at 3 and 6, and a stale 6 would have taken the place of its own.
+def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    # The earlier run saved at 2, 4 and 6; this one saves at 3 and 6: a stale 6 would take the place of its own.
     output_dir = copy_of(complete_run, tmp_path)
     run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir", "--save_steps", "3"))
     log = capfd.readouterr().err
@@ -199,7 +220,9 @@ def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(model_di
     assert len(os.listdir(output_dir / "tensorboard")) == 1
 
 
-def test_a_second_run_in_a_directory_in_use_stops_in_one_line_and_changes_nothing(model_dir, complete_run, tmp_path, monkeypatch):
+def test_a_second_run_in_a_directory_in_use_stops_in_one_line_and_changes_nothing(
+    model_dir, complete_run, tmp_path, monkeypatch
+):
     output_dir = copy_of(complete_run, tmp_path)
     before = snapshot(output_dir)
     # Another run holds the lock (a lock taken by another open file, as another process's would be).
@@ -211,7 +234,9 @@ def test_a_second_run_in_a_directory_in_use_stops_in_one_line_and_changes_nothin
     assert snapshot(output_dir) == before
 
 
-def test_a_checkpoint_announced_as_committed_survives_sigkill_and_the_lock_does_not(model_dir, cached_environment, complete_run, tmp_path, monkeypatch, capfd):
+def test_a_checkpoint_announced_as_committed_survives_sigkill_and_the_lock_does_not(
+    model_dir, cached_environment, complete_run, tmp_path, monkeypatch, capfd
+):
     output_dir = tmp_path / "killed"
     process = subprocess.Popen(
         [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *arguments(model_dir, output_dir)],
@@ -232,7 +257,9 @@ def test_a_checkpoint_announced_as_committed_survives_sigkill_and_the_lock_does_
     assert_same_weights(output_dir, complete_run)
 
 
-def test_divergence_without_a_checkpoint_is_one_line_and_does_not_advise_resuming(model_dir, tmp_path, monkeypatch, capfd):
+def test_divergence_without_a_checkpoint_is_one_line_and_does_not_advise_resuming(
+    model_dir, tmp_path, monkeypatch, capfd
+):
     diverging = arguments(
         model_dir, tmp_path / "diverged", "--learning_rate", "1e30", "--max_grad_norm", "0", "--save_steps", "100",
         "--logging_steps", "1",
