@@ -2,8 +2,9 @@
 """How much a SIGKILL costs run_clm_flax.py: kill a run at random moments, resume each with the same command, count.
 
 Every trial starts the preemption-safe command (`--resume_from_checkpoint` with no value) in a fresh output
-directory, kills it with SIGKILL at a moment drawn uniformly over an uninterrupted run's duration (start-up,
-training, saves, exit), then runs the same command again to the end. For each trial it reports
+directory, kills it with SIGKILL at a moment drawn uniformly over the training part of an uninterrupted run
+(from the log line that starts training to the process's exit: steps, saves, the final wait for the last
+checkpoint), then runs the same command again to the end. For each trial it reports
 
 - the steps done when the kill came (the last step logged: --logging_steps 1 reads every step's metrics) and
   the step the second run resumed from: their difference is the steps lost, which must not exceed one save
@@ -66,13 +67,24 @@ class Run:
     """A run of the command whose log lines are read as they come."""
 
     def __init__(self, argument_list, environment):
-        self.started = time.perf_counter()
         self.process = subprocess.Popen(
             argument_list, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
-        self.lines = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stderr), daemon=True)
+        self.lines, self.training_started = [], None
+        self.reader = threading.Thread(target=self.read, daemon=True)
         self.reader.start()
+
+    def read(self):
+        for line in self.process.stderr:
+            if self.training_started is None and "Training steps" in line:
+                self.training_started = time.perf_counter()
+            self.lines.append(line)
+
+    def wait_for_training(self):
+        while self.training_started is None:
+            if self.process.poll() is not None:
+                sys.exit(f"the run ended before training:\n{self.log()[-3000:]}")
+            time.sleep(0.001)
 
     def finish(self) -> int:
         code = self.process.wait()
@@ -114,11 +126,11 @@ def main():
             reference = Run(command(model_dir, reference_dir, arguments), environment)
             if reference.finish() != 0:
                 sys.exit(f"the uninterrupted run failed:\n{reference.log()[-3000:]}")
-            duration = time.perf_counter() - reference.started
+            duration = time.perf_counter() - reference.training_started
         expected = load_file(os.path.join(reference_dir, "model.safetensors"))
         print(
             f"uninterrupted run: {arguments.max_steps} steps, a checkpoint every {arguments.save_steps}, "
-            f"{duration:.1f} s; {arguments.kills} kills at moments drawn uniformly over that time\n"
+            f"training took {duration:.1f} s; {arguments.kills} kills at moments drawn uniformly over that time\n"
         )
         print(
             f"{'kill at':>8} {'steps done':>10} {'committed':>9} {'resumed at':>10} {'lost':>4} {'in flight':>9} "
@@ -130,7 +142,8 @@ def main():
             output_dir = os.path.join(work_dir, f"trial{trial}")
             delay = moments.uniform(0, duration)
             killed = Run(command(model_dir, output_dir, arguments), environment)
-            time.sleep(max(0.0, delay - (time.perf_counter() - killed.started)))
+            killed.wait_for_training()
+            time.sleep(max(0.0, delay - (time.perf_counter() - killed.training_started)))
             killed.process.kill()
             killed.finish()
             log = killed.log()

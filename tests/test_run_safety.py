@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 
 from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
+from test_mlm import run_mlm_flax
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -271,3 +272,56 @@ def test_divergence_without_a_checkpoint_is_one_line_and_does_not_advise_resumin
     assert "no training checkpoint was saved yet" in message and "--resume_from_checkpoint" not in message
     # The progress bar's line is ended, so the error the script prints next starts a line of its own.
     assert capfd.readouterr().err.endswith("\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# run_mlm_flax.py shares the checkpoint code; its own part is the order of the steps in main()
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def roberta_dir(run_tool, roberta_tokenizer_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("safety-roberta")
+    shutil.copytree(roberta_tokenizer_dir, directory, dirs_exist_ok=True)
+    result = run_tool(
+        "create_config.py", "--preset", "roberta-tiny", "--tokenizer_dir", directory,
+        "--set", "num_hidden_layers=1", "hidden_size=32", "num_attention_heads=2", "intermediate_size=64",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return str(directory)
+
+
+def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
+    roberta_dir, tmp_path, monkeypatch, capfd
+):
+    output_dir = tmp_path / "mlm"
+
+    def run(*extra):
+        monkeypatch.setattr(sys, "argv", [
+            "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
+            "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
+            "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_steps", "2",
+            "--logging_steps", "2", "--fill_mask_top_k", "0", *extra,
+        ])  # fmt: skip
+        run_mlm_flax.main()
+        return capfd.readouterr().err
+
+    assert "No training checkpoint to resume from" in run("--resume_from_checkpoint")
+    final_weights = load_file(str(output_dir / "model.safetensors"))
+    assert "The run is complete (step 4 of 4)" in run("--resume_from_checkpoint")
+
+    DAMAGE["corrupt progress JSON"](output_dir / "checkpoints" / "4")
+    log = run("--resume_from_checkpoint")
+    assert "skipping the training checkpoint" in log and "at step 2" in log
+    assert "step 4: training checkpoint committed" in log
+    resumed_weights = load_file(str(output_dir / "model.safetensors"))
+    for name in final_weights:
+        np.testing.assert_array_equal(resumed_weights[name], final_weights[name], err_msg=name)
+
+    with open(output_dir / ".lock", "a+") as other_run:
+        fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(run_mlm_flax.UsageError, match="is in use by another run"):
+            run("--overwrite_output_dir")
+    log = run("--overwrite_output_dir")
+    assert "removed the previous run's checkpoints/, discarded-checkpoints/, tensorboard/" in log
+    assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4"]
