@@ -2157,6 +2157,27 @@ def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, b
 OUTPUT_DIR_LOCK = ".lock"
 
 
+# Copied from run_clm_flax.take_lock
+def take_lock(lock_file, output_dir: str, mode: int) -> bool:
+    """flock `lock_file` without waiting; refuses in one line where another run holds it. False where the file
+    system has no locks."""
+    try:
+        fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "another process"
+        raise UsageError(
+            f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or pass another "
+            "--output_dir"
+        ) from None
+    except OSError as error:
+        logger.warning(
+            "cannot lock --output_dir %s (%s): make sure no other run writes into it", output_dir, error.strerror
+        )
+        return False
+    return True
+
+
 # Copied from run_clm_flax.lock_output_dir
 def lock_output_dir(output_dir: str):
     """Hold OUTPUT_DIR/.lock for the life of this process, so that one run at a time writes into it. The kernel
@@ -2170,24 +2191,14 @@ def lock_output_dir(output_dir: str):
             f"cannot write into --output_dir {output_dir} ({error.strerror}); pass a writable directory"
         ) from None
     try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.seek(0)
-        holder = lock_file.read().strip() or "another process"
+        if take_lock(lock_file, output_dir, fcntl.LOCK_EX):
+            lock_file.seek(0)
+            lock_file.truncate()
+            lock_file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+            lock_file.flush()
+    except UsageError:
         lock_file.close()
-        raise UsageError(
-            f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or pass another "
-            "--output_dir"
-        ) from None
-    except OSError as error:  # a file system without locks
-        logger.warning(
-            "cannot lock --output_dir %s (%s): make sure no other run writes into it", output_dir, error.strerror
-        )
-        return lock_file
-    lock_file.seek(0)
-    lock_file.truncate()
-    lock_file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-    lock_file.flush()
+        raise
     return lock_file
 
 
@@ -2208,33 +2219,47 @@ def previous_run_entries(output_dir: str) -> list[str]:
     )
 
 
-# Copied from run_clm_flax.claim_output_dir
-def claim_output_dir(training_args):
-    """Lock --output_dir for this run and refuse to train into another run's results unless asked to. Every
-    process calls this; process 0 decides, and the others stop with it. Returns the lock (None elsewhere)."""
-    lock, failure = None, None
+# Copied from run_clm_flax.refuse_earlier_run
+def refuse_earlier_run(training_args):
+    """Training into an earlier run's files needs --resume_from_checkpoint or --overwrite_output_dir."""
+    if (
+        training_args.do_train
+        and previous_run_entries(training_args.output_dir)
+        and not training_args.overwrite_output_dir
+        and not training_args.resume_from_checkpoint
+    ):
+        raise UsageError(
+            f"--output_dir {training_args.output_dir} already holds files; pass --resume_from_checkpoint to "
+            "continue its run, or --overwrite_output_dir to start a new run in it"
+        )
+
+
+# Copied from run_clm_flax.check_output_dir
+def check_output_dir(training_args):
+    """Before any work, and writing nothing: refuse an output directory in use by a running run (a shared lock
+    held for a moment), or one with an earlier run's files that these flags do not allow training into."""
+    lock_path = os.path.join(training_args.output_dir, OUTPUT_DIR_LOCK)
+    if os.path.isfile(lock_path):
+        with open(lock_path) as probe:
+            take_lock(probe, training_args.output_dir, fcntl.LOCK_SH)
+    refuse_earlier_run(training_args)
+
+
+# Copied from run_clm_flax.on_process_zero
+def on_process_zero(action, what: str):
+    """Run `action` on process 0 alone; its UsageError stops every process (the others with a line naming
+    `what` and pointing to process 0). Returns what `action` returns (None on the other processes)."""
+    result, failure = None, None
     if jax.process_index() == 0:
         try:
-            lock = lock_output_dir(training_args.output_dir)
-            if (
-                training_args.do_train
-                and previous_run_entries(training_args.output_dir)
-                and not training_args.overwrite_output_dir
-                and not training_args.resume_from_checkpoint
-            ):
-                raise UsageError(
-                    f"--output_dir {training_args.output_dir} already holds files; pass --resume_from_checkpoint to "
-                    "continue its run, or --overwrite_output_dir to start a new run in it"
-                )
+            result = action()
         except UsageError as error:
             failure = error
     if jax.process_count() > 1 and not np.all(multihost_utils.process_allgather(np.asarray(failure is None))):
-        raise failure or UsageError(
-            f"process 0 could not claim --output_dir {training_args.output_dir} (see its error)"
-        )
+        raise failure or UsageError(f"process 0 could not {what} (see its error)")
     if failure:
         raise failure
-    return lock
+    return result
 
 
 # Copied from run_clm_flax.PREVIOUS_RUN_RESULTS
@@ -2701,7 +2726,7 @@ def main():
         "%d devices over %d processes (%d here): %s", jax.device_count(), jax.process_count(),
         jax.local_device_count(), jax.devices(),
     )
-    output_dir_lock = claim_output_dir(training_args)  # noqa: F841 - held until the process ends
+    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
 
     # Model config and tokenizer
     config, tokenizer = load_config_and_tokenizer(model_args)
@@ -2862,11 +2887,18 @@ def main():
     )
     eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
 
-    if is_main_process and training_args.do_train:
-        if training_args.overwrite_output_dir and not restored:
-            clear_previous_run(training_args.output_dir)
-        set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
-    wait_for_all_processes("output directory prepared")
+    def prepare_output_dir():
+        lock = lock_output_dir(training_args.output_dir)
+        refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
+        if training_args.do_train:
+            if training_args.overwrite_output_dir and not restored:
+                clear_previous_run(training_args.output_dir)
+            set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
+        return lock
+
+    # Process 0 holds the lock until this process ends, for all processes.
+    lock_failure = f"lock --output_dir {training_args.output_dir}"
+    output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
     os.makedirs(training_args.output_dir, exist_ok=True)
     writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
     if writer:
