@@ -34,6 +34,7 @@ A single .json file holding the arguments works too: `./run_mlm_flax.py args.jso
 
 import contextlib
 import copy
+import fcntl
 import functools
 import glob
 import hashlib
@@ -47,6 +48,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -285,7 +287,11 @@ class TrainingArguments:
         metadata={"help": "Where the model, its tokenizer, the results and the TensorBoard logs are written."}
     )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Allow training into an output directory that already holds files."}
+        default=False,
+        metadata={
+            "help": "Start a new run in an output directory that already holds one: its checkpoints, TensorBoard logs "
+            "and results are removed (the model files are overwritten by this run's)."
+        },
     )
     do_train: bool = field(
         default=False,
@@ -345,10 +351,11 @@ class TrainingArguments:
     resume_from_checkpoint: Optional[str] = field(
         default=None,
         metadata={
-            "help": "Continue an interrupted run from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, "
-            "or no value for the newest checkpoint in --output_dir.",
+            "help": "Continue from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, or no value (or "
+            "auto) for the newest readable one in --output_dir, starting afresh when there is none and exiting at "
+            "once when the run is complete, so the same command can be repeated until the run is done.",
             "nargs": "?",
-            "const": "newest",
+            "const": "auto",
         },
     )
     skip_nonfinite_steps: bool = field(
@@ -492,17 +499,6 @@ def check_arguments(model_args, data_args, training_args):
     check_writable_directory(output_dir, "output_dir")
     if training_args.resume_from_checkpoint and not training_args.do_train:
         raise UsageError("--resume_from_checkpoint continues training; add --do_train")
-    if (
-        training_args.do_train
-        and os.path.isdir(output_dir)
-        and os.listdir(output_dir)
-        and not training_args.overwrite_output_dir
-        and not training_args.resume_from_checkpoint
-    ):
-        raise UsageError(
-            f"--output_dir {output_dir} already holds files; pass --resume_from_checkpoint to continue its run, "
-            "or --overwrite_output_dir to train into it anyway"
-        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2522,6 +2518,159 @@ def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, b
 # ----------------------------------------------------------------------------------------------------
 
 
+# Copied from run_clm_flax.OUTPUT_DIR_LOCK
+OUTPUT_DIR_LOCK = ".lock"
+
+
+# Copied from run_clm_flax.take_lock
+def take_lock(lock_file, output_dir: str, mode: int) -> bool:
+    """flock `lock_file` without waiting; refuses in one line where another run holds it. False where the file
+    system has no locks."""
+    try:
+        fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "another process"
+        raise UsageError(
+            f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or pass another "
+            "--output_dir"
+        ) from None
+    except OSError as error:
+        logger.warning(
+            "cannot lock --output_dir %s (%s): make sure no other run writes into it", output_dir, error.strerror
+        )
+        return False
+    return True
+
+
+# Copied from run_clm_flax.lock_output_dir
+def lock_output_dir(output_dir: str):
+    """Hold OUTPUT_DIR/.lock for the life of this process, so that one run at a time writes into it. The kernel
+    releases the lock when the process ends, however it ends: a killed run never leaves the directory locked.
+    Process 0 holds it for all processes of a run. Returns the open lock file, to be kept until the end."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        lock_file = open(os.path.join(output_dir, OUTPUT_DIR_LOCK), "a+")
+    except OSError as error:
+        raise UsageError(
+            f"cannot write into --output_dir {output_dir} ({error.strerror}); pass a writable directory"
+        ) from None
+    try:
+        if take_lock(lock_file, output_dir, fcntl.LOCK_EX):
+            lock_file.seek(0)
+            lock_file.truncate()
+            lock_file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+            lock_file.flush()
+    except UsageError:
+        lock_file.close()
+        raise
+    return lock_file
+
+
+# Copied from run_clm_flax.previous_run_entries
+def previous_run_entries(output_dir: str) -> list[str]:
+    """What OUTPUT_DIR holds of an earlier run: all but the lock and unfinished checkpoints, which the next
+    run deletes anyway (a run killed before its first checkpoint leaves nothing else of worth)."""
+    if not os.path.isdir(output_dir):
+        return []
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    unfinished_only = os.path.isdir(checkpoints) and all(
+        ocp.step.is_tmp_checkpoint(os.path.join(checkpoints, name)) for name in os.listdir(checkpoints)
+    )
+    return sorted(
+        name
+        for name in os.listdir(output_dir)
+        if name != OUTPUT_DIR_LOCK and not (name == "checkpoints" and unfinished_only)
+    )
+
+
+# Copied from run_clm_flax.refuse_earlier_run
+def refuse_earlier_run(training_args):
+    """Training into an earlier run's files needs --resume_from_checkpoint or --overwrite_output_dir."""
+    if (
+        training_args.do_train
+        and previous_run_entries(training_args.output_dir)
+        and not training_args.overwrite_output_dir
+        and not training_args.resume_from_checkpoint
+    ):
+        raise UsageError(
+            f"--output_dir {training_args.output_dir} already holds files; pass --resume_from_checkpoint to "
+            "continue its run, or --overwrite_output_dir to start a new run in it"
+        )
+
+
+# Copied from run_clm_flax.check_output_dir
+def check_output_dir(training_args):
+    """Before any work, and writing nothing: refuse an output directory in use by a running run (a shared lock
+    held for a moment), or one with an earlier run's files that these flags do not allow training into."""
+    lock_path = os.path.join(training_args.output_dir, OUTPUT_DIR_LOCK)
+    if os.path.isfile(lock_path):
+        with open(lock_path) as probe:
+            take_lock(probe, training_args.output_dir, fcntl.LOCK_SH)
+    refuse_earlier_run(training_args)
+
+
+# Copied from run_clm_flax.on_process_zero
+def on_process_zero(action, what: str):
+    """Run `action` on process 0 alone; its UsageError stops every process (the others with a line naming
+    `what` and pointing to process 0). Returns what `action` returns (None on the other processes)."""
+    result, failure = None, None
+    if jax.process_index() == 0:
+        try:
+            result = action()
+        except UsageError as error:
+            failure = error
+    if jax.process_count() > 1 and not np.all(multihost_utils.process_allgather(np.asarray(failure is None))):
+        raise failure or UsageError(f"process 0 could not {what} (see its error)")
+    if failure:
+        raise failure
+    return result
+
+
+# Copied from run_clm_flax.PREVIOUS_RUN_RESULTS
+PREVIOUS_RUN_RESULTS = [
+    "checkpoints", "discarded-checkpoints", "tensorboard", "train_results.json", "eval_results.json"
+]
+
+
+# Copied from run_clm_flax.clear_previous_run
+def clear_previous_run(output_dir: str):
+    """For --overwrite_output_dir: remove what an earlier run left that would mix with this run's (checkpoints,
+    TensorBoard logs, results). The model files stay, to be overwritten: they may be this run's config or tokenizer."""
+    removed = []
+    for name in PREVIOUS_RUN_RESULTS:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+        else:
+            continue
+        removed.append(f"{name}/" if name in ("checkpoints", "discarded-checkpoints", "tensorboard") else name)
+    if removed:
+        logger.warning("--overwrite_output_dir: removed the previous run's %s from %s", ", ".join(removed), output_dir)
+
+
+# Copied from run_clm_flax.set_aside_checkpoints_after
+def set_aside_checkpoints_after(output_dir: str, step: int):
+    """Move the training checkpoints after `step` (unreadable ones, or those of a later point the run resumes
+    before) to OUTPUT_DIR/discarded-checkpoints, so that this run's saves at those steps are not refused."""
+    directory = os.path.join(output_dir, "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    later = sorted(int(name) for name in names if name.isdigit() and int(name) > step)
+    if not later:
+        return
+    discarded = os.path.join(output_dir, "discarded-checkpoints")
+    os.makedirs(discarded, exist_ok=True)
+    for later_step in later:
+        target = os.path.join(discarded, str(later_step))
+        copies = itertools.count(2)
+        while os.path.exists(target):
+            target = os.path.join(discarded, f"{later_step}-{next(copies)}")
+        os.rename(os.path.join(directory, str(later_step)), target)
+    logger.warning("moved the training checkpoints of steps %s to %s", ", ".join(map(str, later)), discarded)
+
+
 # Copied from run_clm_flax.open_checkpoints
 def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointManager:
     """The run's training checkpoints, OUTPUT_DIR/checkpoints/STEP, the newest `save_total_limit` kept.
@@ -2539,62 +2688,131 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
 
 # Copied from run_clm_flax.save_checkpoint
 def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progress_record: dict):
-    """Returns once the arrays are copied off the devices; the files are written while training goes on."""
-    checkpoints.save(
-        progress_record["step"],
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record)),
+    """Returns once the arrays are copied off the devices; the files are written while training goes on, and
+    `committed_checkpoint` tells when they are complete."""
+    step = progress_record["step"]
+    started = checkpoints.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record))
     )
+    if not started:  # Orbax skips a step at or before its newest checkpoint
+        raise UsageError(
+            f"cannot save training checkpoint {step}: {checkpoints.directory} already holds checkpoint "
+            f"{checkpoints.latest_step()}; pass --overwrite_output_dir to start afresh"
+        )
+
+
+# Copied from run_clm_flax.committed_checkpoint
+def committed_checkpoint(
+    checkpoints: ocp.CheckpointManager, step: Optional[int], wait: bool = False
+) -> Optional[int]:
+    """Log when the checkpoint of `step` being written is complete on disk (a kill after this message loses
+    nothing before it), waiting for it with `wait`. Returns the step still being written, None once none is."""
+    if wait:
+        checkpoints.wait_until_finished()
+    if step is None or checkpoints.is_saving_in_progress():
+        return step
+    path = os.path.join(str(checkpoints.directory), str(step))
+    if os.path.isdir(path):
+        logger.info("step %d: training checkpoint committed to %s", step, path)
+    else:
+        logger.warning("step %d: the training checkpoint could not be written to %s", step, path)
+    return None
+
+
+# Copied from run_clm_flax.array_shapes
+def array_shapes(tree, only_params: bool = False) -> dict[str, tuple]:
+    """{path: shape} of a training state or of its checkpoint's metadata, with paths written alike for both."""
+
+    def name(key) -> str:
+        return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+    return {
+        "/".join(map(name, key_path)): tuple(leaf.shape)
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if not only_params or name(key_path[0]) == "params"
+    }
 
 
 # Copied from run_clm_flax.restore_checkpoint
-def restore_checkpoint(location: str, output_dir: str, abstract_state: TrainState) -> tuple[TrainState, dict, str]:
-    """The training state (placed with the shardings of `abstract_state`), the progress record and the path
-    of the checkpoint at `location`: "newest" (in output_dir), a checkpoints directory, or one STEP in it."""
-    location_path = os.path.normpath(os.path.join(output_dir, "checkpoints") if location == "newest" else location)
+def restore_checkpoint(
+    location: str, output_dir: str, abstract_state: TrainState, progress_keys: list[str]
+) -> Optional[tuple[TrainState, dict, str]]:
+    """The training state (placed with the shardings of `abstract_state`), the progress record (which must hold
+    `progress_keys`) and the path of the checkpoint at `location`: "auto" (the newest complete and readable one in
+    output_dir; None if there is none, for a fresh start), a checkpoints directory, or one STEP in it. An unreadable
+    checkpoint is skipped with a warning for the next older one, except the one STEP asked for; a checkpoint of
+    another model is refused."""
+    newest = location == "auto"
+    location_path = os.path.normpath(os.path.join(output_dir, "checkpoints") if newest else location)
     if os.path.basename(location_path).isdigit():
         directory, step = os.path.dirname(location_path), int(os.path.basename(location_path))
     else:
         directory, step = location_path, None
     if not os.path.isdir(directory):
+        if newest:
+            return None
         raise UsageError(f"--resume_from_checkpoint: there are no training checkpoints in {directory}")
     manager = ocp.CheckpointManager(
         os.path.abspath(directory),
         options=ocp.CheckpointManagerOptions(create=False),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "progress": ocp.JsonCheckpointHandler()},
     )
-    step = manager.latest_step() if step is None else step
-    if step not in manager.all_steps():
-        raise UsageError(f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}")
-    path = os.path.join(directory, str(step))
+    with manager:
+        # Orbax lists only committed checkpoints (not the temporary directories of unfinished ones).
+        steps = sorted(manager.all_steps(), reverse=True)
+        if step is not None:
+            if step not in steps:
+                raise UsageError(
+                    f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}"
+                )
+            steps = [step]
+        for candidate in steps:
+            path = os.path.join(directory, str(candidate))
+            try:
+                progress_args = ocp.args.Composite(progress=ocp.args.JsonRestore())
+                progress = manager.restore(candidate, args=progress_args).progress
+                if not isinstance(progress, dict) or any(key not in progress for key in progress_keys):
+                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
+                if progress["step"] != candidate:
+                    raise ValueError(f"its progress record is of step {progress['step']}")
+                check_checkpoint_fits(path, manager.item_metadata(candidate)["state"], abstract_state)
+                # The shapes fit: what fails from here on is the files, not the model.
+                args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+                restored, reason = (manager.restore(candidate, args=args).state, progress, path), None
+            except UsageError:
+                raise
+            except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for damaged files
+                restored, reason = None, str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+            # Every process takes the same checkpoint, even where only some could not read theirs.
+            if jax.process_count() > 1:
+                if not np.all(multihost_utils.process_allgather(np.asarray(restored is not None))):
+                    restored, reason = None, reason or "another process could not read it"
+            if restored:
+                return restored
+            if not newest:
+                raise UsageError(
+                    f"the training checkpoint {path} is unreadable ({reason}); resume from an earlier one, or pass "
+                    "--resume_from_checkpoint alone for the newest readable one"
+                )
+            logger.warning("skipping the training checkpoint %s: it is unreadable (%s)", path, reason)
+    if newest:
+        return None
+    raise UsageError(f"--resume_from_checkpoint: there is no readable training checkpoint in {directory}")
 
-    # Compare parameter shapes first: a mismatch found by the restore itself surfaces as a flood of
-    # errors from Orbax's background reads.
-    def parameter_shapes(tree):
-        return {
-            jax.tree_util.keystr(key_path[1:]): tuple(leaf.shape)
-            for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-            if str(getattr(key_path[0], "key", getattr(key_path[0], "name", ""))) == "params"
-        }
 
-    stored, needed = parameter_shapes(manager.item_metadata(step)["state"]), parameter_shapes(abstract_state)
-    if stored != needed:
-        name = next(name for name in sorted(set(stored) | set(needed)) if stored.get(name) != needed.get(name))
-        raise UsageError(
-            f"the checkpoint {path} does not fit this model (parameter {name} has shape {stored.get(name)} there, "
-            f"{needed.get(name)} here); resume with the config it was trained with"
-        )
-    try:
-        restored = manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), progress=ocp.args.JsonRestore())
-        )
-    except (ValueError, KeyError, TypeError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise UsageError(
-            f"the checkpoint {path} does not fit this model ({reason}); resume with the config it was trained with"
-        ) from None
-    finally:
-        manager.close()
-    return restored.state, restored.progress, path
+# Copied from run_clm_flax.check_checkpoint_fits
+def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState):
+    """Refuse a checkpoint of another model or optimizer in one line (a mismatch found by the restore itself
+    surfaces as a flood of errors from Orbax's background reads)."""
+    checks = [(True, "parameter", "config"), (False, "optimizer state array", "optimizer settings")]
+    for only_params, what, fix in checks:
+        stored, needed = array_shapes(stored_metadata, only_params), array_shapes(abstract_state, only_params)
+        if stored != needed:
+            name = next(name for name in sorted(set(stored) | set(needed)) if stored.get(name) != needed.get(name))
+            raise UsageError(
+                f"the checkpoint {path} does not fit this model ({what} {name} has shape {stored.get(name)} there, "
+                f"{needed.get(name)} here); resume with the {fix} it was trained with"
+            )
 
 
 # Copied from run_clm_flax.saved_arguments
@@ -2645,11 +2863,17 @@ def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool
     bad_steps = [first_step + index for index, metrics in enumerate(step_metrics) if not metrics["finite"]]
     if bad_steps and not skip_nonfinite:
         newest = checkpoints.latest_step()
-        last_good = os.path.join(str(checkpoints.directory), str(newest)) if newest is not None else "none was saved yet"
+        if newest is None:
+            advice = "no training checkpoint was saved yet. Lower --learning_rate and start again"
+        else:
+            last_good = os.path.join(str(checkpoints.directory), str(newest))
+            advice = (
+                f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with "
+                "--resume_from_checkpoint"
+            )
         raise UsageError(
             f"the loss or gradient norm is not finite at step {bad_steps[0]}; its update was not applied and nothing "
-            f"was saved after it. Last good checkpoint: {last_good}. Lower --learning_rate and continue with "
-            "--resume_from_checkpoint, or pass --skip_nonfinite_steps to skip such steps"
+            f"was saved after it; {advice}, or pass --skip_nonfinite_steps to skip such steps"
         )
     for step in bad_steps:
         logger.warning("step %d: the loss or gradient norm is not finite; the update was skipped", step)
@@ -2712,6 +2936,16 @@ def current_umask() -> int:
     umask = os.umask(0o077)
     os.umask(umask)
     return umask
+
+
+# Copied from run_clm_flax.evaluated_step
+def evaluated_step(output_dir: str) -> Optional[int]:
+    """The step of the evaluation in OUTPUT_DIR/eval_results.json; None if there is none."""
+    try:
+        with open(os.path.join(output_dir, "eval_results.json")) as file:
+            return json.load(file).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def save_model(output_dir: str, params, config, tokenizer):
@@ -2911,6 +3145,7 @@ def main():
         "%d devices over %d processes (%d here): %s", jax.device_count(), jax.process_count(),
         jax.local_device_count(), jax.devices(),
     )
+    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
 
     # Model config and tokenizer
     config, tokenizer = load_config_and_tokenizer(model_args)
@@ -3022,22 +3257,34 @@ def main():
     abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
     state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
     progress_record = {"step": 0, "train_loss_sum": 0.0, "train_correct_sum": 0.0, "train_weight_sum": 0.0}
+    restored = None
     if training_args.resume_from_checkpoint:
-        state, progress_record, checkpoint_path = restore_checkpoint(
-            training_args.resume_from_checkpoint, training_args.output_dir, abstract_state
+        restored = restore_checkpoint(
+            training_args.resume_from_checkpoint, training_args.output_dir, abstract_state,
+            [*progress_record, "global_batch_size", "max_seq_length"],
         )
+        if restored is None:
+            logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
+    run_complete = False
+    if restored:
+        state, progress_record, checkpoint_path = restored
         logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
+        if training_args.overwrite_output_dir:
+            logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
         if (progress_record["global_batch_size"], progress_record["max_seq_length"]) != (train_batch_size, max_seq_length):
             logger.warning(
                 "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
                 "order and the masks differ from the interrupted run's", progress_record["global_batch_size"],
                 progress_record["max_seq_length"], train_batch_size, max_seq_length,
             )
-        if progress_record["step"] >= total_steps:
+        if progress_record["step"] > total_steps:
             raise UsageError(
-                f"the checkpoint is at step {progress_record['step']}, the run ends at step {total_steps}; "
+                f"the checkpoint is at step {progress_record['step']}, after this run's last step {total_steps}; "
                 "raise --max_steps or --num_train_epochs to train further"
             )
+        run_complete = progress_record["step"] == total_steps
+        if run_complete:
+            logger.info("The run is complete (step %d of %d): nothing left to train", total_steps, total_steps)
     else:
         loaded_params = None
         if model_args.model_name_or_path:
@@ -3063,6 +3310,18 @@ def main():
     )
     eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
 
+    def prepare_output_dir():
+        lock = lock_output_dir(training_args.output_dir)
+        refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
+        if training_args.do_train:
+            if training_args.overwrite_output_dir and not restored:
+                clear_previous_run(training_args.output_dir)
+            set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
+        return lock
+
+    # Process 0 holds the lock until this process ends, for all processes.
+    lock_failure = f"lock --output_dir {training_args.output_dir}"
+    output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
     os.makedirs(training_args.output_dir, exist_ok=True)
     writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
     if writer:
@@ -3085,7 +3344,11 @@ def main():
         return results
 
     # Training loop
-    if training_args.do_train:
+    exported = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
+    if training_args.do_train and run_complete and not exported:
+        save_model(training_args.output_dir, state.params, config, tokenizer)
+        logger.info("Exported the model of the complete run to %s", training_args.output_dir)
+    if training_args.do_train and not run_complete:
         eval_steps = training_args.eval_steps or training_args.logging_steps
         start_step = progress_record["step"]
         if train_stream is None:
@@ -3140,20 +3403,30 @@ def main():
                 progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
             save_checkpoint(checkpoints, state, progress_record)
             save_model(training_args.output_dir, state.params, config, tokenizer)
-            logger.info("step %d: saved a training checkpoint and the model to %s", step, training_args.output_dir)
+            logger.info(
+                "step %d: saved the model to %s; writing the training checkpoint in the background",
+                step, training_args.output_dir,
+            )
+            return step
 
         # Leaving this block, for whatever reason, waits for a checkpoint still being written.
-        with open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints, StopRequest() as stop:
+        # Leaving it also ends the progress bar's line, before any error is printed.
+        with (
+            open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
+            StopRequest() as stop,
+            tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process) as progress,
+        ):
             batches = prefetch(batches_from(start_step))
-            progress = tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process)
             unread_metrics, log_window, window_start = [], [], time.perf_counter()
             train_start, train_tokens = time.perf_counter(), 0
+            checkpoint_being_written = None
             for step in range(start_step + 1, total_steps + 1):
                 batch, num_tokens = next(batches)
                 state, metrics = train_step(state, batch)
                 unread_metrics.append({**metrics, "tokens": num_tokens})
                 train_tokens += num_tokens
                 progress.update(1)
+                checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
                 is_last = step == total_steps
                 is_log_step = step % training_args.logging_steps == 0 or is_last
                 stopping = stop.requested(check_other_processes=is_log_step)
@@ -3194,10 +3467,12 @@ def main():
                 if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
                     run_evaluation(step)
                 if is_save_step:
-                    save(step)
+                    # The save would wait for the checkpoint still being written: announce it first.
+                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+                    checkpoint_being_written = save(step)
                 if stopping:
                     break
-            progress.close()
+            committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
         train_runtime = time.perf_counter() - train_start
 
         if stopping:
@@ -3225,7 +3500,11 @@ def main():
             )
         logger.info("Saved the model to %s", training_args.output_dir)
 
-    if training_args.do_eval:
+    if training_args.do_eval and run_complete and evaluated_step(training_args.output_dir) == total_steps:
+        logger.info(
+            "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
+        )
+    elif training_args.do_eval:
         step = int(state.step)
         results = run_evaluation(step)
         if is_main_process:
@@ -3241,7 +3520,7 @@ def main():
     if writer:
         writer.close()
 
-    if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0:
+    if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0 and not run_complete:
         text, masked_word = training_args.fill_mask_text, None
         if not text and "validation" in examples:
             text, masked_word = fill_mask_demo_text(example_texts(examples["validation"], tokenizer, 100), tokenizer.mask_token)

@@ -52,7 +52,7 @@ def main():
                 total = time.perf_counter() - start
                 print(f"save {repeat}: training blocked {blocking:.2f} s; written in {total:.2f} s ({state_bytes / 1e9 / total:.2f} GB/s)")
         start = time.perf_counter()
-        restored, _, _ = run_clm_flax.restore_checkpoint("newest", output_dir, abstract_state)
+        restored, _, _ = run_clm_flax.restore_checkpoint("auto", output_dir, abstract_state, ["step"])
         jax.block_until_ready(restored)
         print(f"restore: {time.perf_counter() - start:.2f} s")
 

@@ -1,0 +1,327 @@
+"""An output directory under hostile conditions: two runs at once, stale or damaged checkpoints, leftovers of a
+killed run, and the one resume command that is safe to repeat until the run is done.
+
+Each case starts from a copy of one short complete run (checkpoints at steps 2, 4 and 6), damages or prepares
+it, runs the script again, and checks the outcome: the run works and ends with the weights of the untouched
+run, or it stops with one line and leaves the directory as it was.
+"""
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+from safetensors.numpy import load_file
+
+from conftest import FIXTURES_DIR, REPO_DIR
+from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
+from test_mlm import run_mlm_flax
+
+CORPUS = FIXTURES_DIR / "en"
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("safety-model")
+    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
+    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cached_environment(tmp_path_factory):
+    """Compiling is most of these runs' time: every run here, in this process or another, shares one compilation
+    cache, so each program is compiled once."""
+    cache_dir = str(tmp_path_factory.mktemp("compilation-cache"))
+    settings = {"jax_compilation_cache_dir": cache_dir, "jax_persistent_cache_min_compile_time_secs": 0}
+    previous = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    yield {**OFFLINE_ENV, "JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def arguments(model_dir, output_dir, *extra):
+    return [
+        "--output_dir", str(output_dir), "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--train_file", str(CORPUS / "train.txt"), "--do_train", "--block_size", "32",
+        "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--seed", "0", "--sample_tokens", "0",
+        "--max_steps", "6", "--logging_steps", "2", "--save_steps", "2", "--save_total_limit", "10", *extra,
+    ]  # fmt: skip
+
+
+def run_main(monkeypatch, argument_list):
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *argument_list])
+    run_clm_flax.main()
+
+
+@pytest.fixture(scope="module")
+def complete_run(model_dir, cached_environment, tmp_path_factory):
+    """A run of 6 steps, checkpoints at 2, 4 and 6; every case works on a copy of it."""
+    output_dir = tmp_path_factory.mktemp("complete")
+    result = subprocess.run(
+        [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *arguments(model_dir, output_dir)],
+        env=cached_environment, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4", "6"]
+    return output_dir
+
+
+def copy_of(complete_run, tmp_path):
+    output_dir = tmp_path / "run"
+    shutil.copytree(complete_run, output_dir)
+    return output_dir
+
+
+def assert_same_weights(output_dir, expected_dir):
+    final, expected = (
+        load_file(str(output_dir / "model.safetensors")),
+        load_file(str(expected_dir / "model.safetensors")),
+    )
+    assert final.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
+
+
+def snapshot(directory) -> dict:
+    """Every file under `directory` with its size and modification time, but the lock (which names its holder)."""
+    return {
+        os.path.relpath(os.path.join(root, name), directory): (
+            os.path.getsize(os.path.join(root, name)),
+            os.path.getmtime(os.path.join(root, name)),
+        )
+        for root, _, names in os.walk(directory)
+        for name in names
+        if name != run_clm_flax.OUTPUT_DIR_LOCK
+    }
+
+
+def truncate_largest_data_file(checkpoint):
+    files = [os.path.join(root, name) for root, _, names in os.walk(checkpoint / "state") for name in names]
+    largest = max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
+    os.truncate(largest, os.path.getsize(largest) // 2)
+
+
+# How a checkpoint gets damaged: a disk filling up, a copy cut short, a file system losing a write.
+DAMAGE = {
+    "truncated data file": truncate_largest_data_file,
+    "corrupt _METADATA": lambda checkpoint: (checkpoint / "state" / "_METADATA").write_text('{"tree_metadata": {'),
+    "corrupt manifest.ocdbt": lambda checkpoint: (checkpoint / "state" / "manifest.ocdbt").write_bytes(b"\0" * 16),
+    "corrupt progress JSON": lambda checkpoint: (checkpoint / "progress" / "metadata").write_text('{"step": 6, "tr'),
+    "progress record of another step": lambda checkpoint: (checkpoint / "progress" / "metadata").write_text(
+        json.dumps({**json.loads((checkpoint / "progress" / "metadata").read_text()), "step": 5})
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
+    model_dir, damage, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    DAMAGE[damage](output_dir / "checkpoints" / "6")
+    os.remove(output_dir / "model.safetensors")
+
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--resume_from_checkpoint"))
+    log = capfd.readouterr().err
+    assert f"skipping the training checkpoint {output_dir}/checkpoints/6: it is unreadable" in log
+    assert f"Resumed from {output_dir}/checkpoints/4 at step 4" in log
+    assert "does not fit" not in log
+    # The damaged checkpoint is kept aside for inspection, and this run's own step 6 was saved in its place.
+    assert os.listdir(output_dir / "discarded-checkpoints") == ["6"]
+    assert "step 6: training checkpoint committed" in log
+    assert_same_weights(output_dir, complete_run)
+
+
+@pytest.mark.parametrize("damage", ["truncated data file", "corrupt progress JSON"])
+def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(
+    model_dir, damage, complete_run, tmp_path, monkeypatch
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    DAMAGE[damage](output_dir / "checkpoints" / "6")
+    before = snapshot(output_dir)
+    resume = arguments(model_dir, output_dir, "--resume_from_checkpoint", str(output_dir / "checkpoints" / "6"))
+    with pytest.raises(
+        run_clm_flax.UsageError, match=r"checkpoints/6 is unreadable \(.*\); resume from an earlier one"
+    ) as error:
+        run_main(monkeypatch, resume)
+    assert "\n" not in str(error.value) and "config" not in str(error.value)
+    assert snapshot(output_dir) == before
+
+
+def test_a_leftover_temporary_checkpoint_blocks_neither_a_resume_nor_a_fresh_start(
+    model_dir, complete_run, tmp_path, monkeypatch
+):
+    # A run killed while writing checkpoint 6: Orbax leaves it under a temporary name.
+    output_dir = copy_of(complete_run, tmp_path)
+    unfinished = output_dir / "checkpoints" / "6.orbax-checkpoint-tmp-1234"
+    os.rename(output_dir / "checkpoints" / "6", unfinished)
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--resume_from_checkpoint"))
+    assert not unfinished.exists()
+    assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4", "6"]
+    assert_same_weights(output_dir, complete_run)
+
+    # A run killed before its first checkpoint was complete leaves only the temporary directory.
+    fresh_dir = tmp_path / "fresh"
+    (fresh_dir / "checkpoints" / "2.orbax-checkpoint-tmp-99").mkdir(parents=True)
+    run_main(monkeypatch, arguments(model_dir, fresh_dir))
+    assert sorted(os.listdir(fresh_dir / "checkpoints"), key=int) == ["2", "4", "6"]
+    assert_same_weights(fresh_dir, complete_run)
+
+
+def test_resume_with_nothing_to_resume_starts_a_new_run(model_dir, complete_run, tmp_path, monkeypatch, capfd):
+    output_dir = tmp_path / "new"
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--resume_from_checkpoint"))
+    assert "No training checkpoint to resume from" in capfd.readouterr().err
+    assert_same_weights(output_dir, complete_run)
+
+
+def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missing(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    os.remove(output_dir / "model.safetensors")
+    evaluate = ["--do_eval", "--validation_file", str(CORPUS / "validation.txt"), "--resume_from_checkpoint"]
+    run_main(monkeypatch, arguments(model_dir, output_dir, *evaluate))
+    log = capfd.readouterr().err
+    assert "The run is complete (step 6 of 6)" in log and "saved the model" not in log
+    assert_same_weights(output_dir, complete_run)
+    assert json.loads((output_dir / "eval_results.json").read_text())["step"] == 6
+
+    before = snapshot(output_dir)
+    run_main(monkeypatch, arguments(model_dir, output_dir, *evaluate))
+    assert "evaluation is in" in capfd.readouterr().err
+    changed = {
+        name for name in set(before) | set(snapshot(output_dir)) if before.get(name) != snapshot(output_dir).get(name)
+    }
+    assert all(name.startswith("tensorboard") for name in changed), changed
+
+
+def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    # The earlier run saved at 2, 4 and 6; this one saves at 3 and 6: a stale 6 would take the place of its own.
+    output_dir = copy_of(complete_run, tmp_path)
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir", "--save_steps", "3"))
+    log = capfd.readouterr().err
+    assert "--overwrite_output_dir: removed the previous run's checkpoints/, tensorboard/, train_results.json" in log
+    assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["3", "6"]
+    progress = json.loads((output_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
+    assert progress["arguments"]["save_steps"] == 3
+    assert len(os.listdir(output_dir / "tensorboard")) == 1
+
+
+def test_a_second_run_in_a_directory_in_use_stops_in_one_line_and_changes_nothing(
+    model_dir, complete_run, tmp_path, monkeypatch
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    before = snapshot(output_dir)
+    # Another run holds the lock (a lock taken by another open file, as another process's would be).
+    with open(output_dir / ".lock", "a+") as other_run:
+        fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for extra in ([], ["--overwrite_output_dir"], ["--resume_from_checkpoint"]):
+            with pytest.raises(run_clm_flax.UsageError, match=f"--output_dir {output_dir} is in use by another run"):
+                run_main(monkeypatch, arguments(model_dir, output_dir, *extra))
+    assert snapshot(output_dir) == before
+
+
+def test_a_checkpoint_announced_as_committed_survives_sigkill_and_the_lock_does_not(
+    model_dir, cached_environment, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *arguments(model_dir, output_dir)],
+        env=cached_environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    announced = None
+    for line in process.stderr:
+        if "training checkpoint committed to" in line:
+            announced = int(line.split("step ")[1].split(":")[0])
+            process.kill()
+            break
+    process.wait()
+    assert announced is not None, "the run ended before announcing a checkpoint"
+
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--resume_from_checkpoint"))
+    resumed = [line for line in capfd.readouterr().err.splitlines() if "Resumed from" in line]
+    assert len(resumed) == 1 and int(resumed[0].split("at step ")[1]) >= announced
+    assert_same_weights(output_dir, complete_run)
+
+
+def test_divergence_without_a_checkpoint_is_one_line_and_does_not_advise_resuming(
+    model_dir, tmp_path, monkeypatch, capfd
+):
+    diverging = arguments(
+        model_dir, tmp_path / "diverged", "--learning_rate", "1e30", "--max_grad_norm", "0", "--save_steps", "100",
+        "--logging_steps", "1",
+    )  # fmt: skip
+    with pytest.raises(run_clm_flax.UsageError) as error:
+        run_main(monkeypatch, diverging)
+    message = str(error.value)
+    assert message.startswith("the loss or gradient norm is not finite at step") and "\n" not in message
+    assert "no training checkpoint was saved yet" in message and "--resume_from_checkpoint" not in message
+    # The progress bar's line is ended, so the error the script prints next starts a line of its own.
+    assert capfd.readouterr().err.endswith("\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# run_mlm_flax.py shares the checkpoint code; its own part is the order of the steps in main()
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def roberta_dir(run_tool, roberta_tokenizer_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("safety-roberta")
+    shutil.copytree(roberta_tokenizer_dir, directory, dirs_exist_ok=True)
+    result = run_tool(
+        "create_config.py", "--preset", "roberta-tiny", "--tokenizer_dir", directory,
+        "--set", "num_hidden_layers=1", "hidden_size=32", "num_attention_heads=2", "intermediate_size=64",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return str(directory)
+
+
+def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
+    roberta_dir, tmp_path, monkeypatch, capfd
+):
+    output_dir = tmp_path / "mlm"
+
+    def run(*extra):
+        monkeypatch.setattr(sys, "argv", [
+            "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
+            "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
+            "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_steps", "2",
+            "--logging_steps", "2", "--fill_mask_top_k", "0", *extra,
+        ])  # fmt: skip
+        run_mlm_flax.main()
+        return capfd.readouterr().err
+
+    assert "No training checkpoint to resume from" in run("--resume_from_checkpoint")
+    final_weights = load_file(str(output_dir / "model.safetensors"))
+    assert "The run is complete (step 4 of 4)" in run("--resume_from_checkpoint")
+
+    DAMAGE["corrupt progress JSON"](output_dir / "checkpoints" / "4")
+    log = run("--resume_from_checkpoint")
+    assert "skipping the training checkpoint" in log and "at step 2" in log
+    assert "step 4: training checkpoint committed" in log
+    resumed_weights = load_file(str(output_dir / "model.safetensors"))
+    for name in final_weights:
+        np.testing.assert_array_equal(resumed_weights[name], final_weights[name], err_msg=name)
+
+    with open(output_dir / ".lock", "a+") as other_run:
+        fcntl.flock(other_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(run_mlm_flax.UsageError, match="is in use by another run"):
+            run("--overwrite_output_dir")
+    log = run("--overwrite_output_dir")
+    assert "removed the previous run's checkpoints/, discarded-checkpoints/, tensorboard/" in log
+    assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4"]
