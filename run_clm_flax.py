@@ -303,11 +303,16 @@ class TrainingArguments:
             "re-tokenizing) the blocks already trained on: faster, but the data differs from the interrupted run's."
         },
     )
-    sample_prompt: str = field(
-        default="", metadata={"help": "Prompt for the text sampled from the saved model at the end of training."}
+    sample_prompt: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "A prompt that the model continues at every evaluation (in TensorBoard's text tab) and at the "
+            "end of training; give it several times for several prompts. Default: one text from nothing.",
+            "action": "extend",
+        },
     )
     sample_tokens: int = field(
-        default=40, metadata={"help": "Tokens sampled from the saved model at the end of training; 0 for none."}
+        default=40, metadata={"help": "Tokens sampled after each --sample_prompt; 0 for no samples."}
     )
 
 
@@ -1977,6 +1982,7 @@ def make_sampler(model, eos_token_id: Optional[int]):
     Returns (new tokens (batch, capacity), the count of new tokens per row, the end-of-text token included).
     """
     eos = -1 if eos_token_id is None else eos_token_id
+    pad = max(eos, 0)  # what finished rows write
 
     @partial(jax.jit, static_argnames=("capacity", "top_k", "do_sample", "use_top_p"))
     def sample(params, prompt_ids, prompt_mask, row_count, seed, max_new_tokens, temperature, top_p, *,
@@ -2006,12 +2012,13 @@ def make_sampler(model, eos_token_id: Optional[int]):
         def decode_one(loop_state):
             step, token, cache, tokens, counts, finished = loop_state
             logits, cache = model.apply(variables, token[:, None], cache=cache)
-            token = jnp.where(finished, eos if eos >= 0 else 0, choose(step, logits[:, 0]))
+            token = jnp.where(finished, pad, choose(step, logits[:, 0]))
             tokens = tokens.at[:, step].set(token)
             counts = counts + ~finished
             return step + 1, token, cache, tokens, counts, finished | (token == eos)
 
-        _, _, _, tokens, counts, _ = jax.lax.while_loop(not_done, decode_one, (1, token, cache, tokens, counts, finished))
+        loop_state = (1, token, cache, tokens, counts, finished)
+        _, _, _, tokens, counts, _ = jax.lax.while_loop(not_done, decode_one, loop_state)
         return tokens, counts
 
     return sample
@@ -2263,11 +2270,28 @@ def main():
     if writer:
         writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
 
+    # Samples from the same prompts at every evaluation show the text getting better; a few tokens, compiled once.
+    sample_prompts = training_args.sample_prompt or [""]
+    sampler = make_sampler(
+        FlaxGPT2LMHeadModel(config, dtype=model.dtype, param_dtype=model.param_dtype), tokenizer.eos_token_id
+    )
+
     def run_evaluation(step: int) -> dict:
         results = evaluate(eval_step, state.params, blocks["validation"], eval_batch_size, batch_sharding)
         logger.info("step %d: eval loss %.4f, perplexity %.2f", step, results["loss"], results["perplexity"])
         if writer:
             writer.scalars({"eval/loss": results["loss"], "eval/perplexity": results["perplexity"]}, step)
+        if training_args.sample_tokens > 0:
+            texts = sample_texts(
+                sampler, state.params, tokenizer, sample_prompts, training_args.sample_tokens, config.n_positions,
+                training_args.seed,
+            )
+            for text in texts:
+                logger.info("step %d: sample %r", step, text)
+            if writer:
+                # Indented four spaces: markdown shows the texts verbatim, line breaks and all.
+                code_blocks = ["\n".join("    " + line for line in text.split("\n")) for text in texts]
+                writer.text("samples", "\n\n---\n\n".join(code_blocks), step)
         return results
 
     # Training loop
@@ -2419,11 +2443,12 @@ def main():
         exported = from_hf_state_dict(
             load_file(os.path.join(training_args.output_dir, "model.safetensors")), abstract_state.params
         )
-        text = sample_text(
-            FlaxGPT2LMHeadModel(config), exported, tokenizer, training_args.sample_prompt,
-            training_args.sample_tokens, block_size, training_args.seed,
+        texts = sample_texts(
+            sampler, exported, tokenizer, sample_prompts, training_args.sample_tokens, config.n_positions,
+            training_args.seed,
         )
-        print(f"sample from {training_args.output_dir}: {text!r}")
+        for text in texts:
+            print(f"sample from {training_args.output_dir}: {text!r}")
     if is_main_process and training_args.do_train:
         print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 
