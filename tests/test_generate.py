@@ -124,6 +124,17 @@ def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens():
     assert drawn(2, 0.3) == {1}
 
 
+def test_bfloat16_loads_bfloat16_weights_and_decodes_like_float32(generator, model_dir):
+    model, params, tokenizer = generate_flax.load_model(
+        generate_flax.ModelArguments(model_name_or_path=str(model_dir), dtype="bfloat16")
+    )
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    bfloat16_generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
+    prompt_ids = generator.encode(PROMPTS, 4, "prompt")
+    float32_ids = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 4)
+    assert run_clm_flax.generate_ids(bfloat16_generator.sampler, params, prompt_ids, 4) == float32_ids
+
+
 def test_generation_stops_at_the_end_of_text_token(generator):
     prompt_ids = generator.encode(PROMPTS, 12, "prompt")
     greedy = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 12)
