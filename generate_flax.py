@@ -61,7 +61,8 @@ class RequestError(Exception):
 class ModelArguments:
     model_name_or_path: str = field(
         metadata={
-            "help": "A GPT-2 model: a directory with config.json, model.safetensors and tokenizer files, or a hub name."
+            "help": "A GPT-2 model: a directory with config.json, model.safetensors and tokenizer files, or a hub "
+            "name."
         }
     )
     dtype: str = field(

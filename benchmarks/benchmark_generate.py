@@ -43,7 +43,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="timed calls of each; the fastest is reported")
     arguments = parser.parse_args()
 
-    config = GPT2Config(vocab_size=50257, n_positions=1024, bos_token_id=None, eos_token_id=None, **PRESETS[arguments.preset])
+    # No end-of-text token: every row decodes all new tokens, on both sides.
+    config = GPT2Config(
+        vocab_size=50257, n_positions=1024, bos_token_id=None, eos_token_id=None, **PRESETS[arguments.preset]
+    )
     torch.manual_seed(0)
     torch_model = GPT2LMHeadModel(config).eval()
     model = generate_flax.FlaxGPT2LMHeadModel(config)
