@@ -6,6 +6,7 @@
 #   1. train a byte-level BPE tokenizer      (train_tokenizer.py)
 #   2. write a config sized for a CPU        (create_config.py)
 #   3. train, evaluate and export the model  (run_clm_flax.py for GPT-2, run_mlm_flax.py for RoBERTa)
+#   4. generate text with the trained GPT-2  (generate_flax.py)
 # Usage: ./quickstart.sh [clm|mlm] [WORK_DIR]   (default: clm, quickstart/)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -37,7 +38,11 @@ if [ "$task" = clm ]; then
         --do_train --do_eval --block_size 128 --per_device_train_batch_size 16 --per_device_eval_batch_size 32 \
         --learning_rate 2e-3 --warmup_steps 30 --lr_scheduler_type cosine --weight_decay 0.01 --adam_beta2 0.98 \
         --max_steps 300 --logging_steps 50 --eval_steps 150 --save_steps 300 \
-        --sample_prompt "def " --sample_tokens 60
+        --sample_prompt "def " --sample_prompt "import " --sample_tokens 60
+    # The trained model writes more: greedy after one prompt, drawn at temperature 0.8 after another.
+    ./generate_flax.py --model_name_or_path "$work_dir/gpt2-tiny-trained" --prompt "class " --max_new_tokens 60
+    ./generate_flax.py --model_name_or_path "$work_dir/gpt2-tiny-trained" --prompt "    def __init__(self" \
+        --max_new_tokens 60 --temperature 0.8 --top_k 40 --seed 1
 else
     model_dir=$work_dir/roberta-tiny
     ./train_tokenizer.py --train_file "$corpus" --model_type roberta --vocab_size 8192 \

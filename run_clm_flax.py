@@ -334,11 +334,16 @@ class TrainingArguments:
             "re-tokenizing) the blocks already trained on: faster, but the data differs from the interrupted run's."
         },
     )
-    sample_prompt: str = field(
-        default="", metadata={"help": "Prompt for the text sampled from the saved model at the end of training."}
+    sample_prompt: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "A prompt that the model continues at every evaluation (in TensorBoard's text tab) and at the "
+            "end of training; give it several times for several prompts. Default: one text from nothing.",
+            "action": "extend",
+        },
     )
     sample_tokens: int = field(
-        default=40, metadata={"help": "Tokens sampled from the saved model at the end of training; 0 for none."}
+        default=40, metadata={"help": "Tokens sampled after each --sample_prompt; 0 for no samples."}
     )
 
 
@@ -1488,6 +1493,29 @@ def layer_norm(config, dtype, param_dtype, name: str) -> nn.LayerNorm:
     )
 
 
+class KeyValueCache(flax.struct.PyTreeNode):
+    """The keys and values of every layer for the tokens decoded so far, so that a new token costs one position.
+
+    Prompts of different lengths are left-padded to a common length: `mask` marks the slots that hold a token
+    of the row, and a token's position is the number of such slots before it, so padding changes no row.
+    """
+
+    keys: tuple  # one (batch, slots, n_head, head_dim) array per layer
+    values: tuple
+    mask: jax.Array  # (batch, slots) bool: the slot holds a token of the row, not padding
+    index: jax.Array  # int32: the slot the next token is written to
+
+    @classmethod
+    def empty(cls, config, prompt_mask, new_tokens: int, dtype):
+        """A cache for the prompts of `prompt_mask` (batch, prompt length) followed by `new_tokens` tokens."""
+        batch = prompt_mask.shape[0]
+        slots = prompt_mask.shape[1] + new_tokens
+        shape = (batch, slots, config.n_head, config.n_embd // config.n_head)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
+        mask = jnp.concatenate([prompt_mask.astype(bool), jnp.ones((batch, new_tokens), bool)], axis=1)
+        return cls(keys=zeros, values=zeros, mask=mask, index=jnp.zeros((), jnp.int32))
+
+
 class CausalSelfAttention(nn.Module):
     config: GPT2Config
     layer_index: int
@@ -1495,7 +1523,8 @@ class CausalSelfAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, deterministic: bool):
+    def __call__(self, x, deterministic: bool, cache: Optional[KeyValueCache] = None):
+        """(output, this layer's new (keys, values) when decoding with `cache`, else None)."""
         config = self.config
         batch, length, width = x.shape
         head_dim = width // config.n_head
@@ -1507,7 +1536,10 @@ class CausalSelfAttention(nn.Module):
         if config.scale_attn_by_inverse_layer_idx:
             scale /= self.layer_index + 1
 
-        if deterministic or config.attn_pdrop == 0:
+        layer_cache = None
+        if cache is not None:
+            y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index)
+        elif deterministic or config.attn_pdrop == 0:
             y = jax.nn.dot_product_attention(
                 query, key, value, scale=scale, is_causal=True, implementation=attention_implementation(query.dtype)
             )
@@ -1516,7 +1548,7 @@ class CausalSelfAttention(nn.Module):
             y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop), deterministic)
         y = y.reshape(batch, length, width)
         y = dense(width, ("heads", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(y)
-        return nn.Dropout(config.resid_pdrop)(y, deterministic)
+        return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
 
 
 def attention_implementation(dtype) -> Optional[str]:
@@ -1538,6 +1570,21 @@ def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, determ
     weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), axis=-1)
     weights = dropout(weights, deterministic).astype(value.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+
+
+def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index: int):
+    """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves."""
+    # query, key, value: (batch, new, heads, head_dim); the layer's cached keys: (batch, slots, heads, head_dim)
+    def write(cached, new_entries):
+        return jax.lax.dynamic_update_slice_in_dim(cached, new_entries.astype(cached.dtype), cache.index, axis=1)
+
+    keys, values = write(cache.keys[layer_index], key), write(cache.values[layer_index], value)
+    new, slots = query.shape[1], keys.shape[1]
+    query_slots = cache.index + jnp.arange(new)
+    visible = cache.mask[:, None, :] & (jnp.arange(slots)[None, None, :] <= query_slots[None, :, None])
+    # A padding slot's query sees nothing; the softmax then spreads evenly, harmlessly, as nobody reads it.
+    y = jax.nn.dot_product_attention(query, keys, values, mask=visible[:, None], scale=scale)
+    return y, (keys, values)
 
 
 class MLP(nn.Module):
@@ -1565,12 +1612,14 @@ class Block(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, deterministic: bool):
+    def __call__(self, x, deterministic: bool, cache: Optional[KeyValueCache] = None):
         config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + CausalSelfAttention(config, self.layer_index, **dtypes, name="attn")(
-            layer_norm(config, **dtypes, name="ln_1")(x), deterministic
+        attention, layer_cache = CausalSelfAttention(config, self.layer_index, **dtypes, name="attn")(
+            layer_norm(config, **dtypes, name="ln_1")(x), deterministic, cache
         )
-        return x + MLP(config, **dtypes, name="mlp")(layer_norm(config, **dtypes, name="ln_2")(x), deterministic)
+        x = x + attention
+        x = x + MLP(config, **dtypes, name="mlp")(layer_norm(config, **dtypes, name="ln_2")(x), deterministic)
+        return x, layer_cache
 
 
 class GPT2Model(nn.Module):
@@ -1599,13 +1648,23 @@ class GPT2Model(nn.Module):
         self.h = [block(config, index, **dtypes) for index in range(config.n_layer)]
         self.ln_f = layer_norm(config, **dtypes, name=None)
 
-    def __call__(self, input_ids, deterministic: bool):
-        # input_ids: (batch, length) -> hidden states (batch, length, n_embd)
-        positions = jnp.arange(input_ids.shape[1])[None, :]
+    def __call__(self, input_ids, deterministic: bool, cache: Optional[KeyValueCache] = None):
+        # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
+        if cache is None:
+            positions = jnp.arange(input_ids.shape[1])[None, :]
+        else:
+            # Each row counts its own tokens; padding slots get position 0, and nothing reads them.
+            row_positions = jnp.maximum(jnp.cumsum(cache.mask, axis=1) - 1, 0)
+            positions = jax.lax.dynamic_slice_in_dim(row_positions, cache.index, input_ids.shape[1], axis=1)
         x = self.dropout(self.wte(input_ids) + self.wpe(positions), deterministic)
+        layer_caches = []
         for block in self.h:
-            x = block(x, deterministic)
-        return self.ln_f(x)
+            x, layer_cache = block(x, deterministic, cache)
+            layer_caches.append(layer_cache)
+        if cache is not None:
+            keys, values = zip(*layer_caches)
+            cache = cache.replace(keys=keys, values=values, index=cache.index + input_ids.shape[1])
+        return self.ln_f(x), cache
 
     def attend(self, hidden):
         # The output layer is the token embedding, transposed; products accumulate and come out in float32.
@@ -1618,7 +1677,11 @@ class GPT2Model(nn.Module):
 
 
 class FlaxGPT2LMHeadModel(nn.Module):
-    """GPT-2 with its language-model head; returns float32 logits (batch, length, vocab_size)."""
+    """GPT-2 with its language-model head; returns float32 logits (batch, length, vocab_size).
+
+    Given a KeyValueCache (decoding), the input is the tokens that follow the cached ones, and the result is
+    (logits, the cache with them added).
+    """
 
     config: GPT2Config
     dtype: Any = jnp.float32
@@ -1626,9 +1689,9 @@ class FlaxGPT2LMHeadModel(nn.Module):
     remat_policy: Optional[str] = None
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True):
+    def __call__(self, input_ids, deterministic: bool = True, cache: Optional[KeyValueCache] = None):
         transformer = GPT2Model(self.config, self.dtype, self.param_dtype, self.remat_policy, name="transformer")
-        hidden = transformer(input_ids, deterministic)
+        hidden, cache = transformer(input_ids, deterministic, cache)
         if self.config.tie_word_embeddings:
             logits = transformer.attend(hidden)
         else:
@@ -1641,7 +1704,8 @@ class FlaxGPT2LMHeadModel(nn.Module):
                 dot_general=partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
                 name="lm_head",
             )(hidden)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        return logits if cache is None else (logits, cache)
 
 
 def causal_lm_loss_sums(logits, input_ids, weights):
@@ -2484,27 +2548,121 @@ def save_model(output_dir: str, params, config, tokenizer):
     tokenizer.save_pretrained(output_dir)
 
 
-def sample_text(model, params, tokenizer, prompt: str, num_tokens: int, max_length: int, seed: int) -> str:
-    """Continue `prompt` by `num_tokens` tokens drawn with temperature 1 from the 40 most likely."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
-    prompt_ids = prompt_ids[-(max_length - 1) :]
-    length = min(max_length, len(prompt_ids) + num_tokens)
-    tokens = jnp.zeros((1, length), jnp.int32).at[0, : len(prompt_ids)].set(jnp.asarray(prompt_ids))
+# ----------------------------------------------------------------------------------------------------
+# Sampling: the whole decoding loop compiled once per shape, with a key/value cache
+# ----------------------------------------------------------------------------------------------------
 
-    @jax.jit
-    def next_token(tokens, position, rng):
-        # A causal model: the tokens after `position` do not change its logits, so one fixed shape serves.
-        logits = model.apply({"params": params}, tokens)[0, position - 1]
-        top_logits, top_ids = jax.lax.top_k(logits, 40)
-        return top_ids[jax.random.categorical(rng, top_logits)]
 
-    rng = jax.random.key(seed)
-    for position in range(len(prompt_ids), length):
-        tokens = tokens.at[0, position].set(next_token(tokens, position, jax.random.fold_in(rng, position)))
-        if int(tokens[0, position]) == tokenizer.eos_token_id:  # the end of the document
-            length = position
-            break
-    return tokenizer.decode(np.asarray(tokens[0, :length]), skip_special_tokens=True)
+def next_tokens(logits, row_keys, temperature, top_p, top_k: int, do_sample: bool, use_top_p: bool):
+    """One token per row from float32 logits (batch, vocab_size): the most likely, or drawn as transformers does:
+    logits divided by the temperature, cut to the `top_k` most likely (0: all), then to the most likely whose
+    probabilities add up to `top_p`."""
+    if not do_sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    candidate_ids = None
+    if top_k or use_top_p:
+        # Sorted, most likely first: a full sort of the vocabulary only when top_p is set without top_k.
+        logits, candidate_ids = jax.lax.top_k(logits, top_k or logits.shape[-1])
+    if use_top_p:
+        probabilities = jax.nn.softmax(logits, axis=-1)
+        mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities  # the most likely token always stays
+        logits = jnp.where(mass_before < top_p, logits, -jnp.inf)
+    choices = jax.vmap(jax.random.categorical)(row_keys, logits)
+    if candidate_ids is None:
+        return choices.astype(jnp.int32)
+    return jnp.take_along_axis(candidate_ids, choices[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def make_sampler(model, eos_token_id: Optional[int]):
+    """A jitted function generating up to `max_new_tokens` tokens after left-padded prompts.
+
+    It is compiled once per (batch, prompt length, capacity) and per top_k / greedy / top_p-or-not; the
+    temperature, top_p, seed and max_new_tokens are arguments, so changing them does not compile again.
+    Returns (new tokens (batch, capacity), the count of new tokens per row, the end-of-text token included).
+    """
+    eos = -1 if eos_token_id is None else eos_token_id
+    pad = max(eos, 0)  # what finished rows write
+
+    @partial(jax.jit, static_argnames=("capacity", "top_k", "do_sample", "use_top_p"))
+    def sample(params, prompt_ids, prompt_mask, row_count, seed, max_new_tokens, temperature, top_p, *,
+               capacity: int, top_k: int, do_sample: bool, use_top_p: bool):
+        # prompt_ids, prompt_mask: (batch, prompt length), left-padded; rows from row_count on only fill the batch.
+        batch = prompt_ids.shape[0]
+        variables = {"params": params}
+        cache = KeyValueCache.empty(model.config, prompt_mask, capacity, model.dtype)
+        logits, cache = model.apply(variables, prompt_ids, cache=cache)
+        seed_key = jax.random.key(seed)
+
+        def choose(step, last_logits):
+            # A key per row and step: a row's text does not depend on the other rows of the batch.
+            step_key = jax.random.fold_in(seed_key, step)
+            row_keys = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(jnp.arange(batch))
+            return next_tokens(last_logits, row_keys, temperature, top_p, top_k, do_sample, use_top_p)
+
+        token = choose(0, logits[:, -1])
+        tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(token)
+        counts = jnp.ones((batch,), jnp.int32)
+        finished = (token == eos) | (jnp.arange(batch) >= row_count)
+
+        def not_done(loop_state):
+            step, _, _, _, _, finished = loop_state
+            return (step < max_new_tokens) & ~jnp.all(finished)
+
+        def decode_one(loop_state):
+            step, token, cache, tokens, counts, finished = loop_state
+            logits, cache = model.apply(variables, token[:, None], cache=cache)
+            token = jnp.where(finished, pad, choose(step, logits[:, 0]))
+            tokens = tokens.at[:, step].set(token)
+            counts = counts + ~finished
+            return step + 1, token, cache, tokens, counts, finished | (token == eos)
+
+        loop_state = (1, token, cache, tokens, counts, finished)
+        _, _, _, tokens, counts, _ = jax.lax.while_loop(not_done, decode_one, loop_state)
+        return tokens, counts
+
+    return sample
+
+
+def shape_bucket(size: int, smallest: int) -> int:
+    """The power of two at least `size` and `smallest`: shapes from a few buckets, so few compilations."""
+    return max(smallest, 1 << (size - 1).bit_length())
+
+
+def generate_ids(sampler, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+    """The new tokens after each prompt (non-empty lists of ids), ending with the end-of-text token where the
+    model wrote it. Temperature 0 is greedy decoding."""
+    batch = shape_bucket(len(prompts), 1)
+    prompt_length = shape_bucket(max(map(len, prompts)), 8)
+    prompt_ids = np.zeros((batch, prompt_length), np.int32)
+    prompt_mask = np.zeros((batch, prompt_length), bool)
+    prompt_mask[len(prompts) :, -1] = True  # rows that only fill the batch hold one token
+    for row, ids in enumerate(prompts):
+        prompt_ids[row, prompt_length - len(ids) :] = ids
+        prompt_mask[row, prompt_length - len(ids) :] = True
+    tokens, counts = sampler(
+        params, prompt_ids, prompt_mask, len(prompts), seed, max_new_tokens, float(temperature), float(top_p),
+        capacity=shape_bucket(max_new_tokens, 8), top_k=int(top_k), do_sample=temperature > 0, use_top_p=top_p < 1,
+    )
+    # On several processes every one takes part in the sampling and gets the result.
+    tokens, counts = (
+        (np.asarray(tokens), np.asarray(counts))
+        if tokens.is_fully_addressable
+        else multihost_utils.process_allgather((tokens, counts), tiled=True)
+    )
+    return [tokens[row, : counts[row]].tolist() for row in range(len(prompts))]
+
+
+def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int):
+    """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely; an
+    empty prompt starts from the end-of-text token, and long prompts keep their last tokens (at most
+    `max_length` positions in all)."""
+    num_tokens = min(num_tokens, max_length - 1)
+    encoded = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
+    new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
+    return [tokenizer.decode(ids + new, skip_special_tokens=False) for ids, new in zip(prompt_ids, new_ids)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2780,6 +2938,12 @@ def main():
     if writer:
         writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
 
+    # Samples from the same prompts at every evaluation show the text getting better; a few tokens, compiled once.
+    sample_prompts = training_args.sample_prompt or [""]
+    sampler = make_sampler(
+        FlaxGPT2LMHeadModel(config, dtype=model.dtype, param_dtype=model.param_dtype), tokenizer.eos_token_id
+    )
+
     def run_evaluation(step: int) -> dict:
         results = evaluate(eval_step, state.params, blocks["validation"], eval_batch_size, batch_sharding)
         bits_per_byte = f", bits per byte {results['bits_per_byte']:.4f}" if "bits_per_byte" in results else ""
@@ -2791,6 +2955,17 @@ def main():
             if "bits_per_byte" in results:
                 logged["eval/bits_per_byte"] = results["bits_per_byte"]
             writer.scalars(logged, step)
+        if training_args.sample_tokens > 0:
+            texts = sample_texts(
+                sampler, state.params, tokenizer, sample_prompts, training_args.sample_tokens, config.n_positions,
+                training_args.seed,
+            )
+            for text in texts:
+                logger.info("step %d: sample %r", step, text)
+            if writer:
+                # Indented four spaces: markdown shows the texts verbatim, line breaks and all.
+                code_blocks = ["\n".join("    " + line for line in text.split("\n")) for text in texts]
+                writer.text("samples", "\n\n---\n\n".join(code_blocks), step)
         return results
 
     # Training loop
@@ -2964,11 +3139,12 @@ def main():
         exported = from_hf_state_dict(
             load_file(os.path.join(training_args.output_dir, "model.safetensors")), abstract_state.params
         )
-        text = sample_text(
-            FlaxGPT2LMHeadModel(config), exported, tokenizer, training_args.sample_prompt,
-            training_args.sample_tokens, block_size, training_args.seed,
+        texts = sample_texts(
+            sampler, exported, tokenizer, sample_prompts, training_args.sample_tokens, config.n_positions,
+            training_args.seed,
         )
-        print(f"sample from {training_args.output_dir}: {text!r}")
+        for text in texts:
+            print(f"sample from {training_args.output_dir}: {text!r}")
     if is_main_process and training_args.do_train:
         print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 

@@ -5,6 +5,8 @@ import shutil
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
 from conftest import FIXTURES_DIR
 
 
@@ -19,10 +21,17 @@ def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, gpt2
         "--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir,
         "--train_file", FIXTURES_DIR / "en" / "train.txt", "--do_train", "--do_eval",
         "--block_size", 64, "--per_device_train_batch_size", 8, "--max_steps", 20, "--logging_steps", 10,
-        "--learning_rate", 3e-3, "--sample_tokens", 5,
+        "--learning_rate", 3e-3, "--sample_tokens", 5, "--eval_steps", 10,
+        "--sample_prompt", "The gardener", "--sample_prompt", "Once upon",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((output_dir / "eval_results.json").read_text())["eval_loss"] < 6.5  # ln(1000) = 6.9
+    samples = [line for line in result.stdout.splitlines() if line.startswith("sample from")]
+    assert len(samples) == 2 and "'The gardener" in samples[0] and "'Once upon" in samples[1]
+    # Samples at the evaluation of step 10 and at the last one, in TensorBoard's text tab.
+    events = EventFileLoader(str(next((output_dir / "tensorboard").glob("events.*")))).Load()
+    sample_steps = [event.step for event in events if any(value.tag == "samples" for value in event.summary.value)]
+    assert sample_steps == [10, 20]
 
     generator = pipeline(
         "text-generation", model=AutoModelForCausalLM.from_pretrained(output_dir),

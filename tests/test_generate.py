@@ -1,0 +1,251 @@
+"""generate_flax.py and the cached sampler it shares with run_clm_flax.py: transformers' greedy ids, cached logits
+equal to a full recompute, seeded sampling, stopping at the end-of-text token, the command line and the server."""
+
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from conftest import REPO_DIR
+
+sys.path.insert(0, str(REPO_DIR))
+import generate_flax  # noqa: E402
+import run_clm_flax  # noqa: E402
+
+PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
+OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    """A tiny random GPT-2 saved by transformers (safetensors) beside the test tokenizer. Its weights are drawn
+    wider than GPT-2's usual 0.02, so that greedy decoding wanders instead of repeating one token."""
+    directory = shutil.copytree(gpt2_tokenizer_dir, tmp_path_factory.mktemp("generate") / "tiny-gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2, initializer_range=0.3,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def generator(model_dir):
+    model_args = generate_flax.ModelArguments(model_name_or_path=str(model_dir))
+    model, params, tokenizer = generate_flax.load_model(model_args)
+    return generate_flax.Generator(model, params, tokenizer, batch_size=4)
+
+
+def torch_greedy_ids(model_dir, prompt_ids, max_new_tokens):
+    torch_model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    input_ids = torch.tensor([prompt_ids])
+    output = torch_model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=torch_model.config.eos_token_id,
+    )
+    return output[0, len(prompt_ids) :].tolist()
+
+
+def test_greedy_ids_equal_transformers_generate_for_a_batch_of_different_lengths(generator, model_dir):
+    prompt_ids = generator.encode(PROMPTS, 20, "prompt")
+    assert len({len(ids) for ids in prompt_ids}) == 3
+    ours = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 20)
+    for ids, new_ids in zip(prompt_ids, ours):
+        expected = torch_greedy_ids(model_dir, ids, 20)
+        assert new_ids == expected
+        assert len(set(new_ids)) > 3  # the model writes something, not one token over and over
+
+
+def test_cached_logits_equal_a_full_recompute(generator):
+    model, params = generator.model, generator.params
+    rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    new_tokens = [[20, 21, 22], [30, 31, 32]]
+    prompt_length = 8
+    prompt_ids = np.zeros((2, prompt_length), np.int32)
+    prompt_mask = np.zeros((2, prompt_length), bool)
+    for row, ids in enumerate(rows):
+        prompt_ids[row, prompt_length - len(ids) :], prompt_mask[row, prompt_length - len(ids) :] = ids, True
+    cache = run_clm_flax.KeyValueCache.empty(model.config, jnp.asarray(prompt_mask), 3, model.dtype)
+    logits, cache = model.apply({"params": params}, jnp.asarray(prompt_ids), cache=cache)
+    cached = [np.asarray(logits[:, -1])]
+    for step in range(3):
+        logits, cache = model.apply({"params": params}, jnp.asarray([[row[step]] for row in new_tokens]), cache=cache)
+        cached.append(np.asarray(logits[:, 0]))
+    for row, ids in enumerate(rows):
+        full = model.apply({"params": params}, jnp.asarray([ids + new_tokens[row]]))[0]
+        recomputed = np.asarray(full[len(ids) - 1 :])  # the logits after the prompt and after each new token
+        np.testing.assert_allclose(np.stack([step[row] for step in cached]), recomputed, atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(generator):
+    prompt_ids = generator.encode(PROMPTS, 16, "prompt")
+
+    def generate(**settings):
+        return run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 16, **settings)
+
+    greedy = generate()
+    sampled = generate(temperature=1.0, seed=3)
+    assert sampled == generate(temperature=1.0, seed=3)
+    assert sampled != generate(temperature=1.0, seed=4)
+    assert sampled != greedy
+    assert generate(temperature=1.0, top_k=1, seed=3) == greedy
+    assert generate(temperature=1.0, top_p=1e-6, seed=3) == greedy
+    # A row's draws do not depend on the rows beside it.
+    alone = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids[:1], 16, temperature=1.0, seed=3)
+    assert alone[0] == sampled[0]
+
+
+def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens():
+    logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]] * 2000))
+    row_keys = jax.random.split(jax.random.key(0), 2000)
+
+    def drawn(top_k, top_p):
+        tokens = run_clm_flax.next_tokens(logits, row_keys, 1.0, top_p, top_k, True, top_p < 1)
+        return set(np.asarray(tokens).tolist())
+
+    assert drawn(0, 1.0) == {0, 1, 2, 3, 4}
+    assert drawn(2, 1.0) == {1, 3}
+    assert drawn(0, 0.75) == {1, 3, 4}  # 0.4 + 0.3 < 0.75: the third most likely is needed too
+    assert drawn(2, 0.3) == {1}
+
+
+def test_bfloat16_loads_bfloat16_weights_and_decodes_like_float32(generator, model_dir):
+    model, params, tokenizer = generate_flax.load_model(
+        generate_flax.ModelArguments(model_name_or_path=str(model_dir), dtype="bfloat16")
+    )
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    bfloat16_generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
+    prompt_ids = generator.encode(PROMPTS, 4, "prompt")
+    float32_ids = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 4)
+    assert run_clm_flax.generate_ids(bfloat16_generator.sampler, params, prompt_ids, 4) == float32_ids
+
+
+def test_generation_stops_at_the_end_of_text_token(generator):
+    prompt_ids = generator.encode(PROMPTS, 12, "prompt")
+    greedy = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 12)
+    stop_token = greedy[1][4]  # as if the fifth token the second prompt gets were the end of the text
+    sampler = run_clm_flax.make_sampler(generator.model, stop_token)
+    stopped = run_clm_flax.generate_ids(sampler, generator.params, prompt_ids, 12)
+    for full, short in zip(greedy, stopped):
+        end = full.index(stop_token) + 1 if stop_token in full else len(full)
+        assert short == full[:end]
+    assert len(stopped[1]) == 5 and stopped[1][-1] == stop_token
+
+
+def run_generate(*args, stdin=None):
+    command = [sys.executable, str(REPO_DIR / "generate_flax.py"), *map(str, args)]
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, env=OFFLINE_ENV, timeout=300)
+
+
+def test_command_line_generates_from_prompts_and_stdin(generator, model_dir):
+    expected = generator.generate(PROMPTS, 10, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    arguments = ["--model_name_or_path", model_dir, "--max_new_tokens", 10, "--json_output", "--batch_size", 2]
+    from_flags = run_generate(*arguments, *[item for prompt in PROMPTS for item in ("--prompt", prompt)])
+    assert from_flags.returncode == 0, from_flags.stderr[-3000:]
+    lines = [json.loads(line) for line in from_flags.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == PROMPTS
+    assert [line["text"] for line in lines] == [result["text"] for result in expected]
+    assert all(line["new_tokens"] == 10 and line["finish_reason"] == "length" for line in lines)
+
+    from_stdin = run_generate(*arguments, stdin="\n".join(PROMPTS) + "\n")
+    assert from_stdin.returncode == 0, from_stdin.stderr[-3000:]
+    assert from_stdin.stdout == from_flags.stdout
+
+
+def test_prompt_too_long_for_the_model_exits_with_one_clear_line(model_dir):
+    result = run_generate("--model_name_or_path", model_dir, "--prompt", "word " * 70)
+    assert result.returncode == 2
+    assert "--prompt 1 has" in result.stderr and "exceeds the model's 64 positions" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--prompt", "A", "--top_p", "0"], "--top_p must be in (0, 1]"),
+        (["--prompt", "A", "--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
+        (["--prompt_file", "missing.txt"], "cannot read --prompt_file missing.txt"),
+        (["--serve", "--prompt", "A"], "--serve takes its prompts from HTTP requests"),
+    ],
+)
+def test_bad_arguments_are_reported_as_a_usage_error(model_dir, arguments, message, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["generate_flax.py", "--model_name_or_path", str(model_dir), *arguments])
+    with pytest.raises(generate_flax.UsageError, match=re.escape(message)):
+        generate_flax.main()
+
+
+def post(url, content, timeout=60):
+    body = content if isinstance(content, bytes) else json.dumps(content).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_server_answers_requests_and_refuses_bad_ones_with_400(generator, model_dir, tmp_path):
+    log = open(tmp_path / "server.log", "w+")  # a file, not a pipe: a full pipe would block the server
+    server = subprocess.Popen(
+        [sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(model_dir), "--serve",
+         "--port", "0", "--batch_size", "4", "--max_new_tokens", "8", "--max_new_tokens_limit", "32"],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=OFFLINE_ENV,
+    )  # fmt: skip
+    try:
+        lines = queue.Queue()
+
+        def read_output():
+            for line in server.stdout:
+                lines.put(line)
+            lines.put("(the server exited)")
+
+        threading.Thread(target=read_output, daemon=True).start()
+        first_line = lines.get(timeout=180)
+        log.seek(0)
+        assert "Serving" in first_line, log.read()[-3000:]
+        url = first_line.split()[-1]
+        assert url.startswith("http://127.0.0.1:")
+
+        expected = generator.generate(PROMPTS, 8, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+        status, answer = post(url, {"prompts": PROMPTS})  # max_new_tokens from the command line
+        assert status == 200
+        assert answer["texts"] == [result["text"] for result in expected]
+        assert answer["new_tokens"] == [8, 8, 8]
+        assert answer["prompt_tokens"] == [len(ids) for ids in generator.encode(PROMPTS, 8, "prompt")]
+
+        sampled = {"prompt": PROMPTS[0], "max_new_tokens": 8, "temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 5}
+        status, first = post(url, sampled)
+        assert status == 200 and post(url, sampled)[1] == first
+
+        bad_requests = {
+            b"not json": "not JSON",
+            b'["a list"]': "must be a JSON object",
+            json.dumps({"prompt": "A", "max_tokens": 5}).encode(): "unknown field 'max_tokens'",
+            json.dumps({"prompt": "A", "max_new_tokens": 33}).encode(): "exceeds this server's limit of 32",
+            json.dumps({"prompt": "word " * 60, "max_new_tokens": 8}).encode(): "exceeds the model's 64 positions",
+            json.dumps({"prompts": ["A"] * 5}).encode(): "the server takes at most 4",
+            json.dumps({"prompt": "A", "temperature": "hot"}).encode(): '"temperature" must be a number',
+        }
+        for body, reason in bad_requests.items():
+            status, answer = post(url, body)
+            assert status == 400 and reason in answer["error"] and "\n" not in answer["error"]
+        assert post(url, {"prompts": PROMPTS, "max_new_tokens": 8})[1]["texts"] == [r["text"] for r in expected]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
