@@ -104,12 +104,12 @@ class Run:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def step_times(self) -> dict:
-        """When each logged step's line came, by step."""
+    def step_times(self, message: str = "loss") -> dict:
+        """When each step's line with `message` came, by step."""
         return {
             int(match.group(1)): moment
             for line, moment in zip(self.lines, self.times)
-            if (match := re.search(r"step (\d+): loss", line))
+            if (match := re.search(rf"step (\d+): {message}", line))
         }
 
 
@@ -177,10 +177,14 @@ def main():
         step_times[arguments.max_steps + 1] = reference.end_time
         step_gaps = {step: step_times[step + 1] - step_times[step] for step in range(1, arguments.max_steps + 1)}
         plan = kill_plan(arguments, step_gaps, random.Random(arguments.seed))
+        saved, committed = reference.step_times("saved the model"), reference.step_times("training checkpoint")
+        # How long a checkpoint stays in flight bounds the steps a kill can lose beyond one save interval.
+        commit_lags = [committed[step] - saved[step] for step in saved if step in committed]
         print(
             f"uninterrupted run: {arguments.max_steps} steps, a checkpoint every {arguments.save_steps}, "
             f"{step_times[arguments.max_steps] - step_times[1]:.1f} s from step 1 to step {arguments.max_steps}, "
-            f"{step_gaps[arguments.max_steps]:.2f} s from then to its exit\n"
+            f"{step_gaps[arguments.max_steps]:.2f} s from then to its exit; checkpoints announced as committed "
+            f"{min(commit_lags):.2f} to {max(commit_lags):.2f} s after their save started\n"
             f"{arguments.kills} kills at steps spread over 1..{arguments.max_steps - 1}, {arguments.final_kills} "
             f"after step {arguments.max_steps}; each after a random delay of up to the time to the next step\n"
         )
