@@ -16,7 +16,7 @@ For each trial it reports
 - whether the final weights equal the uninterrupted run's, bit for bit (they must: the data order, dropout and
   the optimizer state all continue from the checkpoint).
 
-    python benchmarks/benchmark_sigkill.py [--kills 20] [--final_kills 3] [--max_steps 40] [--save_steps 8]
+    python benchmarks/benchmark_sigkill.py [--kills 20] [--final_kills 4] [--max_steps 40] [--save_steps 8]
 
 The model is a one-layer GPT-2 and the tokenizer is trained on the test corpus, so the sweep runs on a laptop;
 all runs share one compilation cache.
@@ -145,7 +145,7 @@ def phase_of(kind: str, killed: bool, steps_done: int, committed: int, newest_sa
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=20, help="trials killed during training")
-    parser.add_argument("--final_kills", type=int, default=3, help="trials killed during the final save and exit")
+    parser.add_argument("--final_kills", type=int, default=4, help="trials killed during the final save and exit")
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--save_steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training runs and of the kill points")
