@@ -2657,12 +2657,12 @@ def generate_ids(sampler, params, prompts: list[list[int]], max_new_tokens: int,
 def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int):
     """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely; an
     empty prompt starts from the end-of-text token, and long prompts keep their last tokens (at most
-    `max_length` positions in all)."""
+    `max_length` positions in all). The texts are decoded without special tokens: a reader sees text only."""
     num_tokens = min(num_tokens, max_length - 1)
     encoded = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
     prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
     new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
-    return [tokenizer.decode(ids + new, skip_special_tokens=False) for ids, new in zip(prompt_ids, new_ids)]
+    return [tokenizer.decode(ids + new, skip_special_tokens=True) for ids, new in zip(prompt_ids, new_ids)]
 
 
 # ----------------------------------------------------------------------------------------------------
