@@ -880,6 +880,8 @@ def main():
     check_arguments(generation_args, server_args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    # JAX logs at INFO each accelerator backend it fails to find (libtpu on every GPU or CPU machine).
+    logging.getLogger("jax").setLevel(logging.WARNING)
     transformers.utils.logging.set_verbosity_error()
     prompts = None if server_args.serve else read_prompts(generation_args)
 
