@@ -2969,8 +2969,8 @@ def main():
         return results
 
     # Training loop
-    exported = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
-    if training_args.do_train and run_complete and not exported:
+    model_file_exists = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
+    if training_args.do_train and run_complete and not model_file_exists:
         save_model(training_args.output_dir, state.params, config, tokenizer)
         logger.info("Exported the model of the complete run to %s", training_args.output_dir)
     if training_args.do_train and not run_complete:
