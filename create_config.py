@@ -25,7 +25,6 @@ import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Optional
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, GPT2Config, HfArgumentParser, RobertaConfig
@@ -119,19 +118,21 @@ class ConfigArguments:
     preset: str = field(
         metadata={"help": "The model size to start from.", "choices": list(PRESETS)},
     )
-    tokenizer_dir: Optional[str] = field(
+    tokenizer_dir: str | None = field(
         default=None,
-        metadata={"help": "A tokenizer directory (from train_tokenizer.py): vocab_size and special-token ids are taken "
-                  "from it, and config.json is written into it unless --output_dir is given."},
+        metadata={
+            "help": "A tokenizer directory (from train_tokenizer.py): vocab_size and special-token ids are taken "
+            "from it, and config.json is written into it unless --output_dir is given."
+        },
     )
-    output_dir: Optional[str] = field(
+    output_dir: str | None = field(
         default=None, metadata={"help": "Directory to write config.json to. Default: --tokenizer_dir."}
     )
-    pad_vocab_to_multiple_of: Optional[int] = field(
+    pad_vocab_to_multiple_of: int | None = field(
         default=None,
         metadata={"help": "Round vocab_size up to a multiple of this (64 or 128 make the embedding matmuls faster)."},
     )
-    overrides: Optional[list[str]] = field(
+    overrides: list[str] | None = field(
         default=None,
         metadata={
             "help": "Config values to change, as key=value separated by spaces, e.g. --set n_layer=6 "

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -75,8 +75,8 @@ class ModelArguments:
             "choices": ["float32", "bfloat16"],
         },
     )
-    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where downloaded models are cached."})
-    token: Optional[str] = field(
+    cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded models are cached."})
+    token: str | None = field(
         default=None, metadata={"help": "Hugging Face hub token for private models. Never logged."}
     )
     allow_pickle_weights: bool = field(
@@ -94,7 +94,7 @@ class GenerationArguments:
         default_factory=list,
         metadata={"help": "A prompt to continue; give it several times for several prompts.", "action": "extend"},
     )
-    prompt_file: Optional[str] = field(
+    prompt_file: str | None = field(
         default=None,
         metadata={"help": "A text file of prompts, one per line; - reads them from stdin (as does giving no prompt)."},
     )
@@ -104,8 +104,10 @@ class GenerationArguments:
     )
     temperature: float = field(
         default=0.0,
-        metadata={"help": "0 takes the most likely token (greedy decoding); above 0, tokens are drawn, the more "
-                  "freely the higher."},
+        metadata={
+            "help": "0 takes the most likely token (greedy decoding); above 0, tokens are drawn, the more "
+            "freely the higher."
+        },
     )
     top_k: int = field(default=0, metadata={"help": "Draw from the k most likely tokens only; 0 for all of them."})
     top_p: float = field(
@@ -150,7 +152,7 @@ def parse_arguments() -> tuple[ModelArguments, GenerationArguments, ServerArgume
     return tuple(arguments)
 
 
-def sampling_settings_problem(settings: dict, prefix: str) -> Optional[str]:
+def sampling_settings_problem(settings: dict, prefix: str) -> str | None:
     """What is wrong with max_new_tokens, temperature, top_k, top_p (named with `prefix`), or None."""
     if settings["max_new_tokens"] < 1:
         return f"{prefix}max_new_tokens must be at least 1"
@@ -272,7 +274,7 @@ class CausalSelfAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, deterministic: bool, cache: Optional[KeyValueCache] = None):
+    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
         """(output, this layer's new (keys, values) when decoding with `cache`, else None)."""
         config = self.config
         batch, length, width = x.shape
@@ -301,7 +303,7 @@ class CausalSelfAttention(nn.Module):
 
 
 # Copied from run_clm_flax.attention_implementation
-def attention_implementation(dtype) -> Optional[str]:
+def attention_implementation(dtype) -> str | None:
     """cuDNN's fused (flash) attention on NVIDIA GPUs in half precision, XLA's attention elsewhere.
 
     jax.nn.dot_product_attention does not choose cuDNN by itself, and cuDNN has no float32 kernel.
@@ -326,6 +328,7 @@ def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, determ
 # Copied from run_clm_flax.cached_attention
 def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index: int):
     """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves."""
+
     # query, key, value: (batch, new, heads, head_dim); the layer's cached keys: (batch, slots, heads, head_dim)
     def write(cached, new_entries):
         return jax.lax.dynamic_update_slice_in_dim(cached, new_entries.astype(cached.dtype), cache.index, axis=1)
@@ -366,7 +369,7 @@ class Block(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, deterministic: bool, cache: Optional[KeyValueCache] = None):
+    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
         config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         attention, layer_cache = CausalSelfAttention(config, self.layer_index, **dtypes, name="attn")(
             layer_norm(config, **dtypes, name="ln_1")(x), deterministic, cache
@@ -383,16 +386,22 @@ class GPT2Model(nn.Module):
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat_policy: Optional[str] = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
+    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
 
     def setup(self):
         config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         embedding_init = nn.initializers.normal(config.initializer_range)
         self.wte = nn.Embed(
-            config.vocab_size, config.n_embd, embedding_init=nn.with_logical_partitioning(embedding_init, ("vocab", "embed")), **dtypes
+            config.vocab_size,
+            config.n_embd,
+            embedding_init=nn.with_logical_partitioning(embedding_init, ("vocab", "embed")),
+            **dtypes,
         )
         self.wpe = nn.Embed(
-            config.n_positions, config.n_embd, embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")), **dtypes
+            config.n_positions,
+            config.n_embd,
+            embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")),
+            **dtypes,
         )
         self.dropout = nn.Dropout(config.embd_pdrop)
         block = Block
@@ -403,7 +412,7 @@ class GPT2Model(nn.Module):
         self.h = [block(config, index, **dtypes) for index in range(config.n_layer)]
         self.ln_f = layer_norm(config, **dtypes, name=None)
 
-    def __call__(self, input_ids, deterministic: bool, cache: Optional[KeyValueCache] = None):
+    def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None):
         # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
         if cache is None:
             positions = jnp.arange(input_ids.shape[1])[None, :]
@@ -442,10 +451,10 @@ class FlaxGPT2LMHeadModel(nn.Module):
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat_policy: Optional[str] = None
+    remat_policy: str | None = None
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True, cache: Optional[KeyValueCache] = None):
+    def __call__(self, input_ids, deterministic: bool = True, cache: KeyValueCache | None = None):
         transformer = GPT2Model(self.config, self.dtype, self.param_dtype, self.remat_policy, name="transformer")
         hidden, cache = transformer(input_ids, deterministic, cache)
         if self.config.tie_word_embeddings:
@@ -454,7 +463,9 @@ class FlaxGPT2LMHeadModel(nn.Module):
             logits = nn.Dense(
                 self.config.vocab_size,
                 use_bias=False,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(self.config.initializer_range), ("embed", "vocab")),
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(self.config.initializer_range), ("embed", "vocab")
+                ),
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 dot_general=partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
@@ -503,7 +514,9 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
     ignored = [name for name in state_dict if name not in used and not name.endswith(IGNORED_CHECKPOINT_SUFFIXES)]
     ignored = [name for name in ignored if name != "lm_head.weight"]  # tied to wte when tie_word_embeddings
     if ignored:
-        logger.warning("Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5]))
+        logger.warning(
+            "Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5])
+        )
     return unflatten_dict(params)
 
 
@@ -512,6 +525,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
     index_name, single_name = "model.safetensors.index.json", "model.safetensors"
     if os.path.isdir(name_or_path):
+
         def fetch(filename):
             path = os.path.join(name_or_path, filename)
             return path if os.path.isfile(path) else None
@@ -607,6 +621,7 @@ def load_model(model_args):
 # Sampling: the whole decoding loop compiled once per shape, with a key/value cache
 # ----------------------------------------------------------------------------------------------------
 
+
 # Copied from run_clm_flax.next_tokens
 def next_tokens(logits, row_keys, temperature, top_p, top_k: int, do_sample: bool, use_top_p: bool):
     """One token per row from float32 logits (batch, vocab_size): the most likely, or drawn as transformers does:
@@ -630,7 +645,7 @@ def next_tokens(logits, row_keys, temperature, top_p, top_k: int, do_sample: boo
 
 
 # Copied from run_clm_flax.make_sampler
-def make_sampler(model, eos_token_id: Optional[int]):
+def make_sampler(model, eos_token_id: int | None):
     """A jitted function generating up to `max_new_tokens` tokens after left-padded prompts.
 
     It is compiled once per (batch, prompt length, capacity) and per top_k / greedy / top_p-or-not; the
@@ -641,8 +656,21 @@ def make_sampler(model, eos_token_id: Optional[int]):
     pad = max(eos, 0)  # what finished rows write
 
     @partial(jax.jit, static_argnames=("capacity", "top_k", "do_sample", "use_top_p"))
-    def sample(params, prompt_ids, prompt_mask, row_count, seed, max_new_tokens, temperature, top_p, *,
-               capacity: int, top_k: int, do_sample: bool, use_top_p: bool):
+    def sample(
+        params,
+        prompt_ids,
+        prompt_mask,
+        row_count,
+        seed,
+        max_new_tokens,
+        temperature,
+        top_p,
+        *,
+        capacity: int,
+        top_k: int,
+        do_sample: bool,
+        use_top_p: bool,
+    ):
         # prompt_ids, prompt_mask: (batch, prompt length), left-padded; rows from row_count on only fill the batch.
         batch = prompt_ids.shape[0]
         variables = {"params": params}
@@ -687,8 +715,16 @@ def shape_bucket(size: int, smallest: int) -> int:
 
 
 # Copied from run_clm_flax.generate_ids
-def generate_ids(sampler, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+def generate_ids(
+    sampler,
+    params,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[list[int]]:
     """The new tokens after each prompt (non-empty lists of ids), ending with the end-of-text token where the
     model wrote it. Temperature 0 is greedy decoding."""
     batch = shape_bucket(len(prompts), 1)
@@ -700,8 +736,18 @@ def generate_ids(sampler, params, prompts: list[list[int]], max_new_tokens: int,
         prompt_ids[row, prompt_length - len(ids) :] = ids
         prompt_mask[row, prompt_length - len(ids) :] = True
     tokens, counts = sampler(
-        params, prompt_ids, prompt_mask, len(prompts), seed, max_new_tokens, float(temperature), float(top_p),
-        capacity=shape_bucket(max_new_tokens, 8), top_k=int(top_k), do_sample=temperature > 0, use_top_p=top_p < 1,
+        params,
+        prompt_ids,
+        prompt_mask,
+        len(prompts),
+        seed,
+        max_new_tokens,
+        float(temperature),
+        float(top_p),
+        capacity=shape_bucket(max_new_tokens, 8),
+        top_k=int(top_k),
+        do_sample=temperature > 0,
+        use_top_p=top_p < 1,
     )
     # On several processes every one takes part in the sampling and gets the result.
     tokens, counts = (
@@ -737,8 +783,16 @@ class Generator:
             encoded.append(ids)
         return encoded
 
-    def generate(self, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                 seed: int, where: str = "prompt") -> list[dict]:
+    def generate(
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int,
+        where: str = "prompt",
+    ) -> list[dict]:
         """For each prompt: its continuation, the count of prompt and new tokens, and why it stopped."""
         prompt_ids = self.encode(prompts, max_new_tokens, where)
         results = []
@@ -751,12 +805,14 @@ class Generator:
                 )
             for ids, new in zip(batch, new_ids):
                 stopped = bool(new) and new[-1] == self.eos_token_id
-                results.append({
-                    "text": self.tokenizer.decode(new[:-1] if stopped else new, skip_special_tokens=False),
-                    "prompt_tokens": len(ids),
-                    "new_tokens": len(new),
-                    "finish_reason": "eos" if stopped else "length",
-                })
+                results.append(
+                    {
+                        "text": self.tokenizer.decode(new[:-1] if stopped else new, skip_special_tokens=False),
+                        "prompt_tokens": len(ids),
+                        "new_tokens": len(new),
+                        "finish_reason": "eos" if stopped else "length",
+                    }
+                )
         return results
 
 
@@ -799,8 +855,10 @@ def parse_request(body: bytes, generation_args, server_args) -> dict:
     if problem := sampling_settings_problem(settings, ""):
         raise RequestError(problem)
     if settings["max_new_tokens"] > server_args.max_new_tokens_limit:
-        raise RequestError(f"max_new_tokens {settings['max_new_tokens']} exceeds this server's limit of "
-                           f"{server_args.max_new_tokens_limit}")
+        raise RequestError(
+            f"max_new_tokens {settings['max_new_tokens']} exceeds this server's limit of "
+            f"{server_args.max_new_tokens_limit}"
+        )
     if not 0 <= settings["seed"] < 2**31:
         raise RequestError("seed must be in [0, 2**31)")
     return settings
@@ -830,14 +888,21 @@ def make_request_handler(generator: Generator, generation_args, server_args):
                 logger.exception("Failed to answer a request")
                 self.reply(500, {"error": "the server failed to answer this request; see its log"})
                 return
-            logger.info("%d prompts, %d new tokens in %.2f s", len(prompts), sum(r["new_tokens"] for r in results),
-                        time.perf_counter() - start)
-            self.reply(200, {
-                "texts": [result["text"] for result in results],
-                "prompt_tokens": [result["prompt_tokens"] for result in results],
-                "new_tokens": [result["new_tokens"] for result in results],
-                "finish_reasons": [result["finish_reason"] for result in results],
-            })
+            logger.info(
+                "%d prompts, %d new tokens in %.2f s",
+                len(prompts),
+                sum(r["new_tokens"] for r in results),
+                time.perf_counter() - start,
+            )
+            self.reply(
+                200,
+                {
+                    "texts": [result["text"] for result in results],
+                    "prompt_tokens": [result["prompt_tokens"] for result in results],
+                    "new_tokens": [result["new_tokens"] for result in results],
+                    "finish_reasons": [result["finish_reason"] for result in results],
+                },
+            )
 
         def reply(self, status: int, content: dict):
             body = json.dumps(content).encode()
@@ -855,9 +920,9 @@ def make_request_handler(generator: Generator, generation_args, server_args):
 
 def serve(generator: Generator, generation_args, server_args):
     try:
-        server = ThreadingHTTPServer((server_args.host, server_args.port), make_request_handler(
-            generator, generation_args, server_args
-        ))
+        server = ThreadingHTTPServer(
+            (server_args.host, server_args.port), make_request_handler(generator, generation_args, server_args)
+        )
     except OSError as error:
         raise UsageError(f"cannot listen on --host {server_args.host} --port {server_args.port}: {error}") from None
     host, port = server.server_address[:2]
@@ -888,8 +953,11 @@ def main():
     model, params, tokenizer = load_model(model_args)
     generator = Generator(model, params, tokenizer, generation_args.batch_size)
     logger.info(
-        "Loaded %s: %.1fM parameters in %s on %s", model_args.model_name_or_path,
-        sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6, model_args.dtype, jax.devices()[0],
+        "Loaded %s: %.1fM parameters in %s on %s",
+        model_args.model_name_or_path,
+        sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6,
+        model_args.dtype,
+        jax.devices()[0],
     )
     settings = {name: getattr(generation_args, name) for name in SETTING_TYPES}
     if server_args.serve:

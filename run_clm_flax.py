@@ -41,9 +41,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 import datasets
 import datasets.distributed
@@ -67,18 +68,18 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, GPT2Config
 logger = logging.getLogger(__name__)
 
 
-class UsageError(Exception):
-    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
-
-
 # ----------------------------------------------------------------------------------------------------
 # Arguments
 # ----------------------------------------------------------------------------------------------------
 
 
+class UsageError(Exception):
+    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
+
+
 @dataclass
 class ModelArguments:
-    model_name_or_path: Optional[str] = field(
+    model_name_or_path: str | None = field(
         default=None,
         metadata={
             "help": "A GPT-2 checkpoint to continue training from: a local directory holding config.json and "
@@ -89,15 +90,15 @@ class ModelArguments:
         default="gpt2",
         metadata={"help": "Model type when training from scratch without --config_name. Only gpt2 is supported."},
     )
-    config_name: Optional[str] = field(
+    config_name: str | None = field(
         default=None,
         metadata={"help": "Config directory or hub name, if not the same as --model_name_or_path."},
     )
-    tokenizer_name: Optional[str] = field(
+    tokenizer_name: str | None = field(
         default=None,
         metadata={"help": "Tokenizer directory or hub name, if not the same as --model_name_or_path."},
     )
-    cache_dir: Optional[str] = field(
+    cache_dir: str | None = field(
         default=None,
         metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."},
     )
@@ -129,7 +130,7 @@ class ModelArguments:
             "choices": ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"],
         },
     )
-    token: Optional[str] = field(
+    token: str | None = field(
         default=None,
         metadata={"help": "Hugging Face hub token for private models or datasets. Never logged or saved."},
     )
@@ -148,21 +149,23 @@ PACKED_TOKENS_PER_SHARD = 2**28
 
 @dataclass
 class DataTrainingArguments:
-    dataset_name: Optional[str] = field(
+    dataset_name: str | None = field(
         default=None,
         metadata={
             "help": "A `datasets` hub name, or a local directory: one written by Dataset.save_to_disk, or one "
             "holding data files."
         },
     )
-    dataset_config_name: Optional[str] = field(
+    dataset_config_name: str | None = field(
         default=None, metadata={"help": "The configuration of the dataset given by --dataset_name."}
     )
-    train_file: Optional[str] = field(
+    train_file: str | None = field(
         default=None,
-        metadata={"help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."},
+        metadata={
+            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."
+        },
     )
-    validation_file: Optional[str] = field(
+    validation_file: str | None = field(
         default=None,
         metadata={"help": "Evaluation text, in the same formats as --train_file."},
     )
@@ -175,12 +178,10 @@ class DataTrainingArguments:
             "help": "Leave out rows whose text is missing or null (counted in the log) instead of stopping there."
         },
     )
-    max_train_samples: Optional[int] = field(
+    max_train_samples: int | None = field(
         default=None, metadata={"help": "Keep only this many training blocks (for quick runs and debugging)."}
     )
-    max_eval_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep only this many evaluation blocks."}
-    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation blocks."})
     overwrite_cache: bool = field(
         default=False, metadata={"help": "Tokenize and pack again even if a cached result exists."}
     )
@@ -190,14 +191,14 @@ class DataTrainingArguments:
             "help": "Percentage of the training blocks held out for evaluation when there is no validation split."
         },
     )
-    block_size: Optional[int] = field(
+    block_size: int | None = field(
         default=None,
         metadata={
             "help": "Tokens per training sequence. Defaults to the smaller of the tokenizer's model_max_length and "
             "the model's n_positions, capped at 1024."
         },
     )
-    preprocessing_num_workers: Optional[int] = field(
+    preprocessing_num_workers: int | None = field(
         default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
     )
     text_sample_by: str = field(
@@ -228,7 +229,7 @@ class DataTrainingArguments:
             "through, an approximate shuffle; 0 keeps the stream's order."
         },
     )
-    packed_data_dir: Optional[str] = field(
+    packed_data_dir: str | None = field(
         default=None,
         metadata={
             "help": "A directory of packed token blocks in memory-mappable shards. Used as it is when it holds the "
@@ -268,7 +269,7 @@ class TrainingArguments:
             "per_device_train_batch_size x devices x this, in the memory of one micro-batch."
         },
     )
-    mesh_shape: Optional[str] = field(
+    mesh_shape: str | None = field(
         default=None,
         metadata={
             "help": "How the devices are arranged, e.g. data=2,fsdp=4: the batch is split over all devices, and "
@@ -293,8 +294,10 @@ class TrainingArguments:
     )
     lr_scheduler_type: str = field(
         default="linear",
-        metadata={"help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
-                  "choices": ["linear", "cosine", "constant"]},
+        metadata={
+            "help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
+            "choices": ["linear", "cosine", "constant"],
+        },
     )
     max_grad_norm: float = field(
         default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
@@ -307,7 +310,7 @@ class TrainingArguments:
     save_total_limit: int = field(
         default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
     )
-    resume_from_checkpoint: Optional[str] = field(
+    resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
             "help": "Continue from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, or no value (or "
@@ -323,7 +326,7 @@ class TrainingArguments:
             "help": "When the loss or gradient norm is not finite, skip that update and go on, instead of stopping."
         },
     )
-    eval_steps: Optional[int] = field(
+    eval_steps: int | None = field(
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
@@ -352,24 +355,24 @@ class DistributedArguments:
     """How the processes of a run started by hand find each other. Not needed for a single process, nor
     where the launcher tells JAX (Cloud TPU VMs, Slurm's srun, Open MPI's mpirun): see initialize_distributed."""
 
-    coordinator_address: Optional[str] = field(
+    coordinator_address: str | None = field(
         default=None,
         metadata={
             "help": "HOST:PORT of process 0, which every process of a multi-process run connects to (any free port). "
             "Give it with --num_processes and --process_id when starting one command per host by hand."
         },
     )
-    num_processes: Optional[int] = field(
+    num_processes: int | None = field(
         default=None, metadata={"help": "How many processes take part in the run, with --coordinator_address."}
     )
-    process_id: Optional[int] = field(
+    process_id: int | None = field(
         default=None,
         metadata={
             "help": "This process's number, 0 to --num_processes - 1, with --coordinator_address. Process 0 logs "
             "and writes the model, the results and the TensorBoard logs."
         },
     )
-    local_device_ids: Optional[str] = field(
+    local_device_ids: str | None = field(
         default=None,
         metadata={
             "help": "Comma-separated ids of the local GPUs this process drives, e.g. 0,1,2,3 (multi-process runs "
@@ -391,14 +394,18 @@ def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingAr
     *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:
         if any(argument.split("=")[0] in ("--push_to_hub", "--push-to-hub") for argument in unknown):
-            raise UsageError("--push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`")
+            raise UsageError(
+                "--push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`"
+            )
         raise UsageError(f"unknown argument {unknown[0]}; see --help for the arguments this script takes")
     return tuple(arguments)
 
 
 def check_arguments(model_args, data_args, training_args):
     if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
-        raise UsageError("nothing to do: pass --do_train, --do_eval or both (or --packed_data_dir alone to only pack the data)")
+        raise UsageError(
+            "nothing to do: pass --do_train, --do_eval or both (or --packed_data_dir alone to only pack the data)"
+        )
     if training_args.per_device_train_batch_size < 1 or training_args.per_device_eval_batch_size < 1:
         raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
     if training_args.gradient_accumulation_steps < 1:
@@ -424,7 +431,9 @@ def check_arguments(model_args, data_args, training_args):
             "turned into steps (or add --packed_data_dir to pack the stream once and train on the shards)"
         )
     if streaming_training and data_args.max_train_samples is not None:
-        raise UsageError("--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with --max_steps")
+        raise UsageError(
+            "--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with --max_steps"
+        )
     if data_args.shuffle_buffer_size < 0:
         raise UsageError("--shuffle_buffer_size must be at least 0")
     if data_args.packed_tokens_per_shard < 1:
@@ -485,963 +494,9 @@ def check_writable_directory(path: str, flag: str):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Processes: one, or several joined by JAX's distributed runtime (one per host, or per GPU)
-# ----------------------------------------------------------------------------------------------------
-
-
-def on_cloud_tpu_vm() -> bool:
-    """Whether this is a Cloud TPU VM (one host of a TPU slice), as JAX found when it was imported. The flag
-    lives in a private module of JAX; should it move, TPU users pass the three flags instead."""
-    try:
-        from jax._src import cloud_tpu_init
-    except ImportError:
-        return False
-    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
-
-
-def multi_process_launcher() -> Optional[str]:
-    """The launcher that started this process as one of several, with the settings jax.distributed reads
-    from the environment; None for a process started on its own."""
-    environment = os.environ
-    # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
-    if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
-        return "Slurm"
-    if int(environment.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        return "Open MPI"
-    if on_cloud_tpu_vm():
-        return "Cloud TPU"
-    return None
-
-
-def initialize_distributed(distributed_args):
-    """Join the other processes of a multi-process run; call before anything touches the devices.
-
-    1. --coordinator_address, --num_processes and --process_id given: join with those settings
-       (processes started by hand, one command per host).
-    2. Otherwise, started by Slurm's srun or Open MPI's mpirun as one of several tasks, or on a Cloud TPU
-       VM: jax.distributed.initialize() reads the settings from the environment (on a single TPU VM it
-       finds one process).
-    3. Otherwise: a single process, which connects to nothing.
-
-    Afterwards every device of every process is in jax.devices(), and process 0 is the one that writes.
-    """
-    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
-    if any(value is not None for value in explicit) and any(value is None for value in explicit):
-        raise UsageError(
-            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
-            "Slurm, Open MPI or Cloud TPU supplies them"
-        )
-    local_device_ids = None
-    if distributed_args.local_device_ids is not None:
-        try:
-            local_device_ids = [int(device_id) for device_id in distributed_args.local_device_ids.split(",")]
-        except ValueError:
-            raise UsageError(
-                f"--local_device_ids {distributed_args.local_device_ids} is not a comma-separated list of integers"
-            ) from None
-
-    explicit = distributed_args.coordinator_address is not None
-    if explicit:
-        num_processes, process_id = distributed_args.num_processes, distributed_args.process_id
-        if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise UsageError(
-                f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
-                "--num_processes - 1"
-            )
-        if ":" not in distributed_args.coordinator_address:
-            raise UsageError(f"--coordinator_address {distributed_args.coordinator_address} has no port; give HOST:PORT")
-        several_processes = num_processes > 1
-    else:
-        launcher = multi_process_launcher()
-        several_processes = launcher is not None
-    if not several_processes:
-        if local_device_ids is not None:
-            raise UsageError(
-                "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
-                "CUDA_VISIBLE_DEVICES"
-            )
-        return
-
-    # Processes on CPU exchange data through Gloo over TCP (older JAX versions have no default for this).
-    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(
-            coordinator_address=distributed_args.coordinator_address,
-            num_processes=distributed_args.num_processes,
-            process_id=distributed_args.process_id,
-            local_device_ids=local_device_ids,
-        )
-    except ValueError as error:
-        if explicit:
-            raise
-        # The launcher's environment lacks something JAX reads, e.g. the address of Open MPI 5's launcher.
-        raise UsageError(
-            f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
-            f"({error}); pass --coordinator_address, --num_processes and --process_id"
-        ) from None
-
-
-def wait_for_all_processes(name: str):
-    """Return once every process has called this with the same `name` (at once for a single process)."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
-@contextlib.contextmanager
-def main_process_first(name: str):
-    """Process 0 runs the block first, then the others: they then read the caches it filled (on a file
-    system the hosts share) instead of all writing the same files at once."""
-    if jax.process_index() > 0:
-        wait_for_all_processes(name)
-    try:
-        yield
-    finally:  # also when process 0 fails: the others then try, and report the same error
-        if jax.process_index() == 0:
-            wait_for_all_processes(name)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Data: load texts, tokenize, pack into blocks, batch
-# ----------------------------------------------------------------------------------------------------
-
-DATA_FILE_BUILDERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-}
-
-
-def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
-    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
-    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-    if not files:
-        raise UsageError(f"--{flag} {pattern} matches no file")
-    builders = set()
-    for path in files:
-        if not os.path.isfile(path):
-            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
-        if not os.access(path, os.R_OK):
-            raise UsageError(f"--{flag}: {path} is not readable")
-        if os.path.getsize(path) == 0:
-            raise UsageError(f"--{flag}: {path} is empty")
-        extension = os.path.splitext(path)[1].lower()
-        if extension not in DATA_FILE_BUILDERS:
-            supported = ", ".join(DATA_FILE_BUILDERS)
-            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
-        builders.add(DATA_FILE_BUILDERS[extension])
-    if len(builders) > 1:
-        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
-    return builders.pop(), files
-
-
-def text_builder_options(data_args) -> dict:
-    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
-    if data_args.text_sample_by not in ("document", "paragraph", "line"):
-        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
-    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
-        raise UsageError(
-            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
-            f"{data_args.text_sample_by} the text is read as written, line breaks included"
-        )
-    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
-
-
-def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
-    """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
-    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated.
-    Each row is one document. Each split's files are read with the builder of their own format."""
-    try:
-        if data_args.dataset_name is not None:
-            name = data_args.dataset_name
-            if os.path.isdir(name) and any(
-                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
-            ):
-                raw = datasets.load_from_disk(name)
-                if streaming:
-                    raw = {split: dataset.to_iterable_dataset() for split, dataset in datasets.DatasetDict(
-                        raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}).items()}
-            else:
-                holds_text_files = os.path.isdir(name) and any(
-                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
-                    for _, _, files in os.walk(name) for file in files
-                )
-                options = text_builder_options(data_args) if holds_text_files else {}
-                raw = datasets.load_dataset(
-                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token,
-                    streaming=streaming, **options,
-                )
-        else:
-            raw = {}
-            for split, flag in (("train", "train_file"), ("validation", "validation_file")):
-                pattern = getattr(data_args, flag)
-                if pattern is None:
-                    continue
-                builder, files = resolve_data_files(pattern, flag)
-                options = text_builder_options(data_args) if builder == "text" else {}
-                raw[split] = datasets.load_dataset(
-                    builder, data_files={split: files}, split=split, cache_dir=model_args.cache_dir,
-                    streaming=streaming, **options,
-                )
-    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
-        raise UsageError(f"cannot load the dataset: {error}") from None
-    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
-        cause = error.__cause__ or error
-        raise UsageError(f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding") from None
-    if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
-        raw = {"train": raw}
-    for split, dataset in raw.items():
-        columns = dataset.column_names  # None for a stream whose columns are only known once read
-        if columns is not None and data_args.text_column_name not in columns:
-            raise UsageError(
-                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
-                "pass --text_column_name"
-            )
-    warn_of_files_in_both_splits(data_args)
-    return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
-
-
-def warn_of_files_in_both_splits(data_args):
-    if data_args.train_file is None or data_args.validation_file is None:
-        return
-    train_files, validation_files = (
-        {os.path.realpath(path) for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])}
-        for pattern in (data_args.train_file, data_args.validation_file)
-    )
-    if shared := sorted(train_files & validation_files):
-        logger.warning(
-            "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
-            "training texts, not how it does on new text", ", ".join(shared),
-        )
-
-
-def text_source(split: str, data_args) -> str:
-    """Where the texts of a split come from, as the user named them, for messages about a row."""
-    pattern = {"train": data_args.train_file, "validation": data_args.validation_file}.get(split)
-    if pattern is None:
-        return f"the {split} split of --dataset_name {data_args.dataset_name}"
-    if glob.has_magic(pattern):
-        return f"the files of {pattern} (counted through them in sorted order)"
-    return pattern
-
-
-def rows_with_text(dataset, split: str, data_args):
-    """The dataset without rows whose text is missing or null: such a row is refused in one line naming its file
-    and row, or with --skip_missing_texts left out and counted in the log. A column of other values than strings
-    is refused. A stream is checked lazily, batch by batch as it is read."""
-    column, skip = data_args.text_column_name, data_args.skip_missing_texts
-
-    def not_text(type_name: str) -> UsageError:
-        return UsageError(
-            f"column '{column}' of {text_source(split, data_args)} holds {type_name} values, not text; "
-            "pass the column of texts with --text_column_name"
-        )
-
-    def missing_text(row: int) -> UsageError:
-        return UsageError(
-            f"row {row + 1} of {text_source(split, data_args)} has no text (its '{column}' is missing or null); "
-            "fix the data, or pass --skip_missing_texts to leave such rows out"
-        )
-
-    if isinstance(dataset, datasets.IterableDataset):
-        def keep(batch, rows):
-            if column not in batch:  # token_arrays names the missing column
-                return [True] * len(rows)
-            kept = []
-            for text, row in zip(batch[column], rows):
-                if text is not None and not isinstance(text, str):
-                    raise not_text(type(text).__name__)
-                if text is None and not skip:
-                    raise missing_text(row)
-                kept.append(text is not None)
-            if not all(kept):
-                logger.warning("%s: left out %d rows without text, the first at row %d of %s", split,
-                               kept.count(False), rows[kept.index(False)] + 1, text_source(split, data_args))
-            return kept
-
-        return dataset.filter(keep, with_indices=True, batched=True, batch_size=TEXTS_PER_BATCH)
-    column_type = dataset.features[column]
-    if getattr(column_type, "dtype", None) not in ("string", "large_string", "string_view", "null"):
-        raise not_text(getattr(column_type, "dtype", type(column_type).__name__))
-    texts = dataset.data.column(column)
-    if texts.null_count == 0:
-        return dataset
-    missing = texts.is_null().to_numpy(zero_copy_only=False)
-    if not skip:
-        raise missing_text(int(np.argmax(missing)))
-    logger.warning("%s: left out %d of %d rows without text, the first at row %d of %s", split, int(missing.sum()),
-                   len(dataset), int(np.argmax(missing)) + 1, text_source(split, data_args))
-    return dataset.filter(
-        lambda texts: [text is not None for text in texts], input_columns=column, batched=True,
-        desc=f"Leaving out {split} rows without text",
-    )
-
-
-def first_texts(dataset, text_column: str, count: int) -> list[str]:
-    if isinstance(dataset, datasets.IterableDataset):
-        try:
-            batch = next(iter(dataset.iter(batch_size=count)), {})
-        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
-            return []  # token_arrays reports the unreadable stream
-        return batch.get(text_column, [])
-    return dataset[:count][text_column]
-
-
-def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
-    """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
-    trained on that learns nothing of the texts while its loss looks like training."""
-    for split, dataset in text_datasets.items():
-        # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
-        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
-        if not texts:
-            continue
-        ids = [token for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-               for token in encoding.ids]
-        if not ids or set(ids) == {tokenizer.unk_token_id}:
-            outcome = "no tokens" if not ids else f"only the unknown token {tokenizer.unk_token}"
-            raise UsageError(
-                f"the tokenizer {tokenizer.name_or_path} cannot encode the {split} data: its first {len(texts)} "
-                f"texts give {outcome}; pass a tokenizer trained on such text (train_tokenizer.py makes one)"
-            )
-
-
-def load_raw_datasets(model_args, data_args, hold_out_texts: bool = True) -> datasets.DatasetDict:
-    """Train and validation texts. Without a validation split, one is carved from the start of train when
-    `hold_out_texts`; otherwise it is left to be held out from the training blocks (hold_out_blocks)."""
-    raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
-    if "train" in raw and "validation" not in raw and hold_out_texts:
-        train = raw["train"]
-        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
-        if len(train) < 2:
-            raise UsageError("the training data holds fewer than 2 texts; there is nothing to hold out for evaluation")
-        raw = datasets.DatasetDict(
-            {"validation": train.select(range(validation_size)), "train": train.select(range(validation_size, len(train)))}
-        )
-    for split, dataset in raw.items():
-        if len(dataset) == 0:
-            raise UsageError(f"the {split} data is empty")
-    return raw
-
-
-def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
-    """{split: blocks} with a validation split: the first validation_split_percentage percent of the training
-    blocks when there is none (by blocks rather than texts, so that one long document can be split too)."""
-    if "train" not in blocks or "validation" in blocks:
-        return blocks
-    train = blocks["train"]
-    if len(train) < 2:
-        raise UsageError(
-            "the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation"
-        )
-    validation_size = max(1, len(train) * validation_split_percentage // 100)
-    return {"validation": train[:validation_size], "train": train[validation_size:]}
-
-
-def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
-    """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
-    digest = hashlib.sha256()
-    for part in (dataset._fingerprint, tokenizer.backend_tokenizer.to_str(), *map(repr, settings)):
-        digest.update(part.encode())
-    return digest.hexdigest()[:24]
-
-
-TEXTS_PER_BATCH = 1000
-# A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many
-# pieces at a time: encoding holds ~300 bytes of memory per token until it returns, and one text uses one core.
-TEXT_PIECE_CHARACTERS = 2**18
-TEXT_PIECES_AT_ONCE = 16
-# Where a line that ends in a visible character is followed by one that starts with one.
-LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
-
-
-def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
-    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
-    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
-    normalizer and no prefix space; not assumed for any other tokenizer."""
-    settings = json.loads(backend.to_str())
-    pre_tokenizer = settings.get("pre_tokenizer") or {}
-    return (
-        settings.get("normalizer") is None
-        and pre_tokenizer.get("type") == "ByteLevel"
-        and pre_tokenizer.get("use_regex", True)
-        and not pre_tokenizer.get("add_prefix_space", False)
-    )
-
-
-def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
-    """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
-    if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
-        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-    token_lists = []
-    for text in texts:
-        starts = [0]
-        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
-            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
-            if line_start is None:
-                break
-            starts.append(line_start.start())
-        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
-        ids = []
-        for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
-            group = pieces[first : first + TEXT_PIECES_AT_ONCE]
-            for encoding in backend.encode_batch(group, add_special_tokens=False):
-                ids.extend(encoding.ids)
-        token_lists.append(ids)
-    return token_lists
-
-
-def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train") -> Iterator[np.ndarray]:
-    """The tokens of every text of `dataset`, each text (a document) followed by EOS, as flat int32 arrays of one
-    batch of texts each, in the dataset's order.
-
-    A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
-    own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
-    batch as it is read. Either way only one batch of tokens is in memory at a time.
-    """
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
-        raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
-    # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
-    # about texts longer than model_max_length, which is expected here since texts get packed.
-    backend = tokenizer.backend_tokenizer
-    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
-
-    def tokenize(batch):
-        return {"input_ids": [ids + [eos_id] for ids in encode_texts(backend, batch[text_column], cut_long_texts)]}
-
-    if isinstance(dataset, datasets.IterableDataset):
-        texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
-        while True:
-            try:
-                batch = next(texts)
-            except StopIteration:
-                return
-            except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
-                cause = error.__cause__ or error
-                raise UsageError(f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding") from None
-            if text_column not in batch:
-                raise UsageError(
-                    f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
-                )
-            token_lists = tokenize(batch)["input_ids"]
-            yield np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
-    else:
-        tokenized = dataset.map(
-            tokenize,
-            batched=True,
-            batch_size=TEXTS_PER_BATCH,
-            num_proc=num_workers,
-            remove_columns=dataset.column_names,
-            new_fingerprint=tokenized_fingerprint(
-                dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens
-            ),
-            load_from_cache_file=not overwrite_cache,
-            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-            desc=f"Tokenizing {split} texts",
-        )
-        # Arrow stores each chunk's token lists as one flat buffer: flattening is a view, not a Python loop.
-        for chunk in tokenized.data.column("input_ids").chunks:
-            yield chunk.flatten().to_numpy()
-
-
-def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
-    """Join the token arrays end to end and cut them into blocks: arrays of shape (count, block_size), int32.
-
-    The tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
-    """
-    carry = np.zeros(0, np.int32)
-    for tokens in token_arrays:
-        if len(carry):
-            tokens = np.concatenate([carry, tokens])
-        usable = len(tokens) // block_size * block_size
-        if usable:
-            yield np.asarray(tokens[:usable], dtype=np.int32).reshape(-1, block_size)
-        carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
-
-
-# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
-# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
-# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
-# vocabulary fits (half the disk of int32) and always read as int32.
-PACKED_INDEX_FILE = "index.json"
-PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
-
-
-def packed_dtype(tokenizer) -> np.dtype:
-    """uint16 when every id of the tokenizer fits in it, int32 otherwise."""
-    largest_id = max(len(tokenizer), tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)) - 1
-    return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Changes with anything that changes the token ids: vocabulary, merges, normalisation, special tokens."""
-    settings = json.loads(tokenizer.backend_tokenizer.to_str())
-    for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
-        settings.pop(transient, None)
-    described = json.dumps(
-        {"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id,
-         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens},
-        sort_keys=True,
-    )
-    return hashlib.sha256(described.encode()).hexdigest()[:24]
-
-
-def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
-    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
-    shorter) and return the split's entry of the index.
-
-    Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
-    and written under a temporary name, then renamed. No shard is written for an empty split.
-    """
-    dtype = np.dtype(dtype)
-    largest = np.iinfo(dtype).max
-    shards, shard, filled, num_blocks = [], None, 0, 0
-
-    def finish_shard():
-        name = f"{split}-{len(shards):05d}.npy"
-        if filled == len(shard):
-            shard.flush()
-            written_path = shard.filename
-        else:  # the last shard, shorter: copied into a file of its own size
-            written_path = os.path.join(directory, f"{name}.{os.getpid()}.end.tmp.npy")
-            np.save(written_path, shard[:filled], allow_pickle=False)
-            os.remove(shard.filename)
-        os.replace(written_path, os.path.join(directory, name))
-        shards.append({"file": name, "num_blocks": filled})
-
-    for block_array in blocks:
-        if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
-            raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
-        start = 0
-        while start < len(block_array):
-            if shard is None:
-                name = f"{split}-{len(shards):05d}.npy"
-                shard = np.lib.format.open_memmap(
-                    os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"), mode="w+", dtype=dtype,
-                    shape=(blocks_per_shard, block_array.shape[1]),
-                )
-                filled = 0
-            count = min(blocks_per_shard - filled, len(block_array) - start)
-            shard[filled : filled + count] = block_array[start : start + count]
-            filled, start, num_blocks = filled + count, start + count, num_blocks + count
-            if filled == blocks_per_shard:
-                finish_shard()
-                shard = None
-    if shard is not None:
-        finish_shard()
-        del shard
-    return {"num_blocks": num_blocks, "shards": shards}
-
-
-def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
-    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
-    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
-
-    The index is removed first and written last, so an interrupted write leaves a directory that is
-    recognised as unfinished; shards left by an earlier unfinished write are replaced.
-    """
-    os.makedirs(directory, exist_ok=True)
-    index_path = os.path.join(directory, PACKED_INDEX_FILE)
-    if os.path.exists(index_path):
-        os.remove(index_path)
-    leftover = re.compile(r"^(%s)-\d{5}\.npy(\.\d+(\.end)?\.tmp\.npy)?$" % "|".join(map(re.escape, splits)))
-    for name in os.listdir(directory):
-        if leftover.match(name):
-            os.remove(os.path.join(directory, name))
-    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
-    index = {
-        "format_version": PACKED_FORMAT_VERSION,
-        **description,
-        "dtype": np.dtype(dtype).name,
-        "blocks_per_shard": blocks_per_shard,
-        "splits": {split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard) for split, blocks in splits.items()},
-    }
-    temporary_path = f"{index_path}.{os.getpid()}.tmp"
-    with open(temporary_path, "w") as file:
-        json.dump(index, file, indent=2)
-    os.replace(temporary_path, index_path)
-    return index
-
-
-def read_packed_index(directory: str) -> Optional[dict]:
-    """The index of the packed corpus in `directory`, or None when there is no finished one."""
-    path = os.path.join(directory, PACKED_INDEX_FILE)
-    try:
-        with open(path) as file:
-            index = json.load(file)
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        index = None
-    if not (isinstance(index, dict) and "format_version" in index and "splits" in index):
-        raise UsageError(f"{path} is not the index of a packed corpus; use another directory for the packed data")
-    return index
-
-
-def packed_shards_problem(directory: str, index: dict) -> Optional[str]:
-    """What is wrong with the shard files of a packed corpus whose index is intact (a shard missing, cut short, or of
-    another shape than the index says), or None. Found here, before training, rather than when a shard is first
-    memory-mapped, maybe hours into the run."""
-    for entry in index["splits"].values():
-        for shard in entry["shards"]:
-            path = os.path.join(directory, shard["file"])
-            try:
-                with open(path, "rb") as file:
-                    if np.lib.format.read_magic(file) == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
-                    size = os.fstat(file.fileno()).st_size
-            except (OSError, ValueError) as error:
-                return f"{shard['file']} cannot be read ({error})"
-            expected = (shard["num_blocks"], index["block_size"])
-            if tuple(shape) != expected:
-                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
-            if size < expected_size:
-                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
-    return None
-
-
-class PackedBlocks:
-    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
-    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
-
-    Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
-    only the blocks it asks for, whatever the size of the corpus.
-    """
-
-    dtype = np.dtype(np.int32)
-    ndim = 2
-    open_shards = 64
-
-    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: Optional[int] = None):
-        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
-        sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
-        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        total = int(self.shard_starts[-1])
-        self.start, self.stop = start, total if stop is None else stop
-        self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
-
-    def open_shard(self, shard_number: int) -> np.ndarray:
-        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self), self.block_size)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice) and index.step in (None, 1):
-            start, stop, _ = index.indices(len(self))
-            view = copy.copy(self)
-            view.start, view.stop = self.start + start, self.start + max(start, stop)
-            return view
-        if isinstance(index, (int, np.integer)):
-            return self[np.array([index])][0]
-        positions = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index)
-        if positions.dtype == bool or not np.issubdtype(positions.dtype, np.integer):
-            raise IndexError("PackedBlocks takes an integer, a slice or an array of integer indices")
-        positions = np.where(positions < 0, positions + len(self), positions)
-        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
-            raise IndexError(f"index out of range for {len(self)} blocks")
-        return self.read(positions + self.start)
-
-    def read(self, positions: np.ndarray) -> np.ndarray:
-        """The blocks at these positions of the whole split, in the order given."""
-        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
-        shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
-        for shard_number in np.unique(shard_numbers):
-            chosen = shard_numbers == shard_number
-            blocks[chosen] = self.shard(int(shard_number))[positions[chosen] - self.shard_starts[shard_number]]
-        return blocks
-
-    def __array__(self, dtype=None, copy=None):
-        blocks = self.read(np.arange(self.start, self.stop))
-        return blocks if dtype is None else blocks.astype(dtype, copy=False)
-
-
-def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
-    return {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
-
-
-# What an interrupted run leaves in a datasets cache directory: Dataset.map's result file before it is renamed
-# (tempfile's tmpXXXXXXXX), and the unfinished packed corpora and line caches of this script.
-STALE_TEMPORARY_NAME = re.compile(r"tmp[a-z0-9_]{8}|packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
-STALE_AFTER_SECONDS = 600
-
-
-def remove_stale_temporary_files(cache_dir: str):
-    """Remove the temporary files that runs killed mid-tokenization left behind (about the size of the tokens each).
-    Only files untouched for STALE_AFTER_SECONDS go: a live run, this one or another sharing the cache, writes to
-    its own every few seconds."""
-    for entry in os.scandir(cache_dir):
-        if STALE_TEMPORARY_NAME.fullmatch(entry.name) and time.time() - entry.stat().st_mtime > STALE_AFTER_SECONDS:
-            logger.info("Removing %s, left in the cache by an interrupted run", entry.path)
-            if entry.is_dir():
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(entry.path)
-
-
-def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
-    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
-
-    The blocks are written as a packed corpus beside the dataset's own cache files and memory-mapped, on
-    this and later runs (a PackedBlocks); a dataset held only in memory gives an in-memory array. The
-    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
-    """
-    tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
-    if not dataset.cache_files:
-        return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
-    fingerprint = tokenized_fingerprint(
-        dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
-    )
-    cache_path = os.path.join(os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}")
-    remove_stale_temporary_files(os.path.dirname(cache_path))
-    index = None if overwrite_cache else read_packed_index(cache_path)
-    if index is not None and (problem := packed_shards_problem(cache_path, index)):
-        logger.warning("The packed cache %s is damaged (%s); packing it again", cache_path, problem)
-        index = None
-    if index is not None:
-        logger.info("Loading packed %s blocks from cache %s", split, cache_path)
-    else:
-        # Written under a name of this process's own and renamed when complete, so that processes sharing
-        # the cache never read or write each other's unfinished files.
-        temporary_path = f"{cache_path}.{os.getpid()}.tmp"
-        description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                       "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column}}
-        try:
-            index = write_packed_corpus(
-                temporary_path, {"blocks": pack_blocks(tokens, block_size)}, description, packed_dtype(tokenizer),
-                PACKED_TOKENS_PER_SHARD,
-            )
-        except BaseException:
-            shutil.rmtree(temporary_path, ignore_errors=True)
-            raise
-        if os.path.isdir(cache_path):
-            shutil.rmtree(cache_path, ignore_errors=True)
-        try:
-            os.rename(temporary_path, cache_path)
-        except OSError:  # another process finished the same cache first
-            shutil.rmtree(temporary_path, ignore_errors=True)
-        num_blocks = index["splits"]["blocks"]["num_blocks"]
-        logger.info("%s: packed into %d blocks of %d tokens, cached in %s", split, num_blocks, block_size, cache_path)
-    return open_packed_corpus(cache_path, index)["blocks"]
-
-
-def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dict:
-    """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
-    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the data arguments read as
-    they are or, with --streaming, as a stream. A directory packed with another tokenizer, block size or
-    source is refused, never reused. Without a validation split, the first --validation_split_percentage
-    percent of the training blocks are held out."""
-    directory = data_args.packed_data_dir
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
-    source = {
-        name: getattr(data_args, name)
-        for name in (
-            "dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name",
-            "text_sample_by", "keep_linebreaks",
-        )
-    }
-    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
-        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
-            source[name] = os.path.abspath(source[name])
-    description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "source": source}
-    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
-
-    def check(index: dict):
-        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
-        if index["format_version"] != PACKED_FORMAT_VERSION:
-            raise UsageError(f"--packed_data_dir {directory} holds a packed corpus of format version {index['format_version']}; {fix}")
-        if index["block_size"] != block_size:
-            raise UsageError(
-                f"--packed_data_dir {directory} holds blocks of {index['block_size']} tokens, not --block_size {block_size}; {fix}"
-            )
-        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
-            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
-        if problem := packed_shards_problem(directory, index):
-            raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
-        differences = [name for name in source if index["source"].get(name) != source[name]]
-        if has_source and differences:
-            recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
-            raise UsageError(
-                f"--packed_data_dir {directory} was packed from other data ({recorded}); pass the same data "
-                f"arguments, or none to train on it as it is, or {fix}"
-            )
-
-    index = read_packed_index(directory)  # read even with --overwrite_cache: never overwrite a directory of other files
-    if data_args.overwrite_cache:
-        index = None
-    if index is not None:
-        check(index)
-    elif not has_source:
-        raise UsageError(
-            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
-        )
-    # Process 0 packs while the others wait. It reaches the barrier even when packing fails, so that the others
-    # stop with an error rather than wait for it until the distributed runtime gives up.
-    with main_process_first("packed corpus written"):
-        if jax.process_index() == 0 and index is None:
-            check_writable_directory(directory, "packed_data_dir")
-            sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
-            check_tokenizer_encodes(tokenizer, sources, data_args.text_column_name)
-            logger.info("Packing %s into %s", " and ".join(sources), directory)
-
-            def blocks_with_progress(split, dataset):
-                tokens = token_arrays(
-                    dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers,
-                    data_args.overwrite_cache, split,
-                )
-                with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-                    for blocks in pack_blocks(tokens, block_size):
-                        progress.update(len(blocks))
-                        yield blocks
-
-            index = write_packed_corpus(
-                directory, {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
-                description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard,
-            )
-    if jax.process_count() > 1:
-        index = read_packed_index(directory)
-        if index is None:
-            raise UsageError(
-                f"process {jax.process_index()} finds no packed corpus in --packed_data_dir {directory}: process 0 "
-                "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
-            )
-        check(index)
-    blocks = open_packed_corpus(directory, index)
-    for split, split_blocks in blocks.items():
-        logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
-    return hold_out_blocks(blocks, data_args.validation_split_percentage)
-
-
-def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
-    """Run `iterator` in a background thread, `size` items ahead, so the host prepares the next batches
-    while the devices compute."""
-    items = queue.Queue(maxsize=size)
-    end = object()
-
-    def produce():
-        try:
-            for item in iterator:
-                items.put(item)
-        except BaseException as error:  # handed to the consumer, which re-raises it
-            items.put(error)
-        items.put(end)
-
-    threading.Thread(target=produce, daemon=True).start()
-    while (item := items.get()) is not end:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-
-
-def process_slice(global_batch_size: int) -> slice:
-    """The rows of each global batch that this process loads; jax assembles them into one global array."""
-    local_size = global_batch_size // jax.process_count()
-    return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
-
-
-def train_batches(blocks: np.ndarray, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0) -> Iterator[dict]:
-    """This process's rows of each global batch of one epoch, from batch `first_batch` on, in an order
-    fixed by seed and epoch (so a resumed run continues with the very batches it would have seen).
-
-    The blocks left over after the last full batch differ from epoch to epoch, so all data is seen.
-    """
-    order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
-    rows = process_slice(global_batch_size)
-    for step in range(first_batch, len(blocks) // global_batch_size):
-        # Sorted (for reading the memory-mapped blocks in order) before the split, so that the global batch,
-        # row for row, does not depend on the number of processes.
-        batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])[rows]
-        yield {"input_ids": np.asarray(blocks[batch_indices], dtype=np.int32)}
-
-
-def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
-    """Every block once, in order; the last batch is padded with zero-weight rows so none is dropped."""
-    rows = process_slice(global_batch_size)
-    for start in range(0, len(blocks), global_batch_size):
-        input_ids = np.asarray(blocks[start : start + global_batch_size], dtype=np.int32)
-        weights = np.ones(input_ids.shape, dtype=np.float32)
-        padding = global_batch_size - len(input_ids)
-        if padding:
-            input_ids = np.pad(input_ids, ((0, padding), (0, 0)))
-            weights = np.pad(weights, ((0, padding), (0, 0)))
-        yield {"input_ids": input_ids[rows], "weights": weights[rows]}
-
-
-def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
-    """This process's share of a stream: whole files (shards) when their number is a multiple of the process
-    count, otherwise every process_count-th text. The shares are disjoint and together cover the stream."""
-    if jax.process_count() == 1:
-        return dataset
-    return datasets.distributed.split_dataset_by_node(dataset, rank=jax.process_index(), world_size=jax.process_count())
-
-
-def streaming_train_batches(
-    dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, global_batch_size: int,
-    seed: int, shuffle_buffer_size: int, first_batch: int = 0,
-) -> Iterator[dict]:
-    """This process's rows of each global batch, tokenized and packed on the fly from its share of the
-    stream, without end: pass after pass over the share, each shuffled differently.
-
-    The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
-    files is shuffled). The batches depend only on the data, these arguments and the process count, so a
-    resumed run starting at `first_batch` re-reads (and re-tokenizes) the batches before it and goes on
-    with the very batches the interrupted run would have seen.
-    """
-    local_batch_size = len(range(global_batch_size)[process_slice(global_batch_size)])
-    share = stream_share(dataset)
-    if shuffle_buffer_size > 0:
-        share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
-
-    def every_pass():
-        for epoch in itertools.count():
-            if shuffle_buffer_size > 0:
-                share.set_epoch(epoch)  # reshuffles the files and the buffer
-            num_tokens = 0
-            for tokens in token_arrays(share, tokenizer, text_column):
-                num_tokens += len(tokens)
-                yield tokens
-            if num_tokens == 0:
-                raise UsageError(
-                    f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
-                    "text unless --text_sample_by says otherwise): give at least as many texts as processes"
-                )
-
-    rows = np.zeros((0, block_size), np.int32)
-    batch_number = 0
-    for blocks in pack_blocks(every_pass(), block_size):
-        rows = np.concatenate([rows, blocks])
-        while len(rows) >= local_batch_size:
-            if batch_number >= first_batch:
-                yield {"input_ids": rows[:local_batch_size]}
-            rows, batch_number = rows[local_batch_size:], batch_number + 1
-
-
-def first_blocks(dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, count: Optional[int], split: str) -> np.ndarray:
-    """The first `count` blocks packed from a stream (all of them when `count` is None), read into memory."""
-    blocks, total = [np.zeros((0, block_size), np.int32)], 0
-    for block_array in pack_blocks(token_arrays(dataset, tokenizer, text_column, split=split), block_size):
-        blocks.append(block_array)
-        total += len(block_array)
-        if count is not None and total >= count:
-            break
-    return np.concatenate(blocks)[:count]
-
-
-# ----------------------------------------------------------------------------------------------------
 # Model: GPT-2 in Flax, parameter names one-to-one with the Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------------------
+
 
 ACTIVATIONS = {
     "gelu": partial(jax.nn.gelu, approximate=False),
@@ -1523,7 +578,7 @@ class CausalSelfAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, deterministic: bool, cache: Optional[KeyValueCache] = None):
+    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
         """(output, this layer's new (keys, values) when decoding with `cache`, else None)."""
         config = self.config
         batch, length, width = x.shape
@@ -1551,7 +606,7 @@ class CausalSelfAttention(nn.Module):
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
 
 
-def attention_implementation(dtype) -> Optional[str]:
+def attention_implementation(dtype) -> str | None:
     """cuDNN's fused (flash) attention on NVIDIA GPUs in half precision, XLA's attention elsewhere.
 
     jax.nn.dot_product_attention does not choose cuDNN by itself, and cuDNN has no float32 kernel.
@@ -1574,6 +629,7 @@ def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, determ
 
 def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index: int):
     """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves."""
+
     # query, key, value: (batch, new, heads, head_dim); the layer's cached keys: (batch, slots, heads, head_dim)
     def write(cached, new_entries):
         return jax.lax.dynamic_update_slice_in_dim(cached, new_entries.astype(cached.dtype), cache.index, axis=1)
@@ -1612,7 +668,7 @@ class Block(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, deterministic: bool, cache: Optional[KeyValueCache] = None):
+    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
         config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         attention, layer_cache = CausalSelfAttention(config, self.layer_index, **dtypes, name="attn")(
             layer_norm(config, **dtypes, name="ln_1")(x), deterministic, cache
@@ -1628,16 +684,22 @@ class GPT2Model(nn.Module):
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat_policy: Optional[str] = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
+    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
 
     def setup(self):
         config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         embedding_init = nn.initializers.normal(config.initializer_range)
         self.wte = nn.Embed(
-            config.vocab_size, config.n_embd, embedding_init=nn.with_logical_partitioning(embedding_init, ("vocab", "embed")), **dtypes
+            config.vocab_size,
+            config.n_embd,
+            embedding_init=nn.with_logical_partitioning(embedding_init, ("vocab", "embed")),
+            **dtypes,
         )
         self.wpe = nn.Embed(
-            config.n_positions, config.n_embd, embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")), **dtypes
+            config.n_positions,
+            config.n_embd,
+            embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")),
+            **dtypes,
         )
         self.dropout = nn.Dropout(config.embd_pdrop)
         block = Block
@@ -1648,7 +710,7 @@ class GPT2Model(nn.Module):
         self.h = [block(config, index, **dtypes) for index in range(config.n_layer)]
         self.ln_f = layer_norm(config, **dtypes, name=None)
 
-    def __call__(self, input_ids, deterministic: bool, cache: Optional[KeyValueCache] = None):
+    def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None):
         # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
         if cache is None:
             positions = jnp.arange(input_ids.shape[1])[None, :]
@@ -1686,10 +748,10 @@ class FlaxGPT2LMHeadModel(nn.Module):
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat_policy: Optional[str] = None
+    remat_policy: str | None = None
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True, cache: Optional[KeyValueCache] = None):
+    def __call__(self, input_ids, deterministic: bool = True, cache: KeyValueCache | None = None):
         transformer = GPT2Model(self.config, self.dtype, self.param_dtype, self.remat_policy, name="transformer")
         hidden, cache = transformer(input_ids, deterministic, cache)
         if self.config.tie_word_embeddings:
@@ -1698,7 +760,9 @@ class FlaxGPT2LMHeadModel(nn.Module):
             logits = nn.Dense(
                 self.config.vocab_size,
                 use_bias=False,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(self.config.initializer_range), ("embed", "vocab")),
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(self.config.initializer_range), ("embed", "vocab")
+                ),
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 dot_general=partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
@@ -1706,21 +770,6 @@ class FlaxGPT2LMHeadModel(nn.Module):
             )(hidden)
         logits = logits.astype(jnp.float32)
         return logits if cache is None else (logits, cache)
-
-
-def causal_lm_loss_sums(logits, input_ids, weights):
-    """Summed next-token cross-entropy and the number of predicted tokens, both float32.
-
-    Sums rather than means, so that averages over several batches (and over padded rows, weight 0)
-    are exact: divide once, on the host.
-    """
-    # Position t predicts token t + 1; the last position has nothing to predict, so its weight is 0. The
-    # labels and weights are shifted rather than the logits sliced: slicing would copy the (batch, length,
-    # vocabulary) logits, and its gradient pad them back, in every step.
-    next_tokens = jnp.roll(input_ids, -1, axis=1)
-    target_weights = jnp.concatenate([weights[:, 1:], jnp.zeros_like(weights[:, :1])], axis=1)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), next_tokens)
-    return jnp.sum(losses * target_weights), jnp.sum(target_weights)
 
 
 def hf_name(flax_path: tuple) -> str:
@@ -1773,7 +822,9 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
     ignored = [name for name in state_dict if name not in used and not name.endswith(IGNORED_CHECKPOINT_SUFFIXES)]
     ignored = [name for name in ignored if name != "lm_head.weight"]  # tied to wte when tie_word_embeddings
     if ignored:
-        logger.warning("Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5]))
+        logger.warning(
+            "Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5])
+        )
     return unflatten_dict(params)
 
 
@@ -1781,6 +832,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
     index_name, single_name = "model.safetensors.index.json", "model.safetensors"
     if os.path.isdir(name_or_path):
+
         def fetch(filename):
             path = os.path.join(name_or_path, filename)
             return path if os.path.isfile(path) else None
@@ -1843,22 +895,23 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training state, sharding, optimizer, steps
+# Loss, optimizer, train and eval steps
 # ----------------------------------------------------------------------------------------------------
 
-# The mesh has two axes. The batch is split over both; parameters (and with them gradients and optimizer
-# state) are split along their embedding dimension over "fsdp" and replicated over "data". With the
-# default mesh (fsdp=1) that is plain data parallelism; with fsdp=N each device holds 1/N of the state
-# and XLA gathers the parameters for each layer as needed, as ZeRO-3/FSDP do.
-MESH_AXES = ("data", "fsdp")
-BATCH_AXES = ("data", "fsdp")
-LOGICAL_AXIS_RULES = (
-    ("vocab", None),
-    ("positions", None),
-    ("embed", "fsdp"),
-    ("heads", None),
-    ("mlp", None),
-)
+
+def causal_lm_loss_sums(logits, input_ids, weights):
+    """Summed next-token cross-entropy and the number of predicted tokens, both float32.
+
+    Sums rather than means, so that averages over several batches (and over padded rows, weight 0)
+    are exact: divide once, on the host.
+    """
+    # Position t predicts token t + 1; the last position has nothing to predict, so its weight is 0. The
+    # labels and weights are shifted rather than the logits sliced: slicing would copy the (batch, length,
+    # vocabulary) logits, and its gradient pad them back, in every step.
+    next_tokens = jnp.roll(input_ids, -1, axis=1)
+    target_weights = jnp.concatenate([weights[:, 1:], jnp.zeros_like(weights[:, :1])], axis=1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), next_tokens)
+    return jnp.sum(losses * target_weights), jnp.sum(target_weights)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -1903,7 +956,1645 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     return optimizer
 
 
-def create_mesh(mesh_shape: Optional[str] = None) -> jax.sharding.Mesh:
+def make_train_step(model, optimizer, schedule, seed: int):
+    dropout_key = jax.random.key(seed + 1)
+
+    def micro_batch_gradients(params, input_ids, dropout_rng):
+        """Gradients of the summed loss of one micro-batch, with that sum and its token count."""
+
+        def loss_sum_fn(params):
+            logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
+            return causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
+
+        (loss_sum, token_count), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
+        return grads, loss_sum, token_count
+
+    def train_step(state: TrainState, batch):
+        # batch["input_ids"]: (gradient_accumulation_steps, micro_batch, length)
+        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
+        step_rng = jax.random.fold_in(dropout_key, state.step)
+        micro_batches = batch["input_ids"]
+        if micro_batches.shape[0] == 1:
+            grads, loss_sum, token_count = micro_batch_gradients(state.params, micro_batches[0], step_rng)
+        else:
+
+            def accumulate(totals, index):
+                grads, loss_sum, token_count = micro_batch_gradients(
+                    state.params, micro_batches[index], jax.random.fold_in(step_rng, index)
+                )
+                return jax.tree_util.tree_map(jnp.add, totals, (grads, loss_sum, token_count)), None
+
+            # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
+            zeros = (
+                jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), state.params),
+                jnp.float32(0),
+                jnp.float32(0),
+            )
+            (grads, loss_sum, token_count), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches.shape[0]))
+        # The mean over every predicted token of the whole batch, however it was split into micro-batches, in
+        # the parameters' dtype: the float32 count would otherwise turn bfloat16 gradients, and with them the
+        # optimizer state, into float32.
+        grads = jax.tree_util.tree_map(
+            lambda grad, param: (grad / token_count).astype(param.dtype), grads, state.params
+        )
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
+        params, opt_state = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(finite, new, old),
+            (optax.apply_updates(state.params, updates), opt_state),
+            (state.params, state.opt_state),
+        )
+        metrics = {
+            "loss_sum": loss_sum,
+            "token_count": token_count,
+            "grad_norm": grad_norm,
+            "learning_rate": schedule(state.step),
+            "finite": finite,
+        }
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def train_step_compiler_options() -> dict:
+    """XLA options for compiling the train step. On CPU, XLA's default scheduler orders the work for
+    concurrency and so keeps alive the activations that gradient checkpointing means to free (GPT-2 124M,
+    2 x 1024 tokens, remat nothing_saveable: 7.5 GiB of temporaries either way); its memory-optimised
+    scheduler frees them (2.7 GiB), at no measured cost in speed."""
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    return {}
+
+
+def token_byte_counts(tokenizer, vocab_size: int) -> np.ndarray | None:
+    """The UTF-8 bytes of text each id stands for, float32 (vocab_size,), or None where that is not fixed.
+
+    Byte-level BPE tokens are fixed byte strings, one character of the byte alphabet per byte; special tokens
+    (EOS) stand for no text. Other tokenizers (WordPiece, SentencePiece) add or drop spaces when decoding, so
+    their tokens have no fixed byte count.
+    """
+    backend = tokenizer.backend_tokenizer
+    if (json.loads(backend.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
+        return None
+    byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    counts = np.zeros(vocab_size, np.float32)
+    for token, token_id in backend.get_vocab(with_added_tokens=False).items():
+        if not set(token) <= byte_alphabet:
+            return None
+        counts[token_id] = len(token)
+    for token_id, token in backend.get_added_tokens_decoder().items():
+        if token_id < vocab_size:
+            counts[token_id] = 0 if token.special else len(token.content.encode("utf-8"))
+    return counts
+
+
+def make_eval_step(model, token_bytes: np.ndarray | None = None):
+    """The summed loss and predicted tokens of a batch; with `token_bytes` (token_byte_counts) also the UTF-8
+    bytes of the predicted tokens, for bits per byte."""
+
+    def eval_step(params, batch):
+        logits = model.apply({"params": params}, batch["input_ids"], deterministic=True)
+        loss_sum, token_count = causal_lm_loss_sums(logits, batch["input_ids"], batch["weights"])
+        sums = {"loss_sum": loss_sum, "token_count": token_count}
+        if token_bytes is not None:
+            # The bytes of exactly the tokens the loss predicts: every token but the first of each block.
+            target_bytes = jnp.asarray(token_bytes)[batch["input_ids"][:, 1:]]
+            sums["byte_count"] = jnp.sum(target_bytes * batch["weights"][:, 1:])
+        return sums
+
+    return eval_step
+
+
+def evaluate(eval_step, params, blocks, global_batch_size, batch_sharding) -> dict:
+    """Loss and perplexity over the whole evaluation set, averaged exactly over predicted tokens, and bits per
+    byte (the summed loss in bits over the UTF-8 bytes of the predicted text) where the step counts bytes."""
+    totals = {}
+    num_batches = math.ceil(len(blocks) / global_batch_size)
+    batches = prefetch(to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, global_batch_size))
+    for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
+        for name, value in jax.device_get(eval_step(params, batch)).items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    loss = totals["loss_sum"] / totals["token_count"]
+    results = {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "tokens": int(totals["token_count"])}
+    if totals.get("byte_count"):
+        results["bits_per_byte"] = totals["loss_sum"] / math.log(2) / totals["byte_count"]
+        results["bytes"] = int(totals["byte_count"])
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling: the whole decoding loop compiled once per shape, with a key/value cache
+# ----------------------------------------------------------------------------------------------------
+
+
+def next_tokens(logits, row_keys, temperature, top_p, top_k: int, do_sample: bool, use_top_p: bool):
+    """One token per row from float32 logits (batch, vocab_size): the most likely, or drawn as transformers does:
+    logits divided by the temperature, cut to the `top_k` most likely (0: all), then to the most likely whose
+    probabilities add up to `top_p`."""
+    if not do_sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    candidate_ids = None
+    if top_k or use_top_p:
+        # Sorted, most likely first: a full sort of the vocabulary only when top_p is set without top_k.
+        logits, candidate_ids = jax.lax.top_k(logits, top_k or logits.shape[-1])
+    if use_top_p:
+        probabilities = jax.nn.softmax(logits, axis=-1)
+        mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities  # the most likely token always stays
+        logits = jnp.where(mass_before < top_p, logits, -jnp.inf)
+    choices = jax.vmap(jax.random.categorical)(row_keys, logits)
+    if candidate_ids is None:
+        return choices.astype(jnp.int32)
+    return jnp.take_along_axis(candidate_ids, choices[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def make_sampler(model, eos_token_id: int | None):
+    """A jitted function generating up to `max_new_tokens` tokens after left-padded prompts.
+
+    It is compiled once per (batch, prompt length, capacity) and per top_k / greedy / top_p-or-not; the
+    temperature, top_p, seed and max_new_tokens are arguments, so changing them does not compile again.
+    Returns (new tokens (batch, capacity), the count of new tokens per row, the end-of-text token included).
+    """
+    eos = -1 if eos_token_id is None else eos_token_id
+    pad = max(eos, 0)  # what finished rows write
+
+    @partial(jax.jit, static_argnames=("capacity", "top_k", "do_sample", "use_top_p"))
+    def sample(
+        params,
+        prompt_ids,
+        prompt_mask,
+        row_count,
+        seed,
+        max_new_tokens,
+        temperature,
+        top_p,
+        *,
+        capacity: int,
+        top_k: int,
+        do_sample: bool,
+        use_top_p: bool,
+    ):
+        # prompt_ids, prompt_mask: (batch, prompt length), left-padded; rows from row_count on only fill the batch.
+        batch = prompt_ids.shape[0]
+        variables = {"params": params}
+        cache = KeyValueCache.empty(model.config, prompt_mask, capacity, model.dtype)
+        logits, cache = model.apply(variables, prompt_ids, cache=cache)
+        seed_key = jax.random.key(seed)
+
+        def choose(step, last_logits):
+            # A key per row and step: a row's text does not depend on the other rows of the batch.
+            step_key = jax.random.fold_in(seed_key, step)
+            row_keys = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(jnp.arange(batch))
+            return next_tokens(last_logits, row_keys, temperature, top_p, top_k, do_sample, use_top_p)
+
+        token = choose(0, logits[:, -1])
+        tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(token)
+        counts = jnp.ones((batch,), jnp.int32)
+        finished = (token == eos) | (jnp.arange(batch) >= row_count)
+
+        def not_done(loop_state):
+            step, _, _, _, _, finished = loop_state
+            return (step < max_new_tokens) & ~jnp.all(finished)
+
+        def decode_one(loop_state):
+            step, token, cache, tokens, counts, finished = loop_state
+            logits, cache = model.apply(variables, token[:, None], cache=cache)
+            token = jnp.where(finished, pad, choose(step, logits[:, 0]))
+            tokens = tokens.at[:, step].set(token)
+            counts = counts + ~finished
+            return step + 1, token, cache, tokens, counts, finished | (token == eos)
+
+        loop_state = (1, token, cache, tokens, counts, finished)
+        _, _, _, tokens, counts, _ = jax.lax.while_loop(not_done, decode_one, loop_state)
+        return tokens, counts
+
+    return sample
+
+
+def shape_bucket(size: int, smallest: int) -> int:
+    """The power of two at least `size` and `smallest`: shapes from a few buckets, so few compilations."""
+    return max(smallest, 1 << (size - 1).bit_length())
+
+
+def generate_ids(
+    sampler,
+    params,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[list[int]]:
+    """The new tokens after each prompt (non-empty lists of ids), ending with the end-of-text token where the
+    model wrote it. Temperature 0 is greedy decoding."""
+    batch = shape_bucket(len(prompts), 1)
+    prompt_length = shape_bucket(max(map(len, prompts)), 8)
+    prompt_ids = np.zeros((batch, prompt_length), np.int32)
+    prompt_mask = np.zeros((batch, prompt_length), bool)
+    prompt_mask[len(prompts) :, -1] = True  # rows that only fill the batch hold one token
+    for row, ids in enumerate(prompts):
+        prompt_ids[row, prompt_length - len(ids) :] = ids
+        prompt_mask[row, prompt_length - len(ids) :] = True
+    tokens, counts = sampler(
+        params,
+        prompt_ids,
+        prompt_mask,
+        len(prompts),
+        seed,
+        max_new_tokens,
+        float(temperature),
+        float(top_p),
+        capacity=shape_bucket(max_new_tokens, 8),
+        top_k=int(top_k),
+        do_sample=temperature > 0,
+        use_top_p=top_p < 1,
+    )
+    # On several processes every one takes part in the sampling and gets the result.
+    tokens, counts = (
+        (np.asarray(tokens), np.asarray(counts))
+        if tokens.is_fully_addressable
+        else multihost_utils.process_allgather((tokens, counts), tiled=True)
+    )
+    return [tokens[row, : counts[row]].tolist() for row in range(len(prompts))]
+
+
+def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int):
+    """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely; an
+    empty prompt starts from the end-of-text token, and long prompts keep their last tokens (at most
+    `max_length` positions in all). The texts are decoded without special tokens: a reader sees text only."""
+    num_tokens = min(num_tokens, max_length - 1)
+    encoded = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
+    new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
+    return [tokenizer.decode(ids + new, skip_special_tokens=True) for ids, new in zip(prompt_ids, new_ids)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: load texts, tokenize, pack into blocks, batch
+# ----------------------------------------------------------------------------------------------------
+
+
+DATA_FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+
+def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
+    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    if not files:
+        raise UsageError(f"--{flag} {pattern} matches no file")
+    builders = set()
+    for path in files:
+        if not os.path.isfile(path):
+            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--{flag}: {path} is not readable")
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"--{flag}: {path} is empty")
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in DATA_FILE_BUILDERS:
+            supported = ", ".join(DATA_FILE_BUILDERS)
+            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
+        builders.add(DATA_FILE_BUILDERS[extension])
+    if len(builders) > 1:
+        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
+    return builders.pop(), files
+
+
+def text_builder_options(data_args) -> dict:
+    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
+    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
+
+
+def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
+    """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
+    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated.
+    Each row is one document. Each split's files are read with the builder of their own format."""
+    try:
+        if data_args.dataset_name is not None:
+            name = data_args.dataset_name
+            if os.path.isdir(name) and any(
+                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
+            ):
+                raw = datasets.load_from_disk(name)
+                if streaming:
+                    raw = {
+                        split: dataset.to_iterable_dataset()
+                        for split, dataset in datasets.DatasetDict(
+                            raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}
+                        ).items()
+                    }
+            else:
+                holds_text_files = os.path.isdir(name) and any(
+                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
+                    for _, _, files in os.walk(name)
+                    for file in files
+                )
+                options = text_builder_options(data_args) if holds_text_files else {}
+                raw = datasets.load_dataset(
+                    name,
+                    data_args.dataset_config_name,
+                    cache_dir=model_args.cache_dir,
+                    token=model_args.token,
+                    streaming=streaming,
+                    **options,
+                )
+        else:
+            raw = {}
+            for split, flag in (("train", "train_file"), ("validation", "validation_file")):
+                pattern = getattr(data_args, flag)
+                if pattern is None:
+                    continue
+                builder, files = resolve_data_files(pattern, flag)
+                options = text_builder_options(data_args) if builder == "text" else {}
+                raw[split] = datasets.load_dataset(
+                    builder,
+                    data_files={split: files},
+                    split=split,
+                    cache_dir=model_args.cache_dir,
+                    streaming=streaming,
+                    **options,
+                )
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise UsageError(f"cannot load the dataset: {error}") from None
+    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
+        cause = error.__cause__ or error
+        raise UsageError(
+            f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding"
+        ) from None
+    if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
+        raw = {"train": raw}
+    for split, dataset in raw.items():
+        columns = dataset.column_names  # None for a stream whose columns are only known once read
+        if columns is not None and data_args.text_column_name not in columns:
+            raise UsageError(
+                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
+                "pass --text_column_name"
+            )
+    warn_of_files_in_both_splits(data_args)
+    return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
+
+
+def warn_of_files_in_both_splits(data_args):
+    if data_args.train_file is None or data_args.validation_file is None:
+        return
+    train_files, validation_files = (
+        {os.path.realpath(path) for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])}
+        for pattern in (data_args.train_file, data_args.validation_file)
+    )
+    if shared := sorted(train_files & validation_files):
+        logger.warning(
+            "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
+            "training texts, not how it does on new text",
+            ", ".join(shared),
+        )
+
+
+def text_source(split: str, data_args) -> str:
+    """Where the texts of a split come from, as the user named them, for messages about a row."""
+    pattern = {"train": data_args.train_file, "validation": data_args.validation_file}.get(split)
+    if pattern is None:
+        return f"the {split} split of --dataset_name {data_args.dataset_name}"
+    if glob.has_magic(pattern):
+        return f"the files of {pattern} (counted through them in sorted order)"
+    return pattern
+
+
+def rows_with_text(dataset, split: str, data_args):
+    """The dataset without rows whose text is missing or null: such a row is refused in one line naming its file
+    and row, or with --skip_missing_texts left out and counted in the log. A column of other values than strings
+    is refused. A stream is checked lazily, batch by batch as it is read."""
+    column, skip = data_args.text_column_name, data_args.skip_missing_texts
+
+    def not_text(type_name: str) -> UsageError:
+        return UsageError(
+            f"column '{column}' of {text_source(split, data_args)} holds {type_name} values, not text; "
+            "pass the column of texts with --text_column_name"
+        )
+
+    def missing_text(row: int) -> UsageError:
+        return UsageError(
+            f"row {row + 1} of {text_source(split, data_args)} has no text (its '{column}' is missing or null); "
+            "fix the data, or pass --skip_missing_texts to leave such rows out"
+        )
+
+    if isinstance(dataset, datasets.IterableDataset):
+
+        def keep(batch, rows):
+            if column not in batch:  # token_arrays names the missing column
+                return [True] * len(rows)
+            kept = []
+            for text, row in zip(batch[column], rows):
+                if text is not None and not isinstance(text, str):
+                    raise not_text(type(text).__name__)
+                if text is None and not skip:
+                    raise missing_text(row)
+                kept.append(text is not None)
+            if not all(kept):
+                logger.warning(
+                    "%s: left out %d rows without text, the first at row %d of %s",
+                    split,
+                    kept.count(False),
+                    rows[kept.index(False)] + 1,
+                    text_source(split, data_args),
+                )
+            return kept
+
+        return dataset.filter(keep, with_indices=True, batched=True, batch_size=TEXTS_PER_BATCH)
+    column_type = dataset.features[column]
+    if getattr(column_type, "dtype", None) not in ("string", "large_string", "string_view", "null"):
+        raise not_text(getattr(column_type, "dtype", type(column_type).__name__))
+    texts = dataset.data.column(column)
+    if texts.null_count == 0:
+        return dataset
+    missing = texts.is_null().to_numpy(zero_copy_only=False)
+    if not skip:
+        raise missing_text(int(np.argmax(missing)))
+    logger.warning(
+        "%s: left out %d of %d rows without text, the first at row %d of %s",
+        split,
+        int(missing.sum()),
+        len(dataset),
+        int(np.argmax(missing)) + 1,
+        text_source(split, data_args),
+    )
+    return dataset.filter(
+        lambda texts: [text is not None for text in texts],
+        input_columns=column,
+        batched=True,
+        desc=f"Leaving out {split} rows without text",
+    )
+
+
+def first_texts(dataset, text_column: str, count: int) -> list[str]:
+    if isinstance(dataset, datasets.IterableDataset):
+        try:
+            batch = next(iter(dataset.iter(batch_size=count)), {})
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
+            return []  # token_arrays reports the unreadable stream
+        return batch.get(text_column, [])
+    return dataset[:count][text_column]
+
+
+def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
+    """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
+    trained on that learns nothing of the texts while its loss looks like training."""
+    for split, dataset in text_datasets.items():
+        # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
+        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
+        if not texts:
+            continue
+        ids = [
+            token
+            for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+            for token in encoding.ids
+        ]
+        if not ids or set(ids) == {tokenizer.unk_token_id}:
+            outcome = "no tokens" if not ids else f"only the unknown token {tokenizer.unk_token}"
+            raise UsageError(
+                f"the tokenizer {tokenizer.name_or_path} cannot encode the {split} data: its first {len(texts)} "
+                f"texts give {outcome}; pass a tokenizer trained on such text (train_tokenizer.py makes one)"
+            )
+
+
+def load_raw_datasets(model_args, data_args, hold_out_texts: bool = True) -> datasets.DatasetDict:
+    """Train and validation texts. Without a validation split, one is carved from the start of train when
+    `hold_out_texts`; otherwise it is left to be held out from the training blocks (hold_out_blocks)."""
+    raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
+    if "train" in raw and "validation" not in raw and hold_out_texts:
+        train = raw["train"]
+        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
+        if len(train) < 2:
+            raise UsageError("the training data holds fewer than 2 texts; there is nothing to hold out for evaluation")
+        raw = datasets.DatasetDict(
+            {
+                "validation": train.select(range(validation_size)),
+                "train": train.select(range(validation_size, len(train))),
+            }
+        )
+    for split, dataset in raw.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} data is empty")
+    return raw
+
+
+def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
+    """{split: blocks} with a validation split: the first validation_split_percentage percent of the training
+    blocks when there is none (by blocks rather than texts, so that one long document can be split too)."""
+    if "train" not in blocks or "validation" in blocks:
+        return blocks
+    train = blocks["train"]
+    if len(train) < 2:
+        raise UsageError(
+            "the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation"
+        )
+    validation_size = max(1, len(train) * validation_split_percentage // 100)
+    return {"validation": train[:validation_size], "train": train[validation_size:]}
+
+
+def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
+    """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
+    digest = hashlib.sha256()
+    for part in (dataset._fingerprint, tokenizer.backend_tokenizer.to_str(), *map(repr, settings)):
+        digest.update(part.encode())
+    return digest.hexdigest()[:24]
+
+
+TEXTS_PER_BATCH = 1000
+
+
+# A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many
+# pieces at a time: encoding holds ~300 bytes of memory per token until it returns, and one text uses one core.
+TEXT_PIECE_CHARACTERS = 2**18
+
+
+TEXT_PIECES_AT_ONCE = 16
+
+
+# Where a line that ends in a visible character is followed by one that starts with one.
+LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
+    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
+    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
+    normalizer and no prefix space; not assumed for any other tokenizer."""
+    settings = json.loads(backend.to_str())
+    pre_tokenizer = settings.get("pre_tokenizer") or {}
+    return (
+        settings.get("normalizer") is None
+        and pre_tokenizer.get("type") == "ByteLevel"
+        and pre_tokenizer.get("use_regex", True)
+        and not pre_tokenizer.get("add_prefix_space", False)
+    )
+
+
+def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
+    """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
+    if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    token_lists = []
+    for text in texts:
+        starts = [0]
+        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
+            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
+            if line_start is None:
+                break
+            starts.append(line_start.start())
+        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+        ids = []
+        for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
+            group = pieces[first : first + TEXT_PIECES_AT_ONCE]
+            for encoding in backend.encode_batch(group, add_special_tokens=False):
+                ids.extend(encoding.ids)
+        token_lists.append(ids)
+    return token_lists
+
+
+def token_arrays(
+    dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train"
+) -> Iterator[np.ndarray]:
+    """The tokens of every text of `dataset`, each text (a document) followed by EOS, as flat int32 arrays of one
+    batch of texts each, in the dataset's order.
+
+    A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
+    own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
+    batch as it is read. Either way only one batch of tokens is in memory at a time.
+    """
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
+    # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
+    # about texts longer than model_max_length, which is expected here since texts get packed.
+    backend = tokenizer.backend_tokenizer
+    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
+
+    def tokenize(batch):
+        return {"input_ids": [ids + [eos_id] for ids in encode_texts(backend, batch[text_column], cut_long_texts)]}
+
+    if isinstance(dataset, datasets.IterableDataset):
+        texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
+        while True:
+            try:
+                batch = next(texts)
+            except StopIteration:
+                return
+            except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
+                cause = error.__cause__ or error
+                raise UsageError(
+                    f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding"
+                ) from None
+            if text_column not in batch:
+                raise UsageError(
+                    f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
+                )
+            token_lists = tokenize(batch)["input_ids"]
+            yield np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+    else:
+        tokenized = dataset.map(
+            tokenize,
+            batched=True,
+            batch_size=TEXTS_PER_BATCH,
+            num_proc=num_workers,
+            remove_columns=dataset.column_names,
+            new_fingerprint=tokenized_fingerprint(
+                dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens
+            ),
+            load_from_cache_file=not overwrite_cache,
+            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+            desc=f"Tokenizing {split} texts",
+        )
+        # Arrow stores each chunk's token lists as one flat buffer: flattening is a view, not a Python loop.
+        for chunk in tokenized.data.column("input_ids").chunks:
+            yield chunk.flatten().to_numpy()
+
+
+def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
+    """Join the token arrays end to end and cut them into blocks: arrays of shape (count, block_size), int32.
+
+    The tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    carry = np.zeros(0, np.int32)
+    for tokens in token_arrays:
+        if len(carry):
+            tokens = np.concatenate([carry, tokens])
+        usable = len(tokens) // block_size * block_size
+        if usable:
+            yield np.asarray(tokens[:usable], dtype=np.int32).reshape(-1, block_size)
+        carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
+
+
+def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
+    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+
+    The blocks are written as a packed corpus beside the dataset's own cache files and memory-mapped, on
+    this and later runs (a PackedBlocks); a dataset held only in memory gives an in-memory array. The
+    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
+    if not dataset.cache_files:
+        return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
+    fingerprint = tokenized_fingerprint(
+        dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
+    )
+    cache_path = os.path.join(
+        os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}"
+    )
+    remove_stale_temporary_files(os.path.dirname(cache_path))
+    index = None if overwrite_cache else read_packed_index(cache_path)
+    if index is not None and (problem := packed_shards_problem(cache_path, index)):
+        logger.warning("The packed cache %s is damaged (%s); packing it again", cache_path, problem)
+        index = None
+    if index is not None:
+        logger.info("Loading packed %s blocks from cache %s", split, cache_path)
+    else:
+        # Written under a name of this process's own and renamed when complete, so that processes sharing
+        # the cache never read or write each other's unfinished files.
+        temporary_path = f"{cache_path}.{os.getpid()}.tmp"
+        description = {
+            "block_size": block_size,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column},
+        }
+        try:
+            index = write_packed_corpus(
+                temporary_path,
+                {"blocks": pack_blocks(tokens, block_size)},
+                description,
+                packed_dtype(tokenizer),
+                PACKED_TOKENS_PER_SHARD,
+            )
+        except BaseException:
+            shutil.rmtree(temporary_path, ignore_errors=True)
+            raise
+        if os.path.isdir(cache_path):
+            shutil.rmtree(cache_path, ignore_errors=True)
+        try:
+            os.rename(temporary_path, cache_path)
+        except OSError:  # another process finished the same cache first
+            shutil.rmtree(temporary_path, ignore_errors=True)
+        num_blocks = index["splits"]["blocks"]["num_blocks"]
+        logger.info("%s: packed into %d blocks of %d tokens, cached in %s", split, num_blocks, block_size, cache_path)
+    return open_packed_corpus(cache_path, index)["blocks"]
+
+
+def load_packed_corpus(model_args, data_args, tokenizer, block_size: int) -> dict:
+    """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
+    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the data arguments read as
+    they are or, with --streaming, as a stream. A directory packed with another tokenizer, block size or
+    source is refused, never reused. Without a validation split, the first --validation_split_percentage
+    percent of the training blocks are held out."""
+    directory = data_args.packed_data_dir
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
+    source = {
+        name: getattr(data_args, name)
+        for name in (
+            "dataset_name",
+            "dataset_config_name",
+            "train_file",
+            "validation_file",
+            "text_column_name",
+            "text_sample_by",
+            "keep_linebreaks",
+        )
+    }
+    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
+        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
+            source[name] = os.path.abspath(source[name])
+    description = {
+        "block_size": block_size,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "source": source,
+    }
+    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
+
+    def check(index: dict):
+        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
+        if index["format_version"] != PACKED_FORMAT_VERSION:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds a packed corpus of format version {index['format_version']}; {fix}"
+            )
+        if index["block_size"] != block_size:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds blocks of {index['block_size']} tokens, not --block_size {block_size}; {fix}"
+            )
+        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
+            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if problem := packed_shards_problem(directory, index):
+            raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
+        differences = [name for name in source if index["source"].get(name) != source[name]]
+        if has_source and differences:
+            recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
+            raise UsageError(
+                f"--packed_data_dir {directory} was packed from other data ({recorded}); pass the same data "
+                f"arguments, or none to train on it as it is, or {fix}"
+            )
+
+    index = read_packed_index(
+        directory
+    )  # read even with --overwrite_cache: never overwrite a directory of other files
+    if data_args.overwrite_cache:
+        index = None
+    if index is not None:
+        check(index)
+    elif not has_source:
+        raise UsageError(
+            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
+        )
+    # Process 0 packs while the others wait. It reaches the barrier even when packing fails, so that the others
+    # stop with an error rather than wait for it until the distributed runtime gives up.
+    with main_process_first("packed corpus written"):
+        if jax.process_index() == 0 and index is None:
+            check_writable_directory(directory, "packed_data_dir")
+            sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+            check_tokenizer_encodes(tokenizer, sources, data_args.text_column_name)
+            logger.info("Packing %s into %s", " and ".join(sources), directory)
+
+            def blocks_with_progress(split, dataset):
+                tokens = token_arrays(
+                    dataset,
+                    tokenizer,
+                    data_args.text_column_name,
+                    data_args.preprocessing_num_workers,
+                    data_args.overwrite_cache,
+                    split,
+                )
+                with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
+                    for blocks in pack_blocks(tokens, block_size):
+                        progress.update(len(blocks))
+                        yield blocks
+
+            index = write_packed_corpus(
+                directory,
+                {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
+                description,
+                packed_dtype(tokenizer),
+                data_args.packed_tokens_per_shard,
+            )
+    if jax.process_count() > 1:
+        index = read_packed_index(directory)
+        if index is None:
+            raise UsageError(
+                f"process {jax.process_index()} finds no packed corpus in --packed_data_dir {directory}: process 0 "
+                "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
+            )
+        check(index)
+    blocks = open_packed_corpus(directory, index)
+    for split, split_blocks in blocks.items():
+        logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
+    return hold_out_blocks(blocks, data_args.validation_split_percentage)
+
+
+def train_batches(
+    blocks: np.ndarray, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
+) -> Iterator[dict]:
+    """This process's rows of each global batch of one epoch, from batch `first_batch` on, in an order
+    fixed by seed and epoch (so a resumed run continues with the very batches it would have seen).
+
+    The blocks left over after the last full batch differ from epoch to epoch, so all data is seen.
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
+    rows = process_slice(global_batch_size)
+    for step in range(first_batch, len(blocks) // global_batch_size):
+        # Sorted (for reading the memory-mapped blocks in order) before the split, so that the global batch,
+        # row for row, does not depend on the number of processes.
+        batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])[rows]
+        yield {"input_ids": np.asarray(blocks[batch_indices], dtype=np.int32)}
+
+
+def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
+    """Every block once, in order; the last batch is padded with zero-weight rows so none is dropped."""
+    rows = process_slice(global_batch_size)
+    for start in range(0, len(blocks), global_batch_size):
+        input_ids = np.asarray(blocks[start : start + global_batch_size], dtype=np.int32)
+        weights = np.ones(input_ids.shape, dtype=np.float32)
+        padding = global_batch_size - len(input_ids)
+        if padding:
+            input_ids = np.pad(input_ids, ((0, padding), (0, 0)))
+            weights = np.pad(weights, ((0, padding), (0, 0)))
+        yield {"input_ids": input_ids[rows], "weights": weights[rows]}
+
+
+def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
+    """This process's share of a stream: whole files (shards) when their number is a multiple of the process
+    count, otherwise every process_count-th text. The shares are disjoint and together cover the stream."""
+    if jax.process_count() == 1:
+        return dataset
+    return datasets.distributed.split_dataset_by_node(
+        dataset, rank=jax.process_index(), world_size=jax.process_count()
+    )
+
+
+def streaming_train_batches(
+    dataset: datasets.IterableDataset,
+    tokenizer,
+    text_column: str,
+    block_size: int,
+    global_batch_size: int,
+    seed: int,
+    shuffle_buffer_size: int,
+    first_batch: int = 0,
+) -> Iterator[dict]:
+    """This process's rows of each global batch, tokenized and packed on the fly from its share of the
+    stream, without end: pass after pass over the share, each shuffled differently.
+
+    The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
+    files is shuffled). The batches depend only on the data, these arguments and the process count, so a
+    resumed run starting at `first_batch` re-reads (and re-tokenizes) the batches before it and goes on
+    with the very batches the interrupted run would have seen.
+    """
+    local_batch_size = len(range(global_batch_size)[process_slice(global_batch_size)])
+    share = stream_share(dataset)
+    if shuffle_buffer_size > 0:
+        share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
+
+    def every_pass():
+        for epoch in itertools.count():
+            if shuffle_buffer_size > 0:
+                share.set_epoch(epoch)  # reshuffles the files and the buffer
+            num_tokens = 0
+            for tokens in token_arrays(share, tokenizer, text_column):
+                num_tokens += len(tokens)
+                yield tokens
+            if num_tokens == 0:
+                raise UsageError(
+                    f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
+                    "text unless --text_sample_by says otherwise): give at least as many texts as processes"
+                )
+
+    rows = np.zeros((0, block_size), np.int32)
+    batch_number = 0
+    for blocks in pack_blocks(every_pass(), block_size):
+        rows = np.concatenate([rows, blocks])
+        while len(rows) >= local_batch_size:
+            if batch_number >= first_batch:
+                yield {"input_ids": rows[:local_batch_size]}
+            rows, batch_number = rows[local_batch_size:], batch_number + 1
+
+
+def first_blocks(
+    dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, count: int | None, split: str
+) -> np.ndarray:
+    """The first `count` blocks packed from a stream (all of them when `count` is None), read into memory."""
+    blocks, total = [np.zeros((0, block_size), np.int32)], 0
+    for block_array in pack_blocks(token_arrays(dataset, tokenizer, text_column, split=split), block_size):
+        blocks.append(block_array)
+        total += len(block_array)
+        if count is not None and total >= count:
+            break
+    return np.concatenate(blocks)[:count]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_config_and_tokenizer(model_args):
+    def load(loader, name, flag):
+        try:
+            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
+
+    config_source, config_flag = (
+        (model_args.config_name, "--config_name")
+        if model_args.config_name
+        else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if config_source:
+        config = load(AutoConfig, config_source, config_flag)
+    else:
+        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
+        config = transformers.CONFIG_MAPPING[model_args.model_type]()
+
+    tokenizer_source, tokenizer_flag = (
+        (model_args.tokenizer_name, "--tokenizer_name")
+        if model_args.tokenizer_name
+        else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if not tokenizer_source:
+        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
+    tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
+    if not tokenizer.is_fast:
+        raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0:
+        raise UsageError(
+            f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
+            "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
+        )
+    backend = tokenizer.backend_tokenizer
+    added_beyond = {
+        token_id: token
+        for token_id, token in backend.get_added_tokens_decoder().items()
+        if token_id >= config.vocab_size
+    }
+    # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
+    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
+    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
+            "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
+    if added_beyond:
+        # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
+        # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
+        tokenizer.split_special_tokens = backend.encode_special_tokens = True  # the wrapper resets the backend's
+        logger.warning(
+            "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
+            "written in the texts are encoded as text",
+            ", ".join(token.content for token in added_beyond.values()),
+            config.vocab_size,
+        )
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
+        logger.info(
+            "Documents end with %s, id %d (the tokenizer's end-of-text token)",
+            tokenizer.eos_token,
+            tokenizer.eos_token_id,
+        )
+    elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
+        # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+        logger.info(
+            "Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id
+        )
+    else:
+        raise UsageError(
+            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
+            "ids and the config names none that is; set eos_token_id in the config or eos_token in "
+            "tokenizer_config.json"
+        )
+    return config, tokenizer
+
+
+def main():
+    model_args, data_args, training_args, distributed_args = parse_arguments()
+    initialize_distributed(distributed_args)
+    check_arguments(model_args, data_args, training_args)
+    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
+    # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
+    # they have all joined, they do.
+    wait_for_all_processes("arguments checked")
+    is_main_process = jax.process_index() == 0
+    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
+    logging.basicConfig(
+        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if is_main_process else logging.ERROR,
+        force=True,  # importing orbax installs absl's handler, which would hide these logs
+    )
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    datasets.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.set_verbosity_warning()
+    if not is_main_process:
+        datasets.disable_progress_bars()
+    logger.info(
+        "%d devices over %d processes (%d here): %s",
+        jax.device_count(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.devices(),
+    )
+    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
+
+    # Model config and tokenizer
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    check_gpt2_config(config)
+    block_size = data_args.block_size or min(tokenizer.model_max_length, config.n_positions, 1024)
+    if block_size > config.n_positions:
+        raise UsageError(
+            f"--block_size {block_size} exceeds the model's n_positions {config.n_positions}; lower --block_size"
+        )
+
+    # Data: blocks of block_size tokens, {split: array-like}; with --streaming the training blocks come from a
+    # stream. Every process holds all blocks (memory-mapped) and loads only its rows of each batch.
+    blocks, train_stream = {}, None
+    if data_args.packed_data_dir:
+        blocks = load_packed_corpus(model_args, data_args, tokenizer, block_size)
+        if not (training_args.do_train or training_args.do_eval):
+            if jax.process_index() == 0:
+                print(f"packed data: {data_args.packed_data_dir}")
+            return
+    elif data_args.streaming:
+        streams = load_text_datasets(model_args, data_args, streaming=True)
+        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+        if training_args.do_train:
+            if "train" not in streams:
+                raise UsageError("--do_train needs training data, and the dataset has no train split")
+            train_stream = streams["train"]
+        if training_args.do_eval:
+            if "validation" not in streams:
+                raise UsageError(
+                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
+                    "has no length to hold a percentage out from"
+                )
+            # Read once, so that every evaluation (on every process) sees the same blocks.
+            blocks["validation"] = first_blocks(
+                streams["validation"],
+                tokenizer,
+                data_args.text_column_name,
+                block_size,
+                data_args.max_eval_samples,
+                "validation",
+            )
+            logger.info("validation: the first %d blocks of the stream", len(blocks["validation"]))
+    else:
+        with main_process_first("data prepared"):
+            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=False)
+            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
+            blocks = {
+                split: tokenize_and_pack(
+                    raw_datasets[split],
+                    tokenizer,
+                    data_args.text_column_name,
+                    block_size,
+                    data_args.preprocessing_num_workers,
+                    data_args.overwrite_cache,
+                    split,
+                )
+                for split in raw_datasets
+                if split in ("train", "validation")
+            }
+        blocks = hold_out_blocks(blocks, data_args.validation_split_percentage)
+    if data_args.max_train_samples is not None and "train" in blocks:
+        blocks["train"] = blocks["train"][: data_args.max_train_samples]
+    if data_args.max_eval_samples is not None and "validation" in blocks:
+        blocks["validation"] = blocks["validation"][: data_args.max_eval_samples]
+    for split, split_blocks in blocks.items():
+        if len(split_blocks) == 0:
+            raise UsageError(
+                f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
+            )
+    if training_args.do_train and "train" not in blocks and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
+    if training_args.do_eval and "validation" not in blocks:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+
+    # Model, mesh, optimizer, training state
+    mesh = create_mesh(training_args.mesh_shape)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, token)
+    accumulation_steps = training_args.gradient_accumulation_steps
+    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
+    eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
+    model = FlaxGPT2LMHeadModel(
+        config,
+        dtype=jnp.dtype(model_args.dtype),
+        param_dtype=jnp.dtype(model_args.param_dtype),
+        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
+    )
+
+    total_steps = 1
+    if training_args.do_train and train_stream is not None:
+        steps_per_epoch = None  # a stream's length is unknown
+        total_steps = training_args.max_steps
+    elif training_args.do_train:
+        steps_per_epoch = len(blocks["train"]) // train_batch_size
+        if steps_per_epoch == 0:
+            raise UsageError(
+                f"the training data makes {len(blocks['train'])} blocks of {block_size} tokens, fewer than one "
+                f"global batch of {train_batch_size}; add data or lower --per_device_train_batch_size or --block_size"
+            )
+        if training_args.max_steps > 0:
+            total_steps = training_args.max_steps
+        else:
+            total_steps = max(1, int(training_args.num_train_epochs * steps_per_epoch))
+    schedule = learning_rate_schedule(training_args, total_steps)
+    optimizer = create_optimizer(training_args, schedule)
+
+    dummy_input = jnp.zeros((1, block_size), jnp.int32)
+    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+    progress_record = {"step": 0, "train_loss_sum": 0.0, "train_token_count": 0.0}
+    restored = None
+    if training_args.resume_from_checkpoint:
+        restored = restore_checkpoint(
+            training_args.resume_from_checkpoint,
+            training_args.output_dir,
+            abstract_state,
+            [*progress_record, "global_batch_size", "block_size"],
+        )
+        if restored is None:
+            logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
+    run_complete = False
+    if restored:
+        state, progress_record, checkpoint_path = restored
+        logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
+        if training_args.overwrite_output_dir:
+            logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
+        if (progress_record["global_batch_size"], progress_record["block_size"]) != (train_batch_size, block_size):
+            logger.warning(
+                "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
+                "order differs from the interrupted run's",
+                progress_record["global_batch_size"],
+                progress_record["block_size"],
+                train_batch_size,
+                block_size,
+            )
+        if progress_record["step"] > total_steps:
+            raise UsageError(
+                f"the checkpoint is at step {progress_record['step']}, after this run's last step {total_steps}; "
+                "raise --max_steps or --num_train_epochs to train further"
+            )
+        run_complete = progress_record["step"] == total_steps
+        if run_complete:
+            logger.info("The run is complete (step %d of %d): nothing left to train", total_steps, total_steps)
+    else:
+        loaded_params = None
+        if model_args.model_name_or_path:
+            loaded_params = from_hf_state_dict(
+                read_safetensors_checkpoint(model_args.model_name_or_path, model_args), abstract_state.params
+            )
+            logger.info("Loaded weights from %s", model_args.model_name_or_path)
+        state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
+    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
+    logger.info(
+        "GPT-2 with %.1fM parameters in %s, computing in %s, on a mesh of %s",
+        num_params / 1e6,
+        model_args.param_dtype,
+        model_args.dtype,
+        dict(mesh.shape),
+    )
+
+    train_step = jax.jit(
+        make_train_step(model, optimizer, schedule, training_args.seed),
+        in_shardings=(state_shardings, micro_batches_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+        compiler_options=train_step_compiler_options(),
+    )
+    token_bytes = token_byte_counts(tokenizer, config.vocab_size)
+    if token_bytes is None:
+        logger.info("No bits per byte: the tokens of this tokenizer do not stand for fixed byte strings")
+    eval_step = jax.jit(make_eval_step(model, token_bytes), in_shardings=(state_shardings.params, batch_sharding))
+
+    def prepare_output_dir():
+        lock = lock_output_dir(training_args.output_dir)
+        refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
+        if training_args.do_train:
+            if training_args.overwrite_output_dir and not restored:
+                clear_previous_run(training_args.output_dir)
+            set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
+        return lock
+
+    # Process 0 holds the lock until this process ends, for all processes.
+    lock_failure = f"lock --output_dir {training_args.output_dir}"
+    output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
+    if writer:
+        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+
+    # Samples from the same prompts at every evaluation show the text getting better; a few tokens, compiled once.
+    sample_prompts = training_args.sample_prompt or [""]
+    sampler = make_sampler(
+        FlaxGPT2LMHeadModel(config, dtype=model.dtype, param_dtype=model.param_dtype), tokenizer.eos_token_id
+    )
+
+    def run_evaluation(step: int) -> dict:
+        results = evaluate(eval_step, state.params, blocks["validation"], eval_batch_size, batch_sharding)
+        bits_per_byte = f", bits per byte {results['bits_per_byte']:.4f}" if "bits_per_byte" in results else ""
+        logger.info(
+            "step %d: eval loss %.4f, perplexity %.2f%s", step, results["loss"], results["perplexity"], bits_per_byte
+        )
+        if writer:
+            logged = {"eval/loss": results["loss"], "eval/perplexity": results["perplexity"]}
+            if "bits_per_byte" in results:
+                logged["eval/bits_per_byte"] = results["bits_per_byte"]
+            writer.scalars(logged, step)
+        if training_args.sample_tokens > 0:
+            texts = sample_texts(
+                sampler,
+                state.params,
+                tokenizer,
+                sample_prompts,
+                training_args.sample_tokens,
+                config.n_positions,
+                training_args.seed,
+            )
+            for text in texts:
+                logger.info("step %d: sample %r", step, text)
+            if writer:
+                # Indented four spaces: markdown shows the texts verbatim, line breaks and all.
+                code_blocks = ["\n".join("    " + line for line in text.split("\n")) for text in texts]
+                writer.text("samples", "\n\n---\n\n".join(code_blocks), step)
+        return results
+
+    # Training loop
+    model_file_exists = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
+    if training_args.do_train and run_complete and not model_file_exists:
+        save_model(training_args.output_dir, state.params, config, tokenizer)
+        logger.info("Exported the model of the complete run to %s", training_args.output_dir)
+    if training_args.do_train and not run_complete:
+        eval_steps = training_args.eval_steps or training_args.logging_steps
+        tokens_per_step = train_batch_size * block_size
+        start_step = progress_record["step"]
+        if train_stream is None:
+            logger.info(
+                "Training steps %d to %d (%.2f epochs of %d blocks), global batch %d x %d tokens",
+                start_step + 1,
+                total_steps,
+                total_steps / steps_per_epoch,
+                len(blocks["train"]),
+                train_batch_size,
+                block_size,
+            )
+        else:
+            logger.info(
+                "Training steps %d to %d on blocks packed from a stream, global batch %d x %d tokens",
+                start_step + 1,
+                total_steps,
+                train_batch_size,
+                block_size,
+            )
+            if start_step and training_args.ignore_data_skip:
+                logger.warning(
+                    "--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's"
+                )
+            elif start_step:
+                logger.warning(
+                    "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with "
+                    "the batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
+                    start_step * train_batch_size // jax.process_count(),
+                    start_step,
+                )
+
+        def local_batches_from(step: int):
+            # The data order is a function of the step, so a resumed run sees the batches the interrupted one would have.
+            if train_stream is not None:
+                first_batch, seed = (
+                    (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
+                )
+                yield from streaming_train_batches(
+                    train_stream,
+                    tokenizer,
+                    data_args.text_column_name,
+                    block_size,
+                    train_batch_size,
+                    seed,
+                    data_args.shuffle_buffer_size,
+                    first_batch,
+                )
+            else:
+                epoch, first_batch = divmod(step, steps_per_epoch)
+                while True:
+                    yield from train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch)
+                    epoch, first_batch = epoch + 1, 0
+
+        def batches_from(step: int):
+            for batch in local_batches_from(step):
+                micro_batches = {"input_ids": batch["input_ids"].reshape(accumulation_steps, -1, block_size)}
+                yield to_global_batch(micro_batches, micro_batches_sharding)
+
+        def save(step: int):
+            progress_record.update(
+                step=step,
+                global_batch_size=train_batch_size,
+                block_size=block_size,
+                arguments=saved_arguments(model_args, data_args, training_args),
+            )
+            if steps_per_epoch:
+                progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
+            save_checkpoint(checkpoints, state, progress_record)
+            save_model(training_args.output_dir, state.params, config, tokenizer)
+            logger.info(
+                "step %d: saved the model to %s; writing the training checkpoint in the background",
+                step,
+                training_args.output_dir,
+            )
+            return step
+
+        # Leaving this block, for whatever reason, waits for a checkpoint still being written.
+        # Leaving it also ends the progress bar's line, before any error is printed.
+        with (
+            open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
+            StopRequest() as stop,
+            tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process) as progress,
+        ):
+            batches = prefetch(batches_from(start_step))
+            unread_metrics, log_window, window_start = [], [], time.perf_counter()
+            train_start = time.perf_counter()
+            checkpoint_being_written = None
+            for step in range(start_step + 1, total_steps + 1):
+                state, metrics = train_step(state, next(batches))
+                unread_metrics.append(metrics)
+                progress.update(1)
+                checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
+                is_last = step == total_steps
+                is_log_step = step % training_args.logging_steps == 0 or is_last
+                stopping = stop.requested(check_other_processes=is_log_step)
+                is_save_step = step % training_args.save_steps == 0 or is_last or stopping
+
+                if is_log_step or is_save_step:
+                    # Reading the metrics waits for the steps to finish; checking them here means no non-finite
+                    # step goes unnoticed into a checkpoint.
+                    fetched = jax.device_get(unread_metrics)
+                    finite = finite_steps(
+                        fetched, step - len(fetched) + 1, training_args.skip_nonfinite_steps, checkpoints
+                    )
+                    progress_record["train_loss_sum"] += sum(float(m["loss_sum"]) for m in finite)
+                    progress_record["train_token_count"] += sum(float(m["token_count"]) for m in finite)
+                    log_window += finite
+                    unread_metrics = []
+                if (is_log_step or stopping) and log_window:
+                    elapsed = time.perf_counter() - window_start
+                    logged = {
+                        "train/loss": sum(float(m["loss_sum"]) for m in log_window)
+                        / sum(float(m["token_count"]) for m in log_window),
+                        "train/learning_rate": float(log_window[-1]["learning_rate"]),
+                        "train/grad_norm": float(log_window[-1]["grad_norm"]),
+                        "train/tokens_per_second": len(log_window) * tokens_per_step / elapsed,
+                    }
+                    progress.set_postfix(
+                        loss=f"{logged['train/loss']:.4f}",
+                        lr=f"{logged['train/learning_rate']:.2e}",
+                        tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
+                    )
+                    logger.info(
+                        "step %d: loss %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+                        step,
+                        logged["train/loss"],
+                        logged["train/learning_rate"],
+                        logged["train/grad_norm"],
+                        logged["train/tokens_per_second"],
+                    )
+                    if writer:
+                        writer.scalars(logged, step)
+                    log_window, window_start = [], time.perf_counter()
+
+                if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
+                    run_evaluation(step)
+                if is_save_step:
+                    # The save would wait for the checkpoint still being written: announce it first.
+                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+                    checkpoint_being_written = save(step)
+                if stopping:
+                    break
+            committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+        train_runtime = time.perf_counter() - train_start
+
+        if stopping:
+            if writer:
+                writer.close()
+            if is_main_process:
+                print(
+                    f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
+                    f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
+                    "command with --resume_from_checkpoint added."
+                )
+            return
+        if is_main_process:
+            write_json(
+                os.path.join(training_args.output_dir, "train_results.json"),
+                {
+                    "train_loss": progress_record["train_loss_sum"] / progress_record["train_token_count"],
+                    "train_steps": total_steps,
+                    "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
+                    "train_runtime_seconds": train_runtime,
+                    "train_tokens_per_second": (total_steps - start_step) * tokens_per_step / train_runtime,
+                },
+            )
+        logger.info("Saved the model to %s", training_args.output_dir)
+
+    if training_args.do_eval and run_complete and evaluated_step(training_args.output_dir) == total_steps:
+        logger.info(
+            "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
+        )
+    elif training_args.do_eval:
+        step = int(state.step)
+        results = run_evaluation(step)
+        if is_main_process:
+            write_json(
+                os.path.join(training_args.output_dir, "eval_results.json"),
+                {
+                    "eval_loss": results["loss"],
+                    "eval_perplexity": results["perplexity"],
+                    "eval_bits_per_byte": results.get("bits_per_byte"),
+                    "eval_tokens": results["tokens"],
+                    "eval_bytes": results.get("bytes"),
+                    "step": step,
+                },
+            )
+            bits_per_byte = f", {results['bits_per_byte']:.4f} bits per byte" if "bits_per_byte" in results else ""
+            print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f}{bits_per_byte})")
+    if writer:
+        writer.close()
+
+    if training_args.do_train and is_main_process and training_args.sample_tokens > 0 and not run_complete:
+        # Read the export back, so the sample also shows that the saved files hold the trained model.
+        exported = from_hf_state_dict(
+            load_file(os.path.join(training_args.output_dir, "model.safetensors")), abstract_state.params
+        )
+        texts = sample_texts(
+            sampler,
+            exported,
+            tokenizer,
+            sample_prompts,
+            training_args.sample_tokens,
+            config.n_positions,
+            training_args.seed,
+        )
+        for text in texts:
+            print(f"sample from {training_args.output_dir}: {text!r}")
+    if is_main_process and training_args.do_train:
+        print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Appendix: processes, one or several joined by JAX's distributed runtime
+# ----------------------------------------------------------------------------------------------------
+
+
+def on_cloud_tpu_vm() -> bool:
+    """Whether this is a Cloud TPU VM (one host of a TPU slice), as JAX found when it was imported. The flag
+    lives in a private module of JAX; should it move, TPU users pass the three flags instead."""
+    try:
+        from jax._src import cloud_tpu_init
+    except ImportError:
+        return False
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+def multi_process_launcher() -> str | None:
+    """The launcher that started this process as one of several, with the settings jax.distributed reads
+    from the environment; None for a process started on its own."""
+    environment = os.environ
+    # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
+    if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
+        return "Slurm"
+    if int(environment.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if on_cloud_tpu_vm():
+        return "Cloud TPU"
+    return None
+
+
+def initialize_distributed(distributed_args):
+    """Join the other processes of a multi-process run; call before anything touches the devices.
+
+    1. --coordinator_address, --num_processes and --process_id given: join with those settings
+       (processes started by hand, one command per host).
+    2. Otherwise, started by Slurm's srun or Open MPI's mpirun as one of several tasks, or on a Cloud TPU
+       VM: jax.distributed.initialize() reads the settings from the environment (on a single TPU VM it
+       finds one process).
+    3. Otherwise: a single process, which connects to nothing.
+
+    Afterwards every device of every process is in jax.devices(), and process 0 is the one that writes.
+    """
+    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
+    if any(value is not None for value in explicit) and any(value is None for value in explicit):
+        raise UsageError(
+            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
+            "Slurm, Open MPI or Cloud TPU supplies them"
+        )
+    local_device_ids = None
+    if distributed_args.local_device_ids is not None:
+        try:
+            local_device_ids = [int(device_id) for device_id in distributed_args.local_device_ids.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"--local_device_ids {distributed_args.local_device_ids} is not a comma-separated list of integers"
+            ) from None
+
+    explicit = distributed_args.coordinator_address is not None
+    if explicit:
+        num_processes, process_id = distributed_args.num_processes, distributed_args.process_id
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise UsageError(
+                f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
+                "--num_processes - 1"
+            )
+        if ":" not in distributed_args.coordinator_address:
+            raise UsageError(
+                f"--coordinator_address {distributed_args.coordinator_address} has no port; give HOST:PORT"
+            )
+        several_processes = num_processes > 1
+    else:
+        launcher = multi_process_launcher()
+        several_processes = launcher is not None
+    if not several_processes:
+        if local_device_ids is not None:
+            raise UsageError(
+                "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
+                "CUDA_VISIBLE_DEVICES"
+            )
+        return
+
+    # Processes on CPU exchange data through Gloo over TCP (older JAX versions have no default for this).
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=distributed_args.coordinator_address,
+            num_processes=distributed_args.num_processes,
+            process_id=distributed_args.process_id,
+            local_device_ids=local_device_ids,
+        )
+    except ValueError as error:
+        if explicit:
+            raise
+        # The launcher's environment lacks something JAX reads, e.g. the address of Open MPI 5's launcher.
+        raise UsageError(
+            f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
+            f"({error}); pass --coordinator_address, --num_processes and --process_id"
+        ) from None
+
+
+def wait_for_all_processes(name: str):
+    """Return once every process has called this with the same `name` (at once for a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+@contextlib.contextmanager
+def main_process_first(name: str):
+    """Process 0 runs the block first, then the others: they then read the caches it filled (on a file
+    system the hosts share) instead of all writing the same files at once."""
+    if jax.process_index() > 0:
+        wait_for_all_processes(name)
+    try:
+        yield
+    finally:  # also when process 0 fails: the others then try, and report the same error
+        if jax.process_index() == 0:
+            wait_for_all_processes(name)
+
+
+# The mesh has two axes. The batch is split over both; parameters (and with them gradients and optimizer
+# state) are split along their embedding dimension over "fsdp" and replicated over "data". With the
+# default mesh (fsdp=1) that is plain data parallelism; with fsdp=N each device holds 1/N of the state
+# and XLA gathers the parameters for each layer as needed, as ZeRO-3/FSDP do.
+MESH_AXES = ("data", "fsdp")
+
+
+BATCH_AXES = ("data", "fsdp")
+
+
+LOGICAL_AXIS_RULES = (
+    ("vocab", None),
+    ("positions", None),
+    ("embed", "fsdp"),
+    ("heads", None),
+    ("mlp", None),
+)
+
+
+def create_mesh(mesh_shape: str | None = None) -> jax.sharding.Mesh:
     """All devices of all processes on the axes of MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4");
     by default all on "data"."""
     sizes = {"data": jax.device_count(), "fsdp": 1}
@@ -1967,7 +2658,9 @@ def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
         opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
     )
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)
-    return jax.tree_util.tree_map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding), shapes, shardings)
+    return jax.tree_util.tree_map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding), shapes, shardings
+    )
 
 
 def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, dummy_input, loaded_params=None):
@@ -1985,141 +2678,40 @@ def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, 
     return jax.jit(init, out_shardings=shardings)(loaded_params)
 
 
-def make_train_step(model, optimizer, schedule, seed: int):
-    dropout_key = jax.random.key(seed + 1)
-
-    def micro_batch_gradients(params, input_ids, dropout_rng):
-        """Gradients of the summed loss of one micro-batch, with that sum and its token count."""
-
-        def loss_sum_fn(params):
-            logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
-            return causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
-
-        (loss_sum, token_count), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
-        return grads, loss_sum, token_count
-
-    def train_step(state: TrainState, batch):
-        # batch["input_ids"]: (gradient_accumulation_steps, micro_batch, length)
-        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
-        step_rng = jax.random.fold_in(dropout_key, state.step)
-        micro_batches = batch["input_ids"]
-        if micro_batches.shape[0] == 1:
-            grads, loss_sum, token_count = micro_batch_gradients(state.params, micro_batches[0], step_rng)
-        else:
-
-            def accumulate(totals, index):
-                grads, loss_sum, token_count = micro_batch_gradients(
-                    state.params, micro_batches[index], jax.random.fold_in(step_rng, index)
-                )
-                return jax.tree_util.tree_map(jnp.add, totals, (grads, loss_sum, token_count)), None
-
-            # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
-            zeros = (
-                jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), state.params),
-                jnp.float32(0),
-                jnp.float32(0),
-            )
-            (grads, loss_sum, token_count), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches.shape[0]))
-        # The mean over every predicted token of the whole batch, however it was split into micro-batches, in
-        # the parameters' dtype: the float32 count would otherwise turn bfloat16 gradients, and with them the
-        # optimizer state, into float32.
-        grads = jax.tree_util.tree_map(lambda grad, param: (grad / token_count).astype(param.dtype), grads, state.params)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
-        params, opt_state = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(finite, new, old),
-            (optax.apply_updates(state.params, updates), opt_state),
-            (state.params, state.opt_state),
-        )
-        metrics = {
-            "loss_sum": loss_sum,
-            "token_count": token_count,
-            "grad_norm": grad_norm,
-            "learning_rate": schedule(state.step),
-            "finite": finite,
-        }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    return train_step
-
-
-def train_step_compiler_options() -> dict:
-    """XLA options for compiling the train step. On CPU, XLA's default scheduler orders the work for
-    concurrency and so keeps alive the activations that gradient checkpointing means to free (GPT-2 124M,
-    2 x 1024 tokens, remat nothing_saveable: 7.5 GiB of temporaries either way); its memory-optimised
-    scheduler frees them (2.7 GiB), at no measured cost in speed."""
-    if jax.default_backend() == "cpu":
-        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-    return {}
-
-
-def token_byte_counts(tokenizer, vocab_size: int) -> Optional[np.ndarray]:
-    """The UTF-8 bytes of text each id stands for, float32 (vocab_size,), or None where that is not fixed.
-
-    Byte-level BPE tokens are fixed byte strings, one character of the byte alphabet per byte; special tokens
-    (EOS) stand for no text. Other tokenizers (WordPiece, SentencePiece) add or drop spaces when decoding, so
-    their tokens have no fixed byte count.
-    """
-    backend = tokenizer.backend_tokenizer
-    if (json.loads(backend.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
-        return None
-    byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    counts = np.zeros(vocab_size, np.float32)
-    for token, token_id in backend.get_vocab(with_added_tokens=False).items():
-        if not set(token) <= byte_alphabet:
-            return None
-        counts[token_id] = len(token)
-    for token_id, token in backend.get_added_tokens_decoder().items():
-        if token_id < vocab_size:
-            counts[token_id] = 0 if token.special else len(token.content.encode("utf-8"))
-    return counts
-
-
-def make_eval_step(model, token_bytes: Optional[np.ndarray] = None):
-    """The summed loss and predicted tokens of a batch; with `token_bytes` (token_byte_counts) also the UTF-8
-    bytes of the predicted tokens, for bits per byte."""
-
-    def eval_step(params, batch):
-        logits = model.apply({"params": params}, batch["input_ids"], deterministic=True)
-        loss_sum, token_count = causal_lm_loss_sums(logits, batch["input_ids"], batch["weights"])
-        sums = {"loss_sum": loss_sum, "token_count": token_count}
-        if token_bytes is not None:
-            # The bytes of exactly the tokens the loss predicts: every token but the first of each block.
-            target_bytes = jnp.asarray(token_bytes)[batch["input_ids"][:, 1:]]
-            sums["byte_count"] = jnp.sum(target_bytes * batch["weights"][:, 1:])
-        return sums
-
-    return eval_step
-
-
 def to_global_batch(local_batch: dict, batch_sharding) -> dict:
     """This process's rows -> one array split over every device of every process."""
-    return {
-        name: jax.make_array_from_process_local_data(batch_sharding, rows) for name, rows in local_batch.items()
-    }
+    return {name: jax.make_array_from_process_local_data(batch_sharding, rows) for name, rows in local_batch.items()}
 
 
-def evaluate(eval_step, params, blocks, global_batch_size, batch_sharding) -> dict:
-    """Loss and perplexity over the whole evaluation set, averaged exactly over predicted tokens, and bits per
-    byte (the summed loss in bits over the UTF-8 bytes of the predicted text) where the step counts bytes."""
-    totals = {}
-    num_batches = math.ceil(len(blocks) / global_batch_size)
-    batches = prefetch(to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, global_batch_size))
-    for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
-        for name, value in jax.device_get(eval_step(params, batch)).items():
-            totals[name] = totals.get(name, 0.0) + float(value)
-    loss = totals["loss_sum"] / totals["token_count"]
-    results = {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "tokens": int(totals["token_count"])}
-    if totals.get("byte_count"):
-        results["bits_per_byte"] = totals["loss_sum"] / math.log(2) / totals["byte_count"]
-        results["bytes"] = int(totals["byte_count"])
-    return results
+def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
+    """Run `iterator` in a background thread, `size` items ahead, so the host prepares the next batches
+    while the devices compute."""
+    items = queue.Queue(maxsize=size)
+    end = object()
+
+    def produce():
+        try:
+            for item in iterator:
+                items.put(item)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            items.put(error)
+        items.put(end)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := items.get()) is not end:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def process_slice(global_batch_size: int) -> slice:
+    """The rows of each global batch that this process loads; jax assembles them into one global array."""
+    local_size = global_batch_size // jax.process_count()
+    return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training checkpoints, stopping on request, non-finite steps
+# Appendix: the output directory, training checkpoints, stopping, logging
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -2226,7 +2818,11 @@ def on_process_zero(action, what: str):
 
 
 PREVIOUS_RUN_RESULTS = [
-    "checkpoints", "discarded-checkpoints", "tensorboard", "train_results.json", "eval_results.json"
+    "checkpoints",
+    "discarded-checkpoints",
+    "tensorboard",
+    "train_results.json",
+    "eval_results.json",
 ]
 
 
@@ -2294,9 +2890,7 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
         )
 
 
-def committed_checkpoint(
-    checkpoints: ocp.CheckpointManager, step: Optional[int], wait: bool = False
-) -> Optional[int]:
+def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, wait: bool = False) -> int | None:
     """Log when the checkpoint of `step` being written is complete on disk (a kill after this message loses
     nothing before it), waiting for it with `wait`. Returns the step still being written, None once none is."""
     if wait:
@@ -2326,7 +2920,7 @@ def array_shapes(tree, only_params: bool = False) -> dict[str, tuple]:
 
 def restore_checkpoint(
     location: str, output_dir: str, abstract_state: TrainState, progress_keys: list[str]
-) -> Optional[tuple[TrainState, dict, str]]:
+) -> tuple[TrainState, dict, str] | None:
     """The training state (placed with the shardings of `abstract_state`), the progress record (which must hold
     `progress_keys`) and the path of the checkpoint at `location`: "auto" (the newest complete and readable one in
     output_dir; None if there is none, for a fresh start), a checkpoints directory, or one STEP in it. An unreadable
@@ -2416,7 +3010,8 @@ class StopRequest:
     def __enter__(self):
         self.signal_name = None
         self._previous_handlers = {
-            signal_number: signal.signal(signal_number, self._request) for signal_number in (signal.SIGINT, signal.SIGTERM)
+            signal_number: signal.signal(signal_number, self._request)
+            for signal_number in (signal.SIGINT, signal.SIGTERM)
         }
         return self
 
@@ -2428,7 +3023,9 @@ class StopRequest:
         if self.signal_name is not None:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signal_number).name
-        logger.warning("%s: saving a checkpoint after this step, then stopping (Ctrl-C again stops at once)", self.signal_name)
+        logger.warning(
+            "%s: saving a checkpoint after this step, then stopping (Ctrl-C again stops at once)", self.signal_name
+        )
 
     def requested(self, check_other_processes: bool) -> bool:
         """Whether to stop now. With several processes all must stop at the same step, so they agree on it
@@ -2466,11 +3063,6 @@ def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool
     return [metrics for metrics in step_metrics if metrics["finite"]]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Logging and saving
-# ----------------------------------------------------------------------------------------------------
-
-
 class TensorBoardWriter:
     """Scalars and text for TensorBoard, written with the tensorboard package alone (no TensorFlow)."""
 
@@ -2486,7 +3078,9 @@ class TensorBoardWriter:
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
     def scalars(self, values: dict, step: int):
-        summary_values = [self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]
+        summary_values = [
+            self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
+        ]
         self._write(self._summary_pb2.Summary(value=summary_values), step)
 
     def text(self, tag: str, markdown: str, step: int = 0):
@@ -2520,7 +3114,7 @@ def current_umask() -> int:
     return umask
 
 
-def evaluated_step(output_dir: str) -> Optional[int]:
+def evaluated_step(output_dir: str) -> int | None:
     """The step of the evaluation in OUTPUT_DIR/eval_results.json; None if there is none."""
     try:
         with open(os.path.join(output_dir, "eval_results.json")) as file:
@@ -2549,604 +3143,249 @@ def save_model(output_dir: str, params, config, tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Sampling: the whole decoding loop compiled once per shape, with a key/value cache
+# Appendix: packed-corpus storage
 # ----------------------------------------------------------------------------------------------------
 
 
-def next_tokens(logits, row_keys, temperature, top_p, top_k: int, do_sample: bool, use_top_p: bool):
-    """One token per row from float32 logits (batch, vocab_size): the most likely, or drawn as transformers does:
-    logits divided by the temperature, cut to the `top_k` most likely (0: all), then to the most likely whose
-    probabilities add up to `top_p`."""
-    if not do_sample:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    candidate_ids = None
-    if top_k or use_top_p:
-        # Sorted, most likely first: a full sort of the vocabulary only when top_p is set without top_k.
-        logits, candidate_ids = jax.lax.top_k(logits, top_k or logits.shape[-1])
-    if use_top_p:
-        probabilities = jax.nn.softmax(logits, axis=-1)
-        mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities  # the most likely token always stays
-        logits = jnp.where(mass_before < top_p, logits, -jnp.inf)
-    choices = jax.vmap(jax.random.categorical)(row_keys, logits)
-    if candidate_ids is None:
-        return choices.astype(jnp.int32)
-    return jnp.take_along_axis(candidate_ids, choices[:, None], axis=-1)[:, 0].astype(jnp.int32)
+# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
+# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
+# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
+# vocabulary fits (half the disk of int32) and always read as int32.
+PACKED_INDEX_FILE = "index.json"
 
 
-def make_sampler(model, eos_token_id: Optional[int]):
-    """A jitted function generating up to `max_new_tokens` tokens after left-padded prompts.
+PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
 
-    It is compiled once per (batch, prompt length, capacity) and per top_k / greedy / top_p-or-not; the
-    temperature, top_p, seed and max_new_tokens are arguments, so changing them does not compile again.
-    Returns (new tokens (batch, capacity), the count of new tokens per row, the end-of-text token included).
+
+def packed_dtype(tokenizer) -> np.dtype:
+    """uint16 when every id of the tokenizer fits in it, int32 otherwise."""
+    largest_id = max(len(tokenizer), tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)) - 1
+    return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Changes with anything that changes the token ids: vocabulary, merges, normalisation, special tokens."""
+    settings = json.loads(tokenizer.backend_tokenizer.to_str())
+    for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
+        settings.pop(transient, None)
+    described = json.dumps(
+        {
+            "tokenizer": settings,
+            "eos_token_id": tokenizer.eos_token_id,
+            "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(described.encode()).hexdigest()[:24]
+
+
+def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
+    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
+    shorter) and return the split's entry of the index.
+
+    Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
+    and written under a temporary name, then renamed. No shard is written for an empty split.
     """
-    eos = -1 if eos_token_id is None else eos_token_id
-    pad = max(eos, 0)  # what finished rows write
+    dtype = np.dtype(dtype)
+    largest = np.iinfo(dtype).max
+    shards, shard, filled, num_blocks = [], None, 0, 0
 
-    @partial(jax.jit, static_argnames=("capacity", "top_k", "do_sample", "use_top_p"))
-    def sample(params, prompt_ids, prompt_mask, row_count, seed, max_new_tokens, temperature, top_p, *,
-               capacity: int, top_k: int, do_sample: bool, use_top_p: bool):
-        # prompt_ids, prompt_mask: (batch, prompt length), left-padded; rows from row_count on only fill the batch.
-        batch = prompt_ids.shape[0]
-        variables = {"params": params}
-        cache = KeyValueCache.empty(model.config, prompt_mask, capacity, model.dtype)
-        logits, cache = model.apply(variables, prompt_ids, cache=cache)
-        seed_key = jax.random.key(seed)
+    def finish_shard():
+        name = f"{split}-{len(shards):05d}.npy"
+        if filled == len(shard):
+            shard.flush()
+            written_path = shard.filename
+        else:  # the last shard, shorter: copied into a file of its own size
+            written_path = os.path.join(directory, f"{name}.{os.getpid()}.end.tmp.npy")
+            np.save(written_path, shard[:filled], allow_pickle=False)
+            os.remove(shard.filename)
+        os.replace(written_path, os.path.join(directory, name))
+        shards.append({"file": name, "num_blocks": filled})
 
-        def choose(step, last_logits):
-            # A key per row and step: a row's text does not depend on the other rows of the batch.
-            step_key = jax.random.fold_in(seed_key, step)
-            row_keys = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(jnp.arange(batch))
-            return next_tokens(last_logits, row_keys, temperature, top_p, top_k, do_sample, use_top_p)
-
-        token = choose(0, logits[:, -1])
-        tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(token)
-        counts = jnp.ones((batch,), jnp.int32)
-        finished = (token == eos) | (jnp.arange(batch) >= row_count)
-
-        def not_done(loop_state):
-            step, _, _, _, _, finished = loop_state
-            return (step < max_new_tokens) & ~jnp.all(finished)
-
-        def decode_one(loop_state):
-            step, token, cache, tokens, counts, finished = loop_state
-            logits, cache = model.apply(variables, token[:, None], cache=cache)
-            token = jnp.where(finished, pad, choose(step, logits[:, 0]))
-            tokens = tokens.at[:, step].set(token)
-            counts = counts + ~finished
-            return step + 1, token, cache, tokens, counts, finished | (token == eos)
-
-        loop_state = (1, token, cache, tokens, counts, finished)
-        _, _, _, tokens, counts, _ = jax.lax.while_loop(not_done, decode_one, loop_state)
-        return tokens, counts
-
-    return sample
-
-
-def shape_bucket(size: int, smallest: int) -> int:
-    """The power of two at least `size` and `smallest`: shapes from a few buckets, so few compilations."""
-    return max(smallest, 1 << (size - 1).bit_length())
+    for block_array in blocks:
+        if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
+            raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
+        start = 0
+        while start < len(block_array):
+            if shard is None:
+                name = f"{split}-{len(shards):05d}.npy"
+                shard = np.lib.format.open_memmap(
+                    os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"),
+                    mode="w+",
+                    dtype=dtype,
+                    shape=(blocks_per_shard, block_array.shape[1]),
+                )
+                filled = 0
+            count = min(blocks_per_shard - filled, len(block_array) - start)
+            shard[filled : filled + count] = block_array[start : start + count]
+            filled, start, num_blocks = filled + count, start + count, num_blocks + count
+            if filled == blocks_per_shard:
+                finish_shard()
+                shard = None
+    if shard is not None:
+        finish_shard()
+        del shard
+    return {"num_blocks": num_blocks, "shards": shards}
 
 
-def generate_ids(sampler, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
-    """The new tokens after each prompt (non-empty lists of ids), ending with the end-of-text token where the
-    model wrote it. Temperature 0 is greedy decoding."""
-    batch = shape_bucket(len(prompts), 1)
-    prompt_length = shape_bucket(max(map(len, prompts)), 8)
-    prompt_ids = np.zeros((batch, prompt_length), np.int32)
-    prompt_mask = np.zeros((batch, prompt_length), bool)
-    prompt_mask[len(prompts) :, -1] = True  # rows that only fill the batch hold one token
-    for row, ids in enumerate(prompts):
-        prompt_ids[row, prompt_length - len(ids) :] = ids
-        prompt_mask[row, prompt_length - len(ids) :] = True
-    tokens, counts = sampler(
-        params, prompt_ids, prompt_mask, len(prompts), seed, max_new_tokens, float(temperature), float(top_p),
-        capacity=shape_bucket(max_new_tokens, 8), top_k=int(top_k), do_sample=temperature > 0, use_top_p=top_p < 1,
-    )
-    # On several processes every one takes part in the sampling and gets the result.
-    tokens, counts = (
-        (np.asarray(tokens), np.asarray(counts))
-        if tokens.is_fully_addressable
-        else multihost_utils.process_allgather((tokens, counts), tiled=True)
-    )
-    return [tokens[row, : counts[row]].tolist() for row in range(len(prompts))]
+def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
+    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
+    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
 
-
-def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int):
-    """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely; an
-    empty prompt starts from the end-of-text token, and long prompts keep their last tokens (at most
-    `max_length` positions in all). The texts are decoded without special tokens: a reader sees text only."""
-    num_tokens = min(num_tokens, max_length - 1)
-    encoded = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
-    prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
-    new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
-    return [tokenizer.decode(ids + new, skip_special_tokens=True) for ids, new in zip(prompt_ids, new_ids)]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Main
-# ----------------------------------------------------------------------------------------------------
-
-
-def load_config_and_tokenizer(model_args):
-    def load(loader, name, flag):
-        try:
-            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
-
-    config_source, config_flag = (
-        (model_args.config_name, "--config_name") if model_args.config_name else (model_args.model_name_or_path, "--model_name_or_path")
-    )
-    if config_source:
-        config = load(AutoConfig, config_source, config_flag)
-    else:
-        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
-        config = transformers.CONFIG_MAPPING[model_args.model_type]()
-
-    tokenizer_source, tokenizer_flag = (
-        (model_args.tokenizer_name, "--tokenizer_name") if model_args.tokenizer_name else (model_args.model_name_or_path, "--model_name_or_path")
-    )
-    if not tokenizer_source:
-        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
-    tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
-    if not tokenizer.is_fast:
-        raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
-    if tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0:
-        raise UsageError(
-            f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
-            "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
-        )
-    backend = tokenizer.backend_tokenizer
-    added_beyond = {
-        token_id: token
-        for token_id, token in backend.get_added_tokens_decoder().items()
-        if token_id >= config.vocab_size
+    The index is removed first and written last, so an interrupted write leaves a directory that is
+    recognised as unfinished; shards left by an earlier unfinished write are replaced.
+    """
+    os.makedirs(directory, exist_ok=True)
+    index_path = os.path.join(directory, PACKED_INDEX_FILE)
+    if os.path.exists(index_path):
+        os.remove(index_path)
+    leftover = re.compile(r"^(%s)-\d{5}\.npy(\.\d+(\.end)?\.tmp\.npy)?$" % "|".join(map(re.escape, splits)))
+    for name in os.listdir(directory):
+        if leftover.match(name):
+            os.remove(os.path.join(directory, name))
+    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    index = {
+        "format_version": PACKED_FORMAT_VERSION,
+        **description,
+        "dtype": np.dtype(dtype).name,
+        "blocks_per_shard": blocks_per_shard,
+        "splits": {
+            split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard)
+            for split, blocks in splits.items()
+        },
     }
-    # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
-    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
-    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
-        raise UsageError(
-            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
-            "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
-        )
-    if added_beyond:
-        # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
-        # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
-        tokenizer.split_special_tokens = backend.encode_special_tokens = True  # the wrapper resets the backend's
-        logger.warning(
-            "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
-            "written in the texts are encoded as text", ", ".join(token.content for token in added_beyond.values()),
-            config.vocab_size,
-        )
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
-        logger.info(
-            "Documents end with %s, id %d (the tokenizer's end-of-text token)",
-            tokenizer.eos_token, tokenizer.eos_token_id,
-        )
-    elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
-        # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
-        logger.info(
-            "Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id
-        )
-    else:
-        raise UsageError(
-            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
-            "ids and the config names none that is; set eos_token_id in the config or eos_token in "
-            "tokenizer_config.json"
-        )
-    return config, tokenizer
+    temporary_path = f"{index_path}.{os.getpid()}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(index, file, indent=2)
+    os.replace(temporary_path, index_path)
+    return index
 
 
-def main():
-    model_args, data_args, training_args, distributed_args = parse_arguments()
-    initialize_distributed(distributed_args)
-    check_arguments(model_args, data_args, training_args)
-    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
-    # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
-    # they have all joined, they do.
-    wait_for_all_processes("arguments checked")
-    is_main_process = jax.process_index() == 0
-    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
-    logging.basicConfig(
-        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if is_main_process else logging.ERROR,
-        force=True,  # importing orbax installs absl's handler, which would hide these logs
-    )
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    datasets.utils.logging.set_verbosity_warning()
-    transformers.utils.logging.set_verbosity_warning()
-    if not is_main_process:
-        datasets.disable_progress_bars()
-    logger.info(
-        "%d devices over %d processes (%d here): %s", jax.device_count(), jax.process_count(),
-        jax.local_device_count(), jax.devices(),
-    )
-    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
+def read_packed_index(directory: str) -> dict | None:
+    """The index of the packed corpus in `directory`, or None when there is no finished one."""
+    path = os.path.join(directory, PACKED_INDEX_FILE)
+    try:
+        with open(path) as file:
+            index = json.load(file)
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        index = None
+    if not (isinstance(index, dict) and "format_version" in index and "splits" in index):
+        raise UsageError(f"{path} is not the index of a packed corpus; use another directory for the packed data")
+    return index
 
-    # Model config and tokenizer
-    config, tokenizer = load_config_and_tokenizer(model_args)
-    check_gpt2_config(config)
-    block_size = data_args.block_size or min(tokenizer.model_max_length, config.n_positions, 1024)
-    if block_size > config.n_positions:
-        raise UsageError(
-            f"--block_size {block_size} exceeds the model's n_positions {config.n_positions}; lower --block_size"
-        )
 
-    # Data: blocks of block_size tokens, {split: array-like}; with --streaming the training blocks come from a
-    # stream. Every process holds all blocks (memory-mapped) and loads only its rows of each batch.
-    blocks, train_stream = {}, None
-    if data_args.packed_data_dir:
-        blocks = load_packed_corpus(model_args, data_args, tokenizer, block_size)
-        if not (training_args.do_train or training_args.do_eval):
-            if jax.process_index() == 0:
-                print(f"packed data: {data_args.packed_data_dir}")
-            return
-    elif data_args.streaming:
-        streams = load_text_datasets(model_args, data_args, streaming=True)
-        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-        if training_args.do_train:
-            if "train" not in streams:
-                raise UsageError("--do_train needs training data, and the dataset has no train split")
-            train_stream = streams["train"]
-        if training_args.do_eval:
-            if "validation" not in streams:
-                raise UsageError(
-                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
-                    "has no length to hold a percentage out from"
-                )
-            # Read once, so that every evaluation (on every process) sees the same blocks.
-            blocks["validation"] = first_blocks(
-                streams["validation"], tokenizer, data_args.text_column_name, block_size, data_args.max_eval_samples,
-                "validation",
-            )
-            logger.info("validation: the first %d blocks of the stream", len(blocks["validation"]))
-    else:
-        with main_process_first("data prepared"):
-            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=False)
-            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
-            blocks = {
-                split: tokenize_and_pack(
-                    raw_datasets[split], tokenizer, data_args.text_column_name, block_size,
-                    data_args.preprocessing_num_workers, data_args.overwrite_cache, split,
-                )
-                for split in raw_datasets
-                if split in ("train", "validation")
-            }
-        blocks = hold_out_blocks(blocks, data_args.validation_split_percentage)
-    if data_args.max_train_samples is not None and "train" in blocks:
-        blocks["train"] = blocks["train"][: data_args.max_train_samples]
-    if data_args.max_eval_samples is not None and "validation" in blocks:
-        blocks["validation"] = blocks["validation"][: data_args.max_eval_samples]
-    for split, split_blocks in blocks.items():
-        if len(split_blocks) == 0:
-            raise UsageError(
-                f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
-            )
-    if training_args.do_train and "train" not in blocks and train_stream is None:
-        raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in blocks:
-        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+def packed_shards_problem(directory: str, index: dict) -> str | None:
+    """What is wrong with the shard files of a packed corpus whose index is intact (a shard missing, cut short, or of
+    another shape than the index says), or None. Found here, before training, rather than when a shard is first
+    memory-mapped, maybe hours into the run."""
+    for entry in index["splits"].values():
+        for shard in entry["shards"]:
+            path = os.path.join(directory, shard["file"])
+            try:
+                with open(path, "rb") as file:
+                    if np.lib.format.read_magic(file) == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
+                    else:
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
+                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
+                    size = os.fstat(file.fileno()).st_size
+            except (OSError, ValueError) as error:
+                return f"{shard['file']} cannot be read ({error})"
+            expected = (shard["num_blocks"], index["block_size"])
+            if tuple(shape) != expected:
+                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
+            if size < expected_size:
+                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
+    return None
 
-    # Model, mesh, optimizer, training state
-    mesh = create_mesh(training_args.mesh_shape)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, token)
-    accumulation_steps = training_args.gradient_accumulation_steps
-    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
-    eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
-    model = FlaxGPT2LMHeadModel(
-        config,
-        dtype=jnp.dtype(model_args.dtype),
-        param_dtype=jnp.dtype(model_args.param_dtype),
-        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
-    )
 
-    total_steps = 1
-    if training_args.do_train and train_stream is not None:
-        steps_per_epoch = None  # a stream's length is unknown
-        total_steps = training_args.max_steps
-    elif training_args.do_train:
-        steps_per_epoch = len(blocks["train"]) // train_batch_size
-        if steps_per_epoch == 0:
-            raise UsageError(
-                f"the training data makes {len(blocks['train'])} blocks of {block_size} tokens, fewer than one "
-                f"global batch of {train_batch_size}; add data or lower --per_device_train_batch_size or --block_size"
-            )
-        if training_args.max_steps > 0:
-            total_steps = training_args.max_steps
-        else:
-            total_steps = max(1, int(training_args.num_train_epochs * steps_per_epoch))
-    schedule = learning_rate_schedule(training_args, total_steps)
-    optimizer = create_optimizer(training_args, schedule)
+class PackedBlocks:
+    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
+    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
 
-    dummy_input = jnp.zeros((1, block_size), jnp.int32)
-    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
-    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-    progress_record = {"step": 0, "train_loss_sum": 0.0, "train_token_count": 0.0}
-    restored = None
-    if training_args.resume_from_checkpoint:
-        restored = restore_checkpoint(
-            training_args.resume_from_checkpoint, training_args.output_dir, abstract_state,
-            [*progress_record, "global_batch_size", "block_size"],
-        )
-        if restored is None:
-            logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
-    run_complete = False
-    if restored:
-        state, progress_record, checkpoint_path = restored
-        logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
-        if training_args.overwrite_output_dir:
-            logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
-        if (progress_record["global_batch_size"], progress_record["block_size"]) != (train_batch_size, block_size):
-            logger.warning(
-                "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
-                "order differs from the interrupted run's", progress_record["global_batch_size"],
-                progress_record["block_size"], train_batch_size, block_size,
-            )
-        if progress_record["step"] > total_steps:
-            raise UsageError(
-                f"the checkpoint is at step {progress_record['step']}, after this run's last step {total_steps}; "
-                "raise --max_steps or --num_train_epochs to train further"
-            )
-        run_complete = progress_record["step"] == total_steps
-        if run_complete:
-            logger.info("The run is complete (step %d of %d): nothing left to train", total_steps, total_steps)
-    else:
-        loaded_params = None
-        if model_args.model_name_or_path:
-            loaded_params = from_hf_state_dict(
-                read_safetensors_checkpoint(model_args.model_name_or_path, model_args), abstract_state.params
-            )
-            logger.info("Loaded weights from %s", model_args.model_name_or_path)
-        state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
-    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
-    logger.info(
-        "GPT-2 with %.1fM parameters in %s, computing in %s, on a mesh of %s",
-        num_params / 1e6, model_args.param_dtype, model_args.dtype, dict(mesh.shape),
-    )
+    Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
+    only the blocks it asks for, whatever the size of the corpus.
+    """
 
-    train_step = jax.jit(
-        make_train_step(model, optimizer, schedule, training_args.seed),
-        in_shardings=(state_shardings, micro_batches_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=(0,),
-        compiler_options=train_step_compiler_options(),
-    )
-    token_bytes = token_byte_counts(tokenizer, config.vocab_size)
-    if token_bytes is None:
-        logger.info("No bits per byte: the tokens of this tokenizer do not stand for fixed byte strings")
-    eval_step = jax.jit(make_eval_step(model, token_bytes), in_shardings=(state_shardings.params, batch_sharding))
+    dtype = np.dtype(np.int32)
+    ndim = 2
+    open_shards = 64
 
-    def prepare_output_dir():
-        lock = lock_output_dir(training_args.output_dir)
-        refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
-        if training_args.do_train:
-            if training_args.overwrite_output_dir and not restored:
-                clear_previous_run(training_args.output_dir)
-            set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
-        return lock
+    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: int | None = None):
+        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
+        sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        total = int(self.shard_starts[-1])
+        self.start, self.stop = start, total if stop is None else stop
+        self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
 
-    # Process 0 holds the lock until this process ends, for all processes.
-    lock_failure = f"lock --output_dir {training_args.output_dir}"
-    output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
-    if writer:
-        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+    def open_shard(self, shard_number: int) -> np.ndarray:
+        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
 
-    # Samples from the same prompts at every evaluation show the text getting better; a few tokens, compiled once.
-    sample_prompts = training_args.sample_prompt or [""]
-    sampler = make_sampler(
-        FlaxGPT2LMHeadModel(config, dtype=model.dtype, param_dtype=model.param_dtype), tokenizer.eos_token_id
-    )
+    def __len__(self) -> int:
+        return self.stop - self.start
 
-    def run_evaluation(step: int) -> dict:
-        results = evaluate(eval_step, state.params, blocks["validation"], eval_batch_size, batch_sharding)
-        bits_per_byte = f", bits per byte {results['bits_per_byte']:.4f}" if "bits_per_byte" in results else ""
-        logger.info(
-            "step %d: eval loss %.4f, perplexity %.2f%s", step, results["loss"], results["perplexity"], bits_per_byte
-        )
-        if writer:
-            logged = {"eval/loss": results["loss"], "eval/perplexity": results["perplexity"]}
-            if "bits_per_byte" in results:
-                logged["eval/bits_per_byte"] = results["bits_per_byte"]
-            writer.scalars(logged, step)
-        if training_args.sample_tokens > 0:
-            texts = sample_texts(
-                sampler, state.params, tokenizer, sample_prompts, training_args.sample_tokens, config.n_positions,
-                training_args.seed,
-            )
-            for text in texts:
-                logger.info("step %d: sample %r", step, text)
-            if writer:
-                # Indented four spaces: markdown shows the texts verbatim, line breaks and all.
-                code_blocks = ["\n".join("    " + line for line in text.split("\n")) for text in texts]
-                writer.text("samples", "\n\n---\n\n".join(code_blocks), step)
-        return results
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.block_size)
 
-    # Training loop
-    model_file_exists = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
-    if training_args.do_train and run_complete and not model_file_exists:
-        save_model(training_args.output_dir, state.params, config, tokenizer)
-        logger.info("Exported the model of the complete run to %s", training_args.output_dir)
-    if training_args.do_train and not run_complete:
-        eval_steps = training_args.eval_steps or training_args.logging_steps
-        tokens_per_step = train_batch_size * block_size
-        start_step = progress_record["step"]
-        if train_stream is None:
-            logger.info(
-                "Training steps %d to %d (%.2f epochs of %d blocks), global batch %d x %d tokens",
-                start_step + 1, total_steps, total_steps / steps_per_epoch, len(blocks["train"]), train_batch_size, block_size,
-            )
-        else:
-            logger.info(
-                "Training steps %d to %d on blocks packed from a stream, global batch %d x %d tokens",
-                start_step + 1, total_steps, train_batch_size, block_size,
-            )
-            if start_step and training_args.ignore_data_skip:
-                logger.warning("--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's")
-            elif start_step:
-                logger.warning(
-                    "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with "
-                    "the batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
-                    start_step * train_batch_size // jax.process_count(), start_step,
-                )
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(len(self))
+            view = copy.copy(self)
+            view.start, view.stop = self.start + start, self.start + max(start, stop)
+            return view
+        if isinstance(index, (int, np.integer)):
+            return self[np.array([index])][0]
+        positions = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index)
+        if positions.dtype == bool or not np.issubdtype(positions.dtype, np.integer):
+            raise IndexError("PackedBlocks takes an integer, a slice or an array of integer indices")
+        positions = np.where(positions < 0, positions + len(self), positions)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"index out of range for {len(self)} blocks")
+        return self.read(positions + self.start)
 
-        def local_batches_from(step: int):
-            # The data order is a function of the step, so a resumed run sees the batches the interrupted one would have.
-            if train_stream is not None:
-                first_batch, seed = (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
-                yield from streaming_train_batches(
-                    train_stream, tokenizer, data_args.text_column_name, block_size, train_batch_size, seed,
-                    data_args.shuffle_buffer_size, first_batch,
-                )
+    def read(self, positions: np.ndarray) -> np.ndarray:
+        """The blocks at these positions of the whole split, in the order given."""
+        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
+        shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
+        for shard_number in np.unique(shard_numbers):
+            chosen = shard_numbers == shard_number
+            blocks[chosen] = self.shard(int(shard_number))[positions[chosen] - self.shard_starts[shard_number]]
+        return blocks
+
+    def __array__(self, dtype=None, copy=None):
+        blocks = self.read(np.arange(self.start, self.stop))
+        return blocks if dtype is None else blocks.astype(dtype, copy=False)
+
+
+def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
+    return {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+
+
+# What an interrupted run leaves in a datasets cache directory: Dataset.map's result file before it is renamed
+# (tempfile's tmpXXXXXXXX), and the unfinished packed corpora and line caches of this script.
+STALE_TEMPORARY_NAME = re.compile(r"tmp[a-z0-9_]{8}|packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+
+
+STALE_AFTER_SECONDS = 600
+
+
+def remove_stale_temporary_files(cache_dir: str):
+    """Remove the temporary files that runs killed mid-tokenization left behind (about the size of the tokens each).
+    Only files untouched for STALE_AFTER_SECONDS go: a live run, this one or another sharing the cache, writes to
+    its own every few seconds."""
+    for entry in os.scandir(cache_dir):
+        if STALE_TEMPORARY_NAME.fullmatch(entry.name) and time.time() - entry.stat().st_mtime > STALE_AFTER_SECONDS:
+            logger.info("Removing %s, left in the cache by an interrupted run", entry.path)
+            if entry.is_dir():
+                shutil.rmtree(entry.path, ignore_errors=True)
             else:
-                epoch, first_batch = divmod(step, steps_per_epoch)
-                while True:
-                    yield from train_batches(blocks["train"], train_batch_size, training_args.seed, epoch, first_batch)
-                    epoch, first_batch = epoch + 1, 0
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
 
-        def batches_from(step: int):
-            for batch in local_batches_from(step):
-                micro_batches = {"input_ids": batch["input_ids"].reshape(accumulation_steps, -1, block_size)}
-                yield to_global_batch(micro_batches, micro_batches_sharding)
-
-        def save(step: int):
-            progress_record.update(
-                step=step, global_batch_size=train_batch_size, block_size=block_size,
-                arguments=saved_arguments(model_args, data_args, training_args),
-            )
-            if steps_per_epoch:
-                progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
-            save_checkpoint(checkpoints, state, progress_record)
-            save_model(training_args.output_dir, state.params, config, tokenizer)
-            logger.info(
-                "step %d: saved the model to %s; writing the training checkpoint in the background",
-                step, training_args.output_dir,
-            )
-            return step
-
-        # Leaving this block, for whatever reason, waits for a checkpoint still being written.
-        # Leaving it also ends the progress bar's line, before any error is printed.
-        with (
-            open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
-            StopRequest() as stop,
-            tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process) as progress,
-        ):
-            batches = prefetch(batches_from(start_step))
-            unread_metrics, log_window, window_start = [], [], time.perf_counter()
-            train_start = time.perf_counter()
-            checkpoint_being_written = None
-            for step in range(start_step + 1, total_steps + 1):
-                state, metrics = train_step(state, next(batches))
-                unread_metrics.append(metrics)
-                progress.update(1)
-                checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
-                is_last = step == total_steps
-                is_log_step = step % training_args.logging_steps == 0 or is_last
-                stopping = stop.requested(check_other_processes=is_log_step)
-                is_save_step = step % training_args.save_steps == 0 or is_last or stopping
-
-                if is_log_step or is_save_step:
-                    # Reading the metrics waits for the steps to finish; checking them here means no non-finite
-                    # step goes unnoticed into a checkpoint.
-                    fetched = jax.device_get(unread_metrics)
-                    finite = finite_steps(fetched, step - len(fetched) + 1, training_args.skip_nonfinite_steps, checkpoints)
-                    progress_record["train_loss_sum"] += sum(float(m["loss_sum"]) for m in finite)
-                    progress_record["train_token_count"] += sum(float(m["token_count"]) for m in finite)
-                    log_window += finite
-                    unread_metrics = []
-                if (is_log_step or stopping) and log_window:
-                    elapsed = time.perf_counter() - window_start
-                    logged = {
-                        "train/loss": sum(float(m["loss_sum"]) for m in log_window) / sum(float(m["token_count"]) for m in log_window),
-                        "train/learning_rate": float(log_window[-1]["learning_rate"]),
-                        "train/grad_norm": float(log_window[-1]["grad_norm"]),
-                        "train/tokens_per_second": len(log_window) * tokens_per_step / elapsed,
-                    }
-                    progress.set_postfix(
-                        loss=f"{logged['train/loss']:.4f}", lr=f"{logged['train/learning_rate']:.2e}",
-                        tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
-                    )
-                    logger.info(
-                        "step %d: loss %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
-                        step, logged["train/loss"], logged["train/learning_rate"], logged["train/grad_norm"],
-                        logged["train/tokens_per_second"],
-                    )
-                    if writer:
-                        writer.scalars(logged, step)
-                    log_window, window_start = [], time.perf_counter()
-
-                if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
-                    run_evaluation(step)
-                if is_save_step:
-                    # The save would wait for the checkpoint still being written: announce it first.
-                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
-                    checkpoint_being_written = save(step)
-                if stopping:
-                    break
-            committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
-        train_runtime = time.perf_counter() - train_start
-
-        if stopping:
-            if writer:
-                writer.close()
-            if is_main_process:
-                print(
-                    f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
-                    f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
-                    "command with --resume_from_checkpoint added."
-                )
-            return
-        if is_main_process:
-            write_json(
-                os.path.join(training_args.output_dir, "train_results.json"),
-                {
-                    "train_loss": progress_record["train_loss_sum"] / progress_record["train_token_count"],
-                    "train_steps": total_steps,
-                    "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
-                    "train_runtime_seconds": train_runtime,
-                    "train_tokens_per_second": (total_steps - start_step) * tokens_per_step / train_runtime,
-                },
-            )
-        logger.info("Saved the model to %s", training_args.output_dir)
-
-    if training_args.do_eval and run_complete and evaluated_step(training_args.output_dir) == total_steps:
-        logger.info(
-            "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
-        )
-    elif training_args.do_eval:
-        step = int(state.step)
-        results = run_evaluation(step)
-        if is_main_process:
-            write_json(
-                os.path.join(training_args.output_dir, "eval_results.json"),
-                {"eval_loss": results["loss"], "eval_perplexity": results["perplexity"],
-                 "eval_bits_per_byte": results.get("bits_per_byte"), "eval_tokens": results["tokens"],
-                 "eval_bytes": results.get("bytes"), "step": step},
-            )
-            bits_per_byte = f", {results['bits_per_byte']:.4f} bits per byte" if "bits_per_byte" in results else ""
-            print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f}{bits_per_byte})")
-    if writer:
-        writer.close()
-
-    if training_args.do_train and is_main_process and training_args.sample_tokens > 0 and not run_complete:
-        # Read the export back, so the sample also shows that the saved files hold the trained model.
-        exported = from_hf_state_dict(
-            load_file(os.path.join(training_args.output_dir, "model.safetensors")), abstract_state.params
-        )
-        texts = sample_texts(
-            sampler, exported, tokenizer, sample_prompts, training_args.sample_tokens, config.n_positions,
-            training_args.seed,
-        )
-        for text in texts:
-            print(f"sample from {training_args.output_dir}: {text!r}")
-    if is_main_process and training_args.do_train:
-        print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 
 if __name__ == "__main__":
     try:

@@ -53,9 +53,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any
 
 import datasets
 import datasets.distributed
@@ -78,19 +79,19 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 logger = logging.getLogger(__name__)
 
 
-# Copied from run_clm_flax.UsageError
-class UsageError(Exception):
-    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
-
-
 # ----------------------------------------------------------------------------------------------------
 # Arguments
 # ----------------------------------------------------------------------------------------------------
 
 
+# Copied from run_clm_flax.UsageError
+class UsageError(Exception):
+    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
+
+
 @dataclass
 class ModelArguments:
-    model_name_or_path: Optional[str] = field(
+    model_name_or_path: str | None = field(
         default=None,
         metadata={
             "help": "A RoBERTa masked-LM checkpoint to continue training from: a local directory holding config.json "
@@ -101,15 +102,15 @@ class ModelArguments:
         default="roberta",
         metadata={"help": "Model type when training from scratch without --config_name. Only roberta is supported."},
     )
-    config_name: Optional[str] = field(
+    config_name: str | None = field(
         default=None,
         metadata={"help": "Config directory or hub name, if not the same as --model_name_or_path."},
     )
-    tokenizer_name: Optional[str] = field(
+    tokenizer_name: str | None = field(
         default=None,
         metadata={"help": "Tokenizer directory or hub name, if not the same as --model_name_or_path."},
     )
-    cache_dir: Optional[str] = field(
+    cache_dir: str | None = field(
         default=None,
         metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."},
     )
@@ -141,7 +142,7 @@ class ModelArguments:
             "choices": ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"],
         },
     )
-    token: Optional[str] = field(
+    token: str | None = field(
         default=None,
         metadata={"help": "Hugging Face hub token for private models or datasets. Never logged or saved."},
     )
@@ -161,21 +162,23 @@ PACKED_TOKENS_PER_SHARD = 2**28
 
 @dataclass
 class DataTrainingArguments:
-    dataset_name: Optional[str] = field(
+    dataset_name: str | None = field(
         default=None,
         metadata={
             "help": "A `datasets` hub name, or a local directory: one written by Dataset.save_to_disk, or one "
             "holding data files."
         },
     )
-    dataset_config_name: Optional[str] = field(
+    dataset_config_name: str | None = field(
         default=None, metadata={"help": "The configuration of the dataset given by --dataset_name."}
     )
-    train_file: Optional[str] = field(
+    train_file: str | None = field(
         default=None,
-        metadata={"help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."},
+        metadata={
+            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."
+        },
     )
-    validation_file: Optional[str] = field(
+    validation_file: str | None = field(
         default=None,
         metadata={"help": "Evaluation text, in the same formats as --train_file."},
     )
@@ -188,16 +191,12 @@ class DataTrainingArguments:
             "help": "Leave out rows whose text is missing or null (counted in the log) instead of stopping there."
         },
     )
-    max_train_samples: Optional[int] = field(
+    max_train_samples: int | None = field(
         default=None,
         metadata={"help": "Keep only this many training examples (blocks, or lines with --line_by_line)."},
     )
-    max_eval_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep only this many evaluation examples."}
-    )
-    overwrite_cache: bool = field(
-        default=False, metadata={"help": "Tokenize again even if a cached result exists."}
-    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize again even if a cached result exists."})
     validation_split_percentage: int = field(
         default=5,
         metadata={
@@ -205,7 +204,7 @@ class DataTrainingArguments:
             "there is no validation split."
         },
     )
-    max_seq_length: Optional[int] = field(
+    max_seq_length: int | None = field(
         default=None,
         metadata={
             "help": "Tokens per example, <s> and </s> included. Defaults to the smaller of the tokenizer's "
@@ -229,10 +228,10 @@ class DataTrainingArguments:
             "next power of two (at least 16) above its longest example, so jit compiles only a few shapes."
         },
     )
-    preprocessing_num_workers: Optional[int] = field(
+    preprocessing_num_workers: int | None = field(
         default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
     )
-    text_sample_by: Optional[str] = field(
+    text_sample_by: str | None = field(
         default=None,
         metadata={
             "help": "What one text of a .txt file is: 'document' (the whole file, as written; the default), "
@@ -265,7 +264,7 @@ class DataTrainingArguments:
             "through, an approximate shuffle; 0 keeps the stream's order."
         },
     )
-    packed_data_dir: Optional[str] = field(
+    packed_data_dir: str | None = field(
         default=None,
         metadata={
             "help": "A directory of grouped token blocks in memory-mappable shards. Used as it is when it holds the "
@@ -309,7 +308,7 @@ class TrainingArguments:
             "per_device_train_batch_size x devices x this, in the memory of one micro-batch."
         },
     )
-    mesh_shape: Optional[str] = field(
+    mesh_shape: str | None = field(
         default=None,
         metadata={
             "help": "How the devices are arranged, e.g. data=2,fsdp=4: the batch is split over all devices, and "
@@ -334,8 +333,10 @@ class TrainingArguments:
     )
     lr_scheduler_type: str = field(
         default="linear",
-        metadata={"help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
-                  "choices": ["linear", "cosine", "constant"]},
+        metadata={
+            "help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
+            "choices": ["linear", "cosine", "constant"],
+        },
     )
     max_grad_norm: float = field(
         default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
@@ -348,7 +349,7 @@ class TrainingArguments:
     save_total_limit: int = field(
         default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
     )
-    resume_from_checkpoint: Optional[str] = field(
+    resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
             "help": "Continue from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, or no value (or "
@@ -364,7 +365,7 @@ class TrainingArguments:
             "help": "When the loss or gradient norm is not finite, skip that update and go on, instead of stopping."
         },
     )
-    eval_steps: Optional[int] = field(
+    eval_steps: int | None = field(
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
     seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order, masking and dropout."})
@@ -393,24 +394,24 @@ class DistributedArguments:
     """How the processes of a run started by hand find each other. Not needed for a single process, nor
     where the launcher tells JAX (Cloud TPU VMs, Slurm's srun, Open MPI's mpirun): see initialize_distributed."""
 
-    coordinator_address: Optional[str] = field(
+    coordinator_address: str | None = field(
         default=None,
         metadata={
             "help": "HOST:PORT of process 0, which every process of a multi-process run connects to (any free port). "
             "Give it with --num_processes and --process_id when starting one command per host by hand."
         },
     )
-    num_processes: Optional[int] = field(
+    num_processes: int | None = field(
         default=None, metadata={"help": "How many processes take part in the run, with --coordinator_address."}
     )
-    process_id: Optional[int] = field(
+    process_id: int | None = field(
         default=None,
         metadata={
             "help": "This process's number, 0 to --num_processes - 1, with --coordinator_address. Process 0 logs "
             "and writes the model, the results and the TensorBoard logs."
         },
     )
-    local_device_ids: Optional[str] = field(
+    local_device_ids: str | None = field(
         default=None,
         metadata={
             "help": "Comma-separated ids of the local GPUs this process drives, e.g. 0,1,2,3 (multi-process runs "
@@ -433,7 +434,9 @@ def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingAr
     *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:
         if any(argument.split("=")[0] in ("--push_to_hub", "--push-to-hub") for argument in unknown):
-            raise UsageError("--push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`")
+            raise UsageError(
+                "--push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`"
+            )
         raise UsageError(f"unknown argument {unknown[0]}; see --help for the arguments this script takes")
     return tuple(arguments)
 
@@ -481,7 +484,9 @@ def check_arguments(model_args, data_args, training_args):
             "turned into steps (or add --packed_data_dir to pack the stream once and train on the shards)"
         )
     if streaming_training and data_args.max_train_samples is not None:
-        raise UsageError("--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with --max_steps")
+        raise UsageError(
+            "--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with --max_steps"
+        )
     if data_args.shuffle_buffer_size < 0:
         raise UsageError("--shuffle_buffer_size must be at least 0")
     if data_args.packed_tokens_per_shard < 1:
@@ -499,11 +504,6 @@ def check_arguments(model_args, data_args, training_args):
     check_writable_directory(output_dir, "output_dir")
     if training_args.resume_from_checkpoint and not training_args.do_train:
         raise UsageError("--resume_from_checkpoint continues training; add --do_train")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Processes: one, or several joined by JAX's distributed runtime (one per host, or per GPU)
-# ----------------------------------------------------------------------------------------------------
 
 
 # Copied from run_clm_flax.check_numeric_arguments
@@ -548,1263 +548,10 @@ def check_writable_directory(path: str, flag: str):
         ) from None
 
 
-# Copied from run_clm_flax.on_cloud_tpu_vm
-def on_cloud_tpu_vm() -> bool:
-    """Whether this is a Cloud TPU VM (one host of a TPU slice), as JAX found when it was imported. The flag
-    lives in a private module of JAX; should it move, TPU users pass the three flags instead."""
-    try:
-        from jax._src import cloud_tpu_init
-    except ImportError:
-        return False
-    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
-
-
-# Copied from run_clm_flax.multi_process_launcher
-def multi_process_launcher() -> Optional[str]:
-    """The launcher that started this process as one of several, with the settings jax.distributed reads
-    from the environment; None for a process started on its own."""
-    environment = os.environ
-    # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
-    if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
-        return "Slurm"
-    if int(environment.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        return "Open MPI"
-    if on_cloud_tpu_vm():
-        return "Cloud TPU"
-    return None
-
-
-# Copied from run_clm_flax.initialize_distributed
-def initialize_distributed(distributed_args):
-    """Join the other processes of a multi-process run; call before anything touches the devices.
-
-    1. --coordinator_address, --num_processes and --process_id given: join with those settings
-       (processes started by hand, one command per host).
-    2. Otherwise, started by Slurm's srun or Open MPI's mpirun as one of several tasks, or on a Cloud TPU
-       VM: jax.distributed.initialize() reads the settings from the environment (on a single TPU VM it
-       finds one process).
-    3. Otherwise: a single process, which connects to nothing.
-
-    Afterwards every device of every process is in jax.devices(), and process 0 is the one that writes.
-    """
-    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
-    if any(value is not None for value in explicit) and any(value is None for value in explicit):
-        raise UsageError(
-            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
-            "Slurm, Open MPI or Cloud TPU supplies them"
-        )
-    local_device_ids = None
-    if distributed_args.local_device_ids is not None:
-        try:
-            local_device_ids = [int(device_id) for device_id in distributed_args.local_device_ids.split(",")]
-        except ValueError:
-            raise UsageError(
-                f"--local_device_ids {distributed_args.local_device_ids} is not a comma-separated list of integers"
-            ) from None
-
-    explicit = distributed_args.coordinator_address is not None
-    if explicit:
-        num_processes, process_id = distributed_args.num_processes, distributed_args.process_id
-        if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise UsageError(
-                f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
-                "--num_processes - 1"
-            )
-        if ":" not in distributed_args.coordinator_address:
-            raise UsageError(f"--coordinator_address {distributed_args.coordinator_address} has no port; give HOST:PORT")
-        several_processes = num_processes > 1
-    else:
-        launcher = multi_process_launcher()
-        several_processes = launcher is not None
-    if not several_processes:
-        if local_device_ids is not None:
-            raise UsageError(
-                "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
-                "CUDA_VISIBLE_DEVICES"
-            )
-        return
-
-    # Processes on CPU exchange data through Gloo over TCP (older JAX versions have no default for this).
-    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(
-            coordinator_address=distributed_args.coordinator_address,
-            num_processes=distributed_args.num_processes,
-            process_id=distributed_args.process_id,
-            local_device_ids=local_device_ids,
-        )
-    except ValueError as error:
-        if explicit:
-            raise
-        # The launcher's environment lacks something JAX reads, e.g. the address of Open MPI 5's launcher.
-        raise UsageError(
-            f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
-            f"({error}); pass --coordinator_address, --num_processes and --process_id"
-        ) from None
-
-
-# Copied from run_clm_flax.wait_for_all_processes
-def wait_for_all_processes(name: str):
-    """Return once every process has called this with the same `name` (at once for a single process)."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
-# Copied from run_clm_flax.main_process_first
-@contextlib.contextmanager
-def main_process_first(name: str):
-    """Process 0 runs the block first, then the others: they then read the caches it filled (on a file
-    system the hosts share) instead of all writing the same files at once."""
-    if jax.process_index() > 0:
-        wait_for_all_processes(name)
-    try:
-        yield
-    finally:  # also when process 0 fails: the others then try, and report the same error
-        if jax.process_index() == 0:
-            wait_for_all_processes(name)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Data: load texts, tokenize into blocks or lines, batch and mask
-# ----------------------------------------------------------------------------------------------------
-
-# Copied from run_clm_flax.DATA_FILE_BUILDERS
-DATA_FILE_BUILDERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-}
-
-
-# Copied from run_clm_flax.resolve_data_files
-def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
-    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
-    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-    if not files:
-        raise UsageError(f"--{flag} {pattern} matches no file")
-    builders = set()
-    for path in files:
-        if not os.path.isfile(path):
-            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
-        if not os.access(path, os.R_OK):
-            raise UsageError(f"--{flag}: {path} is not readable")
-        if os.path.getsize(path) == 0:
-            raise UsageError(f"--{flag}: {path} is empty")
-        extension = os.path.splitext(path)[1].lower()
-        if extension not in DATA_FILE_BUILDERS:
-            supported = ", ".join(DATA_FILE_BUILDERS)
-            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
-        builders.add(DATA_FILE_BUILDERS[extension])
-    if len(builders) > 1:
-        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
-    return builders.pop(), files
-
-
-# Copied from run_clm_flax.text_builder_options
-def text_builder_options(data_args) -> dict:
-    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
-    if data_args.text_sample_by not in ("document", "paragraph", "line"):
-        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
-    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
-        raise UsageError(
-            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
-            f"{data_args.text_sample_by} the text is read as written, line breaks included"
-        )
-    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
-
-
-# Copied from run_clm_flax.load_text_datasets
-def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
-    """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
-    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated.
-    Each row is one document. Each split's files are read with the builder of their own format."""
-    try:
-        if data_args.dataset_name is not None:
-            name = data_args.dataset_name
-            if os.path.isdir(name) and any(
-                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
-            ):
-                raw = datasets.load_from_disk(name)
-                if streaming:
-                    raw = {split: dataset.to_iterable_dataset() for split, dataset in datasets.DatasetDict(
-                        raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}).items()}
-            else:
-                holds_text_files = os.path.isdir(name) and any(
-                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
-                    for _, _, files in os.walk(name) for file in files
-                )
-                options = text_builder_options(data_args) if holds_text_files else {}
-                raw = datasets.load_dataset(
-                    name, data_args.dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token,
-                    streaming=streaming, **options,
-                )
-        else:
-            raw = {}
-            for split, flag in (("train", "train_file"), ("validation", "validation_file")):
-                pattern = getattr(data_args, flag)
-                if pattern is None:
-                    continue
-                builder, files = resolve_data_files(pattern, flag)
-                options = text_builder_options(data_args) if builder == "text" else {}
-                raw[split] = datasets.load_dataset(
-                    builder, data_files={split: files}, split=split, cache_dir=model_args.cache_dir,
-                    streaming=streaming, **options,
-                )
-    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
-        raise UsageError(f"cannot load the dataset: {error}") from None
-    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
-        cause = error.__cause__ or error
-        raise UsageError(f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding") from None
-    if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
-        raw = {"train": raw}
-    for split, dataset in raw.items():
-        columns = dataset.column_names  # None for a stream whose columns are only known once read
-        if columns is not None and data_args.text_column_name not in columns:
-            raise UsageError(
-                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
-                "pass --text_column_name"
-            )
-    warn_of_files_in_both_splits(data_args)
-    return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
-
-
-# Copied from run_clm_flax.warn_of_files_in_both_splits
-def warn_of_files_in_both_splits(data_args):
-    if data_args.train_file is None or data_args.validation_file is None:
-        return
-    train_files, validation_files = (
-        {os.path.realpath(path) for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])}
-        for pattern in (data_args.train_file, data_args.validation_file)
-    )
-    if shared := sorted(train_files & validation_files):
-        logger.warning(
-            "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
-            "training texts, not how it does on new text", ", ".join(shared),
-        )
-
-
-# Copied from run_clm_flax.text_source
-def text_source(split: str, data_args) -> str:
-    """Where the texts of a split come from, as the user named them, for messages about a row."""
-    pattern = {"train": data_args.train_file, "validation": data_args.validation_file}.get(split)
-    if pattern is None:
-        return f"the {split} split of --dataset_name {data_args.dataset_name}"
-    if glob.has_magic(pattern):
-        return f"the files of {pattern} (counted through them in sorted order)"
-    return pattern
-
-
-# Copied from run_clm_flax.rows_with_text
-def rows_with_text(dataset, split: str, data_args):
-    """The dataset without rows whose text is missing or null: such a row is refused in one line naming its file
-    and row, or with --skip_missing_texts left out and counted in the log. A column of other values than strings
-    is refused. A stream is checked lazily, batch by batch as it is read."""
-    column, skip = data_args.text_column_name, data_args.skip_missing_texts
-
-    def not_text(type_name: str) -> UsageError:
-        return UsageError(
-            f"column '{column}' of {text_source(split, data_args)} holds {type_name} values, not text; "
-            "pass the column of texts with --text_column_name"
-        )
-
-    def missing_text(row: int) -> UsageError:
-        return UsageError(
-            f"row {row + 1} of {text_source(split, data_args)} has no text (its '{column}' is missing or null); "
-            "fix the data, or pass --skip_missing_texts to leave such rows out"
-        )
-
-    if isinstance(dataset, datasets.IterableDataset):
-        def keep(batch, rows):
-            if column not in batch:  # token_arrays names the missing column
-                return [True] * len(rows)
-            kept = []
-            for text, row in zip(batch[column], rows):
-                if text is not None and not isinstance(text, str):
-                    raise not_text(type(text).__name__)
-                if text is None and not skip:
-                    raise missing_text(row)
-                kept.append(text is not None)
-            if not all(kept):
-                logger.warning("%s: left out %d rows without text, the first at row %d of %s", split,
-                               kept.count(False), rows[kept.index(False)] + 1, text_source(split, data_args))
-            return kept
-
-        return dataset.filter(keep, with_indices=True, batched=True, batch_size=TEXTS_PER_BATCH)
-    column_type = dataset.features[column]
-    if getattr(column_type, "dtype", None) not in ("string", "large_string", "string_view", "null"):
-        raise not_text(getattr(column_type, "dtype", type(column_type).__name__))
-    texts = dataset.data.column(column)
-    if texts.null_count == 0:
-        return dataset
-    missing = texts.is_null().to_numpy(zero_copy_only=False)
-    if not skip:
-        raise missing_text(int(np.argmax(missing)))
-    logger.warning("%s: left out %d of %d rows without text, the first at row %d of %s", split, int(missing.sum()),
-                   len(dataset), int(np.argmax(missing)) + 1, text_source(split, data_args))
-    return dataset.filter(
-        lambda texts: [text is not None for text in texts], input_columns=column, batched=True,
-        desc=f"Leaving out {split} rows without text",
-    )
-
-
-# Copied from run_clm_flax.first_texts
-def first_texts(dataset, text_column: str, count: int) -> list[str]:
-    if isinstance(dataset, datasets.IterableDataset):
-        try:
-            batch = next(iter(dataset.iter(batch_size=count)), {})
-        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
-            return []  # token_arrays reports the unreadable stream
-        return batch.get(text_column, [])
-    return dataset[:count][text_column]
-
-
-# Copied from run_clm_flax.check_tokenizer_encodes
-def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
-    """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
-    trained on that learns nothing of the texts while its loss looks like training."""
-    for split, dataset in text_datasets.items():
-        # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
-        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
-        if not texts:
-            continue
-        ids = [token for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-               for token in encoding.ids]
-        if not ids or set(ids) == {tokenizer.unk_token_id}:
-            outcome = "no tokens" if not ids else f"only the unknown token {tokenizer.unk_token}"
-            raise UsageError(
-                f"the tokenizer {tokenizer.name_or_path} cannot encode the {split} data: its first {len(texts)} "
-                f"texts give {outcome}; pass a tokenizer trained on such text (train_tokenizer.py makes one)"
-            )
-
-
-# Copied from run_clm_flax.load_raw_datasets
-def load_raw_datasets(model_args, data_args, hold_out_texts: bool = True) -> datasets.DatasetDict:
-    """Train and validation texts. Without a validation split, one is carved from the start of train when
-    `hold_out_texts`; otherwise it is left to be held out from the training blocks (hold_out_blocks)."""
-    raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
-    if "train" in raw and "validation" not in raw and hold_out_texts:
-        train = raw["train"]
-        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
-        if len(train) < 2:
-            raise UsageError("the training data holds fewer than 2 texts; there is nothing to hold out for evaluation")
-        raw = datasets.DatasetDict(
-            {"validation": train.select(range(validation_size)), "train": train.select(range(validation_size, len(train)))}
-        )
-    for split, dataset in raw.items():
-        if len(dataset) == 0:
-            raise UsageError(f"the {split} data is empty")
-    return raw
-
-
-# Copied from run_clm_flax.hold_out_blocks
-def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
-    """{split: blocks} with a validation split: the first validation_split_percentage percent of the training
-    blocks when there is none (by blocks rather than texts, so that one long document can be split too)."""
-    if "train" not in blocks or "validation" in blocks:
-        return blocks
-    train = blocks["train"]
-    if len(train) < 2:
-        raise UsageError(
-            "the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation"
-        )
-    validation_size = max(1, len(train) * validation_split_percentage // 100)
-    return {"validation": train[:validation_size], "train": train[validation_size:]}
-
-
-# Copied from run_clm_flax.tokenized_fingerprint
-def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
-    """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
-    digest = hashlib.sha256()
-    for part in (dataset._fingerprint, tokenizer.backend_tokenizer.to_str(), *map(repr, settings)):
-        digest.update(part.encode())
-    return digest.hexdigest()[:24]
-
-
-# Copied from run_clm_flax.TEXTS_PER_BATCH
-TEXTS_PER_BATCH = 1000
-
-
-# A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many
-# pieces at a time: encoding holds ~300 bytes of memory per token until it returns, and one text uses one core.
-# Copied from run_clm_flax.TEXT_PIECE_CHARACTERS
-TEXT_PIECE_CHARACTERS = 2**18
-# Copied from run_clm_flax.TEXT_PIECES_AT_ONCE
-TEXT_PIECES_AT_ONCE = 16
-# Where a line that ends in a visible character is followed by one that starts with one.
-# Copied from run_clm_flax.LINE_START
-LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
-
-
-# Copied from run_clm_flax.cuts_at_line_starts_keep_the_tokens
-def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
-    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
-    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
-    normalizer and no prefix space; not assumed for any other tokenizer."""
-    settings = json.loads(backend.to_str())
-    pre_tokenizer = settings.get("pre_tokenizer") or {}
-    return (
-        settings.get("normalizer") is None
-        and pre_tokenizer.get("type") == "ByteLevel"
-        and pre_tokenizer.get("use_regex", True)
-        and not pre_tokenizer.get("add_prefix_space", False)
-    )
-
-
-# Copied from run_clm_flax.encode_texts
-def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
-    """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
-    if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
-        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-    token_lists = []
-    for text in texts:
-        starts = [0]
-        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
-            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
-            if line_start is None:
-                break
-            starts.append(line_start.start())
-        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
-        ids = []
-        for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
-            group = pieces[first : first + TEXT_PIECES_AT_ONCE]
-            for encoding in backend.encode_batch(group, add_special_tokens=False):
-                ids.extend(encoding.ids)
-        token_lists.append(ids)
-    return token_lists
-
-
-
-
-# Copied from run_clm_flax.token_arrays
-def token_arrays(dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train") -> Iterator[np.ndarray]:
-    """The tokens of every text of `dataset`, each text (a document) followed by EOS, as flat int32 arrays of one
-    batch of texts each, in the dataset's order.
-
-    A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
-    own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
-    batch as it is read. Either way only one batch of tokens is in memory at a time.
-    """
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
-        raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
-    # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
-    # about texts longer than model_max_length, which is expected here since texts get packed.
-    backend = tokenizer.backend_tokenizer
-    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
-
-    def tokenize(batch):
-        return {"input_ids": [ids + [eos_id] for ids in encode_texts(backend, batch[text_column], cut_long_texts)]}
-
-    if isinstance(dataset, datasets.IterableDataset):
-        texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
-        while True:
-            try:
-                batch = next(texts)
-            except StopIteration:
-                return
-            except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
-                cause = error.__cause__ or error
-                raise UsageError(f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding") from None
-            if text_column not in batch:
-                raise UsageError(
-                    f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
-                )
-            token_lists = tokenize(batch)["input_ids"]
-            yield np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
-    else:
-        tokenized = dataset.map(
-            tokenize,
-            batched=True,
-            batch_size=TEXTS_PER_BATCH,
-            num_proc=num_workers,
-            remove_columns=dataset.column_names,
-            new_fingerprint=tokenized_fingerprint(
-                dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens
-            ),
-            load_from_cache_file=not overwrite_cache,
-            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-            desc=f"Tokenizing {split} texts",
-        )
-        # Arrow stores each chunk's token lists as one flat buffer: flattening is a view, not a Python loop.
-        for chunk in tokenized.data.column("input_ids").chunks:
-            yield chunk.flatten().to_numpy()
-
-
-# Copied from run_clm_flax.pack_blocks
-def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
-    """Join the token arrays end to end and cut them into blocks: arrays of shape (count, block_size), int32.
-
-    The tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
-    """
-    carry = np.zeros(0, np.int32)
-    for tokens in token_arrays:
-        if len(carry):
-            tokens = np.concatenate([carry, tokens])
-        usable = len(tokens) // block_size * block_size
-        if usable:
-            yield np.asarray(tokens[:usable], dtype=np.int32).reshape(-1, block_size)
-        carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
-
-
-# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
-# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
-# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
-# vocabulary fits (half the disk of int32) and always read as int32.
-# Copied from run_clm_flax.PACKED_INDEX_FILE
-PACKED_INDEX_FILE = "index.json"
-# Copied from run_clm_flax.PACKED_FORMAT_VERSION
-PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
-
-
-# Copied from run_clm_flax.packed_dtype
-def packed_dtype(tokenizer) -> np.dtype:
-    """uint16 when every id of the tokenizer fits in it, int32 otherwise."""
-    largest_id = max(len(tokenizer), tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)) - 1
-    return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
-
-
-# Copied from run_clm_flax.tokenizer_fingerprint
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Changes with anything that changes the token ids: vocabulary, merges, normalisation, special tokens."""
-    settings = json.loads(tokenizer.backend_tokenizer.to_str())
-    for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
-        settings.pop(transient, None)
-    described = json.dumps(
-        {"tokenizer": settings, "eos_token_id": tokenizer.eos_token_id,
-         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens},
-        sort_keys=True,
-    )
-    return hashlib.sha256(described.encode()).hexdigest()[:24]
-
-
-# Copied from run_clm_flax.write_packed_split
-def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
-    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
-    shorter) and return the split's entry of the index.
-
-    Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
-    and written under a temporary name, then renamed. No shard is written for an empty split.
-    """
-    dtype = np.dtype(dtype)
-    largest = np.iinfo(dtype).max
-    shards, shard, filled, num_blocks = [], None, 0, 0
-
-    def finish_shard():
-        name = f"{split}-{len(shards):05d}.npy"
-        if filled == len(shard):
-            shard.flush()
-            written_path = shard.filename
-        else:  # the last shard, shorter: copied into a file of its own size
-            written_path = os.path.join(directory, f"{name}.{os.getpid()}.end.tmp.npy")
-            np.save(written_path, shard[:filled], allow_pickle=False)
-            os.remove(shard.filename)
-        os.replace(written_path, os.path.join(directory, name))
-        shards.append({"file": name, "num_blocks": filled})
-
-    for block_array in blocks:
-        if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
-            raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
-        start = 0
-        while start < len(block_array):
-            if shard is None:
-                name = f"{split}-{len(shards):05d}.npy"
-                shard = np.lib.format.open_memmap(
-                    os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"), mode="w+", dtype=dtype,
-                    shape=(blocks_per_shard, block_array.shape[1]),
-                )
-                filled = 0
-            count = min(blocks_per_shard - filled, len(block_array) - start)
-            shard[filled : filled + count] = block_array[start : start + count]
-            filled, start, num_blocks = filled + count, start + count, num_blocks + count
-            if filled == blocks_per_shard:
-                finish_shard()
-                shard = None
-    if shard is not None:
-        finish_shard()
-        del shard
-    return {"num_blocks": num_blocks, "shards": shards}
-
-
-# Copied from run_clm_flax.write_packed_corpus
-def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
-    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
-    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
-
-    The index is removed first and written last, so an interrupted write leaves a directory that is
-    recognised as unfinished; shards left by an earlier unfinished write are replaced.
-    """
-    os.makedirs(directory, exist_ok=True)
-    index_path = os.path.join(directory, PACKED_INDEX_FILE)
-    if os.path.exists(index_path):
-        os.remove(index_path)
-    leftover = re.compile(r"^(%s)-\d{5}\.npy(\.\d+(\.end)?\.tmp\.npy)?$" % "|".join(map(re.escape, splits)))
-    for name in os.listdir(directory):
-        if leftover.match(name):
-            os.remove(os.path.join(directory, name))
-    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
-    index = {
-        "format_version": PACKED_FORMAT_VERSION,
-        **description,
-        "dtype": np.dtype(dtype).name,
-        "blocks_per_shard": blocks_per_shard,
-        "splits": {split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard) for split, blocks in splits.items()},
-    }
-    temporary_path = f"{index_path}.{os.getpid()}.tmp"
-    with open(temporary_path, "w") as file:
-        json.dump(index, file, indent=2)
-    os.replace(temporary_path, index_path)
-    return index
-
-
-# Copied from run_clm_flax.read_packed_index
-def read_packed_index(directory: str) -> Optional[dict]:
-    """The index of the packed corpus in `directory`, or None when there is no finished one."""
-    path = os.path.join(directory, PACKED_INDEX_FILE)
-    try:
-        with open(path) as file:
-            index = json.load(file)
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        index = None
-    if not (isinstance(index, dict) and "format_version" in index and "splits" in index):
-        raise UsageError(f"{path} is not the index of a packed corpus; use another directory for the packed data")
-    return index
-
-
-# Copied from run_clm_flax.packed_shards_problem
-def packed_shards_problem(directory: str, index: dict) -> Optional[str]:
-    """What is wrong with the shard files of a packed corpus whose index is intact (a shard missing, cut short, or of
-    another shape than the index says), or None. Found here, before training, rather than when a shard is first
-    memory-mapped, maybe hours into the run."""
-    for entry in index["splits"].values():
-        for shard in entry["shards"]:
-            path = os.path.join(directory, shard["file"])
-            try:
-                with open(path, "rb") as file:
-                    if np.lib.format.read_magic(file) == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
-                    size = os.fstat(file.fileno()).st_size
-            except (OSError, ValueError) as error:
-                return f"{shard['file']} cannot be read ({error})"
-            expected = (shard["num_blocks"], index["block_size"])
-            if tuple(shape) != expected:
-                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
-            if size < expected_size:
-                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
-    return None
-
-
-# Copied from run_clm_flax.PackedBlocks
-class PackedBlocks:
-    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
-    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
-
-    Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
-    only the blocks it asks for, whatever the size of the corpus.
-    """
-
-    dtype = np.dtype(np.int32)
-    ndim = 2
-    open_shards = 64
-
-    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: Optional[int] = None):
-        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
-        sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
-        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        total = int(self.shard_starts[-1])
-        self.start, self.stop = start, total if stop is None else stop
-        self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
-
-    def open_shard(self, shard_number: int) -> np.ndarray:
-        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self), self.block_size)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice) and index.step in (None, 1):
-            start, stop, _ = index.indices(len(self))
-            view = copy.copy(self)
-            view.start, view.stop = self.start + start, self.start + max(start, stop)
-            return view
-        if isinstance(index, (int, np.integer)):
-            return self[np.array([index])][0]
-        positions = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index)
-        if positions.dtype == bool or not np.issubdtype(positions.dtype, np.integer):
-            raise IndexError("PackedBlocks takes an integer, a slice or an array of integer indices")
-        positions = np.where(positions < 0, positions + len(self), positions)
-        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
-            raise IndexError(f"index out of range for {len(self)} blocks")
-        return self.read(positions + self.start)
-
-    def read(self, positions: np.ndarray) -> np.ndarray:
-        """The blocks at these positions of the whole split, in the order given."""
-        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
-        shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
-        for shard_number in np.unique(shard_numbers):
-            chosen = shard_numbers == shard_number
-            blocks[chosen] = self.shard(int(shard_number))[positions[chosen] - self.shard_starts[shard_number]]
-        return blocks
-
-    def __array__(self, dtype=None, copy=None):
-        blocks = self.read(np.arange(self.start, self.stop))
-        return blocks if dtype is None else blocks.astype(dtype, copy=False)
-
-
-# Copied from run_clm_flax.open_packed_corpus
-def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
-    return {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
-
-
-# Grouped mode: the texts, each followed by </s>, joined and cut into blocks of max_seq_length - 2 tokens;
-# BatchMaker frames every block as <s> block </s>. RoBERTa's pretraining data is made the same way: full
-# sentences across document boundaries, with a separator between documents.
-# What an interrupted run leaves in a datasets cache directory: Dataset.map's result file before it is renamed
-# (tempfile's tmpXXXXXXXX), and the unfinished packed corpora and line caches of this script.
-# Copied from run_clm_flax.STALE_TEMPORARY_NAME
-STALE_TEMPORARY_NAME = re.compile(r"tmp[a-z0-9_]{8}|packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
-# Copied from run_clm_flax.STALE_AFTER_SECONDS
-STALE_AFTER_SECONDS = 600
-
-
-# Copied from run_clm_flax.remove_stale_temporary_files
-def remove_stale_temporary_files(cache_dir: str):
-    """Remove the temporary files that runs killed mid-tokenization left behind (about the size of the tokens each).
-    Only files untouched for STALE_AFTER_SECONDS go: a live run, this one or another sharing the cache, writes to
-    its own every few seconds."""
-    for entry in os.scandir(cache_dir):
-        if STALE_TEMPORARY_NAME.fullmatch(entry.name) and time.time() - entry.stat().st_mtime > STALE_AFTER_SECONDS:
-            logger.info("Removing %s, left in the cache by an interrupted run", entry.path)
-            if entry.is_dir():
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(entry.path)
-
-
-# Copied from run_clm_flax.tokenize_and_pack
-def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
-    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
-
-    The blocks are written as a packed corpus beside the dataset's own cache files and memory-mapped, on
-    this and later runs (a PackedBlocks); a dataset held only in memory gives an in-memory array. The
-    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
-    """
-    tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
-    if not dataset.cache_files:
-        return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
-    fingerprint = tokenized_fingerprint(
-        dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
-    )
-    cache_path = os.path.join(os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}")
-    remove_stale_temporary_files(os.path.dirname(cache_path))
-    index = None if overwrite_cache else read_packed_index(cache_path)
-    if index is not None and (problem := packed_shards_problem(cache_path, index)):
-        logger.warning("The packed cache %s is damaged (%s); packing it again", cache_path, problem)
-        index = None
-    if index is not None:
-        logger.info("Loading packed %s blocks from cache %s", split, cache_path)
-    else:
-        # Written under a name of this process's own and renamed when complete, so that processes sharing
-        # the cache never read or write each other's unfinished files.
-        temporary_path = f"{cache_path}.{os.getpid()}.tmp"
-        description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                       "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column}}
-        try:
-            index = write_packed_corpus(
-                temporary_path, {"blocks": pack_blocks(tokens, block_size)}, description, packed_dtype(tokenizer),
-                PACKED_TOKENS_PER_SHARD,
-            )
-        except BaseException:
-            shutil.rmtree(temporary_path, ignore_errors=True)
-            raise
-        if os.path.isdir(cache_path):
-            shutil.rmtree(cache_path, ignore_errors=True)
-        try:
-            os.rename(temporary_path, cache_path)
-        except OSError:  # another process finished the same cache first
-            shutil.rmtree(temporary_path, ignore_errors=True)
-        num_blocks = index["splits"]["blocks"]["num_blocks"]
-        logger.info("%s: packed into %d blocks of %d tokens, cached in %s", split, num_blocks, block_size, cache_path)
-    return open_packed_corpus(cache_path, index)["blocks"]
-
-
-def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) -> dict:
-    """The grouped blocks of --packed_data_dir, {split: PackedBlocks} of max_seq_length - 2 tokens per block:
-    packed there first when it holds no finished corpus (or --overwrite_cache), by process 0 alone while the
-    others wait, from the data arguments read as they are or, with --streaming, as a stream. A directory packed
-    with another tokenizer, length or source is refused, never reused. Without a validation split, the first
-    --validation_split_percentage percent of the training blocks are held out.
-
-    run_clm_flax.load_packed_corpus, with the block size told as --max_seq_length: the format is the same."""
-    directory = data_args.packed_data_dir
-    block_size = max_seq_length - 2  # BatchMaker frames each block as <s> block </s>
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
-    source = {
-        name: getattr(data_args, name)
-        for name in (
-            "dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name",
-            "text_sample_by", "keep_linebreaks",
-        )
-    }
-    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
-        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
-            source[name] = os.path.abspath(source[name])
-    description = {"block_size": block_size, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "source": source}
-    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
-
-    def check(index: dict):
-        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
-        if index["format_version"] != PACKED_FORMAT_VERSION:
-            raise UsageError(f"--packed_data_dir {directory} holds a packed corpus of format version {index['format_version']}; {fix}")
-        if index["block_size"] != block_size:
-            raise UsageError(
-                f"--packed_data_dir {directory} holds blocks for --max_seq_length {index['block_size'] + 2}, not "
-                f"{max_seq_length}; {fix}"
-            )
-        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
-            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
-        if problem := packed_shards_problem(directory, index):
-            raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
-        differences = [name for name in source if index["source"].get(name) != source[name]]
-        if has_source and differences:
-            recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
-            raise UsageError(
-                f"--packed_data_dir {directory} was packed from other data ({recorded}); pass the same data "
-                f"arguments, or none to train on it as it is, or {fix}"
-            )
-
-    index = read_packed_index(directory)  # read even with --overwrite_cache: never overwrite a directory of other files
-    if data_args.overwrite_cache:
-        index = None
-    if index is not None:
-        check(index)
-    elif not has_source:
-        raise UsageError(
-            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
-        )
-    # Process 0 packs while the others wait. It reaches the barrier even when packing fails, so that the others
-    # stop with an error rather than wait for it until the distributed runtime gives up.
-    with main_process_first("packed corpus written"):
-        if jax.process_index() == 0 and index is None:
-            check_writable_directory(directory, "packed_data_dir")
-            sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
-            check_tokenizer_encodes(tokenizer, sources, data_args.text_column_name)
-            logger.info("Packing %s into %s", " and ".join(sources), directory)
-
-            def blocks_with_progress(split, dataset):
-                tokens = token_arrays(
-                    dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers,
-                    data_args.overwrite_cache, split,
-                )
-                with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-                    for blocks in pack_blocks(tokens, block_size):
-                        progress.update(len(blocks))
-                        yield blocks
-
-            index = write_packed_corpus(
-                directory, {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
-                description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard,
-            )
-    if jax.process_count() > 1:
-        index = read_packed_index(directory)
-        if index is None:
-            raise UsageError(
-                f"process {jax.process_index()} finds no packed corpus in --packed_data_dir {directory}: process 0 "
-                "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
-            )
-        check(index)
-    blocks = open_packed_corpus(directory, index)
-    for split, split_blocks in blocks.items():
-        logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
-    return hold_out_blocks(blocks, data_args.validation_split_percentage)
-
-
-@dataclass(frozen=True)
-class LineExamples:
-    """One example per line (or text) in line-by-line mode, stored flat rather than as Python lists:
-    example i is tokens[offsets[i] : offsets[i + 1]], without special tokens and not yet truncated."""
-
-    tokens: np.ndarray  # int32, every example end to end
-    offsets: np.ndarray  # int64, len(self) + 1 entries
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def head(self, count: int) -> "LineExamples":
-        return LineExamples(self.tokens, self.offsets[: count + 1])
-
-
-def tokenize_lines(dataset, tokenizer, text_column, num_workers, overwrite_cache, split) -> LineExamples:
-    """The token ids of every non-empty text (every line of a .txt file), for --line_by_line.
-
-    Line breaks at the end are removed and texts of only whitespace skipped. Like the packed blocks of
-    tokenize_and_pack, the result is cached beside the dataset's own cache files and memory-mapped on
-    later runs; it does not depend on --max_seq_length, since examples are truncated when batched.
-    """
-    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, "line_by_line")
-    cache_paths = None
-    if dataset.cache_files:
-        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
-        cache_paths = {part: os.path.join(cache_dir, f"lines-{fingerprint}-{part}.npy") for part in ("tokens", "offsets")}
-        remove_stale_temporary_files(cache_dir)
-        if all(os.path.exists(path) for path in cache_paths.values()) and not overwrite_cache:
-            try:
-                examples = LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in cache_paths.items()})
-            except (OSError, ValueError) as error:  # a file cut short: "mmap length is greater than file size"
-                logger.warning("The cached %s lines in %s are damaged (%s); tokenizing again", split, cache_dir, error)
-            else:
-                if examples.offsets[-1] == len(examples.tokens):
-                    logger.info("Loading tokenized %s lines from cache %s", split, cache_paths["tokens"])
-                    return examples
-                logger.warning("The cached %s lines in %s are damaged; tokenizing again", split, cache_dir)
-
-    backend = tokenizer.backend_tokenizer
-
-    def tokenize(batch):
-        texts = [text.rstrip("\r\n") for text in batch[text_column] if text and not text.isspace()]
-        return {"input_ids": [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]}
-
-    tokenized = dataset.map(
-        tokenize,
-        batched=True,
-        num_proc=num_workers,
-        remove_columns=dataset.column_names,
-        new_fingerprint=fingerprint,
-        load_from_cache_file=not overwrite_cache,
-        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-        desc=f"Tokenizing {split} lines",
-    )
-    # Chunk by chunk, so that the 32-bit offsets of one Arrow list array never have to cover every token.
-    chunks = tokenized.data.column("input_ids").chunks
-    lengths = np.concatenate([np.zeros(0, np.int64)] + [chunk.value_lengths().to_numpy() for chunk in chunks])
-    tokens = np.concatenate([np.zeros(0, np.int32)] + [chunk.flatten().to_numpy() for chunk in chunks])
-    examples = LineExamples(tokens.astype(np.int32), np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-    logger.info("%s: %d lines of %d tokens in all", split, len(examples), len(tokens))
-    if cache_paths is not None:
-        for part, path in cache_paths.items():  # offsets last: their presence marks a complete cache
-            temporary_path = f"{path}.{os.getpid()}.tmp.npy"
-            np.save(temporary_path, getattr(examples, part), allow_pickle=False)
-            os.replace(temporary_path, path)
-    return examples
-
-
-def first_examples(examples: Union[np.ndarray, LineExamples], count: int):
-    """The first `count` examples, as blocks or as lines (for --max_train_samples, --max_eval_samples)."""
-    return examples.head(count) if isinstance(examples, LineExamples) else examples[:count]
-
-
-# Copied from run_clm_flax.prefetch
-def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
-    """Run `iterator` in a background thread, `size` items ahead, so the host prepares the next batches
-    while the devices compute."""
-    items = queue.Queue(maxsize=size)
-    end = object()
-
-    def produce():
-        try:
-            for item in iterator:
-                items.put(item)
-        except BaseException as error:  # handed to the consumer, which re-raises it
-            items.put(error)
-        items.put(end)
-
-    threading.Thread(target=produce, daemon=True).start()
-    while (item := items.get()) is not end:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-
-
-# Copied from run_clm_flax.process_slice
-def process_slice(global_batch_size: int) -> slice:
-    """The rows of each global batch that this process loads; jax assembles them into one global array."""
-    local_size = global_batch_size // jax.process_count()
-    return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
-
-
-# Copied from run_clm_flax.stream_share
-def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
-    """This process's share of a stream: whole files (shards) when their number is a multiple of the process
-    count, otherwise every process_count-th text. The shares are disjoint and together cover the stream."""
-    if jax.process_count() == 1:
-        return dataset
-    return datasets.distributed.split_dataset_by_node(dataset, rank=jax.process_index(), world_size=jax.process_count())
-
-
-# Copied from run_clm_flax.streaming_train_batches
-def streaming_train_batches(
-    dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, global_batch_size: int,
-    seed: int, shuffle_buffer_size: int, first_batch: int = 0,
-) -> Iterator[dict]:
-    """This process's rows of each global batch, tokenized and packed on the fly from its share of the
-    stream, without end: pass after pass over the share, each shuffled differently.
-
-    The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
-    files is shuffled). The batches depend only on the data, these arguments and the process count, so a
-    resumed run starting at `first_batch` re-reads (and re-tokenizes) the batches before it and goes on
-    with the very batches the interrupted run would have seen.
-    """
-    local_batch_size = len(range(global_batch_size)[process_slice(global_batch_size)])
-    share = stream_share(dataset)
-    if shuffle_buffer_size > 0:
-        share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
-
-    def every_pass():
-        for epoch in itertools.count():
-            if shuffle_buffer_size > 0:
-                share.set_epoch(epoch)  # reshuffles the files and the buffer
-            num_tokens = 0
-            for tokens in token_arrays(share, tokenizer, text_column):
-                num_tokens += len(tokens)
-                yield tokens
-            if num_tokens == 0:
-                raise UsageError(
-                    f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
-                    "text unless --text_sample_by says otherwise): give at least as many texts as processes"
-                )
-
-    rows = np.zeros((0, block_size), np.int32)
-    batch_number = 0
-    for blocks in pack_blocks(every_pass(), block_size):
-        rows = np.concatenate([rows, blocks])
-        while len(rows) >= local_batch_size:
-            if batch_number >= first_batch:
-                yield {"input_ids": rows[:local_batch_size]}
-            rows, batch_number = rows[local_batch_size:], batch_number + 1
-
-
-# Copied from run_clm_flax.first_blocks
-def first_blocks(dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, count: Optional[int], split: str) -> np.ndarray:
-    """The first `count` blocks packed from a stream (all of them when `count` is None), read into memory."""
-    blocks, total = [np.zeros((0, block_size), np.int32)], 0
-    for block_array in pack_blocks(token_arrays(dataset, tokenizer, text_column, split=split), block_size):
-        blocks.append(block_array)
-        total += len(block_array)
-        if count is not None and total >= count:
-            break
-    return np.concatenate(blocks)[:count]
-
-
-# Masking and batches, on the host: numpy, this process's rows of a global batch at a time, reproducible from
-# the seed.
-
-
-def random_bits(seed: np.uint64, counters: np.ndarray) -> np.ndarray:
-    """64 random bits for each counter: output number `counter` of SplitMix64 seeded with `seed` (Steele, Lea
-    and Flood, 2014). An output depends on its number alone, so numpy computes any of them directly, all at once."""
-    bits = seed + (counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps around at 2**64, as it should
-    bits = (bits ^ (bits >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    bits = (bits ^ (bits >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return bits ^ (bits >> np.uint64(31))
-
-
-def uniform_from_bits(bits: np.ndarray) -> np.ndarray:
-    """Numbers in [0, 1), from the top 53 of the random bits."""
-    return (bits >> np.uint64(11)) * 2.0**-53
-
-
-def mask_tokens(
-    input_ids, special_tokens_mask, mask_token_id, vocab_size, mlm_probability, seed, row_numbers, max_chosen_per_row=None
-):
-    """Choose positions to predict and corrupt them the BERT way.
-
-    input_ids: (rows, seq) int; special_tokens_mask: (rows, seq) bool, True for special tokens and
-    padding, which are never chosen; seed: an integer or a tuple of them; row_numbers: (rows,) the number of
-    each row in its global batch. Each other position is chosen with probability mlm_probability, at most
-    max_chosen_per_row of a row (of more, a uniformly random subset: those with the smallest draws); of the
-    chosen, 80% become mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model
-    cannot learn that only masked positions matter).
-
-    The random numbers of a position are drawn from counters of its own, given by its row number and place in
-    the row, so a row is masked the same whatever rows are masked with it, on whichever process.
-    Returns (masked input_ids, labels = the original ids, label_weights: float32, 1.0 where chosen).
-    """
-    length = input_ids.shape[1]
-    seed = np.random.SeedSequence(seed).generate_state(1, np.uint64)[0]
-    # Three counters per position: whether it is chosen, then, if it is, what becomes of it and which random id.
-    positions = np.asarray(row_numbers, np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
-    counters = positions * np.uint64(3)
-    choice_draws = uniform_from_bits(random_bits(seed, counters))
-    chosen = (choice_draws < mlm_probability) & ~special_tokens_mask
-    if max_chosen_per_row is not None and (crowded := chosen.sum(axis=1) > max_chosen_per_row).any():
-        draws = np.where(chosen[crowded], choice_draws[crowded], np.inf)
-        largest_kept = np.partition(draws, max_chosen_per_row - 1, axis=1)[:, max_chosen_per_row - 1 : max_chosen_per_row]
-        chosen[crowded] &= draws <= largest_kept
-    chosen_counters = counters[chosen]
-    action = uniform_from_bits(random_bits(seed, chosen_counters + np.uint64(1)))  # below 0.8: mask, 0.8 to 0.9: random id
-    random_ids = (random_bits(seed, chosen_counters + np.uint64(2)) % np.uint64(vocab_size)).astype(input_ids.dtype)
-    masked = input_ids.copy()
-    masked[chosen] = np.where(action < 0.8, mask_token_id, np.where(action < 0.9, random_ids, input_ids[chosen]))
-    return masked, input_ids.copy(), chosen.astype(np.float32)
-
-
-@dataclass(frozen=True)
-class BatchMaker:
-    """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
-
-    Examples are blocks (a 2-D array-like of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
-    Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding. Each process
-    makes only its own rows of a global batch: it reads only their examples and masks them with random numbers
-    drawn for the row's number in the global batch (see mask_tokens), so the global batch is the same row for
-    row whatever the number of processes.
-    """
-
-    bos_token_id: int
-    eos_token_id: int
-    pad_token_id: int
-    mask_token_id: int
-    special_token_ids: tuple  # never chosen for prediction
-    random_token_count: int  # random replacements are drawn from the ids [0, random_token_count)
-    mlm_probability: float
-    max_seq_length: int
-    pad_to_max_length: bool = False
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer, max_seq_length: int, mlm_probability: float, pad_to_max_length: bool):
-        return cls(
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, mask_token_id=tokenizer.mask_token_id,
-            special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))), random_token_count=len(tokenizer),
-            mlm_probability=mlm_probability, max_seq_length=max_seq_length, pad_to_max_length=pad_to_max_length,
-        )
-
-    def padded_length(self, longest: int) -> int:
-        """The length a batch whose longest row has `longest` tokens is padded to. jit compiles the step once
-        per length, so padded batches take only a few: powers of two from 16, capped at max_seq_length."""
-        if self.pad_to_max_length:
-            return self.max_seq_length
-        return min(self.max_seq_length, max(16, 1 << (longest - 1).bit_length()))
-
-    def example_lengths(self, examples, indices: np.ndarray) -> np.ndarray:
-        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length
-        truncated to fit max_seq_length. Reads only the offsets of lines, never their tokens."""
-        if isinstance(examples, LineExamples):
-            return np.minimum(examples.offsets[indices + 1] - examples.offsets[indices], self.max_seq_length - 2)
-        return np.full(len(indices), examples.shape[1])
-
-    def token_ids(self, examples, indices: np.ndarray, num_rows: int, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids, attention_mask), int32 (rows, length), unmasked: the rows `rows` of a batch of `num_rows`
-        rows, examples[indices] and then empty examples (<s> </s>), which fill up a partial batch and have nothing
-        to predict. Only the examples of these rows are read; the length, the same on every process, is that of
-        the longest example of the whole batch, padded."""
-        row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
-        row_lengths[: len(indices)] = self.example_lengths(examples, indices)
-        length = self.padded_length(int(row_lengths.max()) + 2)
-        own_indices, row_lengths = indices[rows], row_lengths[rows]  # the examples come first, so they lead here too
-
-        input_ids = np.full((len(row_lengths), length), self.pad_token_id, np.int32)
-        input_ids[:, 0] = self.bos_token_id
-        if isinstance(examples, LineExamples):
-            for row, (start, size) in enumerate(zip(examples.offsets[own_indices], row_lengths)):
-                input_ids[row, 1 : size + 1] = examples.tokens[start : start + size]
-        elif len(own_indices):
-            input_ids[: len(own_indices), 1:-1] = examples[own_indices]
-        input_ids[np.arange(len(row_lengths)), row_lengths + 1] = self.eos_token_id
-        attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
-        return input_ids, attention_mask
-
-    def predictions_per_row(self, length: int) -> int:
-        """Room for the positions to predict in a row of `length` tokens: the mean number chosen plus five
-        standard deviations, rounded up to a multiple of 8. About one row in a million has more chosen; a
-        random subset of them is kept, so every batch of a length has the same shape."""
-        mean = length * self.mlm_probability
-        bound = mean + 5 * math.sqrt(mean * (1 - self.mlm_probability))
-        return min(length, 8 * math.ceil(bound / 8))
-
-    def masked(self, input_ids: np.ndarray, attention_mask: np.ndarray, seed: tuple, row_numbers: np.ndarray) -> dict:
-        """The masked batch: input_ids (masked) and attention_mask, (rows, length); and for the positions
-        to predict, masked_positions, masked_labels (the original ids) and masked_weights (1.0, or 0.0 for
-        the unused room), (rows, predictions). row_numbers: each row's number in the global batch, which with
-        the seed fixes its masks."""
-        special_tokens_mask = np.isin(input_ids, self.special_token_ids) | (attention_mask == 0)
-        predictions = self.predictions_per_row(input_ids.shape[1])
-        masked_ids, labels, label_weights = mask_tokens(
-            input_ids, special_tokens_mask, self.mask_token_id, self.random_token_count, self.mlm_probability, seed,
-            row_numbers, predictions,
-        )
-        # The chosen positions of each row first, in order; then unchosen ones, with weight 0, as filler.
-        positions = np.argsort(label_weights == 0, axis=1, kind="stable")[:, :predictions]
-        return {
-            "input_ids": masked_ids,
-            "attention_mask": attention_mask,
-            "masked_positions": positions.astype(np.int32),
-            "masked_labels": np.take_along_axis(labels, positions, axis=1),
-            "masked_weights": np.take_along_axis(label_weights, positions, axis=1),
-        }
-
-    def __call__(self, examples, indices: np.ndarray, num_rows: int, seed: tuple, rows: slice = slice(None)) -> dict:
-        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices] (see token_ids and
-        masked)."""
-        input_ids, attention_mask = self.token_ids(examples, indices, num_rows, rows)
-        return self.masked(input_ids, attention_mask, seed, np.arange(num_rows)[rows])
-
-
-# Separate random streams for the masks of training and of evaluation batches.
-TRAIN_MASKING, EVAL_MASKING = 0, 1
-
-
-def train_batches(
-    examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
-) -> Iterator[tuple[dict, int]]:
-    """This process's rows of each masked global batch of one epoch, from batch `first_batch` on, with the
-    global batch's number of tokens (padding left out).
-
-    The order and the masks are fixed by seed, epoch and batch, so a resumed run continues with the very
-    batches, masked the very same way, that the interrupted run would have seen. The examples left over
-    after the last full batch differ from epoch to epoch, so all data is seen.
-    """
-    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
-    rows = process_slice(global_batch_size)
-    for step in range(first_batch, len(examples) // global_batch_size):
-        # Sorted (for reading memory-mapped examples in order) before the split, so that the global batch,
-        # row for row, does not depend on the number of processes.
-        indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
-        batch = make_batch(examples, indices, global_batch_size, (seed, TRAIN_MASKING, epoch, step), rows)
-        yield batch, int(np.sum(make_batch.example_lengths(examples, indices) + 2))
-
-
-def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int) -> Iterator[dict]:
-    """This process's rows of batches holding every example once, in order, masked the same way at every
-    evaluation (the masks are seeded by the batch's index), so evaluations are comparable. The last batch is
-    filled up with empty rows, none dropped."""
-    rows = process_slice(global_batch_size)
-    for batch_index, start in enumerate(range(0, len(examples), global_batch_size)):
-        indices = np.arange(start, min(start + global_batch_size, len(examples)))
-        yield make_batch(examples, indices, global_batch_size, (seed, EVAL_MASKING, batch_index), rows)
-
-
-def masked_stream_batches(
-    block_batches: Iterable[dict], make_batch: BatchMaker, global_batch_size: int, seed: int, first_step: int
-) -> Iterator[tuple[dict, int]]:
-    """Frame and mask this process's rows of the global batches of blocks packed from a stream
-    (streaming_train_batches, whose first batch is that of step `first_step`), with the global batch's number
-    of tokens. The masks of step s's batch are drawn from (seed, s), so a resumed run masks its batches as
-    the interrupted one would have."""
-    row_numbers = np.arange(global_batch_size)[process_slice(global_batch_size)]
-    for step, batch in zip(itertools.count(first_step), block_batches):
-        blocks = batch["input_ids"]
-        input_ids, attention_mask = make_batch.token_ids(blocks, np.arange(len(blocks)), len(blocks))
-        masked = make_batch.masked(input_ids, attention_mask, (seed, TRAIN_MASKING, step), row_numbers)
-        yield masked, global_batch_size * make_batch.max_seq_length
-
-
 # ----------------------------------------------------------------------------------------------------
 # Model: RoBERTa in Flax, parameter names one-to-one with the Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------------------
+
 
 # Copied from run_clm_flax.ACTIVATIONS
 ACTIVATIONS = {
@@ -1825,30 +572,40 @@ def check_model_config(config):
             "use a roberta config (create_config.py --preset roberta-tiny) or run_clm_flax.py for gpt2"
         )
     if config.is_decoder or config.add_cross_attention:
-        raise UsageError("the config makes RoBERTa a decoder (is_decoder or add_cross_attention); "
-                         "masked language modelling needs an encoder, so set both to false")
+        raise UsageError(
+            "the config makes RoBERTa a decoder (is_decoder or add_cross_attention); "
+            "masked language modelling needs an encoder, so set both to false"
+        )
     position_embedding_type = getattr(config, "position_embedding_type", "absolute")
     if position_embedding_type != "absolute":
-        raise UsageError(f"position_embedding_type {position_embedding_type!r} in the config is not supported; "
-                         "only 'absolute' is")
+        raise UsageError(
+            f"position_embedding_type {position_embedding_type!r} in the config is not supported; only 'absolute' is"
+        )
     if not isinstance(config.hidden_act, str) or config.hidden_act not in ACTIVATIONS:
-        raise UsageError(f"hidden_act {config.hidden_act!r} in the config is not supported; "
-                         f"use one of {', '.join(ACTIVATIONS)}")
+        raise UsageError(
+            f"hidden_act {config.hidden_act!r} in the config is not supported; use one of {', '.join(ACTIVATIONS)}"
+        )
     if config.hidden_size % config.num_attention_heads != 0:
-        raise UsageError(f"hidden_size {config.hidden_size} in the config is not a multiple of "
-                         f"num_attention_heads {config.num_attention_heads}")
+        raise UsageError(
+            f"hidden_size {config.hidden_size} in the config is not a multiple of "
+            f"num_attention_heads {config.num_attention_heads}"
+        )
     if config.pad_token_id is None:
         raise UsageError("the config has no pad_token_id; RoBERTa needs one to number the positions")
     if not config.tie_word_embeddings:
-        raise UsageError("tie_word_embeddings is false in the config; this model always shares the "
-                         "output projection with the word embeddings")
+        raise UsageError(
+            "tie_word_embeddings is false in the config; this model always shares the "
+            "output projection with the word embeddings"
+        )
 
 
 def embedding_init(stddev, padding_idx):
     """Normal initializer that leaves the padding row at zero, as PyTorch's nn.Embedding(padding_idx=...) does."""
+
     def init(key, shape, dtype=jnp.float32):
         table = jax.random.normal(key, shape, dtype) * stddev
         return table.at[padding_idx].set(0)
+
     return init
 
 
@@ -1859,22 +616,29 @@ class RobertaModule(nn.Module):
     stored in. Every parameter gets logical axis names so that a mesh can shard it. `remat_policy`, a
     jax.checkpoint_policies name, makes the encoder recompute each layer in the backward pass.
     """
+
     config: transformers.RobertaConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    remat_policy: Optional[str] = None
+    remat_policy: str | None = None
 
     def dense(self, features, kernel_axes, bias_axes, name):
         kernel_init = nn.initializers.normal(self.config.initializer_range)
         return nn.Dense(
-            features, dtype=self.dtype, param_dtype=self.param_dtype, name=name,
+            features,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
             kernel_init=nn.with_logical_partitioning(kernel_init, kernel_axes),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), bias_axes),
         )
 
     def layer_norm(self, name):
         return nn.LayerNorm(
-            epsilon=self.config.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name,
+            epsilon=self.config.layer_norm_eps,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
             scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
         )
@@ -1882,8 +646,14 @@ class RobertaModule(nn.Module):
     def embed(self, num_embeddings, axes, padding_idx=None, name=None):
         stddev = self.config.initializer_range
         init = nn.initializers.normal(stddev) if padding_idx is None else embedding_init(stddev, padding_idx)
-        return nn.Embed(num_embeddings, self.config.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                        embedding_init=nn.with_logical_partitioning(init, axes), name=name)
+        return nn.Embed(
+            num_embeddings,
+            self.config.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            embedding_init=nn.with_logical_partitioning(init, axes),
+            name=name,
+        )
 
     def child(self, module_class, name):
         """A submodule that shares this module's config, dtypes and remat policy."""
@@ -1896,8 +666,9 @@ class RobertaEmbeddings(RobertaModule):
     def setup(self):
         config = self.config
         self.word_embeddings = self.embed(config.vocab_size, ("vocab", "embed"), config.pad_token_id)
-        self.position_embeddings = self.embed(config.max_position_embeddings, ("positions", "embed"),
-                                              config.pad_token_id)
+        self.position_embeddings = self.embed(
+            config.max_position_embeddings, ("positions", "embed"), config.pad_token_id
+        )
         self.token_type_embeddings = self.embed(config.type_vocab_size, (None, "embed"))
         self.LayerNorm = self.layer_norm("LayerNorm")
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
@@ -1910,13 +681,16 @@ class RobertaEmbeddings(RobertaModule):
         position_ids = jnp.cumsum(is_token, axis=1) * is_token + pad
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
-             + self.token_type_embeddings(token_type_ids))  # (batch, seq, hidden)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(position_ids)
+            + self.token_type_embeddings(token_type_ids)
+        )  # (batch, seq, hidden)
         return self.dropout(self.LayerNorm(x), deterministic=deterministic)
 
 
 # Copied from run_clm_flax.attention_implementation
-def attention_implementation(dtype) -> Optional[str]:
+def attention_implementation(dtype) -> str | None:
     """cuDNN's fused (flash) attention on NVIDIA GPUs in half precision, XLA's attention elsewhere.
 
     jax.nn.dot_product_attention does not choose cuDNN by itself, and cuDNN has no float32 kernel.
@@ -1984,8 +758,9 @@ class RobertaAttention(RobertaModule):
     @nn.compact
     def __call__(self, hidden_states, mask, deterministic):
         attended = self.child(RobertaSelfAttention, "self")(hidden_states, mask, deterministic)
-        return self.child(RobertaResidualOutput, "output")(attended, hidden_states, deterministic,
-                                                           kernel_axes=("heads", "embed"))
+        return self.child(RobertaResidualOutput, "output")(
+            attended, hidden_states, deterministic, kernel_axes=("heads", "embed")
+        )
 
 
 class RobertaIntermediate(RobertaModule):
@@ -2011,7 +786,9 @@ class RobertaEncoder(RobertaModule):
         layer = RobertaLayer
         if self.remat_policy:
             # Argument 3 (deterministic) is a Python bool that selects code, not an array.
-            layer = nn.remat(RobertaLayer, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(3,))
+            layer = nn.remat(
+                RobertaLayer, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(3,)
+            )
         for i in range(self.config.num_hidden_layers):
             hidden_states = self.child(layer, f"layer_{i}")(hidden_states, mask, deterministic)
         return hidden_states
@@ -2039,11 +816,14 @@ class RobertaLMHead(RobertaModule):
     def __call__(self, hidden_states, word_embeddings):
         x = self.dense(self.config.hidden_size, ("embed", None), ("embed",), "dense")(hidden_states)
         x = self.layer_norm("layer_norm")(ACTIVATIONS["gelu"](x))
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
-                          (self.config.vocab_size,), self.param_dtype)
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+            (self.config.vocab_size,),
+            self.param_dtype,
+        )
         # Accumulate in float32 so that bfloat16 compute still gives float32 logits for the loss.
-        logits = jnp.einsum("bsh,vh->bsv", x, word_embeddings.astype(self.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bsh,vh->bsv", x, word_embeddings.astype(self.dtype), preferred_element_type=jnp.float32)
         return logits + bias.astype(jnp.float32)  # (batch, seq, vocab)
 
 
@@ -2061,8 +841,9 @@ class FlaxRobertaForMaskedLM(RobertaModule):
         self.roberta = self.child(RobertaModel, "roberta")
         self.lm_head = self.child(RobertaLMHead, "lm_head")
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True,
-                 masked_positions=None):
+    def __call__(
+        self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True, masked_positions=None
+    ):
         hidden_states = self.roberta(input_ids, attention_mask, token_type_ids, deterministic)
         if masked_positions is not None:
             # masked_positions: (batch, predictions) int. Training predicts about 15% of the tokens, so running
@@ -2075,15 +856,17 @@ class FlaxRobertaForMaskedLM(RobertaModule):
         return self.lm_head(hidden_states, word_embeddings)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Checkpoint conversion to and from the PyTorch layout of transformers
-# ----------------------------------------------------------------------------------------------------
-
 # Tensors a RobertaForMaskedLM checkpoint may hold that this model does not need: the decoder weight and
 # bias are tied to the word embeddings and lm_head.bias (save_pretrained leaves them out), the pooler
 # belongs to RobertaModel, and older checkpoints saved the constant position_ids/token_type_ids buffers.
-IGNORED_HF_TENSORS = ("lm_head.decoder.weight", "lm_head.decoder.bias", "roberta.embeddings.position_ids",
-                      "roberta.embeddings.token_type_ids")
+IGNORED_HF_TENSORS = (
+    "lm_head.decoder.weight",
+    "lm_head.decoder.bias",
+    "roberta.embeddings.position_ids",
+    "roberta.embeddings.token_type_ids",
+)
+
+
 IGNORED_HF_PREFIXES = ("roberta.pooler.",)
 
 
@@ -2146,16 +929,20 @@ def from_hf_state_dict(state_dict, config):
         is_kernel = path[-1] == "kernel"
         needed_shape = shape[::-1] if is_kernel else shape  # in the PyTorch layout
         if array.shape != needed_shape:
-            raise UsageError(f"checkpoint tensor {name} has shape {array.shape} but the config needs "
-                             f"{needed_shape}; pass the matching --config_name")
+            raise UsageError(
+                f"checkpoint tensor {name} has shape {array.shape} but the config needs "
+                f"{needed_shape}; pass the matching --config_name"
+            )
         if is_kernel:
             array = array.T
         flat_params[path] = np.ascontiguousarray(array)
     used_names = {hf_name(path) for path in expected}
     for name in state_dict:
         if name not in used_names and name not in IGNORED_HF_TENSORS and not name.startswith(IGNORED_HF_PREFIXES):
-            raise UsageError(f"checkpoint tensor {name} is not part of RobertaForMaskedLM with this config; "
-                             "pass the matching --config_name")
+            raise UsageError(
+                f"checkpoint tensor {name} is not part of RobertaForMaskedLM with this config; "
+                "pass the matching --config_name"
+            )
     return traverse_util.unflatten_dict(flat_params)
 
 
@@ -2164,6 +951,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
     index_name, single_name = "model.safetensors.index.json", "model.safetensors"
     if os.path.isdir(name_or_path):
+
         def fetch(filename):
             path = os.path.join(name_or_path, filename)
             return path if os.path.isfile(path) else None
@@ -2226,7 +1014,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
 
 
 # ----------------------------------------------------------------------------------------------------
-# Loss
+# Loss, optimizer, train and eval steps
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -2243,24 +1031,6 @@ def masked_lm_loss_sums(logits, labels, label_weights):
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # (batch, positions)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     return (loss * label_weights).sum(), (correct * label_weights).sum(), label_weights.sum()
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training state, sharding, optimizer, steps
-# ----------------------------------------------------------------------------------------------------
-
-# Copied from run_clm_flax.MESH_AXES
-MESH_AXES = ("data", "fsdp")
-# Copied from run_clm_flax.BATCH_AXES
-BATCH_AXES = ("data", "fsdp")
-# Copied from run_clm_flax.LOGICAL_AXIS_RULES
-LOGICAL_AXIS_RULES = (
-    ("vocab", None),
-    ("positions", None),
-    ("embed", "fsdp"),
-    ("heads", None),
-    ("mlp", None),
-)
 
 
 # Copied from run_clm_flax.TrainState
@@ -2309,93 +1079,6 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     return optimizer
 
 
-# Copied from run_clm_flax.create_mesh
-def create_mesh(mesh_shape: Optional[str] = None) -> jax.sharding.Mesh:
-    """All devices of all processes on the axes of MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4");
-    by default all on "data"."""
-    sizes = {"data": jax.device_count(), "fsdp": 1}
-    if mesh_shape:
-        try:
-            given = {name.strip(): int(size) for name, size in (part.split("=") for part in mesh_shape.split(","))}
-        except ValueError:
-            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M") from None
-        if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
-            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are {' and '.join(MESH_AXES)}, each at least 1")
-        sizes = {"data": 1, "fsdp": 1, **given}
-        if "data" not in given:
-            sizes["data"] = max(1, jax.device_count() // sizes["fsdp"])
-        if sizes["data"] * sizes["fsdp"] != jax.device_count():
-            raise UsageError(
-                f"--mesh_shape {mesh_shape} has {sizes['data'] * sizes['fsdp']} devices but there are "
-                f"{jax.device_count()}; make the sizes multiply to the device count"
-            )
-    return jax.make_mesh(
-        tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    )
-
-
-# Copied from run_clm_flax.optimizer_state_shardings
-def optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
-    """Each optimizer-state leaf that mirrors a parameter (Adam's moments) is sharded like it; the rest
-    (step counts, Adafactor's factored statistics) is replicated."""
-    by_path = {
-        jax.tree_util.keystr(path): (leaf.shape, sharding)
-        for (path, leaf), sharding in zip(
-            jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree_util.tree_leaves(param_shardings)
-        )
-    }
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def choose(path, leaf):
-        for start in range(len(path)):
-            shape, sharding = by_path.get(jax.tree_util.keystr(path[start:]), (None, None))
-            if shape == leaf.shape:
-                return sharding
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(choose, abstract_opt_state)
-
-
-# Copied from run_clm_flax.abstract_model_params
-def abstract_model_params(model, dummy_input, unbox: bool = True):
-    """Shapes and dtypes of the model's parameters, without computing them. Unboxed: plain arrays;
-    boxed: each carries its logical axis names."""
-    variables = jax.eval_shape(partial(model.init, deterministic=True), jax.random.key(0), dummy_input)
-    return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
-
-
-# Copied from run_clm_flax.abstract_train_state
-def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
-    """Shape, dtype and sharding of every leaf of the training state, computed without allocating it."""
-    boxed_params = abstract_model_params(model, dummy_input, unbox=False)
-    param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
-    abstract_params = nn.meta.unbox(boxed_params)
-    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
-    shardings = TrainState(
-        step=NamedSharding(mesh, PartitionSpec()),
-        params=param_shardings,
-        opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
-    )
-    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)
-    return jax.tree_util.tree_map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding), shapes, shardings)
-
-
-# Copied from run_clm_flax.create_train_state
-def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, dummy_input, loaded_params=None):
-    """The training state, created directly with its sharding: parameters are initialised (or placed,
-    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
-    shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-
-    def init(params):
-        if params is None:
-            params = nn.meta.unbox(model.init(jax.random.key(seed), dummy_input, deterministic=True)["params"])
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
-
-    if loaded_params is not None:
-        loaded_params = jax.device_put(loaded_params, shardings.params)
-    return jax.jit(init, out_shardings=shardings)(loaded_params)
-
-
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
@@ -2405,10 +1088,16 @@ def make_train_step(model, optimizer, schedule, seed: int):
 
         def loss_sum_fn(params):
             logits = model.apply(
-                {"params": params}, batch["input_ids"], batch["attention_mask"], deterministic=False,
-                masked_positions=batch["masked_positions"], rngs={"dropout": dropout_rng},
+                {"params": params},
+                batch["input_ids"],
+                batch["attention_mask"],
+                deterministic=False,
+                masked_positions=batch["masked_positions"],
+                rngs={"dropout": dropout_rng},
             )
-            loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["masked_labels"], batch["masked_weights"])
+            loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(
+                logits, batch["masked_labels"], batch["masked_weights"]
+            )
             return loss_sum, (correct_sum, weight_sum)
 
         (loss_sum, (correct_sum, weight_sum)), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
@@ -2479,18 +1168,12 @@ def make_eval_step(model):
         logits = model.apply(
             {"params": params}, batch["input_ids"], batch["attention_mask"], masked_positions=batch["masked_positions"]
         )
-        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(logits, batch["masked_labels"], batch["masked_weights"])
+        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(
+            logits, batch["masked_labels"], batch["masked_weights"]
+        )
         return {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     return eval_step
-
-
-# Copied from run_clm_flax.to_global_batch
-def to_global_batch(local_batch: dict, batch_sharding) -> dict:
-    """This process's rows -> one array split over every device of every process."""
-    return {
-        name: jax.make_array_from_process_local_data(batch_sharding, rows) for name, rows in local_batch.items()
-    }
 
 
 def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, batch_sharding) -> dict:
@@ -2514,7 +1197,1918 @@ def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, b
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training checkpoints, stopping on request, non-finite steps
+# Filling masks: what the model predicts for a text with <mask> in it
+# ----------------------------------------------------------------------------------------------------
+
+
+def example_texts(examples, tokenizer, count: int) -> Iterator[str]:
+    """The texts of the first `count` examples, decoded: each line, or each piece of a block between the
+    </s> that end its texts."""
+    for index in range(min(count, len(examples))):
+        if isinstance(examples, LineExamples):
+            yield tokenizer.decode(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]])
+        else:
+            block = np.asarray(examples[index])
+            for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
+                yield tokenizer.decode(piece, skip_special_tokens=True)
+
+
+def fill_mask_demo_text(texts, mask_token: str) -> tuple[str | None, str | None]:
+    """(text, masked word): the first 16 words of the first text that has at least 6, the middle one masked."""
+    for text in texts:
+        words = (text or "").split()[:16]
+        if len(words) >= 6:
+            middle = len(words) // 2
+            return " ".join(words[:middle] + [mask_token] + words[middle + 1 :]), words[middle]
+    return None, None
+
+
+def fill_mask(model, params, tokenizer, text: str, top_k: int, max_length: int) -> list[tuple[str, float]]:
+    """The `top_k` most likely tokens, with their probabilities, at the first mask token of `text`."""
+    input_ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+    if tokenizer.mask_token_id not in input_ids:
+        return []
+    position = input_ids.index(tokenizer.mask_token_id)
+    logits = jax.jit(model.apply)({"params": params}, jnp.asarray([input_ids], jnp.int32))[0, position]
+    probabilities = np.asarray(jax.nn.softmax(logits))
+    best = np.argsort(-probabilities)[:top_k]
+    return [(tokenizer.decode([int(token_id)]), float(probabilities[token_id])) for token_id in best]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: load texts, tokenize into blocks or lines, batch and mask
+# ----------------------------------------------------------------------------------------------------
+
+# Grouped mode: the texts, each followed by </s>, joined and cut into blocks of max_seq_length - 2 tokens;
+# BatchMaker frames every block as <s> block </s>. RoBERTa's pretraining data is made the same way: full
+# sentences across document boundaries, with a separator between documents.
+
+
+# Copied from run_clm_flax.DATA_FILE_BUILDERS
+DATA_FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+
+# Copied from run_clm_flax.resolve_data_files
+def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
+    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    if not files:
+        raise UsageError(f"--{flag} {pattern} matches no file")
+    builders = set()
+    for path in files:
+        if not os.path.isfile(path):
+            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--{flag}: {path} is not readable")
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"--{flag}: {path} is empty")
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in DATA_FILE_BUILDERS:
+            supported = ", ".join(DATA_FILE_BUILDERS)
+            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
+        builders.add(DATA_FILE_BUILDERS[extension])
+    if len(builders) > 1:
+        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
+    return builders.pop(), files
+
+
+# Copied from run_clm_flax.text_builder_options
+def text_builder_options(data_args) -> dict:
+    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
+    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
+
+
+# Copied from run_clm_flax.load_text_datasets
+def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
+    """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
+    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated.
+    Each row is one document. Each split's files are read with the builder of their own format."""
+    try:
+        if data_args.dataset_name is not None:
+            name = data_args.dataset_name
+            if os.path.isdir(name) and any(
+                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
+            ):
+                raw = datasets.load_from_disk(name)
+                if streaming:
+                    raw = {
+                        split: dataset.to_iterable_dataset()
+                        for split, dataset in datasets.DatasetDict(
+                            raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}
+                        ).items()
+                    }
+            else:
+                holds_text_files = os.path.isdir(name) and any(
+                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
+                    for _, _, files in os.walk(name)
+                    for file in files
+                )
+                options = text_builder_options(data_args) if holds_text_files else {}
+                raw = datasets.load_dataset(
+                    name,
+                    data_args.dataset_config_name,
+                    cache_dir=model_args.cache_dir,
+                    token=model_args.token,
+                    streaming=streaming,
+                    **options,
+                )
+        else:
+            raw = {}
+            for split, flag in (("train", "train_file"), ("validation", "validation_file")):
+                pattern = getattr(data_args, flag)
+                if pattern is None:
+                    continue
+                builder, files = resolve_data_files(pattern, flag)
+                options = text_builder_options(data_args) if builder == "text" else {}
+                raw[split] = datasets.load_dataset(
+                    builder,
+                    data_files={split: files},
+                    split=split,
+                    cache_dir=model_args.cache_dir,
+                    streaming=streaming,
+                    **options,
+                )
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise UsageError(f"cannot load the dataset: {error}") from None
+    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
+        cause = error.__cause__ or error
+        raise UsageError(
+            f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding"
+        ) from None
+    if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
+        raw = {"train": raw}
+    for split, dataset in raw.items():
+        columns = dataset.column_names  # None for a stream whose columns are only known once read
+        if columns is not None and data_args.text_column_name not in columns:
+            raise UsageError(
+                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
+                "pass --text_column_name"
+            )
+    warn_of_files_in_both_splits(data_args)
+    return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
+
+
+# Copied from run_clm_flax.warn_of_files_in_both_splits
+def warn_of_files_in_both_splits(data_args):
+    if data_args.train_file is None or data_args.validation_file is None:
+        return
+    train_files, validation_files = (
+        {os.path.realpath(path) for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])}
+        for pattern in (data_args.train_file, data_args.validation_file)
+    )
+    if shared := sorted(train_files & validation_files):
+        logger.warning(
+            "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
+            "training texts, not how it does on new text",
+            ", ".join(shared),
+        )
+
+
+# Copied from run_clm_flax.text_source
+def text_source(split: str, data_args) -> str:
+    """Where the texts of a split come from, as the user named them, for messages about a row."""
+    pattern = {"train": data_args.train_file, "validation": data_args.validation_file}.get(split)
+    if pattern is None:
+        return f"the {split} split of --dataset_name {data_args.dataset_name}"
+    if glob.has_magic(pattern):
+        return f"the files of {pattern} (counted through them in sorted order)"
+    return pattern
+
+
+# Copied from run_clm_flax.rows_with_text
+def rows_with_text(dataset, split: str, data_args):
+    """The dataset without rows whose text is missing or null: such a row is refused in one line naming its file
+    and row, or with --skip_missing_texts left out and counted in the log. A column of other values than strings
+    is refused. A stream is checked lazily, batch by batch as it is read."""
+    column, skip = data_args.text_column_name, data_args.skip_missing_texts
+
+    def not_text(type_name: str) -> UsageError:
+        return UsageError(
+            f"column '{column}' of {text_source(split, data_args)} holds {type_name} values, not text; "
+            "pass the column of texts with --text_column_name"
+        )
+
+    def missing_text(row: int) -> UsageError:
+        return UsageError(
+            f"row {row + 1} of {text_source(split, data_args)} has no text (its '{column}' is missing or null); "
+            "fix the data, or pass --skip_missing_texts to leave such rows out"
+        )
+
+    if isinstance(dataset, datasets.IterableDataset):
+
+        def keep(batch, rows):
+            if column not in batch:  # token_arrays names the missing column
+                return [True] * len(rows)
+            kept = []
+            for text, row in zip(batch[column], rows):
+                if text is not None and not isinstance(text, str):
+                    raise not_text(type(text).__name__)
+                if text is None and not skip:
+                    raise missing_text(row)
+                kept.append(text is not None)
+            if not all(kept):
+                logger.warning(
+                    "%s: left out %d rows without text, the first at row %d of %s",
+                    split,
+                    kept.count(False),
+                    rows[kept.index(False)] + 1,
+                    text_source(split, data_args),
+                )
+            return kept
+
+        return dataset.filter(keep, with_indices=True, batched=True, batch_size=TEXTS_PER_BATCH)
+    column_type = dataset.features[column]
+    if getattr(column_type, "dtype", None) not in ("string", "large_string", "string_view", "null"):
+        raise not_text(getattr(column_type, "dtype", type(column_type).__name__))
+    texts = dataset.data.column(column)
+    if texts.null_count == 0:
+        return dataset
+    missing = texts.is_null().to_numpy(zero_copy_only=False)
+    if not skip:
+        raise missing_text(int(np.argmax(missing)))
+    logger.warning(
+        "%s: left out %d of %d rows without text, the first at row %d of %s",
+        split,
+        int(missing.sum()),
+        len(dataset),
+        int(np.argmax(missing)) + 1,
+        text_source(split, data_args),
+    )
+    return dataset.filter(
+        lambda texts: [text is not None for text in texts],
+        input_columns=column,
+        batched=True,
+        desc=f"Leaving out {split} rows without text",
+    )
+
+
+# Copied from run_clm_flax.first_texts
+def first_texts(dataset, text_column: str, count: int) -> list[str]:
+    if isinstance(dataset, datasets.IterableDataset):
+        try:
+            batch = next(iter(dataset.iter(batch_size=count)), {})
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
+            return []  # token_arrays reports the unreadable stream
+        return batch.get(text_column, [])
+    return dataset[:count][text_column]
+
+
+# Copied from run_clm_flax.check_tokenizer_encodes
+def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
+    """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
+    trained on that learns nothing of the texts while its loss looks like training."""
+    for split, dataset in text_datasets.items():
+        # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
+        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
+        if not texts:
+            continue
+        ids = [
+            token
+            for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+            for token in encoding.ids
+        ]
+        if not ids or set(ids) == {tokenizer.unk_token_id}:
+            outcome = "no tokens" if not ids else f"only the unknown token {tokenizer.unk_token}"
+            raise UsageError(
+                f"the tokenizer {tokenizer.name_or_path} cannot encode the {split} data: its first {len(texts)} "
+                f"texts give {outcome}; pass a tokenizer trained on such text (train_tokenizer.py makes one)"
+            )
+
+
+# Copied from run_clm_flax.load_raw_datasets
+def load_raw_datasets(model_args, data_args, hold_out_texts: bool = True) -> datasets.DatasetDict:
+    """Train and validation texts. Without a validation split, one is carved from the start of train when
+    `hold_out_texts`; otherwise it is left to be held out from the training blocks (hold_out_blocks)."""
+    raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
+    if "train" in raw and "validation" not in raw and hold_out_texts:
+        train = raw["train"]
+        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
+        if len(train) < 2:
+            raise UsageError("the training data holds fewer than 2 texts; there is nothing to hold out for evaluation")
+        raw = datasets.DatasetDict(
+            {
+                "validation": train.select(range(validation_size)),
+                "train": train.select(range(validation_size, len(train))),
+            }
+        )
+    for split, dataset in raw.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} data is empty")
+    return raw
+
+
+# Copied from run_clm_flax.hold_out_blocks
+def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
+    """{split: blocks} with a validation split: the first validation_split_percentage percent of the training
+    blocks when there is none (by blocks rather than texts, so that one long document can be split too)."""
+    if "train" not in blocks or "validation" in blocks:
+        return blocks
+    train = blocks["train"]
+    if len(train) < 2:
+        raise UsageError(
+            "the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation"
+        )
+    validation_size = max(1, len(train) * validation_split_percentage // 100)
+    return {"validation": train[:validation_size], "train": train[validation_size:]}
+
+
+# Copied from run_clm_flax.tokenized_fingerprint
+def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
+    """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
+    digest = hashlib.sha256()
+    for part in (dataset._fingerprint, tokenizer.backend_tokenizer.to_str(), *map(repr, settings)):
+        digest.update(part.encode())
+    return digest.hexdigest()[:24]
+
+
+# Copied from run_clm_flax.TEXTS_PER_BATCH
+TEXTS_PER_BATCH = 1000
+
+
+# A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many
+# pieces at a time: encoding holds ~300 bytes of memory per token until it returns, and one text uses one core.
+# Copied from run_clm_flax.TEXT_PIECE_CHARACTERS
+TEXT_PIECE_CHARACTERS = 2**18
+
+
+# Copied from run_clm_flax.TEXT_PIECES_AT_ONCE
+TEXT_PIECES_AT_ONCE = 16
+
+
+# Where a line that ends in a visible character is followed by one that starts with one.
+# Copied from run_clm_flax.LINE_START
+LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+# Copied from run_clm_flax.cuts_at_line_starts_keep_the_tokens
+def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
+    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
+    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
+    normalizer and no prefix space; not assumed for any other tokenizer."""
+    settings = json.loads(backend.to_str())
+    pre_tokenizer = settings.get("pre_tokenizer") or {}
+    return (
+        settings.get("normalizer") is None
+        and pre_tokenizer.get("type") == "ByteLevel"
+        and pre_tokenizer.get("use_regex", True)
+        and not pre_tokenizer.get("add_prefix_space", False)
+    )
+
+
+# Copied from run_clm_flax.encode_texts
+def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
+    """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
+    if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    token_lists = []
+    for text in texts:
+        starts = [0]
+        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
+            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
+            if line_start is None:
+                break
+            starts.append(line_start.start())
+        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+        ids = []
+        for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
+            group = pieces[first : first + TEXT_PIECES_AT_ONCE]
+            for encoding in backend.encode_batch(group, add_special_tokens=False):
+                ids.extend(encoding.ids)
+        token_lists.append(ids)
+    return token_lists
+
+
+# Copied from run_clm_flax.token_arrays
+def token_arrays(
+    dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train"
+) -> Iterator[np.ndarray]:
+    """The tokens of every text of `dataset`, each text (a document) followed by EOS, as flat int32 arrays of one
+    batch of texts each, in the dataset's order.
+
+    A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
+    own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
+    batch as it is read. Either way only one batch of tokens is in memory at a time.
+    """
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
+    # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
+    # about texts longer than model_max_length, which is expected here since texts get packed.
+    backend = tokenizer.backend_tokenizer
+    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
+
+    def tokenize(batch):
+        return {"input_ids": [ids + [eos_id] for ids in encode_texts(backend, batch[text_column], cut_long_texts)]}
+
+    if isinstance(dataset, datasets.IterableDataset):
+        texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
+        while True:
+            try:
+                batch = next(texts)
+            except StopIteration:
+                return
+            except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
+                cause = error.__cause__ or error
+                raise UsageError(
+                    f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding"
+                ) from None
+            if text_column not in batch:
+                raise UsageError(
+                    f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
+                )
+            token_lists = tokenize(batch)["input_ids"]
+            yield np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+    else:
+        tokenized = dataset.map(
+            tokenize,
+            batched=True,
+            batch_size=TEXTS_PER_BATCH,
+            num_proc=num_workers,
+            remove_columns=dataset.column_names,
+            new_fingerprint=tokenized_fingerprint(
+                dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens
+            ),
+            load_from_cache_file=not overwrite_cache,
+            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+            desc=f"Tokenizing {split} texts",
+        )
+        # Arrow stores each chunk's token lists as one flat buffer: flattening is a view, not a Python loop.
+        for chunk in tokenized.data.column("input_ids").chunks:
+            yield chunk.flatten().to_numpy()
+
+
+# Copied from run_clm_flax.pack_blocks
+def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
+    """Join the token arrays end to end and cut them into blocks: arrays of shape (count, block_size), int32.
+
+    The tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    carry = np.zeros(0, np.int32)
+    for tokens in token_arrays:
+        if len(carry):
+            tokens = np.concatenate([carry, tokens])
+        usable = len(tokens) // block_size * block_size
+        if usable:
+            yield np.asarray(tokens[:usable], dtype=np.int32).reshape(-1, block_size)
+        carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
+
+
+# Copied from run_clm_flax.tokenize_and_pack
+def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
+    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+
+    The blocks are written as a packed corpus beside the dataset's own cache files and memory-mapped, on
+    this and later runs (a PackedBlocks); a dataset held only in memory gives an in-memory array. The
+    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
+    """
+    tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
+    if not dataset.cache_files:
+        return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
+    fingerprint = tokenized_fingerprint(
+        dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
+    )
+    cache_path = os.path.join(
+        os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}"
+    )
+    remove_stale_temporary_files(os.path.dirname(cache_path))
+    index = None if overwrite_cache else read_packed_index(cache_path)
+    if index is not None and (problem := packed_shards_problem(cache_path, index)):
+        logger.warning("The packed cache %s is damaged (%s); packing it again", cache_path, problem)
+        index = None
+    if index is not None:
+        logger.info("Loading packed %s blocks from cache %s", split, cache_path)
+    else:
+        # Written under a name of this process's own and renamed when complete, so that processes sharing
+        # the cache never read or write each other's unfinished files.
+        temporary_path = f"{cache_path}.{os.getpid()}.tmp"
+        description = {
+            "block_size": block_size,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column},
+        }
+        try:
+            index = write_packed_corpus(
+                temporary_path,
+                {"blocks": pack_blocks(tokens, block_size)},
+                description,
+                packed_dtype(tokenizer),
+                PACKED_TOKENS_PER_SHARD,
+            )
+        except BaseException:
+            shutil.rmtree(temporary_path, ignore_errors=True)
+            raise
+        if os.path.isdir(cache_path):
+            shutil.rmtree(cache_path, ignore_errors=True)
+        try:
+            os.rename(temporary_path, cache_path)
+        except OSError:  # another process finished the same cache first
+            shutil.rmtree(temporary_path, ignore_errors=True)
+        num_blocks = index["splits"]["blocks"]["num_blocks"]
+        logger.info("%s: packed into %d blocks of %d tokens, cached in %s", split, num_blocks, block_size, cache_path)
+    return open_packed_corpus(cache_path, index)["blocks"]
+
+
+def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) -> dict:
+    """The grouped blocks of --packed_data_dir, {split: PackedBlocks} of max_seq_length - 2 tokens per block:
+    packed there first when it holds no finished corpus (or --overwrite_cache), by process 0 alone while the
+    others wait, from the data arguments read as they are or, with --streaming, as a stream. A directory packed
+    with another tokenizer, length or source is refused, never reused. Without a validation split, the first
+    --validation_split_percentage percent of the training blocks are held out.
+
+    run_clm_flax.load_packed_corpus, with the block size told as --max_seq_length: the format is the same."""
+    directory = data_args.packed_data_dir
+    block_size = max_seq_length - 2  # BatchMaker frames each block as <s> block </s>
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
+    source = {
+        name: getattr(data_args, name)
+        for name in (
+            "dataset_name",
+            "dataset_config_name",
+            "train_file",
+            "validation_file",
+            "text_column_name",
+            "text_sample_by",
+            "keep_linebreaks",
+        )
+    }
+    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
+        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
+            source[name] = os.path.abspath(source[name])
+    description = {
+        "block_size": block_size,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "source": source,
+    }
+    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
+
+    def check(index: dict):
+        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
+        if index["format_version"] != PACKED_FORMAT_VERSION:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds a packed corpus of format version {index['format_version']}; {fix}"
+            )
+        if index["block_size"] != block_size:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds blocks for --max_seq_length {index['block_size'] + 2}, not "
+                f"{max_seq_length}; {fix}"
+            )
+        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
+            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if problem := packed_shards_problem(directory, index):
+            raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
+        differences = [name for name in source if index["source"].get(name) != source[name]]
+        if has_source and differences:
+            recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
+            raise UsageError(
+                f"--packed_data_dir {directory} was packed from other data ({recorded}); pass the same data "
+                f"arguments, or none to train on it as it is, or {fix}"
+            )
+
+    index = read_packed_index(
+        directory
+    )  # read even with --overwrite_cache: never overwrite a directory of other files
+    if data_args.overwrite_cache:
+        index = None
+    if index is not None:
+        check(index)
+    elif not has_source:
+        raise UsageError(
+            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
+        )
+    # Process 0 packs while the others wait. It reaches the barrier even when packing fails, so that the others
+    # stop with an error rather than wait for it until the distributed runtime gives up.
+    with main_process_first("packed corpus written"):
+        if jax.process_index() == 0 and index is None:
+            check_writable_directory(directory, "packed_data_dir")
+            sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+            check_tokenizer_encodes(tokenizer, sources, data_args.text_column_name)
+            logger.info("Packing %s into %s", " and ".join(sources), directory)
+
+            def blocks_with_progress(split, dataset):
+                tokens = token_arrays(
+                    dataset,
+                    tokenizer,
+                    data_args.text_column_name,
+                    data_args.preprocessing_num_workers,
+                    data_args.overwrite_cache,
+                    split,
+                )
+                with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
+                    for blocks in pack_blocks(tokens, block_size):
+                        progress.update(len(blocks))
+                        yield blocks
+
+            index = write_packed_corpus(
+                directory,
+                {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
+                description,
+                packed_dtype(tokenizer),
+                data_args.packed_tokens_per_shard,
+            )
+    if jax.process_count() > 1:
+        index = read_packed_index(directory)
+        if index is None:
+            raise UsageError(
+                f"process {jax.process_index()} finds no packed corpus in --packed_data_dir {directory}: process 0 "
+                "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
+            )
+        check(index)
+    blocks = open_packed_corpus(directory, index)
+    for split, split_blocks in blocks.items():
+        logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
+    return hold_out_blocks(blocks, data_args.validation_split_percentage)
+
+
+@dataclass(frozen=True)
+class LineExamples:
+    """One example per line (or text) in line-by-line mode, stored flat rather than as Python lists:
+    example i is tokens[offsets[i] : offsets[i + 1]], without special tokens and not yet truncated."""
+
+    tokens: np.ndarray  # int32, every example end to end
+    offsets: np.ndarray  # int64, len(self) + 1 entries
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def head(self, count: int) -> "LineExamples":
+        return LineExamples(self.tokens, self.offsets[: count + 1])
+
+
+def tokenize_lines(dataset, tokenizer, text_column, num_workers, overwrite_cache, split) -> LineExamples:
+    """The token ids of every non-empty text (every line of a .txt file), for --line_by_line.
+
+    Line breaks at the end are removed and texts of only whitespace skipped. Like the packed blocks of
+    tokenize_and_pack, the result is cached beside the dataset's own cache files and memory-mapped on
+    later runs; it does not depend on --max_seq_length, since examples are truncated when batched.
+    """
+    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, "line_by_line")
+    cache_paths = None
+    if dataset.cache_files:
+        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
+        cache_paths = {
+            part: os.path.join(cache_dir, f"lines-{fingerprint}-{part}.npy") for part in ("tokens", "offsets")
+        }
+        remove_stale_temporary_files(cache_dir)
+        if all(os.path.exists(path) for path in cache_paths.values()) and not overwrite_cache:
+            try:
+                examples = LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in cache_paths.items()})
+            except (OSError, ValueError) as error:  # a file cut short: "mmap length is greater than file size"
+                logger.warning("The cached %s lines in %s are damaged (%s); tokenizing again", split, cache_dir, error)
+            else:
+                if examples.offsets[-1] == len(examples.tokens):
+                    logger.info("Loading tokenized %s lines from cache %s", split, cache_paths["tokens"])
+                    return examples
+                logger.warning("The cached %s lines in %s are damaged; tokenizing again", split, cache_dir)
+
+    backend = tokenizer.backend_tokenizer
+
+    def tokenize(batch):
+        texts = [text.rstrip("\r\n") for text in batch[text_column] if text and not text.isspace()]
+        return {"input_ids": [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]}
+
+    tokenized = dataset.map(
+        tokenize,
+        batched=True,
+        num_proc=num_workers,
+        remove_columns=dataset.column_names,
+        new_fingerprint=fingerprint,
+        load_from_cache_file=not overwrite_cache,
+        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+        desc=f"Tokenizing {split} lines",
+    )
+    # Chunk by chunk, so that the 32-bit offsets of one Arrow list array never have to cover every token.
+    chunks = tokenized.data.column("input_ids").chunks
+    lengths = np.concatenate([np.zeros(0, np.int64)] + [chunk.value_lengths().to_numpy() for chunk in chunks])
+    tokens = np.concatenate([np.zeros(0, np.int32)] + [chunk.flatten().to_numpy() for chunk in chunks])
+    examples = LineExamples(tokens.astype(np.int32), np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+    logger.info("%s: %d lines of %d tokens in all", split, len(examples), len(tokens))
+    if cache_paths is not None:
+        for part, path in cache_paths.items():  # offsets last: their presence marks a complete cache
+            temporary_path = f"{path}.{os.getpid()}.tmp.npy"
+            np.save(temporary_path, getattr(examples, part), allow_pickle=False)
+            os.replace(temporary_path, path)
+    return examples
+
+
+def first_examples(examples: np.ndarray | LineExamples, count: int):
+    """The first `count` examples, as blocks or as lines (for --max_train_samples, --max_eval_samples)."""
+    return examples.head(count) if isinstance(examples, LineExamples) else examples[:count]
+
+
+# Copied from run_clm_flax.stream_share
+def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
+    """This process's share of a stream: whole files (shards) when their number is a multiple of the process
+    count, otherwise every process_count-th text. The shares are disjoint and together cover the stream."""
+    if jax.process_count() == 1:
+        return dataset
+    return datasets.distributed.split_dataset_by_node(
+        dataset, rank=jax.process_index(), world_size=jax.process_count()
+    )
+
+
+# Copied from run_clm_flax.streaming_train_batches
+def streaming_train_batches(
+    dataset: datasets.IterableDataset,
+    tokenizer,
+    text_column: str,
+    block_size: int,
+    global_batch_size: int,
+    seed: int,
+    shuffle_buffer_size: int,
+    first_batch: int = 0,
+) -> Iterator[dict]:
+    """This process's rows of each global batch, tokenized and packed on the fly from its share of the
+    stream, without end: pass after pass over the share, each shuffled differently.
+
+    The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
+    files is shuffled). The batches depend only on the data, these arguments and the process count, so a
+    resumed run starting at `first_batch` re-reads (and re-tokenizes) the batches before it and goes on
+    with the very batches the interrupted run would have seen.
+    """
+    local_batch_size = len(range(global_batch_size)[process_slice(global_batch_size)])
+    share = stream_share(dataset)
+    if shuffle_buffer_size > 0:
+        share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
+
+    def every_pass():
+        for epoch in itertools.count():
+            if shuffle_buffer_size > 0:
+                share.set_epoch(epoch)  # reshuffles the files and the buffer
+            num_tokens = 0
+            for tokens in token_arrays(share, tokenizer, text_column):
+                num_tokens += len(tokens)
+                yield tokens
+            if num_tokens == 0:
+                raise UsageError(
+                    f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
+                    "text unless --text_sample_by says otherwise): give at least as many texts as processes"
+                )
+
+    rows = np.zeros((0, block_size), np.int32)
+    batch_number = 0
+    for blocks in pack_blocks(every_pass(), block_size):
+        rows = np.concatenate([rows, blocks])
+        while len(rows) >= local_batch_size:
+            if batch_number >= first_batch:
+                yield {"input_ids": rows[:local_batch_size]}
+            rows, batch_number = rows[local_batch_size:], batch_number + 1
+
+
+# Copied from run_clm_flax.first_blocks
+def first_blocks(
+    dataset: datasets.IterableDataset, tokenizer, text_column: str, block_size: int, count: int | None, split: str
+) -> np.ndarray:
+    """The first `count` blocks packed from a stream (all of them when `count` is None), read into memory."""
+    blocks, total = [np.zeros((0, block_size), np.int32)], 0
+    for block_array in pack_blocks(token_arrays(dataset, tokenizer, text_column, split=split), block_size):
+        blocks.append(block_array)
+        total += len(block_array)
+        if count is not None and total >= count:
+            break
+    return np.concatenate(blocks)[:count]
+
+
+# Masking and batches, on the host: numpy, this process's rows of a global batch at a time, reproducible from
+# the seed.
+
+
+def random_bits(seed: np.uint64, counters: np.ndarray) -> np.ndarray:
+    """64 random bits for each counter: output number `counter` of SplitMix64 seeded with `seed` (Steele, Lea
+    and Flood, 2014). An output depends on its number alone, so numpy computes any of them directly, all at once."""
+    bits = seed + (counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps around at 2**64, as it should
+    bits = (bits ^ (bits >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    bits = (bits ^ (bits >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return bits ^ (bits >> np.uint64(31))
+
+
+def uniform_from_bits(bits: np.ndarray) -> np.ndarray:
+    """Numbers in [0, 1), from the top 53 of the random bits."""
+    return (bits >> np.uint64(11)) * 2.0**-53
+
+
+def mask_tokens(
+    input_ids,
+    special_tokens_mask,
+    mask_token_id,
+    vocab_size,
+    mlm_probability,
+    seed,
+    row_numbers,
+    max_chosen_per_row=None,
+):
+    """Choose positions to predict and corrupt them the BERT way.
+
+    input_ids: (rows, seq) int; special_tokens_mask: (rows, seq) bool, True for special tokens and
+    padding, which are never chosen; seed: an integer or a tuple of them; row_numbers: (rows,) the number of
+    each row in its global batch. Each other position is chosen with probability mlm_probability, at most
+    max_chosen_per_row of a row (of more, a uniformly random subset: those with the smallest draws); of the
+    chosen, 80% become mask_token_id, 10% a random id in [0, vocab_size) and 10% stay as they are (so the model
+    cannot learn that only masked positions matter).
+
+    The random numbers of a position are drawn from counters of its own, given by its row number and place in
+    the row, so a row is masked the same whatever rows are masked with it, on whichever process.
+    Returns (masked input_ids, labels = the original ids, label_weights: float32, 1.0 where chosen).
+    """
+    length = input_ids.shape[1]
+    seed = np.random.SeedSequence(seed).generate_state(1, np.uint64)[0]
+    # Three counters per position: whether it is chosen, then, if it is, what becomes of it and which random id.
+    positions = np.asarray(row_numbers, np.uint64)[:, None] * np.uint64(length) + np.arange(length, dtype=np.uint64)
+    counters = positions * np.uint64(3)
+    choice_draws = uniform_from_bits(random_bits(seed, counters))
+    chosen = (choice_draws < mlm_probability) & ~special_tokens_mask
+    if max_chosen_per_row is not None and (crowded := chosen.sum(axis=1) > max_chosen_per_row).any():
+        draws = np.where(chosen[crowded], choice_draws[crowded], np.inf)
+        largest_kept = np.partition(draws, max_chosen_per_row - 1, axis=1)[
+            :, max_chosen_per_row - 1 : max_chosen_per_row
+        ]
+        chosen[crowded] &= draws <= largest_kept
+    chosen_counters = counters[chosen]
+    action = uniform_from_bits(
+        random_bits(seed, chosen_counters + np.uint64(1))
+    )  # below 0.8: mask, 0.8 to 0.9: random id
+    random_ids = (random_bits(seed, chosen_counters + np.uint64(2)) % np.uint64(vocab_size)).astype(input_ids.dtype)
+    masked = input_ids.copy()
+    masked[chosen] = np.where(action < 0.8, mask_token_id, np.where(action < 0.9, random_ids, input_ids[chosen]))
+    return masked, input_ids.copy(), chosen.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class BatchMaker:
+    """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
+
+    Examples are blocks (a 2-D array-like of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
+    Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding. Each process
+    makes only its own rows of a global batch: it reads only their examples and masks them with random numbers
+    drawn for the row's number in the global batch (see mask_tokens), so the global batch is the same row for
+    row whatever the number of processes.
+    """
+
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    mask_token_id: int
+    special_token_ids: tuple  # never chosen for prediction
+    random_token_count: int  # random replacements are drawn from the ids [0, random_token_count)
+    mlm_probability: float
+    max_seq_length: int
+    pad_to_max_length: bool = False
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, max_seq_length: int, mlm_probability: float, pad_to_max_length: bool):
+        return cls(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            mask_token_id=tokenizer.mask_token_id,
+            special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))),
+            random_token_count=len(tokenizer),
+            mlm_probability=mlm_probability,
+            max_seq_length=max_seq_length,
+            pad_to_max_length=pad_to_max_length,
+        )
+
+    def padded_length(self, longest: int) -> int:
+        """The length a batch whose longest row has `longest` tokens is padded to. jit compiles the step once
+        per length, so padded batches take only a few: powers of two from 16, capped at max_seq_length."""
+        if self.pad_to_max_length:
+            return self.max_seq_length
+        return min(self.max_seq_length, max(16, 1 << (longest - 1).bit_length()))
+
+    def example_lengths(self, examples, indices: np.ndarray) -> np.ndarray:
+        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length
+        truncated to fit max_seq_length. Reads only the offsets of lines, never their tokens."""
+        if isinstance(examples, LineExamples):
+            return np.minimum(examples.offsets[indices + 1] - examples.offsets[indices], self.max_seq_length - 2)
+        return np.full(len(indices), examples.shape[1])
+
+    def token_ids(
+        self, examples, indices: np.ndarray, num_rows: int, rows: slice = slice(None)
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask), int32 (rows, length), unmasked: the rows `rows` of a batch of `num_rows`
+        rows, examples[indices] and then empty examples (<s> </s>), which fill up a partial batch and have nothing
+        to predict. Only the examples of these rows are read; the length, the same on every process, is that of
+        the longest example of the whole batch, padded."""
+        row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
+        row_lengths[: len(indices)] = self.example_lengths(examples, indices)
+        length = self.padded_length(int(row_lengths.max()) + 2)
+        own_indices, row_lengths = indices[rows], row_lengths[rows]  # the examples come first, so they lead here too
+
+        input_ids = np.full((len(row_lengths), length), self.pad_token_id, np.int32)
+        input_ids[:, 0] = self.bos_token_id
+        if isinstance(examples, LineExamples):
+            for row, (start, size) in enumerate(zip(examples.offsets[own_indices], row_lengths)):
+                input_ids[row, 1 : size + 1] = examples.tokens[start : start + size]
+        elif len(own_indices):
+            input_ids[: len(own_indices), 1:-1] = examples[own_indices]
+        input_ids[np.arange(len(row_lengths)), row_lengths + 1] = self.eos_token_id
+        attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
+        return input_ids, attention_mask
+
+    def predictions_per_row(self, length: int) -> int:
+        """Room for the positions to predict in a row of `length` tokens: the mean number chosen plus five
+        standard deviations, rounded up to a multiple of 8. About one row in a million has more chosen; a
+        random subset of them is kept, so every batch of a length has the same shape."""
+        mean = length * self.mlm_probability
+        bound = mean + 5 * math.sqrt(mean * (1 - self.mlm_probability))
+        return min(length, 8 * math.ceil(bound / 8))
+
+    def masked(self, input_ids: np.ndarray, attention_mask: np.ndarray, seed: tuple, row_numbers: np.ndarray) -> dict:
+        """The masked batch: input_ids (masked) and attention_mask, (rows, length); and for the positions
+        to predict, masked_positions, masked_labels (the original ids) and masked_weights (1.0, or 0.0 for
+        the unused room), (rows, predictions). row_numbers: each row's number in the global batch, which with
+        the seed fixes its masks."""
+        special_tokens_mask = np.isin(input_ids, self.special_token_ids) | (attention_mask == 0)
+        predictions = self.predictions_per_row(input_ids.shape[1])
+        masked_ids, labels, label_weights = mask_tokens(
+            input_ids,
+            special_tokens_mask,
+            self.mask_token_id,
+            self.random_token_count,
+            self.mlm_probability,
+            seed,
+            row_numbers,
+            predictions,
+        )
+        # The chosen positions of each row first, in order; then unchosen ones, with weight 0, as filler.
+        positions = np.argsort(label_weights == 0, axis=1, kind="stable")[:, :predictions]
+        return {
+            "input_ids": masked_ids,
+            "attention_mask": attention_mask,
+            "masked_positions": positions.astype(np.int32),
+            "masked_labels": np.take_along_axis(labels, positions, axis=1),
+            "masked_weights": np.take_along_axis(label_weights, positions, axis=1),
+        }
+
+    def __call__(self, examples, indices: np.ndarray, num_rows: int, seed: tuple, rows: slice = slice(None)) -> dict:
+        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices] (see token_ids and
+        masked)."""
+        input_ids, attention_mask = self.token_ids(examples, indices, num_rows, rows)
+        return self.masked(input_ids, attention_mask, seed, np.arange(num_rows)[rows])
+
+
+# Separate random streams for the masks of training and of evaluation batches.
+TRAIN_MASKING, EVAL_MASKING = 0, 1
+
+
+def train_batches(
+    examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
+) -> Iterator[tuple[dict, int]]:
+    """This process's rows of each masked global batch of one epoch, from batch `first_batch` on, with the
+    global batch's number of tokens (padding left out).
+
+    The order and the masks are fixed by seed, epoch and batch, so a resumed run continues with the very
+    batches, masked the very same way, that the interrupted run would have seen. The examples left over
+    after the last full batch differ from epoch to epoch, so all data is seen.
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+    rows = process_slice(global_batch_size)
+    for step in range(first_batch, len(examples) // global_batch_size):
+        # Sorted (for reading memory-mapped examples in order) before the split, so that the global batch,
+        # row for row, does not depend on the number of processes.
+        indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
+        batch = make_batch(examples, indices, global_batch_size, (seed, TRAIN_MASKING, epoch, step), rows)
+        yield batch, int(np.sum(make_batch.example_lengths(examples, indices) + 2))
+
+
+def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int) -> Iterator[dict]:
+    """This process's rows of batches holding every example once, in order, masked the same way at every
+    evaluation (the masks are seeded by the batch's index), so evaluations are comparable. The last batch is
+    filled up with empty rows, none dropped."""
+    rows = process_slice(global_batch_size)
+    for batch_index, start in enumerate(range(0, len(examples), global_batch_size)):
+        indices = np.arange(start, min(start + global_batch_size, len(examples)))
+        yield make_batch(examples, indices, global_batch_size, (seed, EVAL_MASKING, batch_index), rows)
+
+
+def masked_stream_batches(
+    block_batches: Iterable[dict], make_batch: BatchMaker, global_batch_size: int, seed: int, first_step: int
+) -> Iterator[tuple[dict, int]]:
+    """Frame and mask this process's rows of the global batches of blocks packed from a stream
+    (streaming_train_batches, whose first batch is that of step `first_step`), with the global batch's number
+    of tokens. The masks of step s's batch are drawn from (seed, s), so a resumed run masks its batches as
+    the interrupted one would have."""
+    row_numbers = np.arange(global_batch_size)[process_slice(global_batch_size)]
+    for step, batch in zip(itertools.count(first_step), block_batches):
+        blocks = batch["input_ids"]
+        input_ids, attention_mask = make_batch.token_ids(blocks, np.arange(len(blocks)), len(blocks))
+        masked = make_batch.masked(input_ids, attention_mask, (seed, TRAIN_MASKING, step), row_numbers)
+        yield masked, global_batch_size * make_batch.max_seq_length
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------
+
+
+# Copied from run_clm_flax.load_config_and_tokenizer
+def load_config_and_tokenizer(model_args):
+    def load(loader, name, flag):
+        try:
+            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
+
+    config_source, config_flag = (
+        (model_args.config_name, "--config_name")
+        if model_args.config_name
+        else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if config_source:
+        config = load(AutoConfig, config_source, config_flag)
+    else:
+        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
+        config = transformers.CONFIG_MAPPING[model_args.model_type]()
+
+    tokenizer_source, tokenizer_flag = (
+        (model_args.tokenizer_name, "--tokenizer_name")
+        if model_args.tokenizer_name
+        else (model_args.model_name_or_path, "--model_name_or_path")
+    )
+    if not tokenizer_source:
+        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
+    tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
+    if not tokenizer.is_fast:
+        raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0:
+        raise UsageError(
+            f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
+            "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
+        )
+    backend = tokenizer.backend_tokenizer
+    added_beyond = {
+        token_id: token
+        for token_id, token in backend.get_added_tokens_decoder().items()
+        if token_id >= config.vocab_size
+    }
+    # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
+    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
+    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
+            "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
+    if added_beyond:
+        # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
+        # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
+        tokenizer.split_special_tokens = backend.encode_special_tokens = True  # the wrapper resets the backend's
+        logger.warning(
+            "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
+            "written in the texts are encoded as text",
+            ", ".join(token.content for token in added_beyond.values()),
+            config.vocab_size,
+        )
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
+        logger.info(
+            "Documents end with %s, id %d (the tokenizer's end-of-text token)",
+            tokenizer.eos_token,
+            tokenizer.eos_token_id,
+        )
+    elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
+        # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+        logger.info(
+            "Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id
+        )
+    else:
+        raise UsageError(
+            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
+            "ids and the config names none that is; set eos_token_id in the config or eos_token in "
+            "tokenizer_config.json"
+        )
+    return config, tokenizer
+
+
+def check_tokenizer(tokenizer, config):
+    """The special tokens masked language modelling and RoBERTa's position numbering need."""
+    if len(tokenizer) > config.vocab_size:  # masking draws random replacements from every id of the tokenizer
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
+            "raise vocab_size in the config (create_config.py --tokenizer_dir)"
+        )
+    if tokenizer.mask_token_id is None:
+        raise UsageError(
+            "the tokenizer has no mask token, which masked language modelling needs; "
+            "train it with train_tokenizer.py --model_type roberta"
+        )
+    for role in ("bos", "eos", "pad"):
+        if getattr(tokenizer, f"{role}_token_id") is None:
+            raise UsageError(
+                f"the tokenizer has no {role}_token, which RoBERTa needs; train it with train_tokenizer.py --model_type roberta"
+            )
+    if tokenizer.pad_token_id != config.pad_token_id:
+        raise UsageError(
+            f"the tokenizer's padding token has id {tokenizer.pad_token_id} but the config's pad_token_id is "
+            f"{config.pad_token_id}; RoBERTa numbers positions from it, so make them equal "
+            "(create_config.py --tokenizer_dir takes it from the tokenizer)"
+        )
+
+
+def choose_max_seq_length(data_args, tokenizer, config) -> int:
+    # RoBERTa numbers positions from pad_token_id + 1, so that many position embeddings are never used.
+    usable_positions = config.max_position_embeddings - config.pad_token_id - 1
+    if data_args.max_seq_length is None:
+        return min(tokenizer.model_max_length, usable_positions)
+    if data_args.max_seq_length > usable_positions:
+        raise UsageError(
+            f"--max_seq_length {data_args.max_seq_length} does not fit the model's positions: max_position_embeddings "
+            f"{config.max_position_embeddings} minus the padding offset {config.pad_token_id + 1} leaves "
+            f"{usable_positions}; lower --max_seq_length"
+        )
+    return data_args.max_seq_length
+
+
+def main():
+    model_args, data_args, training_args, distributed_args = parse_arguments()
+    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
+        # As in the Hugging Face Flax example: without either flag, train (given training data) and evaluate.
+        # With --packed_data_dir and neither flag, the data is only packed, as in run_clm_flax.py.
+        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
+        training_args.do_eval = True
+    initialize_distributed(distributed_args)
+    check_arguments(model_args, data_args, training_args)
+    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
+    # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
+    # they have all joined, they do.
+    wait_for_all_processes("arguments checked")
+    is_main_process = jax.process_index() == 0
+    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
+    logging.basicConfig(
+        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if is_main_process else logging.ERROR,
+        force=True,  # importing orbax installs absl's handler, which would hide these logs
+    )
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    datasets.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.set_verbosity_warning()
+    if not is_main_process:
+        datasets.disable_progress_bars()
+    logger.info(
+        "%d devices over %d processes (%d here): %s",
+        jax.device_count(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.devices(),
+    )
+    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
+
+    # Model config and tokenizer
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    check_model_config(config)
+    check_tokenizer(tokenizer, config)
+    max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
+    if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
+        raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
+
+    # Data: {split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
+    # <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
+    # holds all examples (memory-mapped) and reads only its rows of each batch.
+    block_size = max_seq_length - 2
+    examples, train_stream = {}, None
+    if data_args.packed_data_dir:
+        examples = load_packed_corpus(model_args, data_args, tokenizer, max_seq_length)
+        if not (training_args.do_train or training_args.do_eval):
+            if is_main_process:
+                print(f"packed data: {data_args.packed_data_dir}")
+            return
+    elif data_args.streaming:
+        streams = load_text_datasets(model_args, data_args, streaming=True)
+        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+        if training_args.do_train:
+            if "train" not in streams:
+                raise UsageError("--do_train needs training data, and the dataset has no train split")
+            train_stream = streams["train"]
+        if training_args.do_eval:
+            if "validation" not in streams:
+                raise UsageError(
+                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
+                    "has no length to hold a percentage out from"
+                )
+            # Read once, so that every evaluation (on every process) sees the same blocks.
+            examples["validation"] = first_blocks(
+                streams["validation"],
+                tokenizer,
+                data_args.text_column_name,
+                block_size,
+                data_args.max_eval_samples,
+                "validation",
+            )
+            logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
+    else:
+        with main_process_first("data prepared"):
+            # Lines are held out for evaluation as lines; grouped, blocks are held out, as from a packed corpus.
+            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=data_args.line_by_line)
+            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
+            for split in ("train", "validation"):
+                if split not in raw_datasets:
+                    continue
+                dataset, column = raw_datasets[split], data_args.text_column_name
+                workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
+                if data_args.line_by_line:
+                    examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
+                else:
+                    examples[split] = tokenize_and_pack(
+                        dataset, tokenizer, column, block_size, workers, overwrite_cache, split
+                    )
+        examples = hold_out_blocks(examples, data_args.validation_split_percentage)
+    if data_args.max_train_samples is not None and "train" in examples:
+        examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
+    if data_args.max_eval_samples is not None and "validation" in examples:
+        examples["validation"] = first_examples(examples["validation"], data_args.max_eval_samples)
+    for split, split_examples in examples.items():
+        if len(split_examples) == 0:
+            raise UsageError(
+                f"the {split} data has no non-empty lines"
+                if data_args.line_by_line
+                else f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower --max_seq_length"
+            )
+    if training_args.do_train and "train" not in examples and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
+    if training_args.do_eval and "validation" not in examples:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+    if data_args.line_by_line:
+        for split, split_examples in examples.items():
+            lengths = np.diff(split_examples.offsets)
+            logger.info(
+                "%s: %d of %d lines are longer than %d tokens and get truncated",
+                split,
+                int(np.sum(lengths > max_seq_length - 2)),
+                len(lengths),
+                max_seq_length - 2,
+            )
+    make_batch = BatchMaker.from_tokenizer(
+        tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length
+    )
+
+    # Model, mesh, optimizer, training state
+    mesh = create_mesh(training_args.mesh_shape)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, ...)
+    accumulation_steps = training_args.gradient_accumulation_steps
+    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
+    eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
+    model = FlaxRobertaForMaskedLM(
+        config,
+        dtype=jnp.dtype(model_args.dtype),
+        param_dtype=jnp.dtype(model_args.param_dtype),
+        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
+    )
+
+    total_steps = 1
+    if training_args.do_train and train_stream is not None:
+        steps_per_epoch = None  # a stream's length is unknown
+        total_steps = training_args.max_steps
+    elif training_args.do_train:
+        steps_per_epoch = len(examples["train"]) // train_batch_size
+        if steps_per_epoch == 0:
+            raise UsageError(
+                f"the training data makes {len(examples['train'])} examples, fewer than one global batch of "
+                f"{train_batch_size}; add data or lower --per_device_train_batch_size or --max_seq_length"
+            )
+        if training_args.max_steps > 0:
+            total_steps = training_args.max_steps
+        else:
+            total_steps = max(1, int(training_args.num_train_epochs * steps_per_epoch))
+    schedule = learning_rate_schedule(training_args, total_steps)
+    optimizer = create_optimizer(training_args, schedule)
+
+    dummy_input = jnp.zeros((1, max_seq_length), jnp.int32)
+    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+    progress_record = {"step": 0, "train_loss_sum": 0.0, "train_correct_sum": 0.0, "train_weight_sum": 0.0}
+    restored = None
+    if training_args.resume_from_checkpoint:
+        restored = restore_checkpoint(
+            training_args.resume_from_checkpoint,
+            training_args.output_dir,
+            abstract_state,
+            [*progress_record, "global_batch_size", "max_seq_length"],
+        )
+        if restored is None:
+            logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
+    run_complete = False
+    if restored:
+        state, progress_record, checkpoint_path = restored
+        logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
+        if training_args.overwrite_output_dir:
+            logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
+        if (progress_record["global_batch_size"], progress_record["max_seq_length"]) != (
+            train_batch_size,
+            max_seq_length,
+        ):
+            logger.warning(
+                "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
+                "order and the masks differ from the interrupted run's",
+                progress_record["global_batch_size"],
+                progress_record["max_seq_length"],
+                train_batch_size,
+                max_seq_length,
+            )
+        if progress_record["step"] > total_steps:
+            raise UsageError(
+                f"the checkpoint is at step {progress_record['step']}, after this run's last step {total_steps}; "
+                "raise --max_steps or --num_train_epochs to train further"
+            )
+        run_complete = progress_record["step"] == total_steps
+        if run_complete:
+            logger.info("The run is complete (step %d of %d): nothing left to train", total_steps, total_steps)
+    else:
+        loaded_params = None
+        if model_args.model_name_or_path:
+            loaded_params = jax.tree_util.tree_map(
+                lambda value, leaf: value.astype(leaf.dtype),
+                from_hf_state_dict(read_safetensors_checkpoint(model_args.model_name_or_path, model_args), config),
+                abstract_state.params,
+            )
+            logger.info("Loaded weights from %s", model_args.model_name_or_path)
+        state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
+    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
+    logger.info(
+        "RoBERTa with %.1fM parameters in %s, computing in %s, on a mesh of %s",
+        num_params / 1e6,
+        model_args.param_dtype,
+        model_args.dtype,
+        dict(mesh.shape),
+    )
+
+    train_step = jax.jit(
+        make_train_step(model, optimizer, schedule, training_args.seed),
+        in_shardings=(state_shardings, micro_batches_sharding),
+        out_shardings=(state_shardings, None),
+        donate_argnums=(0,),
+        compiler_options=train_step_compiler_options(),
+    )
+    eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
+
+    def prepare_output_dir():
+        lock = lock_output_dir(training_args.output_dir)
+        refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
+        if training_args.do_train:
+            if training_args.overwrite_output_dir and not restored:
+                clear_previous_run(training_args.output_dir)
+            set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
+        return lock
+
+    # Process 0 holds the lock until this process ends, for all processes.
+    lock_failure = f"lock --output_dir {training_args.output_dir}"
+    output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
+    if writer:
+        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+
+    def run_evaluation(step: int) -> dict:
+        results = evaluate(
+            eval_step,
+            state.params,
+            examples["validation"],
+            make_batch,
+            eval_batch_size,
+            training_args.seed,
+            batch_sharding,
+        )
+        logger.info(
+            "step %d: eval loss %.4f, perplexity %.2f, accuracy %.4f over %d masked tokens",
+            step,
+            results["loss"],
+            results["perplexity"],
+            results["accuracy"],
+            results["masked_tokens"],
+        )
+        if writer:
+            writer.scalars(
+                {
+                    "eval/loss": results["loss"],
+                    "eval/perplexity": results["perplexity"],
+                    "eval/accuracy": results["accuracy"],
+                },
+                step,
+            )
+        return results
+
+    # Training loop
+    model_file_exists = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
+    if training_args.do_train and run_complete and not model_file_exists:
+        save_model(training_args.output_dir, state.params, config, tokenizer)
+        logger.info("Exported the model of the complete run to %s", training_args.output_dir)
+    if training_args.do_train and not run_complete:
+        eval_steps = training_args.eval_steps or training_args.logging_steps
+        start_step = progress_record["step"]
+        if train_stream is None:
+            logger.info(
+                "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
+                start_step + 1,
+                total_steps,
+                total_steps / steps_per_epoch,
+                len(examples["train"]),
+                train_batch_size,
+                max_seq_length,
+                " at most (padded per batch)" if data_args.line_by_line else "",
+            )
+        else:
+            logger.info(
+                "Training steps %d to %d on blocks grouped from a stream, global batch %d x %d tokens",
+                start_step + 1,
+                total_steps,
+                train_batch_size,
+                max_seq_length,
+            )
+            if start_step and training_args.ignore_data_skip:
+                logger.warning(
+                    "--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's"
+                )
+            elif start_step:
+                logger.warning(
+                    "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with "
+                    "the batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
+                    start_step * train_batch_size // jax.process_count(),
+                    start_step,
+                )
+
+        def local_batches_from(step: int):
+            # The data order and the masks are a function of the step, so a resumed run sees the batches the
+            # interrupted one would have.
+            if train_stream is not None:
+                first_batch, seed = (
+                    (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
+                )
+                block_batches = streaming_train_batches(
+                    train_stream,
+                    tokenizer,
+                    data_args.text_column_name,
+                    block_size,
+                    train_batch_size,
+                    seed,
+                    data_args.shuffle_buffer_size,
+                    first_batch,
+                )
+                yield from masked_stream_batches(block_batches, make_batch, train_batch_size, training_args.seed, step)
+            else:
+                epoch, first_batch = divmod(step, steps_per_epoch)
+                while True:
+                    yield from train_batches(
+                        examples["train"], make_batch, train_batch_size, training_args.seed, epoch, first_batch
+                    )
+                    epoch, first_batch = epoch + 1, 0
+
+        def batches_from(step: int):
+            for batch, num_tokens in local_batches_from(step):
+                micro_batches = {
+                    name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()
+                }
+                yield to_global_batch(micro_batches, micro_batches_sharding), num_tokens
+
+        def save(step: int):
+            progress_record.update(
+                step=step,
+                global_batch_size=train_batch_size,
+                max_seq_length=max_seq_length,
+                arguments=saved_arguments(model_args, data_args, training_args),
+            )
+            if steps_per_epoch:
+                progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
+            save_checkpoint(checkpoints, state, progress_record)
+            save_model(training_args.output_dir, state.params, config, tokenizer)
+            logger.info(
+                "step %d: saved the model to %s; writing the training checkpoint in the background",
+                step,
+                training_args.output_dir,
+            )
+            return step
+
+        # Leaving this block, for whatever reason, waits for a checkpoint still being written.
+        # Leaving it also ends the progress bar's line, before any error is printed.
+        with (
+            open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
+            StopRequest() as stop,
+            tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process) as progress,
+        ):
+            batches = prefetch(batches_from(start_step))
+            unread_metrics, log_window, window_start = [], [], time.perf_counter()
+            train_start, train_tokens = time.perf_counter(), 0
+            checkpoint_being_written = None
+            for step in range(start_step + 1, total_steps + 1):
+                batch, num_tokens = next(batches)
+                state, metrics = train_step(state, batch)
+                unread_metrics.append({**metrics, "tokens": num_tokens})
+                train_tokens += num_tokens
+                progress.update(1)
+                checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
+                is_last = step == total_steps
+                is_log_step = step % training_args.logging_steps == 0 or is_last
+                stopping = stop.requested(check_other_processes=is_log_step)
+                is_save_step = step % training_args.save_steps == 0 or is_last or stopping
+
+                if is_log_step or is_save_step:
+                    # Reading the metrics waits for the steps to finish; checking them here means no non-finite
+                    # step goes unnoticed into a checkpoint.
+                    fetched = jax.device_get(unread_metrics)
+                    finite = finite_steps(
+                        fetched, step - len(fetched) + 1, training_args.skip_nonfinite_steps, checkpoints
+                    )
+                    for name in ("loss_sum", "correct_sum", "weight_sum"):
+                        progress_record[f"train_{name}"] += sum(float(m[name]) for m in finite)
+                    log_window += finite
+                    unread_metrics = []
+                if (is_log_step or stopping) and log_window:
+                    elapsed = time.perf_counter() - window_start
+                    masked_tokens = max(sum(float(m["weight_sum"]) for m in log_window), 1.0)
+                    logged = {
+                        "train/loss": sum(float(m["loss_sum"]) for m in log_window) / masked_tokens,
+                        "train/accuracy": sum(float(m["correct_sum"]) for m in log_window) / masked_tokens,
+                        "train/learning_rate": float(log_window[-1]["learning_rate"]),
+                        "train/grad_norm": float(log_window[-1]["grad_norm"]),
+                        "train/tokens_per_second": sum(m["tokens"] for m in log_window) / elapsed,
+                    }
+                    progress.set_postfix(
+                        loss=f"{logged['train/loss']:.4f}",
+                        accuracy=f"{logged['train/accuracy']:.3f}",
+                        lr=f"{logged['train/learning_rate']:.2e}",
+                        tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
+                    )
+                    logger.info(
+                        "step %d: loss %.4f, accuracy %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+                        step,
+                        logged["train/loss"],
+                        logged["train/accuracy"],
+                        logged["train/learning_rate"],
+                        logged["train/grad_norm"],
+                        logged["train/tokens_per_second"],
+                    )
+                    if writer:
+                        writer.scalars(logged, step)
+                    log_window, window_start = [], time.perf_counter()
+
+                if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
+                    run_evaluation(step)
+                if is_save_step:
+                    # The save would wait for the checkpoint still being written: announce it first.
+                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+                    checkpoint_being_written = save(step)
+                if stopping:
+                    break
+            committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+        train_runtime = time.perf_counter() - train_start
+
+        if stopping:
+            if writer:
+                writer.close()
+            if is_main_process:
+                print(
+                    f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
+                    f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
+                    "command with --resume_from_checkpoint added."
+                )
+            return
+        if is_main_process:
+            masked_tokens = max(progress_record["train_weight_sum"], 1.0)
+            write_json(
+                os.path.join(training_args.output_dir, "train_results.json"),
+                {
+                    "train_loss": progress_record["train_loss_sum"] / masked_tokens,
+                    "train_accuracy": progress_record["train_correct_sum"] / masked_tokens,
+                    "train_steps": total_steps,
+                    "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
+                    "train_runtime_seconds": train_runtime,
+                    "train_tokens_per_second": train_tokens / train_runtime,
+                },
+            )
+        logger.info("Saved the model to %s", training_args.output_dir)
+
+    if training_args.do_eval and run_complete and evaluated_step(training_args.output_dir) == total_steps:
+        logger.info(
+            "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
+        )
+    elif training_args.do_eval:
+        step = int(state.step)
+        results = run_evaluation(step)
+        if is_main_process:
+            write_json(
+                os.path.join(training_args.output_dir, "eval_results.json"),
+                {
+                    "eval_loss": results["loss"],
+                    "eval_perplexity": results["perplexity"],
+                    "eval_accuracy": results["accuracy"],
+                    "eval_masked_tokens": results["masked_tokens"],
+                    "step": step,
+                },
+            )
+            print(
+                f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
+                f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
+            )
+    if writer:
+        writer.close()
+
+    if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0 and not run_complete:
+        text, masked_word = training_args.fill_mask_text, None
+        if not text and "validation" in examples:
+            text, masked_word = fill_mask_demo_text(
+                example_texts(examples["validation"], tokenizer, 100), tokenizer.mask_token
+            )
+        if text:
+            # Read the export back, so the demo also shows that the saved files hold the trained model.
+            exported = from_hf_state_dict(
+                load_file(os.path.join(training_args.output_dir, "model.safetensors")), config
+            )
+            predictions = fill_mask(
+                FlaxRobertaForMaskedLM(config),
+                exported,
+                tokenizer,
+                text,
+                training_args.fill_mask_top_k,
+                max_seq_length,
+            )
+            masked = f" (masked: {masked_word!r})" if masked_word else ""
+            print(f"fill-mask with {training_args.output_dir}: {text!r}{masked}")
+            for token, probability in predictions:
+                print(f"  {probability:.3f} {token!r}")
+    if is_main_process and training_args.do_train:
+        print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Appendix: processes, one or several joined by JAX's distributed runtime
+# ----------------------------------------------------------------------------------------------------
+
+
+# Copied from run_clm_flax.on_cloud_tpu_vm
+def on_cloud_tpu_vm() -> bool:
+    """Whether this is a Cloud TPU VM (one host of a TPU slice), as JAX found when it was imported. The flag
+    lives in a private module of JAX; should it move, TPU users pass the three flags instead."""
+    try:
+        from jax._src import cloud_tpu_init
+    except ImportError:
+        return False
+    return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+# Copied from run_clm_flax.multi_process_launcher
+def multi_process_launcher() -> str | None:
+    """The launcher that started this process as one of several, with the settings jax.distributed reads
+    from the environment; None for a process started on its own."""
+    environment = os.environ
+    # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
+    if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
+        return "Slurm"
+    if int(environment.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if on_cloud_tpu_vm():
+        return "Cloud TPU"
+    return None
+
+
+# Copied from run_clm_flax.initialize_distributed
+def initialize_distributed(distributed_args):
+    """Join the other processes of a multi-process run; call before anything touches the devices.
+
+    1. --coordinator_address, --num_processes and --process_id given: join with those settings
+       (processes started by hand, one command per host).
+    2. Otherwise, started by Slurm's srun or Open MPI's mpirun as one of several tasks, or on a Cloud TPU
+       VM: jax.distributed.initialize() reads the settings from the environment (on a single TPU VM it
+       finds one process).
+    3. Otherwise: a single process, which connects to nothing.
+
+    Afterwards every device of every process is in jax.devices(), and process 0 is the one that writes.
+    """
+    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
+    if any(value is not None for value in explicit) and any(value is None for value in explicit):
+        raise UsageError(
+            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
+            "Slurm, Open MPI or Cloud TPU supplies them"
+        )
+    local_device_ids = None
+    if distributed_args.local_device_ids is not None:
+        try:
+            local_device_ids = [int(device_id) for device_id in distributed_args.local_device_ids.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"--local_device_ids {distributed_args.local_device_ids} is not a comma-separated list of integers"
+            ) from None
+
+    explicit = distributed_args.coordinator_address is not None
+    if explicit:
+        num_processes, process_id = distributed_args.num_processes, distributed_args.process_id
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise UsageError(
+                f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
+                "--num_processes - 1"
+            )
+        if ":" not in distributed_args.coordinator_address:
+            raise UsageError(
+                f"--coordinator_address {distributed_args.coordinator_address} has no port; give HOST:PORT"
+            )
+        several_processes = num_processes > 1
+    else:
+        launcher = multi_process_launcher()
+        several_processes = launcher is not None
+    if not several_processes:
+        if local_device_ids is not None:
+            raise UsageError(
+                "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
+                "CUDA_VISIBLE_DEVICES"
+            )
+        return
+
+    # Processes on CPU exchange data through Gloo over TCP (older JAX versions have no default for this).
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=distributed_args.coordinator_address,
+            num_processes=distributed_args.num_processes,
+            process_id=distributed_args.process_id,
+            local_device_ids=local_device_ids,
+        )
+    except ValueError as error:
+        if explicit:
+            raise
+        # The launcher's environment lacks something JAX reads, e.g. the address of Open MPI 5's launcher.
+        raise UsageError(
+            f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
+            f"({error}); pass --coordinator_address, --num_processes and --process_id"
+        ) from None
+
+
+# Copied from run_clm_flax.wait_for_all_processes
+def wait_for_all_processes(name: str):
+    """Return once every process has called this with the same `name` (at once for a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+# Copied from run_clm_flax.main_process_first
+@contextlib.contextmanager
+def main_process_first(name: str):
+    """Process 0 runs the block first, then the others: they then read the caches it filled (on a file
+    system the hosts share) instead of all writing the same files at once."""
+    if jax.process_index() > 0:
+        wait_for_all_processes(name)
+    try:
+        yield
+    finally:  # also when process 0 fails: the others then try, and report the same error
+        if jax.process_index() == 0:
+            wait_for_all_processes(name)
+
+
+# Copied from run_clm_flax.MESH_AXES
+MESH_AXES = ("data", "fsdp")
+
+
+# Copied from run_clm_flax.BATCH_AXES
+BATCH_AXES = ("data", "fsdp")
+
+
+# Copied from run_clm_flax.LOGICAL_AXIS_RULES
+LOGICAL_AXIS_RULES = (
+    ("vocab", None),
+    ("positions", None),
+    ("embed", "fsdp"),
+    ("heads", None),
+    ("mlp", None),
+)
+
+
+# Copied from run_clm_flax.create_mesh
+def create_mesh(mesh_shape: str | None = None) -> jax.sharding.Mesh:
+    """All devices of all processes on the axes of MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4");
+    by default all on "data"."""
+    sizes = {"data": jax.device_count(), "fsdp": 1}
+    if mesh_shape:
+        try:
+            given = {name.strip(): int(size) for name, size in (part.split("=") for part in mesh_shape.split(","))}
+        except ValueError:
+            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M") from None
+        if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
+            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are {' and '.join(MESH_AXES)}, each at least 1")
+        sizes = {"data": 1, "fsdp": 1, **given}
+        if "data" not in given:
+            sizes["data"] = max(1, jax.device_count() // sizes["fsdp"])
+        if sizes["data"] * sizes["fsdp"] != jax.device_count():
+            raise UsageError(
+                f"--mesh_shape {mesh_shape} has {sizes['data'] * sizes['fsdp']} devices but there are "
+                f"{jax.device_count()}; make the sizes multiply to the device count"
+            )
+    return jax.make_mesh(
+        tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    )
+
+
+# Copied from run_clm_flax.optimizer_state_shardings
+def optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
+    """Each optimizer-state leaf that mirrors a parameter (Adam's moments) is sharded like it; the rest
+    (step counts, Adafactor's factored statistics) is replicated."""
+    by_path = {
+        jax.tree_util.keystr(path): (leaf.shape, sharding)
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree_util.tree_leaves(param_shardings)
+        )
+    }
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def choose(path, leaf):
+        for start in range(len(path)):
+            shape, sharding = by_path.get(jax.tree_util.keystr(path[start:]), (None, None))
+            if shape == leaf.shape:
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(choose, abstract_opt_state)
+
+
+# Copied from run_clm_flax.abstract_model_params
+def abstract_model_params(model, dummy_input, unbox: bool = True):
+    """Shapes and dtypes of the model's parameters, without computing them. Unboxed: plain arrays;
+    boxed: each carries its logical axis names."""
+    variables = jax.eval_shape(partial(model.init, deterministic=True), jax.random.key(0), dummy_input)
+    return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
+
+
+# Copied from run_clm_flax.abstract_train_state
+def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
+    """Shape, dtype and sharding of every leaf of the training state, computed without allocating it."""
+    boxed_params = abstract_model_params(model, dummy_input, unbox=False)
+    param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
+    abstract_params = nn.meta.unbox(boxed_params)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    shardings = TrainState(
+        step=NamedSharding(mesh, PartitionSpec()),
+        params=param_shardings,
+        opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
+    )
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)
+    return jax.tree_util.tree_map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding), shapes, shardings
+    )
+
+
+# Copied from run_clm_flax.create_train_state
+def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, dummy_input, loaded_params=None):
+    """The training state, created directly with its sharding: parameters are initialised (or placed,
+    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+    shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+
+    def init(params):
+        if params is None:
+            params = nn.meta.unbox(model.init(jax.random.key(seed), dummy_input, deterministic=True)["params"])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    if loaded_params is not None:
+        loaded_params = jax.device_put(loaded_params, shardings.params)
+    return jax.jit(init, out_shardings=shardings)(loaded_params)
+
+
+# Copied from run_clm_flax.to_global_batch
+def to_global_batch(local_batch: dict, batch_sharding) -> dict:
+    """This process's rows -> one array split over every device of every process."""
+    return {name: jax.make_array_from_process_local_data(batch_sharding, rows) for name, rows in local_batch.items()}
+
+
+# Copied from run_clm_flax.prefetch
+def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
+    """Run `iterator` in a background thread, `size` items ahead, so the host prepares the next batches
+    while the devices compute."""
+    items = queue.Queue(maxsize=size)
+    end = object()
+
+    def produce():
+        try:
+            for item in iterator:
+                items.put(item)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            items.put(error)
+        items.put(end)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := items.get()) is not end:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+# Copied from run_clm_flax.process_slice
+def process_slice(global_batch_size: int) -> slice:
+    """The rows of each global batch that this process loads; jax assembles them into one global array."""
+    local_size = global_batch_size // jax.process_count()
+    return slice(jax.process_index() * local_size, (jax.process_index() + 1) * local_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Appendix: the output directory, training checkpoints, stopping, logging
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -2629,7 +3223,11 @@ def on_process_zero(action, what: str):
 
 # Copied from run_clm_flax.PREVIOUS_RUN_RESULTS
 PREVIOUS_RUN_RESULTS = [
-    "checkpoints", "discarded-checkpoints", "tensorboard", "train_results.json", "eval_results.json"
+    "checkpoints",
+    "discarded-checkpoints",
+    "tensorboard",
+    "train_results.json",
+    "eval_results.json",
 ]
 
 
@@ -2702,9 +3300,7 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
 
 
 # Copied from run_clm_flax.committed_checkpoint
-def committed_checkpoint(
-    checkpoints: ocp.CheckpointManager, step: Optional[int], wait: bool = False
-) -> Optional[int]:
+def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, wait: bool = False) -> int | None:
     """Log when the checkpoint of `step` being written is complete on disk (a kill after this message loses
     nothing before it), waiting for it with `wait`. Returns the step still being written, None once none is."""
     if wait:
@@ -2736,7 +3332,7 @@ def array_shapes(tree, only_params: bool = False) -> dict[str, tuple]:
 # Copied from run_clm_flax.restore_checkpoint
 def restore_checkpoint(
     location: str, output_dir: str, abstract_state: TrainState, progress_keys: list[str]
-) -> Optional[tuple[TrainState, dict, str]]:
+) -> tuple[TrainState, dict, str] | None:
     """The training state (placed with the shardings of `abstract_state`), the progress record (which must hold
     `progress_keys`) and the path of the checkpoint at `location`: "auto" (the newest complete and readable one in
     output_dir; None if there is none, for a fresh start), a checkpoints directory, or one STEP in it. An unreadable
@@ -2829,7 +3425,8 @@ class StopRequest:
     def __enter__(self):
         self.signal_name = None
         self._previous_handlers = {
-            signal_number: signal.signal(signal_number, self._request) for signal_number in (signal.SIGINT, signal.SIGTERM)
+            signal_number: signal.signal(signal_number, self._request)
+            for signal_number in (signal.SIGINT, signal.SIGTERM)
         }
         return self
 
@@ -2841,7 +3438,9 @@ class StopRequest:
         if self.signal_name is not None:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signal_number).name
-        logger.warning("%s: saving a checkpoint after this step, then stopping (Ctrl-C again stops at once)", self.signal_name)
+        logger.warning(
+            "%s: saving a checkpoint after this step, then stopping (Ctrl-C again stops at once)", self.signal_name
+        )
 
     def requested(self, check_other_processes: bool) -> bool:
         """Whether to stop now. With several processes all must stop at the same step, so they agree on it
@@ -2880,11 +3479,6 @@ def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool
     return [metrics for metrics in step_metrics if metrics["finite"]]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Logging, saving and the fill-mask demo
-# ----------------------------------------------------------------------------------------------------
-
-
 # Copied from run_clm_flax.TensorBoardWriter
 class TensorBoardWriter:
     """Scalars and text for TensorBoard, written with the tensorboard package alone (no TensorFlow)."""
@@ -2901,7 +3495,9 @@ class TensorBoardWriter:
         self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
     def scalars(self, values: dict, step: int):
-        summary_values = [self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()]
+        summary_values = [
+            self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
+        ]
         self._write(self._summary_pb2.Summary(value=summary_values), step)
 
     def text(self, tag: str, markdown: str, step: int = 0):
@@ -2939,7 +3535,7 @@ def current_umask() -> int:
 
 
 # Copied from run_clm_flax.evaluated_step
-def evaluated_step(output_dir: str) -> Optional[int]:
+def evaluated_step(output_dir: str) -> int | None:
     """The step of the evaluation in OUTPUT_DIR/eval_results.json; None if there is none."""
     try:
         with open(os.path.join(output_dir, "eval_results.json")) as file:
@@ -2966,576 +3562,262 @@ def save_model(output_dir: str, params, config, tokenizer):
     tokenizer.save_pretrained(output_dir)
 
 
-def example_texts(examples, tokenizer, count: int) -> Iterator[str]:
-    """The texts of the first `count` examples, decoded: each line, or each piece of a block between the
-    </s> that end its texts."""
-    for index in range(min(count, len(examples))):
-        if isinstance(examples, LineExamples):
-            yield tokenizer.decode(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]])
-        else:
-            block = np.asarray(examples[index])
-            for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
-                yield tokenizer.decode(piece, skip_special_tokens=True)
-
-
-def fill_mask_demo_text(texts, mask_token: str) -> tuple[Optional[str], Optional[str]]:
-    """(text, masked word): the first 16 words of the first text that has at least 6, the middle one masked."""
-    for text in texts:
-        words = (text or "").split()[:16]
-        if len(words) >= 6:
-            middle = len(words) // 2
-            return " ".join(words[:middle] + [mask_token] + words[middle + 1 :]), words[middle]
-    return None, None
-
-
-def fill_mask(model, params, tokenizer, text: str, top_k: int, max_length: int) -> list[tuple[str, float]]:
-    """The `top_k` most likely tokens, with their probabilities, at the first mask token of `text`."""
-    input_ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
-    if tokenizer.mask_token_id not in input_ids:
-        return []
-    position = input_ids.index(tokenizer.mask_token_id)
-    logits = jax.jit(model.apply)({"params": params}, jnp.asarray([input_ids], jnp.int32))[0, position]
-    probabilities = np.asarray(jax.nn.softmax(logits))
-    best = np.argsort(-probabilities)[:top_k]
-    return [(tokenizer.decode([int(token_id)]), float(probabilities[token_id])) for token_id in best]
-
-
 # ----------------------------------------------------------------------------------------------------
-# Main
+# Appendix: packed-corpus storage
 # ----------------------------------------------------------------------------------------------------
 
 
-# Copied from run_clm_flax.load_config_and_tokenizer
-def load_config_and_tokenizer(model_args):
-    def load(loader, name, flag):
-        try:
-            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
+# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
+# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
+# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
+# vocabulary fits (half the disk of int32) and always read as int32.
+# Copied from run_clm_flax.PACKED_INDEX_FILE
+PACKED_INDEX_FILE = "index.json"
 
-    config_source, config_flag = (
-        (model_args.config_name, "--config_name") if model_args.config_name else (model_args.model_name_or_path, "--model_name_or_path")
-    )
-    if config_source:
-        config = load(AutoConfig, config_source, config_flag)
-    else:
-        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
-        config = transformers.CONFIG_MAPPING[model_args.model_type]()
 
-    tokenizer_source, tokenizer_flag = (
-        (model_args.tokenizer_name, "--tokenizer_name") if model_args.tokenizer_name else (model_args.model_name_or_path, "--model_name_or_path")
+# Copied from run_clm_flax.PACKED_FORMAT_VERSION
+PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
+
+
+# Copied from run_clm_flax.packed_dtype
+def packed_dtype(tokenizer) -> np.dtype:
+    """uint16 when every id of the tokenizer fits in it, int32 otherwise."""
+    largest_id = max(len(tokenizer), tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)) - 1
+    return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
+
+
+# Copied from run_clm_flax.tokenizer_fingerprint
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Changes with anything that changes the token ids: vocabulary, merges, normalisation, special tokens."""
+    settings = json.loads(tokenizer.backend_tokenizer.to_str())
+    for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
+        settings.pop(transient, None)
+    described = json.dumps(
+        {
+            "tokenizer": settings,
+            "eos_token_id": tokenizer.eos_token_id,
+            "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
+        },
+        sort_keys=True,
     )
-    if not tokenizer_source:
-        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
-    tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
-    if not tokenizer.is_fast:
-        raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
-    if tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0:
-        raise UsageError(
-            f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
-            "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
-        )
-    backend = tokenizer.backend_tokenizer
-    added_beyond = {
-        token_id: token
-        for token_id, token in backend.get_added_tokens_decoder().items()
-        if token_id >= config.vocab_size
+    return hashlib.sha256(described.encode()).hexdigest()[:24]
+
+
+# Copied from run_clm_flax.write_packed_split
+def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
+    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
+    shorter) and return the split's entry of the index.
+
+    Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
+    and written under a temporary name, then renamed. No shard is written for an empty split.
+    """
+    dtype = np.dtype(dtype)
+    largest = np.iinfo(dtype).max
+    shards, shard, filled, num_blocks = [], None, 0, 0
+
+    def finish_shard():
+        name = f"{split}-{len(shards):05d}.npy"
+        if filled == len(shard):
+            shard.flush()
+            written_path = shard.filename
+        else:  # the last shard, shorter: copied into a file of its own size
+            written_path = os.path.join(directory, f"{name}.{os.getpid()}.end.tmp.npy")
+            np.save(written_path, shard[:filled], allow_pickle=False)
+            os.remove(shard.filename)
+        os.replace(written_path, os.path.join(directory, name))
+        shards.append({"file": name, "num_blocks": filled})
+
+    for block_array in blocks:
+        if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
+            raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
+        start = 0
+        while start < len(block_array):
+            if shard is None:
+                name = f"{split}-{len(shards):05d}.npy"
+                shard = np.lib.format.open_memmap(
+                    os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"),
+                    mode="w+",
+                    dtype=dtype,
+                    shape=(blocks_per_shard, block_array.shape[1]),
+                )
+                filled = 0
+            count = min(blocks_per_shard - filled, len(block_array) - start)
+            shard[filled : filled + count] = block_array[start : start + count]
+            filled, start, num_blocks = filled + count, start + count, num_blocks + count
+            if filled == blocks_per_shard:
+                finish_shard()
+                shard = None
+    if shard is not None:
+        finish_shard()
+        del shard
+    return {"num_blocks": num_blocks, "shards": shards}
+
+
+# Copied from run_clm_flax.write_packed_corpus
+def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
+    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
+    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
+
+    The index is removed first and written last, so an interrupted write leaves a directory that is
+    recognised as unfinished; shards left by an earlier unfinished write are replaced.
+    """
+    os.makedirs(directory, exist_ok=True)
+    index_path = os.path.join(directory, PACKED_INDEX_FILE)
+    if os.path.exists(index_path):
+        os.remove(index_path)
+    leftover = re.compile(r"^(%s)-\d{5}\.npy(\.\d+(\.end)?\.tmp\.npy)?$" % "|".join(map(re.escape, splits)))
+    for name in os.listdir(directory):
+        if leftover.match(name):
+            os.remove(os.path.join(directory, name))
+    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    index = {
+        "format_version": PACKED_FORMAT_VERSION,
+        **description,
+        "dtype": np.dtype(dtype).name,
+        "blocks_per_shard": blocks_per_shard,
+        "splits": {
+            split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard)
+            for split, blocks in splits.items()
+        },
     }
-    # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
-    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
-    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
-        raise UsageError(
-            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
-            "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
-        )
-    if added_beyond:
-        # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
-        # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
-        tokenizer.split_special_tokens = backend.encode_special_tokens = True  # the wrapper resets the backend's
-        logger.warning(
-            "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
-            "written in the texts are encoded as text", ", ".join(token.content for token in added_beyond.values()),
-            config.vocab_size,
-        )
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
-        logger.info(
-            "Documents end with %s, id %d (the tokenizer's end-of-text token)",
-            tokenizer.eos_token, tokenizer.eos_token_id,
-        )
-    elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
-        # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
-        logger.info(
-            "Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id
-        )
-    else:
-        raise UsageError(
-            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
-            "ids and the config names none that is; set eos_token_id in the config or eos_token in "
-            "tokenizer_config.json"
-        )
-    return config, tokenizer
+    temporary_path = f"{index_path}.{os.getpid()}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(index, file, indent=2)
+    os.replace(temporary_path, index_path)
+    return index
 
 
-def check_tokenizer(tokenizer, config):
-    """The special tokens masked language modelling and RoBERTa's position numbering need."""
-    if len(tokenizer) > config.vocab_size:  # masking draws random replacements from every id of the tokenizer
-        raise UsageError(
-            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
-            "raise vocab_size in the config (create_config.py --tokenizer_dir)"
-        )
-    if tokenizer.mask_token_id is None:
-        raise UsageError(
-            "the tokenizer has no mask token, which masked language modelling needs; "
-            "train it with train_tokenizer.py --model_type roberta"
-        )
-    for role in ("bos", "eos", "pad"):
-        if getattr(tokenizer, f"{role}_token_id") is None:
-            raise UsageError(
-                f"the tokenizer has no {role}_token, which RoBERTa needs; train it with train_tokenizer.py --model_type roberta"
-            )
-    if tokenizer.pad_token_id != config.pad_token_id:
-        raise UsageError(
-            f"the tokenizer's padding token has id {tokenizer.pad_token_id} but the config's pad_token_id is "
-            f"{config.pad_token_id}; RoBERTa numbers positions from it, so make them equal "
-            "(create_config.py --tokenizer_dir takes it from the tokenizer)"
-        )
+# Copied from run_clm_flax.read_packed_index
+def read_packed_index(directory: str) -> dict | None:
+    """The index of the packed corpus in `directory`, or None when there is no finished one."""
+    path = os.path.join(directory, PACKED_INDEX_FILE)
+    try:
+        with open(path) as file:
+            index = json.load(file)
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        index = None
+    if not (isinstance(index, dict) and "format_version" in index and "splits" in index):
+        raise UsageError(f"{path} is not the index of a packed corpus; use another directory for the packed data")
+    return index
 
 
-def choose_max_seq_length(data_args, tokenizer, config) -> int:
-    # RoBERTa numbers positions from pad_token_id + 1, so that many position embeddings are never used.
-    usable_positions = config.max_position_embeddings - config.pad_token_id - 1
-    if data_args.max_seq_length is None:
-        return min(tokenizer.model_max_length, usable_positions)
-    if data_args.max_seq_length > usable_positions:
-        raise UsageError(
-            f"--max_seq_length {data_args.max_seq_length} does not fit the model's positions: max_position_embeddings "
-            f"{config.max_position_embeddings} minus the padding offset {config.pad_token_id + 1} leaves "
-            f"{usable_positions}; lower --max_seq_length"
-        )
-    return data_args.max_seq_length
+# Copied from run_clm_flax.packed_shards_problem
+def packed_shards_problem(directory: str, index: dict) -> str | None:
+    """What is wrong with the shard files of a packed corpus whose index is intact (a shard missing, cut short, or of
+    another shape than the index says), or None. Found here, before training, rather than when a shard is first
+    memory-mapped, maybe hours into the run."""
+    for entry in index["splits"].values():
+        for shard in entry["shards"]:
+            path = os.path.join(directory, shard["file"])
+            try:
+                with open(path, "rb") as file:
+                    if np.lib.format.read_magic(file) == (1, 0):
+                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
+                    else:
+                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
+                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
+                    size = os.fstat(file.fileno()).st_size
+            except (OSError, ValueError) as error:
+                return f"{shard['file']} cannot be read ({error})"
+            expected = (shard["num_blocks"], index["block_size"])
+            if tuple(shape) != expected:
+                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
+            if size < expected_size:
+                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
+    return None
 
 
-def main():
-    model_args, data_args, training_args, distributed_args = parse_arguments()
-    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
-        # As in the Hugging Face Flax example: without either flag, train (given training data) and evaluate.
-        # With --packed_data_dir and neither flag, the data is only packed, as in run_clm_flax.py.
-        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
-        training_args.do_eval = True
-    initialize_distributed(distributed_args)
-    check_arguments(model_args, data_args, training_args)
-    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
-    # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
-    # they have all joined, they do.
-    wait_for_all_processes("arguments checked")
-    is_main_process = jax.process_index() == 0
-    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
-    logging.basicConfig(
-        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if is_main_process else logging.ERROR,
-        force=True,  # importing orbax installs absl's handler, which would hide these logs
-    )
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    datasets.utils.logging.set_verbosity_warning()
-    transformers.utils.logging.set_verbosity_warning()
-    if not is_main_process:
-        datasets.disable_progress_bars()
-    logger.info(
-        "%d devices over %d processes (%d here): %s", jax.device_count(), jax.process_count(),
-        jax.local_device_count(), jax.devices(),
-    )
-    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
+# Copied from run_clm_flax.PackedBlocks
+class PackedBlocks:
+    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
+    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
 
-    # Model config and tokenizer
-    config, tokenizer = load_config_and_tokenizer(model_args)
-    check_model_config(config)
-    check_tokenizer(tokenizer, config)
-    max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
-    if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
-        raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
+    Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
+    only the blocks it asks for, whatever the size of the corpus.
+    """
 
-    # Data: {split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
-    # <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
-    # holds all examples (memory-mapped) and reads only its rows of each batch.
-    block_size = max_seq_length - 2
-    examples, train_stream = {}, None
-    if data_args.packed_data_dir:
-        examples = load_packed_corpus(model_args, data_args, tokenizer, max_seq_length)
-        if not (training_args.do_train or training_args.do_eval):
-            if is_main_process:
-                print(f"packed data: {data_args.packed_data_dir}")
-            return
-    elif data_args.streaming:
-        streams = load_text_datasets(model_args, data_args, streaming=True)
-        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-        if training_args.do_train:
-            if "train" not in streams:
-                raise UsageError("--do_train needs training data, and the dataset has no train split")
-            train_stream = streams["train"]
-        if training_args.do_eval:
-            if "validation" not in streams:
-                raise UsageError(
-                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
-                    "has no length to hold a percentage out from"
-                )
-            # Read once, so that every evaluation (on every process) sees the same blocks.
-            examples["validation"] = first_blocks(
-                streams["validation"], tokenizer, data_args.text_column_name, block_size, data_args.max_eval_samples,
-                "validation",
-            )
-            logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
-    else:
-        with main_process_first("data prepared"):
-            # Lines are held out for evaluation as lines; grouped, blocks are held out, as from a packed corpus.
-            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=data_args.line_by_line)
-            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
-            for split in ("train", "validation"):
-                if split not in raw_datasets:
-                    continue
-                dataset, column = raw_datasets[split], data_args.text_column_name
-                workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
-                if data_args.line_by_line:
-                    examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
-                else:
-                    examples[split] = tokenize_and_pack(dataset, tokenizer, column, block_size, workers, overwrite_cache, split)
-        examples = hold_out_blocks(examples, data_args.validation_split_percentage)
-    if data_args.max_train_samples is not None and "train" in examples:
-        examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
-    if data_args.max_eval_samples is not None and "validation" in examples:
-        examples["validation"] = first_examples(examples["validation"], data_args.max_eval_samples)
-    for split, split_examples in examples.items():
-        if len(split_examples) == 0:
-            raise UsageError(
-                f"the {split} data has no non-empty lines" if data_args.line_by_line else
-                f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower --max_seq_length"
-            )
-    if training_args.do_train and "train" not in examples and train_stream is None:
-        raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in examples:
-        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    if data_args.line_by_line:
-        for split, split_examples in examples.items():
-            lengths = np.diff(split_examples.offsets)
-            logger.info("%s: %d of %d lines are longer than %d tokens and get truncated",
-                        split, int(np.sum(lengths > max_seq_length - 2)), len(lengths), max_seq_length - 2)
-    make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length)
+    dtype = np.dtype(np.int32)
+    ndim = 2
+    open_shards = 64
 
-    # Model, mesh, optimizer, training state
-    mesh = create_mesh(training_args.mesh_shape)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, ...)
-    accumulation_steps = training_args.gradient_accumulation_steps
-    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
-    eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
-    model = FlaxRobertaForMaskedLM(
-        config,
-        dtype=jnp.dtype(model_args.dtype),
-        param_dtype=jnp.dtype(model_args.param_dtype),
-        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
-    )
+    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: int | None = None):
+        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
+        sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        total = int(self.shard_starts[-1])
+        self.start, self.stop = start, total if stop is None else stop
+        self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
 
-    total_steps = 1
-    if training_args.do_train and train_stream is not None:
-        steps_per_epoch = None  # a stream's length is unknown
-        total_steps = training_args.max_steps
-    elif training_args.do_train:
-        steps_per_epoch = len(examples["train"]) // train_batch_size
-        if steps_per_epoch == 0:
-            raise UsageError(
-                f"the training data makes {len(examples['train'])} examples, fewer than one global batch of "
-                f"{train_batch_size}; add data or lower --per_device_train_batch_size or --max_seq_length"
-            )
-        if training_args.max_steps > 0:
-            total_steps = training_args.max_steps
-        else:
-            total_steps = max(1, int(training_args.num_train_epochs * steps_per_epoch))
-    schedule = learning_rate_schedule(training_args, total_steps)
-    optimizer = create_optimizer(training_args, schedule)
+    def open_shard(self, shard_number: int) -> np.ndarray:
+        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
 
-    dummy_input = jnp.zeros((1, max_seq_length), jnp.int32)
-    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
-    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-    progress_record = {"step": 0, "train_loss_sum": 0.0, "train_correct_sum": 0.0, "train_weight_sum": 0.0}
-    restored = None
-    if training_args.resume_from_checkpoint:
-        restored = restore_checkpoint(
-            training_args.resume_from_checkpoint, training_args.output_dir, abstract_state,
-            [*progress_record, "global_batch_size", "max_seq_length"],
-        )
-        if restored is None:
-            logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
-    run_complete = False
-    if restored:
-        state, progress_record, checkpoint_path = restored
-        logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
-        if training_args.overwrite_output_dir:
-            logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
-        if (progress_record["global_batch_size"], progress_record["max_seq_length"]) != (train_batch_size, max_seq_length):
-            logger.warning(
-                "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
-                "order and the masks differ from the interrupted run's", progress_record["global_batch_size"],
-                progress_record["max_seq_length"], train_batch_size, max_seq_length,
-            )
-        if progress_record["step"] > total_steps:
-            raise UsageError(
-                f"the checkpoint is at step {progress_record['step']}, after this run's last step {total_steps}; "
-                "raise --max_steps or --num_train_epochs to train further"
-            )
-        run_complete = progress_record["step"] == total_steps
-        if run_complete:
-            logger.info("The run is complete (step %d of %d): nothing left to train", total_steps, total_steps)
-    else:
-        loaded_params = None
-        if model_args.model_name_or_path:
-            loaded_params = jax.tree_util.tree_map(
-                lambda value, leaf: value.astype(leaf.dtype),
-                from_hf_state_dict(read_safetensors_checkpoint(model_args.model_name_or_path, model_args), config),
-                abstract_state.params,
-            )
-            logger.info("Loaded weights from %s", model_args.model_name_or_path)
-        state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
-    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
-    logger.info(
-        "RoBERTa with %.1fM parameters in %s, computing in %s, on a mesh of %s",
-        num_params / 1e6, model_args.param_dtype, model_args.dtype, dict(mesh.shape),
-    )
+    def __len__(self) -> int:
+        return self.stop - self.start
 
-    train_step = jax.jit(
-        make_train_step(model, optimizer, schedule, training_args.seed),
-        in_shardings=(state_shardings, micro_batches_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=(0,),
-        compiler_options=train_step_compiler_options(),
-    )
-    eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.block_size)
 
-    def prepare_output_dir():
-        lock = lock_output_dir(training_args.output_dir)
-        refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
-        if training_args.do_train:
-            if training_args.overwrite_output_dir and not restored:
-                clear_previous_run(training_args.output_dir)
-            set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
-        return lock
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(len(self))
+            view = copy.copy(self)
+            view.start, view.stop = self.start + start, self.start + max(start, stop)
+            return view
+        if isinstance(index, (int, np.integer)):
+            return self[np.array([index])][0]
+        positions = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index)
+        if positions.dtype == bool or not np.issubdtype(positions.dtype, np.integer):
+            raise IndexError("PackedBlocks takes an integer, a slice or an array of integer indices")
+        positions = np.where(positions < 0, positions + len(self), positions)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"index out of range for {len(self)} blocks")
+        return self.read(positions + self.start)
 
-    # Process 0 holds the lock until this process ends, for all processes.
-    lock_failure = f"lock --output_dir {training_args.output_dir}"
-    output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
-    if writer:
-        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+    def read(self, positions: np.ndarray) -> np.ndarray:
+        """The blocks at these positions of the whole split, in the order given."""
+        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
+        shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
+        for shard_number in np.unique(shard_numbers):
+            chosen = shard_numbers == shard_number
+            blocks[chosen] = self.shard(int(shard_number))[positions[chosen] - self.shard_starts[shard_number]]
+        return blocks
 
-    def run_evaluation(step: int) -> dict:
-        results = evaluate(
-            eval_step, state.params, examples["validation"], make_batch, eval_batch_size, training_args.seed,
-            batch_sharding,
-        )
-        logger.info(
-            "step %d: eval loss %.4f, perplexity %.2f, accuracy %.4f over %d masked tokens",
-            step, results["loss"], results["perplexity"], results["accuracy"], results["masked_tokens"],
-        )
-        if writer:
-            writer.scalars(
-                {"eval/loss": results["loss"], "eval/perplexity": results["perplexity"], "eval/accuracy": results["accuracy"]},
-                step,
-            )
-        return results
+    def __array__(self, dtype=None, copy=None):
+        blocks = self.read(np.arange(self.start, self.stop))
+        return blocks if dtype is None else blocks.astype(dtype, copy=False)
 
-    # Training loop
-    model_file_exists = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
-    if training_args.do_train and run_complete and not model_file_exists:
-        save_model(training_args.output_dir, state.params, config, tokenizer)
-        logger.info("Exported the model of the complete run to %s", training_args.output_dir)
-    if training_args.do_train and not run_complete:
-        eval_steps = training_args.eval_steps or training_args.logging_steps
-        start_step = progress_record["step"]
-        if train_stream is None:
-            logger.info(
-                "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
-                start_step + 1, total_steps, total_steps / steps_per_epoch, len(examples["train"]), train_batch_size,
-                max_seq_length, " at most (padded per batch)" if data_args.line_by_line else "",
-            )
-        else:
-            logger.info(
-                "Training steps %d to %d on blocks grouped from a stream, global batch %d x %d tokens",
-                start_step + 1, total_steps, train_batch_size, max_seq_length,
-            )
-            if start_step and training_args.ignore_data_skip:
-                logger.warning("--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's")
-            elif start_step:
-                logger.warning(
-                    "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with "
-                    "the batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
-                    start_step * train_batch_size // jax.process_count(), start_step,
-                )
 
-        def local_batches_from(step: int):
-            # The data order and the masks are a function of the step, so a resumed run sees the batches the
-            # interrupted one would have.
-            if train_stream is not None:
-                first_batch, seed = (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
-                block_batches = streaming_train_batches(
-                    train_stream, tokenizer, data_args.text_column_name, block_size, train_batch_size, seed,
-                    data_args.shuffle_buffer_size, first_batch,
-                )
-                yield from masked_stream_batches(block_batches, make_batch, train_batch_size, training_args.seed, step)
+# Copied from run_clm_flax.open_packed_corpus
+def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
+    return {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+
+
+# What an interrupted run leaves in a datasets cache directory: Dataset.map's result file before it is renamed
+# (tempfile's tmpXXXXXXXX), and the unfinished packed corpora and line caches of this script.
+# Copied from run_clm_flax.STALE_TEMPORARY_NAME
+STALE_TEMPORARY_NAME = re.compile(r"tmp[a-z0-9_]{8}|packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+
+
+# Copied from run_clm_flax.STALE_AFTER_SECONDS
+STALE_AFTER_SECONDS = 600
+
+
+# Copied from run_clm_flax.remove_stale_temporary_files
+def remove_stale_temporary_files(cache_dir: str):
+    """Remove the temporary files that runs killed mid-tokenization left behind (about the size of the tokens each).
+    Only files untouched for STALE_AFTER_SECONDS go: a live run, this one or another sharing the cache, writes to
+    its own every few seconds."""
+    for entry in os.scandir(cache_dir):
+        if STALE_TEMPORARY_NAME.fullmatch(entry.name) and time.time() - entry.stat().st_mtime > STALE_AFTER_SECONDS:
+            logger.info("Removing %s, left in the cache by an interrupted run", entry.path)
+            if entry.is_dir():
+                shutil.rmtree(entry.path, ignore_errors=True)
             else:
-                epoch, first_batch = divmod(step, steps_per_epoch)
-                while True:
-                    yield from train_batches(examples["train"], make_batch, train_batch_size, training_args.seed, epoch, first_batch)
-                    epoch, first_batch = epoch + 1, 0
-
-        def batches_from(step: int):
-            for batch, num_tokens in local_batches_from(step):
-                micro_batches = {
-                    name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()
-                }
-                yield to_global_batch(micro_batches, micro_batches_sharding), num_tokens
-
-        def save(step: int):
-            progress_record.update(
-                step=step, global_batch_size=train_batch_size, max_seq_length=max_seq_length,
-                arguments=saved_arguments(model_args, data_args, training_args),
-            )
-            if steps_per_epoch:
-                progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
-            save_checkpoint(checkpoints, state, progress_record)
-            save_model(training_args.output_dir, state.params, config, tokenizer)
-            logger.info(
-                "step %d: saved the model to %s; writing the training checkpoint in the background",
-                step, training_args.output_dir,
-            )
-            return step
-
-        # Leaving this block, for whatever reason, waits for a checkpoint still being written.
-        # Leaving it also ends the progress bar's line, before any error is printed.
-        with (
-            open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
-            StopRequest() as stop,
-            tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process) as progress,
-        ):
-            batches = prefetch(batches_from(start_step))
-            unread_metrics, log_window, window_start = [], [], time.perf_counter()
-            train_start, train_tokens = time.perf_counter(), 0
-            checkpoint_being_written = None
-            for step in range(start_step + 1, total_steps + 1):
-                batch, num_tokens = next(batches)
-                state, metrics = train_step(state, batch)
-                unread_metrics.append({**metrics, "tokens": num_tokens})
-                train_tokens += num_tokens
-                progress.update(1)
-                checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
-                is_last = step == total_steps
-                is_log_step = step % training_args.logging_steps == 0 or is_last
-                stopping = stop.requested(check_other_processes=is_log_step)
-                is_save_step = step % training_args.save_steps == 0 or is_last or stopping
-
-                if is_log_step or is_save_step:
-                    # Reading the metrics waits for the steps to finish; checking them here means no non-finite
-                    # step goes unnoticed into a checkpoint.
-                    fetched = jax.device_get(unread_metrics)
-                    finite = finite_steps(fetched, step - len(fetched) + 1, training_args.skip_nonfinite_steps, checkpoints)
-                    for name in ("loss_sum", "correct_sum", "weight_sum"):
-                        progress_record[f"train_{name}"] += sum(float(m[name]) for m in finite)
-                    log_window += finite
-                    unread_metrics = []
-                if (is_log_step or stopping) and log_window:
-                    elapsed = time.perf_counter() - window_start
-                    masked_tokens = max(sum(float(m["weight_sum"]) for m in log_window), 1.0)
-                    logged = {
-                        "train/loss": sum(float(m["loss_sum"]) for m in log_window) / masked_tokens,
-                        "train/accuracy": sum(float(m["correct_sum"]) for m in log_window) / masked_tokens,
-                        "train/learning_rate": float(log_window[-1]["learning_rate"]),
-                        "train/grad_norm": float(log_window[-1]["grad_norm"]),
-                        "train/tokens_per_second": sum(m["tokens"] for m in log_window) / elapsed,
-                    }
-                    progress.set_postfix(
-                        loss=f"{logged['train/loss']:.4f}", accuracy=f"{logged['train/accuracy']:.3f}",
-                        lr=f"{logged['train/learning_rate']:.2e}", tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
-                    )
-                    logger.info(
-                        "step %d: loss %.4f, accuracy %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
-                        step, logged["train/loss"], logged["train/accuracy"], logged["train/learning_rate"],
-                        logged["train/grad_norm"], logged["train/tokens_per_second"],
-                    )
-                    if writer:
-                        writer.scalars(logged, step)
-                    log_window, window_start = [], time.perf_counter()
-
-                if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
-                    run_evaluation(step)
-                if is_save_step:
-                    # The save would wait for the checkpoint still being written: announce it first.
-                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
-                    checkpoint_being_written = save(step)
-                if stopping:
-                    break
-            committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
-        train_runtime = time.perf_counter() - train_start
-
-        if stopping:
-            if writer:
-                writer.close()
-            if is_main_process:
-                print(
-                    f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
-                    f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
-                    "command with --resume_from_checkpoint added."
-                )
-            return
-        if is_main_process:
-            masked_tokens = max(progress_record["train_weight_sum"], 1.0)
-            write_json(
-                os.path.join(training_args.output_dir, "train_results.json"),
-                {
-                    "train_loss": progress_record["train_loss_sum"] / masked_tokens,
-                    "train_accuracy": progress_record["train_correct_sum"] / masked_tokens,
-                    "train_steps": total_steps,
-                    "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
-                    "train_runtime_seconds": train_runtime,
-                    "train_tokens_per_second": train_tokens / train_runtime,
-                },
-            )
-        logger.info("Saved the model to %s", training_args.output_dir)
-
-    if training_args.do_eval and run_complete and evaluated_step(training_args.output_dir) == total_steps:
-        logger.info(
-            "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
-        )
-    elif training_args.do_eval:
-        step = int(state.step)
-        results = run_evaluation(step)
-        if is_main_process:
-            write_json(
-                os.path.join(training_args.output_dir, "eval_results.json"),
-                {"eval_loss": results["loss"], "eval_perplexity": results["perplexity"],
-                 "eval_accuracy": results["accuracy"], "eval_masked_tokens": results["masked_tokens"], "step": step},
-            )
-            print(
-                f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
-                f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
-            )
-    if writer:
-        writer.close()
-
-    if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0 and not run_complete:
-        text, masked_word = training_args.fill_mask_text, None
-        if not text and "validation" in examples:
-            text, masked_word = fill_mask_demo_text(example_texts(examples["validation"], tokenizer, 100), tokenizer.mask_token)
-        if text:
-            # Read the export back, so the demo also shows that the saved files hold the trained model.
-            exported = from_hf_state_dict(load_file(os.path.join(training_args.output_dir, "model.safetensors")), config)
-            predictions = fill_mask(
-                FlaxRobertaForMaskedLM(config), exported, tokenizer, text, training_args.fill_mask_top_k, max_seq_length
-            )
-            masked = f" (masked: {masked_word!r})" if masked_word else ""
-            print(f"fill-mask with {training_args.output_dir}: {text!r}{masked}")
-            for token, probability in predictions:
-                print(f"  {probability:.3f} {token!r}")
-    if is_main_process and training_args.do_train:
-        print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Optional
 
 import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -79,7 +78,7 @@ class UsageError(Exception):
 class DataArguments:
     """Where the text comes from."""
 
-    train_file: Optional[list[str]] = field(
+    train_file: list[str] | None = field(
         default=None,
         metadata={
             "help": "Text files (.txt, .json/.jsonl, .csv, .parquet), separated by spaces or each after its own "
@@ -87,14 +86,14 @@ class DataArguments:
             "action": "extend",
         },
     )
-    dataset_name: Optional[str] = field(
+    dataset_name: str | None = field(
         default=None,
         metadata={
             "help": "A dataset on the Hugging Face Hub (needs network), or a local directory: one written by "
             "`save_to_disk`, or one holding data files."
         },
     )
-    dataset_config_name: Optional[str] = field(
+    dataset_config_name: str | None = field(
         default=None, metadata={"help": "The configuration of --dataset_name, if it has several."}
     )
     dataset_split: str = field(default="train", metadata={"help": "The split of --dataset_name to read."})
@@ -111,10 +110,10 @@ class DataArguments:
             "help": "Leave out rows whose text is missing or null (counted in the log) instead of stopping there."
         },
     )
-    max_texts: Optional[int] = field(
+    max_texts: int | None = field(
         default=None, metadata={"help": "Stop reading after this many texts (rows or lines); leave out to read all."}
     )
-    max_characters: Optional[int] = field(
+    max_characters: int | None = field(
         default=None, metadata={"help": "Stop reading after this many characters; leave out to read all."}
     )
 
@@ -136,28 +135,28 @@ class TokenizerArguments:
     )
     vocab_size: int = field(
         default=32000,
-        metadata={"help": f"Size of the vocabulary, special tokens included: {BYTE_ALPHABET_SIZE} + specials or more."},
+        metadata={
+            "help": f"Size of the vocabulary, special tokens included: {BYTE_ALPHABET_SIZE} + specials or more."
+        },
     )
     min_frequency: int = field(default=2, metadata={"help": "Only merge pairs that occur at least this often."})
-    model_max_length: Optional[int] = field(
+    model_max_length: int | None = field(
         default=None,
         metadata={"help": "Longest input the model takes, in tokens; leave out for 1024 (gpt2) or 512 (roberta)."},
     )
-    bos_token: Optional[str] = field(default=None, metadata={"help": "Replace the preset's beginning-of-text token."})
-    eos_token: Optional[str] = field(default=None, metadata={"help": "Replace the preset's end-of-text token."})
-    unk_token: Optional[str] = field(default=None, metadata={"help": "Replace the preset's unknown token."})
-    pad_token: Optional[str] = field(
+    bos_token: str | None = field(default=None, metadata={"help": "Replace the preset's beginning-of-text token."})
+    eos_token: str | None = field(default=None, metadata={"help": "Replace the preset's end-of-text token."})
+    unk_token: str | None = field(default=None, metadata={"help": "Replace the preset's unknown token."})
+    pad_token: str | None = field(
         default=None, metadata={"help": "Replace the preset's padding token, or give gpt2 one."}
     )
-    mask_token: Optional[str] = field(
+    mask_token: str | None = field(
         default=None, metadata={"help": "Replace the preset's mask token, or give gpt2 one."}
     )
-    extra_special_tokens: Optional[list[str]] = field(
+    extra_special_tokens: list[str] | None = field(
         default=None, metadata={"help": "More special tokens, never split, with ids after the preset's."}
     )
-    overwrite: bool = field(
-        default=False, metadata={"help": "Replace a tokenizer already saved in --output_dir."}
-    )
+    overwrite: bool = field(default=False, metadata={"help": "Replace a tokenizer already saved in --output_dir."})
 
 
 @dataclass
@@ -167,7 +166,7 @@ class ReadCounts:
     texts: int = 0
     characters: int = 0
     bytes: int = 0
-    first_text: Optional[str] = None  # the first with more than whitespace
+    first_text: str | None = None  # the first with more than whitespace
     missing_texts: int = 0  # rows left out by --skip_missing_texts
 
 

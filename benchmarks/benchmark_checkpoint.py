@@ -29,10 +29,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     arguments = parser.parse_args()
 
-    config = run_clm_flax.GPT2Config(vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0, **PRESETS[arguments.preset])
+    config = run_clm_flax.GPT2Config(
+        vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0, **PRESETS[arguments.preset]
+    )
     model = run_clm_flax.FlaxGPT2LMHeadModel(config)
     training_arguments = run_clm_flax.TrainingArguments(output_dir="unused", weight_decay=0.1)
-    optimizer = run_clm_flax.create_optimizer(training_arguments, run_clm_flax.learning_rate_schedule(training_arguments, 1000))
+    optimizer = run_clm_flax.create_optimizer(
+        training_arguments, run_clm_flax.learning_rate_schedule(training_arguments, 1000)
+    )
     mesh = run_clm_flax.create_mesh()
     dummy_input = jnp.zeros((1, 8), jnp.int32)
     abstract_state = run_clm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
@@ -50,7 +54,9 @@ def main():
                 blocking = time.perf_counter() - start
                 checkpoints.wait_until_finished()
                 total = time.perf_counter() - start
-                print(f"save {repeat}: training blocked {blocking:.2f} s; written in {total:.2f} s ({state_bytes / 1e9 / total:.2f} GB/s)")
+                print(
+                    f"save {repeat}: training blocked {blocking:.2f} s; written in {total:.2f} s ({state_bytes / 1e9 / total:.2f} GB/s)"
+                )
         start = time.perf_counter()
         restored, _, _ = run_clm_flax.restore_checkpoint("auto", output_dir, abstract_state, ["step"])
         jax.block_until_ready(restored)

@@ -129,9 +129,16 @@ def step_matmul_flops(settings, dtype) -> float:
 
 def benchmark_training(settings, arguments) -> dict:
     config = run_clm_flax.GPT2Config(
-        vocab_size=settings["vocab_size"], n_positions=settings["block_size"], n_embd=settings["width"],
-        n_layer=settings["layers"], n_head=settings["heads"], resid_pdrop=arguments.dropout,
-        embd_pdrop=arguments.dropout, attn_pdrop=arguments.dropout, bos_token_id=0, eos_token_id=0,
+        vocab_size=settings["vocab_size"],
+        n_positions=settings["block_size"],
+        n_embd=settings["width"],
+        n_layer=settings["layers"],
+        n_head=settings["heads"],
+        resid_pdrop=arguments.dropout,
+        embd_pdrop=arguments.dropout,
+        attn_pdrop=arguments.dropout,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     dtype = jnp.dtype(settings["dtype"])
     model = run_clm_flax.FlaxGPT2LMHeadModel(
@@ -155,7 +162,14 @@ def benchmark_training(settings, arguments) -> dict:
     )
     # The global batch of the step, as gradient_accumulation_steps micro-batches.
     tokens = np.random.default_rng(0).integers(
-        0, config.vocab_size, size=(arguments.gradient_accumulation_steps, settings["batch_size"] // arguments.gradient_accumulation_steps, settings["block_size"]), dtype=np.int32
+        0,
+        config.vocab_size,
+        size=(
+            arguments.gradient_accumulation_steps,
+            settings["batch_size"] // arguments.gradient_accumulation_steps,
+            settings["block_size"],
+        ),
+        dtype=np.int32,
     )
     batch = {"input_ids": jax.device_put(tokens, batch_sharding)}
     memory = train_step.lower(state, batch).compile().memory_analysis()
@@ -219,7 +233,9 @@ def byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str])
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(texts[:200], trainer)
@@ -271,7 +287,8 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
         stream = datasets.load_dataset("json", data_files=data_file, split="train", streaming=True)
         start = time.perf_counter()
         streamed_blocks = sum(
-            len(blocks) for blocks in run_clm_flax.pack_blocks(run_clm_flax.token_arrays(stream, tokenizer, "text"), 128)
+            len(blocks)
+            for blocks in run_clm_flax.pack_blocks(run_clm_flax.token_arrays(stream, tokenizer, "text"), 128)
         )
         streaming_seconds = time.perf_counter() - start
         assert streamed_blocks == len(blocks)

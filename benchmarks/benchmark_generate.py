@@ -72,8 +72,13 @@ def main():
             input_ids = torch.tensor(prompts)
             with torch.no_grad():
                 return torch_model.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=arguments.new_tokens,
-                    min_new_tokens=arguments.new_tokens, do_sample=False, use_cache=True, pad_token_id=0,
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=arguments.new_tokens,
+                    min_new_tokens=arguments.new_tokens,
+                    do_sample=False,
+                    use_cache=True,
+                    pad_token_id=0,
                 )
 
         start = time.perf_counter()

@@ -32,14 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import run_mlm_flax  # noqa: E402
 from benchmark_clm import byte_level_bpe, matmul_peak_flops, raw_encoding, stdlib_texts, write_jsonl  # noqa: E402  (same folder)
+
+import run_mlm_flax  # noqa: E402
 
 PRESETS = {
     # The CPU target: small enough for a 2-core laptop, big enough for matmuls to dominate.
     "cpu-small": dict(layers=4, width=256, heads=4, vocab_size=8192, seq_length=128, batch_size=16, dtype="float32"),
     # RoBERTa-base as published (12 layers, 768 wide, 12 heads, 50265 tokens padded to a multiple of 64).
-    "roberta-base": dict(layers=12, width=768, heads=12, vocab_size=50304, seq_length=512, batch_size=32, dtype="bfloat16"),
+    "roberta-base": dict(
+        layers=12, width=768, heads=12, vocab_size=50304, seq_length=512, batch_size=32, dtype="bfloat16"
+    ),
 }
 PAD_TOKEN_ID = 1  # RoBERTa's special tokens: <s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4
 
@@ -72,18 +75,32 @@ def random_blocks(settings, count: int) -> np.ndarray:
 
 def batch_maker(settings) -> run_mlm_flax.BatchMaker:
     return run_mlm_flax.BatchMaker(
-        bos_token_id=0, eos_token_id=2, pad_token_id=PAD_TOKEN_ID, mask_token_id=4, special_token_ids=(0, 1, 2, 3, 4),
-        random_token_count=settings["vocab_size"], mlm_probability=0.15, max_seq_length=settings["seq_length"],
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=PAD_TOKEN_ID,
+        mask_token_id=4,
+        special_token_ids=(0, 1, 2, 3, 4),
+        random_token_count=settings["vocab_size"],
+        mlm_probability=0.15,
+        max_seq_length=settings["seq_length"],
     )
 
 
 def benchmark_training(settings, arguments) -> dict:
     config = run_mlm_flax.transformers.RobertaConfig(
-        vocab_size=settings["vocab_size"], hidden_size=settings["width"], num_hidden_layers=settings["layers"],
-        num_attention_heads=settings["heads"], intermediate_size=4 * settings["width"],
-        max_position_embeddings=settings["seq_length"] + PAD_TOKEN_ID + 1, type_vocab_size=1,
-        hidden_dropout_prob=arguments.dropout, attention_probs_dropout_prob=arguments.dropout,
-        pad_token_id=PAD_TOKEN_ID, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5,
+        vocab_size=settings["vocab_size"],
+        hidden_size=settings["width"],
+        num_hidden_layers=settings["layers"],
+        num_attention_heads=settings["heads"],
+        intermediate_size=4 * settings["width"],
+        max_position_embeddings=settings["seq_length"] + PAD_TOKEN_ID + 1,
+        type_vocab_size=1,
+        hidden_dropout_prob=arguments.dropout,
+        attention_probs_dropout_prob=arguments.dropout,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=0,
+        eos_token_id=2,
+        layer_norm_eps=1e-5,
     )
     dtype = jnp.dtype(settings["dtype"])
     model = run_mlm_flax.FlaxRobertaForMaskedLM(config, dtype=dtype)
@@ -133,7 +150,9 @@ def benchmark_training(settings, arguments) -> dict:
     head_parameters = count(state.params["lm_head"]) + config.vocab_size * config.hidden_size
     head_fraction = batch["masked_positions"].shape[2] / settings["seq_length"]
     attention_flops = 12 * config.num_hidden_layers * config.hidden_size * settings["seq_length"]
-    flops_per_token = 6 * count(state.params["roberta"]["encoder"]) + 6 * head_parameters * head_fraction + attention_flops
+    flops_per_token = (
+        6 * count(state.params["roberta"]["encoder"]) + 6 * head_parameters * head_fraction + attention_flops
+    )
     tokens_per_second = settings["batch_size"] * settings["seq_length"] / step_seconds
     return {
         "parameters": parameters,
@@ -168,7 +187,11 @@ def benchmark_preprocessing(arguments, vocab_size: int, seq_length: int) -> dict
     texts, size = stdlib_texts(arguments.corpus_megabytes)
     backend = byte_level_bpe(texts, vocab_size, ["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
         mask_token="<mask>",
     )
 
@@ -214,7 +237,9 @@ def main():
         f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
     )
     results["host"] = host = benchmark_host_masking(settings)
-    print(f"host masking: {host['masking_tokens_per_second']:,.0f} tokens/s (framing, padding and masking batches in numpy)")
+    print(
+        f"host masking: {host['masking_tokens_per_second']:,.0f} tokens/s (framing, padding and masking batches in numpy)"
+    )
     if not arguments.skip_preprocessing:
         results["preprocessing"] = preprocessing = benchmark_preprocessing(
             arguments, min(settings["vocab_size"], 8192), settings["seq_length"]

@@ -30,7 +30,9 @@ def run_tool(tmp_path_factory):
 @pytest.fixture(scope="session")
 def test_tokenizer_dirs(run_tool, tmp_path_factory):
     """A GPT-2 and a RoBERTa tokenizer of 1000 tokens with model_max_length 256, trained side by side."""
-    output_dirs = {model_type: tmp_path_factory.mktemp(f"{model_type}_tokenizer") for model_type in ["gpt2", "roberta"]}
+    output_dirs = {
+        model_type: tmp_path_factory.mktemp(f"{model_type}_tokenizer") for model_type in ["gpt2", "roberta"]
+    }
 
     def train(model_type):
         return run_tool(

@@ -35,13 +35,18 @@ def model_dir(tmp_path_factory):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=512,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train([os.path.join(CORPUS, "train.txt")], trainer)
     PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>", model_max_length=64,
+        tokenizer_object=tokenizer,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        model_max_length=64,
     ).save_pretrained(directory)
     tiny_config().save_pretrained(directory)
     return directory
@@ -110,7 +115,9 @@ def test_residual_projections_get_the_scaled_initialisation():
 def test_checkpoint_of_another_shape_is_refused_with_the_tensor_named():
     torch_model = GPT2LMHeadModel(tiny_config(n_embd=64))
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
-    with pytest.raises(run_clm_flax.UsageError, match=r"checkpoint tensor transformer\..* has shape .* but the config needs"):
+    with pytest.raises(
+        run_clm_flax.UsageError, match=r"checkpoint tensor transformer\..* has shape .* but the config needs"
+    ):
         run_clm_flax.from_hf_state_dict(state_dict, abstract_params(tiny_config()))
 
 
@@ -119,7 +126,9 @@ def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
     logits = rng.normal(size=(2, 6, 11)).astype(np.float32)
     input_ids = rng.integers(0, 11, size=(2, 6))
     weights = np.array([[1.0] * 6, [0.0] * 6], dtype=np.float32)  # the second row is padding
-    loss_sum, count = run_clm_flax.causal_lm_loss_sums(jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights))
+    loss_sum, count = run_clm_flax.causal_lm_loss_sums(
+        jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights)
+    )
     expected = torch.nn.functional.cross_entropy(
         torch.tensor(logits[0, :-1]), torch.tensor(input_ids[0, 1:]), reduction="sum"
     ).item()
@@ -179,7 +188,11 @@ def test_training_batches_follow_the_seed_and_differ_between_epochs():
 def run_script(arguments, env=None, check=True):
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "run_clm_flax.py"), *arguments],
-        capture_output=True, text=True, env=env or OFFLINE_ENV, cwd=REPO, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env or OFFLINE_ENV,
+        cwd=REPO,
+        timeout=600,
     )
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -188,9 +201,21 @@ def run_script(arguments, env=None, check=True):
 
 def training_arguments(model_dir, output_dir, *extra):
     return [
-        "--output_dir", str(output_dir), "--config_name", model_dir, "--tokenizer_name", model_dir,
-        "--train_file", os.path.join(CORPUS, "train.txt"), "--validation_file", os.path.join(CORPUS, "validation.txt"),
-        "--block_size", "32", "--seed", "0", *extra,
+        "--output_dir",
+        str(output_dir),
+        "--config_name",
+        model_dir,
+        "--tokenizer_name",
+        model_dir,
+        "--train_file",
+        os.path.join(CORPUS, "train.txt"),
+        "--validation_file",
+        os.path.join(CORPUS, "validation.txt"),
+        "--block_size",
+        "32",
+        "--seed",
+        "0",
+        *extra,
     ]
 
 
@@ -208,14 +233,45 @@ def test_cli_run_trains_evaluates_and_writes_a_loadable_model(model_dir, tmp_pat
     initial_loss = json.loads((untrained / "eval_results.json").read_text())["eval_loss"]
 
     output_dir = tmp_path / "trained"
-    result = run_script(training_arguments(
-        model_dir, output_dir, "--do_train", "--do_eval", "--per_device_train_batch_size", "16",
-        "--per_device_eval_batch_size", "16", "--learning_rate", "3e-3", "--warmup_steps", "5",
-        "--max_steps", "60", "--logging_steps", "20", "--eval_steps", "30", "--save_steps", "30",
-        "--weight_decay", "0.01", "--adam_beta2", "0.98", "--sample_tokens", "8",
-    ))
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "eval_results.json", "train_results.json"):
+    result = run_script(
+        training_arguments(
+            model_dir,
+            output_dir,
+            "--do_train",
+            "--do_eval",
+            "--per_device_train_batch_size",
+            "16",
+            "--per_device_eval_batch_size",
+            "16",
+            "--learning_rate",
+            "3e-3",
+            "--warmup_steps",
+            "5",
+            "--max_steps",
+            "60",
+            "--logging_steps",
+            "20",
+            "--eval_steps",
+            "30",
+            "--save_steps",
+            "30",
+            "--weight_decay",
+            "0.01",
+            "--adam_beta2",
+            "0.98",
+            "--sample_tokens",
+            "8",
+        )
+    )
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "eval_results.json",
+        "train_results.json",
+    ):
         assert (output_dir / name).is_file(), f"{name} was not written"
     eval_results = json.loads((output_dir / "eval_results.json").read_text())
     train_results = json.loads((output_dir / "train_results.json").read_text())
@@ -225,8 +281,14 @@ def test_cli_run_trains_evaluates_and_writes_a_loadable_model(model_dir, tmp_pat
     assert "eval perplexity:" in result.stdout and "tensorboard --logdir" in result.stdout
     assert "sample from" in result.stdout
 
-    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second",
-                "eval/loss", "eval/perplexity"):
+    for tag in (
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/tokens_per_second",
+        "eval/loss",
+        "eval/perplexity",
+    ):
         assert scalars(output_dir, tag), f"no {tag} in TensorBoard"
     assert [step for step, _ in scalars(output_dir, "eval/loss")] == [30, 60]
     assert scalars(output_dir, "eval/loss")[-1][1] == pytest.approx(eval_results["eval_loss"], rel=1e-5)
@@ -243,7 +305,17 @@ def test_cli_run_trains_evaluates_and_writes_a_loadable_model(model_dir, tmp_pat
 
 
 def test_eight_devices_give_the_losses_of_one_device(model_dir, tmp_path):
-    common = ["--do_train", "--max_steps", "4", "--logging_steps", "1", "--learning_rate", "1e-3", "--sample_tokens", "0"]
+    common = [
+        "--do_train",
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "1e-3",
+        "--sample_tokens",
+        "0",
+    ]
     run_script(training_arguments(model_dir, tmp_path / "one", *common, "--per_device_train_batch_size", "8"))
     eight_devices_env = {**OFFLINE_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     result = run_script(
@@ -262,17 +334,28 @@ def test_continues_training_from_a_pytorch_checkpoint(model_dir, tmp_path):
     checkpoint = tmp_path / "checkpoint"
     GPT2LMHeadModel(tiny_config()).save_pretrained(str(checkpoint))
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(str(checkpoint))
-    result = run_script([
-        "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(checkpoint), "--do_eval",
-        "--validation_file", os.path.join(CORPUS, "validation.txt"), "--block_size", "32",
-    ])
+    result = run_script(
+        [
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--model_name_or_path",
+            str(checkpoint),
+            "--do_eval",
+            "--validation_file",
+            os.path.join(CORPUS, "validation.txt"),
+            "--block_size",
+            "32",
+        ]
+    )
     assert f"Loaded weights from {checkpoint}" in result.stderr
     loss = json.loads((tmp_path / "out" / "eval_results.json").read_text())["eval_loss"]
     assert loss == pytest.approx(np.log(512), abs=0.3)  # an untrained model is close to uniform
 
 
 def test_bad_input_exits_with_one_clear_line_and_no_traceback(model_dir, tmp_path):
-    result = run_script(training_arguments(model_dir, tmp_path / "out", "--do_train", "--train_file", "missing.txt"), check=False)
+    result = run_script(
+        training_arguments(model_dir, tmp_path / "out", "--do_train", "--train_file", "missing.txt"), check=False
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == "error: --train_file: missing.txt does not exist or is not a file"
@@ -315,7 +398,9 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(model_dir, tmp_path, mo
     tiny_config(vocab_size=100).save_pretrained(str(config_dir))
     arguments = training_arguments(model_dir, tmp_path / "out", "--do_train", "--config_name", str(config_dir))
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *arguments])
-    with pytest.raises(run_clm_flax.UsageError, match="the tokenizer has 512 tokens but the config's vocab_size is 100"):
+    with pytest.raises(
+        run_clm_flax.UsageError, match="the tokenizer has 512 tokens but the config's vocab_size is 100"
+    ):
         run_clm_flax.main()
 
 

@@ -252,7 +252,9 @@ def test_code_copied_from_train_tokenizer_is_identical_to_it():
 
     originals = top_level_sources(REPO_DIR / "train_tokenizer.py")
     copies = top_level_sources(REPO_DIR / "create_config.py")
-    copied_names = re.findall(r"^# Copied from train_tokenizer\.(\w+)$", (REPO_DIR / "create_config.py").read_text(), re.M)
+    copied_names = re.findall(
+        r"^# Copied from train_tokenizer\.(\w+)$", (REPO_DIR / "create_config.py").read_text(), re.M
+    )
     assert copied_names
     for name in copied_names:
         assert copies[name] == originals[name], f"create_config.{name} differs from train_tokenizer.{name}"

@@ -11,10 +11,9 @@ import tracemalloc
 import datasets
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
-
 from conftest import FIXTURES_DIR
 from test_clm import run_clm_flax, scalars, tiny_config
+from transformers import AutoTokenizer
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -49,7 +48,9 @@ def train_lines():
 
 
 def data_arguments(packed_dir, **overrides):
-    settings = dict(train_file=str(CORPUS / "train.txt"), packed_data_dir=str(packed_dir), packed_tokens_per_shard=2000)
+    settings = dict(
+        train_file=str(CORPUS / "train.txt"), packed_data_dir=str(packed_dir), packed_tokens_per_shard=2000
+    )
     return run_clm_flax.DataTrainingArguments(**{**settings, **overrides})
 
 
@@ -107,7 +108,9 @@ def test_packed_blocks_index_like_an_array_across_shards(tokenizer, tmp_path):
     ):
         np.testing.assert_array_equal(packed_batch["input_ids"], array_batch["input_ids"])
     evaluation = list(run_clm_flax.eval_batches(view, 64))
-    np.testing.assert_array_equal(np.concatenate([batch["input_ids"] for batch in evaluation])[:200], expected[100:300])
+    np.testing.assert_array_equal(
+        np.concatenate([batch["input_ids"] for batch in evaluation])[:200], expected[100:300]
+    )
 
 
 def test_packed_data_dir_is_reused_by_later_runs_without_tokenizing(tokenizer, tmp_path, monkeypatch):
@@ -143,16 +146,22 @@ def test_unfinished_packed_directory_is_rewritten_not_reused(tokenizer, tmp_path
     monkeypatch.setattr(run_clm_flax, "pack_blocks", real_pack_blocks)
     blocks = pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
     expected = expected_blocks(tokenizer, train_texts(), 32)
-    np.testing.assert_array_equal(np.concatenate([np.asarray(blocks["validation"]), np.asarray(blocks["train"])]), expected)
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(blocks["validation"]), np.asarray(blocks["train"])]), expected
+    )
     index = json.loads((packed_dir / "index.json").read_text())
     listed = {shard["file"] for shard in index["splits"]["train"]["shards"]}
     assert set(os.listdir(packed_dir)) == listed | {"index.json"}, "leftovers of the unfinished write remain"
 
 
-def test_packed_data_dir_of_another_block_size_tokenizer_or_data_is_refused(tokenizer, roberta_tokenizer_dir, tmp_path, monkeypatch):
+def test_packed_data_dir_of_another_block_size_tokenizer_or_data_is_refused(
+    tokenizer, roberta_tokenizer_dir, tmp_path, monkeypatch
+):
     pack(tmp_path / "packed", tokenizer)
     forbid_tokenizing(monkeypatch)
-    with pytest.raises(run_clm_flax.UsageError, match="holds blocks of 32 tokens, not --block_size 16; use another --packed_data_dir"):
+    with pytest.raises(
+        run_clm_flax.UsageError, match="holds blocks of 32 tokens, not --block_size 16; use another --packed_data_dir"
+    ):
         pack(tmp_path / "packed", tokenizer, block_size=16)
     with pytest.raises(run_clm_flax.UsageError, match="was packed with another tokenizer"):
         pack(tmp_path / "packed", AutoTokenizer.from_pretrained(roberta_tokenizer_dir))
@@ -177,8 +186,11 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
     tracemalloc.start()
     try:
         index = run_clm_flax.write_packed_corpus(
-            str(tmp_path), {"train": run_clm_flax.pack_blocks(token_chunks(), block_size)},
-            {"block_size": block_size}, np.uint16, tokens_per_shard=64 * 128,
+            str(tmp_path),
+            {"train": run_clm_flax.pack_blocks(token_chunks(), block_size)},
+            {"block_size": block_size},
+            np.uint16,
+            tokens_per_shard=64 * 128,
         )
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -186,7 +198,9 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
     assert peak < 1_000_000, f"{peak} bytes held while writing a corpus of {num_chunks * chunk_tokens * 4} bytes"
     assert len(index["splits"]["train"]["shards"]) == num_chunks and len(os.listdir(tmp_path)) == num_chunks + 1
     blocks = run_clm_flax.open_packed_corpus(str(tmp_path), index)["train"]
-    np.testing.assert_array_equal(blocks[[0, 12345, len(blocks) - 1]][:, 0], np.array([0, 12345, len(blocks) - 1]) * 64 % 50000)
+    np.testing.assert_array_equal(
+        blocks[[0, 12345, len(blocks) - 1]][:, 0], np.array([0, 12345, len(blocks) - 1]) * 64 % 50000
+    )
 
 
 def test_ids_that_do_not_fit_the_shard_dtype_are_refused(tmp_path):
@@ -215,7 +229,10 @@ def test_only_process_zero_writes_the_packed_corpus(tokenizer, tmp_path, monkeyp
     monkeypatch.setattr(run_clm_flax.multihost_utils, "sync_global_devices", barriers.append)
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
-    with pytest.raises(run_clm_flax.UsageError, match="process 1 finds no packed corpus in --packed_data_dir .*: process 0 failed to pack it"):
+    with pytest.raises(
+        run_clm_flax.UsageError,
+        match="process 1 finds no packed corpus in --packed_data_dir .*: process 0 failed to pack it",
+    ):
         pack(tmp_path / "packed", tokenizer)
     assert barriers and not (tmp_path / "packed").exists(), "process 1 should wait for process 0, not write"
 
@@ -233,8 +250,19 @@ def test_training_from_a_packed_data_dir(model_dir, tmp_path, monkeypatch, capfd
         "--config_name", model_dir, "--tokenizer_name", model_dir, "--block_size", "32",
         "--packed_data_dir", str(packed_dir), "--sample_tokens", "0",
     ]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", str(tmp_path / "unused"), *common,
-                                      "--train_file", str(CORPUS / "train.txt"), "--streaming"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "run_clm_flax.py",
+            "--output_dir",
+            str(tmp_path / "unused"),
+            *common,
+            "--train_file",
+            str(CORPUS / "train.txt"),
+            "--streaming",
+        ],
+    )
     run_clm_flax.main()  # no --do_train or --do_eval: only pack
     assert (packed_dir / "index.json").is_file() and not (tmp_path / "unused").exists()
 
@@ -343,8 +371,12 @@ def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_strea
     stream = run_clm_flax.load_text_datasets(run_clm_flax.ModelArguments(), arguments, streaming=True)["validation"]
     texts = [(CORPUS / "validation.txt").read_text()]  # one document: the file as written
     expected = expected_blocks(tokenizer, texts, 32)
-    np.testing.assert_array_equal(run_clm_flax.first_blocks(stream, tokenizer, "text", 32, 50, "validation"), expected[:50])
-    np.testing.assert_array_equal(run_clm_flax.first_blocks(stream, tokenizer, "text", 32, None, "validation"), expected)
+    np.testing.assert_array_equal(
+        run_clm_flax.first_blocks(stream, tokenizer, "text", 32, 50, "validation"), expected[:50]
+    )
+    np.testing.assert_array_equal(
+        run_clm_flax.first_blocks(stream, tokenizer, "text", 32, None, "validation"), expected
+    )
 
 
 def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):

@@ -17,9 +17,8 @@ import time
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from conftest import FIXTURES_DIR, REPO_DIR
+from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
 from test_resume import losses_per_process
 
@@ -69,7 +68,9 @@ def environment(devices_per_process: int, hf_home, compilation_cache) -> dict:
 class Processes:
     """The processes of one run, each with its output in log files (read back on failure)."""
 
-    def __init__(self, argument_list, num_processes: int, devices_per_process: int, log_dir, cache_dir, script="run_clm_flax.py"):
+    def __init__(
+        self, argument_list, num_processes: int, devices_per_process: int, log_dir, cache_dir, script="run_clm_flax.py"
+    ):
         coordinator = ["--coordinator_address", f"127.0.0.1:{free_port()}", "--num_processes", str(num_processes)]
         self.logs, self.processes = [], []
         for process_id in range(num_processes):
@@ -240,7 +241,9 @@ def test_a_single_process_never_starts_the_distributed_runtime(initialize_calls,
 
 def test_explicit_flags_start_the_distributed_runtime_with_them(initialize_calls):
     run_clm_flax.initialize_distributed(
-        distributed_arguments(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3, local_device_ids="0,1")
+        distributed_arguments(
+            coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3, local_device_ids="0,1"
+        )
     )
     assert initialize_calls == [
         dict(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3, local_device_ids=[0, 1])
@@ -256,7 +259,9 @@ def test_tasks_of_a_launcher_leave_the_settings_to_jax(initialize_calls, monkeyp
     for name, value in launcher_environment.items():
         monkeypatch.setenv(name, value)
     run_clm_flax.initialize_distributed(distributed_arguments())
-    assert initialize_calls == [dict(coordinator_address=None, num_processes=None, process_id=None, local_device_ids=None)]
+    assert initialize_calls == [
+        dict(coordinator_address=None, num_processes=None, process_id=None, local_device_ids=None)
+    ]
 
 
 def test_a_launcher_jax_cannot_read_asks_for_the_flags(initialize_calls, monkeypatch):

@@ -9,11 +9,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from tokenizers import ByteLevelBPETokenizer
-from transformers import AutoTokenizer, GPT2LMHeadModel
-
 from conftest import FIXTURES_DIR, TOKENIZER_TRAINING_FILES
 from test_clm import run_clm_flax, scalars, tiny_config
+from tokenizers import ByteLevelBPETokenizer
+from transformers import AutoTokenizer, GPT2LMHeadModel
 
 CORPUS = FIXTURES_DIR / "en"
 BLOCK_SIZE = 64
@@ -26,7 +25,10 @@ def recipe_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("recipe")
     tokenizer = ByteLevelBPETokenizer()
     tokenizer.train(
-        [str(path) for path in TOKENIZER_TRAINING_FILES], vocab_size=1000, min_frequency=2, show_progress=False,
+        [str(path) for path in TOKENIZER_TRAINING_FILES],
+        vocab_size=1000,
+        min_frequency=2,
+        show_progress=False,
         special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
     )
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -193,8 +195,9 @@ def test_the_sample_is_text_without_special_tokens(trained_dir):
 
 
 @pytest.mark.parametrize("line_by_line, sample_by, num_texts", [(True, "line", 5), (False, "document", 1)])
-def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(line_by_line, sample_by, num_texts,
-                                                                           tmp_path):
+def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(
+    line_by_line, sample_by, num_texts, tmp_path
+):
     import run_mlm_flax
 
     write_text_files(tmp_path)

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-
 from conftest import REPO_DIR
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, str(REPO_DIR))
 import generate_flax  # noqa: E402
@@ -36,8 +35,14 @@ def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     directory = shutil.copytree(gpt2_tokenizer_dir, tmp_path_factory.mktemp("generate") / "tiny-gpt2")
     tokenizer = AutoTokenizer.from_pretrained(directory)
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2, initializer_range=0.3,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        initializer_range=0.3,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     GPT2LMHeadModel(config).eval().save_pretrained(directory)
@@ -55,7 +60,10 @@ def torch_greedy_ids(model_dir, prompt_ids, max_new_tokens):
     torch_model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
     input_ids = torch.tensor([prompt_ids])
     output = torch_model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
         pad_token_id=torch_model.config.eos_token_id,
     )
     return output[0, len(prompt_ids) :].tolist()

@@ -20,11 +20,10 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast, RobertaConfig
-
 from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import run_clm_flax, tiny_config
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast, RobertaConfig
 
 TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
 NULL_ROW = 57  # the row of the JSON-lines files below whose text is null (or absent): row 58 counted from 1
@@ -67,8 +66,15 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     gpt2 = save_model_dir(root / "gpt2", gpt2_tokenizer_dir, tiny_config(vocab_size=1000, n_positions=64))
     roberta_config = RobertaConfig(
-        vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        vocab_size=1000,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=66,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
     )
     roberta = save_model_dir(root / "roberta", roberta_tokenizer_dir, roberta_config)
     config_only = root / "config-only"  # AutoTokenizer builds a tokenizer without vocabulary from it

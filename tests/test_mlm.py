@@ -11,14 +11,18 @@ import shutil
 import sys
 
 import datasets
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
 from transformers import (
-    AutoModelForMaskedLM, AutoTokenizer, GPT2Config, RobertaConfig, RobertaForMaskedLM, pipeline,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    GPT2Config,
+    RobertaConfig,
+    RobertaForMaskedLM,
+    pipeline,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +67,9 @@ def chosen_positions(batch):
 
 
 def text_dataset(path, cache_dir):
-    return datasets.load_dataset("text", data_files=str(path), cache_dir=str(cache_dir), split="train", keep_linebreaks=True)
+    return datasets.load_dataset(
+        "text", data_files=str(path), cache_dir=str(cache_dir), split="train", keep_linebreaks=True
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -74,7 +80,11 @@ def text_dataset(path, cache_dir):
 def test_grouped_blocks_are_the_texts_joined_with_separators_and_framed_as_s_to_slash_s(tokenizer, tmp_path):
     dataset = text_dataset(VALIDATION_FILE, tmp_path)
     blocks = run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", SEQUENCE_LENGTH - 2, None, False, "validation")
-    joined = [token for text in dataset["text"] for token in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+    joined = [
+        token
+        for text in dataset["text"]
+        for token in tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ]
     assert len(blocks) == len(joined) // (SEQUENCE_LENGTH - 2)
 
     input_ids, attention_mask = batch_maker(tokenizer).token_ids(blocks, np.arange(len(blocks)), len(blocks))
@@ -173,7 +183,10 @@ def test_training_batches_and_masks_follow_the_seed_and_differ_between_epochs(to
     make_batch = batch_maker(tokenizer, max_seq_length=32)
 
     def epoch(seed, number):
-        return [(batch["input_ids"], tokens) for batch, tokens in run_mlm_flax.train_batches(blocks, make_batch, 4, seed, number)]
+        return [
+            (batch["input_ids"], tokens)
+            for batch, tokens in run_mlm_flax.train_batches(blocks, make_batch, 4, seed, number)
+        ]
 
     first, again, next_epoch = epoch(3, 0), epoch(3, 0), epoch(3, 1)
     assert len(first) == 2 and first[0][1] == 4 * 32
@@ -206,12 +219,26 @@ def scalars(output_dir, tag):
 def hf_example_command_line(model_dir, output_dir):
     """The command line of the Hugging Face Flax MLM example, with local files and small numbers."""
     return [
-        f"--output_dir={output_dir}", "--model_type=roberta", f"--config_name={model_dir}",
-        f"--tokenizer_name={model_dir}", f"--train_file={TRAIN_FILE}", f"--validation_file={VALIDATION_FILE}",
-        f"--max_seq_length={SEQUENCE_LENGTH}", "--weight_decay=0.01", "--per_device_train_batch_size=16",
-        "--per_device_eval_batch_size=16", "--learning_rate=3e-3", "--warmup_steps=5", "--overwrite_output_dir",
-        "--num_train_epochs=3", "--adam_beta1=0.9", "--adam_beta2=0.98", "--logging_steps=10", "--save_steps=1000",
-        "--eval_steps=40", "--seed=0",
+        f"--output_dir={output_dir}",
+        "--model_type=roberta",
+        f"--config_name={model_dir}",
+        f"--tokenizer_name={model_dir}",
+        f"--train_file={TRAIN_FILE}",
+        f"--validation_file={VALIDATION_FILE}",
+        f"--max_seq_length={SEQUENCE_LENGTH}",
+        "--weight_decay=0.01",
+        "--per_device_train_batch_size=16",
+        "--per_device_eval_batch_size=16",
+        "--learning_rate=3e-3",
+        "--warmup_steps=5",
+        "--overwrite_output_dir",
+        "--num_train_epochs=3",
+        "--adam_beta1=0.9",
+        "--adam_beta2=0.98",
+        "--logging_steps=10",
+        "--save_steps=1000",
+        "--eval_steps=40",
+        "--seed=0",
     ]
 
 
@@ -225,10 +252,24 @@ def untrained_checkpoint_eval(run_tool, model_dir, tmp_path_factory):
     RobertaForMaskedLM(RobertaConfig.from_pretrained(model_dir)).save_pretrained(str(checkpoint))
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(str(checkpoint))
     output_dir = tmp_path_factory.mktemp("untrained")
-    result = run_mlm(run_tool, [
-        "--output_dir", output_dir, "--model_name_or_path", checkpoint, "--do_eval", "--validation_file",
-        VALIDATION_FILE, "--max_seq_length", SEQUENCE_LENGTH, "--per_device_eval_batch_size", 16, "--seed", 0,
-    ])
+    result = run_mlm(
+        run_tool,
+        [
+            "--output_dir",
+            output_dir,
+            "--model_name_or_path",
+            checkpoint,
+            "--do_eval",
+            "--validation_file",
+            VALIDATION_FILE,
+            "--max_seq_length",
+            SEQUENCE_LENGTH,
+            "--per_device_eval_batch_size",
+            16,
+            "--seed",
+            0,
+        ],
+    )
     return result, json.loads((output_dir / "eval_results.json").read_text())
 
 
@@ -249,8 +290,14 @@ def test_continues_from_a_pytorch_checkpoint(untrained_checkpoint_eval, model_di
 
 def test_hf_example_command_line_writes_every_expected_file(trained_run):
     output_dir, result = trained_run
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "eval_results.json", "train_results.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "eval_results.json",
+        "train_results.json",
+    ):
         assert (output_dir / name).is_file(), f"{name} was not written"
     assert os.listdir(output_dir / "tensorboard")
     eval_results = json.loads((output_dir / "eval_results.json").read_text())
@@ -276,8 +323,16 @@ def test_training_lowers_eval_loss_and_raises_accuracy(trained_run, untrained_ch
 
 def test_tensorboard_has_the_training_and_evaluation_scalars(trained_run):
     output_dir, _ = trained_run
-    for tag in ("train/loss", "train/accuracy", "train/learning_rate", "train/grad_norm", "train/tokens_per_second",
-                "eval/loss", "eval/perplexity", "eval/accuracy"):
+    for tag in (
+        "train/loss",
+        "train/accuracy",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/tokens_per_second",
+        "eval/loss",
+        "eval/perplexity",
+        "eval/accuracy",
+    ):
         assert scalars(output_dir, tag), f"no {tag} in TensorBoard"
     eval_results = json.loads((output_dir / "eval_results.json").read_text())
     eval_steps = [step for step, _ in scalars(output_dir, "eval/loss")]
@@ -291,10 +346,15 @@ def test_export_loads_in_transformers_with_the_logits_of_the_flax_model(trained_
     assert type(torch_model) is RobertaForMaskedLM
     assert not any(loading_info.values()), loading_info
     tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
-    inputs = tokenizer(["The gardener counted to ten.", "A quiet tourist said nothing here is ever where you left it."],
-                       padding=True, return_tensors="np")
+    inputs = tokenizer(
+        ["The gardener counted to ten.", "A quiet tourist said nothing here is ever where you left it."],
+        padding=True,
+        return_tensors="np",
+    )
     with torch.no_grad():
-        expected = torch_model.eval()(**{name: torch.from_numpy(value) for name, value in inputs.items()}).logits.numpy()
+        expected = torch_model.eval()(
+            **{name: torch.from_numpy(value) for name, value in inputs.items()}
+        ).logits.numpy()
 
     config = RobertaConfig.from_pretrained(str(output_dir))
     params = run_mlm_flax.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), config)
@@ -317,9 +377,22 @@ def test_export_works_in_the_fill_mask_pipeline(trained_run):
 def line_by_line_arguments(model_dir) -> dict:
     """A short line_by_line run that trains and evaluates, logs every step and saves every other."""
     return dict(
-        config_name=model_dir, tokenizer_name=model_dir, train_file=TRAIN_FILE, validation_file=VALIDATION_FILE,
-        line_by_line=True, max_seq_length=SEQUENCE_LENGTH, do_train=True, do_eval=True, max_steps=4, logging_steps=1,
-        eval_steps=2, save_steps=2, max_eval_samples=20, learning_rate=1e-3, fill_mask_top_k=0, seed=0,
+        config_name=model_dir,
+        tokenizer_name=model_dir,
+        train_file=TRAIN_FILE,
+        validation_file=VALIDATION_FILE,
+        line_by_line=True,
+        max_seq_length=SEQUENCE_LENGTH,
+        do_train=True,
+        do_eval=True,
+        max_steps=4,
+        logging_steps=1,
+        eval_steps=2,
+        save_steps=2,
+        max_eval_samples=20,
+        learning_rate=1e-3,
+        fill_mask_top_k=0,
+        seed=0,
     )
 
 
@@ -339,8 +412,11 @@ def one_device_run(run_tool, model_dir_without_dropout, tmp_path_factory):
     from a .json file: (output dir, arguments)."""
     directory = tmp_path_factory.mktemp("one-device")
     values = dict(
-        line_by_line_arguments(model_dir_without_dropout), output_dir=str(directory / "out"),
-        per_device_train_batch_size=4, gradient_accumulation_steps=2, per_device_eval_batch_size=8,
+        line_by_line_arguments(model_dir_without_dropout),
+        output_dir=str(directory / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        per_device_eval_batch_size=8,
     )
     arguments_file = directory / "arguments.json"
     arguments_file.write_text(json.dumps(values))
@@ -355,11 +431,16 @@ def test_eight_devices_sharing_the_parameters_give_the_losses_of_one_device_accu
     over 4 of them (FSDP), equal 1 device summing the gradients of 2 micro-batches of 4 sequences."""
     one_device_dir, _ = one_device_run
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    result = run_mlm(run_tool, [
-        *(f"--{name}={value}" for name, value in line_by_line_arguments(model_dir_without_dropout).items()),
-        f"--output_dir={tmp_path / 'eight'}", "--per_device_train_batch_size=1", "--per_device_eval_batch_size=1",
-        "--mesh_shape=data=2,fsdp=4",
-    ])
+    result = run_mlm(
+        run_tool,
+        [
+            *(f"--{name}={value}" for name, value in line_by_line_arguments(model_dir_without_dropout).items()),
+            f"--output_dir={tmp_path / 'eight'}",
+            "--per_device_train_batch_size=1",
+            "--per_device_eval_batch_size=1",
+            "--mesh_shape=data=2,fsdp=4",
+        ],
+    )
     assert "8 devices" in result.stderr and "'fsdp': 4" in result.stderr
     for tag in ("train/loss", "train/accuracy", "train/grad_norm", "eval/loss", "eval/accuracy"):
         one, eight = scalars(one_device_dir, tag), scalars(tmp_path / "eight", tag)
@@ -375,21 +456,34 @@ def test_resumed_run_continues_with_the_same_batches_masks_and_weights(run_tool,
     shutil.rmtree(output_dir / "checkpoints" / "4")
     shutil.rmtree(output_dir / "tensorboard")
     (output_dir / "model.safetensors").unlink()
-    result = run_mlm(run_tool, [
-        *(f"--{name}={value}" for name, value in dict(values, output_dir=output_dir).items()),
-        "--resume_from_checkpoint",
-    ])
+    result = run_mlm(
+        run_tool,
+        [
+            *(f"--{name}={value}" for name, value in dict(values, output_dir=output_dir).items()),
+            "--resume_from_checkpoint",
+        ],
+    )
     assert "Resumed from" in result.stderr and "at step 2" in result.stderr
     assert scalars(output_dir, "train/loss") == scalars(uninterrupted_dir, "train/loss")[2:]
-    final, expected = load_file(str(output_dir / "model.safetensors")), load_file(str(uninterrupted_dir / "model.safetensors"))
+    final, expected = (
+        load_file(str(output_dir / "model.safetensors")),
+        load_file(str(uninterrupted_dir / "model.safetensors")),
+    )
     assert final.keys() == expected.keys()
     for name in expected:
         np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
 
 
 def test_json_arguments_file_gives_the_arguments_of_the_command_line(tmp_path, monkeypatch):
-    values = {"output_dir": str(tmp_path / "out"), "train_file": TRAIN_FILE, "max_seq_length": 96,
-              "line_by_line": True, "mlm_probability": 0.2, "do_train": True, "learning_rate": 1e-3}
+    values = {
+        "output_dir": str(tmp_path / "out"),
+        "train_file": TRAIN_FILE,
+        "max_seq_length": 96,
+        "line_by_line": True,
+        "mlm_probability": 0.2,
+        "do_train": True,
+        "learning_rate": 1e-3,
+    }
     arguments_file = tmp_path / "arguments.json"
     arguments_file.write_text(json.dumps(values))
     monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", str(arguments_file)])
@@ -445,8 +539,18 @@ def bad_inputs(model_dir, tmp_path_factory):
 )
 def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, bad_inputs, tmp_path, monkeypatch):
     command_line = [
-        "--output_dir", str(tmp_path / "out"), "--config_name", model_dir, "--tokenizer_name", model_dir,
-        "--train_file", TRAIN_FILE, "--validation_file", VALIDATION_FILE, "--do_train", "--do_eval",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--config_name",
+        model_dir,
+        "--tokenizer_name",
+        model_dir,
+        "--train_file",
+        TRAIN_FILE,
+        "--validation_file",
+        VALIDATION_FILE,
+        "--do_train",
+        "--do_eval",
         *(argument.format(bad=bad_inputs) for argument in arguments),
     ]
     monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", *command_line])

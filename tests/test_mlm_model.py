@@ -21,9 +21,18 @@ PAD, BOS, EOS, MASK = 1, 0, 2, 100
 
 
 def tiny_config(**overrides):
-    settings = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    intermediate_size=128, max_position_embeddings=40, pad_token_id=PAD, bos_token_id=BOS,
-                    eos_token_id=EOS, type_vocab_size=2)
+    settings = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=40,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        type_vocab_size=2,
+    )
     settings.update(overrides)
     return transformers.RobertaConfig(**settings)
 
@@ -44,8 +53,9 @@ def example_batch(padded):
 
 def torch_logits(torch_model, input_ids, attention_mask):
     with torch.no_grad():
-        output = torch_model(input_ids=torch.from_numpy(input_ids).long(),
-                             attention_mask=torch.from_numpy(attention_mask).long())
+        output = torch_model(
+            input_ids=torch.from_numpy(input_ids).long(), attention_mask=torch.from_numpy(attention_mask).long()
+        )
     return output.logits.numpy()
 
 
@@ -87,19 +97,18 @@ def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(tiny_fla
     _, params, apply = tiny_flax
     params = perturbed(params)
     config = tiny_config()
-    save_file(run_mlm_flax.to_hf_state_dict(params, config), str(tmp_path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        run_mlm_flax.to_hf_state_dict(params, config), str(tmp_path / "model.safetensors"), metadata={"format": "pt"}
+    )
     config.save_pretrained(tmp_path)
-    torch_model, loading_info = transformers.AutoModelForMaskedLM.from_pretrained(
-        tmp_path, output_loading_info=True)
+    torch_model, loading_info = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
     assert type(torch_model) is transformers.RobertaForMaskedLM
     assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"]
     assert not loading_info["mismatched_keys"]
 
     input_ids, attention_mask = example_batch(padded)
     flax_logits = apply({"params": params}, input_ids, attention_mask)
-    np.testing.assert_allclose(flax_logits, torch_logits(torch_model.eval(), input_ids, attention_mask),
-                               atol=1e-4)
+    np.testing.assert_allclose(flax_logits, torch_logits(torch_model.eval(), input_ids, attention_mask), atol=1e-4)
 
 
 def test_logits_at_masked_positions_equal_those_of_the_whole_sequence(tiny_flax):
@@ -110,8 +119,9 @@ def test_logits_at_masked_positions_equal_those_of_the_whole_sequence(tiny_flax)
     at_positions = apply({"params": params}, input_ids, attention_mask, masked_positions=masked_positions)
     everywhere = apply({"params": params}, input_ids, attention_mask)
     assert at_positions.shape == (3, 3, VOCAB_SIZE)
-    np.testing.assert_allclose(at_positions, np.take_along_axis(everywhere, masked_positions[:, :, None], axis=1),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        at_positions, np.take_along_axis(everywhere, masked_positions[:, :, None], axis=1), atol=1e-5
+    )
 
 
 def test_gradient_checkpointing_recomputes_layers_with_the_same_parameters_and_logits(tiny_flax):
@@ -180,8 +190,13 @@ def test_dropout_is_active_only_when_not_deterministic(tiny_flax):
     input_ids, attention_mask = example_batch(padded=True)
 
     def run(deterministic, seed):
-        return apply({"params": params}, input_ids, attention_mask, deterministic=deterministic,
-                     rngs={"dropout": jax.random.key(seed)})
+        return apply(
+            {"params": params},
+            input_ids,
+            attention_mask,
+            deterministic=deterministic,
+            rngs={"dropout": jax.random.key(seed)},
+        )
 
     np.testing.assert_array_equal(run(True, 1), run(True, 2))
     np.testing.assert_array_equal(run(True, 1), apply({"params": params}, input_ids, attention_mask))
@@ -196,8 +211,9 @@ def test_attention_dropout_alone_changes_the_output(tiny_flax):
     input_ids, attention_mask = example_batch(padded=True)
 
     def run(seed):
-        return apply({"params": params}, input_ids, attention_mask, deterministic=False,
-                     rngs={"dropout": jax.random.key(seed)})
+        return apply(
+            {"params": params}, input_ids, attention_mask, deterministic=False, rngs={"dropout": jax.random.key(seed)}
+        )
 
     assert not np.allclose(run(1), run(2))
 
@@ -230,8 +246,11 @@ def test_wrong_shaped_checkpoint_is_a_usage_error_naming_the_tensor(tiny_flax):
     config = tiny_config()
     state_dict = run_mlm_flax.to_hf_state_dict(params, config)
     state_dict["roberta.embeddings.word_embeddings.weight"] = np.zeros((120, 64), np.float32)
-    with pytest.raises(run_mlm_flax.UsageError, match=r"roberta\.embeddings\.word_embeddings\.weight has shape "
-                                                      r"\(120, 64\) but the config needs \(101, 64\)"):
+    with pytest.raises(
+        run_mlm_flax.UsageError,
+        match=r"roberta\.embeddings\.word_embeddings\.weight has shape "
+        r"\(120, 64\) but the config needs \(101, 64\)",
+    ):
         run_mlm_flax.from_hf_state_dict(state_dict, config)
 
 
@@ -270,8 +289,9 @@ def make_masking_inputs():
 
 def test_mask_tokens_chooses_mlm_probability_and_splits_80_10_10():
     input_ids, special_tokens_mask = make_masking_inputs()
-    masked, labels, weights = run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                                       seed=0, row_numbers=np.arange(len(input_ids)))
+    masked, labels, weights = run_mlm_flax.mask_tokens(
+        input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, seed=0, row_numbers=np.arange(len(input_ids))
+    )
     chosen = weights == 1.0
     np.testing.assert_array_equal(labels, input_ids)
     assert weights.dtype == np.float32 and set(np.unique(weights)) <= {0.0, 1.0}
@@ -293,8 +313,9 @@ def test_mask_tokens_is_reproducible_from_the_seed():
     input_ids, special_tokens_mask = make_masking_inputs()
 
     def mask(seed):
-        return run_mlm_flax.mask_tokens(input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15,
-                                        seed=seed, row_numbers=np.arange(len(input_ids)))
+        return run_mlm_flax.mask_tokens(
+            input_ids, special_tokens_mask, MASK, VOCAB_SIZE, 0.15, seed=seed, row_numbers=np.arange(len(input_ids))
+        )
 
     for first, second in zip(mask(7), mask(7)):
         np.testing.assert_array_equal(first, second)
@@ -311,7 +332,9 @@ def test_a_row_is_masked_by_its_number_whatever_rows_are_masked_with_it():
     for whole_result, part_result in zip(whole, part):
         np.testing.assert_array_equal(whole_result[100:200], part_result)
     # Rows of equal tokens but other numbers are masked differently.
-    shifted = run_mlm_flax.mask_tokens(input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, (7, 1), rows[:100])
+    shifted = run_mlm_flax.mask_tokens(
+        input_ids[100:200], special_tokens_mask[100:200], MASK, VOCAB_SIZE, 0.15, (7, 1), rows[:100]
+    )
     assert not np.array_equal(shifted[2], part[2])
 
 
@@ -345,8 +368,9 @@ def test_masked_lm_loss_sums_equal_torch_cross_entropy_over_chosen_positions():
 
     loss_sum, correct_sum, weight_sum = run_mlm_flax.masked_lm_loss_sums(jnp.asarray(logits), labels, weights)
     chosen = weights == 1.0
-    reference = torch.nn.functional.cross_entropy(torch.from_numpy(logits[chosen]), torch.from_numpy(labels[chosen]),
-                                                  reduction="sum")
+    reference = torch.nn.functional.cross_entropy(
+        torch.from_numpy(logits[chosen]), torch.from_numpy(labels[chosen]), reduction="sum"
+    )
     assert loss_sum.dtype == correct_sum.dtype == weight_sum.dtype == jnp.float32
     np.testing.assert_allclose(loss_sum, reference.item(), rtol=1e-5)
     assert weight_sum == chosen.sum()
@@ -374,7 +398,9 @@ def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16_through_a_step():
     batch = {name: values.reshape(micro_batches, -1, *values.shape[1:]) for name, values in batch.items()}
 
     def float_dtypes(tree):
-        return {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)}
+        return {
+            str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)
+        }
 
     assert float_dtypes(state.params) == float_dtypes(state.opt_state) == {"bfloat16"}
     new_state, metrics = jax.jit(run_mlm_flax.make_train_step(model, optimizer, schedule, seed=0))(state, batch)

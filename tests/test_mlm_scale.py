@@ -15,12 +15,11 @@ import sys
 import datasets
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-from transformers import AutoTokenizer, RobertaConfig
-
 from conftest import FIXTURES_DIR
+from safetensors.numpy import load_file
 from test_distributed import Processes
 from test_mlm import run_mlm_flax, scalars
+from transformers import AutoTokenizer, RobertaConfig
 
 CORPUS = FIXTURES_DIR / "en"
 SEQUENCE_LENGTH = 32
@@ -113,7 +112,9 @@ def runs(model_dir, packed_dir, tmp_path_factory):
     try:
         started["two"] = start("two", 2, "--packed_data_dir", packed_dir, cache="two")
         started["single"].wait()
-        started["streamed"] = start("streamed", 1, "--streaming", "--shuffle_buffer_size", "100", "--fill_mask_top_k", "3")
+        started["streamed"] = start(
+            "streamed", 1, "--streaming", "--shuffle_buffer_size", "100", "--fill_mask_top_k", "3"
+        )
         for processes in started.values():
             processes.wait()
     finally:
@@ -169,7 +170,9 @@ def test_a_packed_corpus_is_reused_by_later_runs_on_every_process(runs, packed_d
         log = runs["two"].stderr(process_id)
         assert "Packing" not in log and "Tokenizing" not in log
     num_blocks = json.loads((packed_dir / "index.json").read_text())["splits"]["train"]["num_blocks"]
-    assert f"train: {num_blocks} packed blocks of {SEQUENCE_LENGTH - 2} tokens in {packed_dir}" in runs["two"].stderr(0)
+    assert f"train: {num_blocks} packed blocks of {SEQUENCE_LENGTH - 2} tokens in {packed_dir}" in runs["two"].stderr(
+        0
+    )
 
 
 def test_streaming_run_trains_with_max_steps_and_lowers_the_loss(runs):
@@ -274,7 +277,9 @@ def test_streamed_batches_resume_with_the_same_blocks_and_masks(tokenizer, monke
     monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_step=0):
-        block_batches = run_mlm_flax.streaming_train_batches(stream, tokenizer, "text", SEQUENCE_LENGTH - 2, 16, 0, 100, first_step)
+        block_batches = run_mlm_flax.streaming_train_batches(
+            stream, tokenizer, "text", SEQUENCE_LENGTH - 2, 16, 0, 100, first_step
+        )
         return [batch for batch, _ in itertools.islice(
             run_mlm_flax.masked_stream_batches(block_batches, make_batch, 16, seed=0, first_step=first_step), 8 - first_step
         )]  # fmt: skip
@@ -307,7 +312,9 @@ def test_packed_data_dir_holds_the_grouped_blocks_of_the_files_in_shards(packed_
 
 def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokenizer):
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir))
-    with pytest.raises(run_mlm_flax.UsageError, match=r"holds blocks for --max_seq_length 32, not 64; use another --packed_data_dir"):
+    with pytest.raises(
+        run_mlm_flax.UsageError, match=r"holds blocks for --max_seq_length 32, not 64; use another --packed_data_dir"
+    ):
         run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, tokenizer, 64)
 
 
@@ -319,10 +326,19 @@ def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokeni
 @pytest.mark.parametrize(
     "extra_arguments, message",
     [
-        (["--line_by_line", "--streaming", "--max_steps", "5"], "--line_by_line cannot be combined with --streaming, "),
-        (["--line_by_line", "--packed_data_dir", "{tmp}/packed"], "--line_by_line cannot be combined with --packed_data_dir, "),
+        (
+            ["--line_by_line", "--streaming", "--max_steps", "5"],
+            "--line_by_line cannot be combined with --streaming, ",
+        ),
+        (
+            ["--line_by_line", "--packed_data_dir", "{tmp}/packed"],
+            "--line_by_line cannot be combined with --packed_data_dir, ",
+        ),
         (["--streaming"], "--streaming needs --max_steps"),
-        (["--streaming", "--max_steps", "5", "--max_train_samples", "10"], "--max_train_samples does not apply to --streaming"),
+        (
+            ["--streaming", "--max_steps", "5", "--max_train_samples", "10"],
+            "--max_train_samples does not apply to --streaming",
+        ),
     ],
 )
 def test_streaming_and_packing_misuse_is_refused(extra_arguments, message, model_dir, tmp_path, monkeypatch):

@@ -3,11 +3,9 @@
 import json
 import shutil
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
 from conftest import FIXTURES_DIR
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 
 def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, gpt2_tokenizer_dir, tmp_path):
@@ -34,7 +32,8 @@ def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, gpt2
     assert sample_steps == [10, 20]
 
     generator = pipeline(
-        "text-generation", model=AutoModelForCausalLM.from_pretrained(output_dir),
+        "text-generation",
+        model=AutoModelForCausalLM.from_pretrained(output_dir),
         tokenizer=AutoTokenizer.from_pretrained(output_dir),
     )
     text = generator("The gardener", max_new_tokens=5, do_sample=False)[0]["generated_text"]

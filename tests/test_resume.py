@@ -12,11 +12,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
-from transformers import GPT2Config, GPT2LMHeadModel
-
 from conftest import FIXTURES_DIR, REPO_DIR
+from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, run_clm_flax, run_script, tiny_config
+from transformers import GPT2Config, GPT2LMHeadModel
 
 CORPUS = FIXTURES_DIR / "en"
 SECRET = "hf_SECRET_TOKEN_never_to_be_written"
@@ -56,7 +55,10 @@ def losses_per_process(output_dir) -> list[dict]:
 def start_script(argument_list):
     return subprocess.Popen(
         [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *argument_list],
-        env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=OFFLINE_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -120,7 +122,9 @@ def test_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(model
 
     def saving():
         # Orbax writes a checkpoint under a temporary name and renames it when complete.
-        return checkpoints.is_dir() and any("tmp" in name for name in os.listdir(checkpoints) if not name.startswith("8"))
+        return checkpoints.is_dir() and any(
+            "tmp" in name for name in os.listdir(checkpoints) if not name.startswith("8")
+        )
 
     process = start_script(arguments(model_dir, output_dir))
     kill_when(process, saving, "a checkpoint after the first was being written")
@@ -167,7 +171,9 @@ def run_main(monkeypatch, argument_list):
 def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(model_dir, tmp_path, monkeypatch):
     output_dir = tmp_path / "diverged"
     # A learning rate this large overflows float32 on the second update.
-    diverging = arguments(model_dir, output_dir, "--learning_rate", "1e30", "--max_grad_norm", "0", "--save_steps", "1")
+    diverging = arguments(
+        model_dir, output_dir, "--learning_rate", "1e30", "--max_grad_norm", "0", "--save_steps", "1"
+    )
     with pytest.raises(run_clm_flax.UsageError) as error:
         run_main(monkeypatch, diverging)
     message = str(error.value)
@@ -194,8 +200,13 @@ def test_checkpoint_of_another_model_shape_is_refused(model_dir, uninterrupted_r
     config_dir = tmp_path / "wider"
     shutil.copytree(model_dir, config_dir)
     tiny_config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=2).save_pretrained(config_dir)
-    resume = arguments(model_dir, output_dir, "--config_name", str(config_dir), "--max_steps", "50", "--resume_from_checkpoint")
-    with pytest.raises(run_clm_flax.UsageError, match=r"does not fit this model \(parameter .* has shape \(384,\) there, \(192,\) here\)"):
+    resume = arguments(
+        model_dir, output_dir, "--config_name", str(config_dir), "--max_steps", "50", "--resume_from_checkpoint"
+    )
+    with pytest.raises(
+        run_clm_flax.UsageError,
+        match=r"does not fit this model \(parameter .* has shape \(384,\) there, \(192,\) here\)",
+    ):
         run_main(monkeypatch, resume)
 
 
@@ -205,7 +216,11 @@ def test_checkpoint_of_another_model_shape_is_refused(model_dir, uninterrupted_r
         (b"", [], "is empty"),
         (b"valid text\n\xff\xfe\xfa not UTF-8\n", [], "UnicodeDecodeError"),
         (b"too short\n", [], "fewer tokens than one block of 32"),
-        (b"long enough for a few blocks, " * 40 + b"\n", ["--per_device_train_batch_size", "64"], "fewer than one global batch of 64"),
+        (
+            b"long enough for a few blocks, " * 40 + b"\n",
+            ["--per_device_train_batch_size", "64"],
+            "fewer than one global batch of 64",
+        ),
     ],
 )
 def test_unusable_data_is_refused(content, extra_arguments, message, model_dir, tmp_path, monkeypatch):
@@ -238,7 +253,9 @@ def test_pickle_weights_load_only_on_request(model_dir, tmp_path, monkeypatch):
 def test_remote_code_is_never_run(model_dir, tmp_path, monkeypatch):
     config_dir = tmp_path / "remote-code"
     config_dir.mkdir()
-    (config_dir / "config.json").write_text(json.dumps({"model_type": "custom", "auto_map": {"AutoConfig": "custom.Config"}}))
+    (config_dir / "config.json").write_text(
+        json.dumps({"model_type": "custom", "auto_map": {"AutoConfig": "custom.Config"}})
+    )
     marker = tmp_path / "remote-code-ran"
     (config_dir / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Config: pass\n")
     with pytest.raises(run_clm_flax.UsageError, match="cannot load --config_name"):

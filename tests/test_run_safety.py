@@ -16,10 +16,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import FIXTURES_DIR, REPO_DIR
 from jax.experimental.compilation_cache import compilation_cache
 from safetensors.numpy import load_file
-
-from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
 from test_mlm import run_mlm_flax
 

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import REPO_DIR
 from test_clm import run_clm_flax, tiny_config
 
@@ -91,7 +90,9 @@ def test_gradient_checkpointing_lowers_the_step_memory():
 def test_bfloat16_computes_in_bfloat16_and_keeps_float32_state_and_logits():
     config = tiny_config()
     state, train_step = training_setup(config, dtype=jnp.bfloat16)
-    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state)) if leaf.ndim} == {"float32"}
+    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state)) if leaf.ndim} == {
+        "float32"
+    }
     model = run_clm_flax.FlaxGPT2LMHeadModel(config, dtype=jnp.bfloat16)
     logits = model.apply({"params": state.params}, jnp.asarray(batch(2)))
     assert logits.dtype == jnp.float32
@@ -110,7 +111,9 @@ def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16():
     state, train_step = training_setup(tiny_config(), param_dtype=jnp.bfloat16)
 
     def float_dtypes(tree):
-        return {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)}
+        return {
+            str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)
+        }
 
     assert float_dtypes(state.params) == float_dtypes(state.opt_state) == {"bfloat16"}
     new_state, metrics = train_step(state, {"input_ids": batch(4).reshape(micro_batches, -1, LENGTH)})
@@ -159,7 +162,9 @@ FSDP_CHECK = textwrap.dedent(
 def test_fsdp_divides_the_state_over_devices_and_keeps_the_losses():
     result = subprocess.run(
         [sys.executable, "-c", FSDP_CHECK.format(repo=str(REPO_DIR))],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -175,7 +180,11 @@ def test_fsdp_divides_the_state_over_devices_and_keeps_the_losses():
 
 @pytest.mark.parametrize(
     "mesh_shape, message",
-    [("data=3,fsdp=3", "has 9 devices but there are 1"), ("data=1,tensor=1", "the axes are data and fsdp"), ("fsdp", "write it as")],
+    [
+        ("data=3,fsdp=3", "has 9 devices but there are 1"),
+        ("data=1,tensor=1", "the axes are data and fsdp"),
+        ("fsdp", "write it as"),
+    ],
 )
 def test_bad_mesh_shape_is_refused(mesh_shape, message):
     with pytest.raises(run_clm_flax.UsageError, match=message):
@@ -191,8 +200,10 @@ def test_command_line_accumulation_matches_the_larger_batch(gpt2_tokenizer_dir, 
         (model_dir / name).write_bytes((gpt2_tokenizer_dir / name).read_bytes())
     tiny_config(vocab_size=1000, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).save_pretrained(model_dir)
     losses = {}
-    for name, batch_options in [("whole", ["--per_device_train_batch_size", "8"]),
-                                ("accumulated", ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"])]:
+    for name, batch_options in [
+        ("whole", ["--per_device_train_batch_size", "8"]),
+        ("accumulated", ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]),
+    ]:
         monkeypatch.setattr(sys, "argv", [
             "run_clm_flax.py", "--output_dir", str(tmp_path / name), "--config_name", str(model_dir),
             "--tokenizer_name", str(model_dir), "--train_file", str(REPO_DIR / "tests" / "fixtures" / "en" / "train.txt"),

@@ -182,7 +182,9 @@ def test_text_is_streamed_in_batches_not_read_whole(tmp_path):
     with open(tmp_path / "rows.jsonl", "w", encoding="utf-8") as jsonl_file:
         for number in range(2500):
             jsonl_file.write(json.dumps({"text": f"row {number}"}) + "\n")
-    sources = train_tokenizer.open_text_sources(train_tokenizer.DataArguments(train_file=[str(tmp_path / "rows.jsonl")]))
+    sources = train_tokenizer.open_text_sources(
+        train_tokenizer.DataArguments(train_file=[str(tmp_path / "rows.jsonl")])
+    )
     counts = train_tokenizer.ReadCounts()
 
     batches = list(train_tokenizer.text_batches(sources, counts))
