@@ -1902,6 +1902,72 @@ def first_blocks(
     return np.concatenate(blocks)[:count]
 
 
+def load_data(model_args, data_args, training_args, tokenizer, block_size: int) -> tuple[dict, Any]:
+    """Blocks of block_size tokens, {split: array-like}; with --streaming the training blocks come from a
+    stream. Every process holds all blocks (memory-mapped) and loads only its rows of each batch.
+    """
+    blocks, train_stream = {}, None
+    if data_args.packed_data_dir:
+        blocks = load_packed_corpus(model_args, data_args, tokenizer, block_size)
+        if not (training_args.do_train or training_args.do_eval):
+            return blocks, None
+    elif data_args.streaming:
+        streams = load_text_datasets(model_args, data_args, streaming=True)
+        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+        if training_args.do_train:
+            if "train" not in streams:
+                raise UsageError("--do_train needs training data, and the dataset has no train split")
+            train_stream = streams["train"]
+        if training_args.do_eval:
+            if "validation" not in streams:
+                raise UsageError(
+                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
+                    "has no length to hold a percentage out from"
+                )
+            # Read once, so that every evaluation (on every process) sees the same blocks.
+            blocks["validation"] = first_blocks(
+                streams["validation"],
+                tokenizer,
+                data_args.text_column_name,
+                block_size,
+                data_args.max_eval_samples,
+                "validation",
+            )
+            logger.info("validation: the first %d blocks of the stream", len(blocks["validation"]))
+    else:
+        with main_process_first("data prepared"):
+            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=False)
+            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
+            blocks = {
+                split: tokenize_and_pack(
+                    raw_datasets[split],
+                    tokenizer,
+                    data_args.text_column_name,
+                    block_size,
+                    data_args.preprocessing_num_workers,
+                    data_args.overwrite_cache,
+                    split,
+                )
+                for split in raw_datasets
+                if split in ("train", "validation")
+            }
+        blocks = hold_out_blocks(blocks, data_args.validation_split_percentage)
+    if data_args.max_train_samples is not None and "train" in blocks:
+        blocks["train"] = blocks["train"][: data_args.max_train_samples]
+    if data_args.max_eval_samples is not None and "validation" in blocks:
+        blocks["validation"] = blocks["validation"][: data_args.max_eval_samples]
+    for split, split_blocks in blocks.items():
+        if len(split_blocks) == 0:
+            raise UsageError(
+                f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
+            )
+    if training_args.do_train and "train" not in blocks and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
+    if training_args.do_eval and "validation" not in blocks:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+    return blocks, train_stream
+
+
 # ----------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------
@@ -1993,17 +2059,7 @@ def main():
     # they have all joined, they do.
     wait_for_all_processes("arguments checked")
     is_main_process = jax.process_index() == 0
-    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
-    logging.basicConfig(
-        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if is_main_process else logging.ERROR,
-        force=True,  # importing orbax installs absl's handler, which would hide these logs
-    )
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    datasets.utils.logging.set_verbosity_warning()
-    transformers.utils.logging.set_verbosity_warning()
-    if not is_main_process:
-        datasets.disable_progress_bars()
+    setup_logging(is_main_process)
     logger.info(
         "%d devices over %d processes (%d here): %s",
         jax.device_count(),
@@ -2022,69 +2078,11 @@ def main():
             f"--block_size {block_size} exceeds the model's n_positions {config.n_positions}; lower --block_size"
         )
 
-    # Data: blocks of block_size tokens, {split: array-like}; with --streaming the training blocks come from a
-    # stream. Every process holds all blocks (memory-mapped) and loads only its rows of each batch.
-    blocks, train_stream = {}, None
-    if data_args.packed_data_dir:
-        blocks = load_packed_corpus(model_args, data_args, tokenizer, block_size)
-        if not (training_args.do_train or training_args.do_eval):
-            if jax.process_index() == 0:
-                print(f"packed data: {data_args.packed_data_dir}")
-            return
-    elif data_args.streaming:
-        streams = load_text_datasets(model_args, data_args, streaming=True)
-        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-        if training_args.do_train:
-            if "train" not in streams:
-                raise UsageError("--do_train needs training data, and the dataset has no train split")
-            train_stream = streams["train"]
-        if training_args.do_eval:
-            if "validation" not in streams:
-                raise UsageError(
-                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
-                    "has no length to hold a percentage out from"
-                )
-            # Read once, so that every evaluation (on every process) sees the same blocks.
-            blocks["validation"] = first_blocks(
-                streams["validation"],
-                tokenizer,
-                data_args.text_column_name,
-                block_size,
-                data_args.max_eval_samples,
-                "validation",
-            )
-            logger.info("validation: the first %d blocks of the stream", len(blocks["validation"]))
-    else:
-        with main_process_first("data prepared"):
-            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=False)
-            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
-            blocks = {
-                split: tokenize_and_pack(
-                    raw_datasets[split],
-                    tokenizer,
-                    data_args.text_column_name,
-                    block_size,
-                    data_args.preprocessing_num_workers,
-                    data_args.overwrite_cache,
-                    split,
-                )
-                for split in raw_datasets
-                if split in ("train", "validation")
-            }
-        blocks = hold_out_blocks(blocks, data_args.validation_split_percentage)
-    if data_args.max_train_samples is not None and "train" in blocks:
-        blocks["train"] = blocks["train"][: data_args.max_train_samples]
-    if data_args.max_eval_samples is not None and "validation" in blocks:
-        blocks["validation"] = blocks["validation"][: data_args.max_eval_samples]
-    for split, split_blocks in blocks.items():
-        if len(split_blocks) == 0:
-            raise UsageError(
-                f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
-            )
-    if training_args.do_train and "train" not in blocks and train_stream is None:
-        raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in blocks:
-        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+    blocks, train_stream = load_data(model_args, data_args, training_args, tokenizer, block_size)
+    if not (training_args.do_train or training_args.do_eval):
+        if is_main_process:
+            print(f"packed data: {data_args.packed_data_dir}")
+        return
 
     # Model, mesh, optimizer, training state
     mesh = create_mesh(training_args.mesh_shape)
@@ -2554,6 +2552,21 @@ def initialize_distributed(distributed_args):
             f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
             f"({error}); pass --coordinator_address, --num_processes and --process_id"
         ) from None
+
+
+def setup_logging(is_main_process: bool):
+    """One log format for every process; only process 0 logs below ERROR."""
+    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
+    logging.basicConfig(
+        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if is_main_process else logging.ERROR,
+        force=True,  # importing orbax installs absl's handler, which would hide these logs
+    )
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    datasets.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.set_verbosity_warning()
+    if not is_main_process:
+        datasets.disable_progress_bars()
 
 
 def wait_for_all_processes(name: str):

@@ -2210,6 +2210,85 @@ def masked_stream_batches(
         yield masked, global_batch_size * make_batch.max_seq_length
 
 
+def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: int) -> tuple[dict, Any]:
+    """{split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
+    <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
+    holds all examples (memory-mapped) and reads only its rows of each batch.
+    """
+    block_size = max_seq_length - 2
+    examples, train_stream = {}, None
+    if data_args.packed_data_dir:
+        examples = load_packed_corpus(model_args, data_args, tokenizer, max_seq_length)
+        if not (training_args.do_train or training_args.do_eval):
+            return examples, None
+    elif data_args.streaming:
+        streams = load_text_datasets(model_args, data_args, streaming=True)
+        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+        if training_args.do_train:
+            if "train" not in streams:
+                raise UsageError("--do_train needs training data, and the dataset has no train split")
+            train_stream = streams["train"]
+        if training_args.do_eval:
+            if "validation" not in streams:
+                raise UsageError(
+                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
+                    "has no length to hold a percentage out from"
+                )
+            # Read once, so that every evaluation (on every process) sees the same blocks.
+            examples["validation"] = first_blocks(
+                streams["validation"],
+                tokenizer,
+                data_args.text_column_name,
+                block_size,
+                data_args.max_eval_samples,
+                "validation",
+            )
+            logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
+    else:
+        with main_process_first("data prepared"):
+            # Lines are held out for evaluation as lines; grouped, blocks are held out, as from a packed corpus.
+            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=data_args.line_by_line)
+            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
+            for split in ("train", "validation"):
+                if split not in raw_datasets:
+                    continue
+                dataset, column = raw_datasets[split], data_args.text_column_name
+                workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
+                if data_args.line_by_line:
+                    examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
+                else:
+                    examples[split] = tokenize_and_pack(
+                        dataset, tokenizer, column, block_size, workers, overwrite_cache, split
+                    )
+        examples = hold_out_blocks(examples, data_args.validation_split_percentage)
+    if data_args.max_train_samples is not None and "train" in examples:
+        examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
+    if data_args.max_eval_samples is not None and "validation" in examples:
+        examples["validation"] = first_examples(examples["validation"], data_args.max_eval_samples)
+    for split, split_examples in examples.items():
+        if len(split_examples) == 0:
+            raise UsageError(
+                f"the {split} data has no non-empty lines"
+                if data_args.line_by_line
+                else f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower --max_seq_length"
+            )
+    if training_args.do_train and "train" not in examples and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
+    if training_args.do_eval and "validation" not in examples:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+    if data_args.line_by_line:
+        for split, split_examples in examples.items():
+            lengths = np.diff(split_examples.offsets)
+            logger.info(
+                "%s: %d of %d lines are longer than %d tokens and get truncated",
+                split,
+                int(np.sum(lengths > max_seq_length - 2)),
+                len(lengths),
+                max_seq_length - 2,
+            )
+    return examples, train_stream
+
+
 # ----------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------
@@ -2346,17 +2425,7 @@ def main():
     # they have all joined, they do.
     wait_for_all_processes("arguments checked")
     is_main_process = jax.process_index() == 0
-    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
-    logging.basicConfig(
-        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if is_main_process else logging.ERROR,
-        force=True,  # importing orbax installs absl's handler, which would hide these logs
-    )
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    datasets.utils.logging.set_verbosity_warning()
-    transformers.utils.logging.set_verbosity_warning()
-    if not is_main_process:
-        datasets.disable_progress_bars()
+    setup_logging(is_main_process)
     logger.info(
         "%d devices over %d processes (%d here): %s",
         jax.device_count(),
@@ -2374,82 +2443,11 @@ def main():
     if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
         raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
 
-    # Data: {split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
-    # <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
-    # holds all examples (memory-mapped) and reads only its rows of each batch.
-    block_size = max_seq_length - 2
-    examples, train_stream = {}, None
-    if data_args.packed_data_dir:
-        examples = load_packed_corpus(model_args, data_args, tokenizer, max_seq_length)
-        if not (training_args.do_train or training_args.do_eval):
-            if is_main_process:
-                print(f"packed data: {data_args.packed_data_dir}")
-            return
-    elif data_args.streaming:
-        streams = load_text_datasets(model_args, data_args, streaming=True)
-        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-        if training_args.do_train:
-            if "train" not in streams:
-                raise UsageError("--do_train needs training data, and the dataset has no train split")
-            train_stream = streams["train"]
-        if training_args.do_eval:
-            if "validation" not in streams:
-                raise UsageError(
-                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
-                    "has no length to hold a percentage out from"
-                )
-            # Read once, so that every evaluation (on every process) sees the same blocks.
-            examples["validation"] = first_blocks(
-                streams["validation"],
-                tokenizer,
-                data_args.text_column_name,
-                block_size,
-                data_args.max_eval_samples,
-                "validation",
-            )
-            logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
-    else:
-        with main_process_first("data prepared"):
-            # Lines are held out for evaluation as lines; grouped, blocks are held out, as from a packed corpus.
-            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=data_args.line_by_line)
-            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
-            for split in ("train", "validation"):
-                if split not in raw_datasets:
-                    continue
-                dataset, column = raw_datasets[split], data_args.text_column_name
-                workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
-                if data_args.line_by_line:
-                    examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
-                else:
-                    examples[split] = tokenize_and_pack(
-                        dataset, tokenizer, column, block_size, workers, overwrite_cache, split
-                    )
-        examples = hold_out_blocks(examples, data_args.validation_split_percentage)
-    if data_args.max_train_samples is not None and "train" in examples:
-        examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
-    if data_args.max_eval_samples is not None and "validation" in examples:
-        examples["validation"] = first_examples(examples["validation"], data_args.max_eval_samples)
-    for split, split_examples in examples.items():
-        if len(split_examples) == 0:
-            raise UsageError(
-                f"the {split} data has no non-empty lines"
-                if data_args.line_by_line
-                else f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower --max_seq_length"
-            )
-    if training_args.do_train and "train" not in examples and train_stream is None:
-        raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in examples:
-        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    if data_args.line_by_line:
-        for split, split_examples in examples.items():
-            lengths = np.diff(split_examples.offsets)
-            logger.info(
-                "%s: %d of %d lines are longer than %d tokens and get truncated",
-                split,
-                int(np.sum(lengths > max_seq_length - 2)),
-                len(lengths),
-                max_seq_length - 2,
-            )
+    examples, train_stream = load_data(model_args, data_args, training_args, tokenizer, max_seq_length)
+    if not (training_args.do_train or training_args.do_eval):
+        if is_main_process:
+            print(f"packed data: {data_args.packed_data_dir}")
+        return
     make_batch = BatchMaker.from_tokenizer(
         tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length
     )
@@ -2650,7 +2648,7 @@ def main():
                     train_stream,
                     tokenizer,
                     data_args.text_column_name,
-                    block_size,
+                    max_seq_length - 2,
                     train_batch_size,
                     seed,
                     data_args.shuffle_buffer_size,
@@ -2942,6 +2940,22 @@ def initialize_distributed(distributed_args):
             f"{launcher} started this process as one of several, but JAX cannot tell how to join the others "
             f"({error}); pass --coordinator_address, --num_processes and --process_id"
         ) from None
+
+
+# Copied from run_clm_flax.setup_logging
+def setup_logging(is_main_process: bool):
+    """One log format for every process; only process 0 logs below ERROR."""
+    process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
+    logging.basicConfig(
+        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if is_main_process else logging.ERROR,
+        force=True,  # importing orbax installs absl's handler, which would hide these logs
+    )
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    datasets.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.set_verbosity_warning()
+    if not is_main_process:
+        datasets.disable_progress_bars()
 
 
 # Copied from run_clm_flax.wait_for_all_processes
