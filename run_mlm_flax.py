@@ -1040,6 +1040,16 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: Any
 
 
+# What the train step sums over masked tokens, and the metrics shown from those sums.
+TRAIN_METRIC_SUMS = ("loss_sum", "correct_sum", "weight_sum")
+
+
+def train_metrics(sums: dict) -> dict:
+    """The training metrics of a log line and of train_results.json, from the sums over the steps it covers."""
+    masked_tokens = max(sums["weight_sum"], 1.0)
+    return {"loss": sums["loss_sum"] / masked_tokens, "accuracy": sums["correct_sum"] / masked_tokens}
+
+
 # Copied from run_clm_flax.learning_rate_schedule
 def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
     warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
@@ -2294,6 +2304,71 @@ def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: i
 # ----------------------------------------------------------------------------------------------------
 
 
+def main():
+    model_args, data_args, training_args, distributed_args = parse_arguments()
+    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
+        # As in the Hugging Face Flax example: without either flag, train (given training data) and evaluate.
+        # With --packed_data_dir and neither flag, the data is only packed, as in run_clm_flax.py.
+        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
+        training_args.do_eval = True
+    initialize_distributed(distributed_args)
+    check_arguments(model_args, data_args, training_args)
+    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also sets up
+    # the processes' collectives, which they must reach within 30 s of each other: right after joining, they do.
+    wait_for_all_processes("arguments checked")
+    setup_logging(is_main_process=jax.process_index() == 0)
+    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
+
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    check_model_and_tokenizer(config, tokenizer, training_args)
+    max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
+    examples, train_stream = load_data(model_args, data_args, training_args, tokenizer, max_seq_length)
+    if not (training_args.do_train or training_args.do_eval):
+        print_once(f"packed data: {data_args.packed_data_dir}")
+        return
+    make_batch = BatchMaker.from_tokenizer(
+        tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length
+    )
+
+    model = FlaxRobertaForMaskedLM(
+        config,
+        dtype=jnp.dtype(model_args.dtype),
+        param_dtype=jnp.dtype(model_args.param_dtype),
+        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
+    )
+    setup = set_up_training(model, make_eval_step(model), training_args, examples.get("train"), max_seq_length)
+    state, progress = initial_state(model_args, training_args, setup)
+    # Process 0 holds the lock on the output directory until this process ends, for all processes.
+    output_dir_lock = on_process_zero(  # noqa: F841
+        lambda: prepare_output_dir(training_args, progress.step), f"lock --output_dir {training_args.output_dir}"
+    )
+    writer = open_writer(training_args.output_dir, model_args, data_args, training_args)
+    evaluation = Evaluation(setup, examples.get("validation"), make_batch, tokenizer, training_args, writer)
+
+    train_now = training_args.do_train and progress.step < setup.total_steps
+    if train_now:
+        batches = train_batches_from(
+            progress.step, setup, examples.get("train"), train_stream, make_batch, tokenizer, data_args, training_args
+        )
+        save = partial(save_run, setup, config, tokenizer, saved_arguments(model_args, data_args, training_args))
+        log = TrainingLog(train_metrics, writer, training_args.skip_nonfinite_steps, progress.step, setup.total_steps)
+        state, stopped_by = train(state, progress, batches, setup.train_step, save, evaluation, log, training_args)
+        if stopped_by:
+            report_stop(stopped_by, progress.step, training_args.output_dir, writer)
+            return
+        write_train_results(training_args.output_dir, train_metrics(progress.metric_sums), setup, log)
+    elif training_args.do_train:
+        export_complete_run(training_args.output_dir, state.params, config, tokenizer)
+    if training_args.do_eval:
+        evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not train_now)
+    if writer:
+        writer.close()
+    if train_now:
+        evaluation.fill_mask_with_export(config)
+    if training_args.do_train:
+        print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+
+
 # Copied from run_clm_flax.load_config_and_tokenizer
 def load_config_and_tokenizer(model_args):
     def load(loader, name, flag):
@@ -2372,8 +2447,12 @@ def load_config_and_tokenizer(model_args):
     return config, tokenizer
 
 
-def check_tokenizer(tokenizer, config):
-    """The special tokens masked language modelling and RoBERTa's position numbering need."""
+def check_model_and_tokenizer(config, tokenizer, training_args):
+    """The model must be a RoBERTa, and the tokenizer must have the special tokens masked language modelling and
+    RoBERTa's position numbering need."""
+    check_model_config(config)
+    if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
+        raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
     if len(tokenizer) > config.vocab_size:  # masking draws random replacements from every id of the tokenizer
         raise UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
@@ -2411,21 +2490,28 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
     return data_args.max_seq_length
 
 
-def main():
-    model_args, data_args, training_args, distributed_args = parse_arguments()
-    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
-        # As in the Hugging Face Flax example: without either flag, train (given training data) and evaluate.
-        # With --packed_data_dir and neither flag, the data is only packed, as in run_clm_flax.py.
-        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
-        training_args.do_eval = True
-    initialize_distributed(distributed_args)
-    check_arguments(model_args, data_args, training_args)
-    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
-    # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
-    # they have all joined, they do.
-    wait_for_all_processes("arguments checked")
-    is_main_process = jax.process_index() == 0
-    setup_logging(is_main_process)
+# Copied from run_clm_flax.TrainingSetup
+@dataclass
+class TrainingSetup:
+    """What training and evaluation need, built once: sizes, the mesh's shardings, the optimizer, the shapes of the
+    training state and the compiled steps."""
+
+    model: nn.Module
+    sequence_length: int
+    train_batch_size: int  # global: over all devices and micro-batches
+    eval_batch_size: int
+    steps_per_epoch: int | None  # None for a stream, whose length is unknown
+    total_steps: int
+    batch_sharding: NamedSharding
+    micro_batches_sharding: NamedSharding
+    optimizer: optax.GradientTransformation
+    abstract_state: TrainState
+    train_step: Any
+    eval_step: Any
+
+
+# Copied from run_clm_flax.set_up_training
+def set_up_training(model, eval_step, training_args, train_examples, sequence_length: int) -> TrainingSetup:
     logger.info(
         "%d devices over %d processes (%d here): %s",
         jax.device_count(),
@@ -2433,151 +2519,170 @@ def main():
         jax.local_device_count(),
         jax.devices(),
     )
-    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
-
-    # Model config and tokenizer
-    config, tokenizer = load_config_and_tokenizer(model_args)
-    check_model_config(config)
-    check_tokenizer(tokenizer, config)
-    max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
-    if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
-        raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
-
-    examples, train_stream = load_data(model_args, data_args, training_args, tokenizer, max_seq_length)
-    if not (training_args.do_train or training_args.do_eval):
-        if is_main_process:
-            print(f"packed data: {data_args.packed_data_dir}")
-        return
-    make_batch = BatchMaker.from_tokenizer(
-        tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length
-    )
-
-    # Model, mesh, optimizer, training state
     mesh = create_mesh(training_args.mesh_shape)
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, ...)
     accumulation_steps = training_args.gradient_accumulation_steps
     train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
-    eval_batch_size = training_args.per_device_eval_batch_size * jax.device_count()
-    model = FlaxRobertaForMaskedLM(
-        config,
-        dtype=jnp.dtype(model_args.dtype),
-        param_dtype=jnp.dtype(model_args.param_dtype),
-        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
-    )
-
-    total_steps = 1
-    if training_args.do_train and train_stream is not None:
-        steps_per_epoch = None  # a stream's length is unknown
-        total_steps = training_args.max_steps
-    elif training_args.do_train:
-        steps_per_epoch = len(examples["train"]) // train_batch_size
-        if steps_per_epoch == 0:
-            raise UsageError(
-                f"the training data makes {len(examples['train'])} examples, fewer than one global batch of "
-                f"{train_batch_size}; add data or lower --per_device_train_batch_size or --max_seq_length"
-            )
-        if training_args.max_steps > 0:
-            total_steps = training_args.max_steps
-        else:
-            total_steps = max(1, int(training_args.num_train_epochs * steps_per_epoch))
+    steps_per_epoch, total_steps = count_steps(training_args, train_examples, train_batch_size)
     schedule = learning_rate_schedule(training_args, total_steps)
     optimizer = create_optimizer(training_args, schedule)
-
-    dummy_input = jnp.zeros((1, max_seq_length), jnp.int32)
-    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
+    abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
     state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-    progress_record = {"step": 0, "train_loss_sum": 0.0, "train_correct_sum": 0.0, "train_weight_sum": 0.0}
-    restored = None
-    if training_args.resume_from_checkpoint:
-        restored = restore_checkpoint(
-            training_args.resume_from_checkpoint,
-            training_args.output_dir,
-            abstract_state,
-            [*progress_record, "global_batch_size", "max_seq_length"],
-        )
-        if restored is None:
-            logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
-    run_complete = False
-    if restored:
-        state, progress_record, checkpoint_path = restored
-        logger.info("Resumed from %s at step %d", checkpoint_path, progress_record["step"])
-        if training_args.overwrite_output_dir:
-            logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
-        if (progress_record["global_batch_size"], progress_record["max_seq_length"]) != (
-            train_batch_size,
-            max_seq_length,
-        ):
-            logger.warning(
-                "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
-                "order and the masks differ from the interrupted run's",
-                progress_record["global_batch_size"],
-                progress_record["max_seq_length"],
-                train_batch_size,
-                max_seq_length,
-            )
-        if progress_record["step"] > total_steps:
-            raise UsageError(
-                f"the checkpoint is at step {progress_record['step']}, after this run's last step {total_steps}; "
-                "raise --max_steps or --num_train_epochs to train further"
-            )
-        run_complete = progress_record["step"] == total_steps
-        if run_complete:
-            logger.info("The run is complete (step %d of %d): nothing left to train", total_steps, total_steps)
-    else:
-        loaded_params = None
-        if model_args.model_name_or_path:
-            loaded_params = jax.tree_util.tree_map(
-                lambda value, leaf: value.astype(leaf.dtype),
-                from_hf_state_dict(read_safetensors_checkpoint(model_args.model_name_or_path, model_args), config),
-                abstract_state.params,
-            )
-            logger.info("Loaded weights from %s", model_args.model_name_or_path)
-        state = create_train_state(model, optimizer, abstract_state, training_args.seed, dummy_input, loaded_params)
-    num_params = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
     logger.info(
-        "RoBERTa with %.1fM parameters in %s, computing in %s, on a mesh of %s",
-        num_params / 1e6,
-        model_args.param_dtype,
-        model_args.dtype,
+        "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",
+        type(model).__name__,
+        sum(leaf.size for leaf in jax.tree_util.tree_leaves(abstract_state.params)) / 1e6,
+        jnp.dtype(model.param_dtype),
+        jnp.dtype(model.dtype),
         dict(mesh.shape),
     )
-
-    train_step = jax.jit(
-        make_train_step(model, optimizer, schedule, training_args.seed),
-        in_shardings=(state_shardings, micro_batches_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=(0,),
-        compiler_options=train_step_compiler_options(),
+    return TrainingSetup(
+        model=model,
+        sequence_length=sequence_length,
+        train_batch_size=train_batch_size,
+        eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        batch_sharding=batch_sharding,
+        micro_batches_sharding=micro_batches_sharding,
+        optimizer=optimizer,
+        abstract_state=abstract_state,
+        train_step=jax.jit(
+            make_train_step(model, optimizer, schedule, training_args.seed),
+            in_shardings=(state_shardings, micro_batches_sharding),
+            out_shardings=(state_shardings, None),
+            donate_argnums=(0,),
+            compiler_options=train_step_compiler_options(),
+        ),
+        eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
     )
-    eval_step = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sharding))
 
-    def prepare_output_dir():
-        lock = lock_output_dir(training_args.output_dir)
-        refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
-        if training_args.do_train:
-            if training_args.overwrite_output_dir and not restored:
-                clear_previous_run(training_args.output_dir)
-            set_aside_checkpoints_after(training_args.output_dir, progress_record["step"])
-        return lock
 
-    # Process 0 holds the lock until this process ends, for all processes.
-    lock_failure = f"lock --output_dir {training_args.output_dir}"
-    output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
+# Copied from run_clm_flax.count_steps
+def count_steps(training_args, train_examples, train_batch_size: int) -> tuple[int | None, int]:
+    """Steps per epoch (None without training data of known length) and the run's last step."""
+    if not training_args.do_train:
+        return None, 1
+    if train_examples is None:  # a stream
+        return None, training_args.max_steps
+    steps_per_epoch = len(train_examples) // train_batch_size
+    if steps_per_epoch == 0:
+        raise UsageError(
+            f"the training data makes {len(train_examples)} sequences, fewer than one global batch of "
+            f"{train_batch_size}; add data or lower --per_device_train_batch_size or the sequence length"
+        )
+    if training_args.max_steps > 0:
+        return steps_per_epoch, training_args.max_steps
+    return steps_per_epoch, max(1, int(training_args.num_train_epochs * steps_per_epoch))
+
+
+# Copied from run_clm_flax.initial_state with block_size->max_seq_length
+def initial_state(model_args, training_args, setup: TrainingSetup) -> tuple[TrainState, "TrainingProgress"]:
+    """The state to start from: with --resume_from_checkpoint the newest (or the named) training checkpoint, if
+    there is one; otherwise new weights, or those of the Hugging Face checkpoint --model_name_or_path."""
+    if training_args.resume_from_checkpoint:
+        record_keys = ["step", *(f"train_{name}" for name in TRAIN_METRIC_SUMS), "global_batch_size", "max_seq_length"]
+        restored = restore_checkpoint(
+            training_args.resume_from_checkpoint, training_args.output_dir, setup.abstract_state, record_keys
+        )
+        if restored:
+            state, record, path = restored
+            logger.info("Resumed from %s at step %d", path, record["step"])
+            check_resumed_run(record, setup, training_args)
+            return state, TrainingProgress.from_record(record)
+        logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
+    dummy_input = jnp.zeros((1, setup.sequence_length), jnp.int32)
+    loaded_params = pretrained_params(model_args, setup)
+    state = create_train_state(
+        setup.model, setup.optimizer, setup.abstract_state, training_args.seed, dummy_input, loaded_params
+    )
+    return state, TrainingProgress(metric_sums=dict.fromkeys(TRAIN_METRIC_SUMS, 0.0))
+
+
+def pretrained_params(model_args, setup: TrainingSetup):
+    """The weights of the Hugging Face checkpoint --model_name_or_path in this model's layout; None without one."""
+    if not model_args.model_name_or_path:
+        return None
+    checkpoint = read_safetensors_checkpoint(model_args.model_name_or_path, model_args)
+    params = from_hf_state_dict(checkpoint, setup.model.config)
+    logger.info("Loaded weights from %s", model_args.model_name_or_path)
+    return params
+
+
+# Copied from run_clm_flax.check_resumed_run with block_size->max_seq_length
+def check_resumed_run(record: dict, setup: TrainingSetup, training_args):
+    if training_args.overwrite_output_dir:
+        logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
+    if (record["global_batch_size"], record["max_seq_length"]) != (setup.train_batch_size, setup.sequence_length):
+        logger.warning(
+            "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
+            "order differs from the interrupted run's",
+            record["global_batch_size"],
+            record["max_seq_length"],
+            setup.train_batch_size,
+            setup.sequence_length,
+        )
+    if not training_args.do_train:
+        return
+    if record["step"] > setup.total_steps:
+        raise UsageError(
+            f"the checkpoint is at step {record['step']}, after this run's last step {setup.total_steps}; "
+            "raise --max_steps or --num_train_epochs to train further"
+        )
+    if record["step"] == setup.total_steps:
+        logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
+
+
+# Copied from run_clm_flax.prepare_output_dir
+def prepare_output_dir(training_args, resumed_step: int):
+    """Lock the output directory for this run (the lock is returned: it lasts as long as the object), and clear or
+    set aside what an earlier run left that this one would mix with its own."""
+    lock = lock_output_dir(training_args.output_dir)
+    refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
+    if training_args.do_train:
+        if training_args.overwrite_output_dir and not resumed_step:
+            clear_previous_run(training_args.output_dir)
+        set_aside_checkpoints_after(training_args.output_dir, resumed_step)
     os.makedirs(training_args.output_dir, exist_ok=True)
-    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
-    if writer:
-        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+    return lock
 
-    def run_evaluation(step: int) -> dict:
-        results = evaluate(
-            eval_step,
-            state.params,
-            examples["validation"],
+
+# Copied from run_clm_flax.open_writer
+def open_writer(output_dir: str, *argument_groups) -> "TensorBoardWriter | None":
+    """Process 0's TensorBoard writer, with the run's arguments as text; None on the other processes."""
+    if jax.process_index() != 0:
+        return None
+    writer = TensorBoardWriter(os.path.join(output_dir, "tensorboard"))
+    writer.text("arguments", arguments_markdown(*argument_groups))
+    return writer
+
+
+class Evaluation:
+    """Evaluation on the validation examples, masked the same way each time; and, at the end of training, what the
+    exported model predicts for a masked text."""
+
+    def __init__(self, setup: TrainingSetup, examples, make_batch, tokenizer, training_args, writer):
+        self.setup, self.examples, self.make_batch, self.tokenizer, self.writer = (
+            setup,
+            examples,
             make_batch,
-            eval_batch_size,
-            training_args.seed,
-            batch_sharding,
+            tokenizer,
+            writer,
+        )
+        self.output_dir, self.seed = training_args.output_dir, training_args.seed
+        self.fill_mask_text, self.fill_mask_top_k = training_args.fill_mask_text, training_args.fill_mask_top_k
+
+    def __call__(self, params, step: int) -> dict:
+        setup = self.setup
+        results = evaluate(
+            setup.eval_step,
+            params,
+            self.examples,
+            self.make_batch,
+            setup.eval_batch_size,
+            self.seed,
+            setup.batch_sharding,
         )
         logger.info(
             "step %d: eval loss %.4f, perplexity %.2f, accuracy %.4f over %d masked tokens",
@@ -2587,216 +2692,20 @@ def main():
             results["accuracy"],
             results["masked_tokens"],
         )
-        if writer:
-            writer.scalars(
-                {
-                    "eval/loss": results["loss"],
-                    "eval/perplexity": results["perplexity"],
-                    "eval/accuracy": results["accuracy"],
-                },
-                step,
-            )
+        if self.writer:
+            self.writer.scalars({f"eval/{name}": results[name] for name in ("loss", "perplexity", "accuracy")}, step)
         return results
 
-    # Training loop
-    model_file_exists = os.path.isfile(os.path.join(training_args.output_dir, "model.safetensors"))
-    if training_args.do_train and run_complete and not model_file_exists:
-        save_model(training_args.output_dir, state.params, config, tokenizer)
-        logger.info("Exported the model of the complete run to %s", training_args.output_dir)
-    if training_args.do_train and not run_complete:
-        eval_steps = training_args.eval_steps or training_args.logging_steps
-        start_step = progress_record["step"]
-        if train_stream is None:
-            logger.info(
-                "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
-                start_step + 1,
-                total_steps,
-                total_steps / steps_per_epoch,
-                len(examples["train"]),
-                train_batch_size,
-                max_seq_length,
-                " at most (padded per batch)" if data_args.line_by_line else "",
-            )
-        else:
-            logger.info(
-                "Training steps %d to %d on blocks grouped from a stream, global batch %d x %d tokens",
-                start_step + 1,
-                total_steps,
-                train_batch_size,
-                max_seq_length,
-            )
-            if start_step and training_args.ignore_data_skip:
-                logger.warning(
-                    "--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's"
-                )
-            elif start_step:
-                logger.warning(
-                    "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with "
-                    "the batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
-                    start_step * train_batch_size // jax.process_count(),
-                    start_step,
-                )
-
-        def local_batches_from(step: int):
-            # The data order and the masks are a function of the step, so a resumed run sees the batches the
-            # interrupted one would have.
-            if train_stream is not None:
-                first_batch, seed = (
-                    (0, training_args.seed + step) if training_args.ignore_data_skip else (step, training_args.seed)
-                )
-                block_batches = streaming_train_batches(
-                    train_stream,
-                    tokenizer,
-                    data_args.text_column_name,
-                    max_seq_length - 2,
-                    train_batch_size,
-                    seed,
-                    data_args.shuffle_buffer_size,
-                    first_batch,
-                )
-                yield from masked_stream_batches(block_batches, make_batch, train_batch_size, training_args.seed, step)
-            else:
-                epoch, first_batch = divmod(step, steps_per_epoch)
-                while True:
-                    yield from train_batches(
-                        examples["train"], make_batch, train_batch_size, training_args.seed, epoch, first_batch
-                    )
-                    epoch, first_batch = epoch + 1, 0
-
-        def batches_from(step: int):
-            for batch, num_tokens in local_batches_from(step):
-                micro_batches = {
-                    name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()
-                }
-                yield to_global_batch(micro_batches, micro_batches_sharding), num_tokens
-
-        def save(step: int):
-            progress_record.update(
-                step=step,
-                global_batch_size=train_batch_size,
-                max_seq_length=max_seq_length,
-                arguments=saved_arguments(model_args, data_args, training_args),
-            )
-            if steps_per_epoch:
-                progress_record.update(epoch=step // steps_per_epoch, batch_in_epoch=step % steps_per_epoch)
-            save_checkpoint(checkpoints, state, progress_record)
-            save_model(training_args.output_dir, state.params, config, tokenizer)
-            logger.info(
-                "step %d: saved the model to %s; writing the training checkpoint in the background",
-                step,
-                training_args.output_dir,
-            )
-            return step
-
-        # Leaving this block, for whatever reason, waits for a checkpoint still being written.
-        # Leaving it also ends the progress bar's line, before any error is printed.
-        with (
-            open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
-            StopRequest() as stop,
-            tqdm(initial=start_step, total=total_steps, desc="Training", disable=not is_main_process) as progress,
-        ):
-            batches = prefetch(batches_from(start_step))
-            unread_metrics, log_window, window_start = [], [], time.perf_counter()
-            train_start, train_tokens = time.perf_counter(), 0
-            checkpoint_being_written = None
-            for step in range(start_step + 1, total_steps + 1):
-                batch, num_tokens = next(batches)
-                state, metrics = train_step(state, batch)
-                unread_metrics.append({**metrics, "tokens": num_tokens})
-                train_tokens += num_tokens
-                progress.update(1)
-                checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
-                is_last = step == total_steps
-                is_log_step = step % training_args.logging_steps == 0 or is_last
-                stopping = stop.requested(check_other_processes=is_log_step)
-                is_save_step = step % training_args.save_steps == 0 or is_last or stopping
-
-                if is_log_step or is_save_step:
-                    # Reading the metrics waits for the steps to finish; checking them here means no non-finite
-                    # step goes unnoticed into a checkpoint.
-                    fetched = jax.device_get(unread_metrics)
-                    finite = finite_steps(
-                        fetched, step - len(fetched) + 1, training_args.skip_nonfinite_steps, checkpoints
-                    )
-                    for name in ("loss_sum", "correct_sum", "weight_sum"):
-                        progress_record[f"train_{name}"] += sum(float(m[name]) for m in finite)
-                    log_window += finite
-                    unread_metrics = []
-                if (is_log_step or stopping) and log_window:
-                    elapsed = time.perf_counter() - window_start
-                    masked_tokens = max(sum(float(m["weight_sum"]) for m in log_window), 1.0)
-                    logged = {
-                        "train/loss": sum(float(m["loss_sum"]) for m in log_window) / masked_tokens,
-                        "train/accuracy": sum(float(m["correct_sum"]) for m in log_window) / masked_tokens,
-                        "train/learning_rate": float(log_window[-1]["learning_rate"]),
-                        "train/grad_norm": float(log_window[-1]["grad_norm"]),
-                        "train/tokens_per_second": sum(m["tokens"] for m in log_window) / elapsed,
-                    }
-                    progress.set_postfix(
-                        loss=f"{logged['train/loss']:.4f}",
-                        accuracy=f"{logged['train/accuracy']:.3f}",
-                        lr=f"{logged['train/learning_rate']:.2e}",
-                        tokens_per_s=f"{logged['train/tokens_per_second']:.0f}",
-                    )
-                    logger.info(
-                        "step %d: loss %.4f, accuracy %.4f, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
-                        step,
-                        logged["train/loss"],
-                        logged["train/accuracy"],
-                        logged["train/learning_rate"],
-                        logged["train/grad_norm"],
-                        logged["train/tokens_per_second"],
-                    )
-                    if writer:
-                        writer.scalars(logged, step)
-                    log_window, window_start = [], time.perf_counter()
-
-                if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
-                    run_evaluation(step)
-                if is_save_step:
-                    # The save would wait for the checkpoint still being written: announce it first.
-                    committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
-                    checkpoint_being_written = save(step)
-                if stopping:
-                    break
-            committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
-        train_runtime = time.perf_counter() - train_start
-
-        if stopping:
-            if writer:
-                writer.close()
-            if is_main_process:
-                print(
-                    f"Stopped by {stop.signal_name} after step {step}; the training checkpoint is in "
-                    f"{os.path.join(training_args.output_dir, 'checkpoints', str(step))}. To continue, run the same "
-                    "command with --resume_from_checkpoint added."
-                )
+    def final(self, params, step: int, reuse_saved: bool):
+        """The evaluation of the final weights, into eval_results.json; with `reuse_saved`, one already there for
+        this step is kept."""
+        if reuse_saved and evaluated_step(self.output_dir) == step:
+            logger.info("The complete run's evaluation is in %s", os.path.join(self.output_dir, "eval_results.json"))
             return
-        if is_main_process:
-            masked_tokens = max(progress_record["train_weight_sum"], 1.0)
+        results = self(params, step)
+        if jax.process_index() == 0:
             write_json(
-                os.path.join(training_args.output_dir, "train_results.json"),
-                {
-                    "train_loss": progress_record["train_loss_sum"] / masked_tokens,
-                    "train_accuracy": progress_record["train_correct_sum"] / masked_tokens,
-                    "train_steps": total_steps,
-                    "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
-                    "train_runtime_seconds": train_runtime,
-                    "train_tokens_per_second": train_tokens / train_runtime,
-                },
-            )
-        logger.info("Saved the model to %s", training_args.output_dir)
-
-    if training_args.do_eval and run_complete and evaluated_step(training_args.output_dir) == total_steps:
-        logger.info(
-            "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
-        )
-    elif training_args.do_eval:
-        step = int(state.step)
-        results = run_evaluation(step)
-        if is_main_process:
-            write_json(
-                os.path.join(training_args.output_dir, "eval_results.json"),
+                os.path.join(self.output_dir, "eval_results.json"),
                 {
                     "eval_loss": results["loss"],
                     "eval_perplexity": results["perplexity"],
@@ -2809,34 +2718,312 @@ def main():
                 f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
                 f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
             )
+
+    def fill_mask_with_export(self, config):
+        """What the exported model, read back, predicts for --fill_mask_text (or a validation text with a word
+        masked): this also shows that the saved files hold the trained model."""
+        if jax.process_index() != 0 or self.fill_mask_top_k <= 0:
+            return
+        text, masked_word = self.fill_mask_text, None
+        if not text and self.examples is not None:
+            texts = example_texts(self.examples, self.tokenizer, 100)
+            text, masked_word = fill_mask_demo_text(texts, self.tokenizer.mask_token)
+        if not text:
+            return
+        exported = from_hf_state_dict(load_file(os.path.join(self.output_dir, "model.safetensors")), config)
+        model = FlaxRobertaForMaskedLM(config)
+        max_seq_length = self.setup.sequence_length
+        predictions = fill_mask(model, exported, self.tokenizer, text, self.fill_mask_top_k, max_seq_length)
+        masked = f" (masked: {masked_word!r})" if masked_word else ""
+        print(f"fill-mask with {self.output_dir}: {text!r}{masked}")
+        for token, probability in predictions:
+            print(f"  {probability:.3f} {token!r}")
+
+
+def train_batches_from(
+    first_step: int,
+    setup: TrainingSetup,
+    train_examples,
+    train_stream,
+    make_batch,
+    tokenizer,
+    data_args,
+    training_args,
+):
+    """(global batch, token count) pairs for the steps after `first_step`, read ahead on a thread. The data order and
+    the masks are a function of the step, so a resumed run sees the batches the interrupted one would have."""
+    batch_size, max_seq_length = setup.train_batch_size, setup.sequence_length
+    if train_stream is None:
+        logger.info(
+            "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
+            first_step + 1,
+            setup.total_steps,
+            setup.total_steps / setup.steps_per_epoch,
+            len(train_examples),
+            batch_size,
+            max_seq_length,
+            " at most (padded per batch)" if data_args.line_by_line else "",
+        )
+        batches_of_epoch = partial(train_batches, train_examples, make_batch, batch_size, training_args.seed)
+        local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)
+    else:
+        logger.info(
+            "Training steps %d to %d on blocks grouped from a stream, global batch %d x %d tokens",
+            first_step + 1,
+            setup.total_steps,
+            batch_size,
+            max_seq_length,
+        )
+        first_batch, seed = stream_position(first_step, batch_size, training_args)
+        block_batches = streaming_train_batches(
+            train_stream,
+            tokenizer,
+            data_args.text_column_name,
+            max_seq_length - 2,
+            batch_size,
+            seed,
+            data_args.shuffle_buffer_size,
+            first_batch,
+        )
+        local_batches = masked_stream_batches(block_batches, make_batch, batch_size, training_args.seed, first_step)
+    accumulation_steps = training_args.gradient_accumulation_steps
+    return prefetch(
+        (
+            to_global_batch(
+                {name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()},
+                setup.micro_batches_sharding,
+            ),
+            tokens,
+        )
+        for batch, tokens in local_batches
+    )
+
+
+# Copied from run_clm_flax.epochs_of_batches
+def epochs_of_batches(batches_of_epoch, first_step: int, steps_per_epoch: int):
+    """The batches from the step after `first_step` on, epoch after epoch; `batches_of_epoch(epoch, first_batch)`."""
+    epoch, first_batch = divmod(first_step, steps_per_epoch)
+    while True:
+        yield from batches_of_epoch(epoch, first_batch)
+        epoch, first_batch = epoch + 1, 0
+
+
+# Copied from run_clm_flax.stream_position
+def stream_position(first_step: int, global_batch_size: int, training_args) -> tuple[int, int]:
+    """Where a stream resumes: the batch to start at and the shuffling seed."""
+    if first_step and training_args.ignore_data_skip:
+        logger.warning(
+            "--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's"
+        )
+        return 0, training_args.seed + first_step
+    if first_step:
+        logger.warning(
+            "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with the "
+            "batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
+            first_step * global_batch_size // jax.process_count(),
+            first_step,
+        )
+    return first_step, training_args.seed
+
+
+# Copied from run_clm_flax.TrainingProgress
+@dataclass
+class TrainingProgress:
+    """How far training has come: the step, and sums of the training metrics over every finite step so far (the
+    loss and its denominator). Every training checkpoint records it, so a resumed run carries on from it."""
+
+    step: int = 0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, step_metrics: list[dict]):
+        add_metric_sums(self.metric_sums, step_metrics)
+
+    def record(self, **details) -> dict:
+        """The checkpoint's record: this progress, and `details` of the run."""
+        return {"step": self.step, **{f"train_{name}": value for name, value in self.metric_sums.items()}, **details}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "TrainingProgress":
+        sums = {name.removeprefix("train_"): value for name, value in record.items() if is_metric_sum(name)}
+        return cls(step=record["step"], metric_sums=sums)
+
+
+# Copied from run_clm_flax.is_metric_sum
+def is_metric_sum(name: str) -> bool:
+    return name.endswith(("_sum", "_count"))
+
+
+# Copied from run_clm_flax.add_metric_sums
+def add_metric_sums(sums: dict, step_metrics: list[dict]) -> dict:
+    for metrics in step_metrics:
+        for name, value in metrics.items():
+            if is_metric_sum(name):
+                sums[name] = sums.get(name, 0.0) + float(value)
+    return sums
+
+
+# Copied from run_clm_flax.TrainingLog
+class TrainingLog:
+    """What the loop reports. It holds the metrics of the steps not yet read from the devices and of those since
+    the last log line, stops on a non-finite step (or skips it, with --skip_nonfinite_steps), and writes the log
+    line, the progress bar and TensorBoard. As a `with` block it times the training and, leaving it, ends the
+    progress bar's line before any error is printed."""
+
+    def __init__(self, summarize, writer, skip_nonfinite_steps: bool, first_step: int, total_steps: int):
+        self.summarize, self.writer, self.skip_nonfinite_steps = summarize, writer, skip_nonfinite_steps
+        self.first_step, self.total_steps = first_step, total_steps
+        self.unread, self.window, self.tokens = [], [], 0
+
+    def __enter__(self):
+        self.progress_bar = tqdm(
+            initial=self.first_step, total=self.total_steps, desc="Training", disable=jax.process_index() > 0
+        )
+        self.start = self.window_start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exception):
+        self.progress_bar.close()
+        self.runtime = time.perf_counter() - self.start
+
+    def step_done(self, metrics: dict, tokens: int):
+        self.unread.append({**metrics, "tokens": tokens})
+        self.tokens += tokens
+        self.progress_bar.update(1)
+
+    def read(self, step: int, progress: TrainingProgress, checkpoints):
+        """Wait for the steps not yet read and add the finite ones to `progress`: checked here, before each save, no
+        non-finite step goes unnoticed into a checkpoint."""
+        fetched = jax.device_get(self.unread)
+        finite = finite_steps(fetched, step - len(fetched) + 1, self.skip_nonfinite_steps, checkpoints)
+        progress.add(finite)
+        self.window += finite
+        self.unread = []
+
+    def write(self, step: int):
+        """The log line of the steps read since the last one."""
+        if not self.window:
+            return
+        summary = self.summarize(add_metric_sums({}, self.window))
+        learning_rate, grad_norm = float(self.window[-1]["learning_rate"]), float(self.window[-1]["grad_norm"])
+        tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / (
+            time.perf_counter() - self.window_start
+        )
+        self.progress_bar.set_postfix(
+            **{name: f"{value:.4f}" for name, value in summary.items()},
+            lr=f"{learning_rate:.2e}",
+            tokens_per_s=f"{tokens_per_second:.0f}",
+        )
+        logger.info(
+            "step %d: %s, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+            step,
+            ", ".join(f"{name} {value:.4f}" for name, value in summary.items()),
+            learning_rate,
+            grad_norm,
+            tokens_per_second,
+        )
+        if self.writer:
+            logged = {"learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_second": tokens_per_second}
+            self.writer.scalars({f"train/{name}": value for name, value in {**summary, **logged}.items()}, step)
+        self.window, self.window_start = [], time.perf_counter()
+
+
+# Copied from run_clm_flax.train
+def train(state, progress: TrainingProgress, batches, train_step, save, evaluate, log: TrainingLog, training_args):
+    """Train from the step after `progress.step` to the last, logging every --logging_steps, evaluating every
+    --eval_steps (with --do_eval) and saving every --save_steps and at the end, or at the step where a stop was
+    requested. Returns the state and the signal that stopped training, None if it ran to the end."""
+    eval_steps = training_args.eval_steps or training_args.logging_steps
+    # Leaving this block, for whatever reason, waits for a checkpoint still being written.
+    with (
+        open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
+        StopRequest() as stop,
+        log,
+    ):
+        checkpoint_being_written = None
+        for step in range(progress.step + 1, log.total_steps + 1):
+            batch, tokens = next(batches)
+            state, metrics = train_step(state, batch)
+            log.step_done(metrics, tokens)
+            checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
+            is_last = step == log.total_steps
+            is_log_step = step % training_args.logging_steps == 0 or is_last
+            stopping = stop.requested(check_other_processes=is_log_step)
+            is_save_step = step % training_args.save_steps == 0 or is_last or stopping
+            if is_log_step or is_save_step:
+                log.read(step, progress, checkpoints)
+            if is_log_step or stopping:
+                log.write(step)
+            if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
+                evaluate(state.params, step)
+            if is_save_step:
+                # The save would wait for the checkpoint still being written: announce it first.
+                committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+                progress.step = step
+                checkpoint_being_written = save(checkpoints, state, progress)
+            if stopping:
+                break
+        committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+    return state, stop.signal_name if stopping else None
+
+
+# Copied from run_clm_flax.save_run with block_size->max_seq_length
+def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoints, state, progress) -> int:
+    """Save a training checkpoint (written in the background) and export the model. Returns the step saved."""
+    record = progress.record(
+        global_batch_size=setup.train_batch_size, max_seq_length=setup.sequence_length, arguments=arguments
+    )
+    if setup.steps_per_epoch:
+        record.update(
+            epoch=progress.step // setup.steps_per_epoch, batch_in_epoch=progress.step % setup.steps_per_epoch
+        )
+    save_checkpoint(checkpoints, state, record)
+    output_dir = os.path.dirname(str(checkpoints.directory))
+    save_model(output_dir, state.params, config, tokenizer)
+    logger.info(
+        "step %d: saved the model to %s; writing the training checkpoint in the background", progress.step, output_dir
+    )
+    return progress.step
+
+
+# Copied from run_clm_flax.report_stop
+def report_stop(signal_name: str, step: int, output_dir: str, writer):
     if writer:
         writer.close()
+    print_once(
+        f"Stopped by {signal_name} after step {step}; the training checkpoint is in "
+        f"{os.path.join(output_dir, 'checkpoints', str(step))}. To continue, run the same command with "
+        "--resume_from_checkpoint added."
+    )
 
-    if training_args.do_train and is_main_process and training_args.fill_mask_top_k > 0 and not run_complete:
-        text, masked_word = training_args.fill_mask_text, None
-        if not text and "validation" in examples:
-            text, masked_word = fill_mask_demo_text(
-                example_texts(examples["validation"], tokenizer, 100), tokenizer.mask_token
-            )
-        if text:
-            # Read the export back, so the demo also shows that the saved files hold the trained model.
-            exported = from_hf_state_dict(
-                load_file(os.path.join(training_args.output_dir, "model.safetensors")), config
-            )
-            predictions = fill_mask(
-                FlaxRobertaForMaskedLM(config),
-                exported,
-                tokenizer,
-                text,
-                training_args.fill_mask_top_k,
-                max_seq_length,
-            )
-            masked = f" (masked: {masked_word!r})" if masked_word else ""
-            print(f"fill-mask with {training_args.output_dir}: {text!r}{masked}")
-            for token, probability in predictions:
-                print(f"  {probability:.3f} {token!r}")
-    if is_main_process and training_args.do_train:
-        print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+
+# Copied from run_clm_flax.write_train_results
+def write_train_results(output_dir: str, summary: dict, setup: TrainingSetup, log: TrainingLog):
+    if jax.process_index() == 0:
+        results = {f"train_{name}": value for name, value in summary.items()}
+        results.update(
+            train_steps=setup.total_steps,
+            epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
+            train_runtime_seconds=log.runtime,
+            train_tokens_per_second=log.tokens / log.runtime,
+        )
+        write_json(os.path.join(output_dir, "train_results.json"), results)
+    logger.info("Saved the model to %s", output_dir)
+
+
+# Copied from run_clm_flax.export_complete_run
+def export_complete_run(output_dir: str, params, config, tokenizer):
+    """Export the model of a run that is complete, where it is missing: the run was stopped after its last
+    checkpoint was committed but before the export."""
+    if not os.path.isfile(os.path.join(output_dir, "model.safetensors")):
+        save_model(output_dir, params, config, tokenizer)
+        logger.info("Exported the model of the complete run to %s", output_dir)
+
+
+# Copied from run_clm_flax.print_once
+def print_once(text: str):
+    """Print on process 0 only: what a user reads at the end of a run."""
+    if jax.process_index() == 0:
+        print(text)
 
 
 # ----------------------------------------------------------------------------------------------------
