@@ -956,6 +956,28 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     return optimizer
 
 
+def apply_mean_gradients(state: TrainState, grad_sums, loss_sum, count, optimizer) -> tuple[TrainState, dict]:
+    """`state` one step on, updated with the gradients summed over `count` predicted tokens; with the gradient
+    norm and whether the update was finite (a non-finite one is not applied)."""
+    # The mean over every predicted token of the whole batch, however it was split into micro-batches (a batch
+    # with none leaves the gradients at 0), in the parameters' dtype: the float32 count would otherwise turn
+    # bfloat16 gradients, and with them the optimizer state, into float32.
+    grads = jax.tree_util.tree_map(
+        lambda grad, param: (grad / jnp.maximum(count, 1.0)).astype(param.dtype), grad_sums, state.params
+    )
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+    # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
+    params, opt_state = jax.tree_util.tree_map(
+        lambda new, old: jnp.where(finite, new, old),
+        (optax.apply_updates(state.params, updates), opt_state),
+        (state.params, state.opt_state),
+    )
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, {"grad_norm": grad_norm, "finite": finite}
+
+
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
@@ -991,29 +1013,9 @@ def make_train_step(model, optimizer, schedule, seed: int):
                 jnp.float32(0),
             )
             (grads, loss_sum, token_count), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches.shape[0]))
-        # The mean over every predicted token of the whole batch, however it was split into micro-batches, in
-        # the parameters' dtype: the float32 count would otherwise turn bfloat16 gradients, and with them the
-        # optimizer state, into float32.
-        grads = jax.tree_util.tree_map(
-            lambda grad, param: (grad / token_count).astype(param.dtype), grads, state.params
-        )
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
-        params, opt_state = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(finite, new, old),
-            (optax.apply_updates(state.params, updates), opt_state),
-            (state.params, state.opt_state),
-        )
-        metrics = {
-            "loss_sum": loss_sum,
-            "token_count": token_count,
-            "grad_norm": grad_norm,
-            "learning_rate": schedule(state.step),
-            "finite": finite,
-        }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        new_state, update_metrics = apply_mean_gradients(state, grads, loss_sum, token_count, optimizer)
+        metrics = {"loss_sum": loss_sum, "token_count": token_count, "learning_rate": schedule(state.step)}
+        return new_state, metrics | update_metrics
 
     return train_step
 
@@ -3136,6 +3138,15 @@ def evaluated_step(output_dir: str) -> int | None:
         return None
 
 
+def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
+    """model.safetensors in `output_dir`, replaced in one step so that no reader sees it half written."""
+    os.makedirs(output_dir, exist_ok=True)
+    weights_path = os.path.join(output_dir, "model.safetensors")
+    save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+    os.chmod(f"{weights_path}.tmp", 0o666 & ~current_umask())  # safetensors writes 0600; the other files, the umask
+    os.replace(f"{weights_path}.tmp", weights_path)
+
+
 def save_model(output_dir: str, params, config, tokenizer):
     """A Hugging Face model directory: config, safetensors weights, tokenizer, generation config.
 
@@ -3144,11 +3155,7 @@ def save_model(output_dir: str, params, config, tokenizer):
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return
-    os.makedirs(output_dir, exist_ok=True)
-    weights_path = os.path.join(output_dir, "model.safetensors")
-    save_file(to_hf_state_dict(host_params), f"{weights_path}.tmp", metadata={"format": "pt"})
-    os.chmod(f"{weights_path}.tmp", 0o666 & ~current_umask())  # safetensors writes 0600; the other files, the umask
-    os.replace(f"{weights_path}.tmp", weights_path)
+    write_model_weights(output_dir, to_hf_state_dict(host_params))
     config.architectures = ["GPT2LMHeadModel"]
     config.save_pretrained(output_dir)
     GenerationConfig.from_model_config(config).save_pretrained(output_dir)
