@@ -1079,16 +1079,10 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     return optimizer
 
 
-# Copied from run_clm_flax.apply_mean_gradients
-def apply_mean_gradients(state: TrainState, grad_sums, loss_sum, count, optimizer) -> tuple[TrainState, dict]:
-    """`state` one step on, updated with the gradients summed over `count` predicted tokens; with the gradient
-    norm and whether the update was finite (a non-finite one is not applied)."""
-    # The mean over every predicted token of the whole batch, however it was split into micro-batches (a batch
-    # with none leaves the gradients at 0), in the parameters' dtype: the float32 count would otherwise turn
-    # bfloat16 gradients, and with them the optimizer state, into float32.
-    grads = jax.tree_util.tree_map(
-        lambda grad, param: (grad / jnp.maximum(count, 1.0)).astype(param.dtype), grad_sums, state.params
-    )
+# Copied from run_clm_flax.apply_finite_update
+def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[TrainState, dict]:
+    """`state` one step on, with the update of `grads` applied if it is finite; and the gradient norm and
+    whether the update was finite, as metrics."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
@@ -1147,7 +1141,13 @@ def make_train_step(model, optimizer, schedule, seed: int):
             )
             sums, _ = jax.lax.scan(accumulate, zeros, jnp.arange(batch["input_ids"].shape[0]))
             grads, loss_sum, correct_sum, weight_sum = sums
-        new_state, update_metrics = apply_mean_gradients(state, grads, loss_sum, weight_sum, optimizer)
+        # The mean over every masked token of the whole batch, however it was split into micro-batches (a batch
+        # with none leaves the gradients at 0), in the parameters' dtype: the float32 count would otherwise turn
+        # bfloat16 gradients, and with them the optimizer state, into float32.
+        grads = jax.tree_util.tree_map(
+            lambda grad, param: (grad / jnp.maximum(weight_sum, 1.0)).astype(param.dtype), grads, state.params
+        )
+        new_state, update_metrics = apply_finite_update(state, grads, loss_sum, optimizer)
         metrics = {
             "loss_sum": loss_sum,
             "correct_sum": correct_sum,
