@@ -1089,6 +1089,23 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     return optimizer
 
 
+# Copied from run_clm_flax.apply_finite_update
+def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[TrainState, dict]:
+    """`state` one step on, with the update of `grads` applied if it is finite; and the gradient norm and
+    whether the update was finite, as metrics."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+    # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
+    params, opt_state = jax.tree_util.tree_map(
+        lambda new, old: jnp.where(finite, new, old),
+        (optax.apply_updates(state.params, updates), opt_state),
+        (state.params, state.opt_state),
+    )
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, {"grad_norm": grad_norm, "finite": finite}
+
+
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
@@ -1140,24 +1157,14 @@ def make_train_step(model, optimizer, schedule, seed: int):
         grads = jax.tree_util.tree_map(
             lambda grad, param: (grad / jnp.maximum(weight_sum, 1.0)).astype(param.dtype), grads, state.params
         )
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
-        params, opt_state = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(finite, new, old),
-            (optax.apply_updates(state.params, updates), opt_state),
-            (state.params, state.opt_state),
-        )
+        new_state, update_metrics = apply_finite_update(state, grads, loss_sum, optimizer)
         metrics = {
             "loss_sum": loss_sum,
             "correct_sum": correct_sum,
             "weight_sum": weight_sum,
-            "grad_norm": grad_norm,
             "learning_rate": schedule(state.step),
-            "finite": finite,
         }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return new_state, metrics | update_metrics
 
     return train_step
 
@@ -3745,6 +3752,16 @@ def evaluated_step(output_dir: str) -> int | None:
         return None
 
 
+# Copied from run_clm_flax.write_model_weights
+def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
+    """model.safetensors in `output_dir`, replaced in one step so that no reader sees it half written."""
+    os.makedirs(output_dir, exist_ok=True)
+    weights_path = os.path.join(output_dir, "model.safetensors")
+    save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+    os.chmod(f"{weights_path}.tmp", 0o666 & ~current_umask())  # safetensors writes 0600; the other files, the umask
+    os.replace(f"{weights_path}.tmp", weights_path)
+
+
 def save_model(output_dir: str, params, config, tokenizer):
     """A Hugging Face model directory: config, safetensors weights, tokenizer.
 
@@ -3753,11 +3770,7 @@ def save_model(output_dir: str, params, config, tokenizer):
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return
-    os.makedirs(output_dir, exist_ok=True)
-    weights_path = os.path.join(output_dir, "model.safetensors")
-    save_file(to_hf_state_dict(host_params, config), f"{weights_path}.tmp", metadata={"format": "pt"})
-    os.chmod(f"{weights_path}.tmp", 0o666 & ~current_umask())  # safetensors writes 0600; the other files, the umask
-    os.replace(f"{weights_path}.tmp", weights_path)
+    write_model_weights(output_dir, to_hf_state_dict(host_params, config))
     config.architectures = ["RobertaForMaskedLM"]  # what AutoModelForMaskedLM and pipeline("fill-mask") build
     config.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

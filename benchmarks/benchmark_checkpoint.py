@@ -55,7 +55,8 @@ def main():
                 checkpoints.wait_until_finished()
                 total = time.perf_counter() - start
                 print(
-                    f"save {repeat}: training blocked {blocking:.2f} s; written in {total:.2f} s ({state_bytes / 1e9 / total:.2f} GB/s)"
+                    f"save {repeat}: training blocked {blocking:.2f} s; written in {total:.2f} s "
+                    f"({state_bytes / 1e9 / total:.2f} GB/s)"
                 )
         start = time.perf_counter()
         restored, _, _ = run_clm_flax.restore_checkpoint("auto", output_dir, abstract_state, ["step"])

@@ -65,10 +65,10 @@ def main():
     for batch_size in arguments.batch_sizes:
         prompts = rng.integers(0, config.vocab_size, size=(batch_size, arguments.prompt_tokens))
 
-        def generate_jax():
+        def generate_jax(prompts=prompts):
             return generate_flax.generate_ids(sampler, params, prompts.tolist(), arguments.new_tokens)
 
-        def generate_torch():
+        def generate_torch(prompts=prompts):
             input_ids = torch.tensor(prompts)
             with torch.no_grad():
                 return torch_model.generate(

@@ -231,14 +231,16 @@ def main():
     results = {"settings": settings, "devices": [str(device) for device in jax.devices()]}
     results["training"] = training = benchmark_training(settings, arguments)
     print(
-        f"training: {training['train_tokens_per_second']:,.0f} tokens/s, {training['step_seconds'] * 1000:.1f} ms/step, "
+        f"training: {training['train_tokens_per_second']:,.0f} tokens/s, "
+        f"{training['step_seconds'] * 1000:.1f} ms/step, "
         f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
         f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
         f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
     )
     results["host"] = host = benchmark_host_masking(settings)
     print(
-        f"host masking: {host['masking_tokens_per_second']:,.0f} tokens/s (framing, padding and masking batches in numpy)"
+        f"host masking: {host['masking_tokens_per_second']:,.0f} tokens/s "
+        "(framing, padding and masking batches in numpy)"
     )
     if not arguments.skip_preprocessing:
         results["preprocessing"] = preprocessing = benchmark_preprocessing(

@@ -340,7 +340,7 @@ def test_each_process_reads_its_own_share_of_the_stream(num_files, num_processes
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: num_processes)
     shares = []
     for process_index in range(num_processes):
-        monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: process_index)
+        monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda index=process_index: index)
         shares.append([example["text"] for example in run_clm_flax.stream_share(stream)])
     assert all(len(share) >= len(lines) // num_processes - 1 for share in shares), "the shares are unbalanced"
     assert sorted(itertools.chain.from_iterable(shares)) == sorted(lines), "the shares overlap or miss texts"

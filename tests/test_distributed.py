@@ -60,7 +60,9 @@ def environment(devices_per_process: int, hf_home, compilation_cache) -> dict:
     # compiles alike), and the resumed run finds the stopped run's programs in the cache.
     return {
         **OFFLINE_ENV, "HF_HOME": str(hf_home), "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process} --xla_backend_optimization_level=0",
+        "XLA_FLAGS": (
+            f"--xla_force_host_platform_device_count={devices_per_process} --xla_backend_optimization_level=0"
+        ),
         "JAX_COMPILATION_CACHE_DIR": str(compilation_cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }  # fmt: skip
 
@@ -297,7 +299,7 @@ def test_the_processes_rows_make_up_the_single_process_batch(monkeypatch):
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     per_process = []
     for process_index in range(2):
-        monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: process_index)
+        monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda index=process_index: index)
         per_process.append([batch["input_ids"] for batch in run_clm_flax.train_batches(blocks, 8, seed=1, epoch=0)])
     for step, batch in enumerate(single):
         np.testing.assert_array_equal(np.concatenate([per_process[0][step], per_process[1][step]]), batch)

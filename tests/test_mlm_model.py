@@ -128,8 +128,8 @@ def test_gradient_checkpointing_recomputes_layers_with_the_same_parameters_and_l
     _, params, apply = tiny_flax
     input_ids, attention_mask = example_batch(padded=True)
     remat_model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(), remat_policy="nothing_saveable")
-    remat_shapes = jax.eval_shape(remat_model.init, jax.random.key(0), jnp.ones((1, 4), jnp.int32))["params"]
-    assert jax.tree_util.tree_structure(nn.meta.unbox(remat_shapes)) == jax.tree_util.tree_structure(params)
+    remat_shapes = run_mlm_flax.abstract_model_params(remat_model, jnp.ones((1, 4), jnp.int32))
+    assert jax.tree_util.tree_structure(remat_shapes) == jax.tree_util.tree_structure(params)
 
     def loss(model, params):
         return jnp.mean(model.apply({"params": params}, input_ids, attention_mask))
@@ -176,8 +176,8 @@ def test_init_follows_huggingface(tiny_flax):
 
 def test_params_carry_logical_axis_names():
     model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config())
-    variables = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.int32))
-    names = jax.tree_util.tree_map(tuple, nn.get_partition_spec(variables)["params"])
+    boxed_params = run_mlm_flax.abstract_model_params(model, jnp.ones((1, 4), jnp.int32), unbox=False)
+    names = jax.tree_util.tree_map(tuple, nn.get_partition_spec(boxed_params))
     assert names["roberta"]["embeddings"]["word_embeddings"]["embedding"] == ("vocab", "embed")
     layer = names["roberta"]["encoder"]["layer_1"]
     assert layer["attention"]["self"]["key"]["kernel"] == ("embed", "heads")
@@ -230,7 +230,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(tiny_flax):
     _, params, apply_fp32 = tiny_flax
     params = perturbed(params)  # logits of a few units rather than hundredths, so the tolerance means something
     model_bf16 = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(), dtype=jnp.bfloat16)
-    shapes = jax.eval_shape(model_bf16.init, jax.random.key(0), jnp.ones((1, 4), jnp.int32))
+    shapes = run_mlm_flax.abstract_model_params(model_bf16, jnp.ones((1, 4), jnp.int32))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(shapes))
 
     input_ids, attention_mask = example_batch(padded=True)

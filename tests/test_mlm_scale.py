@@ -223,7 +223,7 @@ def batches_per_process(monkeypatch, num_processes, make_batches):
     monkeypatch.setattr(run_mlm_flax.jax, "process_count", lambda: num_processes)
     per_process = []
     for process_index in range(num_processes):
-        monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda: process_index)
+        monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda index=process_index: index)
         per_process.append(list(make_batches()))
     return per_process
 
@@ -253,7 +253,7 @@ def test_each_process_reads_only_the_examples_of_its_rows(tokenizer, monkeypatch
     blocks, make_batch, read = random_blocks(40), batch_maker(tokenizer), []
     monkeypatch.setattr(run_mlm_flax.jax, "process_count", lambda: 2)
     for process_index in range(2):
-        monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda: process_index)
+        monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda index=process_index: index)
         examples = RecordingBlocks(blocks)
         list(run_mlm_flax.train_batches(examples, make_batch, 8, seed=1, epoch=0))
         read.append(examples.read)
@@ -281,7 +281,8 @@ def test_streamed_batches_resume_with_the_same_blocks_and_masks(tokenizer, monke
             stream, tokenizer, "text", SEQUENCE_LENGTH - 2, 16, 0, 100, first_step
         )
         return [batch for batch, _ in itertools.islice(
-            run_mlm_flax.masked_stream_batches(block_batches, make_batch, 16, seed=0, first_step=first_step), 8 - first_step
+            run_mlm_flax.masked_stream_batches(block_batches, make_batch, 16, seed=0, first_step=first_step),
+            8 - first_step,
         )]  # fmt: skip
 
     uninterrupted, resumed = batches(), batches(first_step=5)

@@ -228,7 +228,8 @@ def test_unusable_data_is_refused(content, extra_arguments, message, model_dir, 
     data_file.write_bytes(content)
     with pytest.raises(run_clm_flax.UsageError, match=message):
         run_main(monkeypatch, arguments(
-            model_dir, tmp_path / "out", "--train_file", str(data_file), "--validation_file", str(CORPUS / "validation.txt"),
+            model_dir, tmp_path / "out", "--train_file", str(data_file),
+            "--validation_file", str(CORPUS / "validation.txt"),
             *extra_arguments,
         ))  # fmt: skip
 

@@ -206,7 +206,8 @@ def test_command_line_accumulation_matches_the_larger_batch(gpt2_tokenizer_dir, 
     ]:
         monkeypatch.setattr(sys, "argv", [
             "run_clm_flax.py", "--output_dir", str(tmp_path / name), "--config_name", str(model_dir),
-            "--tokenizer_name", str(model_dir), "--train_file", str(REPO_DIR / "tests" / "fixtures" / "en" / "train.txt"),
+            "--tokenizer_name", str(model_dir),
+            "--train_file", str(REPO_DIR / "tests" / "fixtures" / "en" / "train.txt"),
             "--do_train", "--block_size", "32", "--max_steps", "3", "--logging_steps", "1", "--learning_rate", "1e-3",
             "--adam_epsilon", "1e-3", "--sample_tokens", "0", *batch_options,
         ])  # fmt: skip
