@@ -2986,12 +2986,17 @@ def initialize_distributed(distributed_args):
         ) from None
 
 
+# One log format for the four scripts; a process of a multi-process run names itself after the time.
+# Copied from run_clm_flax.LOG_FORMAT
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 # Copied from run_clm_flax.setup_logging
 def setup_logging(is_main_process: bool):
     """One log format for every process; only process 0 logs below ERROR."""
     process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
     logging.basicConfig(
-        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT.replace("%(asctime)s", f"%(asctime)s{process_label}"),
         level=logging.INFO if is_main_process else logging.ERROR,
         force=True,  # importing orbax installs absl's handler, which would hide these logs
     )

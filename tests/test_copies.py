@@ -1,7 +1,8 @@
 """Code shared by the scripts is copied on purpose, so that each script stands alone.
 
-Every copy (in run_mlm_flax.py and generate_flax.py) is marked `# Copied from run_clm_flax.<name>` on the line
-above the definition (or assignment); this test fails when a copy no longer matches its original.
+Every copy (in run_mlm_flax.py, generate_flax.py, train_tokenizer.py and create_config.py) is marked
+`# Copied from run_clm_flax.<name>` on the line above the definition (or assignment); this test fails when a copy no
+longer matches its original.
 """
 
 import ast
@@ -12,7 +13,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = re.compile(r"^# Copied from run_clm_flax\.(\w+)\s*$")
-SCRIPTS_WITH_COPIES = ["run_mlm_flax.py", "generate_flax.py"]
+SCRIPTS_WITH_COPIES = ["run_mlm_flax.py", "generate_flax.py", "train_tokenizer.py", "create_config.py"]
 
 
 def top_level_definitions(path: str) -> dict[str, tuple[int, str]]:
