@@ -528,6 +528,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
 
 
 def check_distributed_arguments(distributed_args):
+    """The distributed flags, checked by initialize_distributed before the processes join."""
     explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
     if any(value is not None for value in explicit) and any(value is None for value in explicit):
         raise UsageError(

@@ -424,6 +424,7 @@ class DistributedArguments:
     )
 
 
+# Flags of the Hugging Face examples that these scripts do not take, and what to do instead.
 # Copied from run_clm_flax.UNSUPPORTED_FLAGS
 UNSUPPORTED_FLAGS = {
     "push_to_hub": "upload --output_dir after training, e.g. with `hf upload`",
@@ -580,6 +581,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
 
 # Copied from run_clm_flax.check_distributed_arguments
 def check_distributed_arguments(distributed_args):
+    """The distributed flags, checked by initialize_distributed before the processes join."""
     explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
     if any(value is not None for value in explicit) and any(value is None for value in explicit):
         raise UsageError(
