@@ -538,7 +538,8 @@ def check_distributed_arguments(distributed_args):
     address, num_processes, process_id = explicit
     if address is not None and (num_processes < 1 or not 0 <= process_id < num_processes):
         raise UsageError(
-            f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to --num_processes - 1"
+            f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
+            "--num_processes - 1"
         )
     if address is not None and ":" not in address:
         raise UsageError(f"--coordinator_address {address} has no port; give HOST:PORT")
