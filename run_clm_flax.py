@@ -427,7 +427,8 @@ def refuse_unknown_arguments(arguments: list[str]):
 
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
-    arguments (the distributed flags are checked before the processes join, by check_distributed_arguments)."""
+    arguments. Call it after initialize_distributed, which checks the distributed flags before the processes join:
+    the check of --dtype asks JAX for the platform, and JAX must not start before the processes have joined."""
     if model_args.model_type != "gpt2":
         raise UsageError(
             f"--model_type {model_args.model_type} is not supported; this script trains gpt2 (run_mlm_flax.py "
