@@ -499,10 +499,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         "logging_steps": at_least_1,
         "save_steps": at_least_1,
         "save_total_limit": at_least_1,
-        "eval_steps": (
-            lambda value: value is None or value >= 1,
-            "must be at least 1; leave it out for --logging_steps",
-        ),
+        "eval_steps": (lambda value: value is None or value >= 1, "must be at least 1"),
         "learning_rate": (lambda value: value > 0, "must be positive, such as 3e-4"),
         "weight_decay": at_least_0,
         "adam_beta1": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.9"),
