@@ -31,6 +31,10 @@ from transformers import AutoTokenizer, GPT2Config, HfArgumentParser, RobertaCon
 
 logger = logging.getLogger(__name__)
 
+# The log format of the training scripts.
+# Copied from run_clm_flax.LOG_FORMAT
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Presets: edit or add sizes here.
 # ---------------------------------------------------------------------------------------------------------------------
@@ -410,12 +414,8 @@ def write_config_atomically(config, output_dir):
 def main():
     # Arguments ------------------------------------------------------------------------------------------------------
     (args,) = parse_arguments((ConfigArguments,))
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
-        level=logging.INFO,
-    )
+    # The summary and the log both go to stdout, so that stderr holds only the error line of a mistake.
+    logging.basicConfig(format=LOG_FORMAT, handlers=[logging.StreamHandler(sys.stdout)], level=logging.INFO)
     model_type, preset_values = PRESETS[args.preset]
     overrides = parse_overrides(args.overrides, model_type)
     if args.pad_vocab_to_multiple_of is not None and args.pad_vocab_to_multiple_of < 1:

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -88,7 +88,10 @@ class ModelArguments:
     )
     model_type: str = field(
         default="gpt2",
-        metadata={"help": "Model type when training from scratch without --config_name. Only gpt2 is supported."},
+        metadata={
+            "help": "Taken as in the Hugging Face examples: this script trains gpt2 (run_mlm_flax.py trains roberta). "
+            "Without --config_name, a default gpt2 config is trained."
+        },
     )
     config_name: str | None = field(
         default=None,
@@ -118,16 +121,14 @@ class ModelArguments:
             "choices": ["float32", "bfloat16"],
         },
     )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Recompute each block's activations in the backward pass instead of storing them."},
-    )
-    remat_policy: str = field(
-        default="nothing_saveable",
+    gradient_checkpointing: str | None = field(
+        default=None,
         metadata={
-            "help": "What --gradient_checkpointing keeps: nothing_saveable (least memory), dots_saveable (matmul "
-            "outputs: less recomputation), dots_with_no_batch_dims_saveable (in between).",
-            "choices": ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"],
+            "help": "Recompute each block's activations in the backward pass instead of storing them. Alone (or true) "
+            "it keeps nothing (nothing_saveable, least memory); or name what it keeps: dots_saveable (matmul outputs: "
+            "less recomputation) or dots_with_no_batch_dims_saveable (in between).",
+            "nargs": "?",
+            "const": "nothing_saveable",
         },
     )
     token: str | None = field(
@@ -256,7 +257,13 @@ class TrainingArguments:
             "and results are removed (the model files are overwritten by this run's)."
         },
     )
-    do_train: bool = field(default=False, metadata={"help": "Train the model."})
+    do_train: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the model. With neither --do_train nor --do_eval: train (given training data) and "
+            "evaluate, or with --packed_data_dir only pack the data."
+        },
+    )
     do_eval: bool = field(default=False, metadata={"help": "Evaluate on the validation set."})
     per_device_train_batch_size: int = field(
         default=8, metadata={"help": "Sequences per device per step; the global batch is this times the device count."}
@@ -381,49 +388,75 @@ class DistributedArguments:
     )
 
 
+# Flags of the Hugging Face examples that these scripts do not take, and what to do instead.
+UNSUPPORTED_FLAGS = {
+    "push_to_hub": "upload --output_dir after training, e.g. with `hf upload`",
+    "hub_model_id": "upload --output_dir after training, e.g. with `hf upload MODEL_ID OUTPUT_DIR`",
+    "hub_token": "upload --output_dir after training with `hf upload`, which takes the token of `hf auth login`",
+    "use_fast_tokenizer": "the tokenizer is always the fast (tokenizers-backed) one; leave the flag out",
+    "remat_policy": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing dots_saveable",
+}
+
+
 def parse_arguments() -> tuple[ModelArguments, DataTrainingArguments, TrainingArguments, DistributedArguments]:
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, DistributedArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        json_path = os.path.abspath(sys.argv[1])
-        if not os.path.isfile(json_path):
-            raise UsageError(f"arguments file {sys.argv[1]} does not exist")
         try:
-            return parser.parse_json_file(json_file=json_path)
-        except (ValueError, json.JSONDecodeError) as error:
+            with open(sys.argv[1]) as file:
+                values = json.load(file)
+            if not isinstance(values, dict):
+                raise ValueError("it must hold one JSON object of argument names and values")
+            known = {item.name for group in parser.dataclass_types for item in fields(group)}
+            refuse_unknown_arguments([f"--{name}" for name in values if name not in known])
+            return parser.parse_dict(values)
+        except (OSError, TypeError, ValueError) as error:
             raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
     *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
-    if unknown:
-        if any(argument.split("=")[0] in ("--push_to_hub", "--push-to-hub") for argument in unknown):
-            raise UsageError(
-                "--push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`"
-            )
-        raise UsageError(f"unknown argument {unknown[0]}; see --help for the arguments this script takes")
+    refuse_unknown_arguments(unknown)
     return tuple(arguments)
 
 
+def refuse_unknown_arguments(arguments: list[str]):
+    for argument in arguments:
+        name = argument.split("=")[0].lstrip("-").replace("-", "_")
+        if name in UNSUPPORTED_FLAGS:
+            raise UsageError(f"--{name} is not supported: {UNSUPPORTED_FLAGS[name]}")
+    if arguments:
+        raise UsageError(f"unknown argument {arguments[0]}; see --help for the arguments this script takes")
+
+
 def check_arguments(model_args, data_args, training_args):
-    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
+    """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
+    arguments. Call it after initialize_distributed, which checks the distributed flags before the processes join:
+    the check of --dtype asks JAX for the platform, and JAX must not start before the processes have joined."""
+    if model_args.model_type != "gpt2":
         raise UsageError(
-            "nothing to do: pass --do_train, --do_eval or both (or --packed_data_dir alone to only pack the data)"
+            f"--model_type {model_args.model_type} is not supported; this script trains gpt2 (run_mlm_flax.py "
+            "trains roberta)"
         )
-    if training_args.per_device_train_batch_size < 1 or training_args.per_device_eval_batch_size < 1:
-        raise UsageError("--per_device_train_batch_size and --per_device_eval_batch_size must be at least 1")
-    if training_args.gradient_accumulation_steps < 1:
-        raise UsageError("--gradient_accumulation_steps must be at least 1")
-    if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
-        raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
-    for name in ("logging_steps", "save_steps", "save_total_limit"):
-        if getattr(training_args, name) < 1:
-            raise UsageError(f"--{name} must be at least 1")
-    if training_args.eval_steps is not None and training_args.eval_steps < 1:
-        raise UsageError("--eval_steps must be at least 1")
-    if not 0 <= training_args.warmup_ratio < 1:
-        raise UsageError("--warmup_ratio must be in [0, 1)")
+    check_numeric_arguments(
+        (data_args, training_args),
+        block_size=(lambda value: value is None or value >= 2, "must be at least 2"),
+        sample_tokens=(lambda value: value >= 0, "must be 0 (no samples) or more"),
+    )
+    check_common_arguments(model_args, data_args, training_args)
+
+
+def check_common_arguments(model_args, data_args, training_args):
+    """The checks of check_arguments that both training scripts make."""
+    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
+        # As the Hugging Face Flax examples do: train (given training data) and evaluate.
+        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
+        training_args.do_eval = True
     has_data = data_args.dataset_name is not None or data_args.train_file is not None
     if not has_data and data_args.validation_file is None and not data_args.packed_data_dir:
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
+    if training_args.resume_from_checkpoint and not training_args.do_train:
+        raise UsageError("--resume_from_checkpoint continues training; add --do_train")
     streaming_training = data_args.streaming and not data_args.packed_data_dir
     if streaming_training and training_args.do_train and training_args.max_steps <= 0:
         raise UsageError(
@@ -432,49 +465,85 @@ def check_arguments(model_args, data_args, training_args):
         )
     if streaming_training and data_args.max_train_samples is not None:
         raise UsageError(
-            "--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with --max_steps"
+            "--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with "
+            "--max_steps"
         )
-    if data_args.shuffle_buffer_size < 0:
-        raise UsageError("--shuffle_buffer_size must be at least 0")
-    if data_args.packed_tokens_per_shard < 1:
-        raise UsageError("--packed_tokens_per_shard must be at least 1")
-    if not 0 < data_args.validation_split_percentage < 100:
-        raise UsageError("--validation_split_percentage must be between 1 and 99")
-    if data_args.block_size is not None and data_args.block_size < 2:
-        raise UsageError("--block_size must be at least 2")
-    if training_args.sample_tokens < 0:
-        raise UsageError("--sample_tokens must be 0 (no sample) or more")
-    check_numeric_arguments(data_args, training_args)
-    output_dir = training_args.output_dir
-    if os.path.isfile(output_dir):
-        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
-    check_writable_directory(output_dir, "output_dir")
-    if training_args.resume_from_checkpoint and not training_args.do_train:
-        raise UsageError("--resume_from_checkpoint continues training; add --do_train")
+    if not (model_args.tokenizer_name or model_args.model_name_or_path):
+        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
+    # A jax.checkpoint_policies name, or true or false as for the Hugging Face flag, a boolean.
+    policy = model_args.gradient_checkpointing
+    policy = {"true": "nothing_saveable", "false": None}.get(str(policy).lower(), policy)
+    if policy not in (None, "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
+        raise UsageError(
+            f"--gradient_checkpointing {policy} is not a policy: give none (or true) to keep nothing, or "
+            "dots_saveable or dots_with_no_batch_dims_saveable"
+        )
+    model_args.gradient_checkpointing = policy
+    if model_args.dtype == "float16" and jax.default_backend() == "cpu":
+        raise UsageError(
+            "--dtype float16 does not run on CPU, where XLA cannot multiply float16 matrices into float32 "
+            "results; use --dtype bfloat16 or float32 here, and float16 on a GPU"
+        )
+    check_writable_directory(training_args.output_dir, "output_dir")
 
 
-def check_numeric_arguments(data_args, training_args):
-    """Refuse numbers outside the range where they mean anything, before any work (the arguments with a message
-    of their own are checked in check_arguments)."""
-    ranges = {  # argument: (the test its value must pass, what the message asks for)
+def check_numeric_arguments(argument_groups, **script_ranges):
+    """Refuse numbers outside the range where they mean anything. `script_ranges` adds a script's own arguments:
+    name=(the test its value must pass, what the message asks for)."""
+    at_least_1 = (lambda value: value >= 1, "must be at least 1")
+    at_least_0 = (lambda value: value >= 0, "must be 0 or more")
+    ranges = {
+        "per_device_train_batch_size": at_least_1,
+        "per_device_eval_batch_size": at_least_1,
+        "gradient_accumulation_steps": at_least_1,
+        "logging_steps": at_least_1,
+        "save_steps": at_least_1,
+        "save_total_limit": at_least_1,
+        "eval_steps": (lambda value: value is None or value >= 1, "must be at least 1"),
         "learning_rate": (lambda value: value > 0, "must be positive, such as 3e-4"),
-        "weight_decay": (lambda value: value >= 0, "must be 0 or more"),
+        "weight_decay": at_least_0,
         "adam_beta1": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.9"),
         "adam_beta2": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.999"),
         "adam_epsilon": (lambda value: value >= 0, "must be 0 or more, such as 1e-8"),
         "max_grad_norm": (lambda value: value >= 0, "must be 0 (no clipping) or more"),
-        "num_train_epochs": (lambda value: value >= 0, "must be 0 or more"),
+        "num_train_epochs": at_least_0,
         "max_steps": (lambda value: value >= -1, "must be positive, or -1 to train for --num_train_epochs"),
-        "warmup_steps": (lambda value: value >= 0, "must be 0 or more"),
-        "seed": (lambda value: value >= 0, "must be 0 or more"),
+        "warmup_steps": at_least_0,
+        "warmup_ratio": (lambda value: 0 <= value < 1, "must be in [0, 1)"),
+        "seed": at_least_0,
         "max_train_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "max_eval_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "preprocessing_num_workers": (lambda value: value is None or value >= 1, "must be at least 1"),
+        "validation_split_percentage": (lambda value: 0 < value < 100, "must be between 1 and 99"),
+        "shuffle_buffer_size": (lambda value: value >= 0, "must be 0 (the stream's order) or more"),
+        "packed_tokens_per_shard": at_least_1,
+        **script_ranges,
     }
     for name, (in_range, requirement) in ranges.items():
-        value = getattr(training_args if hasattr(training_args, name) else data_args, name)
+        value = next(getattr(group, name) for group in argument_groups if hasattr(group, name))
         if not in_range(value) or (isinstance(value, float) and not math.isfinite(value)):
             raise UsageError(f"--{name} {value} {requirement}")
+
+
+def check_distributed_arguments(distributed_args):
+    """The distributed flags, checked by initialize_distributed before the processes join."""
+    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
+    if any(value is not None for value in explicit) and any(value is None for value in explicit):
+        raise UsageError(
+            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
+            "Slurm, Open MPI or Cloud TPU supplies them"
+        )
+    address, num_processes, process_id = explicit
+    if address is not None and (num_processes < 1 or not 0 <= process_id < num_processes):
+        raise UsageError(
+            f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
+            "--num_processes - 1"
+        )
+    if address is not None and ":" not in address:
+        raise UsageError(f"--coordinator_address {address} has no port; give HOST:PORT")
+    device_ids = distributed_args.local_device_ids
+    if device_ids is not None and not all(part.strip().isdigit() for part in device_ids.split(",")):
+        raise UsageError(f"--local_device_ids {device_ids} is not a comma-separated list of integers")
 
 
 def check_writable_directory(path: str, flag: str):
@@ -491,6 +560,24 @@ def check_writable_directory(path: str, flag: str):
         raise UsageError(
             f"--{flag} {path} cannot be written ({error.strerror} in {existing}); pass a directory you can write to"
         ) from None
+
+
+def user_error_message(error: Exception) -> str | None:
+    """The line the command prints for an error the user can fix: a UsageError, or a library's error for a hub it
+    cannot reach or a file it cannot read. None for any other error, a bug, which keeps its traceback."""
+    first_line = str(error).strip().split("\n")[0]
+    if isinstance(error, UsageError):
+        return str(error)
+    if isinstance(error, ConnectionError) and error.errno is None:  # datasets and huggingface_hub, not a socket
+        return (
+            f"{first_line}; without a network (or with HF_HUB_OFFLINE=1) only what is in the cache can be loaded: "
+            "pass local files or directories, or run once online"
+        )
+    if isinstance(error, datasets.exceptions.DatasetNotFoundError):
+        return f"{first_line}; check --dataset_name"
+    if isinstance(error, SafetensorError):
+        return f"a safetensors file cannot be read ({first_line}); save it again"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2006,7 +2093,7 @@ def main():
         config,
         dtype=jnp.dtype(model_args.dtype),
         param_dtype=jnp.dtype(model_args.param_dtype),
-        remat_policy=model_args.remat_policy if model_args.gradient_checkpointing else None,
+        remat_policy=model_args.gradient_checkpointing,
     )
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
     setup = set_up_training(model, eval_step, training_args, blocks.get("train"), block_size)
@@ -2065,8 +2152,6 @@ def load_config_and_tokenizer(model_args):
         if model_args.tokenizer_name
         else (model_args.model_name_or_path, "--model_name_or_path")
     )
-    if not tokenizer_source:
-        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
@@ -2641,8 +2726,9 @@ def on_cloud_tpu_vm() -> bool:
 
 
 def multi_process_launcher() -> str | None:
-    """The launcher that started this process as one of several, with the settings jax.distributed reads
-    from the environment; None for a process started on its own."""
+    """The launcher that started this process as one of several tasks, or None. jax.distributed.initialize()
+    reads the run's settings from the launcher's environment, but cannot be told to do nothing for a process on
+    its own: without a launcher it fails, and for a single task it starts a coordinator all the same."""
     environment = os.environ
     # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
     if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
@@ -2657,63 +2743,27 @@ def multi_process_launcher() -> str | None:
 def initialize_distributed(distributed_args):
     """Join the other processes of a multi-process run; call before anything touches the devices.
 
-    1. --coordinator_address, --num_processes and --process_id given: join with those settings
-       (processes started by hand, one command per host).
-    2. Otherwise, started by Slurm's srun or Open MPI's mpirun as one of several tasks, or on a Cloud TPU
-       VM: jax.distributed.initialize() reads the settings from the environment (on a single TPU VM it
-       finds one process).
-    3. Otherwise: a single process, which connects to nothing.
-
-    Afterwards every device of every process is in jax.devices(), and process 0 is the one that writes.
+    Processes started by hand join with --coordinator_address, --num_processes and --process_id; tasks of Slurm's
+    srun or Open MPI's mpirun, and the hosts of a Cloud TPU slice, with the settings JAX finds itself. A process on
+    its own joins nothing. Afterwards every device of every process is in jax.devices(), and process 0 writes.
     """
-    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
-    if any(value is not None for value in explicit) and any(value is None for value in explicit):
-        raise UsageError(
-            "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
-            "Slurm, Open MPI or Cloud TPU supplies them"
-        )
-    local_device_ids = None
-    if distributed_args.local_device_ids is not None:
-        try:
-            local_device_ids = [int(device_id) for device_id in distributed_args.local_device_ids.split(",")]
-        except ValueError:
-            raise UsageError(
-                f"--local_device_ids {distributed_args.local_device_ids} is not a comma-separated list of integers"
-            ) from None
-
+    check_distributed_arguments(distributed_args)
     explicit = distributed_args.coordinator_address is not None
-    if explicit:
-        num_processes, process_id = distributed_args.num_processes, distributed_args.process_id
-        if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise UsageError(
-                f"--process_id {process_id} is not in 0..{num_processes - 1}; number the processes 0 to "
-                "--num_processes - 1"
-            )
-        if ":" not in distributed_args.coordinator_address:
-            raise UsageError(
-                f"--coordinator_address {distributed_args.coordinator_address} has no port; give HOST:PORT"
-            )
-        several_processes = num_processes > 1
-    else:
-        launcher = multi_process_launcher()
-        several_processes = launcher is not None
-    if not several_processes:
-        if local_device_ids is not None:
+    launcher = None if explicit else multi_process_launcher()
+    if distributed_args.num_processes == 1 or not (explicit or launcher):
+        if distributed_args.local_device_ids is not None:
             raise UsageError(
                 "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
                 "CUDA_VISIBLE_DEVICES"
             )
         return
-
-    # Processes on CPU exchange data through Gloo over TCP (older JAX versions have no default for this).
-    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    device_ids = distributed_args.local_device_ids
     try:
         jax.distributed.initialize(
             coordinator_address=distributed_args.coordinator_address,
             num_processes=distributed_args.num_processes,
             process_id=distributed_args.process_id,
-            local_device_ids=local_device_ids,
+            local_device_ids=None if device_ids is None else [int(part) for part in device_ids.split(",")],
         )
     except ValueError as error:
         if explicit:
@@ -2725,11 +2775,15 @@ def initialize_distributed(distributed_args):
         ) from None
 
 
+# One log format for the four scripts; a process of a multi-process run names itself after the time.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def setup_logging(is_main_process: bool):
     """One log format for every process; only process 0 logs below ERROR."""
     process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
     logging.basicConfig(
-        format=f"%(asctime)s{process_label} %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT.replace("%(asctime)s", f"%(asctime)s{process_label}"),
         level=logging.INFO if is_main_process else logging.ERROR,
         force=True,  # importing orbax installs absl's handler, which would hide these logs
     )
@@ -3579,6 +3633,9 @@ def remove_stale_temporary_files(cache_dir: str):
 if __name__ == "__main__":
     try:
         main()
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except Exception as error:
+        message = user_error_message(error)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         sys.exit(2)

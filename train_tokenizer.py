@@ -32,6 +32,10 @@ from transformers import GPT2Tokenizer, HfArgumentParser, RobertaTokenizer
 
 logger = logging.getLogger(__name__)
 
+# The log format of the training scripts.
+# Copied from run_clm_flax.LOG_FORMAT
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 # File extensions and the `datasets` builder that reads them.
 BUILDER_FOR_EXTENSION = {
     ".txt": "text",
@@ -501,12 +505,8 @@ def main():
     # Arguments ------------------------------------------------------------------------------------------------------
     data_args, tokenizer_args = parse_arguments((DataArguments, TokenizerArguments))
 
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
-        level=logging.INFO,
-    )
+    # The summary and the log both go to stdout, so that stderr holds only the error line of a mistake.
+    logging.basicConfig(format=LOG_FORMAT, handlers=[logging.StreamHandler(sys.stdout)], level=logging.INFO)
     datasets.logging.set_verbosity_error()
     # The file readers log an error right before raising it; the raised error is reported instead.
     datasets.logging.disable_propagation()

@@ -19,7 +19,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = re.compile(r"^# Copied from run_clm_flax\.(?P<name>\w+)(?: with (?P<renames>\S.*?))?\s*$")
 RENAME = re.compile(r"^(\w+)->(\w+)$")
-SCRIPTS_WITH_COPIES = ["run_mlm_flax.py", "generate_flax.py"]
+SCRIPTS_WITH_COPIES = ["run_mlm_flax.py", "generate_flax.py", "train_tokenizer.py", "create_config.py"]
 
 # Floor of shared_lines_in_checked_copies for run_mlm_flax.py; the goal is 90%.
 SHARED_LINES_COVERED_FLOOR = 0.725

@@ -225,6 +225,26 @@ REFUSALS = {
     "config-zero-layer-norm-epsilon": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "layer_norm_epsilon=0"],
         ["layer_norm_epsilon must be positive"]),
+    # Flags for another model or of the Hugging Face examples that these scripts do not take
+    "clm-roberta-model-type": (
+        "run_clm_flax", [*CLM, "--model_type", "roberta"], ["--model_type roberta", "run_mlm_flax.py trains roberta"]),
+    "mlm-gpt2-model-type": (
+        "run_mlm_flax", [*MLM, "--model_type", "gpt2"], ["--model_type gpt2", "run_clm_flax.py trains gpt2"]),
+    "clm-hub-model-id": ("run_clm_flax", [*CLM, "--hub_model_id", "me/model"], ["--hub_model_id", "hf upload"]),
+    "mlm-hub-token": ("run_mlm_flax", [*MLM, "--hub_token=hf_abc"], ["--hub_token", "hf auth login"]),
+    "clm-use-fast-tokenizer": (
+        "run_clm_flax", [*CLM, "--use_fast_tokenizer", "False"], ["--use_fast_tokenizer", "always the fast"]),
+    "mlm-remat-policy": (
+        "run_mlm_flax", [*MLM, "--remat_policy", "dots_saveable"], ["--gradient_checkpointing dots_saveable"]),
+    "clm-unknown-remat-policy": (
+        "run_clm_flax", [*CLM, "--gradient_checkpointing", "everything_saveable"],
+        ["--gradient_checkpointing everything_saveable", "dots_with_no_batch_dims_saveable"]),
+    # Distributed flags, refused before the process tries to join others
+    "clm-process-id-out-of-range": (
+        "run_clm_flax", [*CLM, "--coordinator_address", "127.0.0.1:1", "--num_processes", "2", "--process_id", "2"],
+        ["--process_id 2 is not in 0..1"]),
+    "mlm-coordinator-without-process-id": (
+        "run_mlm_flax", [*MLM, "--coordinator_address", "127.0.0.1:1"], ["go together"]),
 }  # fmt: skip
 
 
@@ -240,14 +260,22 @@ def script_arguments(script, arguments, paths, directory):
     return arguments
 
 
+def printed_error(module, error):
+    """What the script's command prints after `error: ` for this exception; None where it shows a traceback."""
+    if hasattr(module, "user_error_message"):  # the training scripts' handler also takes some library errors
+        return module.user_error_message(error)
+    return str(error) if isinstance(error, module.UsageError) else None
+
+
 @pytest.mark.parametrize("case", REFUSALS)
 def test_bad_input_is_refused_in_one_line(case, paths, tmp_path, monkeypatch):
     script, arguments, fragments = REFUSALS[case]
     module = SCRIPTS[script]
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *script_arguments(script, arguments, paths, tmp_path)])
-    with pytest.raises(module.UsageError) as refusal:
+    with pytest.raises(Exception) as refusal:
         module.main()
-    message = str(refusal.value)
+    message = printed_error(module, refusal.value)
+    assert message is not None, f"a traceback: {refusal.value!r}"
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message, message
@@ -280,6 +308,14 @@ def test_rows_without_text_end_the_command_with_one_line(run_tool, paths, tmp_pa
     arguments = script_arguments("run_clm_flax", [*CLM, "--train_file", "{null}"], paths, tmp_path)
     result = run_tool("run_clm_flax.py", *arguments)
     assert_one_error_line(result, "null.jsonl", *MISSING_TEXT)
+
+
+def test_an_uncached_hub_dataset_offline_ends_the_command_with_one_line(run_tool, paths, tmp_path):
+    arguments = [argument for argument in CLM if argument not in ("--train_file", "{train}")]
+    arguments += ["--dataset_name", "no-such-user/no-such-dataset"]  # run_tool runs the scripts offline
+    result = run_tool("run_clm_flax.py", *script_arguments("run_clm_flax", arguments, paths, tmp_path))
+    assert_one_error_line(result, "no-such-user/no-such-dataset", "only what is in the cache can be loaded")
+    assert not (tmp_path / "out").exists()
 
 
 def test_whitespace_only_text_leaves_a_tokenizer_it_would_overwrite_as_it_was(run_tool, paths, tmp_path):

@@ -528,13 +528,14 @@ def bad_inputs(model_dir, tmp_path_factory):
         (["--config_name", "{bad}/other-pad"], "padding token has id 1 but the config's pad_token_id is 3"),
         (["--model_type", "bert"], "--model_type bert is not supported"),
         (["--mlm_probability", "1.5"], "--mlm_probability 1.5 must be between 0 and 1"),
-        (["--max_seq_length", "2"], "--max_seq_length must be at least 3"),
+        (["--max_seq_length", "2"], "--max_seq_length 2 must be at least 3"),
         (["--fill_mask_text", "no mask here"], "--fill_mask_text must contain the mask token <mask>"),
         (["--train_file", "missing.txt"], "--train_file: missing.txt does not exist"),
         (["--line_by_line", "--train_file", "{bad}/empty.txt"], "the train data has no non-empty lines"),
         (["--per_device_train_batch_size", "100000"], "fewer than one global batch"),
         (["--output_dir", "{bad}/output-with-files"], "already holds files; pass --resume_from_checkpoint"),
-        (["--hub_model_id", "me/model"], "unknown argument --hub_model_id"),
+        (["--hub_model_id", "me/model"], "--hub_model_id is not supported: upload --output_dir after training"),
+        (["--hub_modelid", "me/model"], "unknown argument --hub_modelid"),
     ],
 )
 def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, bad_inputs, tmp_path, monkeypatch):

@@ -1,0 +1,125 @@
+"""The command line of the training scripts: what the flags mean after check_arguments, which errors reach the user
+as one line, and the log format the four scripts share. All in this process, before any data or model is read."""
+
+import json
+import re
+import sys
+
+import pytest
+from test_clm import run_clm_flax
+from test_hostile_inputs import SCRIPTS
+
+TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
+
+
+@pytest.fixture
+def checked_arguments(tmp_path, monkeypatch):
+    """Parse and check a command line as a training script's main() does; returns the argument groups."""
+
+    def check(script, *arguments):
+        module = SCRIPTS[script]
+        command_line = ["--output_dir", str(tmp_path / "out"), "--tokenizer_name", "a-tokenizer", *arguments]
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", *command_line])
+        model_args, data_args, training_args, _ = module.parse_arguments()
+        module.check_arguments(model_args, data_args, training_args)
+        return model_args, data_args, training_args
+
+    return check
+
+
+@pytest.mark.parametrize(
+    "flags, policy",
+    [
+        ([], None),
+        (["--gradient_checkpointing"], "nothing_saveable"),
+        (["--gradient_checkpointing", "true"], "nothing_saveable"),
+        (["--gradient_checkpointing=False"], None),
+        (["--gradient_checkpointing", "dots_saveable"], "dots_saveable"),
+        (["--gradient_checkpointing", "dots_with_no_batch_dims_saveable"], "dots_with_no_batch_dims_saveable"),
+    ],
+)
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_gradient_checkpointing_takes_the_hugging_face_boolean_or_a_policy(script, flags, policy, checked_arguments):
+    model_args, _, _ = checked_arguments(script, "--train_file", "train.txt", *flags)
+    assert model_args.gradient_checkpointing == policy
+
+
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_neither_do_train_nor_do_eval_trains_and_evaluates_in_both_scripts(script, checked_arguments):
+    _, _, training_args = checked_arguments(script, "--train_file", "train.txt")
+    assert training_args.do_train and training_args.do_eval
+    _, _, training_args = checked_arguments(script, "--validation_file", "validation.txt")
+    assert not training_args.do_train and training_args.do_eval, "no training data: evaluate only"
+    _, _, training_args = checked_arguments(script, "--train_file", "train.txt", "--packed_data_dir", "packed")
+    assert not training_args.do_train and not training_args.do_eval, "only pack the data"
+    _, _, training_args = checked_arguments(script, "--train_file", "train.txt", "--do_eval")
+    assert not training_args.do_train and training_args.do_eval
+
+
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_float16_is_refused_on_cpu_only(script, checked_arguments, monkeypatch):
+    module = SCRIPTS[script]
+    monkeypatch.setattr(module.jax, "default_backend", lambda: "cpu")
+    with pytest.raises(module.UsageError, match="--dtype float16 does not run on CPU.*bfloat16"):
+        checked_arguments(script, "--train_file", "train.txt", "--dtype", "float16")
+    monkeypatch.setattr(module.jax, "default_backend", lambda: "gpu")
+    model_args, _, _ = checked_arguments(script, "--train_file", "train.txt", "--dtype", "float16")
+    assert model_args.dtype == "float16"
+
+
+def test_training_from_scratch_without_a_tokenizer_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", str(tmp_path), "--train_file", "t.txt"])
+    model_args, data_args, training_args, _ = run_clm_flax.parse_arguments()
+    with pytest.raises(run_clm_flax.UsageError, match="training from scratch needs --tokenizer_name"):
+        run_clm_flax.check_arguments(model_args, data_args, training_args)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"output_dir": "out", "push_to_hub": True}, "--push_to_hub is not supported: upload --output_dir"),
+        ({"output_dir": "out", "remat_policy": "dots_saveable"}, "--gradient_checkpointing dots_saveable"),
+        ({"output_dir": "out", "learning_rte": 1e-3}, "unknown argument --learning_rte"),
+        ({"learning_rate": 1e-3}, "missing 1 required positional argument: 'output_dir'"),
+        (["--output_dir", "out"], "must hold one JSON object"),
+    ],
+)
+def test_a_json_arguments_file_is_refused_in_one_line_as_the_command_line_is(values, message, tmp_path, monkeypatch):
+    arguments_file = tmp_path / "arguments.json"
+    arguments_file.write_text(json.dumps(values))
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", str(arguments_file)])
+    with pytest.raises(run_clm_flax.UsageError, match=message):
+        run_clm_flax.parse_arguments()
+
+
+def test_a_json_arguments_file_may_set_gradient_checkpointing_as_a_boolean(tmp_path, monkeypatch):
+    arguments_file = tmp_path / "arguments.json"
+    values = {"output_dir": str(tmp_path / "out"), "tokenizer_name": "t", "train_file": "t.txt"}
+    arguments_file.write_text(json.dumps({**values, "gradient_checkpointing": True}))
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", str(arguments_file)])
+    model_args, data_args, training_args, _ = run_clm_flax.parse_arguments()
+    run_clm_flax.check_arguments(model_args, data_args, training_args)
+    assert model_args.gradient_checkpointing == "nothing_saveable"
+
+
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_library_errors_for_user_mistakes_become_one_line_and_bugs_keep_their_traceback(script):
+    module = SCRIPTS[script]
+    offline = ConnectionError("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled)")
+    assert module.user_error_message(offline).startswith("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled);")
+    damaged = module.SafetensorError("Error while deserializing header: HeaderTooLarge")
+    assert "HeaderTooLarge" in module.user_error_message(damaged)
+    assert module.user_error_message(module.UsageError("--x is wrong")) == "--x is wrong"
+    for bug in (KeyError("step"), TypeError("unsupported operand"), ConnectionResetError(104, "reset by peer")):
+        assert module.user_error_message(bug) is None
+
+
+def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_tokenizer_dir, tmp_path):
+    result = run_tool(
+        "create_config.py", "--preset", "gpt2-tiny", "--tokenizer_dir", gpt2_tokenizer_dir, "--output_dir", tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    (log_line,) = [line for line in result.stdout.splitlines() if "From the tokenizer" in line]
+    # LOG_FORMAT: the time, the level, the logger and the message.
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO __main__: From the tokenizer in .*", log_line)
+    assert SCRIPTS["create_config"].LOG_FORMAT == run_clm_flax.LOG_FORMAT == SCRIPTS["train_tokenizer"].LOG_FORMAT
