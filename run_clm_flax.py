@@ -26,6 +26,8 @@ import fcntl
 import functools
 import glob
 import hashlib
+import html
+import importlib.util
 import itertools
 import json
 import logging
@@ -303,6 +305,13 @@ class TrainingArguments:
         default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
     )
     logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={
+            "help": "Where to report the metrics, arguments and results: tensorboard, wandb, mlflow (each needs its "
+            "package), all (TensorBoard and the others installed) or none; several as a comma list."
+        },
+    )
     save_steps: int = field(
         default=500,
         metadata={"help": "Save a training checkpoint and the model every this many steps."},
@@ -2054,6 +2063,7 @@ def main():
     model_args, data_args, training_args, distributed_args = parse_arguments()
     initialize_distributed(distributed_args)
     check_arguments(model_args, data_args, training_args)
+    training_args.report_to = trackers_to_report(training_args.report_to)
     # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also
     # sets up the processes' collectives, which they must reach within 30 s of each other: here, right after
     # they have all joined, they do.
@@ -2195,9 +2205,16 @@ def main():
     lock_failure = f"lock --output_dir {training_args.output_dir}"
     output_dir_lock = on_process_zero(prepare_output_dir, lock_failure)  # noqa: F841
     os.makedirs(training_args.output_dir, exist_ok=True)
-    writer = TensorBoardWriter(os.path.join(training_args.output_dir, "tensorboard")) if is_main_process else None
-    if writer:
-        writer.text("arguments", arguments_markdown(model_args, data_args, training_args))
+    writer = None
+    if is_main_process:
+        writer = open_trackers(
+            training_args.report_to,
+            training_args.output_dir,
+            resumed=bool(restored),
+            arguments=saved_arguments(model_args, data_args, training_args),
+            model_config=config.to_diff_dict(),
+            metric_tags=["eval/loss", "eval/perplexity", "eval/bits_per_byte"],
+        )
 
     # Samples from the same prompts at every evaluation show the text getting better; a few tokens, compiled once.
     sample_prompts = training_args.sample_prompt or [""]
@@ -2402,6 +2419,7 @@ def main():
                 os.path.join(training_args.output_dir, "train_results.json"),
                 {
                     "train_loss": progress_record["train_loss_sum"] / progress_record["train_token_count"],
+                    "train_samples": len(blocks["train"]) if train_stream is None else None,
                     "train_steps": total_steps,
                     "epochs": total_steps / steps_per_epoch if steps_per_epoch else None,
                     "train_runtime_seconds": train_runtime,
@@ -2424,6 +2442,7 @@ def main():
                     "eval_loss": results["loss"],
                     "eval_perplexity": results["perplexity"],
                     "eval_bits_per_byte": results.get("bits_per_byte"),
+                    "eval_samples": len(blocks["validation"]),
                     "eval_tokens": results["tokens"],
                     "eval_bytes": results.get("bytes"),
                     "step": step,
@@ -2432,6 +2451,7 @@ def main():
             bits_per_byte = f", {results['bits_per_byte']:.4f} bits per byte" if "bits_per_byte" in results else ""
             print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f}{bits_per_byte})")
     if writer:
+        writer.results(write_all_results(training_args.output_dir), int(state.step))
         writer.close()
 
     if training_args.do_train and is_main_process and training_args.sample_tokens > 0 and not run_complete:
@@ -2450,7 +2470,7 @@ def main():
         )
         for text in texts:
             print(f"sample from {training_args.output_dir}: {text!r}")
-    if is_main_process and training_args.do_train:
+    if is_main_process and training_args.do_train and "tensorboard" in training_args.report_to:
         print(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 
 
@@ -2830,12 +2850,18 @@ def on_process_zero(action, what: str):
     return result
 
 
+# Where a run keeps the ids of its W&B and MLflow runs, to report into them again when it is resumed.
+TRACKER_RUNS_FILE = "tracker_runs.json"
+
+
 PREVIOUS_RUN_RESULTS = [
     "checkpoints",
     "discarded-checkpoints",
     "tensorboard",
     "train_results.json",
     "eval_results.json",
+    "all_results.json",
+    TRACKER_RUNS_FILE,
 ]
 
 
@@ -3077,7 +3103,8 @@ def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool
 
 
 class TensorBoardWriter:
-    """Scalars and text for TensorBoard, written with the tensorboard package alone (no TensorFlow)."""
+    """Scalars, text and an HParams summary for TensorBoard, written with the tensorboard package alone (no
+    TensorFlow)."""
 
     def __init__(self, log_dir: str):
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -3099,15 +3126,251 @@ class TensorBoardWriter:
     def text(self, tag: str, markdown: str, step: int = 0):
         self._write(self._text_pb(tag, markdown), step)
 
+    def hparams(self, hparams: dict, metric_tags: list[str]):
+        """This run's hyperparameters (bools, numbers, strings) and the scalars whose last values TensorBoard's
+        HParams tab compares runs by."""
+        from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
+
+        def data_type(value):
+            if isinstance(value, bool):
+                return api_pb2.DATA_TYPE_BOOL
+            return api_pb2.DATA_TYPE_STRING if isinstance(value, str) else api_pb2.DATA_TYPE_FLOAT64
+
+        # Declared with types but no ranges of values: a range would hide the runs outside it.
+        experiment = api_pb2.Experiment(
+            hparam_infos=[api_pb2.HParamInfo(name=name, type=data_type(value)) for name, value in hparams.items()],
+            metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag)) for tag in metric_tags],
+        )
+        summary_metadata = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(experiment=experiment))
+        declaration = self._summary_pb2.Summary.Value(
+            tag=metadata.EXPERIMENT_TAG, metadata=summary_metadata, tensor=metadata.NULL_TENSOR
+        )
+        self._write(self._summary_pb2.Summary(value=[declaration]), 0)
+        self._write(summary_v2.hparams_pb(hparams), 0)
+
+    def results(self, results: dict, step: int):
+        self.text("results", markdown_table(results, "result"), step)
+
     def close(self):
         self._writer.close()
 
 
-def arguments_markdown(*argument_groups) -> str:
-    """All arguments as a markdown table, for TensorBoard's text tab. The hub token is left out."""
-    rows = ["| argument | value |", "| --- | --- |"]
-    rows += [f"| {name} | {value} |" for name, value in sorted(saved_arguments(*argument_groups).items())]
+class WandbTracker:
+    """A Weights & Biases run. W&B's own environment variables choose the project, mode and local directory
+    (WANDB_PROJECT, WANDB_MODE=offline, WANDB_DIR, ...)."""
+
+    def __init__(self, name: str, run_id: str | None, arguments: dict, model_config: dict):
+        import wandb
+
+        self._wandb = wandb
+        self.run = wandb.init(
+            name=name,
+            id=run_id,
+            resume="allow" if run_id else None,
+            config={**arguments, "model_config": model_config},
+            allow_val_change=True,  # a resumed run may change --max_steps, for one
+        )
+        self.run_id = self.run.id
+        # Plotted against the training step as a value, not W&B's own step counter: that one must only grow,
+        # and a resumed run logs again the steps the interrupted run logged after its last checkpoint.
+        self.run.define_metric("train/global_step")
+        self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
+
+    def scalars(self, values: dict, step: int):
+        self.run.log({**values, "train/global_step": step})
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self.run.log({tag: self._wandb.Html(f"<pre>{html.escape(markdown)}</pre>"), "train/global_step": step})
+
+    def results(self, results: dict, step: int):
+        self.run.summary.update(results)
+
+    def close(self):
+        self.run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run. MLflow's own environment variables choose where it goes (MLFLOW_TRACKING_URI,
+    MLFLOW_EXPERIMENT_NAME, ...)."""
+
+    def __init__(self, name: str, run_id: str | None, arguments: dict, model_config: dict):
+        import mlflow
+
+        self._mlflow = mlflow
+        try:
+            run = mlflow.start_run(run_id=run_id, run_name=None if run_id else name)
+        except mlflow.exceptions.MlflowException as error:
+            raise UsageError(f"--report_to mlflow cannot start a run: {error}") from None
+        self.run_id = run.info.run_id
+        parameters = {**arguments, **{f"model_config/{key}": value for key, value in model_config.items()}}
+        # MLflow keeps a parameter's first value: a resumed run adds only the parameters new to it.
+        logged = run.data.params
+        changed = sorted(name for name, value in parameters.items() if logged.get(name, str(value)) != str(value))
+        if changed:
+            logger.warning("MLflow keeps the values the run started with for %s", ", ".join(changed))
+        mlflow.log_params({name: value for name, value in parameters.items() if name not in logged})
+
+    def scalars(self, values: dict, step: int):
+        self._mlflow.log_metrics(values, step=step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self._mlflow.log_text(markdown, f"{tag}/step-{step}.md")
+
+    def results(self, results: dict, step: int):
+        numbers = {name: value for name, value in results.items() if type(value) in (int, float)}
+        self._mlflow.log_metrics(numbers, step=step)
+
+    def close(self):
+        self._mlflow.end_run()
+
+
+# The trackers of --report_to, and the package each needs beyond this script's requirements.
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def trackers_to_report(report_to: str | list[str]) -> list[str]:
+    """--report_to as a list of trackers, as the Hugging Face Trainer reads it: names (a comma list or several
+    values), `all` for TensorBoard and every tracker installed, or `none`."""
+    names = [
+        name.strip()
+        for value in ([report_to] if isinstance(report_to, str) else report_to)
+        for name in value.split(",")
+    ]
+    names = [name for name in names if name]
+    unknown = [name for name in names if name not in [*TRACKER_PACKAGES, "all", "none"]]
+    if unknown:
+        raise UsageError(
+            f"--report_to {unknown[0]} is not a tracker; choose from {', '.join(TRACKER_PACKAGES)}, all or none "
+            "(several as a comma list)"
+        )
+    if "none" in names:
+        return []
+    if "all" in names:
+        return [name for name, package in TRACKER_PACKAGES.items() if importlib.util.find_spec(package)]
+    for name in names:
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise UsageError(f"--report_to {name} needs the {name} package: pip install {name}, or leave {name} out")
+    return list(dict.fromkeys(names))
+
+
+class Trackers:
+    """The trackers of --report_to, given the same scalars, texts and results."""
+
+    def __init__(self, trackers: list):
+        self.trackers = trackers
+
+    def scalars(self, values: dict, step: int):
+        for tracker in self.trackers:
+            tracker.scalars(values, step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        for tracker in self.trackers:
+            tracker.text(tag, markdown, step)
+
+    def results(self, results: dict, step: int):
+        for tracker in self.trackers:
+            tracker.results(results, step)
+
+    def close(self):
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def open_trackers(
+    report_to: list[str], output_dir: str, resumed: bool, arguments: dict, model_config: dict, metric_tags: list[str]
+) -> Trackers:
+    """Process 0's trackers, given the run's arguments and model config. W&B and MLflow runs are named after
+    the output directory; a resumed run reports into the runs it started (their ids are in TRACKER_RUNS_FILE)."""
+    ids_path = os.path.join(output_dir, TRACKER_RUNS_FILE)
+    run_ids = {}
+    if resumed and os.path.isfile(ids_path):
+        with open(ids_path) as file:
+            run_ids = json.load(file)
+    name = os.path.basename(os.path.abspath(output_dir))
+    trackers = []
+    for tracker in report_to:
+        if tracker == "tensorboard":
+            writer = TensorBoardWriter(os.path.join(output_dir, "tensorboard"))
+            writer.text("arguments", markdown_table(arguments, "argument"))
+            config_json = json.dumps(model_config, indent=2, sort_keys=True)
+            writer.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
+            writer.hparams(hyperparameters(arguments, model_config), metric_tags)
+            trackers.append(writer)
+        else:
+            trackers.append(
+                {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker](
+                    name, run_ids.get(tracker), arguments, model_config
+                )
+            )
+            run_ids[tracker] = trackers[-1].run_id
+            write_json(ids_path, run_ids)
+    return Trackers(trackers)
+
+
+# Arguments about where a run reads and writes, how often it reports and saves, and how it runs, rather than what
+# it learns: left out of TensorBoard's HParams table, which then shows what differs between experiments.
+NOT_HYPERPARAMETERS = {
+    "output_dir",
+    "overwrite_output_dir",
+    "do_train",
+    "do_eval",
+    "cache_dir",
+    "overwrite_cache",
+    "preprocessing_num_workers",
+    "packed_data_dir",
+    "packed_tokens_per_shard",
+    "allow_pickle_weights",
+    "mesh_shape",
+    "per_device_eval_batch_size",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+    "save_total_limit",
+    "resume_from_checkpoint",
+    "report_to",
+    "sample_prompt",
+    "sample_tokens",
+    "fill_mask_text",
+    "fill_mask_top_k",
+}
+
+
+def hyperparameters(arguments: dict, model_config: dict) -> dict:
+    """What defines an experiment, for TensorBoard's HParams tab: the arguments that do and the model config,
+    those that are bools, numbers or strings."""
+    values = {name: value for name, value in arguments.items() if name not in NOT_HYPERPARAMETERS}
+    values.update((f"model_config/{name}", value) for name, value in model_config.items())
+    return {name: value for name, value in values.items() if type(value) in (bool, int, float, str)}
+
+
+def markdown_table(values: dict, name_header: str) -> str:
+    """A markdown table of name | value, for TensorBoard's text tab."""
+    rows = [f"| {name_header} | value |", "| --- | --- |"]
+    rows += [f"| {name} | {value} |" for name, value in sorted(values.items())]
     return "\n".join(rows)
+
+
+# all_results.json names a result as the Hugging Face examples do where it means the same.
+HUGGING_FACE_RESULT_NAMES = {
+    "train_runtime_seconds": "train_runtime",
+    "epochs": "epoch",
+    "eval_perplexity": "perplexity",
+}
+
+
+def write_all_results(output_dir: str) -> dict:
+    """Merge OUTPUT_DIR/train_results.json and eval_results.json (those there are) into all_results.json, as the
+    Hugging Face examples do; returns the merged results."""
+    results = {}
+    for name in ("train_results.json", "eval_results.json"):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path):
+            with open(path) as file:
+                results.update(
+                    (HUGGING_FACE_RESULT_NAMES.get(key, key), value) for key, value in json.load(file).items()
+                )
+    write_json(os.path.join(output_dir, "all_results.json"), results)
+    return results
 
 
 def write_json(path: str, values: dict):
