@@ -3545,9 +3545,9 @@ class TensorBoardWriter:
     def text(self, tag: str, markdown: str, step: int = 0):
         self._write(self._text_pb(tag, markdown), step)
 
-    def hparams(self, hparams: dict, metric_tags: list[str]):
+    def hparams(self, hparams: dict, metric_tags: list[str], run_name: str):
         """This run's hyperparameters (bools, numbers, strings) and the scalars whose last values TensorBoard's
-        HParams tab compares runs by."""
+        HParams tab compares runs by; a row of its own for each `run_name`."""
         from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
 
         def data_type(value):
@@ -3565,7 +3565,8 @@ class TensorBoardWriter:
             tag=metadata.EXPERIMENT_TAG, metadata=summary_metadata, tensor=metadata.NULL_TENSOR
         )
         self._write(self._summary_pb2.Summary(value=[declaration]), 0)
-        self._write(summary_v2.hparams_pb(hparams), 0)
+        # Runs with the same hyperparameters would otherwise share a row.
+        self._write(summary_v2.hparams_pb(hparams, trial_id=run_name), 0)
 
     def results(self, results: dict, step: int):
         self.text("results", markdown_table(results, "result"), step)
@@ -3719,7 +3720,7 @@ def open_trackers(
             writer.text("arguments", markdown_table(arguments, "argument"))
             config_json = json.dumps(model_config, indent=2, sort_keys=True)
             writer.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
-            writer.hparams(hyperparameters(arguments, model_config), metric_tags)
+            writer.hparams(hyperparameters(arguments, model_config), metric_tags, os.path.abspath(output_dir))
             trackers.append(writer)
         else:
             trackers.append(

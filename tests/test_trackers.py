@@ -128,6 +128,7 @@ def test_tensorboard_gets_an_hparams_summary_and_the_model_config(tmp_path):
         "model_config/activation_function": "string_value",
     }
     assert session.hparams["learning_rate"].number_value == 3e-3
+    assert session.group_name == str(tmp_path)  # a row of its own in the HParams table
     assert {info.name: info.type for info in experiment.hparam_infos}["adafactor"] == 2  # DATA_TYPE_BOOL
     assert events.Scalars("eval/loss")[-1].value == 2.5  # the HParams tab's metric value
 
@@ -140,6 +141,8 @@ def test_tensorboard_gets_an_hparams_summary_and_the_model_config(tmp_path):
 
 
 def test_wandb_offline_run_holds_what_was_reported_and_resumes_into_the_same_run(tracker_env, tmp_path):
+    import wandb
+
     output_dir = tmp_path / "gpt2-small-run"
     output_dir.mkdir()
     trackers = open_trackers(["wandb"], output_dir)
@@ -153,6 +156,7 @@ def test_wandb_offline_run_holds_what_was_reported_and_resumes_into_the_same_run
     trackers.scalars({"train/loss": 3.0}, 10)
     trackers.close()
     assert json.loads((output_dir / "tracker_runs.json").read_text()) == {"wandb": run_id}
+    wandb.teardown()  # the W&B service writes the offline files on its own time: wait for it to end
 
     first, resumed = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
     assert first.endswith(run_id) and resumed.endswith(run_id)
@@ -228,53 +232,67 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def test_training_run_reports_to_all_trackers_and_resumes_into_the_same_runs(model_dir, tmp_path, tracker_env):
+def test_training_run_reports_to_all_trackers_and_its_repeat_reports_into_the_same_runs(
+    model_dir, tmp_path, tracker_env
+):
     from mlflow import MlflowClient
 
     output_dir = tmp_path / "tiny-run"
     env = {**os.environ, **tracker_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-
-    def train(max_steps, *extra):
-        arguments = [
-            *("--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir),
-            *("--train_file", os.path.join(CORPUS, "train.txt"), "--max_train_samples", 20),
-            *("--validation_file", os.path.join(CORPUS, "validation.txt"), "--max_eval_samples", 10),
-            *("--block_size", 32, "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", 8),
-            *("--do_train", "--do_eval", "--max_steps", max_steps, "--logging_steps", 2, "--save_steps", 2),
-            *("--sample_tokens", 0, "--report_to", "all", *extra),
-        ]
-        command = [sys.executable, os.path.join(REPO, "run_clm_flax.py"), *map(str, arguments)]
+    arguments = [
+        *("--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir),
+        *("--train_file", os.path.join(CORPUS, "train.txt"), "--max_train_samples", 20),
+        *("--validation_file", os.path.join(CORPUS, "validation.txt"), "--max_eval_samples", 10),
+        *("--block_size", 32, "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", 8),
+        *("--do_train", "--do_eval", "--max_steps", 2, "--logging_steps", 2, "--sample_tokens", 0),
+        *("--report_to", "all", "--resume_from_checkpoint"),
+    ]
+    command = [sys.executable, os.path.join(REPO, "run_clm_flax.py"), *map(str, arguments)]
+    # The second time, the run is complete: it resumes only to report the results again, into the same runs.
+    for _ in range(2):
         result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
+    assert "The run is complete" in result.stderr
 
-    train(2)
-    train(4, "--resume_from_checkpoint")
-
+    train_results = json.loads((output_dir / "train_results.json").read_text())
+    eval_results = json.loads((output_dir / "eval_results.json").read_text())
     all_results = json.loads((output_dir / "all_results.json").read_text())
-    assert all_results.keys() >= {"train_loss", "train_runtime", "train_samples", "epoch", "eval_loss", "perplexity"}
-    assert all_results["eval_samples"] == json.loads((output_dir / "eval_results.json").read_text())["eval_samples"]
-    assert all_results["train_steps"] == all_results["step"] == 4
+    assert train_results["train_samples"] == 20 and 0 < eval_results["eval_samples"] <= 10
+    assert all_results == {
+        **{run_clm_flax.HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in train_results.items()},
+        **{run_clm_flax.HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in eval_results.items()},
+    }
+    assert {"train_runtime", "epoch", "perplexity"} <= all_results.keys()
     run_ids = json.loads((output_dir / "tracker_runs.json").read_text())
 
-    # TensorBoard: the HParams summary of both parts, whose metrics are the scalars the evaluations wrote.
+    # TensorBoard: the HParams summary, whose metrics are the scalars the evaluation wrote.
     events, experiment, session = hparams_plugin_data(output_dir / "tensorboard")
+    assert session.group_name == str(output_dir)
     assert session.hparams["learning_rate"].number_value == 5e-5
     assert session.hparams["model_config/n_layer"].number_value == 2
     assert events.Scalars("eval/loss")[-1].value == pytest.approx(all_results["eval_loss"], rel=1e-6)
 
-    # W&B: one run in two offline parts, named after the output directory, with the steps of both parts.
+    # W&B: one run in two offline parts, named after the output directory, with the results in its summary.
     parts = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
     assert len(parts) == 2 and all(part.endswith(run_ids["wandb"]) for part in parts)
-    history = [row for part in parts for row in wandb_items(wandb_records(part), "history") if "train/loss" in row]
-    assert [row["train/global_step"] for row in history] == [2, 4]
-    summary = {
-        key: value for update in wandb_items(wandb_records(parts[1]), "summary") for key, value in update.items()
-    }
-    assert summary["eval_loss"] == pytest.approx(all_results["eval_loss"])
+    records = wandb_records(parts[0])
+    [run] = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+    assert run.display_name == "tiny-run"
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["max_steps"] == 2 and config["model_config"]["n_layer"] == 2
+    history = [row for row in wandb_items(records, "history") if "train/loss" in row]
+    assert [row["train/global_step"] for row in history] == [2]
+    for part in parts:
+        summary = {
+            key: value for update in wandb_items(wandb_records(part), "summary") for key, value in update.items()
+        }
+        assert summary["eval_loss"] == pytest.approx(all_results["eval_loss"])
 
-    # MLflow: one run, with the scalars of both parts and the final results.
+    # MLflow: one run, with the scalars and the final results.
     client = MlflowClient(tracking_uri=tracker_env["MLFLOW_TRACKING_URI"])
     run = client.get_run(run_ids["mlflow"])
-    assert run.info.run_name == "tiny-run" and run.data.params["max_steps"] == "2"
-    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "train/loss")] == [2, 4]
+    assert run.info.run_name == "tiny-run" and run.info.status == "FINISHED"
+    assert run.data.params["max_steps"] == "2" and run.data.params["model_config/n_layer"] == "2"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "train/loss")] == [2]
     assert run.data.metrics["perplexity"] == pytest.approx(all_results["perplexity"])
