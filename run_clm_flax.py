@@ -3298,13 +3298,11 @@ def open_trackers(
             writer.hparams(hyperparameters(arguments, model_config), metric_tags, os.path.abspath(output_dir))
             trackers.append(writer)
         else:
-            trackers.append(
-                {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker](
-                    name, run_ids.get(tracker), arguments, model_config
-                )
-            )
-            run_ids[tracker] = trackers[-1].run_id
-            write_json(ids_path, run_ids)
+            tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
+            trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
+            if trackers[-1].run_id != run_ids.get(tracker):
+                run_ids[tracker] = trackers[-1].run_id
+                write_json(ids_path, run_ids)
     return Trackers(trackers)
 
 
@@ -3362,15 +3360,19 @@ HUGGING_FACE_RESULT_NAMES = {
 def write_all_results(output_dir: str) -> dict:
     """Merge OUTPUT_DIR/train_results.json and eval_results.json (those there are) into all_results.json, as the
     Hugging Face examples do; returns the merged results."""
+
+    def read(name: str) -> dict:
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as file:
+            return json.load(file)
+
     results = {}
     for name in ("train_results.json", "eval_results.json"):
-        path = os.path.join(output_dir, name)
-        if os.path.isfile(path):
-            with open(path) as file:
-                results.update(
-                    (HUGGING_FACE_RESULT_NAMES.get(key, key), value) for key, value in json.load(file).items()
-                )
-    write_json(os.path.join(output_dir, "all_results.json"), results)
+        results.update((HUGGING_FACE_RESULT_NAMES.get(key, key), value) for key, value in read(name).items())
+    if read("all_results.json") != results:  # a repeat of a complete run leaves the file as it was
+        write_json(os.path.join(output_dir, "all_results.json"), results)
     return results
 
 

@@ -232,6 +232,16 @@ def model_dir(tmp_path_factory):
     return directory
 
 
+def test_an_unknown_tracker_stops_the_script_before_any_work(model_dir, tmp_path, monkeypatch):
+    output_dir = tmp_path / "out"
+    arguments = ["--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir, "--do_train"]
+    arguments += ["--train_file", os.path.join(CORPUS, "train.txt"), "--report_to", "tensorboard", "comet"]
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *map(str, arguments)])
+    with pytest.raises(run_clm_flax.UsageError, match="--report_to comet is not a tracker"):
+        run_clm_flax.main()
+    assert not output_dir.exists()
+
+
 def test_training_run_reports_to_all_trackers_and_its_repeat_reports_into_the_same_runs(
     model_dir, tmp_path, tracker_env
 ):
