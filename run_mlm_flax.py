@@ -3584,13 +3584,16 @@ class WandbTracker:
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(
-            name=name,
-            id=run_id,
-            resume="allow" if run_id else None,
-            config={**arguments, "model_config": model_config},
-            allow_val_change=True,  # a resumed run may change --max_steps, for one
-        )
+        try:
+            self.run = wandb.init(
+                name=name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                config={**arguments, "model_config": model_config},
+                allow_val_change=True,  # a resumed run may change --max_steps, for one
+            )
+        except wandb.errors.Error as error:  # not logged in, for one
+            raise UsageError(f"--report_to wandb cannot start a run: {error}") from None
         self.run_id = self.run.id
         # Plotted against the training step as a value, not W&B's own step counter: that one must only grow,
         # and a resumed run logs again the steps the interrupted run logged after its last checkpoint.

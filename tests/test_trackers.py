@@ -199,6 +199,25 @@ def test_mlflow_file_store_run_holds_what_was_reported_and_resumes_into_the_same
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
+def test_a_tracker_that_cannot_start_a_run_is_one_clear_line(tmp_path, monkeypatch):
+    import wandb
+
+    def not_logged_in(**settings):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", not_logged_in)
+    with pytest.raises(run_clm_flax.UsageError, match="^--report_to wandb cannot start a run: No API key configured"):
+        open_trackers(["wandb"], tmp_path)
+    # MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(
+        run_clm_flax.UsageError, match="^--report_to mlflow cannot start a run: .*MLFLOW_ALLOW_FILE_STORE"
+    ):
+        open_trackers(["mlflow"], tmp_path)
+    assert not (tmp_path / "tracker_runs.json").exists()
+
+
 def test_all_results_merges_train_and_eval_results_with_the_hugging_face_names(tmp_path):
     train = {"train_loss": 3.5, "train_samples": 100, "epochs": 2.0, "train_runtime_seconds": 9.0, "train_steps": 20}
     evaluation = {"eval_loss": 3.25, "eval_perplexity": 25.8, "eval_samples": 10, "eval_tokens": 320, "step": 20}
