@@ -3228,32 +3228,28 @@ class MlflowTracker:
         self._mlflow.end_run()
 
 
-# The trackers of --report_to, and the package each needs beyond this script's requirements.
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+# The trackers of --report_to, each imported from the package of its name (TensorBoard's is a requirement).
+TRACKERS = ["tensorboard", "wandb", "mlflow"]
 
 
 def trackers_to_report(report_to: str | list[str]) -> list[str]:
     """--report_to as a list of trackers, as the Hugging Face Trainer reads it: names (a comma list or several
     values), `all` for TensorBoard and every tracker installed, or `none`."""
-    names = [
-        name.strip()
-        for value in ([report_to] if isinstance(report_to, str) else report_to)
-        for name in value.split(",")
-    ]
-    names = [name for name in names if name]
-    unknown = [name for name in names if name not in [*TRACKER_PACKAGES, "all", "none"]]
+    values = [report_to] if isinstance(report_to, str) else report_to
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in [*TRACKERS, "all", "none"]]
     if unknown:
         raise UsageError(
-            f"--report_to {unknown[0]} is not a tracker; choose from {', '.join(TRACKER_PACKAGES)}, all or none "
+            f"--report_to {unknown[0]} is not a tracker; choose from {', '.join(TRACKERS)}, all or none "
             "(several as a comma list)"
         )
     if "none" in names:
         return []
     if "all" in names:
-        return [name for name, package in TRACKER_PACKAGES.items() if importlib.util.find_spec(package)]
-    for name in names:
-        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            raise UsageError(f"--report_to {name} needs the {name} package: pip install {name}, or leave {name} out")
+        return [name for name in TRACKERS if importlib.util.find_spec(name)]
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"--report_to {missing[0]} needs the {missing[0]} package: pip install {missing[0]}")
     return list(dict.fromkeys(names))
 
 
@@ -3311,30 +3307,12 @@ def open_trackers(
 
 # Arguments about where a run reads and writes, how often it reports and saves, and how it runs, rather than what
 # it learns: left out of TensorBoard's HParams table, which then shows what differs between experiments.
-NOT_HYPERPARAMETERS = {
-    "output_dir",
-    "overwrite_output_dir",
-    "do_train",
-    "do_eval",
-    "cache_dir",
-    "overwrite_cache",
-    "preprocessing_num_workers",
-    "packed_data_dir",
-    "packed_tokens_per_shard",
-    "allow_pickle_weights",
-    "mesh_shape",
-    "per_device_eval_batch_size",
-    "logging_steps",
-    "eval_steps",
-    "save_steps",
-    "save_total_limit",
-    "resume_from_checkpoint",
-    "report_to",
-    "sample_prompt",
-    "sample_tokens",
-    "fill_mask_text",
-    "fill_mask_top_k",
-}
+NOT_HYPERPARAMETERS = set(
+    "output_dir overwrite_output_dir do_train do_eval cache_dir overwrite_cache preprocessing_num_workers "
+    "packed_data_dir packed_tokens_per_shard allow_pickle_weights mesh_shape per_device_eval_batch_size "
+    "logging_steps eval_steps save_steps save_total_limit resume_from_checkpoint report_to sample_prompt "
+    "sample_tokens fill_mask_text fill_mask_top_k".split()
+)
 
 
 def hyperparameters(arguments: dict, model_config: dict) -> dict:
