@@ -1,5 +1,5 @@
 """--report_to: TensorBoard's HParams summary, W&B in offline mode and MLflow in a local file store, each read
-back from what it wrote; all_results.json; and one tiny training run reporting to all of them, resumed."""
+back from what it wrote; all_results.json; and one tiny training run reporting to all of them, repeated."""
 
 import glob
 import json
