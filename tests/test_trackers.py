@@ -103,7 +103,9 @@ def test_a_tracker_not_installed_is_one_clear_line_and_left_out_of_all(monkeypat
     monkeypatch.setattr(
         run_clm_flax.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name)
     )
-    with pytest.raises(run_clm_flax.UsageError, match="^--report_to wandb needs the wandb package: pip install wandb$"):
+    with pytest.raises(
+        run_clm_flax.UsageError, match="^--report_to wandb needs the wandb package: pip install wandb$"
+    ):
         run_clm_flax.trackers_to_report(["tensorboard,wandb"])
     assert run_clm_flax.trackers_to_report(["all"]) == ["tensorboard", "mlflow"]
 
