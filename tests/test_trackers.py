@@ -149,6 +149,7 @@ def test_wandb_offline_run_holds_what_was_reported_and_resumes_into_the_same_run
     output_dir.mkdir()
     trackers = open_trackers(["wandb"], output_dir)
     trackers.scalars({"train/loss": 4.0, "train/learning_rate": 1e-3}, 5)
+    trackers.text("samples", "    Once upon a <time>", 5)
     trackers.results({"train_loss": 4.25, "epoch": None}, 5)
     trackers.close()
     run_id = json.loads((output_dir / "tracker_runs.json").read_text())["wandb"]
@@ -168,7 +169,11 @@ def test_wandb_offline_run_holds_what_was_reported_and_resumes_into_the_same_run
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["learning_rate"] == 3e-3 and config["model_config"] == MODEL_CONFIG
     history = wandb_items(records, "history")
-    assert [(row["train/global_step"], row["train/loss"]) for row in history] == [(5, 4.0)]
+    assert [(row["train/global_step"], row["train/loss"]) for row in history if "train/loss" in row] == [(5, 4.0)]
+    [sample] = [row for row in history if "samples/path" in row]
+    assert sample["train/global_step"] == 5 and sample["samples/_type"] == "html-file"
+    with open(os.path.join(first, "files", sample["samples/path"])) as file:
+        assert "<pre>    Once upon a &lt;time&gt;</pre>" in file.read()
     summary = {key: value for update in wandb_items(records, "summary") for key, value in update.items()}
     assert summary["train_loss"] == 4.25 and summary["epoch"] is None
     history = wandb_items(wandb_records(resumed), "history")
@@ -176,12 +181,14 @@ def test_wandb_offline_run_holds_what_was_reported_and_resumes_into_the_same_run
 
 
 def test_mlflow_file_store_run_holds_what_was_reported_and_resumes_into_the_same_run(tracker_env, tmp_path, caplog):
+    import mlflow
     from mlflow import MlflowClient
 
     output_dir = tmp_path / "gpt2-small-run"
     output_dir.mkdir()
     trackers = open_trackers(["mlflow"], output_dir)
     trackers.scalars({"train/loss": 4.0}, 5)
+    trackers.text("samples", "    Once upon a time", 5)
     trackers.results({"train_loss": 4.25, "epoch": None, "step": 5}, 5)
     trackers.close()
     run_id = json.loads((output_dir / "tracker_runs.json").read_text())["mlflow"]
@@ -198,6 +205,7 @@ def test_mlflow_file_store_run_holds_what_was_reported_and_resumes_into_the_same
     history = client.get_metric_history(run_id, "train/loss")
     assert [(metric.step, metric.value) for metric in history] == [(5, 4.0), (10, 3.0)]
     assert run.data.metrics["train_loss"] == 4.25 and "epoch" not in run.data.metrics
+    assert mlflow.artifacts.load_text(f"{run.info.artifact_uri}/samples/step-5.md") == "    Once upon a time"
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
