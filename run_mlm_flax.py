@@ -38,6 +38,8 @@ import fcntl
 import functools
 import glob
 import hashlib
+import html
+import importlib.util
 import itertools
 import json
 import logging
@@ -346,6 +348,13 @@ class TrainingArguments:
         default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
     )
     logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={
+            "help": "Where to report the metrics, arguments and results: tensorboard, wandb, mlflow (each needs its "
+            "package), all (TensorBoard and the others installed) or none; several as a comma list."
+        },
+    )
     save_steps: int = field(
         default=500,
         metadata={"help": "Save a training checkpoint and the model every this many steps."},
@@ -495,6 +504,7 @@ def check_arguments(model_args, data_args, training_args):
 # Copied from run_clm_flax.check_common_arguments
 def check_common_arguments(model_args, data_args, training_args):
     """The checks of check_arguments that both training scripts make."""
+    training_args.report_to = trackers_to_report(training_args.report_to)
     if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
         # As the Hugging Face Flax examples do: train (given training data) and evaluate.
         training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
@@ -2431,30 +2441,34 @@ def main():
     output_dir_lock = on_process_zero(  # noqa: F841
         lambda: prepare_output_dir(training_args, progress.step), f"lock --output_dir {training_args.output_dir}"
     )
-    writer = open_writer(training_args.output_dir, model_args, data_args, training_args)
-    evaluation = Evaluation(setup, examples.get("validation"), make_batch, tokenizer, training_args, writer)
+    arguments = saved_arguments(model_args, data_args, training_args)
+    trackers = open_trackers(training_args, progress.step > 0, arguments, config, Evaluation.metric_tags)
+    evaluation = Evaluation(setup, examples.get("validation"), make_batch, tokenizer, training_args, trackers)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
         batches = train_batches_from(
             progress.step, setup, examples.get("train"), train_stream, make_batch, tokenizer, data_args, training_args
         )
-        save = partial(save_run, setup, config, tokenizer, saved_arguments(model_args, data_args, training_args))
-        log = TrainingLog(train_metrics, writer, training_args.skip_nonfinite_steps, progress.step, setup.total_steps)
+        save = partial(save_run, setup, config, tokenizer, arguments)
+        log = TrainingLog(
+            train_metrics, trackers, training_args.skip_nonfinite_steps, progress.step, setup.total_steps
+        )
         state, stopped_by = train(state, progress, batches, setup.train_step, save, evaluation, log, training_args)
         if stopped_by:
-            report_stop(stopped_by, progress.step, training_args.output_dir, writer)
+            report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
         write_train_results(training_args.output_dir, train_metrics(progress.metric_sums), setup, log)
     elif training_args.do_train:
         export_complete_run(training_args.output_dir, state.params, config, tokenizer)
     if training_args.do_eval:
         evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not train_now)
-    if writer:
-        writer.close()
+    if jax.process_index() == 0:
+        trackers.results(write_all_results(training_args.output_dir), int(state.step))
+    trackers.close()
     if train_now:
         evaluation.fill_mask_with_export(config)
-    if training_args.do_train:
+    if training_args.do_train and "tensorboard" in training_args.report_to:
         print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 
 
@@ -2587,7 +2601,8 @@ class TrainingSetup:
     sequence_length: int
     train_batch_size: int  # global: over all devices and micro-batches
     eval_batch_size: int
-    steps_per_epoch: int | None  # None for a stream, whose length is unknown
+    train_samples: int | None  # None for a stream, whose length is unknown
+    steps_per_epoch: int | None
     total_steps: int
     batch_sharding: NamedSharding
     micro_batches_sharding: NamedSharding
@@ -2629,6 +2644,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
         sequence_length=sequence_length,
         train_batch_size=train_batch_size,
         eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
+        train_samples=None if train_examples is None else len(train_examples),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         batch_sharding=batch_sharding,
@@ -2735,28 +2751,15 @@ def prepare_output_dir(training_args, resumed_step: int):
     return lock
 
 
-# Copied from run_clm_flax.open_writer
-def open_writer(output_dir: str, *argument_groups) -> "TensorBoardWriter | None":
-    """Process 0's TensorBoard writer, with the run's arguments as text; None on the other processes."""
-    if jax.process_index() != 0:
-        return None
-    writer = TensorBoardWriter(os.path.join(output_dir, "tensorboard"))
-    writer.text("arguments", arguments_markdown(*argument_groups))
-    return writer
-
-
 class Evaluation:
     """Evaluation on the validation examples, masked the same way each time; and, at the end of training, what the
     exported model predicts for a masked text."""
 
-    def __init__(self, setup: TrainingSetup, examples, make_batch, tokenizer, training_args, writer):
-        self.setup, self.examples, self.make_batch, self.tokenizer, self.writer = (
-            setup,
-            examples,
-            make_batch,
-            tokenizer,
-            writer,
-        )
+    metric_tags = ["eval/loss", "eval/perplexity", "eval/accuracy"]  # what TensorBoard's HParams tab compares runs by
+
+    def __init__(self, setup: TrainingSetup, examples, make_batch, tokenizer, training_args, trackers):
+        self.setup, self.examples, self.make_batch = setup, examples, make_batch
+        self.tokenizer, self.trackers = tokenizer, trackers
         self.output_dir, self.seed = training_args.output_dir, training_args.seed
         self.fill_mask_text, self.fill_mask_top_k = training_args.fill_mask_text, training_args.fill_mask_top_k
 
@@ -2779,8 +2782,7 @@ class Evaluation:
             results["accuracy"],
             results["masked_tokens"],
         )
-        if self.writer:
-            self.writer.scalars({f"eval/{name}": results[name] for name in ("loss", "perplexity", "accuracy")}, step)
+        self.trackers.scalars({f"eval/{name}": results[name] for name in ("loss", "perplexity", "accuracy")}, step)
         return results
 
     def final(self, params, step: int, reuse_saved: bool):
@@ -2798,6 +2800,7 @@ class Evaluation:
                     "eval_perplexity": results["perplexity"],
                     "eval_accuracy": results["accuracy"],
                     "eval_masked_tokens": results["masked_tokens"],
+                    "eval_samples": len(self.examples),
                     "step": step,
                 },
             )
@@ -2956,8 +2959,8 @@ class TrainingLog:
     line, the progress bar and TensorBoard. As a `with` block it times the training and, leaving it, ends the
     progress bar's line before any error is printed."""
 
-    def __init__(self, summarize, writer, skip_nonfinite_steps: bool, first_step: int, total_steps: int):
-        self.summarize, self.writer, self.skip_nonfinite_steps = summarize, writer, skip_nonfinite_steps
+    def __init__(self, summarize, trackers, skip_nonfinite_steps: bool, first_step: int, total_steps: int):
+        self.summarize, self.trackers, self.skip_nonfinite_steps = summarize, trackers, skip_nonfinite_steps
         self.first_step, self.total_steps = first_step, total_steps
         self.unread, self.window, self.tokens = [], [], 0
 
@@ -3008,9 +3011,8 @@ class TrainingLog:
             grad_norm,
             tokens_per_second,
         )
-        if self.writer:
-            logged = {"learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_second": tokens_per_second}
-            self.writer.scalars({f"train/{name}": value for name, value in {**summary, **logged}.items()}, step)
+        logged = {"learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_second": tokens_per_second}
+        self.trackers.scalars({f"train/{name}": value for name, value in {**summary, **logged}.items()}, step)
         self.window, self.window_start = [], time.perf_counter()
 
 
@@ -3073,9 +3075,8 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
 
 
 # Copied from run_clm_flax.report_stop
-def report_stop(signal_name: str, step: int, output_dir: str, writer):
-    if writer:
-        writer.close()
+def report_stop(signal_name: str, step: int, output_dir: str, trackers):
+    trackers.close()
     print_once(
         f"Stopped by {signal_name} after step {step}; the training checkpoint is in "
         f"{os.path.join(output_dir, 'checkpoints', str(step))}. To continue, run the same command with "
@@ -3088,6 +3089,7 @@ def write_train_results(output_dir: str, summary: dict, setup: TrainingSetup, lo
     if jax.process_index() == 0:
         results = {f"train_{name}": value for name, value in summary.items()}
         results.update(
+            train_samples=setup.train_samples,
             train_steps=setup.total_steps,
             epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
             train_runtime_seconds=log.runtime,
@@ -3479,6 +3481,11 @@ def on_process_zero(action, what: str):
     return result
 
 
+# Where a run keeps the ids of its W&B and MLflow runs, to report into them again when it is resumed.
+# Copied from run_clm_flax.TRACKER_RUNS_FILE
+TRACKER_RUNS_FILE = "tracker_runs.json"
+
+
 # Copied from run_clm_flax.PREVIOUS_RUN_RESULTS
 PREVIOUS_RUN_RESULTS = [
     "checkpoints",
@@ -3486,6 +3493,8 @@ PREVIOUS_RUN_RESULTS = [
     "tensorboard",
     "train_results.json",
     "eval_results.json",
+    "all_results.json",
+    TRACKER_RUNS_FILE,
 ]
 
 
@@ -3739,7 +3748,8 @@ def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool
 
 # Copied from run_clm_flax.TensorBoardWriter
 class TensorBoardWriter:
-    """Scalars and text for TensorBoard, written with the tensorboard package alone (no TensorFlow)."""
+    """Scalars, text and an HParams summary for TensorBoard, written with the tensorboard package alone (no
+    TensorFlow)."""
 
     def __init__(self, log_dir: str):
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -3761,16 +3771,248 @@ class TensorBoardWriter:
     def text(self, tag: str, markdown: str, step: int = 0):
         self._write(self._text_pb(tag, markdown), step)
 
+    def hparams(self, hparams: dict, metric_tags: list[str], run_name: str):
+        """This run's hyperparameters (bools, numbers, strings) and the scalars whose last values TensorBoard's
+        HParams tab compares runs by; a row of its own for each `run_name`."""
+        from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
+
+        def data_type(value):
+            if isinstance(value, bool):
+                return api_pb2.DATA_TYPE_BOOL
+            return api_pb2.DATA_TYPE_STRING if isinstance(value, str) else api_pb2.DATA_TYPE_FLOAT64
+
+        # Declared with types but no ranges of values: a range would hide the runs outside it.
+        experiment = api_pb2.Experiment(
+            hparam_infos=[api_pb2.HParamInfo(name=name, type=data_type(value)) for name, value in hparams.items()],
+            metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag)) for tag in metric_tags],
+        )
+        summary_metadata = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(experiment=experiment))
+        declaration = self._summary_pb2.Summary.Value(
+            tag=metadata.EXPERIMENT_TAG, metadata=summary_metadata, tensor=metadata.NULL_TENSOR
+        )
+        self._write(self._summary_pb2.Summary(value=[declaration]), 0)
+        # Runs with the same hyperparameters would otherwise share a row.
+        self._write(summary_v2.hparams_pb(hparams, trial_id=run_name), 0)
+
+    def results(self, results: dict, step: int):
+        self.text("results", markdown_table(results, "result"), step)
+
     def close(self):
         self._writer.close()
 
 
-# Copied from run_clm_flax.arguments_markdown
-def arguments_markdown(*argument_groups) -> str:
-    """All arguments as a markdown table, for TensorBoard's text tab. The hub token is left out."""
-    rows = ["| argument | value |", "| --- | --- |"]
-    rows += [f"| {name} | {value} |" for name, value in sorted(saved_arguments(*argument_groups).items())]
+# Copied from run_clm_flax.WandbTracker
+class WandbTracker:
+    """A Weights & Biases run. W&B's own environment variables choose the project, mode and local directory
+    (WANDB_PROJECT, WANDB_MODE=offline, WANDB_DIR, ...)."""
+
+    def __init__(self, name: str, run_id: str | None, arguments: dict, model_config: dict):
+        import wandb
+
+        self._wandb = wandb
+        try:
+            self.run = wandb.init(
+                name=name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                config={**arguments, "model_config": model_config},
+                allow_val_change=True,  # a resumed run may change --max_steps, for one
+            )
+        except wandb.errors.Error as error:  # not logged in, for one
+            raise UsageError(f"--report_to wandb cannot start a run: {error}") from None
+        self.run_id = self.run.id
+        # Plotted against the training step as a value, not W&B's own step counter: that one must only grow,
+        # and a resumed run logs again the steps the interrupted run logged after its last checkpoint.
+        self.run.define_metric("train/global_step")
+        self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
+
+    def scalars(self, values: dict, step: int):
+        self.run.log({**values, "train/global_step": step})
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self.run.log({tag: self._wandb.Html(f"<pre>{html.escape(markdown)}</pre>"), "train/global_step": step})
+
+    def results(self, results: dict, step: int):
+        self.run.summary.update(results)
+
+    def close(self):
+        self.run.finish()
+
+
+# Copied from run_clm_flax.MlflowTracker
+class MlflowTracker:
+    """An MLflow run. MLflow's own environment variables choose where it goes (MLFLOW_TRACKING_URI,
+    MLFLOW_EXPERIMENT_NAME, ...)."""
+
+    def __init__(self, name: str, run_id: str | None, arguments: dict, model_config: dict):
+        import mlflow
+
+        self._mlflow = mlflow
+        try:
+            run = mlflow.start_run(run_id=run_id, run_name=None if run_id else name)
+        except mlflow.exceptions.MlflowException as error:
+            raise UsageError(f"--report_to mlflow cannot start a run: {error}") from None
+        self.run_id = run.info.run_id
+        parameters = {**arguments, **{f"model_config/{key}": value for key, value in model_config.items()}}
+        # MLflow keeps a parameter's first value: a resumed run adds only the parameters new to it.
+        logged = run.data.params
+        changed = sorted(name for name, value in parameters.items() if logged.get(name, str(value)) != str(value))
+        if changed:
+            logger.warning("MLflow keeps the values the run started with for %s", ", ".join(changed))
+        mlflow.log_params({name: value for name, value in parameters.items() if name not in logged})
+
+    def scalars(self, values: dict, step: int):
+        self._mlflow.log_metrics(values, step=step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self._mlflow.log_text(markdown, f"{tag}/step-{step}.md")
+
+    def results(self, results: dict, step: int):
+        numbers = {name: value for name, value in results.items() if type(value) in (int, float)}
+        self._mlflow.log_metrics(numbers, step=step)
+
+    def close(self):
+        self._mlflow.end_run()
+
+
+# The trackers of --report_to, each imported from the package of its name (TensorBoard's is a requirement).
+# Copied from run_clm_flax.TRACKERS
+TRACKERS = ["tensorboard", "wandb", "mlflow"]
+
+
+# Copied from run_clm_flax.trackers_to_report
+def trackers_to_report(report_to: str | list[str]) -> list[str]:
+    """--report_to as a list of trackers, as the Hugging Face Trainer reads it: names (a comma list or several
+    values), `all` for TensorBoard and every tracker installed, or `none`."""
+    values = [report_to] if isinstance(report_to, str) else report_to
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in [*TRACKERS, "all", "none"]]
+    if unknown:
+        raise UsageError(
+            f"--report_to {unknown[0]} is not a tracker; choose from {', '.join(TRACKERS)}, all or none "
+            "(several as a comma list)"
+        )
+    if "none" in names:
+        return []
+    if "all" in names:
+        return [name for name in TRACKERS if importlib.util.find_spec(name)]
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"--report_to {missing[0]} needs the {missing[0]} package: pip install {missing[0]}")
+    return list(dict.fromkeys(names))
+
+
+# Copied from run_clm_flax.Trackers
+class Trackers:
+    """The trackers of --report_to, given the same scalars, texts and results."""
+
+    def __init__(self, trackers: list):
+        self.trackers = trackers
+
+    def scalars(self, values: dict, step: int):
+        for tracker in self.trackers:
+            tracker.scalars(values, step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        for tracker in self.trackers:
+            tracker.text(tag, markdown, step)
+
+    def results(self, results: dict, step: int):
+        for tracker in self.trackers:
+            tracker.results(results, step)
+
+    def close(self):
+        for tracker in self.trackers:
+            tracker.close()
+
+
+# Copied from run_clm_flax.open_trackers
+def open_trackers(training_args, resumed: bool, arguments: dict, config, metric_tags: list[str]) -> Trackers:
+    """The trackers of --report_to, given the run's arguments and model config; none but on process 0. W&B and
+    MLflow runs are named after the output directory; a resumed run reports into the runs it started (their ids
+    are in TRACKER_RUNS_FILE)."""
+    if jax.process_index() != 0:
+        return Trackers([])
+    report_to, output_dir, model_config = training_args.report_to, training_args.output_dir, config.to_diff_dict()
+    ids_path = os.path.join(output_dir, TRACKER_RUNS_FILE)
+    run_ids = {}
+    if resumed and os.path.isfile(ids_path):
+        with open(ids_path) as file:
+            run_ids = json.load(file)
+    name = os.path.basename(os.path.abspath(output_dir))
+    trackers = []
+    for tracker in report_to:
+        if tracker == "tensorboard":
+            writer = TensorBoardWriter(os.path.join(output_dir, "tensorboard"))
+            writer.text("arguments", markdown_table(arguments, "argument"))
+            config_json = json.dumps(model_config, indent=2, sort_keys=True)
+            writer.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
+            writer.hparams(hyperparameters(arguments, model_config), metric_tags, os.path.abspath(output_dir))
+            trackers.append(writer)
+        else:
+            tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
+            trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
+            if trackers[-1].run_id != run_ids.get(tracker):
+                run_ids[tracker] = trackers[-1].run_id
+                write_json(ids_path, run_ids)
+    return Trackers(trackers)
+
+
+# Arguments about where a run reads and writes, how often it reports and saves, and how it runs, rather than what
+# it learns: left out of TensorBoard's HParams table, which then shows what differs between experiments.
+# Copied from run_clm_flax.NOT_HYPERPARAMETERS
+NOT_HYPERPARAMETERS = set(
+    "output_dir overwrite_output_dir do_train do_eval cache_dir overwrite_cache preprocessing_num_workers "
+    "packed_data_dir packed_tokens_per_shard allow_pickle_weights mesh_shape per_device_eval_batch_size "
+    "logging_steps eval_steps save_steps save_total_limit resume_from_checkpoint report_to sample_prompt "
+    "sample_tokens fill_mask_text fill_mask_top_k".split()
+)
+
+
+# Copied from run_clm_flax.hyperparameters
+def hyperparameters(arguments: dict, model_config: dict) -> dict:
+    """What defines an experiment, for TensorBoard's HParams tab: the arguments that do and the model config,
+    those that are bools, numbers or strings."""
+    values = {name: value for name, value in arguments.items() if name not in NOT_HYPERPARAMETERS}
+    values.update((f"model_config/{name}", value) for name, value in model_config.items())
+    return {name: value for name, value in values.items() if type(value) in (bool, int, float, str)}
+
+
+# Copied from run_clm_flax.markdown_table
+def markdown_table(values: dict, name_header: str) -> str:
+    """A markdown table of name | value, for TensorBoard's text tab."""
+    rows = [f"| {name_header} | value |", "| --- | --- |"]
+    rows += [f"| {name} | {value} |" for name, value in sorted(values.items())]
     return "\n".join(rows)
+
+
+# all_results.json names a result as the Hugging Face examples do where it means the same.
+# Copied from run_clm_flax.HUGGING_FACE_RESULT_NAMES
+HUGGING_FACE_RESULT_NAMES = {
+    "train_runtime_seconds": "train_runtime",
+    "epochs": "epoch",
+    "eval_perplexity": "perplexity",
+}
+
+
+# Copied from run_clm_flax.write_all_results
+def write_all_results(output_dir: str) -> dict:
+    """Merge OUTPUT_DIR/train_results.json and eval_results.json (those there are) into all_results.json, as the
+    Hugging Face examples do; returns the merged results."""
+
+    def read(name: str) -> dict:
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as file:
+            return json.load(file)
+
+    results = {}
+    for name in ("train_results.json", "eval_results.json"):
+        results.update((HUGGING_FACE_RESULT_NAMES.get(key, key), value) for key, value in read(name).items())
+    if read("all_results.json") != results:  # a repeat of a complete run leaves the file as it was
+        write_json(os.path.join(output_dir, "all_results.json"), results)
+    return results
 
 
 # Copied from run_clm_flax.write_json

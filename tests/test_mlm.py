@@ -301,7 +301,18 @@ def test_hf_example_command_line_writes_every_expected_file(trained_run):
         assert (output_dir / name).is_file(), f"{name} was not written"
     assert os.listdir(output_dir / "tensorboard")
     eval_results = json.loads((output_dir / "eval_results.json").read_text())
-    assert set(eval_results) == {"eval_loss", "eval_perplexity", "eval_accuracy", "eval_masked_tokens", "step"}
+    assert set(eval_results) == {
+        "eval_loss",
+        "eval_perplexity",
+        "eval_accuracy",
+        "eval_samples",
+        "eval_masked_tokens",
+        "step",
+    }
+    all_results = json.loads((output_dir / "all_results.json").read_text())
+    assert all_results["perplexity"] == eval_results["eval_perplexity"]
+    assert all_results["eval_accuracy"] == eval_results["eval_accuracy"]
+    assert all_results["train_samples"] > all_results["eval_samples"] == eval_results["eval_samples"] > 0
     assert eval_results["eval_perplexity"] == pytest.approx(math.exp(eval_results["eval_loss"]), rel=1e-6)
     train_results = json.loads((output_dir / "train_results.json").read_text())
     steps_per_epoch = train_results["train_steps"] / train_results["epochs"]
