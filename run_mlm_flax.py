@@ -2442,7 +2442,9 @@ def main():
         lambda: prepare_output_dir(training_args, progress.step), f"lock --output_dir {training_args.output_dir}"
     )
     arguments = saved_arguments(model_args, data_args, training_args)
-    trackers = open_trackers(training_args, progress.step > 0, arguments, config, Evaluation.metric_tags)
+    trackers = open_trackers(
+        training_args, progress.step > 0, arguments, config.to_diff_dict(), Evaluation.metric_tags
+    )
     evaluation = Evaluation(setup, examples.get("validation"), make_batch, tokenizer, training_args, trackers)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
@@ -3927,13 +3929,13 @@ class Trackers:
 
 
 # Copied from run_clm_flax.open_trackers
-def open_trackers(training_args, resumed: bool, arguments: dict, config, metric_tags: list[str]) -> Trackers:
+def open_trackers(training_args, resumed: bool, arguments: dict, model_config: dict, metric_tags: list) -> Trackers:
     """The trackers of --report_to, given the run's arguments and model config; none but on process 0. W&B and
     MLflow runs are named after the output directory; a resumed run reports into the runs it started (their ids
     are in TRACKER_RUNS_FILE)."""
     if jax.process_index() != 0:
         return Trackers([])
-    report_to, output_dir, model_config = training_args.report_to, training_args.output_dir, config.to_diff_dict()
+    report_to, output_dir = training_args.report_to, training_args.output_dir
     ids_path = os.path.join(output_dir, TRACKER_RUNS_FILE)
     run_ids = {}
     if resumed and os.path.isfile(ids_path):

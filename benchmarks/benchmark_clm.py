@@ -144,22 +144,26 @@ def benchmark_training(settings, arguments) -> dict:
     model = run_clm_flax.FlaxGPT2LMHeadModel(
         config, dtype=dtype, param_dtype=jnp.dtype(arguments.param_dtype), remat_policy=arguments.remat_policy
     )
-    training_arguments = run_clm_flax.TrainingArguments(output_dir="unused", learning_rate=3e-4, weight_decay=0.1)
-    schedule = run_clm_flax.learning_rate_schedule(training_arguments, total_steps=10_000)
-    optimizer = run_clm_flax.create_optimizer(training_arguments, schedule)
-    mesh = run_clm_flax.create_mesh(arguments.mesh_shape)
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, run_clm_flax.BATCH_AXES))
-    dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
-    abstract_state = run_clm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
-    state = run_clm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
-    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-    train_step = jax.jit(
-        run_clm_flax.make_train_step(model, optimizer, schedule, 0),
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=(0,),
-        compiler_options=run_clm_flax.train_step_compiler_options(),
+    # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
+    accumulation = arguments.gradient_accumulation_steps
+    per_device_batch_size, remainder = divmod(settings["batch_size"], jax.device_count() * accumulation)
+    if remainder or not per_device_batch_size:
+        raise SystemExit("error: the batch size must be a multiple of the devices times --gradient_accumulation_steps")
+    training_arguments = run_clm_flax.TrainingArguments(
+        output_dir="unused",
+        do_train=True,
+        max_steps=10_000,
+        learning_rate=3e-4,
+        weight_decay=0.1,
+        per_device_train_batch_size=per_device_batch_size,
+        gradient_accumulation_steps=accumulation,
+        mesh_shape=arguments.mesh_shape,
     )
+    eval_step = run_clm_flax.make_eval_step(model, None)
+    setup = run_clm_flax.set_up_training(model, eval_step, training_arguments, None, settings["block_size"])
+    dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
+    state = run_clm_flax.create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
+    train_step, batch_sharding = setup.train_step, setup.micro_batches_sharding
     # The global batch of the step, as gradient_accumulation_steps micro-batches.
     tokens = np.random.default_rng(0).integers(
         0,

@@ -104,22 +104,23 @@ def benchmark_training(settings, arguments) -> dict:
     )
     dtype = jnp.dtype(settings["dtype"])
     model = run_mlm_flax.FlaxRobertaForMaskedLM(config, dtype=dtype)
-    training_arguments = run_mlm_flax.TrainingArguments(output_dir="unused", learning_rate=3e-4, weight_decay=0.01)
-    schedule = run_mlm_flax.learning_rate_schedule(training_arguments, total_steps=10_000)
-    optimizer = run_mlm_flax.create_optimizer(training_arguments, schedule)
-    mesh = run_mlm_flax.create_mesh()
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, run_mlm_flax.BATCH_AXES))
-    dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
-    abstract_state = run_mlm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
-    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-    state = run_mlm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
-    train_step = jax.jit(
-        run_mlm_flax.make_train_step(model, optimizer, schedule, 0),
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, None),
-        donate_argnums=(0,),
-        compiler_options=run_mlm_flax.train_step_compiler_options(),
+    # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
+    per_device_batch_size, remainder = divmod(settings["batch_size"], jax.device_count())
+    if remainder or not per_device_batch_size:
+        raise SystemExit("error: the batch size must be a multiple of the number of devices")
+    training_arguments = run_mlm_flax.TrainingArguments(
+        output_dir="unused",
+        do_train=True,
+        max_steps=10_000,
+        learning_rate=3e-4,
+        weight_decay=0.01,
+        per_device_train_batch_size=per_device_batch_size,
     )
+    eval_step = run_mlm_flax.make_eval_step(model)
+    setup = run_mlm_flax.set_up_training(model, eval_step, training_arguments, None, settings["seq_length"])
+    dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
+    state = run_mlm_flax.create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
+    train_step, batch_sharding = setup.train_step, setup.micro_batches_sharding
     blocks = random_blocks(settings, settings["batch_size"])
     batch = batch_maker(settings)(blocks, np.arange(len(blocks)), len(blocks), (0,))
     # One micro-batch: (1, batch, ...), as the script passes a step without gradient accumulation.

@@ -40,7 +40,8 @@ def tracker_env(tmp_path, monkeypatch):
 
 
 def open_trackers(report_to, output_dir, resumed=False, arguments=ARGUMENTS):
-    return run_clm_flax.open_trackers(report_to, str(output_dir), resumed, arguments, MODEL_CONFIG, METRIC_TAGS)
+    training_args = run_clm_flax.TrainingArguments(output_dir=str(output_dir), report_to=report_to)
+    return run_clm_flax.open_trackers(training_args, resumed, arguments, MODEL_CONFIG, METRIC_TAGS)
 
 
 def wandb_records(run_dir: str) -> list:
