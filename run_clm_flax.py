@@ -2187,7 +2187,8 @@ def load_config_and_tokenizer(model_args):
     if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
         raise UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
-            "ids beyond it would be clamped silently, so raise vocab_size in the config (create_config.py --tokenizer_dir)"
+            "ids beyond it would be clamped silently, so raise vocab_size in the config "
+            "(create_config.py --tokenizer_dir)"
         )
     if added_beyond:
         # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
