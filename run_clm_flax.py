@@ -84,14 +84,14 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A GPT-2 checkpoint to continue training from: a local directory holding config.json and "
-            "model.safetensors, or a hub name. Leave unset to train from scratch."
+            "help": "A checkpoint of this script's model (gpt2) to continue training from: a local directory holding "
+            "config.json and model.safetensors, or a hub name. Leave unset to train from scratch."
         },
     )
     model_type: str = field(
         default="gpt2",
         metadata={
-            "help": "Taken as in the Hugging Face examples: this script trains gpt2 (run_mlm_flax.py trains roberta). "
+            "help": "Taken as in the Hugging Face examples, where it must be the model this script trains: gpt2. "
             "Without --config_name, a default gpt2 config is trained."
         },
     )
@@ -126,7 +126,7 @@ class ModelArguments:
     gradient_checkpointing: str | None = field(
         default=None,
         metadata={
-            "help": "Recompute each block's activations in the backward pass instead of storing them. Alone (or true) "
+            "help": "Recompute each layer's activations in the backward pass instead of storing them. Alone (or true) "
             "it keeps nothing (nothing_saveable, least memory); or name what it keeps: dots_saveable (matmul outputs: "
             "less recomputation) or dots_with_no_batch_dims_saveable (in between).",
             "nargs": "?",
@@ -248,7 +248,9 @@ class DataTrainingArguments:
 
 
 @dataclass
-class TrainingArguments:
+class CommonTrainingArguments:
+    """The training arguments both scripts take; TrainingArguments adds this script's own."""
+
     output_dir: str = field(
         metadata={"help": "Where the model, its tokenizer, the results and the TensorBoard logs are written."}
     )
@@ -345,7 +347,10 @@ class TrainingArguments:
     eval_steps: int | None = field(
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
-    seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order and dropout."})
+    seed: int = field(
+        default=42,
+        metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
+    )
     ignore_data_skip: bool = field(
         default=False,
         metadata={
@@ -353,6 +358,10 @@ class TrainingArguments:
             "re-tokenizing) the blocks already trained on: faster, but the data differs from the interrupted run's."
         },
     )
+
+
+@dataclass
+class TrainingArguments(CommonTrainingArguments):
     sample_prompt: list[str] = field(
         default_factory=list,
         metadata={

@@ -91,19 +91,20 @@ class UsageError(Exception):
     """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
 
 
+# Copied from run_clm_flax.ModelArguments with gpt2->roberta
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A RoBERTa masked-LM checkpoint to continue training from: a local directory holding config.json "
-            "and model.safetensors, or a hub name. Leave unset to train from scratch."
+            "help": "A checkpoint of this script's model (roberta) to continue training from: a local directory holding "
+            "config.json and model.safetensors, or a hub name. Leave unset to train from scratch."
         },
     )
     model_type: str = field(
         default="roberta",
         metadata={
-            "help": "Taken as in the Hugging Face examples: this script trains roberta (run_clm_flax.py trains gpt2). "
+            "help": "Taken as in the Hugging Face examples, where it must be the model this script trains: roberta. "
             "Without --config_name, a default roberta config is trained."
         },
     )
@@ -283,8 +284,11 @@ class DataTrainingArguments:
     )
 
 
+# Copied from run_clm_flax.CommonTrainingArguments
 @dataclass
-class TrainingArguments:
+class CommonTrainingArguments:
+    """The training arguments both scripts take; TrainingArguments adds this script's own."""
+
     output_dir: str = field(
         metadata={"help": "Where the model, its tokenizer, the results and the TensorBoard logs are written."}
     )
@@ -381,7 +385,10 @@ class TrainingArguments:
     eval_steps: int | None = field(
         default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
     )
-    seed: int = field(default=42, metadata={"help": "Seed for initialisation, data order, masking and dropout."})
+    seed: int = field(
+        default=42,
+        metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
+    )
     ignore_data_skip: bool = field(
         default=False,
         metadata={
@@ -389,6 +396,10 @@ class TrainingArguments:
             "re-tokenizing) the blocks already trained on: faster, but the data differs from the interrupted run's."
         },
     )
+
+
+@dataclass
+class TrainingArguments(CommonTrainingArguments):
     fill_mask_text: str = field(
         default="",
         metadata={
