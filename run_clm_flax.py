@@ -190,7 +190,8 @@ class DataTrainingArguments:
     validation_split_percentage: int = field(
         default=5,
         metadata={
-            "help": "Percentage of the training blocks held out for evaluation when there is no validation split."
+            "help": "Without a validation split, the first this percent of the training blocks (after packing, so "
+            "that a corpus of one document can be split too) are held out for evaluation, whichever the route."
         },
     )
     block_size: int | None = field(
@@ -201,7 +202,11 @@ class DataTrainingArguments:
         },
     )
     preprocessing_num_workers: int | None = field(
-        default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
+        default=None,
+        metadata={
+            "help": "Processes that tokenize the texts, spawned (a forked copy of JAX's threads can deadlock); not "
+            "for a stream tokenized while training."
+        },
     )
     text_sample_by: str = field(
         default="document",
@@ -242,7 +247,10 @@ class DataTrainingArguments:
     )
     packed_tokens_per_shard: int = field(
         default=PACKED_TOKENS_PER_SHARD,
-        metadata={"help": "Tokens per shard file written in --packed_data_dir (rounded down to whole blocks)."},
+        metadata={
+            "help": "Tokens per shard file of a packed corpus, in --packed_data_dir or the token cache under "
+            "--cache_dir (rounded down to whole blocks)."
+        },
     )
 
 

@@ -300,7 +300,8 @@ def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_forma
     for split in ("train", "validation"):  # the same blocks, the same 5% of them held out
         np.testing.assert_array_equal(np.asarray(cached[split]), np.asarray(packed[split]))
     expected = expected_blocks(tokenizer, train_texts(), 32)
-    assert len(cached["validation"]) == len(expected) * 5 // 100 and len(cached["train"]) == len(expected) * 95 // 100
+    validation_size = len(expected) * 5 // 100
+    assert len(cached["validation"]) == validation_size and len(cached["train"]) == len(expected) - validation_size
 
     # The blocks decode to the text, the held-out ones from its start.
     text = (CORPUS / "train.txt").read_text()
