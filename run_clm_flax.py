@@ -1671,11 +1671,6 @@ def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, descript
     )
 
 
-def cache_directory(model_args) -> str:
-    """Where packed corpora are cached: --cache_dir, or the datasets cache. Never inside a user's data directory."""
-    return model_args.cache_dir or datasets.config.HF_DATASETS_CACHE
-
-
 def cached_blocks(dataset: datasets.Dataset, split: str, tokenizer, block_size: int, cache_dir: str, data_args):
     """The blocks of one split (PackedBlocks), from the packed corpus that caches them in `cache_dir` under a
     fingerprint of the texts, the tokenizer and the block size: packed there first when it is missing, damaged or
@@ -1718,18 +1713,8 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
     directory = data_args.packed_data_dir
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
-    source = {
-        name: getattr(data_args, name)
-        for name in (
-            "dataset_name",
-            "dataset_config_name",
-            "train_file",
-            "validation_file",
-            "text_column_name",
-            "text_sample_by",
-            "keep_linebreaks",
-        )
-    }
+    names = ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name")
+    source = {name: getattr(data_args, name) for name in (*names, "text_sample_by", "keep_linebreaks")}
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
             source[name] = os.path.abspath(source[name])
@@ -1929,7 +1914,7 @@ def load_data(model_args, data_args, training_args, tokenizer, block_size: int) 
             evaluation_only = training_args.do_eval and not training_args.do_train
             texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
             check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
-            cache_dir = cache_directory(model_args)
+            cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
             blocks = {
                 split: cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
                 for split, dataset in texts.items()

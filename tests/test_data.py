@@ -319,7 +319,9 @@ def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_forma
     np.testing.assert_array_equal(np.asarray(again["train"]), np.asarray(cached["train"]))
 
 
-def test_a_save_to_disk_directory_is_never_written_into_and_cache_dir_holds_the_tokens(tokenizer, tmp_path):
+def test_a_save_to_disk_directory_is_never_written_into_and_cache_dir_holds_the_tokens(
+    tokenizer, tmp_path, monkeypatch
+):
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": [*train_lines(), None]}).save_to_disk(str(saved))
     listing = {path: path.stat().st_mtime_ns for path in saved.rglob("*")}
@@ -330,6 +332,9 @@ def test_a_save_to_disk_directory_is_never_written_into_and_cache_dir_holds_the_
     )
     assert {path: path.stat().st_mtime_ns for path in saved.rglob("*")} == listing, "the dataset directory changed"
     assert any(path.name.startswith("packed-") for path in (tmp_path / "cache").iterdir())
+    forbid_tokenizing(monkeypatch)  # the row left out changes nothing in the cache's fingerprint from run to run
+    again = load_data(tmp_path, tokenizer, train_file=None, dataset_name=str(saved), skip_missing_texts=True)
+    np.testing.assert_array_equal(np.asarray(again["train"]), np.asarray(blocks["train"]))
 
 
 def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenizer, tmp_path, monkeypatch):
