@@ -2171,6 +2171,28 @@ def masked_stream_batches(
         yield masked, global_batch_size * make_batch.max_seq_length
 
 
+# Copied from run_clm_flax.load_streams
+def load_streams(model_args, data_args, training_args, tokenizer, block_size: int) -> tuple[dict, Any]:
+    """For --streaming without --packed_data_dir: the training stream, tokenized and packed while training, and
+    {"validation": the first blocks of the validation stream}, read once so that every evaluation (on every
+    process) sees the same blocks."""
+    streams = load_text_datasets(model_args, data_args, streaming=True)
+    check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+    if training_args.do_train and "train" not in streams:
+        raise UsageError("--do_train needs training data, and the dataset has no train split")
+    if not training_args.do_eval:
+        return {}, streams.get("train")
+    if "validation" not in streams:
+        raise UsageError(
+            "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
+            "length to hold a percentage out from"
+        )
+    column, count = data_args.text_column_name, data_args.max_eval_samples
+    validation = first_blocks(streams["validation"], tokenizer, column, block_size, count, "validation")
+    logger.info("validation: the first %d blocks of the stream", len(validation))
+    return {"validation": validation}, streams.get("train") if training_args.do_train else None
+
+
 def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: int) -> tuple[dict, Any]:
     """{split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
     <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
@@ -2185,28 +2207,7 @@ def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: i
         if not (training_args.do_train or training_args.do_eval):
             return examples, None
     elif data_args.streaming:
-        streams = load_text_datasets(model_args, data_args, streaming=True)
-        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-        if training_args.do_train:
-            if "train" not in streams:
-                raise UsageError("--do_train needs training data, and the dataset has no train split")
-            train_stream = streams["train"]
-        if training_args.do_eval:
-            if "validation" not in streams:
-                raise UsageError(
-                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
-                    "has no length to hold a percentage out from"
-                )
-            # Read once, so that every evaluation (on every process) sees the same blocks.
-            examples["validation"] = first_blocks(
-                streams["validation"],
-                tokenizer,
-                data_args.text_column_name,
-                block_size,
-                data_args.max_eval_samples,
-                "validation",
-            )
-            logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
+        examples, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
     else:
         # Process 0 tokenizes what the cache lacks; then the others find it there (or, on a cache of their own,
         # tokenize it).
