@@ -354,7 +354,7 @@ def test_skip_missing_texts_leaves_out_the_rows_without_text_in_train_tokenizer(
 
 @pytest.fixture
 def text_dataset(tmp_path):
-    """The training texts as a dataset with cache files, as load_raw_datasets gives them."""
+    """The training texts as a dataset with cache files, as load_text_datasets gives them."""
     return datasets.load_dataset("text", data_files=str(TRAIN_FILE), split="train", cache_dir=str(tmp_path / "cache"))
 
 
