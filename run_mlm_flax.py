@@ -32,6 +32,7 @@ model.safetensors, tokenizer files) that `AutoModelForMaskedLM` and `pipeline("f
 A single .json file holding the arguments works too: `./run_mlm_flax.py args.json`.
 """
 
+import collections
 import contextlib
 import copy
 import fcntl
@@ -44,6 +45,7 @@ import itertools
 import json
 import logging
 import math
+import multiprocessing
 import os
 import pickle
 import queue
@@ -204,8 +206,8 @@ class DataTrainingArguments:
     validation_split_percentage: int = field(
         default=5,
         metadata={
-            "help": "Percentage of the training blocks (lines with --line_by_line) held out for evaluation when "
-            "there is no validation split."
+            "help": "Without a validation split, the first this percent of the training blocks (lines with "
+            "--line_by_line) are held out for evaluation, whichever the route."
         },
     )
     max_seq_length: int | None = field(
@@ -233,7 +235,11 @@ class DataTrainingArguments:
         },
     )
     preprocessing_num_workers: int | None = field(
-        default=None, metadata={"help": "Processes used to tokenize the texts (not when they are read as a stream)."}
+        default=None,
+        metadata={
+            "help": "Processes that tokenize the texts, spawned (a forked copy of JAX's threads can deadlock); not "
+            "for a stream tokenized while training."
+        },
     )
     text_sample_by: str | None = field(
         default=None,
@@ -280,7 +286,10 @@ class DataTrainingArguments:
     )
     packed_tokens_per_shard: int = field(
         default=PACKED_TOKENS_PER_SHARD,
-        metadata={"help": "Tokens per shard file written in --packed_data_dir (rounded down to whole blocks)."},
+        metadata={
+            "help": "Tokens per shard file of a packed corpus, in --packed_data_dir or the token cache under "
+            "--cache_dir (rounded down to whole blocks)."
+        },
     )
 
 
@@ -1418,10 +1427,11 @@ def text_builder_options(data_args) -> dict:
 
 
 # Copied from run_clm_flax.load_text_datasets
-def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
-    """The splits the data arguments name, as they are (no validation split is held out here): `datasets.Dataset`s,
-    or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as they are iterated.
-    Each row is one document. Each split's files are read with the builder of their own format."""
+def load_text_datasets(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
+    """The train and validation splits the data arguments name, as they are (no validation split is held out
+    here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
+    they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
+    With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -1455,7 +1465,7 @@ def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
             raw = {}
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):
                 pattern = getattr(data_args, flag)
-                if pattern is None:
+                if pattern is None or (split == "train" and evaluation_only and data_args.validation_file):
                     continue
                 builder, files = resolve_data_files(pattern, flag)
                 options = text_builder_options(data_args) if builder == "text" else {}
@@ -1469,13 +1479,26 @@ def load_text_datasets(model_args, data_args, streaming: bool = False) -> dict:
                 )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
+    except ConnectionError as error:
+        raise UsageError(
+            f"cannot load --dataset_name {data_args.dataset_name}: {error}; it is not in the cache (--cache_dir), "
+            "so load it once online, or pass local files with --train_file"
+        ) from None
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
+        if str(error).startswith(("BuilderConfig", "Config name is missing")):  # raised before any file is read
+            raise UsageError(
+                f"cannot load --dataset_name {data_args.dataset_name} with --dataset_config_name "
+                f"{data_args.dataset_config_name}: {' '.join(str(error).splitlines()[:2])}; pass one of those "
+                "configurations with --dataset_config_name"
+            ) from None
         cause = error.__cause__ or error
         raise UsageError(
             f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding"
         ) from None
     if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
         raw = {"train": raw}
+    used = ("validation",) if evaluation_only and "validation" in raw else ("train", "validation")
+    raw = {split: dataset for split, dataset in raw.items() if split in used}
     for split, dataset in raw.items():
         columns = dataset.column_names  # None for a stream whose columns are only known once read
         if columns is not None and data_args.text_column_name not in columns:
@@ -1573,10 +1596,13 @@ def rows_with_text(dataset, split: str, data_args):
         int(np.argmax(missing)) + 1,
         text_source(split, data_args),
     )
+    # Kept in memory (an index of the kept rows): written beside the dataset, it would land in a directory of
+    # save_to_disk that is the user's.
     return dataset.filter(
         lambda texts: [text is not None for text in texts],
         input_columns=column,
         batched=True,
+        keep_in_memory=True,
         desc=f"Leaving out {split} rows without text",
     )
 
@@ -1614,50 +1640,18 @@ def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
             )
 
 
-# Copied from run_clm_flax.load_raw_datasets
-def load_raw_datasets(model_args, data_args, hold_out_texts: bool = True) -> datasets.DatasetDict:
-    """Train and validation texts. Without a validation split, one is carved from the start of train when
-    `hold_out_texts`; otherwise it is left to be held out from the training blocks (hold_out_blocks)."""
-    raw = datasets.DatasetDict(load_text_datasets(model_args, data_args))
-    if "train" in raw and "validation" not in raw and hold_out_texts:
-        train = raw["train"]
-        validation_size = max(1, len(train) * data_args.validation_split_percentage // 100)
-        if len(train) < 2:
-            raise UsageError("the training data holds fewer than 2 texts; there is nothing to hold out for evaluation")
-        raw = datasets.DatasetDict(
-            {
-                "validation": train.select(range(validation_size)),
-                "train": train.select(range(validation_size, len(train))),
-            }
-        )
-    for split, dataset in raw.items():
-        if len(dataset) == 0:
-            raise UsageError(f"the {split} data is empty")
-    return raw
-
-
 # Copied from run_clm_flax.hold_out_blocks
 def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
-    """{split: blocks} with a validation split: the first validation_split_percentage percent of the training
-    blocks when there is none (by blocks rather than texts, so that one long document can be split too)."""
+    """{split: examples} with a validation split: without one, the first validation_split_percentage percent of the
+    training examples (blocks: by blocks rather than texts, so that a corpus of one long document can be split too).
+    The one rule of every data route (files, datasets, --packed_data_dir)."""
     if "train" not in blocks or "validation" in blocks:
         return blocks
     train = blocks["train"]
     if len(train) < 2:
-        raise UsageError(
-            "the training data packs into fewer than 2 blocks; there is nothing to hold out for evaluation"
-        )
+        raise UsageError("the training data makes fewer than 2 examples; there is nothing to hold out for evaluation")
     validation_size = max(1, len(train) * validation_split_percentage // 100)
     return {"validation": train[:validation_size], "train": train[validation_size:]}
-
-
-# Copied from run_clm_flax.tokenized_fingerprint
-def tokenized_fingerprint(dataset: datasets.Dataset, tokenizer, *settings) -> str:
-    """A cache key that changes with the texts, the tokenizer and any setting that changes the tokens."""
-    digest = hashlib.sha256()
-    for part in (dataset._fingerprint, tokenizer.backend_tokenizer.to_str(), *map(repr, settings)):
-        digest.update(part.encode())
-    return digest.hexdigest()[:24]
 
 
 # Copied from run_clm_flax.TEXTS_PER_BATCH
@@ -1717,63 +1711,82 @@ def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[i
     return token_lists
 
 
-# Copied from run_clm_flax.token_arrays
-def token_arrays(
-    dataset, tokenizer, text_column, num_workers=None, overwrite_cache=False, split="train"
-) -> Iterator[np.ndarray]:
-    """The tokens of every text of `dataset`, each text (a document) followed by EOS, as flat int32 arrays of one
-    batch of texts each, in the dataset's order.
+# Copied from run_clm_flax.encode_documents
+def encode_documents(backend, eos_id: int, cut_long_texts: bool, texts: list[str]) -> np.ndarray:
+    """The tokens of the texts, each followed by eos_id, end to end: one flat int32 array."""
+    token_lists = [ids + [eos_id] for ids in encode_texts(backend, texts, cut_long_texts)]
+    return np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
 
-    A `datasets.Dataset` is tokenized by `Dataset.map` (in `num_workers` processes, cached beside the dataset's
-    own cache files) and its tokens read back chunk by chunk; a `datasets.IterableDataset` is tokenized batch by
-    batch as it is read. Either way only one batch of tokens is in memory at a time.
-    """
+
+# Copied from run_clm_flax.text_batches
+def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
+    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order."""
+    if isinstance(dataset, datasets.Dataset):
+        for batch in dataset.select_columns(text_column).iter(batch_size=TEXTS_PER_BATCH):
+            yield batch[text_column]
+        return
+    texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
+    while True:
+        try:
+            batch = next(texts)
+        except StopIteration:
+            return
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
+            cause = error.__cause__ or error
+            raise UsageError(
+                f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding"
+            ) from None
+        if text_column not in batch:
+            raise UsageError(
+                f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
+            )
+        yield batch[text_column]
+
+
+# Copied from run_clm_flax.map_in_workers
+def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterator:
+    """function(item) for each item, in order: here, or with num_workers > 1 in that many worker processes, a few
+    items per worker in flight. The workers are spawned, not forked: JAX's runtime is multithreaded, and a forked
+    copy of it can deadlock."""
+    if not num_workers or num_workers < 2:
+        yield from map(function, items)
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(num_workers, initializer=set_worker_function, initargs=(function,)) as pool:
+        in_flight = collections.deque()
+        for item in items:
+            in_flight.append(pool.apply_async(call_worker_function, (item,)))
+            if len(in_flight) > 2 * num_workers:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
+
+
+# Copied from run_clm_flax.set_worker_function
+def set_worker_function(function):
+    """Runs once in each worker process: the function (the tokenizer with it) is sent once, not with every item."""
+    global worker_function
+    worker_function = function
+
+
+# Copied from run_clm_flax.call_worker_function
+def call_worker_function(item):
+    return worker_function(item)
+
+
+# Copied from run_clm_flax.token_arrays
+def token_arrays(dataset, tokenizer, text_column, num_workers=None, split="train") -> Iterator[np.ndarray]:
+    """The tokens of every text of `dataset` (a `datasets.Dataset` or a stream), each text (a document) followed by
+    EOS, as flat int32 arrays of one batch of texts each, in the dataset's order, tokenized in `num_workers`
+    processes. Only a few batches of tokens are in memory at a time."""
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
     # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
     # about texts longer than model_max_length, which is expected here since texts get packed.
     backend = tokenizer.backend_tokenizer
-    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
-
-    def tokenize(batch):
-        return {"input_ids": [ids + [eos_id] for ids in encode_texts(backend, batch[text_column], cut_long_texts)]}
-
-    if isinstance(dataset, datasets.IterableDataset):
-        texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
-        while True:
-            try:
-                batch = next(texts)
-            except StopIteration:
-                return
-            except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
-                cause = error.__cause__ or error
-                raise UsageError(
-                    f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding"
-                ) from None
-            if text_column not in batch:
-                raise UsageError(
-                    f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
-                )
-            token_lists = tokenize(batch)["input_ids"]
-            yield np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
-    else:
-        tokenized = dataset.map(
-            tokenize,
-            batched=True,
-            batch_size=TEXTS_PER_BATCH,
-            num_proc=num_workers,
-            remove_columns=dataset.column_names,
-            new_fingerprint=tokenized_fingerprint(
-                dataset, tokenizer, text_column, eos_id, backend.encode_special_tokens
-            ),
-            load_from_cache_file=not overwrite_cache,
-            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-            desc=f"Tokenizing {split} texts",
-        )
-        # Arrow stores each chunk's token lists as one flat buffer: flattening is a view, not a Python loop.
-        for chunk in tokenized.data.column("input_ids").chunks:
-            yield chunk.flatten().to_numpy()
+    encode = partial(encode_documents, backend, eos_id, cuts_at_line_starts_keep_the_tokens(backend))
+    yield from map_in_workers(encode, text_batches(dataset, text_column, split), num_workers)
 
 
 # Copied from run_clm_flax.pack_blocks
@@ -1792,105 +1805,90 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
-# Copied from run_clm_flax.tokenize_and_pack
-def tokenize_and_pack(dataset, tokenizer, text_column, block_size, num_workers, overwrite_cache, split):
-    """Token blocks of shape (num_blocks, block_size): every text followed by EOS, all joined, then cut.
+# Copied from run_clm_flax.pack_texts
+def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, description: dict, data_args) -> dict:
+    """Tokenize every split of `texts` ({split: dataset or stream}), pack it into blocks and write them as a packed
+    corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of texts
+    and one shard are in memory at a time."""
 
-    The blocks are written as a packed corpus beside the dataset's own cache files and memory-mapped, on
-    this and later runs (a PackedBlocks); a dataset held only in memory gives an in-memory array. The
-    tail that does not fill a whole block is dropped (at most block_size - 1 tokens).
-    """
-    tokens = token_arrays(dataset, tokenizer, text_column, num_workers, overwrite_cache, split)
-    if not dataset.cache_files:
-        return np.concatenate([np.zeros((0, block_size), np.int32), *pack_blocks(tokens, block_size)])
-    fingerprint = tokenized_fingerprint(
-        dataset, tokenizer, text_column, tokenizer.eos_token_id, tokenizer.backend_tokenizer.encode_special_tokens
+    def blocks_with_progress(split, dataset):
+        tokens = token_arrays(
+            dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split
+        )
+        with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
+            for blocks in pack_blocks(tokens, block_size):
+                progress.update(len(blocks))
+                yield blocks
+
+    splits = {split: blocks_with_progress(split, dataset) for split, dataset in texts.items()}
+    return write_packed_corpus(
+        directory, splits, description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard
     )
-    cache_path = os.path.join(
-        os.path.dirname(dataset.cache_files[0]["filename"]), f"packed-{fingerprint}-block{block_size}"
+
+
+# Copied from run_clm_flax.cached_blocks
+def cached_blocks(dataset: datasets.Dataset, split: str, tokenizer, block_size: int, cache_dir: str, data_args):
+    """The blocks of one split (PackedBlocks), from the packed corpus that caches them in `cache_dir` under a
+    fingerprint of the texts, the tokenizer and the block size: packed there first when it is missing, damaged or
+    --overwrite_cache is given. Written under a name of this process's own and renamed when complete, so that
+    processes sharing the cache never read or write each other's unfinished files."""
+    description = packed_description(
+        tokenizer,
+        block_size,
+        {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name, "split": split},
     )
-    remove_stale_temporary_files(os.path.dirname(cache_path))
-    index = None if overwrite_cache else read_packed_index(cache_path)
-    if index is not None and (problem := packed_shards_problem(cache_path, index)):
-        logger.warning("The packed cache %s is damaged (%s); packing it again", cache_path, problem)
+    directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
+    os.makedirs(cache_dir, exist_ok=True)
+    remove_stale_temporary_files(cache_dir)
+    index = None if data_args.overwrite_cache else read_packed_index(directory)
+    if index is not None and (problem := packed_shards_problem(directory, index)):
+        logger.warning("The packed cache %s is damaged (%s); packing it again", directory, problem)
         index = None
     if index is not None:
-        logger.info("Loading packed %s blocks from cache %s", split, cache_path)
+        logger.info("Loading packed %s blocks from cache %s", split, directory)
     else:
-        # Written under a name of this process's own and renamed when complete, so that processes sharing
-        # the cache never read or write each other's unfinished files.
-        temporary_path = f"{cache_path}.{os.getpid()}.tmp"
-        description = {
-            "block_size": block_size,
-            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-            "source": {"dataset_fingerprint": dataset._fingerprint, "text_column": text_column},
-        }
+        temporary_directory = f"{directory}.{os.getpid()}.tmp"
         try:
-            index = write_packed_corpus(
-                temporary_path,
-                {"blocks": pack_blocks(tokens, block_size)},
-                description,
-                packed_dtype(tokenizer),
-                PACKED_TOKENS_PER_SHARD,
-            )
+            index = pack_texts(temporary_directory, {split: dataset}, tokenizer, block_size, description, data_args)
         except BaseException:
-            shutil.rmtree(temporary_path, ignore_errors=True)
+            shutil.rmtree(temporary_directory, ignore_errors=True)
             raise
-        if os.path.isdir(cache_path):
-            shutil.rmtree(cache_path, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
         try:
-            os.rename(temporary_path, cache_path)
+            os.rename(temporary_directory, directory)
         except OSError:  # another process finished the same cache first
-            shutil.rmtree(temporary_path, ignore_errors=True)
-        num_blocks = index["splits"]["blocks"]["num_blocks"]
-        logger.info("%s: packed into %d blocks of %d tokens, cached in %s", split, num_blocks, block_size, cache_path)
-    return open_packed_corpus(cache_path, index)["blocks"]
+            shutil.rmtree(temporary_directory, ignore_errors=True)
+    return open_packed_corpus(directory, index)[split]
 
 
-def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) -> dict:
-    """The grouped blocks of --packed_data_dir, {split: PackedBlocks} of max_seq_length - 2 tokens per block:
-    packed there first when it holds no finished corpus (or --overwrite_cache), by process 0 alone while the
-    others wait, from the data arguments read as they are or, with --streaming, as a stream. A directory packed
-    with another tokenizer, length or source is refused, never reused. Without a validation split, the first
-    --validation_split_percentage percent of the training blocks are held out.
-
-    run_clm_flax.load_packed_corpus, with the block size told as --max_seq_length: the format is the same."""
+# Copied from run_clm_flax.load_packed_corpus
+def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length_argument: str) -> dict:
+    """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
+    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the data arguments read as
+    they are or, with --streaming, as a stream. A directory packed with another tokenizer, block size (set by
+    `length_argument`, as the user gave it) or source is refused, never reused."""
     directory = data_args.packed_data_dir
-    block_size = max_seq_length - 2  # BatchMaker frames each block as <s> block </s>
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
-    source = {
-        name: getattr(data_args, name)
-        for name in (
-            "dataset_name",
-            "dataset_config_name",
-            "train_file",
-            "validation_file",
-            "text_column_name",
-            "text_sample_by",
-            "keep_linebreaks",
-        )
-    }
+    names = ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name")
+    source = {name: getattr(data_args, name) for name in (*names, "text_sample_by", "keep_linebreaks")}
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
             source[name] = os.path.abspath(source[name])
-    description = {
-        "block_size": block_size,
-        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-        "source": source,
-    }
+    description = packed_description(tokenizer, block_size, source)
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     def check(index: dict):
         fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
         if index["format_version"] != PACKED_FORMAT_VERSION:
             raise UsageError(
-                f"--packed_data_dir {directory} holds a packed corpus of format version {index['format_version']}; {fix}"
+                f"--packed_data_dir {directory} holds a packed corpus of format version "
+                f"{index['format_version']}; {fix}"
             )
         if index["block_size"] != block_size:
             raise UsageError(
-                f"--packed_data_dir {directory} holds blocks for --max_seq_length {index['block_size'] + 2}, not "
-                f"{max_seq_length}; {fix}"
+                f"--packed_data_dir {directory} holds blocks of {index['block_size']} tokens, not the {block_size} "
+                f"of {length_argument}; {fix}"
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
@@ -1904,47 +1902,26 @@ def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) ->
                 f"arguments, or none to train on it as it is, or {fix}"
             )
 
-    index = read_packed_index(
-        directory
-    )  # read even with --overwrite_cache: never overwrite a directory of other files
+    # Read even with --overwrite_cache: never overwrite a directory of other files.
+    index = read_packed_index(directory)
     if data_args.overwrite_cache:
         index = None
     if index is not None:
         check(index)
     elif not has_source:
         raise UsageError(
-            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name to pack one"
+            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name "
+            "to pack one"
         )
     # Process 0 packs while the others wait. It reaches the barrier even when packing fails, so that the others
     # stop with an error rather than wait for it until the distributed runtime gives up.
     with main_process_first("packed corpus written"):
         if jax.process_index() == 0 and index is None:
             check_writable_directory(directory, "packed_data_dir")
-            sources = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
-            check_tokenizer_encodes(tokenizer, sources, data_args.text_column_name)
-            logger.info("Packing %s into %s", " and ".join(sources), directory)
-
-            def blocks_with_progress(split, dataset):
-                tokens = token_arrays(
-                    dataset,
-                    tokenizer,
-                    data_args.text_column_name,
-                    data_args.preprocessing_num_workers,
-                    data_args.overwrite_cache,
-                    split,
-                )
-                with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-                    for blocks in pack_blocks(tokens, block_size):
-                        progress.update(len(blocks))
-                        yield blocks
-
-            index = write_packed_corpus(
-                directory,
-                {split: blocks_with_progress(split, dataset) for split, dataset in sources.items()},
-                description,
-                packed_dtype(tokenizer),
-                data_args.packed_tokens_per_shard,
-            )
+            texts = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+            check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+            logger.info("Packing %s into %s", " and ".join(texts), directory)
+            index = pack_texts(directory, texts, tokenizer, block_size, description, data_args)
     if jax.process_count() > 1:
         index = read_packed_index(directory)
         if index is None:
@@ -1953,10 +1930,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, max_seq_length: int) ->
                 "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
             )
         check(index)
-    blocks = open_packed_corpus(directory, index)
-    for split, split_blocks in blocks.items():
-        logger.info("%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), block_size, directory)
-    return hold_out_blocks(blocks, data_args.validation_split_percentage)
+    return open_packed_corpus(directory, index)
 
 
 @dataclass(frozen=True)
@@ -1970,69 +1944,56 @@ class LineExamples:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def head(self, count: int) -> "LineExamples":
-        return LineExamples(self.tokens, self.offsets[: count + 1])
+    def __getitem__(self, rows: slice) -> "LineExamples":
+        """The examples of a range of rows (for holding out and --max_train_samples): a view, nothing read."""
+        start, stop, _ = rows.indices(len(self))
+        return LineExamples(self.tokens, self.offsets[start : max(start, stop) + 1])
 
 
-def tokenize_lines(dataset, tokenizer, text_column, num_workers, overwrite_cache, split) -> LineExamples:
+def encode_lines(backend, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of every text that is not only whitespace, its line break at the end removed, end to end
+    (int32), and the number of tokens of each (int64)."""
+    texts = [text.rstrip("\r\n") for text in texts if text and not text.isspace()]
+    token_lists = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+    return tokens, np.array(list(map(len, token_lists)), np.int64)
+
+
+def tokenize_lines(dataset: datasets.Dataset, split: str, tokenizer, cache_dir: str, data_args) -> LineExamples:
     """The token ids of every non-empty text (every line of a .txt file), for --line_by_line.
 
-    Line breaks at the end are removed and texts of only whitespace skipped. Like the packed blocks of
-    tokenize_and_pack, the result is cached beside the dataset's own cache files and memory-mapped on
-    later runs; it does not depend on --max_seq_length, since examples are truncated when batched.
+    Cached in `cache_dir` under a fingerprint of the texts and the tokenizer, like the packed blocks of
+    cached_blocks, and memory-mapped; the cache does not depend on --max_seq_length, since examples are truncated
+    when batched. Lines have no common length, so they are stored as two arrays rather than as blocks.
     """
-    fingerprint = tokenized_fingerprint(dataset, tokenizer, text_column, "line_by_line")
-    cache_paths = None
-    if dataset.cache_files:
-        cache_dir = os.path.dirname(dataset.cache_files[0]["filename"])
-        cache_paths = {
-            part: os.path.join(cache_dir, f"lines-{fingerprint}-{part}.npy") for part in ("tokens", "offsets")
-        }
-        remove_stale_temporary_files(cache_dir)
-        if all(os.path.exists(path) for path in cache_paths.values()) and not overwrite_cache:
-            try:
-                examples = LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in cache_paths.items()})
-            except (OSError, ValueError) as error:  # a file cut short: "mmap length is greater than file size"
-                logger.warning("The cached %s lines in %s are damaged (%s); tokenizing again", split, cache_dir, error)
-            else:
-                if examples.offsets[-1] == len(examples.tokens):
-                    logger.info("Loading tokenized %s lines from cache %s", split, cache_paths["tokens"])
-                    return examples
-                logger.warning("The cached %s lines in %s are damaged; tokenizing again", split, cache_dir)
+    source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name}
+    name = fingerprint(["lines", split, packed_description(tokenizer, None, source)])
+    paths = {part: os.path.join(cache_dir, f"lines-{name}-{part}.npy") for part in ("tokens", "offsets")}
+    os.makedirs(cache_dir, exist_ok=True)
+    remove_stale_temporary_files(cache_dir)
+    if all(os.path.exists(path) for path in paths.values()) and not data_args.overwrite_cache:
+        try:
+            examples = LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in paths.items()})
+            problem = None if examples.offsets[-1] == len(examples.tokens) else "tokens and offsets disagree"
+        except (OSError, ValueError) as error:  # a file cut short: "mmap length is greater than file size"
+            problem = str(error)
+        if problem is None:
+            logger.info("Loading tokenized %s lines from cache %s", split, paths["tokens"])
+            return examples
+        logger.warning("The cached %s lines in %s are damaged (%s); tokenizing again", split, cache_dir, problem)
 
-    backend = tokenizer.backend_tokenizer
-
-    def tokenize(batch):
-        texts = [text.rstrip("\r\n") for text in batch[text_column] if text and not text.isspace()]
-        return {"input_ids": [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]}
-
-    tokenized = dataset.map(
-        tokenize,
-        batched=True,
-        num_proc=num_workers,
-        remove_columns=dataset.column_names,
-        new_fingerprint=fingerprint,
-        load_from_cache_file=not overwrite_cache,
-        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
-        desc=f"Tokenizing {split} lines",
-    )
-    # Chunk by chunk, so that the 32-bit offsets of one Arrow list array never have to cover every token.
-    chunks = tokenized.data.column("input_ids").chunks
-    lengths = np.concatenate([np.zeros(0, np.int64)] + [chunk.value_lengths().to_numpy() for chunk in chunks])
-    tokens = np.concatenate([np.zeros(0, np.int32)] + [chunk.flatten().to_numpy() for chunk in chunks])
-    examples = LineExamples(tokens.astype(np.int32), np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+    encode = partial(encode_lines, tokenizer.backend_tokenizer)
+    texts = text_batches(dataset, data_args.text_column_name, split)
+    batches = list(map_in_workers(encode, texts, data_args.preprocessing_num_workers))
+    tokens = np.concatenate([np.zeros(0, np.int32)] + [tokens for tokens, _ in batches])
+    lengths = np.concatenate([np.zeros(0, np.int64)] + [lengths for _, lengths in batches])
+    examples = LineExamples(tokens, np.concatenate([[0], np.cumsum(lengths)]))
     logger.info("%s: %d lines of %d tokens in all", split, len(examples), len(tokens))
-    if cache_paths is not None:
-        for part, path in cache_paths.items():  # offsets last: their presence marks a complete cache
-            temporary_path = f"{path}.{os.getpid()}.tmp.npy"
-            np.save(temporary_path, getattr(examples, part), allow_pickle=False)
-            os.replace(temporary_path, path)
+    for part, path in paths.items():  # offsets last: their presence marks a complete cache
+        temporary_path = f"{path}.{os.getpid()}.tmp.npy"
+        np.save(temporary_path, getattr(examples, part), allow_pickle=False)
+        os.replace(temporary_path, path)
     return examples
-
-
-def first_examples(examples: np.ndarray | LineExamples, count: int):
-    """The first `count` examples, as blocks or as lines (for --max_train_samples, --max_eval_samples)."""
-    return examples.head(count) if isinstance(examples, LineExamples) else examples[:count]
 
 
 # Copied from run_clm_flax.stream_share
@@ -2335,6 +2296,28 @@ def masked_stream_batches(
         yield masked, global_batch_size * make_batch.max_seq_length
 
 
+# Copied from run_clm_flax.load_streams
+def load_streams(model_args, data_args, training_args, tokenizer, block_size: int) -> tuple[dict, Any]:
+    """For --streaming without --packed_data_dir: the training stream, tokenized and packed while training, and
+    {"validation": the first blocks of the validation stream}, read once so that every evaluation (on every
+    process) sees the same blocks."""
+    streams = load_text_datasets(model_args, data_args, streaming=True)
+    check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+    if training_args.do_train and "train" not in streams:
+        raise UsageError("--do_train needs training data, and the dataset has no train split")
+    if not training_args.do_eval:
+        return {}, streams.get("train")
+    if "validation" not in streams:
+        raise UsageError(
+            "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
+            "length to hold a percentage out from"
+        )
+    column, count = data_args.text_column_name, data_args.max_eval_samples
+    validation = first_blocks(streams["validation"], tokenizer, column, block_size, count, "validation")
+    logger.info("validation: the first %d blocks of the stream", len(validation))
+    return {"validation": validation}, streams.get("train") if training_args.do_train else None
+
+
 def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: int) -> tuple[dict, Any]:
     """{split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
     <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
@@ -2343,59 +2326,39 @@ def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: i
     block_size = max_seq_length - 2
     examples, train_stream = {}, None
     if data_args.packed_data_dir:
-        examples = load_packed_corpus(model_args, data_args, tokenizer, max_seq_length)
+        examples = load_packed_corpus(
+            model_args, data_args, tokenizer, block_size, f"--max_seq_length {max_seq_length}"
+        )
         if not (training_args.do_train or training_args.do_eval):
             return examples, None
     elif data_args.streaming:
-        streams = load_text_datasets(model_args, data_args, streaming=True)
-        check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-        if training_args.do_train:
-            if "train" not in streams:
-                raise UsageError("--do_train needs training data, and the dataset has no train split")
-            train_stream = streams["train"]
-        if training_args.do_eval:
-            if "validation" not in streams:
-                raise UsageError(
-                    "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream "
-                    "has no length to hold a percentage out from"
-                )
-            # Read once, so that every evaluation (on every process) sees the same blocks.
-            examples["validation"] = first_blocks(
-                streams["validation"],
-                tokenizer,
-                data_args.text_column_name,
-                block_size,
-                data_args.max_eval_samples,
-                "validation",
-            )
-            logger.info("validation: the first %d blocks of the stream", len(examples["validation"]))
+        examples, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
     else:
+        # Process 0 tokenizes what the cache lacks; then the others find it there (or, on a cache of their own,
+        # tokenize it).
         with main_process_first("data prepared"):
-            # Lines are held out for evaluation as lines; grouped, blocks are held out, as from a packed corpus.
-            raw_datasets = load_raw_datasets(model_args, data_args, hold_out_texts=data_args.line_by_line)
-            check_tokenizer_encodes(tokenizer, raw_datasets, data_args.text_column_name)
-            for split in ("train", "validation"):
-                if split not in raw_datasets:
-                    continue
-                dataset, column = raw_datasets[split], data_args.text_column_name
-                workers, overwrite_cache = data_args.preprocessing_num_workers, data_args.overwrite_cache
+            evaluation_only = training_args.do_eval and not training_args.do_train
+            texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
+            check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+            cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
+            for split, dataset in texts.items():
                 if data_args.line_by_line:
-                    examples[split] = tokenize_lines(dataset, tokenizer, column, workers, overwrite_cache, split)
+                    examples[split] = tokenize_lines(dataset, split, tokenizer, cache_dir, data_args)
                 else:
-                    examples[split] = tokenize_and_pack(
-                        dataset, tokenizer, column, block_size, workers, overwrite_cache, split
-                    )
-        examples = hold_out_blocks(examples, data_args.validation_split_percentage)
+                    examples[split] = cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
+    # Lines are held out as lines, blocks as blocks, whichever route they came by.
+    examples = hold_out_blocks(examples, data_args.validation_split_percentage)
     if data_args.max_train_samples is not None and "train" in examples:
-        examples["train"] = first_examples(examples["train"], data_args.max_train_samples)
+        examples["train"] = examples["train"][: data_args.max_train_samples]
     if data_args.max_eval_samples is not None and "validation" in examples:
-        examples["validation"] = first_examples(examples["validation"], data_args.max_eval_samples)
+        examples["validation"] = examples["validation"][: data_args.max_eval_samples]
     for split, split_examples in examples.items():
         if len(split_examples) == 0:
             raise UsageError(
                 f"the {split} data has no non-empty lines"
                 if data_args.line_by_line
-                else f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower --max_seq_length"
+                else f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower "
+                "--max_seq_length"
             )
     if training_args.do_train and "train" not in examples and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
@@ -4107,21 +4070,26 @@ def packed_dtype(tokenizer) -> np.dtype:
     return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
 
 
-# Copied from run_clm_flax.tokenizer_fingerprint
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Changes with anything that changes the token ids: vocabulary, merges, normalisation, special tokens."""
+# Copied from run_clm_flax.fingerprint
+def fingerprint(value) -> str:
+    """A short hash of a JSON value: the names of cached corpora, and the tokenizer a packed corpus records."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# Copied from run_clm_flax.packed_description
+def packed_description(tokenizer, block_size: int, source: dict) -> dict:
+    """What a packed corpus holds, recorded in its index: the block size, the data it was packed from and a
+    fingerprint of everything in the tokenizer that changes the ids (vocabulary, merges, normalisation, special
+    tokens)."""
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
-    described = json.dumps(
-        {
-            "tokenizer": settings,
-            "eos_token_id": tokenizer.eos_token_id,
-            "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(described.encode()).hexdigest()[:24]
+    tokenizer_settings = {
+        "tokenizer": settings,
+        "eos_token_id": tokenizer.eos_token_id,
+        "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
+    }
+    return {"block_size": block_size, "tokenizer_fingerprint": fingerprint(tokenizer_settings), "source": source}
 
 
 # Copied from run_clm_flax.write_packed_split
@@ -4186,7 +4154,8 @@ def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, 
     index_path = os.path.join(directory, PACKED_INDEX_FILE)
     if os.path.exists(index_path):
         os.remove(index_path)
-    leftover = re.compile(r"^(%s)-\d{5}\.npy(\.\d+(\.end)?\.tmp\.npy)?$" % "|".join(map(re.escape, splits)))
+    split_names = "|".join(map(re.escape, splits))
+    leftover = re.compile(rf"^({split_names})-\d{{5}}\.npy(\.\d+(\.end)?\.tmp\.npy)?$")
     for name in os.listdir(directory):
         if leftover.match(name):
             os.remove(os.path.join(directory, name))
@@ -4313,13 +4282,17 @@ class PackedBlocks:
 
 # Copied from run_clm_flax.open_packed_corpus
 def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
-    return {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+    blocks = {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+    for split, split_blocks in blocks.items():
+        logger.info(
+            "%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), index["block_size"], directory
+        )
+    return blocks
 
 
-# What an interrupted run leaves in a datasets cache directory: Dataset.map's result file before it is renamed
-# (tempfile's tmpXXXXXXXX), and the unfinished packed corpora and line caches of this script.
+# What an interrupted run leaves in the cache directory: unfinished packed corpora and line caches.
 # Copied from run_clm_flax.STALE_TEMPORARY_NAME
-STALE_TEMPORARY_NAME = re.compile(r"tmp[a-z0-9_]{8}|packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
 
 
 # Copied from run_clm_flax.STALE_AFTER_SECONDS

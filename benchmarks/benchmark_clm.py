@@ -10,7 +10,7 @@ The step's matrix products are also timed alone, at the step's own shapes: their
 the most MFU such shapes allow, and the rest of the gap is the work between the products (softmax,
 layer norms, GELU, the optimizer, layout copies).
 
-Preprocessing: the script's tokenize_and_pack (tokenize, join with EOS, pack into blocks, write the
+Preprocessing: the script's cached_blocks (tokenize, join with EOS, pack into blocks, write the packed
 cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run; and the
 same texts read as a stream, tokenized and packed on the fly as --streaming does.
 
@@ -281,11 +281,14 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
         num_tokens, raw_seconds = raw_encoding(backend, texts)  # one EOS per text joins them
 
         start = time.perf_counter()
-        blocks = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 128, None, True, "benchmark")
+        data_args = run_clm_flax.DataTrainingArguments(overwrite_cache=True)
+        blocks = run_clm_flax.cached_blocks(dataset, "benchmark", tokenizer, 128, directory, data_args)
         pipeline_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 128, None, False, "benchmark")
+        run_clm_flax.cached_blocks(
+            dataset, "benchmark", tokenizer, 128, directory, run_clm_flax.DataTrainingArguments()
+        )
         cached_seconds = time.perf_counter() - start
 
         stream = datasets.load_dataset("json", data_files=data_file, split="train", streaming=True)

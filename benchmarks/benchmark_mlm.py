@@ -13,7 +13,7 @@ matmuls reach.
 Host: how many tokens per second BatchMaker frames and masks with numpy, which must stay well above the
 training speed since it runs on the host, one batch ahead of the step.
 
-Preprocessing: the script's tokenize_and_pack (grouped mode) and tokenize_lines (--line_by_line), each
+Preprocessing: the script's cached_blocks (grouped mode) and tokenize_lines (--line_by_line), each
 tokenizing and writing its cache, against the raw `tokenizers` batch encoding of the same texts.
 
     python benchmarks/benchmark_mlm.py                          # the CPU target: 4 layers x 256, vocab 8192
@@ -202,14 +202,17 @@ def benchmark_preprocessing(arguments, vocab_size: int, seq_length: int) -> dict
         num_tokens, raw_seconds = raw_encoding(backend, texts)  # one separator per text joins them
 
         start = time.perf_counter()
-        blocks = run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", seq_length - 2, None, True, "benchmark")
+        tokenize_again, use_cache = (
+            run_mlm_flax.DataTrainingArguments(overwrite_cache=value) for value in (True, False)
+        )
+        blocks = run_mlm_flax.cached_blocks(dataset, "benchmark", tokenizer, seq_length - 2, directory, tokenize_again)
         grouped_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", seq_length - 2, None, False, "benchmark")
+        run_mlm_flax.cached_blocks(dataset, "benchmark", tokenizer, seq_length - 2, directory, use_cache)
         cached_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        lines = run_mlm_flax.tokenize_lines(dataset, tokenizer, "text", None, True, "benchmark")
+        lines = run_mlm_flax.tokenize_lines(dataset, "benchmark", tokenizer, directory, tokenize_again)
         lines_seconds = time.perf_counter() - start
     return {
         "corpus_megabytes": size / 1e6,

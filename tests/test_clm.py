@@ -147,16 +147,20 @@ def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    blocks = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 16, None, False, "train")
+    def pack(block_size):
+        data_args = run_clm_flax.DataTrainingArguments()
+        return run_clm_flax.cached_blocks(dataset, "train", tokenizer, block_size, str(tmp_path / "cache"), data_args)
+
+    blocks = pack(16)
     expected = [token for text in texts for token in tokenizer(text + "\n")["input_ids"] + [tokenizer.eos_token_id]]
     expected = np.array(expected[: len(expected) // 16 * 16]).reshape(-1, 16)
     np.testing.assert_array_equal(blocks, expected)
 
     caplog.set_level("INFO", logger="run_clm_flax")
-    cached = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 16, None, False, "train")
+    cached = pack(16)
     assert "Loading packed train blocks from cache" in caplog.text, "the second call should read the cached blocks"
     np.testing.assert_array_equal(cached, expected)
-    other_block_size = run_clm_flax.tokenize_and_pack(dataset, tokenizer, "text", 8, None, False, "train")
+    other_block_size = pack(8)
     assert other_block_size.shape[1] == 8
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tracemalloc
+import warnings
 
 import datasets
 import numpy as np
@@ -55,8 +56,9 @@ def data_arguments(packed_dir, **overrides):
 
 
 def pack(packed_dir, tokenizer, block_size=32, **overrides):
+    arguments = data_arguments(packed_dir, **overrides)
     return run_clm_flax.load_packed_corpus(
-        run_clm_flax.ModelArguments(), data_arguments(packed_dir, **overrides), tokenizer, block_size
+        run_clm_flax.ModelArguments(), arguments, tokenizer, block_size, f"--block_size {block_size}"
     )
 
 
@@ -76,9 +78,11 @@ def forbid_tokenizing(monkeypatch):
 def test_packed_shards_hold_the_blocks_of_the_in_memory_packing(streaming, tokenizer, tmp_path):
     blocks = pack(tmp_path / "packed", tokenizer, streaming=streaming)
     expected = expected_blocks(tokenizer, train_texts(), 32)
+    np.testing.assert_array_equal(np.asarray(blocks["train"]), expected)
+    held_out = run_clm_flax.hold_out_blocks(blocks, 5)
     validation_size = len(expected) * 5 // 100  # held out from the start of the packed training blocks
-    np.testing.assert_array_equal(np.asarray(blocks["validation"]), expected[:validation_size])
-    np.testing.assert_array_equal(np.asarray(blocks["train"]), expected[validation_size:])
+    np.testing.assert_array_equal(np.asarray(held_out["validation"]), expected[:validation_size])
+    np.testing.assert_array_equal(np.asarray(held_out["train"]), expected[validation_size:])
 
     index = json.loads((tmp_path / "packed" / "index.json").read_text())
     assert index["dtype"] == "uint16" and index["blocks_per_shard"] == 2000 // 32
@@ -146,9 +150,7 @@ def test_unfinished_packed_directory_is_rewritten_not_reused(tokenizer, tmp_path
     monkeypatch.setattr(run_clm_flax, "pack_blocks", real_pack_blocks)
     blocks = pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
     expected = expected_blocks(tokenizer, train_texts(), 32)
-    np.testing.assert_array_equal(
-        np.concatenate([np.asarray(blocks["validation"]), np.asarray(blocks["train"])]), expected
-    )
+    np.testing.assert_array_equal(np.asarray(blocks["train"]), expected)
     index = json.loads((packed_dir / "index.json").read_text())
     listed = {shard["file"] for shard in index["splits"]["train"]["shards"]}
     assert set(os.listdir(packed_dir)) == listed | {"index.json"}, "leftovers of the unfinished write remain"
@@ -160,7 +162,8 @@ def test_packed_data_dir_of_another_block_size_tokenizer_or_data_is_refused(
     pack(tmp_path / "packed", tokenizer)
     forbid_tokenizing(monkeypatch)
     with pytest.raises(
-        run_clm_flax.UsageError, match="holds blocks of 32 tokens, not --block_size 16; use another --packed_data_dir"
+        run_clm_flax.UsageError,
+        match="holds blocks of 32 tokens, not the 16 of --block_size 16; use another --packed_data_dir",
     ):
         pack(tmp_path / "packed", tokenizer, block_size=16)
     with pytest.raises(run_clm_flax.UsageError, match="was packed with another tokenizer"):
@@ -277,6 +280,127 @@ def test_training_from_a_packed_data_dir(model_dir, tmp_path, monkeypatch, capfd
     assert f"epochs of {packed - packed * 5 // 100} blocks" in capfd.readouterr().err  # 5% held out for evaluation
     eval_loss = json.loads((output_dir / "eval_results.json").read_text())["eval_loss"]
     assert eval_loss < np.log(1000) - 0.5
+
+
+# ----------------------------------------------------------------------------------------------------
+# The token cache: a packed corpus under the cache directory
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_data(tmp_path, tokenizer, do_train=True, do_eval=True, **data_overrides):
+    model_args = run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
+    data_args = run_clm_flax.DataTrainingArguments(**{"train_file": str(CORPUS / "train.txt"), **data_overrides})
+    training_args = run_clm_flax.TrainingArguments(str(tmp_path / "out"), do_train=do_train, do_eval=do_eval)
+    return run_clm_flax.load_data(model_args, data_args, training_args, tokenizer, 32)[0]
+
+
+def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_format(tokenizer, tmp_path, monkeypatch):
+    cached = load_data(tmp_path, tokenizer, packed_tokens_per_shard=2000)
+    packed = load_data(tmp_path, tokenizer, packed_data_dir=str(tmp_path / "packed"), packed_tokens_per_shard=2000)
+    for split in ("train", "validation"):  # the same blocks, the same 5% of them held out
+        np.testing.assert_array_equal(np.asarray(cached[split]), np.asarray(packed[split]))
+    expected = expected_blocks(tokenizer, train_texts(), 32)
+    validation_size = len(expected) * 5 // 100
+    assert len(cached["validation"]) == validation_size and len(cached["train"]) == len(expected) - validation_size
+
+    # The blocks decode to the text, the held-out ones from its start.
+    text = (CORPUS / "train.txt").read_text()
+    assert text.startswith(tokenizer.decode(cached["validation"][0]))
+    assert tokenizer.decode(cached["train"][10]) in text and len(tokenizer.decode(cached["train"][10])) > 60
+
+    # The cache is a packed corpus, sharded as --packed_tokens_per_shard says, that --packed_data_dir reads as it is.
+    (cache,) = [path for path in (tmp_path / "cache").iterdir() if path.name.startswith("packed-")]
+    index = run_clm_flax.read_packed_index(str(cache))
+    assert index["blocks_per_shard"] == 2000 // 32 and len(index["splits"]["train"]["shards"]) > 10
+    forbid_tokenizing(monkeypatch)
+    as_packed_data_dir = pack(cache, tokenizer, train_file=None)
+    np.testing.assert_array_equal(np.asarray(as_packed_data_dir["train"]), expected)
+    again = load_data(tmp_path, tokenizer)  # and a later run reads the cache
+    np.testing.assert_array_equal(np.asarray(again["train"]), np.asarray(cached["train"]))
+
+
+def test_a_save_to_disk_directory_is_never_written_into_and_cache_dir_holds_the_tokens(
+    tokenizer, tmp_path, monkeypatch
+):
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": [*train_lines(), None]}).save_to_disk(str(saved))
+    listing = {path: path.stat().st_mtime_ns for path in saved.rglob("*")}
+    blocks = load_data(tmp_path, tokenizer, train_file=None, dataset_name=str(saved), skip_missing_texts=True)
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(blocks["validation"]), np.asarray(blocks["train"])]),
+        expected_blocks(tokenizer, train_lines(), 32),
+    )
+    assert {path: path.stat().st_mtime_ns for path in saved.rglob("*")} == listing, "the dataset directory changed"
+    assert any(path.name.startswith("packed-") for path in (tmp_path / "cache").iterdir())
+    forbid_tokenizing(monkeypatch)  # the row left out changes nothing in the cache's fingerprint from run to run
+    again = load_data(tmp_path, tokenizer, train_file=None, dataset_name=str(saved), skip_missing_texts=True)
+    np.testing.assert_array_equal(np.asarray(again["train"]), np.asarray(blocks["train"]))
+
+
+def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenizer, tmp_path, monkeypatch):
+    read, tokenized = [], []
+    real_resolve, real_token_arrays = run_clm_flax.resolve_data_files, run_clm_flax.token_arrays
+
+    def resolve(pattern, flag):
+        read.append(flag)
+        return real_resolve(pattern, flag)
+
+    def token_arrays(dataset, tokenizer, text_column, num_workers=None, split="train"):
+        tokenized.append(split)
+        return real_token_arrays(dataset, tokenizer, text_column, num_workers, split)
+
+    monkeypatch.setattr(run_clm_flax, "resolve_data_files", resolve)
+    monkeypatch.setattr(run_clm_flax, "token_arrays", token_arrays)
+    blocks = load_data(tmp_path, tokenizer, do_train=False, validation_file=str(CORPUS / "validation.txt"))
+    assert list(blocks) == ["validation"] and read == ["validation_file"] and tokenized == ["validation"]
+    np.testing.assert_array_equal(
+        np.asarray(blocks["validation"]), expected_blocks(tokenizer, [(CORPUS / "validation.txt").read_text()], 32)
+    )
+
+    splits = {"train": train_lines(), "validation": (CORPUS / "validation.txt").read_text().splitlines()}
+    saved = datasets.DatasetDict(
+        {split: datasets.Dataset.from_dict({"text": lines}) for split, lines in splits.items()}
+    )
+    saved.save_to_disk(str(tmp_path / "saved"))
+    tokenized.clear()
+    blocks = load_data(tmp_path, tokenizer, do_train=False, train_file=None, dataset_name=str(tmp_path / "saved"))
+    assert list(blocks) == ["validation"] and tokenized == ["validation"]
+
+
+def test_tokenizing_in_worker_processes_gives_the_same_tokens_without_forking_jax(tokenizer, tmp_path, monkeypatch):
+    run_clm_flax.jax.devices()  # JAX's runtime and its threads are up, as in a run
+    monkeypatch.setattr(run_clm_flax, "TEXTS_PER_BATCH", 40)
+    dataset = datasets.load_dataset(
+        "text", data_files=str(CORPUS / "train.txt"), split="train", cache_dir=str(tmp_path / "cache")
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        in_workers = list(run_clm_flax.token_arrays(dataset, tokenizer, "text", num_workers=2))
+    assert not [warning for warning in caught if "fork" in str(warning.message)], "a process was forked"
+    here = list(run_clm_flax.token_arrays(dataset, tokenizer, "text"))
+    assert len(in_workers) == len(here) == 8
+    np.testing.assert_array_equal(np.concatenate(in_workers), np.concatenate(here))
+
+
+def test_an_uncached_hub_dataset_offline_is_refused_in_one_line(run_tool, model_dir, tmp_path):
+    result = run_tool(
+        "run_clm_flax.py", "--output_dir", tmp_path / "out", "--config_name", model_dir, "--tokenizer_name",
+        model_dir, "--dataset_name", "oscar", "--do_train", "--cache_dir", tmp_path / "cache",
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: cannot load --dataset_name oscar") and "not in the cache" in last_line
+
+
+def test_an_unknown_dataset_config_is_named_in_the_message(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "texts.jsonl").write_text('{"text": "a text"}\n')
+    arguments = run_clm_flax.DataTrainingArguments(dataset_name=str(tmp_path / "data"), dataset_config_name="wiki")
+    with pytest.raises(run_clm_flax.UsageError) as refusal:
+        run_clm_flax.load_text_datasets(run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache")), arguments)
+    message = str(refusal.value)
+    assert "--dataset_config_name wiki" in message and "'wiki' not found" in message and "default" in message
+    assert "format and encoding" not in message and "\n" not in message
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -207,3 +207,28 @@ def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
     assert data_args.text_sample_by == sample_by
     assert len(run_mlm_flax.load_text_datasets(model_args, data_args)["train"]) == num_texts
+
+
+@pytest.mark.parametrize("line_by_line", [True, False], ids=["lines", "blocks"])
+def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, recipe_tokenizer, tmp_path):
+    import run_mlm_flax
+
+    lines = [f"Line {number} of a file of forty lines, each its own example.\n" for number in range(40)]
+    (tmp_path / "lines.txt").write_text("".join(lines))
+    model_args = run_mlm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
+    data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
+    training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
+    run_mlm_flax.check_arguments(model_args, data_args, training_args)
+    examples, _ = run_mlm_flax.load_data(model_args, data_args, training_args, recipe_tokenizer, 18)
+    if line_by_line:  # 2 of 40 lines, the first ones
+        assert (len(examples["validation"]), len(examples["train"])) == (2, 38)
+        first = examples["validation"].tokens[: examples["validation"].offsets[1]]
+        assert recipe_tokenizer.decode(first) == lines[0].rstrip("\n")
+        train = examples["train"]
+        assert recipe_tokenizer.decode(train.tokens[train.offsets[0] : train.offsets[1]]) == lines[2].rstrip("\n")
+    else:  # one document, cut into blocks of 16 tokens: 5% of them held out, the first ones
+        tokens = recipe_tokenizer("".join(lines), add_special_tokens=False)["input_ids"] + [2]
+        blocks = np.array(tokens[: len(tokens) // 16 * 16]).reshape(-1, 16)
+        held_out = len(blocks) * 5 // 100
+        np.testing.assert_array_equal(np.asarray(examples["validation"]), blocks[:held_out])
+        np.testing.assert_array_equal(np.asarray(examples["train"]), blocks[held_out:])

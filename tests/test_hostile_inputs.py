@@ -390,7 +390,7 @@ def test_skip_missing_texts_leaves_out_the_rows_without_text_in_train_tokenizer(
 
 @pytest.fixture
 def text_dataset(tmp_path):
-    """The training texts as a dataset with cache files, as load_raw_datasets gives them."""
+    """The training texts as a dataset with cache files, as load_text_datasets gives them."""
     return datasets.load_dataset("text", data_files=str(TRAIN_FILE), split="train", cache_dir=str(tmp_path / "cache"))
 
 
@@ -398,18 +398,19 @@ def cut_in_half(path):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
-def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, caplog):
+def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, tmp_path, caplog):
     tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
 
     def pack():
-        return run_clm_flax.tokenize_and_pack(text_dataset, tokenizer, "text", 32, None, False, "train")
+        data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
+        return run_clm_flax.cached_blocks(text_dataset, "train", tokenizer, 32, str(tmp_path / "packed"), data_args)
 
     expected = np.asarray(pack())
-    shard = os.path.join(pack().directory, "blocks-00000.npy")
+    shard = os.path.join(pack().directory, "train-00001.npy")
     cut_in_half(shard)
     with caplog.at_level(logging.WARNING, logger=run_clm_flax.logger.name):
         np.testing.assert_array_equal(np.asarray(pack()), expected)
-    assert "is damaged (blocks-00000.npy is cut short" in caplog.text
+    assert "is damaged (train-00001.npy is cut short" in caplog.text
 
 
 def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
@@ -417,7 +418,7 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
 
     def load(**settings):
         data_args = run_clm_flax.DataTrainingArguments(packed_data_dir=str(tmp_path / "packed"), **settings)
-        return run_clm_flax.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, tokenizer, 32)
+        return run_clm_flax.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, tokenizer, 32, "")
 
     load(train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000)
     cut_in_half(tmp_path / "packed" / "train-00001.npy")
@@ -425,15 +426,15 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
         load()
 
 
-def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, caplog):
+def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, tmp_path, caplog):
     mlm = SCRIPTS["run_mlm_flax"]
     tokenizer = mlm.AutoTokenizer.from_pretrained(paths["roberta"])
+    cache_dir = str(tmp_path / "lines")
 
     def tokenize():
-        return mlm.tokenize_lines(text_dataset, tokenizer, "text", None, False, "train")
+        return mlm.tokenize_lines(text_dataset, "train", tokenizer, cache_dir, mlm.DataTrainingArguments())
 
     expected = tokenize()
-    cache_dir = os.path.dirname(text_dataset.cache_files[0]["filename"])
     (tokens_file,) = [name for name in os.listdir(cache_dir) if name.startswith("lines-") and "tokens" in name]
     cut_in_half(os.path.join(cache_dir, tokens_file))
     with caplog.at_level(logging.WARNING, logger=mlm.logger.name):
@@ -443,13 +444,16 @@ def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, caplog):
     assert "are damaged" in caplog.text
 
 
-def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset, paths):
-    """A run killed while Dataset.map writes leaves its tmpXXXXXXXX file (megabytes) in the cache; the next run
-    removes those untouched for ten minutes, and leaves a fresh one, which may be a live run's."""
-    cache_dir = os.path.dirname(text_dataset.cache_files[0]["filename"])
-    stale = [os.path.join(cache_dir, name) for name in ("tmpab12cd_3", "packed-0123abcd-block32.4242.tmp")]
-    fresh = os.path.join(cache_dir, "tmpzz99yy_8")
-    kept = os.path.join(cache_dir, "notes-tmpab12cd_3")
+def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset, paths, tmp_path):
+    """A run killed while it packs leaves its unfinished corpus (about the size of the tokens) in the cache; the
+    next run removes those untouched for ten minutes, and leaves a fresh one, which may be a live run's."""
+    cache_dir = str(tmp_path / "packed")
+    os.makedirs(cache_dir)
+    stale = [
+        os.path.join(cache_dir, name) for name in ("lines-0123abcd-tokens.npy.4242.tmp.npy", "packed-0123.4242.tmp")
+    ]
+    fresh = os.path.join(cache_dir, "packed-4567.4243.tmp")
+    kept = os.path.join(cache_dir, "notes-packed-0123.4242.tmp")
     with open(stale[0], "wb") as file:
         file.write(b"\0" * 1000)
     os.makedirs(os.path.join(stale[1]))
@@ -459,6 +463,6 @@ def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset,
     for path in (*stale, kept):
         os.utime(path, (an_hour_ago, an_hour_ago))
     tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
-    run_clm_flax.tokenize_and_pack(text_dataset, tokenizer, "text", 32, None, False, "train")
+    run_clm_flax.cached_blocks(text_dataset, "train", tokenizer, 32, cache_dir, run_clm_flax.DataTrainingArguments())
     assert not any(os.path.exists(path) for path in stale)
     assert os.path.exists(fresh) and os.path.exists(kept)

@@ -66,6 +66,12 @@ def chosen_positions(batch):
     return chosen
 
 
+def tokenize_lines(dataset, tokenizer, cache_dir):
+    return run_mlm_flax.tokenize_lines(
+        dataset, "train", tokenizer, str(cache_dir), run_mlm_flax.DataTrainingArguments()
+    )
+
+
 def text_dataset(path, cache_dir):
     return datasets.load_dataset(
         "text", data_files=str(path), cache_dir=str(cache_dir), split="train", keep_linebreaks=True
@@ -79,7 +85,10 @@ def text_dataset(path, cache_dir):
 
 def test_grouped_blocks_are_the_texts_joined_with_separators_and_framed_as_s_to_slash_s(tokenizer, tmp_path):
     dataset = text_dataset(VALIDATION_FILE, tmp_path)
-    blocks = run_mlm_flax.tokenize_and_pack(dataset, tokenizer, "text", SEQUENCE_LENGTH - 2, None, False, "validation")
+    data_args = run_mlm_flax.DataTrainingArguments()
+    blocks = run_mlm_flax.cached_blocks(
+        dataset, "validation", tokenizer, SEQUENCE_LENGTH - 2, str(tmp_path), data_args
+    )
     joined = [
         token
         for text in dataset["text"]
@@ -100,17 +109,18 @@ def test_line_by_line_keeps_every_non_empty_line_and_caches_the_tokens(tokenizer
     data_file.write_text("\n".join(lines) + "\n")
     dataset = text_dataset(data_file, tmp_path / "cache")
 
-    examples = run_mlm_flax.tokenize_lines(dataset, tokenizer, "text", None, False, "train")
+    examples = tokenize_lines(dataset, tokenizer, tmp_path / "cache")
     kept = [line for line in lines if line.strip()]
     assert len(examples) == len(kept)
     for index, line in enumerate(kept):
         expected = tokenizer(line, add_special_tokens=False)["input_ids"]  # the line break is removed
         np.testing.assert_array_equal(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]], expected)
 
-    cached = run_mlm_flax.tokenize_lines(dataset, tokenizer, "text", None, False, "train")
+    cached = tokenize_lines(dataset, tokenizer, tmp_path / "cache")
     assert isinstance(cached.tokens, np.memmap), "the second call should read the tokens from the cache"
     np.testing.assert_array_equal(cached.offsets, examples.offsets)
-    assert len(run_mlm_flax.first_examples(cached, 2)) == 2
+    assert len(cached[:2]) == 2 and len(cached[2:]) == len(kept) - 2
+    np.testing.assert_array_equal(cached[2:].offsets, cached.offsets[2:])
 
 
 def test_line_batches_are_padded_with_an_attention_mask_and_padding_is_never_masked(tokenizer):
@@ -147,7 +157,7 @@ def test_line_batches_are_padded_with_an_attention_mask_and_padding_is_never_mas
 
 
 def test_masking_of_real_batches_chooses_the_mlm_probability_and_no_special_token(tokenizer, tmp_path):
-    examples = run_mlm_flax.tokenize_lines(text_dataset(TRAIN_FILE, tmp_path), tokenizer, "text", None, False, "train")
+    examples = tokenize_lines(text_dataset(TRAIN_FILE, tmp_path), tokenizer, tmp_path)
     make_batch = batch_maker(tokenizer)
     indices = np.arange(len(examples))
     original, attention_mask = make_batch.token_ids(examples, indices, len(examples))

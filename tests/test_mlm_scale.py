@@ -314,9 +314,10 @@ def test_packed_data_dir_holds_the_grouped_blocks_of_the_files_in_shards(packed_
 def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokenizer):
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir))
     with pytest.raises(
-        run_mlm_flax.UsageError, match=r"holds blocks for --max_seq_length 32, not 64; use another --packed_data_dir"
+        run_mlm_flax.UsageError,
+        match=r"holds blocks of 30 tokens, not the 62 of --max_seq_length 64; use another --packed_data_dir",
     ):
-        run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, tokenizer, 64)
+        run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, tokenizer, 62, "--max_seq_length 64")
 
 
 # ----------------------------------------------------------------------------------------------------
