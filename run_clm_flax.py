@@ -86,7 +86,7 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A checkpoint of this script's model (gpt2) to continue training from: a local directory holding "
+            "help": "A checkpoint of this script's model (gpt2) to continue from: a local directory holding "
             "config.json and model.safetensors, or a hub name. Leave unset to train from scratch."
         },
     )
