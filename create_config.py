@@ -187,7 +187,7 @@ def check_argument_types(arguments, source):
     type_hints = typing.get_type_hints(type(arguments))
     for argument in dataclasses.fields(arguments):
         value = getattr(arguments, argument.name)
-        if isinstance(value, str) and typing.get_origin(type_hints[argument.name]) is typing.Union:
+        if isinstance(value, str) and typing.get_origin(type_hints[argument.name]) in (typing.Union, types.UnionType):
             # A single string where a list is expected, e.g. "train_file": "data.txt".
             if list in [typing.get_origin(option) for option in typing.get_args(type_hints[argument.name])]:
                 value = [value]

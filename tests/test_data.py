@@ -382,16 +382,6 @@ def test_tokenizing_in_worker_processes_gives_the_same_tokens_without_forking_ja
     np.testing.assert_array_equal(np.concatenate(in_workers), np.concatenate(here))
 
 
-def test_an_uncached_hub_dataset_offline_is_refused_in_one_line(run_tool, model_dir, tmp_path):
-    result = run_tool(
-        "run_clm_flax.py", "--output_dir", tmp_path / "out", "--config_name", model_dir, "--tokenizer_name",
-        model_dir, "--dataset_name", "oscar", "--do_train", "--cache_dir", tmp_path / "cache",
-    )  # fmt: skip
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("error: cannot load --dataset_name oscar") and "not in the cache" in last_line
-
-
 def test_an_unknown_dataset_config_is_named_in_the_message(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "texts.jsonl").write_text('{"text": "a text"}\n')

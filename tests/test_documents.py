@@ -201,7 +201,7 @@ def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(
     import run_mlm_flax
 
     write_text_files(tmp_path)
-    model_args = run_mlm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
+    model_args = run_mlm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"), tokenizer_name="unused")
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "a.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
@@ -215,7 +215,7 @@ def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, re
 
     lines = [f"Line {number} of a file of forty lines, each its own example.\n" for number in range(40)]
     (tmp_path / "lines.txt").write_text("".join(lines))
-    model_args = run_mlm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
+    model_args = run_mlm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"), tokenizer_name="unused")
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)

@@ -314,7 +314,7 @@ def test_an_uncached_hub_dataset_offline_ends_the_command_with_one_line(run_tool
     arguments = [argument for argument in CLM if argument not in ("--train_file", "{train}")]
     arguments += ["--dataset_name", "no-such-user/no-such-dataset"]  # run_tool runs the scripts offline
     result = run_tool("run_clm_flax.py", *script_arguments("run_clm_flax", arguments, paths, tmp_path))
-    assert_one_error_line(result, "no-such-user/no-such-dataset", "only what is in the cache can be loaded")
+    assert_one_error_line(result, "no-such-user/no-such-dataset", "it is not in the cache")
     assert not (tmp_path / "out").exists()
 
 
