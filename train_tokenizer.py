@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # File extensions and the `datasets` builder that reads them.
-BUILDER_FOR_EXTENSION = {
+# Copied from run_clm_flax.DATA_FILE_BUILDERS
+DATA_FILE_BUILDERS = {
     ".txt": "text",
     ".text": "text",
     ".json": "json",
@@ -306,10 +307,10 @@ def expand_train_files(patterns):
 
 def builder_for_file(path):
     extension = os.path.splitext(path)[1].lower()
-    if extension not in BUILDER_FOR_EXTENSION:
-        supported = ", ".join(BUILDER_FOR_EXTENSION)
+    if extension not in DATA_FILE_BUILDERS:
+        supported = ", ".join(DATA_FILE_BUILDERS)
         raise UsageError(f"--train_file {path} has an unsupported extension; supported: {supported}")
-    return BUILDER_FOR_EXTENSION[extension]
+    return DATA_FILE_BUILDERS[extension]
 
 
 def is_saved_dataset(directory):
