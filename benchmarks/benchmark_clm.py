@@ -53,7 +53,11 @@ def parse_arguments():
     parser.add_argument("--rounds", type=int, default=3, help="rounds of timing; the best round counts")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (GPT-2 uses 0.1)")
     parser.add_argument("--param_dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--remat_policy", help="gradient checkpointing with this jax.checkpoint_policies name")
+    parser.add_argument(
+        "--gradient_checkpointing",
+        metavar="POLICY",
+        help="recompute activations in the backward pass, as run_clm_flax.py's flag: a jax.checkpoint_policies name",
+    )
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--mesh_shape", help="e.g. data=2,fsdp=4 (default: all devices on data)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
@@ -142,7 +146,10 @@ def benchmark_training(settings, arguments) -> dict:
     )
     dtype = jnp.dtype(settings["dtype"])
     model = run_clm_flax.FlaxGPT2LMHeadModel(
-        config, dtype=dtype, param_dtype=jnp.dtype(arguments.param_dtype), remat_policy=arguments.remat_policy
+        config,
+        dtype=dtype,
+        param_dtype=jnp.dtype(arguments.param_dtype),
+        remat_policy=arguments.gradient_checkpointing,
     )
     # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
     accumulation = arguments.gradient_accumulation_steps
