@@ -2286,7 +2286,7 @@ def count_steps(training_args, train_examples, train_batch_size: int) -> tuple[i
     if steps_per_epoch == 0:
         raise UsageError(
             f"the training data makes {len(train_examples)} sequences, fewer than one global batch of "
-            f"{train_batch_size}; add data or lower --per_device_train_batch_size or the sequence length"
+            f"{train_batch_size}; add data or lower --per_device_train_batch_size or --block_size"
         )
     if training_args.max_steps > 0:
         return steps_per_epoch, training_args.max_steps

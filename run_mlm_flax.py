@@ -2640,7 +2640,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     )
 
 
-# Copied from run_clm_flax.count_steps
+# Copied from run_clm_flax.count_steps with block_size->max_seq_length
 def count_steps(training_args, train_examples, train_batch_size: int) -> tuple[int | None, int]:
     """Steps per epoch (None without training data of known length) and the run's last step."""
     if not training_args.do_train:
@@ -2651,7 +2651,7 @@ def count_steps(training_args, train_examples, train_batch_size: int) -> tuple[i
     if steps_per_epoch == 0:
         raise UsageError(
             f"the training data makes {len(train_examples)} sequences, fewer than one global batch of "
-            f"{train_batch_size}; add data or lower --per_device_train_batch_size or the sequence length"
+            f"{train_batch_size}; add data or lower --per_device_train_batch_size or --max_seq_length"
         )
     if training_args.max_steps > 0:
         return steps_per_epoch, training_args.max_steps

@@ -553,7 +553,7 @@ def bad_inputs(model_dir, tmp_path_factory):
         (["--fill_mask_text", "no mask here"], "--fill_mask_text must contain the mask token <mask>"),
         (["--train_file", "missing.txt"], "--train_file: missing.txt does not exist"),
         (["--line_by_line", "--train_file", "{bad}/empty.txt"], "the train data has no non-empty lines"),
-        (["--per_device_train_batch_size", "100000"], "fewer than one global batch"),
+        (["--per_device_train_batch_size", "100000"], "lower --per_device_train_batch_size or --max_seq_length"),
         (["--output_dir", "{bad}/output-with-files"], "already holds files; pass --resume_from_checkpoint"),
         (["--hub_model_id", "me/model"], "--hub_model_id is not supported: upload --output_dir after training"),
         (["--hub_modelid", "me/model"], "unknown argument --hub_modelid"),
