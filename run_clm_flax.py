@@ -2705,8 +2705,8 @@ def print_once(text: str):
 
 
 def on_cloud_tpu_vm() -> bool:
-    """Whether this is a Cloud TPU VM (one host of a TPU slice), as JAX found when it was imported. The flag
-    lives in a private module of JAX; should it move, TPU users pass the three flags instead."""
+    """As JAX found when it was imported. The flag lives in a private module of JAX; should it move, TPU users pass
+    the three flags instead."""
     try:
         from jax._src import cloud_tpu_init
     except ImportError:
@@ -2718,11 +2718,10 @@ def multi_process_launcher() -> str | None:
     """The launcher that started this process as one of several tasks, or None. jax.distributed.initialize()
     reads the run's settings from the launcher's environment, but cannot be told to do nothing for a process on
     its own: without a launcher it fails, and for a single task it starts a coordinator all the same."""
-    environment = os.environ
     # Only srun's tasks have SLURM_STEP_NODELIST: a batch script run with --ntasks 4 is still one process.
-    if "SLURM_STEP_NODELIST" in environment and int(environment.get("SLURM_NTASKS", "1")) > 1:
+    if "SLURM_STEP_NODELIST" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         return "Slurm"
-    if int(environment.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
         return "Open MPI"
     if on_cloud_tpu_vm():
         return "Cloud TPU"
@@ -2730,12 +2729,8 @@ def multi_process_launcher() -> str | None:
 
 
 def initialize_distributed(distributed_args):
-    """Join the other processes of a multi-process run; call before anything touches the devices.
-
-    Processes started by hand join with --coordinator_address, --num_processes and --process_id; tasks of Slurm's
-    srun or Open MPI's mpirun, and the hosts of a Cloud TPU slice, with the settings JAX finds itself. A process on
-    its own joins nothing. Afterwards every device of every process is in jax.devices(), and process 0 writes.
-    """
+    """Join the other processes of a multi-process run, before anything touches the devices: with the three flags,
+    or with what JAX finds itself under Slurm's srun, Open MPI's mpirun or on the hosts of a Cloud TPU slice."""
     check_distributed_arguments(distributed_args)
     explicit = distributed_args.coordinator_address is not None
     launcher = None if explicit else multi_process_launcher()
@@ -2769,7 +2764,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(is_main_process: bool):
-    """One log format for every process; only process 0 logs below ERROR."""
+    """Only process 0 logs below ERROR."""
     process_label = f" process {jax.process_index()}" if jax.process_count() > 1 else ""
     logging.basicConfig(
         format=LOG_FORMAT.replace("%(asctime)s", f"%(asctime)s{process_label}"),
@@ -2809,7 +2804,7 @@ def main_process_first(name: str):
 MESH_AXES = ("data", "fsdp")
 
 
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = MESH_AXES
 
 
 LOGICAL_AXIS_RULES = (
@@ -2822,9 +2817,8 @@ LOGICAL_AXIS_RULES = (
 
 
 def create_mesh(mesh_shape: str | None = None) -> jax.sharding.Mesh:
-    """All devices of all processes on the axes of MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4");
-    by default all on "data"."""
-    sizes = {"data": jax.device_count(), "fsdp": 1}
+    """All devices of all processes on MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4"); by default all on "data"."""
+    given = {}
     if mesh_shape:
         try:
             given = {name.strip(): int(size) for name, size in (part.split("=") for part in mesh_shape.split(","))}
@@ -2832,38 +2826,15 @@ def create_mesh(mesh_shape: str | None = None) -> jax.sharding.Mesh:
             raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M") from None
         if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
             raise UsageError(f"--mesh_shape {mesh_shape}: the axes are {' and '.join(MESH_AXES)}, each at least 1")
-        sizes = {"data": 1, "fsdp": 1, **given}
-        if "data" not in given:
-            sizes["data"] = max(1, jax.device_count() // sizes["fsdp"])
-        if sizes["data"] * sizes["fsdp"] != jax.device_count():
-            raise UsageError(
-                f"--mesh_shape {mesh_shape} has {sizes['data'] * sizes['fsdp']} devices but there are "
-                f"{jax.device_count()}; make the sizes multiply to the device count"
-            )
+    sizes = {"data": max(1, jax.device_count() // given.get("fsdp", 1)), "fsdp": 1, **given}
+    if sizes["data"] * sizes["fsdp"] != jax.device_count():
+        raise UsageError(
+            f"--mesh_shape {mesh_shape} has {sizes['data'] * sizes['fsdp']} devices but there are "
+            f"{jax.device_count()}; make the sizes multiply to the device count"
+        )
     return jax.make_mesh(
         tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     )
-
-
-def optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
-    """Each optimizer-state leaf that mirrors a parameter (Adam's moments) is sharded like it; the rest
-    (step counts, Adafactor's factored statistics) is replicated."""
-    by_path = {
-        jax.tree_util.keystr(path): (leaf.shape, sharding)
-        for (path, leaf), sharding in zip(
-            jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree_util.tree_leaves(param_shardings)
-        )
-    }
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def choose(path, leaf):
-        for start in range(len(path)):
-            shape, sharding = by_path.get(jax.tree_util.keystr(path[start:]), (None, None))
-            if shape == leaf.shape:
-                return sharding
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(choose, abstract_opt_state)
 
 
 def abstract_model_params(model, dummy_input, unbox: bool = True):
@@ -2879,15 +2850,20 @@ def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
     param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
     abstract_params = nn.meta.unbox(boxed_params)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
-    shardings = TrainState(
-        step=NamedSharding(mesh, PartitionSpec()),
-        params=param_shardings,
-        opt_state=optimizer_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh),
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # Optimizer state that mirrors a parameter (Adam's moments) is sharded like it; the rest (step counts,
+    # Adafactor's factored statistics, whose shapes differ) is replicated.
+    opt_state_shardings = optax.tree_utils.tree_map_params(
+        optimizer,
+        lambda leaf, param, sharding: sharding if leaf.shape == param.shape else replicated,
+        abstract_opt_state,
+        abstract_params,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
     )
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_state_shardings)
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)
-    return jax.tree_util.tree_map(
-        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding), shapes, shardings
-    )
+    return jax.tree_util.tree_map(lambda shape, sharding: shape.update(sharding=sharding), shapes, shardings)
 
 
 def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, dummy_input, loaded_params=None):
@@ -2946,8 +2922,8 @@ OUTPUT_DIR_LOCK = ".lock"
 
 
 def take_lock(lock_file, output_dir: str, mode: int) -> bool:
-    """flock `lock_file` without waiting; refuses in one line where another run holds it. False where the file
-    system has no locks."""
+    """flock without waiting; refuses in one line where another run holds it. False where the file system has no
+    locks."""
     try:
         fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -2966,9 +2942,8 @@ def take_lock(lock_file, output_dir: str, mode: int) -> bool:
 
 
 def lock_output_dir(output_dir: str):
-    """Hold OUTPUT_DIR/.lock for the life of this process, so that one run at a time writes into it. The kernel
-    releases the lock when the process ends, however it ends: a killed run never leaves the directory locked.
-    Process 0 holds it for all processes of a run. Returns the open lock file, to be kept until the end."""
+    """Hold OUTPUT_DIR/.lock, so that one run at a time writes into it, until the returned file is closed or the
+    process ends: however it ends, the kernel releases the lock, so a killed run never leaves the directory locked."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         lock_file = open(os.path.join(output_dir, OUTPUT_DIR_LOCK), "a+")
@@ -2988,39 +2963,29 @@ def lock_output_dir(output_dir: str):
     return lock_file
 
 
-def previous_run_entries(output_dir: str) -> list[str]:
-    """What OUTPUT_DIR holds of an earlier run: all but the lock and unfinished checkpoints, which the next
-    run deletes anyway (a run killed before its first checkpoint leaves nothing else of worth)."""
-    if not os.path.isdir(output_dir):
-        return []
-    checkpoints = os.path.join(output_dir, "checkpoints")
-    unfinished_only = os.path.isdir(checkpoints) and all(
-        ocp.step.is_tmp_checkpoint(os.path.join(checkpoints, name)) for name in os.listdir(checkpoints)
-    )
-    return sorted(
-        name
-        for name in os.listdir(output_dir)
-        if name != OUTPUT_DIR_LOCK and not (name == "checkpoints" and unfinished_only)
-    )
-
-
 def refuse_earlier_run(training_args):
-    """Training into an earlier run's files needs --resume_from_checkpoint or --overwrite_output_dir."""
-    if (
-        training_args.do_train
-        and previous_run_entries(training_args.output_dir)
-        and not training_args.overwrite_output_dir
-        and not training_args.resume_from_checkpoint
+    """Training into an earlier run's files needs --resume_from_checkpoint or --overwrite_output_dir. The lock and
+    unfinished checkpoints, which the next run deletes anyway, are not such files (a run killed before its first
+    checkpoint leaves nothing else of worth)."""
+    output_dir = training_args.output_dir
+    if not training_args.do_train or training_args.overwrite_output_dir or training_args.resume_from_checkpoint:
+        return
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    entries = set(os.listdir(output_dir)) if os.path.isdir(output_dir) else set()
+    if os.path.isdir(checkpoints) and all(
+        ocp.step.is_tmp_checkpoint(os.path.join(checkpoints, name)) for name in os.listdir(checkpoints)
     ):
+        entries.discard("checkpoints")
+    if entries - {OUTPUT_DIR_LOCK}:
         raise UsageError(
-            f"--output_dir {training_args.output_dir} already holds files; pass --resume_from_checkpoint to "
-            "continue its run, or --overwrite_output_dir to start a new run in it"
+            f"--output_dir {output_dir} already holds files; pass --resume_from_checkpoint to continue its run, or "
+            "--overwrite_output_dir to start a new run in it"
         )
 
 
 def check_output_dir(training_args):
-    """Before any work, and writing nothing: refuse an output directory in use by a running run (a shared lock
-    held for a moment), or one with an earlier run's files that these flags do not allow training into."""
+    """Before any work, and writing nothing: refuse an output directory that another run holds (probed with a shared
+    lock), or one with an earlier run's files that these flags do not allow training into."""
     lock_path = os.path.join(training_args.output_dir, OUTPUT_DIR_LOCK)
     if os.path.isfile(lock_path):
         with open(lock_path) as probe:
@@ -3067,11 +3032,10 @@ def clear_previous_run(output_dir: str):
         path = os.path.join(output_dir, name)
         if os.path.isdir(path):
             shutil.rmtree(path)
+            removed.append(f"{name}/")
         elif os.path.exists(path):
             os.remove(path)
-        else:
-            continue
-        removed.append(f"{name}/" if name in ("checkpoints", "discarded-checkpoints", "tensorboard") else name)
+            removed.append(name)
     if removed:
         logger.warning("--overwrite_output_dir: removed the previous run's %s from %s", ", ".join(removed), output_dir)
 
@@ -3096,13 +3060,9 @@ def set_aside_checkpoints_after(output_dir: str, step: int):
 
 
 def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointManager:
-    """The run's training checkpoints, OUTPUT_DIR/checkpoints/STEP, the newest `save_total_limit` kept.
-
-    Orbax writes each checkpoint into a temporary directory and renames it once complete, so a process
-    killed while saving leaves the earlier checkpoints intact; the unfinished one is deleted when the
-    directory is next opened. With several processes, every process writes its own shards into the same
-    directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a mounted bucket).
-    """
+    """OUTPUT_DIR/checkpoints/STEP. Orbax writes each checkpoint into a temporary directory and renames it once
+    complete; an unfinished one is deleted when the directory is next opened. Every process writes its own shards
+    into the same directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a bucket)."""
     return ocp.CheckpointManager(
         os.path.abspath(os.path.join(output_dir, "checkpoints")),
         options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, cleanup_tmp_directories=True),
@@ -3110,8 +3070,7 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
 
 
 def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progress_record: dict):
-    """Returns once the arrays are copied off the devices; the files are written while training goes on, and
-    `committed_checkpoint` tells when they are complete."""
+    """Returns once the arrays are copied off the devices; the files are written while training goes on."""
     step = progress_record["step"]
     started = checkpoints.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record))
@@ -3124,8 +3083,9 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
 
 
 def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, wait: bool = False) -> int | None:
-    """Log when the checkpoint of `step` being written is complete on disk (a kill after this message loses
-    nothing before it), waiting for it with `wait`. Returns the step still being written, None once none is."""
+    """Log when the checkpoint of `step` is complete on disk (a kill after the message loses nothing before it).
+    Returns the step still being written, None once none is. Orbax has no hook for this: its
+    post_finalization_callback runs before the checkpoint is renamed into place."""
     if wait:
         checkpoints.wait_until_finished()
     if step is None or checkpoints.is_saving_in_progress():
@@ -3136,19 +3096,6 @@ def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, w
     else:
         logger.warning("step %d: the training checkpoint could not be written to %s", step, path)
     return None
-
-
-def array_shapes(tree, only_params: bool = False) -> dict[str, tuple]:
-    """{path: shape} of a training state or of its checkpoint's metadata, with paths written alike for both."""
-
-    def name(key) -> str:
-        return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
-
-    return {
-        "/".join(map(name, key_path)): tuple(leaf.shape)
-        for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-        if not only_params or name(key_path[0]) == "params"
-    }
 
 
 def restore_checkpoint(
@@ -3186,16 +3133,15 @@ def restore_checkpoint(
         for candidate in steps:
             path = os.path.join(directory, str(candidate))
             try:
-                progress_args = ocp.args.Composite(progress=ocp.args.JsonRestore())
-                progress = manager.restore(candidate, args=progress_args).progress
-                if not isinstance(progress, dict) or any(key not in progress for key in progress_keys):
-                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
-                if progress["step"] != candidate:
-                    raise ValueError(f"its progress record is of step {progress['step']}")
                 check_checkpoint_fits(path, manager.item_metadata(candidate)["state"], abstract_state)
                 # The shapes fit: what fails from here on is the files, not the model.
-                args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-                restored, reason = (manager.restore(candidate, args=args).state, progress, path), None
+                state_args, progress_args = ocp.args.StandardRestore(abstract_state), ocp.args.JsonRestore()
+                items = manager.restore(candidate, args=ocp.args.Composite(state=state_args, progress=progress_args))
+                if not isinstance(items.progress, dict) or any(key not in items.progress for key in progress_keys):
+                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
+                if items.progress["step"] != candidate:
+                    raise ValueError(f"its progress record is of step {items.progress['step']}")
+                restored, reason = (items.state, items.progress, path), None
             except UsageError:
                 raise
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for damaged files
@@ -3220,15 +3166,21 @@ def restore_checkpoint(
 def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState):
     """Refuse a checkpoint of another model or optimizer in one line (a mismatch found by the restore itself
     surfaces as a flood of errors from Orbax's background reads)."""
-    checks = [(True, "parameter", "config"), (False, "optimizer state array", "optimizer settings")]
-    for only_params, what, fix in checks:
-        stored, needed = array_shapes(stored_metadata, only_params), array_shapes(abstract_state, only_params)
-        if stored != needed:
-            name = next(name for name in sorted(set(stored) | set(needed)) if stored.get(name) != needed.get(name))
-            raise UsageError(
-                f"the checkpoint {path} does not fit this model ({what} {name} has shape {stored.get(name)} there, "
-                f"{needed.get(name)} here); resume with the {fix} it was trained with"
-            )
+
+    def shapes(tree) -> dict[str, tuple]:  # the paths of a state and of its checkpoint's metadata are written alike
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape) for path, leaf in leaves}
+
+    stored, needed = shapes(stored_metadata), shapes(abstract_state)
+    differing = sorted(name for name in stored.keys() | needed.keys() if stored.get(name) != needed.get(name))
+    if differing:
+        name = min(differing, key=lambda name: not name.startswith("params/"))  # a parameter first: another config
+        is_parameter = name.startswith("params/")
+        what, fix = ("parameter", "config") if is_parameter else ("optimizer state array", "optimizer settings")
+        raise UsageError(
+            f"the checkpoint {path} does not fit this model ({what} {name} has shape {stored.get(name)} there, "
+            f"{needed.get(name)} here); resume with the {fix} it was trained with"
+        )
 
 
 def saved_arguments(*argument_groups) -> dict:
@@ -3237,8 +3189,8 @@ def saved_arguments(*argument_groups) -> dict:
 
 
 class StopRequest:
-    """While active (a `with` block), Ctrl-C (SIGINT) or a preemption notice (SIGTERM) asks the loop to
-    save a checkpoint and stop cleanly after the current step. A second Ctrl-C stops at once."""
+    """In its `with` block, Ctrl-C (SIGINT) or a preemption notice (SIGTERM) asks the loop to save a checkpoint and
+    stop after the current step. A second Ctrl-C stops at once."""
 
     def __enter__(self):
         self.signal_name = None
@@ -3297,33 +3249,22 @@ def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool
 
 
 class TensorBoardWriter:
-    """Scalars, text and an HParams summary for TensorBoard, written with the tensorboard package alone (no
-    TensorFlow)."""
+    """OUTPUT_DIR/tensorboard, written with the tensorboard package alone (no TensorFlow). It opens with the
+    arguments, the model config and an HParams summary: the hyperparameters, and the scalars (`metric_tags`) whose
+    last values TensorBoard's HParams tab compares runs by."""
 
-    def __init__(self, log_dir: str):
+    def __init__(self, output_dir: str, arguments: dict, model_config: dict, metric_tags: list[str]):
         from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
         from tensorboard.plugins.text.summary_v2 import text_pb
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._event_pb2, self._summary_pb2, self._text_pb = event_pb2, summary_pb2, text_pb
-        self._writer = EventFileWriter(log_dir)
-
-    def _write(self, summary, step: int):
-        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
-
-    def scalars(self, values: dict, step: int):
-        summary_values = [
-            self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
-        ]
-        self._write(self._summary_pb2.Summary(value=summary_values), step)
-
-    def text(self, tag: str, markdown: str, step: int = 0):
-        self._write(self._text_pb(tag, markdown), step)
-
-    def hparams(self, hparams: dict, metric_tags: list[str], run_name: str):
-        """This run's hyperparameters (bools, numbers, strings) and the scalars whose last values TensorBoard's
-        HParams tab compares runs by; a row of its own for each `run_name`."""
-        from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
+        self._writer = EventFileWriter(os.path.join(output_dir, "tensorboard"))
+        self.text("arguments", markdown_table(arguments, "argument"))
+        config_json = json.dumps(model_config, indent=2, sort_keys=True)
+        self.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
+        hparams = hyperparameters(arguments, model_config)
 
         def data_type(value):
             if isinstance(value, bool):
@@ -3340,8 +3281,20 @@ class TensorBoardWriter:
             tag=metadata.EXPERIMENT_TAG, metadata=summary_metadata, tensor=metadata.NULL_TENSOR
         )
         self._write(self._summary_pb2.Summary(value=[declaration]), 0)
-        # Runs with the same hyperparameters would otherwise share a row.
-        self._write(summary_v2.hparams_pb(hparams, trial_id=run_name), 0)
+        # Named after the output directory: runs with the same hyperparameters would otherwise share a row.
+        self._write(summary_v2.hparams_pb(hparams, trial_id=os.path.abspath(output_dir)), 0)
+
+    def _write(self, summary, step: int):
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def scalars(self, values: dict, step: int):
+        summary_values = [
+            self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
+        ]
+        self._write(self._summary_pb2.Summary(value=summary_values), step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self._write(self._text_pb(tag, markdown), step)
 
     def results(self, results: dict, step: int):
         self.text("results", markdown_table(results, "result"), step)
@@ -3471,33 +3424,27 @@ class Trackers:
 
 
 def open_trackers(training_args, resumed: bool, arguments: dict, model_config: dict, metric_tags: list) -> Trackers:
-    """The trackers of --report_to, given the run's arguments and model config; none but on process 0. W&B and
-    MLflow runs are named after the output directory; a resumed run reports into the runs it started (their ids
-    are in TRACKER_RUNS_FILE)."""
+    """The trackers of --report_to, on process 0 only. W&B and MLflow runs are named after the output directory; a
+    resumed run reports into the runs it started (their ids are in TRACKER_RUNS_FILE)."""
     if jax.process_index() != 0:
         return Trackers([])
-    report_to, output_dir = training_args.report_to, training_args.output_dir
+    output_dir = training_args.output_dir
     ids_path = os.path.join(output_dir, TRACKER_RUNS_FILE)
     run_ids = {}
     if resumed and os.path.isfile(ids_path):
         with open(ids_path) as file:
             run_ids = json.load(file)
-    name = os.path.basename(os.path.abspath(output_dir))
     trackers = []
-    for tracker in report_to:
+    for tracker in training_args.report_to:
         if tracker == "tensorboard":
-            writer = TensorBoardWriter(os.path.join(output_dir, "tensorboard"))
-            writer.text("arguments", markdown_table(arguments, "argument"))
-            config_json = json.dumps(model_config, indent=2, sort_keys=True)
-            writer.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
-            writer.hparams(hyperparameters(arguments, model_config), metric_tags, os.path.abspath(output_dir))
-            trackers.append(writer)
-        else:
-            tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
-            trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
-            if trackers[-1].run_id != run_ids.get(tracker):
-                run_ids[tracker] = trackers[-1].run_id
-                write_json(ids_path, run_ids)
+            trackers.append(TensorBoardWriter(output_dir, arguments, model_config, metric_tags))
+            continue
+        tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
+        name = os.path.basename(os.path.abspath(output_dir))
+        trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
+        if trackers[-1].run_id != run_ids.get(tracker):
+            run_ids[tracker] = trackers[-1].run_id
+            write_json(ids_path, run_ids)
     return Trackers(trackers)
 
 
@@ -3562,14 +3509,6 @@ def write_json(path: str, values: dict):
     os.replace(temporary_path, path)
 
 
-def current_umask() -> int:
-    # It can only be read by setting it: to the strictest value, so that a file another thread creates meanwhile
-    # is never more open than the user asked for.
-    umask = os.umask(0o077)
-    os.umask(umask)
-    return umask
-
-
 def evaluated_step(output_dir: str) -> int | None:
     """The step of the evaluation in OUTPUT_DIR/eval_results.json; None if there is none."""
     try:
@@ -3584,7 +3523,11 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
     os.makedirs(output_dir, exist_ok=True)
     weights_path = os.path.join(output_dir, "model.safetensors")
     save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
-    os.chmod(f"{weights_path}.tmp", 0o666 & ~current_umask())  # safetensors writes 0600; the other files, the umask
+    # safetensors writes 0600; the other files follow the umask. It can only be read by setting it: to the strictest
+    # value, so that a file another thread creates meanwhile is never more open than the user asked for.
+    umask = os.umask(0o077)
+    os.umask(umask)
+    os.chmod(f"{weights_path}.tmp", 0o666 & ~umask)
     os.replace(f"{weights_path}.tmp", weights_path)
 
 
