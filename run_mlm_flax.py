@@ -565,6 +565,7 @@ def check_common_arguments(model_args, data_args, training_args):
             "--dtype float16 does not run on CPU, where XLA cannot multiply float16 matrices into float32 "
             "results; use --dtype bfloat16 or float32 here, and float16 on a GPU"
         )
+    create_mesh(training_args.mesh_shape)  # refuses a --mesh_shape that does not fit the devices
     check_writable_directory(training_args.output_dir, "output_dir")
 
 

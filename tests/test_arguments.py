@@ -67,6 +67,12 @@ def test_float16_is_refused_on_cpu_only(script, checked_arguments, monkeypatch):
     assert model_args.dtype == "float16"
 
 
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_a_mesh_shape_that_does_not_fit_the_devices_is_refused_before_any_work(script, checked_arguments):
+    with pytest.raises(SCRIPTS[script].UsageError, match="--mesh_shape data=3,fsdp=3 has 9 devices but there are"):
+        checked_arguments(script, "--train_file", "train.txt", "--mesh_shape", "data=3,fsdp=3")
+
+
 def test_training_from_scratch_without_a_tokenizer_is_refused_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", str(tmp_path), "--train_file", "t.txt"])
     model_args, data_args, training_args, _ = run_clm_flax.parse_arguments()
