@@ -3293,10 +3293,10 @@ def to_global_batch(local_batch: dict, batch_sharding) -> dict:
 
 
 # Copied from run_clm_flax.prefetch
-def prefetch(iterator: Iterator, size: int = 2) -> Iterator:
-    """Run `iterator` in a background thread, `size` items ahead, so the host prepares the next batches
-    while the devices compute."""
-    items = queue.Queue(maxsize=size)
+def prefetch(iterator: Iterator) -> Iterator:
+    """Run `iterator` in a background thread, two items ahead, so the host prepares the next batches while the
+    devices compute."""
+    items = queue.Queue(maxsize=2)
     end = object()
 
     def produce():
