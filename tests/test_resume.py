@@ -210,6 +210,17 @@ def test_checkpoint_of_another_model_shape_is_refused(model_dir, uninterrupted_r
         run_main(monkeypatch, resume)
 
 
+def test_checkpoint_of_another_optimizer_is_refused(model_dir, uninterrupted_run, tmp_path, monkeypatch):
+    output_dir = tmp_path / "other-optimizer"
+    shutil.copytree(uninterrupted_run[0] / "checkpoints", output_dir / "checkpoints")
+    resume = arguments(model_dir, output_dir, "--adafactor", "--max_steps", "50", "--resume_from_checkpoint")
+    with pytest.raises(
+        run_clm_flax.UsageError,
+        match=r"does not fit this model \(optimizer state array .*\); resume with the optimizer settings it was",
+    ):
+        run_main(monkeypatch, resume)
+
+
 @pytest.mark.parametrize(
     "content, extra_arguments, message",
     [
