@@ -3555,15 +3555,16 @@ def restore_checkpoint(
         for candidate in steps:
             path = os.path.join(directory, str(candidate))
             try:
+                progress_args = ocp.args.Composite(progress=ocp.args.JsonRestore())
+                progress = manager.restore(candidate, args=progress_args).progress
+                if not isinstance(progress, dict) or any(key not in progress for key in progress_keys):
+                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
+                if progress["step"] != candidate:
+                    raise ValueError(f"its progress record is of step {progress['step']}")
                 check_checkpoint_fits(path, manager.item_metadata(candidate)["state"], abstract_state)
                 # The shapes fit: what fails from here on is the files, not the model.
-                state_args, progress_args = ocp.args.StandardRestore(abstract_state), ocp.args.JsonRestore()
-                items = manager.restore(candidate, args=ocp.args.Composite(state=state_args, progress=progress_args))
-                if not isinstance(items.progress, dict) or any(key not in items.progress for key in progress_keys):
-                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
-                if items.progress["step"] != candidate:
-                    raise ValueError(f"its progress record is of step {items.progress['step']}")
-                restored, reason = (items.state, items.progress, path), None
+                args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+                restored, reason = (manager.restore(candidate, args=args).state, progress, path), None
             except UsageError:
                 raise
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for damaged files
