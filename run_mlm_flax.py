@@ -110,17 +110,10 @@ class ModelArguments:
             "Without --config_name, a default roberta config is trained."
         },
     )
-    config_name: str | None = field(
-        default=None,
-        metadata={"help": "Config directory or hub name, if not the same as --model_name_or_path."},
-    )
-    tokenizer_name: str | None = field(
-        default=None,
-        metadata={"help": "Tokenizer directory or hub name, if not the same as --model_name_or_path."},
-    )
+    config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     cache_dir: str | None = field(
-        default=None,
-        metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."},
+        default=None, metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."}
     )
     dtype: str = field(
         default="float32",
@@ -368,10 +361,7 @@ class CommonTrainingArguments:
             "package), all (TensorBoard and the others installed) or none; several as a comma list."
         },
     )
-    save_steps: int = field(
-        default=500,
-        metadata={"help": "Save a training checkpoint and the model every this many steps."},
-    )
+    save_steps: int = field(default=500, metadata={"help": "Steps between saves of a checkpoint and the model."})
     save_total_limit: int = field(
         default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
     )
@@ -1066,24 +1056,21 @@ def from_hf_state_dict(state_dict, config):
 # Copied from run_clm_flax.read_safetensors_checkpoint
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
-    index_name, single_name = "model.safetensors.index.json", "model.safetensors"
-    if os.path.isdir(name_or_path):
+    import huggingface_hub
 
-        def fetch(filename):
+    def fetch(filename):
+        """The file's local path, or None where there is no such file."""
+        if os.path.isdir(name_or_path):
             path = os.path.join(name_or_path, filename)
             return path if os.path.isfile(path) else None
-    else:
-        import huggingface_hub
-
-        def fetch(filename):
-            try:
-                return huggingface_hub.hf_hub_download(
-                    name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
-                )
-            except huggingface_hub.errors.EntryNotFoundError:
-                return None
-            except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
-                raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
+        try:
+            return huggingface_hub.hf_hub_download(
+                name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+            )
+        except huggingface_hub.errors.EntryNotFoundError:
+            return None
+        except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
+            raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
 
     def read(path):
         try:
@@ -1092,6 +1079,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             reason = str(error).splitlines()[0]
             raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
 
+    index_name = "model.safetensors.index.json"
     if (index_path := fetch(index_name)) is not None:
         try:
             with open(index_path) as index_file:
@@ -1104,7 +1092,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
                 raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
             state_dict.update(read(shard_path))
         return state_dict
-    if (path := fetch(single_name)) is not None:
+    if (path := fetch("model.safetensors")) is not None:
         return read(path)
     if (pickle_path := fetch("pytorch_model.bin")) is None:
         raise UsageError(f"{name_or_path} has no model.safetensors")
