@@ -706,28 +706,14 @@ def check_model_config(config):
         )
 
 
-def embedding_init(stddev, padding_idx):
-    """Normal initializer that leaves the padding row at zero, as PyTorch's nn.Embedding(padding_idx=...) does."""
-
-    def init(key, shape, dtype=jnp.float32):
-        table = jax.random.normal(key, shape, dtype) * stddev
-        return table.at[padding_idx].set(0)
-
-    return init
-
-
 class RobertaModule(nn.Module):
-    """Base of every part of the model: the config, the two dtypes and factories for its layers.
-
-    `dtype` is the dtype of the computation (e.g. bfloat16), `param_dtype` the dtype the parameters are
-    stored in. Every parameter gets logical axis names so that a mesh can shard it. `remat_policy`, a
-    jax.checkpoint_policies name, makes the encoder recompute each layer in the backward pass.
-    """
+    """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
+    in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
 
     config: transformers.RobertaConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    remat_policy: str | None = None
+    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each layer in the backward pass
 
     def dense(self, features, kernel_axes, bias_axes, name):
         kernel_init = nn.initializers.normal(self.config.initializer_range)
@@ -750,16 +736,18 @@ class RobertaModule(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
         )
 
-    def embed(self, num_embeddings, axes, padding_idx=None, name=None):
-        stddev = self.config.initializer_range
-        init = nn.initializers.normal(stddev) if padding_idx is None else embedding_init(stddev, padding_idx)
+    def embed(self, num_embeddings, axes, padding_idx=None):
+        def init(key, shape, dtype):
+            # The padding row starts at zero, as in PyTorch's nn.Embedding(padding_idx=...).
+            table = nn.initializers.normal(self.config.initializer_range)(key, shape, dtype)
+            return table if padding_idx is None else table.at[padding_idx].set(0)
+
         return nn.Embed(
             num_embeddings,
             self.config.hidden_size,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             embedding_init=nn.with_logical_partitioning(init, axes),
-            name=name,
         )
 
     def child(self, module_class, name):
@@ -807,12 +795,9 @@ def attention_implementation(dtype) -> str | None:
     return None
 
 
-def attention_with_dropout(query, key, value, mask, dropout):
-    """Softmax attention with dropout on the attention probabilities, written out step by step.
-
-    query, key, value: (batch, seq, heads, head_dim); mask: (batch, 1, 1, seq) bool or None;
-    dropout: a callable applied to the (batch, heads, seq, seq) probabilities.
-    """
+def attention_with_dropout(query, key, value, mask, dropout: nn.Dropout):
+    """Attention written out, for training with dropout on the attention probabilities."""
+    # query, key, value: (batch, seq, heads, head_dim); mask: (batch, 1, 1, seq) bool or None
     scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
     scores = scores / np.sqrt(query.shape[-1])
     if mask is not None:
@@ -837,10 +822,8 @@ class RobertaSelfAttention(RobertaModule):
 
         query, key, value = project("query"), project("key"), project("value")
         if not deterministic and config.attention_probs_dropout_prob > 0:
-            # jax.nn.dot_product_attention cannot drop attention probabilities, so training with
-            # attention dropout takes the explicit path; evaluation and dropout-free training use the
-            # library function, the place where JAX plugs in fused attention kernels.
-            dropout = partial(nn.Dropout(config.attention_probs_dropout_prob), deterministic=False)
+            # jax.nn.dot_product_attention has no dropout on the attention probabilities, which RoBERTa trains with.
+            dropout = nn.Dropout(config.attention_probs_dropout_prob, deterministic=False)
             out = attention_with_dropout(query, key, value, mask, dropout)
         else:
             # Softmax runs in float32 inside, whatever the dtype of query and key. With cuDNN the padding
@@ -936,12 +919,7 @@ class RobertaLMHead(RobertaModule):
 
 class FlaxRobertaForMaskedLM(RobertaModule):
     """RoBERTa encoder with its masked-language-modelling head; returns float32 logits (batch, seq, vocab),
-    or (batch, predictions, vocab) at `masked_positions` only.
-
-    The parameter tree mirrors the PyTorch names of `transformers.RobertaForMaskedLM`
-    (see `hf_name`): e.g. params["roberta"]["encoder"]["layer_0"]["attention"]["self"]["query"]["kernel"]
-    is `roberta.encoder.layer.0.attention.self.query.weight`, transposed.
-    """
+    or (batch, predictions, vocab) at `masked_positions` only."""
 
     def setup(self):
         check_model_config(self.config)
@@ -977,72 +955,50 @@ IGNORED_HF_TENSORS = (
 IGNORED_HF_PREFIXES = ("roberta.pooler.",)
 
 
-def hf_name(path):
-    """PyTorch name of the Flax parameter at `path`, e.g. ("roberta", "encoder", "layer_0", ..., "kernel")."""
+def hf_name(path: tuple) -> str:
+    """('roberta', 'encoder', 'layer_3', 'intermediate', 'dense', 'kernel') -> PyTorch's name for it:
+    'roberta.encoder.layer.3.intermediate.dense.weight'."""
     *modules, leaf = path
     # "layer_3" is the Flax name of PyTorch's "layer.3"; "layer_norm" stays as it is.
     modules = [f"layer.{m[6:]}" if m.startswith("layer_") and m[6:].isdigit() else m for m in modules]
-    leaf = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(leaf, leaf)
-    return ".".join([*modules, leaf])
+    return ".".join([*modules, "weight" if leaf in ("kernel", "scale", "embedding") else leaf])
 
 
-def param_shapes(config):
-    """{flax path: shape} of the model's parameters in creation order, computed without allocating them."""
-    model = FlaxRobertaForMaskedLM(config)
-    paths = []
-
-    def init_flat():
-        params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-        flat = traverse_util.flatten_dict(params)  # Partitioned boxes are leaves here
-        # Recorded here because jax's tree functions (eval_shape, unbox) return dicts with sorted keys.
-        paths.extend(flat)
-        return [nn.meta.unbox(leaf) for leaf in flat.values()]
-
-    return {path: tuple(leaf.shape) for path, leaf in zip(paths, jax.eval_shape(init_flat))}
-
-
-def to_hf_state_dict(params, config):
-    """Unboxed Flax params -> {PyTorch name: float32 numpy array} for RobertaForMaskedLM's model.safetensors.
+def to_hf_state_dict(params) -> dict[str, np.ndarray]:
+    """Flax parameters as the PyTorch RobertaForMaskedLM state dict (float32 numpy, HF names and layouts).
 
     Dense kernels are (in, out) in Flax and (out, in) in PyTorch, so they are transposed. The tied
     lm_head.decoder tensors are left out, as save_pretrained does.
     """
-    flat_params = traverse_util.flatten_dict(params)
     state_dict = {}
-    for path, shape in param_shapes(config).items():
-        array = np.asarray(flat_params[path], dtype=np.float32)
-        if array.shape != shape:  # params are built from the config, so this is a bug, not a user's mistake
-            raise ValueError(f"parameter {'/'.join(path)} has shape {array.shape}, the config needs {shape}")
-        if path[-1] == "kernel":
-            array = array.T
-        state_dict[hf_name(path)] = np.ascontiguousarray(array)
+    for path, value in traverse_util.flatten_dict(params).items():
+        value = np.asarray(value, dtype=np.float32)
+        state_dict[hf_name(path)] = np.ascontiguousarray(value.T if path[-1] == "kernel" else value)
     return state_dict
 
 
 def from_hf_state_dict(state_dict, config):
-    """{PyTorch name: array} of a RobertaForMaskedLM checkpoint -> unboxed Flax params (float32 numpy).
+    """The inverse of to_hf_state_dict for a model of `config`.
 
     Accepts checkpoints with or without the tied lm_head.decoder tensors and the pooler. Raises
     UsageError naming the first tensor that is missing, unexpected or of the wrong shape for `config`.
     """
-    check_model_config(config)
-    expected = param_shapes(config)
+    model = FlaxRobertaForMaskedLM(config)
+    expected = traverse_util.flatten_dict(abstract_model_params(model, jnp.zeros((1, 1), jnp.int32)))
     flat_params = {}
-    for path, shape in expected.items():
+    for path, abstract in expected.items():
         name = hf_name(path)
         if name not in state_dict:
             raise UsageError(f"checkpoint has no tensor {name}; is it a RobertaForMaskedLM checkpoint?")
         array = np.asarray(state_dict[name], dtype=np.float32)
         is_kernel = path[-1] == "kernel"
-        needed_shape = shape[::-1] if is_kernel else shape  # in the PyTorch layout
+        needed_shape = abstract.shape[::-1] if is_kernel else abstract.shape  # in the PyTorch layout
         if array.shape != needed_shape:
             raise UsageError(
                 f"checkpoint tensor {name} has shape {array.shape} but the config needs "
                 f"{needed_shape}; pass the matching --config_name"
             )
-        if is_kernel:
-            array = array.T
-        flat_params[path] = np.ascontiguousarray(array)
+        flat_params[path] = np.ascontiguousarray(array.T if is_kernel else array)
     used_names = {hf_name(path) for path in expected}
     for name in state_dict:
         if name not in used_names and name not in IGNORED_HF_TENSORS and not name.startswith(IGNORED_HF_PREFIXES):
@@ -4028,7 +3984,7 @@ def save_model(output_dir: str, params, config, tokenizer):
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return
-    write_model_weights(output_dir, to_hf_state_dict(host_params, config))
+    write_model_weights(output_dir, to_hf_state_dict(host_params))
     config.architectures = ["RobertaForMaskedLM"]  # what AutoModelForMaskedLM and pipeline("fill-mask") build
     config.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
