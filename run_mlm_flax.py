@@ -1167,65 +1167,60 @@ def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[
     return new_state, {"grad_norm": grad_norm, "finite": finite}
 
 
+# Copied from run_clm_flax.accumulate_gradients
+def accumulate_gradients(loss_and_sums, params, batch, step_rng):
+    """Gradients of the loss summed over the micro-batches of `batch` (every array is (gradient_accumulation_steps,
+    micro_batch, ...)), and the metric sums summed too: `loss_and_sums(params, micro_batch, dropout_rng)` gives one
+    micro-batch's summed loss and its TRAIN_METRIC_SUMS."""
+    gradients = jax.value_and_grad(loss_and_sums, has_aux=True)
+    num_micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if num_micro_batches == 1:
+        (_, sums), grads = gradients(params, jax.tree_util.tree_map(lambda values: values[0], batch), step_rng)
+        return grads, sums
+
+    def accumulate(totals, index):
+        micro_batch = jax.tree_util.tree_map(lambda values: values[index], batch)
+        (_, sums), grads = gradients(params, micro_batch, jax.random.fold_in(step_rng, index))
+        return jax.tree_util.tree_map(jnp.add, totals, (grads, sums)), None
+
+    # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
+    zeros = (
+        jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), params),
+        dict.fromkeys(TRAIN_METRIC_SUMS, jnp.float32(0)),
+    )
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, jnp.arange(num_micro_batches))
+    return grads, sums
+
+
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
-    def micro_batch_gradients(params, batch, dropout_rng):
-        """Gradients of the summed loss of one micro-batch, with that sum, the correct predictions and the
-        number of predicted tokens."""
-
-        def loss_sum_fn(params):
-            logits = model.apply(
-                {"params": params},
-                batch["input_ids"],
-                batch["attention_mask"],
-                deterministic=False,
-                masked_positions=batch["masked_positions"],
-                rngs={"dropout": dropout_rng},
-            )
-            loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(
-                logits, batch["masked_labels"], batch["masked_weights"]
-            )
-            return loss_sum, (correct_sum, weight_sum)
-
-        (loss_sum, (correct_sum, weight_sum)), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
-        return grads, loss_sum, correct_sum, weight_sum
+    def loss_and_sums(params, micro_batch, dropout_rng):
+        logits = model.apply(
+            {"params": params},
+            micro_batch["input_ids"],
+            micro_batch["attention_mask"],
+            deterministic=False,
+            masked_positions=micro_batch["masked_positions"],
+            rngs={"dropout": dropout_rng},
+        )
+        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(
+            logits, micro_batch["masked_labels"], micro_batch["masked_weights"]
+        )
+        return loss_sum, {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     def train_step(state: TrainState, batch):
-        # Every array of the batch is (gradient_accumulation_steps, micro_batch, ...).
         # Dropout randomness depends only on the step, so a resumed run draws the same masks.
         step_rng = jax.random.fold_in(dropout_key, state.step)
-        if batch["input_ids"].shape[0] == 1:
-            micro_batch = jax.tree_util.tree_map(lambda values: values[0], batch)
-            grads, loss_sum, correct_sum, weight_sum = micro_batch_gradients(state.params, micro_batch, step_rng)
-        else:
-
-            def accumulate(totals, index):
-                micro_batch = jax.tree_util.tree_map(lambda values: values[index], batch)
-                sums = micro_batch_gradients(state.params, micro_batch, jax.random.fold_in(step_rng, index))
-                return jax.tree_util.tree_map(jnp.add, totals, sums), None
-
-            # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
-            zeros = (
-                jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), state.params),
-                *(jnp.float32(0),) * 3,
-            )
-            sums, _ = jax.lax.scan(accumulate, zeros, jnp.arange(batch["input_ids"].shape[0]))
-            grads, loss_sum, correct_sum, weight_sum = sums
+        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng)
         # The mean over every masked token of the whole batch, however it was split into micro-batches (a batch
         # with none leaves the gradients at 0), in the parameters' dtype: the float32 count would otherwise turn
         # bfloat16 gradients, and with them the optimizer state, into float32.
         grads = jax.tree_util.tree_map(
-            lambda grad, param: (grad / jnp.maximum(weight_sum, 1.0)).astype(param.dtype), grads, state.params
+            lambda grad, param: (grad / jnp.maximum(sums["weight_sum"], 1.0)).astype(param.dtype), grads, state.params
         )
-        new_state, update_metrics = apply_finite_update(state, grads, loss_sum, optimizer)
-        metrics = {
-            "loss_sum": loss_sum,
-            "correct_sum": correct_sum,
-            "weight_sum": weight_sum,
-            "learning_rate": schedule(state.step),
-        }
-        return new_state, metrics | update_metrics
+        new_state, update_metrics = apply_finite_update(state, grads, sums["loss_sum"], optimizer)
+        return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
 
     return train_step
 
