@@ -336,9 +336,7 @@ class CommonTrainingArguments:
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
-    max_steps: int = field(
-        default=-1, metadata={"help": "Number of optimizer steps; when positive it overrides --num_train_epochs."}
-    )
+    max_steps: int = field(default=-1, metadata={"help": "When positive, overrides --num_train_epochs."})
     warmup_steps: int = field(default=0, metadata={"help": "Steps of linear warm-up from 0 to the learning rate."})
     warmup_ratio: float = field(
         default=0.0, metadata={"help": "Warm-up as a fraction of all steps; used when --warmup_steps is 0."}
@@ -350,10 +348,8 @@ class CommonTrainingArguments:
             "choices": ["linear", "cosine", "constant"],
         },
     )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
-    )
-    logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm; 0: no clipping."})
+    logging_steps: int = field(default=500, metadata={"help": "Steps between log lines of the training loss."})
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"],
         metadata={
@@ -377,13 +373,9 @@ class CommonTrainingArguments:
     )
     skip_nonfinite_steps: bool = field(
         default=False,
-        metadata={
-            "help": "When the loss or gradient norm is not finite, skip that update and go on, instead of stopping."
-        },
+        metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
     )
-    eval_steps: int | None = field(
-        default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
-    )
+    eval_steps: int | None = field(default=None, metadata={"help": "Evaluate this often; default: --logging_steps."})
     seed: int = field(
         default=42,
         metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
@@ -406,9 +398,7 @@ class TrainingArguments(CommonTrainingArguments):
             "at the end of training. Default: the start of the first validation text, its middle word masked."
         },
     )
-    fill_mask_top_k: int = field(
-        default=5, metadata={"help": "Predictions shown by the fill-mask demo; 0 for no demo."}
-    )
+    fill_mask_top_k: int = field(default=5, metadata={"help": "Predictions shown by the fill-mask demo; 0 for none."})
 
 
 # Copied from run_clm_flax.DistributedArguments
