@@ -746,7 +746,7 @@ class RobertaModule(nn.Module):
 
 
 class RobertaEmbeddings(RobertaModule):
-    """Word + position + token type embeddings, then LayerNorm and dropout."""
+    """Word + position + token type embeddings (every token of type 0), then LayerNorm and dropout."""
 
     def setup(self):
         config = self.config
@@ -758,14 +758,13 @@ class RobertaEmbeddings(RobertaModule):
         self.LayerNorm = self.layer_norm("LayerNorm")
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def __call__(self, input_ids, token_type_ids, deterministic):
+    def __call__(self, input_ids, deterministic):
         # RoBERTa (after fairseq) numbers real tokens pad+1, pad+2, ... and gives padding the position
         # pad itself, so a sequence of length L needs max_position_embeddings >= L + pad + 1.
         pad = self.config.pad_token_id
         is_token = (input_ids != pad).astype(jnp.int32)
         position_ids = jnp.cumsum(is_token, axis=1) * is_token + pad
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
+        token_type_ids = jnp.zeros_like(input_ids)
         x = (
             self.word_embeddings(input_ids)
             + self.position_embeddings(position_ids)
@@ -881,11 +880,11 @@ class RobertaModel(RobertaModule):
         self.embeddings = self.child(RobertaEmbeddings, "embeddings")
         self.encoder = self.child(RobertaEncoder, "encoder")
 
-    def __call__(self, input_ids, attention_mask, token_type_ids, deterministic):
+    def __call__(self, input_ids, attention_mask, deterministic):
         mask = None
         if attention_mask is not None:
             mask = attention_mask[:, None, None, :].astype(bool)  # (batch, 1, 1, seq): True = may attend
-        x = self.embeddings(input_ids, token_type_ids, deterministic)
+        x = self.embeddings(input_ids, deterministic)
         return self.encoder(x, mask, deterministic)
 
 
@@ -916,10 +915,8 @@ class FlaxRobertaForMaskedLM(RobertaModule):
         self.roberta = self.child(RobertaModel, "roberta")
         self.lm_head = self.child(RobertaLMHead, "lm_head")
 
-    def __call__(
-        self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True, masked_positions=None
-    ):
-        hidden_states = self.roberta(input_ids, attention_mask, token_type_ids, deterministic)
+    def __call__(self, input_ids, attention_mask=None, deterministic: bool = True, masked_positions=None):
+        hidden_states = self.roberta(input_ids, attention_mask, deterministic)
         if masked_positions is not None:
             # masked_positions: (batch, predictions) int. Training predicts about 15% of the tokens, so running
             # the head (whose vocabulary projection is the largest matmul of a small model) only there saves
