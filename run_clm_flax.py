@@ -91,11 +91,7 @@ class ModelArguments:
         },
     )
     model_type: str = field(
-        default="gpt2",
-        metadata={
-            "help": "Taken as in the Hugging Face examples, where it must be the model this script trains: gpt2. "
-            "Without --config_name, a default gpt2 config is trained."
-        },
+        default="gpt2", metadata={"help": "Must be gpt2; without --config_name, its default config is trained."}
     )
     config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})

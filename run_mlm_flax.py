@@ -104,11 +104,7 @@ class ModelArguments:
         },
     )
     model_type: str = field(
-        default="roberta",
-        metadata={
-            "help": "Taken as in the Hugging Face examples, where it must be the model this script trains: roberta. "
-            "Without --config_name, a default roberta config is trained."
-        },
+        default="roberta", metadata={"help": "Must be roberta; without --config_name, its default config is trained."}
     )
     config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
@@ -741,7 +737,6 @@ class RobertaModule(nn.Module):
         )
 
     def child(self, module_class, name):
-        """A submodule that shares this module's config, dtypes and remat policy."""
         return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name)
 
 
