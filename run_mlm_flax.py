@@ -332,7 +332,9 @@ class CommonTrainingArguments:
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
-    max_steps: int = field(default=-1, metadata={"help": "When positive, overrides --num_train_epochs."})
+    max_steps: int = field(
+        default=-1, metadata={"help": "Steps to train; when positive, overrides --num_train_epochs."}
+    )
     warmup_steps: int = field(default=0, metadata={"help": "Steps of linear warm-up from 0 to the learning rate."})
     warmup_ratio: float = field(
         default=0.0, metadata={"help": "Warm-up as a fraction of all steps; used when --warmup_steps is 0."}
