@@ -216,32 +216,6 @@ ACTIVATIONS = {
 }
 
 
-# Copied from run_clm_flax.dense
-def dense(features: int, names: tuple, stddev: float, dtype, param_dtype, name: str) -> nn.Dense:
-    """A GPT-2 projection: weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the
-    checkpoint's Conv1D, with logical axis names for sharding."""
-    return nn.Dense(
-        features,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev), names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
-        dtype=dtype,
-        param_dtype=param_dtype,
-        name=name,
-    )
-
-
-# Copied from run_clm_flax.layer_norm
-def layer_norm(config, dtype, param_dtype, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=config.layer_norm_epsilon,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-        dtype=dtype,
-        param_dtype=param_dtype,
-        name=name,
-    )
-
-
 # Copied from run_clm_flax.KeyValueCache
 class KeyValueCache(flax.struct.PyTreeNode):
     """The keys and values of every layer for the tokens decoded so far, so that a new token costs one position.
@@ -266,12 +240,44 @@ class KeyValueCache(flax.struct.PyTreeNode):
         return cls(keys=zeros, values=zeros, mask=mask, index=jnp.zeros((), jnp.int32))
 
 
-# Copied from run_clm_flax.CausalSelfAttention
-class CausalSelfAttention(nn.Module):
+# Copied from run_clm_flax.GPT2Module
+class GPT2Module(nn.Module):
+    """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
+    in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
+
     config: GPT2Config
-    layer_index: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
+
+    def child(self, module_class, name: str | None, **fields):
+        return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name, **fields)
+
+    def dense(self, features: int, names: tuple, stddev: float, name: str) -> nn.Dense:
+        """Weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the checkpoint's Conv1D."""
+        return nn.Dense(
+            features,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev), names),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    def layer_norm(self, name: str | None) -> nn.LayerNorm:
+        return nn.LayerNorm(
+            epsilon=self.config.layer_norm_epsilon,
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+
+# Copied from run_clm_flax.CausalSelfAttention
+class CausalSelfAttention(GPT2Module):
+    layer_index: int = 0
 
     @nn.compact
     def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
@@ -281,7 +287,7 @@ class CausalSelfAttention(nn.Module):
         head_dim = width // config.n_head
         residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
 
-        qkv = dense(3 * width, ("embed", "heads"), config.initializer_range, self.dtype, self.param_dtype, "c_attn")(x)
+        qkv = self.dense(3 * width, ("embed", "heads"), config.initializer_range, "c_attn")(x)
         query, key, value = (t.reshape(batch, length, config.n_head, head_dim) for t in jnp.split(qkv, 3, axis=-1))
         scale = 1 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
@@ -296,9 +302,8 @@ class CausalSelfAttention(nn.Module):
             )
         else:
             # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
-            y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop), deterministic)
-        y = y.reshape(batch, length, width)
-        y = dense(width, ("heads", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(y)
+            y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop, deterministic=False))
+        y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
 
 
@@ -314,14 +319,14 @@ def attention_implementation(dtype) -> str | None:
 
 
 # Copied from run_clm_flax.attention_with_dropout
-def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, deterministic: bool):
+def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout):
     """Causal attention written out, for training with dropout on the attention weights."""
     # query, key, value: (batch, length, heads, head_dim)
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
     length = query.shape[1]
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
     weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    weights = dropout(weights, deterministic).astype(value.dtype)
+    weights = dropout(weights).astype(value.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
 
 
@@ -343,74 +348,54 @@ def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index
 
 
 # Copied from run_clm_flax.MLP
-class MLP(nn.Module):
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
+class MLP(GPT2Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         config = self.config
         inner = config.n_inner or 4 * config.n_embd
         residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
-        x = dense(inner, ("embed", "mlp"), config.initializer_range, self.dtype, self.param_dtype, "c_fc")(x)
+        x = self.dense(inner, ("embed", "mlp"), config.initializer_range, "c_fc")(x)
         x = ACTIVATIONS[config.activation_function](x)
-        x = dense(config.n_embd, ("mlp", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(x)
+        x = self.dense(config.n_embd, ("mlp", "embed"), residual_stddev, "c_proj")(x)
         return nn.Dropout(config.resid_pdrop)(x, deterministic)
 
 
 # Copied from run_clm_flax.Block
-class Block(nn.Module):
+class Block(GPT2Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    config: GPT2Config
-    layer_index: int
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    layer_index: int = 0
 
     @nn.compact
     def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
-        config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        attention, layer_cache = CausalSelfAttention(config, self.layer_index, **dtypes, name="attn")(
-            layer_norm(config, **dtypes, name="ln_1")(x), deterministic, cache
-        )
-        x = x + attention
-        x = x + MLP(config, **dtypes, name="mlp")(layer_norm(config, **dtypes, name="ln_2")(x), deterministic)
+        attention = self.child(CausalSelfAttention, "attn", layer_index=self.layer_index)
+        y, layer_cache = attention(self.layer_norm("ln_1")(x), deterministic, cache)
+        x = x + y
+        x = x + self.child(MLP, "mlp")(self.layer_norm("ln_2")(x), deterministic)
         return x, layer_cache
 
 
 # Copied from run_clm_flax.GPT2Model
-class GPT2Model(nn.Module):
+class GPT2Model(GPT2Module):
     """Embeddings, the blocks and the final LayerNorm; `attend` reuses the token embedding as output layer."""
 
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
-
     def setup(self):
-        config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        embedding_init = nn.initializers.normal(config.initializer_range)
-        self.wte = nn.Embed(
-            config.vocab_size,
-            config.n_embd,
-            embedding_init=nn.with_logical_partitioning(embedding_init, ("vocab", "embed")),
-            **dtypes,
-        )
-        self.wpe = nn.Embed(
-            config.n_positions,
-            config.n_embd,
-            embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")),
-            **dtypes,
-        )
+        config = self.config
+
+        def embed(rows: int, names: tuple) -> nn.Embed:
+            init = nn.with_logical_partitioning(nn.initializers.normal(config.initializer_range), names)
+            return nn.Embed(rows, config.n_embd, embedding_init=init, dtype=self.dtype, param_dtype=self.param_dtype)
+
+        self.wte = embed(config.vocab_size, ("vocab", "embed"))
+        self.wpe = embed(config.n_positions, ("positions", "embed"))
         self.dropout = nn.Dropout(config.embd_pdrop)
         block = Block
         if self.remat_policy:
             # Argument 2 (deterministic) is a Python bool that selects code, not an array.
             block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(2,))
         # A list attribute names its modules h_0, h_1, ...: the checkpoint's h.0, h.1, ...
-        self.h = [block(config, index, **dtypes) for index in range(config.n_layer)]
-        self.ln_f = layer_norm(config, **dtypes, name=None)
+        self.h = [self.child(block, None, layer_index=index) for index in range(config.n_layer)]
+        self.ln_f = self.layer_norm(None)
 
     def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None):
         # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
@@ -441,21 +426,16 @@ class GPT2Model(nn.Module):
 
 
 # Copied from run_clm_flax.FlaxGPT2LMHeadModel
-class FlaxGPT2LMHeadModel(nn.Module):
+class FlaxGPT2LMHeadModel(GPT2Module):
     """GPT-2 with its language-model head; returns float32 logits (batch, length, vocab_size).
 
     Given a KeyValueCache (decoding), the input is the tokens that follow the cached ones, and the result is
     (logits, the cache with them added).
     """
 
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    remat_policy: str | None = None
-
     @nn.compact
     def __call__(self, input_ids, deterministic: bool = True, cache: KeyValueCache | None = None):
-        transformer = GPT2Model(self.config, self.dtype, self.param_dtype, self.remat_policy, name="transformer")
+        transformer = self.child(GPT2Model, "transformer")
         hidden, cache = transformer(input_ids, deterministic, cache)
         if self.config.tie_word_embeddings:
             logits = transformer.attend(hidden)
@@ -523,24 +503,21 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
 # Copied from run_clm_flax.read_safetensors_checkpoint
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
-    index_name, single_name = "model.safetensors.index.json", "model.safetensors"
-    if os.path.isdir(name_or_path):
+    import huggingface_hub
 
-        def fetch(filename):
+    def fetch(filename):
+        """The file's local path, or None where there is no such file."""
+        if os.path.isdir(name_or_path):
             path = os.path.join(name_or_path, filename)
             return path if os.path.isfile(path) else None
-    else:
-        import huggingface_hub
-
-        def fetch(filename):
-            try:
-                return huggingface_hub.hf_hub_download(
-                    name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
-                )
-            except huggingface_hub.errors.EntryNotFoundError:
-                return None
-            except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
-                raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
+        try:
+            return huggingface_hub.hf_hub_download(
+                name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+            )
+        except huggingface_hub.errors.EntryNotFoundError:
+            return None
+        except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
+            raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
 
     def read(path):
         try:
@@ -549,6 +526,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             reason = str(error).splitlines()[0]
             raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
 
+    index_name = "model.safetensors.index.json"
     if (index_path := fetch(index_name)) is not None:
         try:
             with open(index_path) as index_file:
@@ -561,7 +539,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
                 raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
             state_dict.update(read(shard_path))
         return state_dict
-    if (path := fetch(single_name)) is not None:
+    if (path := fetch("model.safetensors")) is not None:
         return read(path)
     if (pickle_path := fetch("pytorch_model.bin")) is None:
         raise UsageError(f"{name_or_path} has no model.safetensors")

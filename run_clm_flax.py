@@ -91,23 +91,12 @@ class ModelArguments:
         },
     )
     model_type: str = field(
-        default="gpt2",
-        metadata={
-            "help": "Taken as in the Hugging Face examples, where it must be the model this script trains: gpt2. "
-            "Without --config_name, a default gpt2 config is trained."
-        },
+        default="gpt2", metadata={"help": "Must be gpt2; without --config_name, its default config is trained."}
     )
-    config_name: str | None = field(
-        default=None,
-        metadata={"help": "Config directory or hub name, if not the same as --model_name_or_path."},
-    )
-    tokenizer_name: str | None = field(
-        default=None,
-        metadata={"help": "Tokenizer directory or hub name, if not the same as --model_name_or_path."},
-    )
+    config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     cache_dir: str | None = field(
-        default=None,
-        metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."},
+        default=None, metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."}
     )
     dtype: str = field(
         default="float32",
@@ -307,7 +296,7 @@ class CommonTrainingArguments:
     adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
     max_steps: int = field(
-        default=-1, metadata={"help": "Number of optimizer steps; when positive it overrides --num_train_epochs."}
+        default=-1, metadata={"help": "Steps to train; when positive, overrides --num_train_epochs."}
     )
     warmup_steps: int = field(default=0, metadata={"help": "Steps of linear warm-up from 0 to the learning rate."})
     warmup_ratio: float = field(
@@ -320,10 +309,8 @@ class CommonTrainingArguments:
             "choices": ["linear", "cosine", "constant"],
         },
     )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
-    )
-    logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm; 0: no clipping."})
+    logging_steps: int = field(default=500, metadata={"help": "Steps between log lines of the training loss."})
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"],
         metadata={
@@ -331,10 +318,7 @@ class CommonTrainingArguments:
             "package), all (TensorBoard and the others installed) or none; several as a comma list."
         },
     )
-    save_steps: int = field(
-        default=500,
-        metadata={"help": "Save a training checkpoint and the model every this many steps."},
-    )
+    save_steps: int = field(default=500, metadata={"help": "Steps between saves of a checkpoint and the model."})
     save_total_limit: int = field(
         default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
     )
@@ -350,13 +334,9 @@ class CommonTrainingArguments:
     )
     skip_nonfinite_steps: bool = field(
         default=False,
-        metadata={
-            "help": "When the loss or gradient norm is not finite, skip that update and go on, instead of stopping."
-        },
+        metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
     )
-    eval_steps: int | None = field(
-        default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
-    )
+    eval_steps: int | None = field(default=None, metadata={"help": "Evaluate this often; default: --logging_steps."})
     seed: int = field(
         default=42,
         metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
@@ -380,9 +360,7 @@ class TrainingArguments(CommonTrainingArguments):
             "action": "extend",
         },
     )
-    sample_tokens: int = field(
-        default=40, metadata={"help": "Tokens sampled after each --sample_prompt; 0 for no samples."}
-    )
+    sample_tokens: int = field(default=40, metadata={"help": "Tokens sampled after each prompt; 0 for no samples."})
 
 
 @dataclass
@@ -641,30 +619,6 @@ def check_gpt2_config(config):
         raise UsageError("add_cross_attention is not supported by this script; set it to false in the config")
 
 
-def dense(features: int, names: tuple, stddev: float, dtype, param_dtype, name: str) -> nn.Dense:
-    """A GPT-2 projection: weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the
-    checkpoint's Conv1D, with logical axis names for sharding."""
-    return nn.Dense(
-        features,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev), names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
-        dtype=dtype,
-        param_dtype=param_dtype,
-        name=name,
-    )
-
-
-def layer_norm(config, dtype, param_dtype, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=config.layer_norm_epsilon,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-        dtype=dtype,
-        param_dtype=param_dtype,
-        name=name,
-    )
-
-
 class KeyValueCache(flax.struct.PyTreeNode):
     """The keys and values of every layer for the tokens decoded so far, so that a new token costs one position.
 
@@ -688,11 +642,42 @@ class KeyValueCache(flax.struct.PyTreeNode):
         return cls(keys=zeros, values=zeros, mask=mask, index=jnp.zeros((), jnp.int32))
 
 
-class CausalSelfAttention(nn.Module):
+class GPT2Module(nn.Module):
+    """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
+    in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
+
     config: GPT2Config
-    layer_index: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
+
+    def child(self, module_class, name: str | None, **fields):
+        return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name, **fields)
+
+    def dense(self, features: int, names: tuple, stddev: float, name: str) -> nn.Dense:
+        """Weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the checkpoint's Conv1D."""
+        return nn.Dense(
+            features,
+            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev), names),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+    def layer_norm(self, name: str | None) -> nn.LayerNorm:
+        return nn.LayerNorm(
+            epsilon=self.config.layer_norm_epsilon,
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
+
+class CausalSelfAttention(GPT2Module):
+    layer_index: int = 0
 
     @nn.compact
     def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
@@ -702,7 +687,7 @@ class CausalSelfAttention(nn.Module):
         head_dim = width // config.n_head
         residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
 
-        qkv = dense(3 * width, ("embed", "heads"), config.initializer_range, self.dtype, self.param_dtype, "c_attn")(x)
+        qkv = self.dense(3 * width, ("embed", "heads"), config.initializer_range, "c_attn")(x)
         query, key, value = (t.reshape(batch, length, config.n_head, head_dim) for t in jnp.split(qkv, 3, axis=-1))
         scale = 1 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
@@ -717,9 +702,8 @@ class CausalSelfAttention(nn.Module):
             )
         else:
             # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
-            y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop), deterministic)
-        y = y.reshape(batch, length, width)
-        y = dense(width, ("heads", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(y)
+            y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop, deterministic=False))
+        y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
 
 
@@ -733,14 +717,14 @@ def attention_implementation(dtype) -> str | None:
     return None
 
 
-def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, deterministic: bool):
+def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout):
     """Causal attention written out, for training with dropout on the attention weights."""
     # query, key, value: (batch, length, heads, head_dim)
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
     length = query.shape[1]
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
     weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    weights = dropout(weights, deterministic).astype(value.dtype)
+    weights = dropout(weights).astype(value.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
 
 
@@ -760,72 +744,52 @@ def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index
     return y, (keys, values)
 
 
-class MLP(nn.Module):
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
+class MLP(GPT2Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         config = self.config
         inner = config.n_inner or 4 * config.n_embd
         residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
-        x = dense(inner, ("embed", "mlp"), config.initializer_range, self.dtype, self.param_dtype, "c_fc")(x)
+        x = self.dense(inner, ("embed", "mlp"), config.initializer_range, "c_fc")(x)
         x = ACTIVATIONS[config.activation_function](x)
-        x = dense(config.n_embd, ("mlp", "embed"), residual_stddev, self.dtype, self.param_dtype, "c_proj")(x)
+        x = self.dense(config.n_embd, ("mlp", "embed"), residual_stddev, "c_proj")(x)
         return nn.Dropout(config.resid_pdrop)(x, deterministic)
 
 
-class Block(nn.Module):
+class Block(GPT2Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    config: GPT2Config
-    layer_index: int
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    layer_index: int = 0
 
     @nn.compact
     def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
-        config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        attention, layer_cache = CausalSelfAttention(config, self.layer_index, **dtypes, name="attn")(
-            layer_norm(config, **dtypes, name="ln_1")(x), deterministic, cache
-        )
-        x = x + attention
-        x = x + MLP(config, **dtypes, name="mlp")(layer_norm(config, **dtypes, name="ln_2")(x), deterministic)
+        attention = self.child(CausalSelfAttention, "attn", layer_index=self.layer_index)
+        y, layer_cache = attention(self.layer_norm("ln_1")(x), deterministic, cache)
+        x = x + y
+        x = x + self.child(MLP, "mlp")(self.layer_norm("ln_2")(x), deterministic)
         return x, layer_cache
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(GPT2Module):
     """Embeddings, the blocks and the final LayerNorm; `attend` reuses the token embedding as output layer."""
 
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
-
     def setup(self):
-        config, dtypes = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        embedding_init = nn.initializers.normal(config.initializer_range)
-        self.wte = nn.Embed(
-            config.vocab_size,
-            config.n_embd,
-            embedding_init=nn.with_logical_partitioning(embedding_init, ("vocab", "embed")),
-            **dtypes,
-        )
-        self.wpe = nn.Embed(
-            config.n_positions,
-            config.n_embd,
-            embedding_init=nn.with_logical_partitioning(embedding_init, ("positions", "embed")),
-            **dtypes,
-        )
+        config = self.config
+
+        def embed(rows: int, names: tuple) -> nn.Embed:
+            init = nn.with_logical_partitioning(nn.initializers.normal(config.initializer_range), names)
+            return nn.Embed(rows, config.n_embd, embedding_init=init, dtype=self.dtype, param_dtype=self.param_dtype)
+
+        self.wte = embed(config.vocab_size, ("vocab", "embed"))
+        self.wpe = embed(config.n_positions, ("positions", "embed"))
         self.dropout = nn.Dropout(config.embd_pdrop)
         block = Block
         if self.remat_policy:
             # Argument 2 (deterministic) is a Python bool that selects code, not an array.
             block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(2,))
         # A list attribute names its modules h_0, h_1, ...: the checkpoint's h.0, h.1, ...
-        self.h = [block(config, index, **dtypes) for index in range(config.n_layer)]
-        self.ln_f = layer_norm(config, **dtypes, name=None)
+        self.h = [self.child(block, None, layer_index=index) for index in range(config.n_layer)]
+        self.ln_f = self.layer_norm(None)
 
     def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None):
         # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
@@ -855,21 +819,16 @@ class GPT2Model(nn.Module):
         return logits.reshape(batch, length, -1)
 
 
-class FlaxGPT2LMHeadModel(nn.Module):
+class FlaxGPT2LMHeadModel(GPT2Module):
     """GPT-2 with its language-model head; returns float32 logits (batch, length, vocab_size).
 
     Given a KeyValueCache (decoding), the input is the tokens that follow the cached ones, and the result is
     (logits, the cache with them added).
     """
 
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    remat_policy: str | None = None
-
     @nn.compact
     def __call__(self, input_ids, deterministic: bool = True, cache: KeyValueCache | None = None):
-        transformer = GPT2Model(self.config, self.dtype, self.param_dtype, self.remat_policy, name="transformer")
+        transformer = self.child(GPT2Model, "transformer")
         hidden, cache = transformer(input_ids, deterministic, cache)
         if self.config.tie_word_embeddings:
             logits = transformer.attend(hidden)
@@ -947,24 +906,21 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
 
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
-    index_name, single_name = "model.safetensors.index.json", "model.safetensors"
-    if os.path.isdir(name_or_path):
+    import huggingface_hub
 
-        def fetch(filename):
+    def fetch(filename):
+        """The file's local path, or None where there is no such file."""
+        if os.path.isdir(name_or_path):
             path = os.path.join(name_or_path, filename)
             return path if os.path.isfile(path) else None
-    else:
-        import huggingface_hub
-
-        def fetch(filename):
-            try:
-                return huggingface_hub.hf_hub_download(
-                    name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
-                )
-            except huggingface_hub.errors.EntryNotFoundError:
-                return None
-            except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
-                raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
+        try:
+            return huggingface_hub.hf_hub_download(
+                name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+            )
+        except huggingface_hub.errors.EntryNotFoundError:
+            return None
+        except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
+            raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
 
     def read(path):
         try:
@@ -973,6 +929,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             reason = str(error).splitlines()[0]
             raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
 
+    index_name = "model.safetensors.index.json"
     if (index_path := fetch(index_name)) is not None:
         try:
             with open(index_path) as index_file:
@@ -985,7 +942,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
                 raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
             state_dict.update(read(shard_path))
         return state_dict
-    if (path := fetch(single_name)) is not None:
+    if (path := fetch("model.safetensors")) is not None:
         return read(path)
     if (pickle_path := fetch("pytorch_model.bin")) is None:
         raise UsageError(f"{name_or_path} has no model.safetensors")
@@ -1098,50 +1055,51 @@ def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[
     return new_state, {"grad_norm": grad_norm, "finite": finite}
 
 
+def accumulate_gradients(loss_and_sums, params, batch, step_rng):
+    """Gradients of the loss summed over the micro-batches of `batch` (every array is (gradient_accumulation_steps,
+    micro_batch, ...)), and the metric sums summed too: `loss_and_sums(params, micro_batch, dropout_rng)` gives one
+    micro-batch's summed loss and its TRAIN_METRIC_SUMS."""
+    gradients = jax.value_and_grad(loss_and_sums, has_aux=True)
+    num_micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if num_micro_batches == 1:
+        (_, sums), grads = gradients(params, jax.tree_util.tree_map(lambda values: values[0], batch), step_rng)
+        return grads, sums
+
+    def accumulate(totals, index):
+        micro_batch = jax.tree_util.tree_map(lambda values: values[index], batch)
+        (_, sums), grads = gradients(params, micro_batch, jax.random.fold_in(step_rng, index))
+        return jax.tree_util.tree_map(jnp.add, totals, (grads, sums)), None
+
+    # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
+    zeros = (
+        jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), params),
+        dict.fromkeys(TRAIN_METRIC_SUMS, jnp.float32(0)),
+    )
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, jnp.arange(num_micro_batches))
+    return grads, sums
+
+
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
-    def micro_batch_gradients(params, input_ids, dropout_rng):
-        """Gradients of the summed loss of one micro-batch, with that sum and its token count."""
-
-        def loss_sum_fn(params):
-            logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
-            return causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
-
-        (loss_sum, token_count), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
-        return grads, loss_sum, token_count
+    def loss_and_sums(params, micro_batch, dropout_rng):
+        input_ids = micro_batch["input_ids"]
+        logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
+        loss_sum, token_count = causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
+        return loss_sum, {"loss_sum": loss_sum, "token_count": token_count}
 
     def train_step(state: TrainState, batch):
-        # batch["input_ids"]: (gradient_accumulation_steps, micro_batch, length)
         # Dropout randomness depends only on the step, so a resumed run draws the same masks.
         step_rng = jax.random.fold_in(dropout_key, state.step)
-        micro_batches = batch["input_ids"]
-        if micro_batches.shape[0] == 1:
-            grads, loss_sum, token_count = micro_batch_gradients(state.params, micro_batches[0], step_rng)
-        else:
-
-            def accumulate(totals, index):
-                grads, loss_sum, token_count = micro_batch_gradients(
-                    state.params, micro_batches[index], jax.random.fold_in(step_rng, index)
-                )
-                return jax.tree_util.tree_map(jnp.add, totals, (grads, loss_sum, token_count)), None
-
-            # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
-            zeros = (
-                jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), state.params),
-                jnp.float32(0),
-                jnp.float32(0),
-            )
-            (grads, loss_sum, token_count), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches.shape[0]))
+        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng)
         # The mean over every predicted token of the whole batch, however it was split into micro-batches, in
         # the parameters' dtype: the float32 count would otherwise turn bfloat16 gradients, and with them the
         # optimizer state, into float32.
         grads = jax.tree_util.tree_map(
-            lambda grad, param: (grad / token_count).astype(param.dtype), grads, state.params
+            lambda grad, param: (grad / sums["token_count"]).astype(param.dtype), grads, state.params
         )
-        new_state, update_metrics = apply_finite_update(state, grads, loss_sum, optimizer)
-        metrics = {"loss_sum": loss_sum, "token_count": token_count, "learning_rate": schedule(state.step)}
-        return new_state, metrics | update_metrics
+        new_state, update_metrics = apply_finite_update(state, grads, sums["loss_sum"], optimizer)
+        return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
 
     return train_step
 

@@ -104,23 +104,12 @@ class ModelArguments:
         },
     )
     model_type: str = field(
-        default="roberta",
-        metadata={
-            "help": "Taken as in the Hugging Face examples, where it must be the model this script trains: roberta. "
-            "Without --config_name, a default roberta config is trained."
-        },
+        default="roberta", metadata={"help": "Must be roberta; without --config_name, its default config is trained."}
     )
-    config_name: str | None = field(
-        default=None,
-        metadata={"help": "Config directory or hub name, if not the same as --model_name_or_path."},
-    )
-    tokenizer_name: str | None = field(
-        default=None,
-        metadata={"help": "Tokenizer directory or hub name, if not the same as --model_name_or_path."},
-    )
+    config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     cache_dir: str | None = field(
-        default=None,
-        metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."},
+        default=None, metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."}
     )
     dtype: str = field(
         default="float32",
@@ -344,7 +333,7 @@ class CommonTrainingArguments:
     adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
     max_steps: int = field(
-        default=-1, metadata={"help": "Number of optimizer steps; when positive it overrides --num_train_epochs."}
+        default=-1, metadata={"help": "Steps to train; when positive, overrides --num_train_epochs."}
     )
     warmup_steps: int = field(default=0, metadata={"help": "Steps of linear warm-up from 0 to the learning rate."})
     warmup_ratio: float = field(
@@ -357,10 +346,8 @@ class CommonTrainingArguments:
             "choices": ["linear", "cosine", "constant"],
         },
     )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Clip gradients to this global norm; 0 turns clipping off."}
-    )
-    logging_steps: int = field(default=500, metadata={"help": "Log the training loss every this many steps."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm; 0: no clipping."})
+    logging_steps: int = field(default=500, metadata={"help": "Steps between log lines of the training loss."})
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"],
         metadata={
@@ -368,10 +355,7 @@ class CommonTrainingArguments:
             "package), all (TensorBoard and the others installed) or none; several as a comma list."
         },
     )
-    save_steps: int = field(
-        default=500,
-        metadata={"help": "Save a training checkpoint and the model every this many steps."},
-    )
+    save_steps: int = field(default=500, metadata={"help": "Steps between saves of a checkpoint and the model."})
     save_total_limit: int = field(
         default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
     )
@@ -387,13 +371,9 @@ class CommonTrainingArguments:
     )
     skip_nonfinite_steps: bool = field(
         default=False,
-        metadata={
-            "help": "When the loss or gradient norm is not finite, skip that update and go on, instead of stopping."
-        },
+        metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
     )
-    eval_steps: int | None = field(
-        default=None, metadata={"help": "Evaluate every this many steps; defaults to --logging_steps."}
-    )
+    eval_steps: int | None = field(default=None, metadata={"help": "Evaluate this often; default: --logging_steps."})
     seed: int = field(
         default=42,
         metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
@@ -416,9 +396,7 @@ class TrainingArguments(CommonTrainingArguments):
             "at the end of training. Default: the start of the first validation text, its middle word masked."
         },
     )
-    fill_mask_top_k: int = field(
-        default=5, metadata={"help": "Predictions shown by the fill-mask demo; 0 for no demo."}
-    )
+    fill_mask_top_k: int = field(default=5, metadata={"help": "Predictions shown by the fill-mask demo; 0 for none."})
 
 
 # Copied from run_clm_flax.DistributedArguments
@@ -717,28 +695,14 @@ def check_model_config(config):
         )
 
 
-def embedding_init(stddev, padding_idx):
-    """Normal initializer that leaves the padding row at zero, as PyTorch's nn.Embedding(padding_idx=...) does."""
-
-    def init(key, shape, dtype=jnp.float32):
-        table = jax.random.normal(key, shape, dtype) * stddev
-        return table.at[padding_idx].set(0)
-
-    return init
-
-
 class RobertaModule(nn.Module):
-    """Base of every part of the model: the config, the two dtypes and factories for its layers.
-
-    `dtype` is the dtype of the computation (e.g. bfloat16), `param_dtype` the dtype the parameters are
-    stored in. Every parameter gets logical axis names so that a mesh can shard it. `remat_policy`, a
-    jax.checkpoint_policies name, makes the encoder recompute each layer in the backward pass.
-    """
+    """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
+    in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
 
     config: transformers.RobertaConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    remat_policy: str | None = None
+    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each layer in the backward pass
 
     def dense(self, features, kernel_axes, bias_axes, name):
         kernel_init = nn.initializers.normal(self.config.initializer_range)
@@ -761,25 +725,26 @@ class RobertaModule(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
         )
 
-    def embed(self, num_embeddings, axes, padding_idx=None, name=None):
-        stddev = self.config.initializer_range
-        init = nn.initializers.normal(stddev) if padding_idx is None else embedding_init(stddev, padding_idx)
+    def embed(self, num_embeddings, axes, padding_idx=None):
+        def init(key, shape, dtype):
+            # The padding row starts at zero, as in PyTorch's nn.Embedding(padding_idx=...).
+            table = nn.initializers.normal(self.config.initializer_range)(key, shape, dtype)
+            return table if padding_idx is None else table.at[padding_idx].set(0)
+
         return nn.Embed(
             num_embeddings,
             self.config.hidden_size,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             embedding_init=nn.with_logical_partitioning(init, axes),
-            name=name,
         )
 
     def child(self, module_class, name):
-        """A submodule that shares this module's config, dtypes and remat policy."""
         return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name)
 
 
 class RobertaEmbeddings(RobertaModule):
-    """Word + position + token type embeddings, then LayerNorm and dropout."""
+    """Word + position + token type embeddings (every token of type 0), then LayerNorm and dropout."""
 
     def setup(self):
         config = self.config
@@ -791,14 +756,13 @@ class RobertaEmbeddings(RobertaModule):
         self.LayerNorm = self.layer_norm("LayerNorm")
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def __call__(self, input_ids, token_type_ids, deterministic):
+    def __call__(self, input_ids, deterministic):
         # RoBERTa (after fairseq) numbers real tokens pad+1, pad+2, ... and gives padding the position
         # pad itself, so a sequence of length L needs max_position_embeddings >= L + pad + 1.
         pad = self.config.pad_token_id
         is_token = (input_ids != pad).astype(jnp.int32)
         position_ids = jnp.cumsum(is_token, axis=1) * is_token + pad
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
+        token_type_ids = jnp.zeros_like(input_ids)
         x = (
             self.word_embeddings(input_ids)
             + self.position_embeddings(position_ids)
@@ -818,12 +782,9 @@ def attention_implementation(dtype) -> str | None:
     return None
 
 
-def attention_with_dropout(query, key, value, mask, dropout):
-    """Softmax attention with dropout on the attention probabilities, written out step by step.
-
-    query, key, value: (batch, seq, heads, head_dim); mask: (batch, 1, 1, seq) bool or None;
-    dropout: a callable applied to the (batch, heads, seq, seq) probabilities.
-    """
+def attention_with_dropout(query, key, value, mask, dropout: nn.Dropout):
+    """Attention written out, for training with dropout on the attention probabilities."""
+    # query, key, value: (batch, seq, heads, head_dim); mask: (batch, 1, 1, seq) bool or None
     scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
     scores = scores / np.sqrt(query.shape[-1])
     if mask is not None:
@@ -848,10 +809,8 @@ class RobertaSelfAttention(RobertaModule):
 
         query, key, value = project("query"), project("key"), project("value")
         if not deterministic and config.attention_probs_dropout_prob > 0:
-            # jax.nn.dot_product_attention cannot drop attention probabilities, so training with
-            # attention dropout takes the explicit path; evaluation and dropout-free training use the
-            # library function, the place where JAX plugs in fused attention kernels.
-            dropout = partial(nn.Dropout(config.attention_probs_dropout_prob), deterministic=False)
+            # jax.nn.dot_product_attention has no dropout on the attention probabilities, which RoBERTa trains with.
+            dropout = nn.Dropout(config.attention_probs_dropout_prob, deterministic=False)
             out = attention_with_dropout(query, key, value, mask, dropout)
         else:
             # Softmax runs in float32 inside, whatever the dtype of query and key. With cuDNN the padding
@@ -919,11 +878,11 @@ class RobertaModel(RobertaModule):
         self.embeddings = self.child(RobertaEmbeddings, "embeddings")
         self.encoder = self.child(RobertaEncoder, "encoder")
 
-    def __call__(self, input_ids, attention_mask, token_type_ids, deterministic):
+    def __call__(self, input_ids, attention_mask, deterministic):
         mask = None
         if attention_mask is not None:
             mask = attention_mask[:, None, None, :].astype(bool)  # (batch, 1, 1, seq): True = may attend
-        x = self.embeddings(input_ids, token_type_ids, deterministic)
+        x = self.embeddings(input_ids, deterministic)
         return self.encoder(x, mask, deterministic)
 
 
@@ -947,22 +906,15 @@ class RobertaLMHead(RobertaModule):
 
 class FlaxRobertaForMaskedLM(RobertaModule):
     """RoBERTa encoder with its masked-language-modelling head; returns float32 logits (batch, seq, vocab),
-    or (batch, predictions, vocab) at `masked_positions` only.
-
-    The parameter tree mirrors the PyTorch names of `transformers.RobertaForMaskedLM`
-    (see `hf_name`): e.g. params["roberta"]["encoder"]["layer_0"]["attention"]["self"]["query"]["kernel"]
-    is `roberta.encoder.layer.0.attention.self.query.weight`, transposed.
-    """
+    or (batch, predictions, vocab) at `masked_positions` only."""
 
     def setup(self):
         check_model_config(self.config)
         self.roberta = self.child(RobertaModel, "roberta")
         self.lm_head = self.child(RobertaLMHead, "lm_head")
 
-    def __call__(
-        self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True, masked_positions=None
-    ):
-        hidden_states = self.roberta(input_ids, attention_mask, token_type_ids, deterministic)
+    def __call__(self, input_ids, attention_mask=None, deterministic: bool = True, masked_positions=None):
+        hidden_states = self.roberta(input_ids, attention_mask, deterministic)
         if masked_positions is not None:
             # masked_positions: (batch, predictions) int. Training predicts about 15% of the tokens, so running
             # the head (whose vocabulary projection is the largest matmul of a small model) only there saves
@@ -988,72 +940,50 @@ IGNORED_HF_TENSORS = (
 IGNORED_HF_PREFIXES = ("roberta.pooler.",)
 
 
-def hf_name(path):
-    """PyTorch name of the Flax parameter at `path`, e.g. ("roberta", "encoder", "layer_0", ..., "kernel")."""
+def hf_name(path: tuple) -> str:
+    """('roberta', 'encoder', 'layer_3', 'intermediate', 'dense', 'kernel') -> PyTorch's name for it:
+    'roberta.encoder.layer.3.intermediate.dense.weight'."""
     *modules, leaf = path
     # "layer_3" is the Flax name of PyTorch's "layer.3"; "layer_norm" stays as it is.
     modules = [f"layer.{m[6:]}" if m.startswith("layer_") and m[6:].isdigit() else m for m in modules]
-    leaf = {"kernel": "weight", "embedding": "weight", "scale": "weight"}.get(leaf, leaf)
-    return ".".join([*modules, leaf])
+    return ".".join([*modules, "weight" if leaf in ("kernel", "scale", "embedding") else leaf])
 
 
-def param_shapes(config):
-    """{flax path: shape} of the model's parameters in creation order, computed without allocating them."""
-    model = FlaxRobertaForMaskedLM(config)
-    paths = []
-
-    def init_flat():
-        params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-        flat = traverse_util.flatten_dict(params)  # Partitioned boxes are leaves here
-        # Recorded here because jax's tree functions (eval_shape, unbox) return dicts with sorted keys.
-        paths.extend(flat)
-        return [nn.meta.unbox(leaf) for leaf in flat.values()]
-
-    return {path: tuple(leaf.shape) for path, leaf in zip(paths, jax.eval_shape(init_flat))}
-
-
-def to_hf_state_dict(params, config):
-    """Unboxed Flax params -> {PyTorch name: float32 numpy array} for RobertaForMaskedLM's model.safetensors.
+def to_hf_state_dict(params) -> dict[str, np.ndarray]:
+    """Flax parameters as the PyTorch RobertaForMaskedLM state dict (float32 numpy, HF names and layouts).
 
     Dense kernels are (in, out) in Flax and (out, in) in PyTorch, so they are transposed. The tied
     lm_head.decoder tensors are left out, as save_pretrained does.
     """
-    flat_params = traverse_util.flatten_dict(params)
     state_dict = {}
-    for path, shape in param_shapes(config).items():
-        array = np.asarray(flat_params[path], dtype=np.float32)
-        if array.shape != shape:  # params are built from the config, so this is a bug, not a user's mistake
-            raise ValueError(f"parameter {'/'.join(path)} has shape {array.shape}, the config needs {shape}")
-        if path[-1] == "kernel":
-            array = array.T
-        state_dict[hf_name(path)] = np.ascontiguousarray(array)
+    for path, value in traverse_util.flatten_dict(params).items():
+        value = np.asarray(value, dtype=np.float32)
+        state_dict[hf_name(path)] = np.ascontiguousarray(value.T if path[-1] == "kernel" else value)
     return state_dict
 
 
 def from_hf_state_dict(state_dict, config):
-    """{PyTorch name: array} of a RobertaForMaskedLM checkpoint -> unboxed Flax params (float32 numpy).
+    """The inverse of to_hf_state_dict for a model of `config`.
 
     Accepts checkpoints with or without the tied lm_head.decoder tensors and the pooler. Raises
     UsageError naming the first tensor that is missing, unexpected or of the wrong shape for `config`.
     """
-    check_model_config(config)
-    expected = param_shapes(config)
+    model = FlaxRobertaForMaskedLM(config)
+    expected = traverse_util.flatten_dict(abstract_model_params(model, jnp.zeros((1, 1), jnp.int32)))
     flat_params = {}
-    for path, shape in expected.items():
+    for path, abstract in expected.items():
         name = hf_name(path)
         if name not in state_dict:
             raise UsageError(f"checkpoint has no tensor {name}; is it a RobertaForMaskedLM checkpoint?")
         array = np.asarray(state_dict[name], dtype=np.float32)
         is_kernel = path[-1] == "kernel"
-        needed_shape = shape[::-1] if is_kernel else shape  # in the PyTorch layout
+        needed_shape = abstract.shape[::-1] if is_kernel else abstract.shape  # in the PyTorch layout
         if array.shape != needed_shape:
             raise UsageError(
                 f"checkpoint tensor {name} has shape {array.shape} but the config needs "
                 f"{needed_shape}; pass the matching --config_name"
             )
-        if is_kernel:
-            array = array.T
-        flat_params[path] = np.ascontiguousarray(array)
+        flat_params[path] = np.ascontiguousarray(array.T if is_kernel else array)
     used_names = {hf_name(path) for path in expected}
     for name in state_dict:
         if name not in used_names and name not in IGNORED_HF_TENSORS and not name.startswith(IGNORED_HF_PREFIXES):
@@ -1067,24 +997,21 @@ def from_hf_state_dict(state_dict, config):
 # Copied from run_clm_flax.read_safetensors_checkpoint
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
-    index_name, single_name = "model.safetensors.index.json", "model.safetensors"
-    if os.path.isdir(name_or_path):
+    import huggingface_hub
 
-        def fetch(filename):
+    def fetch(filename):
+        """The file's local path, or None where there is no such file."""
+        if os.path.isdir(name_or_path):
             path = os.path.join(name_or_path, filename)
             return path if os.path.isfile(path) else None
-    else:
-        import huggingface_hub
-
-        def fetch(filename):
-            try:
-                return huggingface_hub.hf_hub_download(
-                    name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
-                )
-            except huggingface_hub.errors.EntryNotFoundError:
-                return None
-            except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
-                raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
+        try:
+            return huggingface_hub.hf_hub_download(
+                name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+            )
+        except huggingface_hub.errors.EntryNotFoundError:
+            return None
+        except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
+            raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
 
     def read(path):
         try:
@@ -1093,6 +1020,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             reason = str(error).splitlines()[0]
             raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
 
+    index_name = "model.safetensors.index.json"
     if (index_path := fetch(index_name)) is not None:
         try:
             with open(index_path) as index_file:
@@ -1105,7 +1033,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
                 raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
             state_dict.update(read(shard_path))
         return state_dict
-    if (path := fetch(single_name)) is not None:
+    if (path := fetch("model.safetensors")) is not None:
         return read(path)
     if (pickle_path := fetch("pytorch_model.bin")) is None:
         raise UsageError(f"{name_or_path} has no model.safetensors")
@@ -1224,65 +1152,60 @@ def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[
     return new_state, {"grad_norm": grad_norm, "finite": finite}
 
 
+# Copied from run_clm_flax.accumulate_gradients
+def accumulate_gradients(loss_and_sums, params, batch, step_rng):
+    """Gradients of the loss summed over the micro-batches of `batch` (every array is (gradient_accumulation_steps,
+    micro_batch, ...)), and the metric sums summed too: `loss_and_sums(params, micro_batch, dropout_rng)` gives one
+    micro-batch's summed loss and its TRAIN_METRIC_SUMS."""
+    gradients = jax.value_and_grad(loss_and_sums, has_aux=True)
+    num_micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    if num_micro_batches == 1:
+        (_, sums), grads = gradients(params, jax.tree_util.tree_map(lambda values: values[0], batch), step_rng)
+        return grads, sums
+
+    def accumulate(totals, index):
+        micro_batch = jax.tree_util.tree_map(lambda values: values[index], batch)
+        (_, sums), grads = gradients(params, micro_batch, jax.random.fold_in(step_rng, index))
+        return jax.tree_util.tree_map(jnp.add, totals, (grads, sums)), None
+
+    # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
+    zeros = (
+        jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), params),
+        dict.fromkeys(TRAIN_METRIC_SUMS, jnp.float32(0)),
+    )
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, jnp.arange(num_micro_batches))
+    return grads, sums
+
+
 def make_train_step(model, optimizer, schedule, seed: int):
     dropout_key = jax.random.key(seed + 1)
 
-    def micro_batch_gradients(params, batch, dropout_rng):
-        """Gradients of the summed loss of one micro-batch, with that sum, the correct predictions and the
-        number of predicted tokens."""
-
-        def loss_sum_fn(params):
-            logits = model.apply(
-                {"params": params},
-                batch["input_ids"],
-                batch["attention_mask"],
-                deterministic=False,
-                masked_positions=batch["masked_positions"],
-                rngs={"dropout": dropout_rng},
-            )
-            loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(
-                logits, batch["masked_labels"], batch["masked_weights"]
-            )
-            return loss_sum, (correct_sum, weight_sum)
-
-        (loss_sum, (correct_sum, weight_sum)), grads = jax.value_and_grad(loss_sum_fn, has_aux=True)(params)
-        return grads, loss_sum, correct_sum, weight_sum
+    def loss_and_sums(params, micro_batch, dropout_rng):
+        logits = model.apply(
+            {"params": params},
+            micro_batch["input_ids"],
+            micro_batch["attention_mask"],
+            deterministic=False,
+            masked_positions=micro_batch["masked_positions"],
+            rngs={"dropout": dropout_rng},
+        )
+        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(
+            logits, micro_batch["masked_labels"], micro_batch["masked_weights"]
+        )
+        return loss_sum, {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     def train_step(state: TrainState, batch):
-        # Every array of the batch is (gradient_accumulation_steps, micro_batch, ...).
         # Dropout randomness depends only on the step, so a resumed run draws the same masks.
         step_rng = jax.random.fold_in(dropout_key, state.step)
-        if batch["input_ids"].shape[0] == 1:
-            micro_batch = jax.tree_util.tree_map(lambda values: values[0], batch)
-            grads, loss_sum, correct_sum, weight_sum = micro_batch_gradients(state.params, micro_batch, step_rng)
-        else:
-
-            def accumulate(totals, index):
-                micro_batch = jax.tree_util.tree_map(lambda values: values[index], batch)
-                sums = micro_batch_gradients(state.params, micro_batch, jax.random.fold_in(step_rng, index))
-                return jax.tree_util.tree_map(jnp.add, totals, sums), None
-
-            # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
-            zeros = (
-                jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), state.params),
-                *(jnp.float32(0),) * 3,
-            )
-            sums, _ = jax.lax.scan(accumulate, zeros, jnp.arange(batch["input_ids"].shape[0]))
-            grads, loss_sum, correct_sum, weight_sum = sums
+        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng)
         # The mean over every masked token of the whole batch, however it was split into micro-batches (a batch
         # with none leaves the gradients at 0), in the parameters' dtype: the float32 count would otherwise turn
         # bfloat16 gradients, and with them the optimizer state, into float32.
         grads = jax.tree_util.tree_map(
-            lambda grad, param: (grad / jnp.maximum(weight_sum, 1.0)).astype(param.dtype), grads, state.params
+            lambda grad, param: (grad / jnp.maximum(sums["weight_sum"], 1.0)).astype(param.dtype), grads, state.params
         )
-        new_state, update_metrics = apply_finite_update(state, grads, loss_sum, optimizer)
-        metrics = {
-            "loss_sum": loss_sum,
-            "correct_sum": correct_sum,
-            "weight_sum": weight_sum,
-            "learning_rate": schedule(state.step),
-        }
-        return new_state, metrics | update_metrics
+        new_state, update_metrics = apply_finite_update(state, grads, sums["loss_sum"], optimizer)
+        return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
 
     return train_step
 
@@ -3981,7 +3904,7 @@ def save_model(output_dir: str, params, config, tokenizer):
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return
-    write_model_weights(output_dir, to_hf_state_dict(host_params, config))
+    write_model_weights(output_dir, to_hf_state_dict(host_params))
     config.architectures = ["RobertaForMaskedLM"]  # what AutoModelForMaskedLM and pipeline("fill-mask") build
     config.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

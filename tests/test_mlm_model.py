@@ -97,9 +97,7 @@ def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(tiny_fla
     _, params, apply = tiny_flax
     params = perturbed(params)
     config = tiny_config()
-    save_file(
-        run_mlm_flax.to_hf_state_dict(params, config), str(tmp_path / "model.safetensors"), metadata={"format": "pt"}
-    )
+    save_file(run_mlm_flax.to_hf_state_dict(params), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp_path)
     torch_model, loading_info = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
     assert type(torch_model) is transformers.RobertaForMaskedLM
@@ -144,7 +142,7 @@ def test_gradient_checkpointing_recomputes_layers_with_the_same_parameters_and_l
 def test_export_has_exactly_the_tensors_save_pretrained_writes(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    state_dict = run_mlm_flax.to_hf_state_dict(params, config)
+    state_dict = run_mlm_flax.to_hf_state_dict(params)
     torch_state_dict = transformers.RobertaForMaskedLM(config).state_dict()
     tied = {"lm_head.decoder.weight", "lm_head.decoder.bias"}
     assert set(state_dict) == set(torch_state_dict) - tied
@@ -156,7 +154,7 @@ def test_export_has_exactly_the_tensors_save_pretrained_writes(tiny_flax):
 def test_conversion_round_trip_is_exact(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    loaded = run_mlm_flax.from_hf_state_dict(run_mlm_flax.to_hf_state_dict(params, config), config)
+    loaded = run_mlm_flax.from_hf_state_dict(run_mlm_flax.to_hf_state_dict(params), config)
     assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(params)
     for original, reloaded in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(loaded)):
         np.testing.assert_array_equal(original, reloaded)
@@ -244,7 +242,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(tiny_flax):
 def test_wrong_shaped_checkpoint_is_a_usage_error_naming_the_tensor(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    state_dict = run_mlm_flax.to_hf_state_dict(params, config)
+    state_dict = run_mlm_flax.to_hf_state_dict(params)
     state_dict["roberta.embeddings.word_embeddings.weight"] = np.zeros((120, 64), np.float32)
     with pytest.raises(
         run_mlm_flax.UsageError,
@@ -257,7 +255,7 @@ def test_wrong_shaped_checkpoint_is_a_usage_error_naming_the_tensor(tiny_flax):
 def test_checkpoint_with_missing_or_extra_tensors_is_a_usage_error(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    state_dict = run_mlm_flax.to_hf_state_dict(params, config)
+    state_dict = run_mlm_flax.to_hf_state_dict(params)
     state_dict["roberta.pooler.dense.weight"] = np.zeros((64, 64), np.float32)  # ignored, as in HF
     state_dict["lm_head.decoder.weight"] = state_dict["roberta.embeddings.word_embeddings.weight"]  # tied
     run_mlm_flax.from_hf_state_dict(state_dict, config)
