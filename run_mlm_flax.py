@@ -2427,9 +2427,7 @@ def main():
             progress.step, setup, examples.get("train"), train_stream, make_batch, tokenizer, data_args, training_args
         )
         save = partial(save_run, setup, config, tokenizer, arguments)
-        log = TrainingLog(
-            train_metrics, trackers, training_args.skip_nonfinite_steps, progress.step, setup.total_steps
-        )
+        log = TrainingLog(trackers, training_args.skip_nonfinite_steps, progress.step, setup.total_steps)
         state, stopped_by = train(state, progress, batches, setup.train_step, save, evaluation, log, training_args)
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
@@ -2456,38 +2454,29 @@ def load_config_and_tokenizer(model_args):
         except (OSError, ValueError) as error:
             raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
 
-    config_source, config_flag = (
-        (model_args.config_name, "--config_name")
-        if model_args.config_name
-        else (model_args.model_name_or_path, "--model_name_or_path")
-    )
-    if config_source:
-        config = load(AutoConfig, config_source, config_flag)
+    if model_args.config_name or model_args.model_name_or_path:
+        config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
+        config = load(AutoConfig, model_args.config_name or model_args.model_name_or_path, config_flag)
     else:
         logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
         config = transformers.CONFIG_MAPPING[model_args.model_type]()
 
-    tokenizer_source, tokenizer_flag = (
-        (model_args.tokenizer_name, "--tokenizer_name")
-        if model_args.tokenizer_name
-        else (model_args.model_name_or_path, "--model_name_or_path")
-    )
+    tokenizer_flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
-    if tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0:
+    backend = tokenizer.backend_tokenizer
+    if backend.get_vocab_size(with_added_tokens=False) == 0:
         raise UsageError(
             f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
             "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
         )
-    backend = tokenizer.backend_tokenizer
-    added_beyond = {
-        token_id: token
-        for token_id, token in backend.get_added_tokens_decoder().items()
-        if token_id >= config.vocab_size
-    }
+    added_beyond = [
+        token for token_id, token in backend.get_added_tokens_decoder().items() if token_id >= config.vocab_size
+    ]
     # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
-    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
+    text_tokens_beyond = any(not token.special for token in added_beyond)
     if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
         raise UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
@@ -2501,7 +2490,7 @@ def load_config_and_tokenizer(model_args):
         logger.warning(
             "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
             "written in the texts are encoded as text",
-            ", ".join(token.content for token in added_beyond.values()),
+            ", ".join(token.content for token in added_beyond),
             config.vocab_size,
         )
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
@@ -2678,7 +2667,7 @@ def initial_state(model_args, training_args, setup: TrainingSetup) -> tuple[Trai
     state = create_train_state(
         setup.model, setup.optimizer, setup.abstract_state, training_args.seed, dummy_input, loaded_params
     )
-    return state, TrainingProgress(metric_sums=dict.fromkeys(TRAIN_METRIC_SUMS, 0.0))
+    return state, TrainingProgress()
 
 
 def pretrained_params(model_args, setup: TrainingSetup):
@@ -2809,14 +2798,7 @@ class Evaluation:
 
 
 def train_batches_from(
-    first_step: int,
-    setup: TrainingSetup,
-    train_examples,
-    train_stream,
-    make_batch,
-    tokenizer,
-    data_args,
-    training_args,
+    first_step, setup: TrainingSetup, train_examples, train_stream, make_batch, tokenizer, data_args, training_args
 ):
     """(global batch, token count) pairs for the steps after `first_step`, read ahead on a thread. The data order and
     the masks are a function of the step, so a resumed run sees the batches the interrupted one would have."""
@@ -2897,37 +2879,23 @@ def stream_position(first_step: int, global_batch_size: int, training_args) -> t
 # Copied from run_clm_flax.TrainingProgress
 @dataclass
 class TrainingProgress:
-    """How far training has come: the step, and sums of the training metrics over every finite step so far (the
-    loss and its denominator). Every training checkpoint records it, so a resumed run carries on from it."""
+    """How far training has come: the step, and the sums of TRAIN_METRIC_SUMS over every finite step so far. Every
+    training checkpoint records it (as "step" and "train_NAME"), so a resumed run carries on from it."""
 
     step: int = 0
-    metric_sums: dict[str, float] = field(default_factory=dict)
+    metric_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRAIN_METRIC_SUMS, 0.0))
 
     def add(self, step_metrics: list[dict]):
-        add_metric_sums(self.metric_sums, step_metrics)
+        for metrics in step_metrics:
+            for name in TRAIN_METRIC_SUMS:
+                self.metric_sums[name] += float(metrics[name])
 
     def record(self, **details) -> dict:
-        """The checkpoint's record: this progress, and `details` of the run."""
         return {"step": self.step, **{f"train_{name}": value for name, value in self.metric_sums.items()}, **details}
 
     @classmethod
     def from_record(cls, record: dict) -> "TrainingProgress":
-        sums = {name.removeprefix("train_"): value for name, value in record.items() if is_metric_sum(name)}
-        return cls(step=record["step"], metric_sums=sums)
-
-
-# Copied from run_clm_flax.is_metric_sum
-def is_metric_sum(name: str) -> bool:
-    return name.endswith(("_sum", "_count"))
-
-
-# Copied from run_clm_flax.add_metric_sums
-def add_metric_sums(sums: dict, step_metrics: list[dict]) -> dict:
-    for metrics in step_metrics:
-        for name, value in metrics.items():
-            if is_metric_sum(name):
-                sums[name] = sums.get(name, 0.0) + float(value)
-    return sums
+        return cls(record["step"], {name: record[f"train_{name}"] for name in TRAIN_METRIC_SUMS})
 
 
 # Copied from run_clm_flax.TrainingLog
@@ -2937,8 +2905,8 @@ class TrainingLog:
     line, the progress bar and TensorBoard. As a `with` block it times the training and, leaving it, ends the
     progress bar's line before any error is printed."""
 
-    def __init__(self, summarize, trackers, skip_nonfinite_steps: bool, first_step: int, total_steps: int):
-        self.summarize, self.trackers, self.skip_nonfinite_steps = summarize, trackers, skip_nonfinite_steps
+    def __init__(self, trackers, skip_nonfinite_steps: bool, first_step: int, total_steps: int):
+        self.trackers, self.skip_nonfinite_steps = trackers, skip_nonfinite_steps
         self.first_step, self.total_steps = first_step, total_steps
         self.unread, self.window, self.tokens = [], [], 0
 
@@ -2971,7 +2939,8 @@ class TrainingLog:
         """The log line of the steps read since the last one."""
         if not self.window:
             return
-        summary = self.summarize(add_metric_sums({}, self.window))
+        window_sums = {name: sum(float(metrics[name]) for metrics in self.window) for name in TRAIN_METRIC_SUMS}
+        summary = train_metrics(window_sums)
         learning_rate, grad_norm = float(self.window[-1]["learning_rate"]), float(self.window[-1]["grad_norm"])
         tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / (
             time.perf_counter() - self.window_start
@@ -3088,7 +3057,6 @@ def export_complete_run(output_dir: str, params, config, tokenizer):
 
 # Copied from run_clm_flax.print_once
 def print_once(text: str):
-    """Print on process 0 only: what a user reads at the end of a run."""
     if jax.process_index() == 0:
         print(text)
 
