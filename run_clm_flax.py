@@ -2428,25 +2428,11 @@ def train_batches_from(
     function of the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, block_size = setup.train_batch_size, setup.sequence_length
     if train_stream is None:
-        logger.info(
-            "Training steps %d to %d (%.2f epochs of %d blocks), global batch %d x %d tokens",
-            first_step + 1,
-            setup.total_steps,
-            setup.total_steps / setup.steps_per_epoch,
-            len(train_blocks),
-            batch_size,
-            block_size,
-        )
+        data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_blocks)} blocks)"
         batches_of_epoch = partial(train_batches, train_blocks, batch_size, training_args.seed)
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)
     else:
-        logger.info(
-            "Training steps %d to %d on blocks packed from a stream, global batch %d x %d tokens",
-            first_step + 1,
-            setup.total_steps,
-            batch_size,
-            block_size,
-        )
+        data = "on blocks packed from a stream"
         first_batch, seed = stream_position(first_step, batch_size, training_args)
         local_batches = streaming_train_batches(
             train_stream,
@@ -2458,6 +2444,14 @@ def train_batches_from(
             data_args.shuffle_buffer_size,
             first_batch,
         )
+    logger.info(
+        "Training steps %d to %d %s, global batch %d x %d tokens",
+        first_step + 1,
+        setup.total_steps,
+        data,
+        batch_size,
+        block_size,
+    )
     accumulation_steps = training_args.gradient_accumulation_steps
     return prefetch(
         (
@@ -2625,9 +2619,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
         global_batch_size=setup.train_batch_size, block_size=setup.sequence_length, arguments=arguments
     )
     if setup.steps_per_epoch:
-        record.update(
-            epoch=progress.step // setup.steps_per_epoch, batch_in_epoch=progress.step % setup.steps_per_epoch
-        )
+        record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
     save_model(output_dir, state.params, config, tokenizer)

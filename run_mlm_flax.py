@@ -2804,26 +2804,11 @@ def train_batches_from(
     the masks are a function of the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, max_seq_length = setup.train_batch_size, setup.sequence_length
     if train_stream is None:
-        logger.info(
-            "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
-            first_step + 1,
-            setup.total_steps,
-            setup.total_steps / setup.steps_per_epoch,
-            len(train_examples),
-            batch_size,
-            max_seq_length,
-            " at most (padded per batch)" if data_args.line_by_line else "",
-        )
+        data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_examples)} examples)"
         batches_of_epoch = partial(train_batches, train_examples, make_batch, batch_size, training_args.seed)
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)
     else:
-        logger.info(
-            "Training steps %d to %d on blocks grouped from a stream, global batch %d x %d tokens",
-            first_step + 1,
-            setup.total_steps,
-            batch_size,
-            max_seq_length,
-        )
+        data = "on blocks grouped from a stream"  # (--line_by_line is refused with --streaming)
         first_batch, seed = stream_position(first_step, batch_size, training_args)
         block_batches = streaming_train_batches(
             train_stream,
@@ -2836,6 +2821,15 @@ def train_batches_from(
             first_batch,
         )
         local_batches = masked_stream_batches(block_batches, make_batch, batch_size, training_args.seed, first_step)
+    logger.info(
+        "Training steps %d to %d %s, global batch %d x %d tokens%s",
+        first_step + 1,
+        setup.total_steps,
+        data,
+        batch_size,
+        max_seq_length,
+        " at most (padded per batch)" if data_args.line_by_line else "",
+    )
     accumulation_steps = training_args.gradient_accumulation_steps
     return prefetch(
         (
@@ -3009,9 +3003,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
         global_batch_size=setup.train_batch_size, max_seq_length=setup.sequence_length, arguments=arguments
     )
     if setup.steps_per_epoch:
-        record.update(
-            epoch=progress.step // setup.steps_per_epoch, batch_in_epoch=progress.step % setup.steps_per_epoch
-        )
+        record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
     save_model(output_dir, state.params, config, tokenizer)
