@@ -2494,23 +2494,18 @@ def load_config_and_tokenizer(model_args):
             config.vocab_size,
         )
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
-        logger.info(
-            "Documents end with %s, id %d (the tokenizer's end-of-text token)",
-            tokenizer.eos_token,
-            tokenizer.eos_token_id,
-        )
+        eos_source = "the tokenizer's end-of-text token"
     elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
         # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
-        logger.info(
-            "Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id
-        )
+        eos_source = "the config's eos_token_id"
     else:
         raise UsageError(
             f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
             "ids and the config names none that is; set eos_token_id in the config or eos_token in "
             "tokenizer_config.json"
         )
+    logger.info("Documents end with %s, id %d (%s)", tokenizer.eos_token, tokenizer.eos_token_id, eos_source)
     return config, tokenizer
 
 
@@ -2561,8 +2556,7 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
 # Copied from run_clm_flax.TrainingSetup
 @dataclass
 class TrainingSetup:
-    """What training and evaluation need, built once: sizes, the mesh's shardings, the optimizer, the shapes of the
-    training state and the compiled steps."""
+    """What training and evaluation need, built once from the arguments and the model."""
 
     model: nn.Module
     sequence_length: int
@@ -2760,17 +2754,10 @@ class Evaluation:
             return
         results = self(params, step)
         if jax.process_index() == 0:
-            write_json(
-                os.path.join(self.output_dir, "eval_results.json"),
-                {
-                    "eval_loss": results["loss"],
-                    "eval_perplexity": results["perplexity"],
-                    "eval_accuracy": results["accuracy"],
-                    "eval_masked_tokens": results["masked_tokens"],
-                    "eval_samples": len(self.examples),
-                    "step": step,
-                },
-            )
+            names = ("loss", "perplexity", "accuracy", "masked_tokens")
+            saved = {f"eval_{name}": results[name] for name in names}
+            saved.update(eval_samples=len(self.examples), step=step)
+            write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
             print(
                 f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
                 f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
