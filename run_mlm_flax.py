@@ -2923,9 +2923,8 @@ class TrainingLog:
         window_sums = {name: sum(float(metrics[name]) for metrics in self.window) for name in TRAIN_METRIC_SUMS}
         summary = train_metrics(window_sums)
         learning_rate, grad_norm = float(self.window[-1]["learning_rate"]), float(self.window[-1]["grad_norm"])
-        tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / (
-            time.perf_counter() - self.window_start
-        )
+        elapsed = time.perf_counter() - self.window_start
+        tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / elapsed
         self.progress_bar.set_postfix(
             **{name: f"{value:.4f}" for name, value in summary.items()},
             lr=f"{learning_rate:.2e}",
