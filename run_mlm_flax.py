@@ -2476,8 +2476,8 @@ def load_config_and_tokenizer(model_args):
         token for token_id, token in backend.get_added_tokens_decoder().items() if token_id >= config.vocab_size
     ]
     # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
-    text_tokens_beyond = any(not token.special for token in added_beyond)
-    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
+    any_text_token_beyond = any(not token.special for token in added_beyond)
+    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or any_text_token_beyond:
         raise UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
             "ids beyond it would be clamped silently, so raise vocab_size in the config "
