@@ -2351,9 +2351,7 @@ def main():
             progress.step, setup, examples.get("train"), train_stream, make_batch, tokenizer, data_args, training_args
         )
         save = partial(save_run, setup, config, tokenizer, arguments)
-        log = TrainingLog(
-            train_metrics, trackers, training_args.skip_nonfinite_steps, progress.step, setup.total_steps
-        )
+        log = TrainingLog(trackers, training_args.skip_nonfinite_steps, progress.step, setup.total_steps)
         state, stopped_by = train(state, progress, batches, setup.train_step, save, evaluation, log, training_args)
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
@@ -2380,39 +2378,30 @@ def load_config_and_tokenizer(model_args):
         except (OSError, ValueError) as error:
             raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
 
-    config_source, config_flag = (
-        (model_args.config_name, "--config_name")
-        if model_args.config_name
-        else (model_args.model_name_or_path, "--model_name_or_path")
-    )
-    if config_source:
-        config = load(AutoConfig, config_source, config_flag)
+    if model_args.config_name or model_args.model_name_or_path:
+        config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
+        config = load(AutoConfig, model_args.config_name or model_args.model_name_or_path, config_flag)
     else:
         logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
         config = transformers.CONFIG_MAPPING[model_args.model_type]()
 
-    tokenizer_source, tokenizer_flag = (
-        (model_args.tokenizer_name, "--tokenizer_name")
-        if model_args.tokenizer_name
-        else (model_args.model_name_or_path, "--model_name_or_path")
-    )
+    tokenizer_flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
-    if tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False) == 0:
+    backend = tokenizer.backend_tokenizer
+    if backend.get_vocab_size(with_added_tokens=False) == 0:
         raise UsageError(
             f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
             "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
         )
-    backend = tokenizer.backend_tokenizer
-    added_beyond = {
-        token_id: token
-        for token_id, token in backend.get_added_tokens_decoder().items()
-        if token_id >= config.vocab_size
-    }
+    added_beyond = [
+        token for token_id, token in backend.get_added_tokens_decoder().items() if token_id >= config.vocab_size
+    ]
     # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
-    text_tokens_beyond = [token for token in added_beyond.values() if not token.special]
-    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or text_tokens_beyond:
+    any_text_token_beyond = any(not token.special for token in added_beyond)
+    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or any_text_token_beyond:
         raise UsageError(
             f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
             "ids beyond it would be clamped silently, so raise vocab_size in the config "
@@ -2425,27 +2414,22 @@ def load_config_and_tokenizer(model_args):
         logger.warning(
             "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
             "written in the texts are encoded as text",
-            ", ".join(token.content for token in added_beyond.values()),
+            ", ".join(token.content for token in added_beyond),
             config.vocab_size,
         )
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
-        logger.info(
-            "Documents end with %s, id %d (the tokenizer's end-of-text token)",
-            tokenizer.eos_token,
-            tokenizer.eos_token_id,
-        )
+        eos_source = "the tokenizer's end-of-text token"
     elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
         # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
-        logger.info(
-            "Documents end with %s, id %d (the config's eos_token_id)", tokenizer.eos_token, config.eos_token_id
-        )
+        eos_source = "the config's eos_token_id"
     else:
         raise UsageError(
             f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
             "ids and the config names none that is; set eos_token_id in the config or eos_token in "
             "tokenizer_config.json"
         )
+    logger.info("Documents end with %s, id %d (%s)", tokenizer.eos_token, tokenizer.eos_token_id, eos_source)
     return config, tokenizer
 
 
@@ -2496,8 +2480,7 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
 # Copied from run_clm_flax.TrainingSetup
 @dataclass
 class TrainingSetup:
-    """What training and evaluation need, built once: sizes, the mesh's shardings, the optimizer, the shapes of the
-    training state and the compiled steps."""
+    """What training and evaluation need, built once from the arguments and the model."""
 
     model: nn.Module
     sequence_length: int
@@ -2602,7 +2585,7 @@ def initial_state(model_args, training_args, setup: TrainingSetup) -> tuple[Trai
     state = create_train_state(
         setup.model, setup.optimizer, setup.abstract_state, training_args.seed, dummy_input, loaded_params
     )
-    return state, TrainingProgress(metric_sums=dict.fromkeys(TRAIN_METRIC_SUMS, 0.0))
+    return state, TrainingProgress()
 
 
 def pretrained_params(model_args, setup: TrainingSetup):
@@ -2695,17 +2678,10 @@ class Evaluation:
             return
         results = self(params, step)
         if jax.process_index() == 0:
-            write_json(
-                os.path.join(self.output_dir, "eval_results.json"),
-                {
-                    "eval_loss": results["loss"],
-                    "eval_perplexity": results["perplexity"],
-                    "eval_accuracy": results["accuracy"],
-                    "eval_masked_tokens": results["masked_tokens"],
-                    "eval_samples": len(self.examples),
-                    "step": step,
-                },
-            )
+            names = ("loss", "perplexity", "accuracy", "masked_tokens")
+            saved = {f"eval_{name}": results[name] for name in names}
+            saved.update(eval_samples=len(self.examples), step=step)
+            write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
             print(
                 f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
                 f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
@@ -2733,39 +2709,17 @@ class Evaluation:
 
 
 def train_batches_from(
-    first_step: int,
-    setup: TrainingSetup,
-    train_examples,
-    train_stream,
-    make_batch,
-    tokenizer,
-    data_args,
-    training_args,
+    first_step, setup: TrainingSetup, train_examples, train_stream, make_batch, tokenizer, data_args, training_args
 ):
     """(global batch, token count) pairs for the steps after `first_step`, read ahead on a thread. The data order and
     the masks are a function of the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, max_seq_length = setup.train_batch_size, setup.sequence_length
     if train_stream is None:
-        logger.info(
-            "Training steps %d to %d (%.2f epochs of %d examples), global batch %d x %d tokens%s",
-            first_step + 1,
-            setup.total_steps,
-            setup.total_steps / setup.steps_per_epoch,
-            len(train_examples),
-            batch_size,
-            max_seq_length,
-            " at most (padded per batch)" if data_args.line_by_line else "",
-        )
+        data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_examples)} examples)"
         batches_of_epoch = partial(train_batches, train_examples, make_batch, batch_size, training_args.seed)
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)
     else:
-        logger.info(
-            "Training steps %d to %d on blocks grouped from a stream, global batch %d x %d tokens",
-            first_step + 1,
-            setup.total_steps,
-            batch_size,
-            max_seq_length,
-        )
+        data = "on blocks grouped from a stream"  # (--line_by_line is refused with --streaming)
         first_batch, seed = stream_position(first_step, batch_size, training_args)
         block_batches = streaming_train_batches(
             train_stream,
@@ -2778,6 +2732,15 @@ def train_batches_from(
             first_batch,
         )
         local_batches = masked_stream_batches(block_batches, make_batch, batch_size, training_args.seed, first_step)
+    logger.info(
+        "Training steps %d to %d %s, global batch %d x %d tokens%s",
+        first_step + 1,
+        setup.total_steps,
+        data,
+        batch_size,
+        max_seq_length,
+        " at most (padded per batch)" if data_args.line_by_line else "",
+    )
     accumulation_steps = training_args.gradient_accumulation_steps
     return prefetch(
         (
@@ -2821,37 +2784,23 @@ def stream_position(first_step: int, global_batch_size: int, training_args) -> t
 # Copied from run_clm_flax.TrainingProgress
 @dataclass
 class TrainingProgress:
-    """How far training has come: the step, and sums of the training metrics over every finite step so far (the
-    loss and its denominator). Every training checkpoint records it, so a resumed run carries on from it."""
+    """How far training has come: the step, and the sums of TRAIN_METRIC_SUMS over every finite step so far. Every
+    training checkpoint records it (as "step" and "train_NAME"), so a resumed run carries on from it."""
 
     step: int = 0
-    metric_sums: dict[str, float] = field(default_factory=dict)
+    metric_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRAIN_METRIC_SUMS, 0.0))
 
     def add(self, step_metrics: list[dict]):
-        add_metric_sums(self.metric_sums, step_metrics)
+        for metrics in step_metrics:
+            for name in TRAIN_METRIC_SUMS:
+                self.metric_sums[name] += float(metrics[name])
 
     def record(self, **details) -> dict:
-        """The checkpoint's record: this progress, and `details` of the run."""
         return {"step": self.step, **{f"train_{name}": value for name, value in self.metric_sums.items()}, **details}
 
     @classmethod
     def from_record(cls, record: dict) -> "TrainingProgress":
-        sums = {name.removeprefix("train_"): value for name, value in record.items() if is_metric_sum(name)}
-        return cls(step=record["step"], metric_sums=sums)
-
-
-# Copied from run_clm_flax.is_metric_sum
-def is_metric_sum(name: str) -> bool:
-    return name.endswith(("_sum", "_count"))
-
-
-# Copied from run_clm_flax.add_metric_sums
-def add_metric_sums(sums: dict, step_metrics: list[dict]) -> dict:
-    for metrics in step_metrics:
-        for name, value in metrics.items():
-            if is_metric_sum(name):
-                sums[name] = sums.get(name, 0.0) + float(value)
-    return sums
+        return cls(record["step"], {name: record[f"train_{name}"] for name in TRAIN_METRIC_SUMS})
 
 
 # Copied from run_clm_flax.TrainingLog
@@ -2861,8 +2810,8 @@ class TrainingLog:
     line, the progress bar and TensorBoard. As a `with` block it times the training and, leaving it, ends the
     progress bar's line before any error is printed."""
 
-    def __init__(self, summarize, trackers, skip_nonfinite_steps: bool, first_step: int, total_steps: int):
-        self.summarize, self.trackers, self.skip_nonfinite_steps = summarize, trackers, skip_nonfinite_steps
+    def __init__(self, trackers, skip_nonfinite_steps: bool, first_step: int, total_steps: int):
+        self.trackers, self.skip_nonfinite_steps = trackers, skip_nonfinite_steps
         self.first_step, self.total_steps = first_step, total_steps
         self.unread, self.window, self.tokens = [], [], 0
 
@@ -2895,11 +2844,11 @@ class TrainingLog:
         """The log line of the steps read since the last one."""
         if not self.window:
             return
-        summary = self.summarize(add_metric_sums({}, self.window))
+        window_sums = {name: sum(float(metrics[name]) for metrics in self.window) for name in TRAIN_METRIC_SUMS}
+        summary = train_metrics(window_sums)
         learning_rate, grad_norm = float(self.window[-1]["learning_rate"]), float(self.window[-1]["grad_norm"])
-        tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / (
-            time.perf_counter() - self.window_start
-        )
+        elapsed = time.perf_counter() - self.window_start
+        tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / elapsed
         self.progress_bar.set_postfix(
             **{name: f"{value:.4f}" for name, value in summary.items()},
             lr=f"{learning_rate:.2e}",
@@ -2964,9 +2913,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
         global_batch_size=setup.train_batch_size, max_seq_length=setup.sequence_length, arguments=arguments
     )
     if setup.steps_per_epoch:
-        record.update(
-            epoch=progress.step // setup.steps_per_epoch, batch_in_epoch=progress.step % setup.steps_per_epoch
-        )
+        record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
     save_model(output_dir, state.params, config, tokenizer)
@@ -3012,7 +2959,6 @@ def export_complete_run(output_dir: str, params, config, tokenizer):
 
 # Copied from run_clm_flax.print_once
 def print_once(text: str):
-    """Print on process 0 only: what a user reads at the end of a run."""
     if jax.process_index() == 0:
         print(text)
 
