@@ -245,7 +245,8 @@ class DataTrainingArguments:
             "help": "A directory of packed token blocks in memory-mappable shards. Used as it is when it holds the "
             "data packed with this tokenizer and --block_size; otherwise the data arguments are tokenized and packed "
             "into it first (by process 0). Later runs and every process read only the blocks they need, nothing is "
-            "tokenized again. Refused when packed with another tokenizer, block size or data."
+            "tokenized again. Refused when packed with another tokenizer, block size, data or framing (one line per "
+            "row, as run_mlm_flax.py --line_by_line packs)."
         },
     )
     packed_tokens_per_shard: int = field(
@@ -255,6 +256,8 @@ class DataTrainingArguments:
             "--cache_dir (rounded down to whole blocks)."
         },
     )
+    # How texts become the rows of a packed corpus, recorded in it (run_mlm_flax.py can also make a row per line).
+    framing = "grouped"
 
 
 @dataclass
@@ -1768,21 +1771,24 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
-def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, description: dict, data_args) -> dict:
-    """Tokenize every split of `texts` ({split: dataset or stream}), pack it into blocks and write them as a packed
-    corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of texts
-    and one shard are in memory at a time."""
+def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+    """The rows of a packed corpus made from one split: its texts, each followed by EOS, joined and cut into blocks."""
+    tokens = token_arrays(dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split)
+    return pack_blocks(tokens, block_size)
 
-    def blocks_with_progress(split, dataset):
-        tokens = token_arrays(
-            dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split
-        )
-        with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-            for blocks in pack_blocks(tokens, block_size):
+
+def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, description: dict, data_args) -> dict:
+    """Tokenize every split of `texts` ({split: dataset or stream}) into rows (tokenized_rows) and write them as a
+    packed corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of
+    texts and one shard are in memory at a time."""
+
+    def rows_with_progress(split, dataset):
+        with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
+            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, data_args):
                 progress.update(len(blocks))
                 yield blocks
 
-    splits = {split: blocks_with_progress(split, dataset) for split, dataset in texts.items()}
+    splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
     return write_packed_corpus(
         directory, splits, description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard
     )
@@ -1796,6 +1802,7 @@ def cached_blocks(dataset: datasets.Dataset, split: str, tokenizer, block_size: 
     description = packed_description(
         tokenizer,
         block_size,
+        data_args.framing,
         {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name, "split": split},
     )
     directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
@@ -1835,7 +1842,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
             source[name] = os.path.abspath(source[name])
-    description = packed_description(tokenizer, block_size, source)
+    description = packed_description(tokenizer, block_size, data_args.framing, source)
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     def check(index: dict):
@@ -1852,6 +1859,10 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if (framing := index.get("framing", "grouped")) != data_args.framing:  # corpora before lines were grouped
+            raise UsageError(
+                f"--packed_data_dir {directory} holds {framing} rows, not {data_args.framing} ones; {fix}"
+            )
         if problem := packed_shards_problem(directory, index):
             raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
         differences = [name for name in source if index["source"].get(name) != source[name]]
@@ -3629,10 +3640,10 @@ def fingerprint(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def packed_description(tokenizer, block_size: int, source: dict) -> dict:
-    """What a packed corpus holds, recorded in its index: the block size, the data it was packed from and a
-    fingerprint of everything in the tokenizer that changes the ids (vocabulary, merges, normalisation, special
-    tokens)."""
+def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
+    """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
+    line_by_line), the data it was packed from and a fingerprint of everything in the tokenizer that changes the ids
+    (vocabulary, merges, normalisation, special tokens)."""
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
@@ -3641,7 +3652,12 @@ def packed_description(tokenizer, block_size: int, source: dict) -> dict:
         "eos_token_id": tokenizer.eos_token_id,
         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
     }
-    return {"block_size": block_size, "tokenizer_fingerprint": fingerprint(tokenizer_settings), "source": source}
+    return {
+        "block_size": block_size,
+        "framing": framing,
+        "tokenizer_fingerprint": fingerprint(tokenizer_settings),
+        "source": source,
+    }
 
 
 def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
@@ -3836,8 +3852,8 @@ def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
     return blocks
 
 
-# What an interrupted run leaves in the cache directory: unfinished packed corpora and line caches.
-STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+# What an interrupted run leaves in the cache directory: unfinished packed corpora.
+STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp")
 
 
 STALE_AFTER_SECONDS = 600

@@ -224,7 +224,8 @@ class DataTrainingArguments:
         default=False,
         metadata={
             "help": "Make every non-empty line (or text) one example, truncated to --max_seq_length, instead of "
-            "joining the texts and cutting them into full blocks."
+            "joining the texts and cutting them into full blocks. Each line is stored padded to --max_seq_length, "
+            "so short lines take more disk than their tokens (as uint16 ids, 2 x --max_seq_length bytes a line)."
         },
     )
     pad_to_max_length: bool = field(
@@ -263,8 +264,8 @@ class DataTrainingArguments:
         metadata={
             "help": "Read the data as a stream, never copied to disk first: for corpora larger than memory or disk. "
             "Alone, texts are tokenized and grouped into blocks on the fly while training, which needs --max_steps; "
-            "with --packed_data_dir, the stream is packed into its shards once and training reads those. Not with "
-            "--line_by_line."
+            "with --packed_data_dir, the stream is packed into its shards once and training reads those (the only "
+            "way with --line_by_line)."
         },
     )
     shuffle_buffer_size: int = field(
@@ -277,11 +278,11 @@ class DataTrainingArguments:
     packed_data_dir: str | None = field(
         default=None,
         metadata={
-            "help": "A directory of grouped token blocks in memory-mappable shards. Used as it is when it holds the "
-            "data packed with this tokenizer and --max_seq_length; otherwise the data arguments are tokenized and "
-            "packed into it first (by process 0). Later runs and every process read only the blocks they need, "
-            "nothing is tokenized again. Refused when packed with another tokenizer, length or data. Not with "
-            "--line_by_line."
+            "help": "A directory of token rows in memory-mappable shards: grouped blocks, or lines with "
+            "--line_by_line. Used as it is when it holds the data packed with this tokenizer, --max_seq_length and "
+            "--line_by_line; otherwise the data arguments are tokenized and packed into it first (by process 0). "
+            "Later runs and every process read only the rows they need, nothing is tokenized again. Refused when "
+            "packed with another tokenizer, length, framing or data."
         },
     )
     packed_tokens_per_shard: int = field(
@@ -291,6 +292,11 @@ class DataTrainingArguments:
             "--cache_dir (rounded down to whole blocks)."
         },
     )
+
+    @property
+    def framing(self) -> str:
+        """How texts become the rows of a packed corpus, recorded in it so that one is never read as the other."""
+        return "line_by_line" if self.line_by_line else "grouped"
 
 
 # Copied from run_clm_flax.CommonTrainingArguments
@@ -510,13 +516,10 @@ def check_arguments(model_args, data_args, training_args):
     )
     if data_args.text_sample_by is None:
         data_args.text_sample_by = "line" if data_args.line_by_line else "document"
-    grouping_flags = [flag for flag in ("streaming", "packed_data_dir") if getattr(data_args, flag)]
-    if data_args.line_by_line and grouping_flags:
-        flags = " and ".join(f"--{flag}" for flag in grouping_flags)
+    if data_args.line_by_line and data_args.streaming and not data_args.packed_data_dir:
         raise UsageError(
-            f"--line_by_line cannot be combined with {flags}, which group the texts into full blocks; drop "
-            f"--line_by_line to train on such blocks, or drop {flags} (line-by-line examples are cached and "
-            "memory-mapped all the same)"
+            "--line_by_line cannot be combined with --streaming alone, which groups the texts into full blocks while "
+            "training; add --packed_data_dir to pack the stream's lines once, or drop --line_by_line"
         )
     check_common_arguments(model_args, data_args, training_args)
 
@@ -1339,12 +1342,9 @@ def example_texts(examples, tokenizer, count: int) -> Iterator[str]:
     """The texts of the first `count` examples, decoded: each line, or each piece of a block between the
     </s> that end its texts."""
     for index in range(min(count, len(examples))):
-        if isinstance(examples, LineExamples):
-            yield tokenizer.decode(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]])
-        else:
-            block = np.asarray(examples[index])
-            for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
-                yield tokenizer.decode(piece, skip_special_tokens=True)
+        block = np.asarray(examples[index])
+        for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
+            yield tokenizer.decode(piece, skip_special_tokens=True)
 
 
 def fill_mask_demo_text(texts, mask_token: str) -> tuple[str | None, str | None]:
@@ -1805,22 +1805,46 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
+def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+    """The rows of a packed corpus made from one split: its texts, each followed by </s>, joined and cut into blocks;
+    or with --line_by_line a row per line (encode_lines). The number of lines cut short is logged at the end."""
+    column, num_workers = data_args.text_column_name, data_args.preprocessing_num_workers
+    if not data_args.line_by_line:
+        yield from pack_blocks(token_arrays(dataset, tokenizer, column, num_workers, split), block_size)
+        return
+    encode = partial(encode_lines, tokenizer.backend_tokenizer, block_size, tokenizer.pad_token_id)
+    lines = truncated = 0
+    for rows, rows_truncated in map_in_workers(encode, text_batches(dataset, column, split), num_workers):
+        lines, truncated = lines + len(rows), truncated + rows_truncated
+        yield rows
+    logger.info("%s: %d of %d lines are longer than %d tokens and get truncated", split, truncated, lines, block_size)
+
+
+def encode_lines(backend, width: int, pad_id: int, texts: list[str]) -> tuple[np.ndarray, int]:
+    """A row of `width` tokens for every text that is not only whitespace, its line break at the end removed: its
+    tokens cut to `width` and padded with pad_id, so that lines fit the fixed-width rows of a packed corpus; and the
+    number of texts cut."""
+    texts = [text.rstrip("\r\n") for text in texts if text and not text.isspace()]
+    token_lists = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    rows = np.full((len(token_lists), width), pad_id, np.int32)
+    for row, ids in zip(rows, token_lists):
+        row[: len(ids)] = ids[:width]
+    return rows, sum(len(ids) > width for ids in token_lists)
+
+
 # Copied from run_clm_flax.pack_texts
 def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, description: dict, data_args) -> dict:
-    """Tokenize every split of `texts` ({split: dataset or stream}), pack it into blocks and write them as a packed
-    corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of texts
-    and one shard are in memory at a time."""
+    """Tokenize every split of `texts` ({split: dataset or stream}) into rows (tokenized_rows) and write them as a
+    packed corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of
+    texts and one shard are in memory at a time."""
 
-    def blocks_with_progress(split, dataset):
-        tokens = token_arrays(
-            dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split
-        )
-        with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-            for blocks in pack_blocks(tokens, block_size):
+    def rows_with_progress(split, dataset):
+        with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
+            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, data_args):
                 progress.update(len(blocks))
                 yield blocks
 
-    splits = {split: blocks_with_progress(split, dataset) for split, dataset in texts.items()}
+    splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
     return write_packed_corpus(
         directory, splits, description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard
     )
@@ -1835,6 +1859,7 @@ def cached_blocks(dataset: datasets.Dataset, split: str, tokenizer, block_size: 
     description = packed_description(
         tokenizer,
         block_size,
+        data_args.framing,
         {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name, "split": split},
     )
     directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
@@ -1875,7 +1900,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
             source[name] = os.path.abspath(source[name])
-    description = packed_description(tokenizer, block_size, source)
+    description = packed_description(tokenizer, block_size, data_args.framing, source)
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     def check(index: dict):
@@ -1892,6 +1917,10 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if (framing := index.get("framing", "grouped")) != data_args.framing:  # corpora before lines were grouped
+            raise UsageError(
+                f"--packed_data_dir {directory} holds {framing} rows, not {data_args.framing} ones; {fix}"
+            )
         if problem := packed_shards_problem(directory, index):
             raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
         differences = [name for name in source if index["source"].get(name) != source[name]]
@@ -1931,69 +1960,6 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
             )
         check(index)
     return open_packed_corpus(directory, index)
-
-
-@dataclass(frozen=True)
-class LineExamples:
-    """One example per line (or text) in line-by-line mode, stored flat rather than as Python lists:
-    example i is tokens[offsets[i] : offsets[i + 1]], without special tokens and not yet truncated."""
-
-    tokens: np.ndarray  # int32, every example end to end
-    offsets: np.ndarray  # int64, len(self) + 1 entries
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, rows: slice) -> "LineExamples":
-        """The examples of a range of rows (for holding out and --max_train_samples): a view, nothing read."""
-        start, stop, _ = rows.indices(len(self))
-        return LineExamples(self.tokens, self.offsets[start : max(start, stop) + 1])
-
-
-def encode_lines(backend, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens of every text that is not only whitespace, its line break at the end removed, end to end
-    (int32), and the number of tokens of each (int64)."""
-    texts = [text.rstrip("\r\n") for text in texts if text and not text.isspace()]
-    token_lists = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
-    return tokens, np.array(list(map(len, token_lists)), np.int64)
-
-
-def tokenize_lines(dataset: datasets.Dataset, split: str, tokenizer, cache_dir: str, data_args) -> LineExamples:
-    """The token ids of every non-empty text (every line of a .txt file), for --line_by_line.
-
-    Cached in `cache_dir` under a fingerprint of the texts and the tokenizer, like the packed blocks of
-    cached_blocks, and memory-mapped; the cache does not depend on --max_seq_length, since examples are truncated
-    when batched. Lines have no common length, so they are stored as two arrays rather than as blocks.
-    """
-    source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name}
-    name = fingerprint(["lines", split, packed_description(tokenizer, None, source)])
-    paths = {part: os.path.join(cache_dir, f"lines-{name}-{part}.npy") for part in ("tokens", "offsets")}
-    os.makedirs(cache_dir, exist_ok=True)
-    remove_stale_temporary_files(cache_dir)
-    if all(os.path.exists(path) for path in paths.values()) and not data_args.overwrite_cache:
-        try:
-            examples = LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in paths.items()})
-            problem = None if examples.offsets[-1] == len(examples.tokens) else "tokens and offsets disagree"
-        except (OSError, ValueError) as error:  # a file cut short: "mmap length is greater than file size"
-            problem = str(error)
-        if problem is None:
-            logger.info("Loading tokenized %s lines from cache %s", split, paths["tokens"])
-            return examples
-        logger.warning("The cached %s lines in %s are damaged (%s); tokenizing again", split, cache_dir, problem)
-
-    encode = partial(encode_lines, tokenizer.backend_tokenizer)
-    texts = text_batches(dataset, data_args.text_column_name, split)
-    batches = list(map_in_workers(encode, texts, data_args.preprocessing_num_workers))
-    tokens = np.concatenate([np.zeros(0, np.int32)] + [tokens for tokens, _ in batches])
-    lengths = np.concatenate([np.zeros(0, np.int64)] + [lengths for _, lengths in batches])
-    examples = LineExamples(tokens, np.concatenate([[0], np.cumsum(lengths)]))
-    logger.info("%s: %d lines of %d tokens in all", split, len(examples), len(tokens))
-    for part, path in paths.items():  # offsets last: their presence marks a complete cache
-        temporary_path = f"{path}.{os.getpid()}.tmp.npy"
-        np.save(temporary_path, getattr(examples, part), allow_pickle=False)
-        os.replace(temporary_path, path)
-    return examples
 
 
 # Copied from run_clm_flax.stream_share
@@ -2137,8 +2103,10 @@ def mask_tokens(
 class BatchMaker:
     """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
 
-    Examples are blocks (a 2-D array-like of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
-    Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding. Each process
+    Examples are rows of max_seq_length - 2 tokens (a 2-D array-like): blocks of grouped texts, or with line_by_line
+    lines padded with pad_token_id, a line ending at its last other token (a pad token inside a line, which its text
+    must spell out, is never predicted, as in a block). Padding takes the place after </s>; the attention mask is 1
+    for tokens and 0 for padding. Each process
     makes only its own rows of a global batch: it reads only their examples and masks them with random numbers
     drawn for the row's number in the global batch (see mask_tokens), so the global batch is the same row for
     row whatever the number of processes.
@@ -2153,9 +2121,10 @@ class BatchMaker:
     mlm_probability: float
     max_seq_length: int
     pad_to_max_length: bool = False
+    line_by_line: bool = False
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, max_seq_length: int, mlm_probability: float, pad_to_max_length: bool):
+    def from_tokenizer(cls, tokenizer, max_seq_length: int, data_args):
         return cls(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
@@ -2163,9 +2132,10 @@ class BatchMaker:
             mask_token_id=tokenizer.mask_token_id,
             special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))),
             random_token_count=len(tokenizer),
-            mlm_probability=mlm_probability,
+            mlm_probability=data_args.mlm_probability,
             max_seq_length=max_seq_length,
-            pad_to_max_length=pad_to_max_length,
+            pad_to_max_length=data_args.pad_to_max_length,
+            line_by_line=data_args.line_by_line,
         )
 
     def padded_length(self, longest: int) -> int:
@@ -2176,11 +2146,12 @@ class BatchMaker:
         return min(self.max_seq_length, max(16, 1 << (longest - 1).bit_length()))
 
     def example_lengths(self, examples, indices: np.ndarray) -> np.ndarray:
-        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length
-        truncated to fit max_seq_length. Reads only the offsets of lines, never their tokens."""
-        if isinstance(examples, LineExamples):
-            return np.minimum(examples.offsets[indices + 1] - examples.offsets[indices], self.max_seq_length - 2)
-        return np.full(len(indices), examples.shape[1])
+        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length (the
+        position after its last token that is not padding), which reads the rows."""
+        if not self.line_by_line:
+            return np.full(len(indices), examples.shape[1])
+        not_padding = np.asarray(examples[indices]) != self.pad_token_id
+        return (not_padding * np.arange(1, examples.shape[1] + 1)).max(axis=1, initial=0)
 
     def token_ids(
         self, examples, indices: np.ndarray, num_rows: int, rows: slice = slice(None)
@@ -2196,11 +2167,8 @@ class BatchMaker:
 
         input_ids = np.full((len(row_lengths), length), self.pad_token_id, np.int32)
         input_ids[:, 0] = self.bos_token_id
-        if isinstance(examples, LineExamples):
-            for row, (start, size) in enumerate(zip(examples.offsets[own_indices], row_lengths)):
-                input_ids[row, 1 : size + 1] = examples.tokens[start : start + size]
-        elif len(own_indices):
-            input_ids[: len(own_indices), 1:-1] = examples[own_indices]
+        if len(own_indices):  # a line's row is padded already; a block fills the row
+            input_ids[: len(own_indices), 1:-1] = np.asarray(examples[own_indices])[:, : length - 2]
         input_ids[np.arange(len(row_lengths)), row_lengths + 1] = self.eos_token_id
         attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
         return input_ids, attention_mask
@@ -2319,12 +2287,12 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
 
 
 def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: int) -> tuple[dict, Any]:
-    """{split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
-    <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
+    """{split: examples}, rows of max_seq_length - 2 tokens (grouped blocks or, with --line_by_line, padded lines)
+    which BatchMaker frames as <s> row </s>; with --streaming the training blocks come from a stream. Every process
     holds all examples (memory-mapped) and reads only its rows of each batch.
     """
     block_size = max_seq_length - 2
-    examples, train_stream = {}, None
+    train_stream = None
     if data_args.packed_data_dir:
         examples = load_packed_corpus(
             model_args, data_args, tokenizer, block_size, f"--max_seq_length {max_seq_length}"
@@ -2341,11 +2309,10 @@ def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: i
             texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
             check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
             cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
-            for split, dataset in texts.items():
-                if data_args.line_by_line:
-                    examples[split] = tokenize_lines(dataset, split, tokenizer, cache_dir, data_args)
-                else:
-                    examples[split] = cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
+            examples = {
+                split: cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
+                for split, dataset in texts.items()
+            }
     # Lines are held out as lines, blocks as blocks, whichever route they came by.
     examples = hold_out_blocks(examples, data_args.validation_split_percentage)
     if data_args.max_train_samples is not None and "train" in examples:
@@ -2364,16 +2331,6 @@ def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: i
         raise UsageError("--do_train needs training data, and the data has no train split")
     if training_args.do_eval and "validation" not in examples:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    if data_args.line_by_line:
-        for split, split_examples in examples.items():
-            lengths = np.diff(split_examples.offsets)
-            logger.info(
-                "%s: %d of %d lines are longer than %d tokens and get truncated",
-                split,
-                int(np.sum(lengths > max_seq_length - 2)),
-                len(lengths),
-                max_seq_length - 2,
-            )
     return examples, train_stream
 
 
@@ -2399,9 +2356,7 @@ def main():
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
-    make_batch = BatchMaker.from_tokenizer(
-        tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length
-    )
+    make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
     model = FlaxRobertaForMaskedLM(
         config,
@@ -4077,10 +4032,10 @@ def fingerprint(value) -> str:
 
 
 # Copied from run_clm_flax.packed_description
-def packed_description(tokenizer, block_size: int, source: dict) -> dict:
-    """What a packed corpus holds, recorded in its index: the block size, the data it was packed from and a
-    fingerprint of everything in the tokenizer that changes the ids (vocabulary, merges, normalisation, special
-    tokens)."""
+def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
+    """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
+    line_by_line), the data it was packed from and a fingerprint of everything in the tokenizer that changes the ids
+    (vocabulary, merges, normalisation, special tokens)."""
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
@@ -4089,7 +4044,12 @@ def packed_description(tokenizer, block_size: int, source: dict) -> dict:
         "eos_token_id": tokenizer.eos_token_id,
         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
     }
-    return {"block_size": block_size, "tokenizer_fingerprint": fingerprint(tokenizer_settings), "source": source}
+    return {
+        "block_size": block_size,
+        "framing": framing,
+        "tokenizer_fingerprint": fingerprint(tokenizer_settings),
+        "source": source,
+    }
 
 
 # Copied from run_clm_flax.write_packed_split
@@ -4290,9 +4250,9 @@ def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
     return blocks
 
 
-# What an interrupted run leaves in the cache directory: unfinished packed corpora and line caches.
+# What an interrupted run leaves in the cache directory: unfinished packed corpora.
 # Copied from run_clm_flax.STALE_TEMPORARY_NAME
-STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp")
 
 
 # Copied from run_clm_flax.STALE_AFTER_SECONDS
