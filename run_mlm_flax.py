@@ -537,6 +537,13 @@ def check_common_arguments(model_args, data_args, training_args):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):  # a JSON file of arguments skips argparse
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
     if training_args.resume_from_checkpoint and not training_args.do_train:
@@ -1413,25 +1420,13 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
-# Copied from run_clm_flax.text_builder_options
-def text_builder_options(data_args) -> dict:
-    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
-    if data_args.text_sample_by not in ("document", "paragraph", "line"):
-        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
-    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
-        raise UsageError(
-            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
-            f"{data_args.text_sample_by} the text is read as written, line breaks included"
-        )
-    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
-
-
 # Copied from run_clm_flax.load_text_datasets
 def load_text_datasets(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The train and validation splits the data arguments name, as they are (no validation split is held out
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
     they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
     With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
+    text_options = {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -1440,26 +1435,21 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
             ):
                 raw = datasets.load_from_disk(name)
                 if streaming:
-                    raw = {
-                        split: dataset.to_iterable_dataset()
-                        for split, dataset in datasets.DatasetDict(
-                            raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}
-                        ).items()
-                    }
+                    raw = {"train": raw} if isinstance(raw, datasets.Dataset) else raw
+                    raw = {split: dataset.to_iterable_dataset() for split, dataset in raw.items()}
             else:
                 holds_text_files = os.path.isdir(name) and any(
                     DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
                     for _, _, files in os.walk(name)
                     for file in files
                 )
-                options = text_builder_options(data_args) if holds_text_files else {}
                 raw = datasets.load_dataset(
                     name,
                     data_args.dataset_config_name,
                     cache_dir=model_args.cache_dir,
                     token=model_args.token,
                     streaming=streaming,
-                    **options,
+                    **(text_options if holds_text_files else {}),
                 )
         else:
             raw = {}
@@ -1468,14 +1458,13 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
                 if pattern is None or (split == "train" and evaluation_only and data_args.validation_file):
                     continue
                 builder, files = resolve_data_files(pattern, flag)
-                options = text_builder_options(data_args) if builder == "text" else {}
                 raw[split] = datasets.load_dataset(
                     builder,
                     data_files={split: files},
                     split=split,
                     cache_dir=model_args.cache_dir,
                     streaming=streaming,
-                    **options,
+                    **(text_options if builder == "text" else {}),
                 )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None

@@ -96,8 +96,14 @@ def test_each_split_is_read_with_the_builder_of_its_own_format(tmp_path):
 
 def test_dropping_line_breaks_is_refused_unless_reading_lines(tmp_path):
     write_text_files(tmp_path)
+    model_args = run_clm_flax.ModelArguments(tokenizer_name="unused")
+    data_args = run_clm_flax.DataTrainingArguments(train_file=str(tmp_path / "a.txt"), keep_linebreaks=False)
+    training_args = run_clm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     with pytest.raises(run_clm_flax.UsageError, match="--keep_linebreaks False applies to --text_sample_by line only"):
-        load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False)
+        run_clm_flax.check_arguments(model_args, data_args, training_args)
+    data_args = run_clm_flax.DataTrainingArguments(train_file=str(tmp_path / "a.txt"), text_sample_by="sentence")
+    with pytest.raises(run_clm_flax.UsageError, match="--text_sample_by sentence is not one of document, paragraph"):
+        run_clm_flax.check_arguments(model_args, data_args, training_args)  # as a JSON file of arguments may say
     lines = load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False, text_sample_by="line")["train"]
     assert lines[0] == {"text": "A first file."}
 
