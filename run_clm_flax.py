@@ -2015,17 +2015,19 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     return {"validation": validation}, streams.get("train") if training_args.do_train else None
 
 
-def load_data(model_args, data_args, training_args, tokenizer, block_size: int) -> tuple[dict, Any]:
-    """Blocks of block_size tokens, {split: array-like}; with --streaming the training blocks come from a
-    stream. Every process holds all blocks (memory-mapped) and loads only its rows of each batch.
-    """
+def load_data(
+    model_args, data_args, training_args, tokenizer, block_size: int, length_argument: str
+) -> tuple[dict, Any]:
+    """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}: blocks, or
+    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
+    holds all rows (memory-mapped) and reads only its rows of each batch."""
     train_stream = None
     if data_args.packed_data_dir:
-        blocks = load_packed_corpus(model_args, data_args, tokenizer, block_size, f"--block_size {block_size}")
+        examples = load_packed_corpus(model_args, data_args, tokenizer, block_size, length_argument)
         if not (training_args.do_train or training_args.do_eval):
-            return blocks, None
+            return examples, None
     elif data_args.streaming:
-        blocks, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
+        examples, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
     else:
         # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
         with main_process_first("data prepared"):
@@ -2033,25 +2035,28 @@ def load_data(model_args, data_args, training_args, tokenizer, block_size: int) 
             texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
             check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
             cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
-            blocks = {
+            examples = {
                 split: cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
                 for split, dataset in texts.items()
             }
-    blocks = hold_out_blocks(blocks, data_args.validation_split_percentage)
-    if data_args.max_train_samples is not None and "train" in blocks:
-        blocks["train"] = blocks["train"][: data_args.max_train_samples]
-    if data_args.max_eval_samples is not None and "validation" in blocks:
-        blocks["validation"] = blocks["validation"][: data_args.max_eval_samples]
-    for split, split_blocks in blocks.items():
-        if len(split_blocks) == 0:
+    examples = hold_out_blocks(examples, data_args.validation_split_percentage)
+    if data_args.max_train_samples is not None and "train" in examples:
+        examples["train"] = examples["train"][: data_args.max_train_samples]
+    if data_args.max_eval_samples is not None and "validation" in examples:
+        examples["validation"] = examples["validation"][: data_args.max_eval_samples]
+    for split, rows in examples.items():
+        if len(rows) == 0:
             raise UsageError(
-                f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
+                f"the {split} data has no non-empty lines"
+                if data_args.framing == "line_by_line"
+                else f"the {split} data has fewer tokens than one block of {block_size} ({length_argument}); add "
+                "text or lower it"
             )
-    if training_args.do_train and "train" not in blocks and train_stream is None:
+    if training_args.do_train and "train" not in examples and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in blocks:
+    if training_args.do_eval and "validation" not in examples:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    return blocks, train_stream
+    return examples, train_stream
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2072,7 +2077,9 @@ def main():
     config, tokenizer = load_config_and_tokenizer(model_args)
     check_gpt2_config(config)
     block_size = choose_block_size(data_args, tokenizer, config)
-    blocks, train_stream = load_data(model_args, data_args, training_args, tokenizer, block_size)
+    blocks, train_stream = load_data(
+        model_args, data_args, training_args, tokenizer, block_size, f"--block_size {block_size}"
+    )
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
@@ -3754,22 +3761,13 @@ def packed_shards_problem(directory: str, index: dict) -> str | None:
     memory-mapped, maybe hours into the run."""
     for entry in index["splits"].values():
         for shard in entry["shards"]:
-            path = os.path.join(directory, shard["file"])
-            try:
-                with open(path, "rb") as file:
-                    if np.lib.format.read_magic(file) == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
-                    size = os.fstat(file.fileno()).st_size
-            except (OSError, ValueError) as error:
-                return f"{shard['file']} cannot be read ({error})"
+            try:  # mapping the file checks its header, and that it holds every element the header promises
+                shape = np.load(os.path.join(directory, shard["file"]), mmap_mode="r").shape
+            except (OSError, ValueError, EOFError) as error:
+                return f"{shard['file']} is cut short or unreadable ({error})"
             expected = (shard["num_blocks"], index["block_size"])
-            if tuple(shape) != expected:
-                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
-            if size < expected_size:
-                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
+            if shape != expected:
+                return f"{shard['file']} holds an array of shape {shape}, not the {expected} the index lists"
     return None
 
 

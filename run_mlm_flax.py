@@ -2275,24 +2275,22 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     return {"validation": validation}, streams.get("train") if training_args.do_train else None
 
 
-def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: int) -> tuple[dict, Any]:
-    """{split: examples}, rows of max_seq_length - 2 tokens (grouped blocks or, with --line_by_line, padded lines)
-    which BatchMaker frames as <s> row </s>; with --streaming the training blocks come from a stream. Every process
-    holds all examples (memory-mapped) and reads only its rows of each batch.
-    """
-    block_size = max_seq_length - 2
+# Copied from run_clm_flax.load_data
+def load_data(
+    model_args, data_args, training_args, tokenizer, block_size: int, length_argument: str
+) -> tuple[dict, Any]:
+    """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}: blocks, or
+    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
+    holds all rows (memory-mapped) and reads only its rows of each batch."""
     train_stream = None
     if data_args.packed_data_dir:
-        examples = load_packed_corpus(
-            model_args, data_args, tokenizer, block_size, f"--max_seq_length {max_seq_length}"
-        )
+        examples = load_packed_corpus(model_args, data_args, tokenizer, block_size, length_argument)
         if not (training_args.do_train or training_args.do_eval):
             return examples, None
     elif data_args.streaming:
         examples, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
     else:
-        # Process 0 tokenizes what the cache lacks; then the others find it there (or, on a cache of their own,
-        # tokenize it).
+        # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
         with main_process_first("data prepared"):
             evaluation_only = training_args.do_eval and not training_args.do_train
             texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
@@ -2302,19 +2300,18 @@ def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: i
                 split: cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
                 for split, dataset in texts.items()
             }
-    # Lines are held out as lines, blocks as blocks, whichever route they came by.
     examples = hold_out_blocks(examples, data_args.validation_split_percentage)
     if data_args.max_train_samples is not None and "train" in examples:
         examples["train"] = examples["train"][: data_args.max_train_samples]
     if data_args.max_eval_samples is not None and "validation" in examples:
         examples["validation"] = examples["validation"][: data_args.max_eval_samples]
-    for split, split_examples in examples.items():
-        if len(split_examples) == 0:
+    for split, rows in examples.items():
+        if len(rows) == 0:
             raise UsageError(
                 f"the {split} data has no non-empty lines"
-                if data_args.line_by_line
-                else f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower "
-                "--max_seq_length"
+                if data_args.framing == "line_by_line"
+                else f"the {split} data has fewer tokens than one block of {block_size} ({length_argument}); add "
+                "text or lower it"
             )
     if training_args.do_train and "train" not in examples and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
@@ -2341,7 +2338,9 @@ def main():
     config, tokenizer = load_config_and_tokenizer(model_args)
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
-    examples, train_stream = load_data(model_args, data_args, training_args, tokenizer, max_seq_length)
+    examples, train_stream = load_data(
+        model_args, data_args, training_args, tokenizer, max_seq_length - 2, f"--max_seq_length {max_seq_length}"
+    )
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
@@ -4149,22 +4148,13 @@ def packed_shards_problem(directory: str, index: dict) -> str | None:
     memory-mapped, maybe hours into the run."""
     for entry in index["splits"].values():
         for shard in entry["shards"]:
-            path = os.path.join(directory, shard["file"])
-            try:
-                with open(path, "rb") as file:
-                    if np.lib.format.read_magic(file) == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
-                    size = os.fstat(file.fileno()).st_size
-            except (OSError, ValueError) as error:
-                return f"{shard['file']} cannot be read ({error})"
+            try:  # mapping the file checks its header, and that it holds every element the header promises
+                shape = np.load(os.path.join(directory, shard["file"]), mmap_mode="r").shape
+            except (OSError, ValueError, EOFError) as error:
+                return f"{shard['file']} is cut short or unreadable ({error})"
             expected = (shard["num_blocks"], index["block_size"])
-            if tuple(shape) != expected:
-                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
-            if size < expected_size:
-                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
+            if shape != expected:
+                return f"{shard['file']} holds an array of shape {shape}, not the {expected} the index lists"
     return None
 
 

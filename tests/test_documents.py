@@ -227,7 +227,7 @@ def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, re
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
-    examples, _ = run_mlm_flax.load_data(model_args, data_args, training_args, recipe_tokenizer, 18)
+    examples, _ = run_mlm_flax.load_data(model_args, data_args, training_args, recipe_tokenizer, 16, "")
     if line_by_line:  # 2 of 40 lines, the first ones, each a row of 16 tokens: cut short, or padded
         assert (len(examples["validation"]), len(examples["train"])) == (2, 38)
         for row, line in ((examples["validation"][0], lines[0]), (examples["train"][0], lines[2])):

@@ -329,7 +329,9 @@ def test_line_by_line_rows_of_the_token_cache_and_of_a_packed_data_dir_are_the_s
             streaming=streaming,
         )
         run_mlm_flax.check_arguments(model_args, data_args, training_args)
-        examples[route], _ = run_mlm_flax.load_data(model_args, data_args, training_args, tokenizer, SEQUENCE_LENGTH)
+        examples[route], _ = run_mlm_flax.load_data(
+            model_args, data_args, training_args, tokenizer, SEQUENCE_LENGTH - 2, ""
+        )
     for split in ("train", "validation"):
         for route in ("packed", "packed from a stream"):
             np.testing.assert_array_equal(np.asarray(examples[route][split]), np.asarray(examples["cache"][split]))
