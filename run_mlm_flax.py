@@ -2074,14 +2074,10 @@ def mask_tokens(
     chosen = (choice_draws < mlm_probability) & ~special_tokens_mask
     if max_chosen_per_row is not None and (crowded := chosen.sum(axis=1) > max_chosen_per_row).any():
         draws = np.where(chosen[crowded], choice_draws[crowded], np.inf)
-        largest_kept = np.partition(draws, max_chosen_per_row - 1, axis=1)[
-            :, max_chosen_per_row - 1 : max_chosen_per_row
-        ]
-        chosen[crowded] &= draws <= largest_kept
+        last_kept = max_chosen_per_row - 1
+        chosen[crowded] &= draws <= np.partition(draws, last_kept, axis=1)[:, last_kept : last_kept + 1]
     chosen_counters = counters[chosen]
-    action = uniform_from_bits(
-        random_bits(seed, chosen_counters + np.uint64(1))
-    )  # below 0.8: mask, 0.8 to 0.9: random id
+    action = uniform_from_bits(random_bits(seed, chosen_counters + np.uint64(1)))  # < 0.8: mask, < 0.9: random id
     random_ids = (random_bits(seed, chosen_counters + np.uint64(2)) % np.uint64(vocab_size)).astype(input_ids.dtype)
     masked = input_ids.copy()
     masked[chosen] = np.where(action < 0.8, mask_token_id, np.where(action < 0.9, random_ids, input_ids[chosen]))
@@ -2093,12 +2089,10 @@ class BatchMaker:
     """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
 
     Examples are rows of max_seq_length - 2 tokens (a 2-D array-like): blocks of grouped texts, or with line_by_line
-    lines padded with pad_token_id, a line ending at its last other token (a pad token inside a line, which its text
-    must spell out, is never predicted, as in a block). Padding takes the place after </s>; the attention mask is 1
-    for tokens and 0 for padding. Each process
-    makes only its own rows of a global batch: it reads only their examples and masks them with random numbers
-    drawn for the row's number in the global batch (see mask_tokens), so the global batch is the same row for
-    row whatever the number of processes.
+    lines padded with pad_token_id, each ending at its last other token. Padding takes the place after </s>; the
+    attention mask is 1 for tokens and 0 for padding. Each process makes only its own rows of a global batch and
+    masks them with random numbers drawn for the row's number in the global batch (see mask_tokens), so the global
+    batch is the same row for row whatever the number of processes.
     """
 
     bos_token_id: int
@@ -2147,8 +2141,8 @@ class BatchMaker:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, attention_mask), int32 (rows, length), unmasked: the rows `rows` of a batch of `num_rows`
         rows, examples[indices] and then empty examples (<s> </s>), which fill up a partial batch and have nothing
-        to predict. Only the examples of these rows are read; the length, the same on every process, is that of
-        the longest example of the whole batch, padded."""
+        to predict. The length, the same on every process, is that of the longest example of the whole batch,
+        padded: so of lines every row of the batch is read, of blocks only the rows `rows`."""
         row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
         row_lengths[: len(indices)] = self.example_lengths(examples, indices)
         length = self.padded_length(int(row_lengths.max()) + 2)
@@ -2198,8 +2192,7 @@ class BatchMaker:
         }
 
     def __call__(self, examples, indices: np.ndarray, num_rows: int, seed: tuple, rows: slice = slice(None)) -> dict:
-        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices] (see token_ids and
-        masked)."""
+        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices]."""
         input_ids, attention_mask = self.token_ids(examples, indices, num_rows, rows)
         return self.masked(input_ids, attention_mask, seed, np.arange(num_rows)[rows])
 
