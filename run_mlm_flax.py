@@ -1596,24 +1596,17 @@ def rows_with_text(dataset, split: str, data_args):
     )
 
 
-# Copied from run_clm_flax.first_texts
-def first_texts(dataset, text_column: str, count: int) -> list[str]:
-    if isinstance(dataset, datasets.IterableDataset):
-        try:
-            batch = next(iter(dataset.iter(batch_size=count)), {})
-        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
-            return []  # token_arrays reports the unreadable stream
-        return batch.get(text_column, [])
-    return dataset[:count][text_column]
-
-
 # Copied from run_clm_flax.check_tokenizer_encodes
 def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
     """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
     trained on that learns nothing of the texts while its loss looks like training."""
     for split, dataset in text_datasets.items():
+        try:
+            first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
+            continue  # text_batches reports an unreadable stream
         # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
-        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
+        texts = [text[:10_000] for text in first_texts if text and not text.isspace()]
         if not texts:
             continue
         ids = [
