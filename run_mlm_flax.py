@@ -2246,10 +2246,9 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     process) sees the same blocks."""
     streams = load_text_datasets(model_args, data_args, streaming=True)
     check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-    if training_args.do_train and "train" not in streams:
-        raise UsageError("--do_train needs training data, and the dataset has no train split")
+    train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
     if not training_args.do_eval:
-        return {}, streams.get("train")
+        return {}, train_stream
     if "validation" not in streams:
         raise UsageError(
             "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
@@ -2258,7 +2257,7 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     column, count = data_args.text_column_name, data_args.max_eval_samples
     validation = first_blocks(streams["validation"], tokenizer, column, block_size, count, "validation")
     logger.info("validation: the first %d blocks of the stream", len(validation))
-    return {"validation": validation}, streams.get("train") if training_args.do_train else None
+    return {"validation": validation}, train_stream
 
 
 # Copied from run_clm_flax.load_data
@@ -3980,10 +3979,10 @@ def save_model(output_dir: str, params, config, tokenizer):
 # ----------------------------------------------------------------------------------------------------
 
 
-# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
-# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
-# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
-# vocabulary fits (half the disk of int32) and always read as int32.
+# A packed corpus is a directory of token rows (blocks of grouped texts, or lines padded with the pad token): for
+# each split, .npy shards of shape (rows, block_size) named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an
+# index.json describing them, written last: a directory without index.json is an unfinished one, never read.
+# Ids are stored as uint16 when the vocabulary fits (half the disk of int32) and always read as int32.
 # Copied from run_clm_flax.PACKED_INDEX_FILE
 PACKED_INDEX_FILE = "index.json"
 
