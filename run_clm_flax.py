@@ -1677,9 +1677,7 @@ def encode_documents(backend, eos_id: int, cut_long_texts: bool, texts: list[str
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
     """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order."""
     if isinstance(dataset, datasets.Dataset):
-        for batch in dataset.select_columns(text_column).iter(batch_size=TEXTS_PER_BATCH):
-            yield batch[text_column]
-        return
+        dataset = dataset.select_columns(text_column)  # the other columns are not even read
     texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
     while True:
         try:
@@ -3700,8 +3698,8 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
 
 
 def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
-    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
-    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
+    """Pack each split's row arrays ({split: iterable of (count, block_size) arrays}) into `directory`, then write
+    the index (with `description`, from packed_description) and return it.
 
     The index is removed first and written last, so an interrupted write leaves a directory that is
     recognised as unfinished; shards left by an earlier unfinished write are replaced.

@@ -1704,9 +1704,7 @@ def encode_documents(backend, eos_id: int, cut_long_texts: bool, texts: list[str
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
     """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order."""
     if isinstance(dataset, datasets.Dataset):
-        for batch in dataset.select_columns(text_column).iter(batch_size=TEXTS_PER_BATCH):
-            yield batch[text_column]
-        return
+        dataset = dataset.select_columns(text_column)  # the other columns are not even read
     texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
     while True:
         try:
@@ -2198,12 +2196,9 @@ def train_batches(
     examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
 ) -> Iterator[tuple[dict, int]]:
     """This process's rows of each masked global batch of one epoch, from batch `first_batch` on, with the
-    global batch's number of tokens (padding left out).
-
-    The order and the masks are fixed by seed, epoch and batch, so a resumed run continues with the very
-    batches, masked the very same way, that the interrupted run would have seen. The examples left over
-    after the last full batch differ from epoch to epoch, so all data is seen.
-    """
+    global batch's number of tokens (padding left out). Order and masks are fixed by seed, epoch and batch, so a
+    resumed run goes on with the very batches the interrupted one would have seen; the examples left over after the
+    last full batch differ from epoch to epoch."""
     order = np.random.default_rng([seed, epoch]).permutation(len(examples))
     rows = process_slice(global_batch_size)
     for step in range(first_batch, len(examples) // global_batch_size):
@@ -2227,10 +2222,9 @@ def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed:
 def masked_stream_batches(
     block_batches: Iterable[dict], make_batch: BatchMaker, global_batch_size: int, seed: int, first_step: int
 ) -> Iterator[tuple[dict, int]]:
-    """Frame and mask this process's rows of the global batches of blocks packed from a stream
-    (streaming_train_batches, whose first batch is that of step `first_step`), with the global batch's number
-    of tokens. The masks of step s's batch are drawn from (seed, s), so a resumed run masks its batches as
-    the interrupted one would have."""
+    """This process's rows of the global batches of blocks from a stream (streaming_train_batches, from step
+    `first_step` on), framed and masked, with the global batch's number of tokens. Step s's masks are drawn from
+    (seed, s), so a resumed run masks its batches as the interrupted one would have."""
     row_numbers = np.arange(global_batch_size)[process_slice(global_batch_size)]
     for step, batch in zip(itertools.count(first_step), block_batches):
         blocks = batch["input_ids"]
@@ -4077,8 +4071,8 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
 
 # Copied from run_clm_flax.write_packed_corpus
 def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
-    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
-    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
+    """Pack each split's row arrays ({split: iterable of (count, block_size) arrays}) into `directory`, then write
+    the index (with `description`, from packed_description) and return it.
 
     The index is removed first and written last, so an interrupted write leaves a directory that is
     recognised as unfinished; shards left by an earlier unfinished write are replaced.
