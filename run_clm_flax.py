@@ -234,7 +234,8 @@ class DataTrainingArguments:
             "help": "A directory of packed token blocks in memory-mappable shards. Used as it is when it holds the "
             "data packed with this tokenizer and --block_size; otherwise the data arguments are tokenized and packed "
             "into it first (by process 0). Later runs and every process read only the blocks they need, nothing is "
-            "tokenized again. Refused when packed with another tokenizer, block size or data."
+            "tokenized again. Refused when packed with another tokenizer, block size, data or framing (one line per "
+            "row, as run_mlm_flax.py --line_by_line packs)."
         },
     )
     packed_tokens_per_shard: int = field(
@@ -244,6 +245,8 @@ class DataTrainingArguments:
             "--cache_dir (rounded down to whole blocks)."
         },
     )
+    # How texts become the rows of a packed corpus, recorded in it (run_mlm_flax.py can also make a row per line).
+    framing = "grouped"
 
 
 @dataclass
@@ -460,6 +463,13 @@ def check_common_arguments(model_args, data_args, training_args):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):  # a JSON file of arguments skips argparse
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
     if training_args.resume_from_checkpoint and not training_args.do_train:
@@ -1356,23 +1366,12 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
-def text_builder_options(data_args) -> dict:
-    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
-    if data_args.text_sample_by not in ("document", "paragraph", "line"):
-        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
-    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
-        raise UsageError(
-            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
-            f"{data_args.text_sample_by} the text is read as written, line breaks included"
-        )
-    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
-
-
 def load_text_datasets(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The train and validation splits the data arguments name, as they are (no validation split is held out
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
     they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
     With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
+    text_options = {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -1381,26 +1380,21 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
             ):
                 raw = datasets.load_from_disk(name)
                 if streaming:
-                    raw = {
-                        split: dataset.to_iterable_dataset()
-                        for split, dataset in datasets.DatasetDict(
-                            raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}
-                        ).items()
-                    }
+                    raw = {"train": raw} if isinstance(raw, datasets.Dataset) else raw
+                    raw = {split: dataset.to_iterable_dataset() for split, dataset in raw.items()}
             else:
                 holds_text_files = os.path.isdir(name) and any(
                     DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
                     for _, _, files in os.walk(name)
                     for file in files
                 )
-                options = text_builder_options(data_args) if holds_text_files else {}
                 raw = datasets.load_dataset(
                     name,
                     data_args.dataset_config_name,
                     cache_dir=model_args.cache_dir,
                     token=model_args.token,
                     streaming=streaming,
-                    **options,
+                    **(text_options if holds_text_files else {}),
                 )
         else:
             raw = {}
@@ -1409,14 +1403,13 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
                 if pattern is None or (split == "train" and evaluation_only and data_args.validation_file):
                     continue
                 builder, files = resolve_data_files(pattern, flag)
-                options = text_builder_options(data_args) if builder == "text" else {}
                 raw[split] = datasets.load_dataset(
                     builder,
                     data_files={split: files},
                     split=split,
                     cache_dir=model_args.cache_dir,
                     streaming=streaming,
-                    **options,
+                    **(text_options if builder == "text" else {}),
                 )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
@@ -1545,22 +1538,16 @@ def rows_with_text(dataset, split: str, data_args):
     )
 
 
-def first_texts(dataset, text_column: str, count: int) -> list[str]:
-    if isinstance(dataset, datasets.IterableDataset):
-        try:
-            batch = next(iter(dataset.iter(batch_size=count)), {})
-        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
-            return []  # token_arrays reports the unreadable stream
-        return batch.get(text_column, [])
-    return dataset[:count][text_column]
-
-
 def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
     """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
     trained on that learns nothing of the texts while its loss looks like training."""
     for split, dataset in text_datasets.items():
+        try:
+            first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
+            continue  # text_batches reports an unreadable stream
         # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
-        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
+        texts = [text[:10_000] for text in first_texts if text and not text.isspace()]
         if not texts:
             continue
         ids = [
@@ -1649,9 +1636,7 @@ def encode_documents(backend, eos_id: int, cut_long_texts: bool, texts: list[str
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
     """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order."""
     if isinstance(dataset, datasets.Dataset):
-        for batch in dataset.select_columns(text_column).iter(batch_size=TEXTS_PER_BATCH):
-            yield batch[text_column]
-        return
+        dataset = dataset.select_columns(text_column)  # the other columns are not even read
     texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
     while True:
         try:
@@ -1727,21 +1712,24 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
-def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, description: dict, data_args) -> dict:
-    """Tokenize every split of `texts` ({split: dataset or stream}), pack it into blocks and write them as a packed
-    corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of texts
-    and one shard are in memory at a time."""
+def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+    """The rows of a packed corpus made from one split: its texts, each followed by EOS, joined and cut into blocks."""
+    tokens = token_arrays(dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split)
+    return pack_blocks(tokens, block_size)
 
-    def blocks_with_progress(split, dataset):
-        tokens = token_arrays(
-            dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split
-        )
-        with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-            for blocks in pack_blocks(tokens, block_size):
+
+def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, description: dict, data_args) -> dict:
+    """Tokenize every split of `texts` ({split: dataset or stream}) into rows (tokenized_rows) and write them as a
+    packed corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of
+    texts and one shard are in memory at a time."""
+
+    def rows_with_progress(split, dataset):
+        with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
+            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, data_args):
                 progress.update(len(blocks))
                 yield blocks
 
-    splits = {split: blocks_with_progress(split, dataset) for split, dataset in texts.items()}
+    splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
     return write_packed_corpus(
         directory, splits, description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard
     )
@@ -1755,6 +1743,7 @@ def cached_blocks(dataset: datasets.Dataset, split: str, tokenizer, block_size: 
     description = packed_description(
         tokenizer,
         block_size,
+        data_args.framing,
         {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name, "split": split},
     )
     directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
@@ -1794,7 +1783,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
             source[name] = os.path.abspath(source[name])
-    description = packed_description(tokenizer, block_size, source)
+    description = packed_description(tokenizer, block_size, data_args.framing, source)
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     def check(index: dict):
@@ -1811,6 +1800,10 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if (framing := index.get("framing", "grouped")) != data_args.framing:  # corpora before lines were grouped
+            raise UsageError(
+                f"--packed_data_dir {directory} holds {framing} rows, not {data_args.framing} ones; {fix}"
+            )
         if problem := packed_shards_problem(directory, index):
             raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
         differences = [name for name in source if index["source"].get(name) != source[name]]
@@ -1958,10 +1951,9 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     process) sees the same blocks."""
     streams = load_text_datasets(model_args, data_args, streaming=True)
     check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-    if training_args.do_train and "train" not in streams:
-        raise UsageError("--do_train needs training data, and the dataset has no train split")
+    train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
     if not training_args.do_eval:
-        return {}, streams.get("train")
+        return {}, train_stream
     if "validation" not in streams:
         raise UsageError(
             "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
@@ -1970,20 +1962,22 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     column, count = data_args.text_column_name, data_args.max_eval_samples
     validation = first_blocks(streams["validation"], tokenizer, column, block_size, count, "validation")
     logger.info("validation: the first %d blocks of the stream", len(validation))
-    return {"validation": validation}, streams.get("train") if training_args.do_train else None
+    return {"validation": validation}, train_stream
 
 
-def load_data(model_args, data_args, training_args, tokenizer, block_size: int) -> tuple[dict, Any]:
-    """Blocks of block_size tokens, {split: array-like}; with --streaming the training blocks come from a
-    stream. Every process holds all blocks (memory-mapped) and loads only its rows of each batch.
-    """
+def load_data(
+    model_args, data_args, training_args, tokenizer, block_size: int, length_argument: str
+) -> tuple[dict, Any]:
+    """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}: blocks, or
+    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
+    holds all rows (memory-mapped) and reads only its rows of each batch."""
     train_stream = None
     if data_args.packed_data_dir:
-        blocks = load_packed_corpus(model_args, data_args, tokenizer, block_size, f"--block_size {block_size}")
+        examples = load_packed_corpus(model_args, data_args, tokenizer, block_size, length_argument)
         if not (training_args.do_train or training_args.do_eval):
-            return blocks, None
+            return examples, None
     elif data_args.streaming:
-        blocks, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
+        examples, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
     else:
         # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
         with main_process_first("data prepared"):
@@ -1991,25 +1985,28 @@ def load_data(model_args, data_args, training_args, tokenizer, block_size: int) 
             texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
             check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
             cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
-            blocks = {
+            examples = {
                 split: cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
                 for split, dataset in texts.items()
             }
-    blocks = hold_out_blocks(blocks, data_args.validation_split_percentage)
-    if data_args.max_train_samples is not None and "train" in blocks:
-        blocks["train"] = blocks["train"][: data_args.max_train_samples]
-    if data_args.max_eval_samples is not None and "validation" in blocks:
-        blocks["validation"] = blocks["validation"][: data_args.max_eval_samples]
-    for split, split_blocks in blocks.items():
-        if len(split_blocks) == 0:
+    examples = hold_out_blocks(examples, data_args.validation_split_percentage)
+    if data_args.max_train_samples is not None and "train" in examples:
+        examples["train"] = examples["train"][: data_args.max_train_samples]
+    if data_args.max_eval_samples is not None and "validation" in examples:
+        examples["validation"] = examples["validation"][: data_args.max_eval_samples]
+    for split, rows in examples.items():
+        if len(rows) == 0:
             raise UsageError(
-                f"the {split} data has fewer tokens than one block of {block_size}; add text or lower --block_size"
+                f"the {split} data has no non-empty lines"
+                if data_args.framing == "line_by_line"
+                else f"the {split} data has fewer tokens than one block of {block_size} ({length_argument}); add "
+                "text or lower it"
             )
-    if training_args.do_train and "train" not in blocks and train_stream is None:
+    if training_args.do_train and "train" not in examples and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in blocks:
+    if training_args.do_eval and "validation" not in examples:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    return blocks, train_stream
+    return examples, train_stream
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2030,7 +2027,9 @@ def main():
     config, tokenizer = load_config_and_tokenizer(model_args)
     check_gpt2_config(config)
     block_size = choose_block_size(data_args, tokenizer, config)
-    blocks, train_stream = load_data(model_args, data_args, training_args, tokenizer, block_size)
+    blocks, train_stream = load_data(
+        model_args, data_args, training_args, tokenizer, block_size, f"--block_size {block_size}"
+    )
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
@@ -3463,10 +3462,10 @@ def save_model(output_dir: str, params, config, tokenizer):
 # ----------------------------------------------------------------------------------------------------
 
 
-# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
-# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
-# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
-# vocabulary fits (half the disk of int32) and always read as int32.
+# A packed corpus is a directory of token rows (blocks of grouped texts, or lines padded with the pad token): for
+# each split, .npy shards of shape (rows, block_size) named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an
+# index.json describing them, written last: a directory without index.json is an unfinished one, never read.
+# Ids are stored as uint16 when the vocabulary fits (half the disk of int32) and always read as int32.
 PACKED_INDEX_FILE = "index.json"
 
 
@@ -3484,10 +3483,10 @@ def fingerprint(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def packed_description(tokenizer, block_size: int, source: dict) -> dict:
-    """What a packed corpus holds, recorded in its index: the block size, the data it was packed from and a
-    fingerprint of everything in the tokenizer that changes the ids (vocabulary, merges, normalisation, special
-    tokens)."""
+def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
+    """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
+    line_by_line), the data it was packed from and a fingerprint of everything in the tokenizer that changes the ids
+    (vocabulary, merges, normalisation, special tokens)."""
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
@@ -3496,7 +3495,12 @@ def packed_description(tokenizer, block_size: int, source: dict) -> dict:
         "eos_token_id": tokenizer.eos_token_id,
         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
     }
-    return {"block_size": block_size, "tokenizer_fingerprint": fingerprint(tokenizer_settings), "source": source}
+    return {
+        "block_size": block_size,
+        "framing": framing,
+        "tokenizer_fingerprint": fingerprint(tokenizer_settings),
+        "source": source,
+    }
 
 
 def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
@@ -3549,8 +3553,8 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
 
 
 def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
-    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
-    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
+    """Pack each split's row arrays ({split: iterable of (count, block_size) arrays}) into `directory`, then write
+    the index (with `description`, from packed_description) and return it.
 
     The index is removed first and written last, so an interrupted write leaves a directory that is
     recognised as unfinished; shards left by an earlier unfinished write are replaced.
@@ -3603,22 +3607,13 @@ def packed_shards_problem(directory: str, index: dict) -> str | None:
     memory-mapped, maybe hours into the run."""
     for entry in index["splits"].values():
         for shard in entry["shards"]:
-            path = os.path.join(directory, shard["file"])
-            try:
-                with open(path, "rb") as file:
-                    if np.lib.format.read_magic(file) == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
-                    size = os.fstat(file.fileno()).st_size
-            except (OSError, ValueError) as error:
-                return f"{shard['file']} cannot be read ({error})"
+            try:  # mapping the file checks its header, and that it holds every element the header promises
+                shape = np.load(os.path.join(directory, shard["file"]), mmap_mode="r").shape
+            except (OSError, ValueError, EOFError) as error:
+                return f"{shard['file']} is cut short or unreadable ({error})"
             expected = (shard["num_blocks"], index["block_size"])
-            if tuple(shape) != expected:
-                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
-            if size < expected_size:
-                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
+            if shape != expected:
+                return f"{shard['file']} holds an array of shape {shape}, not the {expected} the index lists"
     return None
 
 
@@ -3691,8 +3686,8 @@ def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
     return blocks
 
 
-# What an interrupted run leaves in the cache directory: unfinished packed corpora and line caches.
-STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+# What an interrupted run leaves in the cache directory: unfinished packed corpora.
+STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp")
 
 
 STALE_AFTER_SECONDS = 600

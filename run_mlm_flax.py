@@ -213,7 +213,8 @@ class DataTrainingArguments:
         default=False,
         metadata={
             "help": "Make every non-empty line (or text) one example, truncated to --max_seq_length, instead of "
-            "joining the texts and cutting them into full blocks."
+            "joining the texts and cutting them into full blocks. Each line is stored padded to --max_seq_length, "
+            "so short lines take more disk than their tokens (as uint16 ids, 2 x --max_seq_length bytes a line)."
         },
     )
     pad_to_max_length: bool = field(
@@ -252,8 +253,8 @@ class DataTrainingArguments:
         metadata={
             "help": "Read the data as a stream, never copied to disk first: for corpora larger than memory or disk. "
             "Alone, texts are tokenized and grouped into blocks on the fly while training, which needs --max_steps; "
-            "with --packed_data_dir, the stream is packed into its shards once and training reads those. Not with "
-            "--line_by_line."
+            "with --packed_data_dir, the stream is packed into its shards once and training reads those (the only "
+            "way with --line_by_line)."
         },
     )
     shuffle_buffer_size: int = field(
@@ -266,11 +267,11 @@ class DataTrainingArguments:
     packed_data_dir: str | None = field(
         default=None,
         metadata={
-            "help": "A directory of grouped token blocks in memory-mappable shards. Used as it is when it holds the "
-            "data packed with this tokenizer and --max_seq_length; otherwise the data arguments are tokenized and "
-            "packed into it first (by process 0). Later runs and every process read only the blocks they need, "
-            "nothing is tokenized again. Refused when packed with another tokenizer, length or data. Not with "
-            "--line_by_line."
+            "help": "A directory of token rows in memory-mappable shards: grouped blocks, or lines with "
+            "--line_by_line. Used as it is when it holds the data packed with this tokenizer, --max_seq_length and "
+            "--line_by_line; otherwise the data arguments are tokenized and packed into it first (by process 0). "
+            "Later runs and every process read only the rows they need, nothing is tokenized again. Refused when "
+            "packed with another tokenizer, length, framing or data."
         },
     )
     packed_tokens_per_shard: int = field(
@@ -280,6 +281,11 @@ class DataTrainingArguments:
             "--cache_dir (rounded down to whole blocks)."
         },
     )
+
+    @property
+    def framing(self) -> str:
+        """How texts become the rows of a packed corpus, recorded in it so that one is never read as the other."""
+        return "line_by_line" if self.line_by_line else "grouped"
 
 
 # Copied from run_clm_flax.CommonTrainingArguments
@@ -488,13 +494,10 @@ def check_arguments(model_args, data_args, training_args):
     )
     if data_args.text_sample_by is None:
         data_args.text_sample_by = "line" if data_args.line_by_line else "document"
-    grouping_flags = [flag for flag in ("streaming", "packed_data_dir") if getattr(data_args, flag)]
-    if data_args.line_by_line and grouping_flags:
-        flags = " and ".join(f"--{flag}" for flag in grouping_flags)
+    if data_args.line_by_line and data_args.streaming and not data_args.packed_data_dir:
         raise UsageError(
-            f"--line_by_line cannot be combined with {flags}, which group the texts into full blocks; drop "
-            f"--line_by_line to train on such blocks, or drop {flags} (line-by-line examples are cached and "
-            "memory-mapped all the same)"
+            "--line_by_line cannot be combined with --streaming alone, which groups the texts into full blocks while "
+            "training; add --packed_data_dir to pack the stream's lines once, or drop --line_by_line"
         )
     check_common_arguments(model_args, data_args, training_args)
 
@@ -512,6 +515,13 @@ def check_common_arguments(model_args, data_args, training_args):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):  # a JSON file of arguments skips argparse
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
     if training_args.resume_from_checkpoint and not training_args.do_train:
@@ -1263,12 +1273,9 @@ def example_texts(examples, tokenizer, count: int) -> Iterator[str]:
     """The texts of the first `count` examples, decoded: each line, or each piece of a block between the
     </s> that end its texts."""
     for index in range(min(count, len(examples))):
-        if isinstance(examples, LineExamples):
-            yield tokenizer.decode(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]])
-        else:
-            block = np.asarray(examples[index])
-            for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
-                yield tokenizer.decode(piece, skip_special_tokens=True)
+        block = np.asarray(examples[index])
+        for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
+            yield tokenizer.decode(piece, skip_special_tokens=True)
 
 
 def fill_mask_demo_text(texts, mask_token: str) -> tuple[str | None, str | None]:
@@ -1337,25 +1344,13 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     return builders.pop(), files
 
 
-# Copied from run_clm_flax.text_builder_options
-def text_builder_options(data_args) -> dict:
-    """How the `datasets` text builder cuts .txt files into rows, each row one document."""
-    if data_args.text_sample_by not in ("document", "paragraph", "line"):
-        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
-    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
-        raise UsageError(
-            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
-            f"{data_args.text_sample_by} the text is read as written, line breaks included"
-        )
-    return {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
-
-
 # Copied from run_clm_flax.load_text_datasets
 def load_text_datasets(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The train and validation splits the data arguments name, as they are (no validation split is held out
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
     they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
     With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
+    text_options = {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -1364,26 +1359,21 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
             ):
                 raw = datasets.load_from_disk(name)
                 if streaming:
-                    raw = {
-                        split: dataset.to_iterable_dataset()
-                        for split, dataset in datasets.DatasetDict(
-                            raw if isinstance(raw, datasets.DatasetDict) else {"train": raw}
-                        ).items()
-                    }
+                    raw = {"train": raw} if isinstance(raw, datasets.Dataset) else raw
+                    raw = {split: dataset.to_iterable_dataset() for split, dataset in raw.items()}
             else:
                 holds_text_files = os.path.isdir(name) and any(
                     DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
                     for _, _, files in os.walk(name)
                     for file in files
                 )
-                options = text_builder_options(data_args) if holds_text_files else {}
                 raw = datasets.load_dataset(
                     name,
                     data_args.dataset_config_name,
                     cache_dir=model_args.cache_dir,
                     token=model_args.token,
                     streaming=streaming,
-                    **options,
+                    **(text_options if holds_text_files else {}),
                 )
         else:
             raw = {}
@@ -1392,14 +1382,13 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
                 if pattern is None or (split == "train" and evaluation_only and data_args.validation_file):
                     continue
                 builder, files = resolve_data_files(pattern, flag)
-                options = text_builder_options(data_args) if builder == "text" else {}
                 raw[split] = datasets.load_dataset(
                     builder,
                     data_files={split: files},
                     split=split,
                     cache_dir=model_args.cache_dir,
                     streaming=streaming,
-                    **options,
+                    **(text_options if builder == "text" else {}),
                 )
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
@@ -1531,24 +1520,17 @@ def rows_with_text(dataset, split: str, data_args):
     )
 
 
-# Copied from run_clm_flax.first_texts
-def first_texts(dataset, text_column: str, count: int) -> list[str]:
-    if isinstance(dataset, datasets.IterableDataset):
-        try:
-            batch = next(iter(dataset.iter(batch_size=count)), {})
-        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
-            return []  # token_arrays reports the unreadable stream
-        return batch.get(text_column, [])
-    return dataset[:count][text_column]
-
-
 # Copied from run_clm_flax.check_tokenizer_encodes
 def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
     """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
     trained on that learns nothing of the texts while its loss looks like training."""
     for split, dataset in text_datasets.items():
+        try:
+            first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
+            continue  # text_batches reports an unreadable stream
         # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
-        texts = [text[:10_000] for text in first_texts(dataset, text_column, 100) if text and not text.isspace()]
+        texts = [text[:10_000] for text in first_texts if text and not text.isspace()]
         if not texts:
             continue
         ids = [
@@ -1646,9 +1628,7 @@ def encode_documents(backend, eos_id: int, cut_long_texts: bool, texts: list[str
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
     """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order."""
     if isinstance(dataset, datasets.Dataset):
-        for batch in dataset.select_columns(text_column).iter(batch_size=TEXTS_PER_BATCH):
-            yield batch[text_column]
-        return
+        dataset = dataset.select_columns(text_column)  # the other columns are not even read
     texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
     while True:
         try:
@@ -1729,22 +1709,46 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
+def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+    """The rows of a packed corpus made from one split: its texts, each followed by </s>, joined and cut into blocks;
+    or with --line_by_line a row per line (encode_lines). The number of lines cut short is logged at the end."""
+    column, num_workers = data_args.text_column_name, data_args.preprocessing_num_workers
+    if not data_args.line_by_line:
+        yield from pack_blocks(token_arrays(dataset, tokenizer, column, num_workers, split), block_size)
+        return
+    encode = partial(encode_lines, tokenizer.backend_tokenizer, block_size, tokenizer.pad_token_id)
+    lines = truncated = 0
+    for rows, rows_truncated in map_in_workers(encode, text_batches(dataset, column, split), num_workers):
+        lines, truncated = lines + len(rows), truncated + rows_truncated
+        yield rows
+    logger.info("%s: %d of %d lines are longer than %d tokens and get truncated", split, truncated, lines, block_size)
+
+
+def encode_lines(backend, width: int, pad_id: int, texts: list[str]) -> tuple[np.ndarray, int]:
+    """A row of `width` tokens for every text that is not only whitespace, its line break at the end removed: its
+    tokens cut to `width` and padded with pad_id, so that lines fit the fixed-width rows of a packed corpus; and the
+    number of texts cut."""
+    texts = [text.rstrip("\r\n") for text in texts if text and not text.isspace()]
+    token_lists = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    rows = np.full((len(token_lists), width), pad_id, np.int32)
+    for row, ids in zip(rows, token_lists):
+        row[: len(ids)] = ids[:width]
+    return rows, sum(len(ids) > width for ids in token_lists)
+
+
 # Copied from run_clm_flax.pack_texts
 def pack_texts(directory: str, texts: dict, tokenizer, block_size: int, description: dict, data_args) -> dict:
-    """Tokenize every split of `texts` ({split: dataset or stream}), pack it into blocks and write them as a packed
-    corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of texts
-    and one shard are in memory at a time."""
+    """Tokenize every split of `texts` ({split: dataset or stream}) into rows (tokenized_rows) and write them as a
+    packed corpus in `directory` (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of
+    texts and one shard are in memory at a time."""
 
-    def blocks_with_progress(split, dataset):
-        tokens = token_arrays(
-            dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split
-        )
-        with tqdm(desc=f"Packing {split} blocks", unit=" blocks", disable=None) as progress:
-            for blocks in pack_blocks(tokens, block_size):
+    def rows_with_progress(split, dataset):
+        with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
+            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, data_args):
                 progress.update(len(blocks))
                 yield blocks
 
-    splits = {split: blocks_with_progress(split, dataset) for split, dataset in texts.items()}
+    splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
     return write_packed_corpus(
         directory, splits, description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard
     )
@@ -1759,6 +1763,7 @@ def cached_blocks(dataset: datasets.Dataset, split: str, tokenizer, block_size: 
     description = packed_description(
         tokenizer,
         block_size,
+        data_args.framing,
         {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name, "split": split},
     )
     directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
@@ -1799,7 +1804,7 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
     for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
             source[name] = os.path.abspath(source[name])
-    description = packed_description(tokenizer, block_size, source)
+    description = packed_description(tokenizer, block_size, data_args.framing, source)
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     def check(index: dict):
@@ -1816,6 +1821,10 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if (framing := index.get("framing", "grouped")) != data_args.framing:  # corpora before lines were grouped
+            raise UsageError(
+                f"--packed_data_dir {directory} holds {framing} rows, not {data_args.framing} ones; {fix}"
+            )
         if problem := packed_shards_problem(directory, index):
             raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
         differences = [name for name in source if index["source"].get(name) != source[name]]
@@ -1855,69 +1864,6 @@ def load_packed_corpus(model_args, data_args, tokenizer, block_size: int, length
             )
         check(index)
     return open_packed_corpus(directory, index)
-
-
-@dataclass(frozen=True)
-class LineExamples:
-    """One example per line (or text) in line-by-line mode, stored flat rather than as Python lists:
-    example i is tokens[offsets[i] : offsets[i + 1]], without special tokens and not yet truncated."""
-
-    tokens: np.ndarray  # int32, every example end to end
-    offsets: np.ndarray  # int64, len(self) + 1 entries
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, rows: slice) -> "LineExamples":
-        """The examples of a range of rows (for holding out and --max_train_samples): a view, nothing read."""
-        start, stop, _ = rows.indices(len(self))
-        return LineExamples(self.tokens, self.offsets[start : max(start, stop) + 1])
-
-
-def encode_lines(backend, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens of every text that is not only whitespace, its line break at the end removed, end to end
-    (int32), and the number of tokens of each (int64)."""
-    texts = [text.rstrip("\r\n") for text in texts if text and not text.isspace()]
-    token_lists = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
-    return tokens, np.array(list(map(len, token_lists)), np.int64)
-
-
-def tokenize_lines(dataset: datasets.Dataset, split: str, tokenizer, cache_dir: str, data_args) -> LineExamples:
-    """The token ids of every non-empty text (every line of a .txt file), for --line_by_line.
-
-    Cached in `cache_dir` under a fingerprint of the texts and the tokenizer, like the packed blocks of
-    cached_blocks, and memory-mapped; the cache does not depend on --max_seq_length, since examples are truncated
-    when batched. Lines have no common length, so they are stored as two arrays rather than as blocks.
-    """
-    source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name}
-    name = fingerprint(["lines", split, packed_description(tokenizer, None, source)])
-    paths = {part: os.path.join(cache_dir, f"lines-{name}-{part}.npy") for part in ("tokens", "offsets")}
-    os.makedirs(cache_dir, exist_ok=True)
-    remove_stale_temporary_files(cache_dir)
-    if all(os.path.exists(path) for path in paths.values()) and not data_args.overwrite_cache:
-        try:
-            examples = LineExamples(**{part: np.load(path, mmap_mode="r") for part, path in paths.items()})
-            problem = None if examples.offsets[-1] == len(examples.tokens) else "tokens and offsets disagree"
-        except (OSError, ValueError) as error:  # a file cut short: "mmap length is greater than file size"
-            problem = str(error)
-        if problem is None:
-            logger.info("Loading tokenized %s lines from cache %s", split, paths["tokens"])
-            return examples
-        logger.warning("The cached %s lines in %s are damaged (%s); tokenizing again", split, cache_dir, problem)
-
-    encode = partial(encode_lines, tokenizer.backend_tokenizer)
-    texts = text_batches(dataset, data_args.text_column_name, split)
-    batches = list(map_in_workers(encode, texts, data_args.preprocessing_num_workers))
-    tokens = np.concatenate([np.zeros(0, np.int32)] + [tokens for tokens, _ in batches])
-    lengths = np.concatenate([np.zeros(0, np.int64)] + [lengths for _, lengths in batches])
-    examples = LineExamples(tokens, np.concatenate([[0], np.cumsum(lengths)]))
-    logger.info("%s: %d lines of %d tokens in all", split, len(examples), len(tokens))
-    for part, path in paths.items():  # offsets last: their presence marks a complete cache
-        temporary_path = f"{path}.{os.getpid()}.tmp.npy"
-        np.save(temporary_path, getattr(examples, part), allow_pickle=False)
-        os.replace(temporary_path, path)
-    return examples
 
 
 # Copied from run_clm_flax.stream_share
@@ -2043,14 +1989,10 @@ def mask_tokens(
     chosen = (choice_draws < mlm_probability) & ~special_tokens_mask
     if max_chosen_per_row is not None and (crowded := chosen.sum(axis=1) > max_chosen_per_row).any():
         draws = np.where(chosen[crowded], choice_draws[crowded], np.inf)
-        largest_kept = np.partition(draws, max_chosen_per_row - 1, axis=1)[
-            :, max_chosen_per_row - 1 : max_chosen_per_row
-        ]
-        chosen[crowded] &= draws <= largest_kept
+        last_kept = max_chosen_per_row - 1
+        chosen[crowded] &= draws <= np.partition(draws, last_kept, axis=1)[:, last_kept : last_kept + 1]
     chosen_counters = counters[chosen]
-    action = uniform_from_bits(
-        random_bits(seed, chosen_counters + np.uint64(1))
-    )  # below 0.8: mask, 0.8 to 0.9: random id
+    action = uniform_from_bits(random_bits(seed, chosen_counters + np.uint64(1)))  # < 0.8: mask, < 0.9: random id
     random_ids = (random_bits(seed, chosen_counters + np.uint64(2)) % np.uint64(vocab_size)).astype(input_ids.dtype)
     masked = input_ids.copy()
     masked[chosen] = np.where(action < 0.8, mask_token_id, np.where(action < 0.9, random_ids, input_ids[chosen]))
@@ -2061,11 +2003,11 @@ def mask_tokens(
 class BatchMaker:
     """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
 
-    Examples are blocks (a 2-D array-like of max_seq_length - 2 tokens per row, grouped mode) or LineExamples.
-    Padding takes the place after </s>; the attention mask is 1 for tokens and 0 for padding. Each process
-    makes only its own rows of a global batch: it reads only their examples and masks them with random numbers
-    drawn for the row's number in the global batch (see mask_tokens), so the global batch is the same row for
-    row whatever the number of processes.
+    Examples are rows of max_seq_length - 2 tokens (a 2-D array-like): blocks of grouped texts, or with line_by_line
+    lines padded with pad_token_id, each ending at its last other token. Padding takes the place after </s>; the
+    attention mask is 1 for tokens and 0 for padding. Each process makes only its own rows of a global batch and
+    masks them with random numbers drawn for the row's number in the global batch (see mask_tokens), so the global
+    batch is the same row for row whatever the number of processes.
     """
 
     bos_token_id: int
@@ -2077,9 +2019,10 @@ class BatchMaker:
     mlm_probability: float
     max_seq_length: int
     pad_to_max_length: bool = False
+    line_by_line: bool = False
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, max_seq_length: int, mlm_probability: float, pad_to_max_length: bool):
+    def from_tokenizer(cls, tokenizer, max_seq_length: int, data_args):
         return cls(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
@@ -2087,9 +2030,10 @@ class BatchMaker:
             mask_token_id=tokenizer.mask_token_id,
             special_token_ids=tuple(sorted(set(tokenizer.all_special_ids))),
             random_token_count=len(tokenizer),
-            mlm_probability=mlm_probability,
+            mlm_probability=data_args.mlm_probability,
             max_seq_length=max_seq_length,
-            pad_to_max_length=pad_to_max_length,
+            pad_to_max_length=data_args.pad_to_max_length,
+            line_by_line=data_args.line_by_line,
         )
 
     def padded_length(self, longest: int) -> int:
@@ -2100,19 +2044,20 @@ class BatchMaker:
         return min(self.max_seq_length, max(16, 1 << (longest - 1).bit_length()))
 
     def example_lengths(self, examples, indices: np.ndarray) -> np.ndarray:
-        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length
-        truncated to fit max_seq_length. Reads only the offsets of lines, never their tokens."""
-        if isinstance(examples, LineExamples):
-            return np.minimum(examples.offsets[indices + 1] - examples.offsets[indices], self.max_seq_length - 2)
-        return np.full(len(indices), examples.shape[1])
+        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length (the
+        position after its last token that is not padding), which reads the rows."""
+        if not self.line_by_line:
+            return np.full(len(indices), examples.shape[1])
+        not_padding = np.asarray(examples[indices]) != self.pad_token_id
+        return (not_padding * np.arange(1, examples.shape[1] + 1)).max(axis=1, initial=0)
 
     def token_ids(
         self, examples, indices: np.ndarray, num_rows: int, rows: slice = slice(None)
     ) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, attention_mask), int32 (rows, length), unmasked: the rows `rows` of a batch of `num_rows`
         rows, examples[indices] and then empty examples (<s> </s>), which fill up a partial batch and have nothing
-        to predict. Only the examples of these rows are read; the length, the same on every process, is that of
-        the longest example of the whole batch, padded."""
+        to predict. The length, the same on every process, is that of the longest example of the whole batch,
+        padded: so of lines every row of the batch is read, of blocks only the rows `rows`."""
         row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
         row_lengths[: len(indices)] = self.example_lengths(examples, indices)
         length = self.padded_length(int(row_lengths.max()) + 2)
@@ -2120,11 +2065,8 @@ class BatchMaker:
 
         input_ids = np.full((len(row_lengths), length), self.pad_token_id, np.int32)
         input_ids[:, 0] = self.bos_token_id
-        if isinstance(examples, LineExamples):
-            for row, (start, size) in enumerate(zip(examples.offsets[own_indices], row_lengths)):
-                input_ids[row, 1 : size + 1] = examples.tokens[start : start + size]
-        elif len(own_indices):
-            input_ids[: len(own_indices), 1:-1] = examples[own_indices]
+        if len(own_indices):  # a line's row is padded already; a block fills the row
+            input_ids[: len(own_indices), 1:-1] = np.asarray(examples[own_indices])[:, : length - 2]
         input_ids[np.arange(len(row_lengths)), row_lengths + 1] = self.eos_token_id
         attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
         return input_ids, attention_mask
@@ -2165,8 +2107,7 @@ class BatchMaker:
         }
 
     def __call__(self, examples, indices: np.ndarray, num_rows: int, seed: tuple, rows: slice = slice(None)) -> dict:
-        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices] (see token_ids and
-        masked)."""
+        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices]."""
         input_ids, attention_mask = self.token_ids(examples, indices, num_rows, rows)
         return self.masked(input_ids, attention_mask, seed, np.arange(num_rows)[rows])
 
@@ -2179,12 +2120,9 @@ def train_batches(
     examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
 ) -> Iterator[tuple[dict, int]]:
     """This process's rows of each masked global batch of one epoch, from batch `first_batch` on, with the
-    global batch's number of tokens (padding left out).
-
-    The order and the masks are fixed by seed, epoch and batch, so a resumed run continues with the very
-    batches, masked the very same way, that the interrupted run would have seen. The examples left over
-    after the last full batch differ from epoch to epoch, so all data is seen.
-    """
+    global batch's number of tokens (padding left out). Order and masks are fixed by seed, epoch and batch, so a
+    resumed run goes on with the very batches the interrupted one would have seen; the examples left over after the
+    last full batch differ from epoch to epoch."""
     order = np.random.default_rng([seed, epoch]).permutation(len(examples))
     rows = process_slice(global_batch_size)
     for step in range(first_batch, len(examples) // global_batch_size):
@@ -2208,10 +2146,9 @@ def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed:
 def masked_stream_batches(
     block_batches: Iterable[dict], make_batch: BatchMaker, global_batch_size: int, seed: int, first_step: int
 ) -> Iterator[tuple[dict, int]]:
-    """Frame and mask this process's rows of the global batches of blocks packed from a stream
-    (streaming_train_batches, whose first batch is that of step `first_step`), with the global batch's number
-    of tokens. The masks of step s's batch are drawn from (seed, s), so a resumed run masks its batches as
-    the interrupted one would have."""
+    """This process's rows of the global batches of blocks from a stream (streaming_train_batches, from step
+    `first_step` on), framed and masked, with the global batch's number of tokens. Step s's masks are drawn from
+    (seed, s), so a resumed run masks its batches as the interrupted one would have."""
     row_numbers = np.arange(global_batch_size)[process_slice(global_batch_size)]
     for step, batch in zip(itertools.count(first_step), block_batches):
         blocks = batch["input_ids"]
@@ -2227,10 +2164,9 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     process) sees the same blocks."""
     streams = load_text_datasets(model_args, data_args, streaming=True)
     check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
-    if training_args.do_train and "train" not in streams:
-        raise UsageError("--do_train needs training data, and the dataset has no train split")
+    train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
     if not training_args.do_eval:
-        return {}, streams.get("train")
+        return {}, train_stream
     if "validation" not in streams:
         raise UsageError(
             "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
@@ -2239,65 +2175,51 @@ def load_streams(model_args, data_args, training_args, tokenizer, block_size: in
     column, count = data_args.text_column_name, data_args.max_eval_samples
     validation = first_blocks(streams["validation"], tokenizer, column, block_size, count, "validation")
     logger.info("validation: the first %d blocks of the stream", len(validation))
-    return {"validation": validation}, streams.get("train") if training_args.do_train else None
+    return {"validation": validation}, train_stream
 
 
-def load_data(model_args, data_args, training_args, tokenizer, max_seq_length: int) -> tuple[dict, Any]:
-    """{split: examples}, grouped blocks of max_seq_length - 2 tokens (which BatchMaker frames as
-    <s> block </s>) or LineExamples; with --streaming the training blocks come from a stream. Every process
-    holds all examples (memory-mapped) and reads only its rows of each batch.
-    """
-    block_size = max_seq_length - 2
-    examples, train_stream = {}, None
+# Copied from run_clm_flax.load_data
+def load_data(
+    model_args, data_args, training_args, tokenizer, block_size: int, length_argument: str
+) -> tuple[dict, Any]:
+    """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}: blocks, or
+    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
+    holds all rows (memory-mapped) and reads only its rows of each batch."""
+    train_stream = None
     if data_args.packed_data_dir:
-        examples = load_packed_corpus(
-            model_args, data_args, tokenizer, block_size, f"--max_seq_length {max_seq_length}"
-        )
+        examples = load_packed_corpus(model_args, data_args, tokenizer, block_size, length_argument)
         if not (training_args.do_train or training_args.do_eval):
             return examples, None
     elif data_args.streaming:
         examples, train_stream = load_streams(model_args, data_args, training_args, tokenizer, block_size)
     else:
-        # Process 0 tokenizes what the cache lacks; then the others find it there (or, on a cache of their own,
-        # tokenize it).
+        # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
         with main_process_first("data prepared"):
             evaluation_only = training_args.do_eval and not training_args.do_train
             texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
             check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
             cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
-            for split, dataset in texts.items():
-                if data_args.line_by_line:
-                    examples[split] = tokenize_lines(dataset, split, tokenizer, cache_dir, data_args)
-                else:
-                    examples[split] = cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
-    # Lines are held out as lines, blocks as blocks, whichever route they came by.
+            examples = {
+                split: cached_blocks(dataset, split, tokenizer, block_size, cache_dir, data_args)
+                for split, dataset in texts.items()
+            }
     examples = hold_out_blocks(examples, data_args.validation_split_percentage)
     if data_args.max_train_samples is not None and "train" in examples:
         examples["train"] = examples["train"][: data_args.max_train_samples]
     if data_args.max_eval_samples is not None and "validation" in examples:
         examples["validation"] = examples["validation"][: data_args.max_eval_samples]
-    for split, split_examples in examples.items():
-        if len(split_examples) == 0:
+    for split, rows in examples.items():
+        if len(rows) == 0:
             raise UsageError(
                 f"the {split} data has no non-empty lines"
-                if data_args.line_by_line
-                else f"the {split} data has fewer tokens than one block of {max_seq_length}; add text or lower "
-                "--max_seq_length"
+                if data_args.framing == "line_by_line"
+                else f"the {split} data has fewer tokens than one block of {block_size} ({length_argument}); add "
+                "text or lower it"
             )
     if training_args.do_train and "train" not in examples and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
     if training_args.do_eval and "validation" not in examples:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    if data_args.line_by_line:
-        for split, split_examples in examples.items():
-            lengths = np.diff(split_examples.offsets)
-            logger.info(
-                "%s: %d of %d lines are longer than %d tokens and get truncated",
-                split,
-                int(np.sum(lengths > max_seq_length - 2)),
-                len(lengths),
-                max_seq_length - 2,
-            )
     return examples, train_stream
 
 
@@ -2319,13 +2241,13 @@ def main():
     config, tokenizer = load_config_and_tokenizer(model_args)
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
-    examples, train_stream = load_data(model_args, data_args, training_args, tokenizer, max_seq_length)
+    examples, train_stream = load_data(
+        model_args, data_args, training_args, tokenizer, max_seq_length - 2, f"--max_seq_length {max_seq_length}"
+    )
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
-    make_batch = BatchMaker.from_tokenizer(
-        tokenizer, max_seq_length, data_args.mlm_probability, data_args.pad_to_max_length
-    )
+    make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
     model = FlaxRobertaForMaskedLM(
         config,
@@ -3861,10 +3783,10 @@ def save_model(output_dir: str, params, config, tokenizer):
 # ----------------------------------------------------------------------------------------------------
 
 
-# A packed corpus is a directory of token blocks: for each split, .npy shards of shape (blocks, block_size)
-# named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an index.json describing them, written last: a
-# directory without index.json is an unfinished one, never read. Ids are stored as uint16 when the
-# vocabulary fits (half the disk of int32) and always read as int32.
+# A packed corpus is a directory of token rows (blocks of grouped texts, or lines padded with the pad token): for
+# each split, .npy shards of shape (rows, block_size) named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an
+# index.json describing them, written last: a directory without index.json is an unfinished one, never read.
+# Ids are stored as uint16 when the vocabulary fits (half the disk of int32) and always read as int32.
 # Copied from run_clm_flax.PACKED_INDEX_FILE
 PACKED_INDEX_FILE = "index.json"
 
@@ -3887,10 +3809,10 @@ def fingerprint(value) -> str:
 
 
 # Copied from run_clm_flax.packed_description
-def packed_description(tokenizer, block_size: int, source: dict) -> dict:
-    """What a packed corpus holds, recorded in its index: the block size, the data it was packed from and a
-    fingerprint of everything in the tokenizer that changes the ids (vocabulary, merges, normalisation, special
-    tokens)."""
+def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
+    """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
+    line_by_line), the data it was packed from and a fingerprint of everything in the tokenizer that changes the ids
+    (vocabulary, merges, normalisation, special tokens)."""
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
@@ -3899,7 +3821,12 @@ def packed_description(tokenizer, block_size: int, source: dict) -> dict:
         "eos_token_id": tokenizer.eos_token_id,
         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
     }
-    return {"block_size": block_size, "tokenizer_fingerprint": fingerprint(tokenizer_settings), "source": source}
+    return {
+        "block_size": block_size,
+        "framing": framing,
+        "tokenizer_fingerprint": fingerprint(tokenizer_settings),
+        "source": source,
+    }
 
 
 # Copied from run_clm_flax.write_packed_split
@@ -3954,8 +3881,8 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
 
 # Copied from run_clm_flax.write_packed_corpus
 def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
-    """Pack each split's block arrays ({split: iterable of (count, block_size) arrays}) into `directory`,
-    then write the index (with `description`: block_size, tokenizer fingerprint, source) and return it.
+    """Pack each split's row arrays ({split: iterable of (count, block_size) arrays}) into `directory`, then write
+    the index (with `description`, from packed_description) and return it.
 
     The index is removed first and written last, so an interrupted write leaves a directory that is
     recognised as unfinished; shards left by an earlier unfinished write are replaced.
@@ -4010,22 +3937,13 @@ def packed_shards_problem(directory: str, index: dict) -> str | None:
     memory-mapped, maybe hours into the run."""
     for entry in index["splits"].values():
         for shard in entry["shards"]:
-            path = os.path.join(directory, shard["file"])
-            try:
-                with open(path, "rb") as file:
-                    if np.lib.format.read_magic(file) == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-                    expected_size = file.tell() + math.prod(shape) * dtype.itemsize
-                    size = os.fstat(file.fileno()).st_size
-            except (OSError, ValueError) as error:
-                return f"{shard['file']} cannot be read ({error})"
+            try:  # mapping the file checks its header, and that it holds every element the header promises
+                shape = np.load(os.path.join(directory, shard["file"]), mmap_mode="r").shape
+            except (OSError, ValueError, EOFError) as error:
+                return f"{shard['file']} is cut short or unreadable ({error})"
             expected = (shard["num_blocks"], index["block_size"])
-            if tuple(shape) != expected:
-                return f"{shard['file']} holds an array of shape {tuple(shape)}, not the {expected} the index lists"
-            if size < expected_size:
-                return f"{shard['file']} is cut short ({size} of {expected_size} bytes)"
+            if shape != expected:
+                return f"{shard['file']} holds an array of shape {shape}, not the {expected} the index lists"
     return None
 
 
@@ -4100,9 +4018,9 @@ def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
     return blocks
 
 
-# What an interrupted run leaves in the cache directory: unfinished packed corpora and line caches.
+# What an interrupted run leaves in the cache directory: unfinished packed corpora.
 # Copied from run_clm_flax.STALE_TEMPORARY_NAME
-STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp|lines-.*\.\d+\.tmp\.npy")
+STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp")
 
 
 # Copied from run_clm_flax.STALE_AFTER_SECONDS

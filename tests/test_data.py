@@ -291,7 +291,7 @@ def load_data(tmp_path, tokenizer, do_train=True, do_eval=True, **data_overrides
     model_args = run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
     data_args = run_clm_flax.DataTrainingArguments(**{"train_file": str(CORPUS / "train.txt"), **data_overrides})
     training_args = run_clm_flax.TrainingArguments(str(tmp_path / "out"), do_train=do_train, do_eval=do_eval)
-    return run_clm_flax.load_data(model_args, data_args, training_args, tokenizer, 32)[0]
+    return run_clm_flax.load_data(model_args, data_args, training_args, tokenizer, 32, "--block_size 32")[0]
 
 
 def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_format(tokenizer, tmp_path, monkeypatch):

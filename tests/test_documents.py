@@ -96,8 +96,14 @@ def test_each_split_is_read_with_the_builder_of_its_own_format(tmp_path):
 
 def test_dropping_line_breaks_is_refused_unless_reading_lines(tmp_path):
     write_text_files(tmp_path)
+    model_args = run_clm_flax.ModelArguments(tokenizer_name="unused")
+    data_args = run_clm_flax.DataTrainingArguments(train_file=str(tmp_path / "a.txt"), keep_linebreaks=False)
+    training_args = run_clm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     with pytest.raises(run_clm_flax.UsageError, match="--keep_linebreaks False applies to --text_sample_by line only"):
-        load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False)
+        run_clm_flax.check_arguments(model_args, data_args, training_args)
+    data_args = run_clm_flax.DataTrainingArguments(train_file=str(tmp_path / "a.txt"), text_sample_by="sentence")
+    with pytest.raises(run_clm_flax.UsageError, match="--text_sample_by sentence is not one of document, paragraph"):
+        run_clm_flax.check_arguments(model_args, data_args, training_args)  # as a JSON file of arguments may say
     lines = load(tmp_path, train_file=str(tmp_path / "a.txt"), keep_linebreaks=False, text_sample_by="line")["train"]
     assert lines[0] == {"text": "A first file."}
 
@@ -210,8 +216,10 @@ def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(
 
 
 @pytest.mark.parametrize("line_by_line", [True, False], ids=["lines", "blocks"])
-def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, recipe_tokenizer, tmp_path):
+def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, recipe_dir, tmp_path):
     import run_mlm_flax
+
+    recipe_tokenizer = AutoTokenizer.from_pretrained(recipe_dir, pad_token="<pad>")  # lines are padded with it
 
     lines = [f"Line {number} of a file of forty lines, each its own example.\n" for number in range(40)]
     (tmp_path / "lines.txt").write_text("".join(lines))
@@ -219,13 +227,12 @@ def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, re
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
-    examples, _ = run_mlm_flax.load_data(model_args, data_args, training_args, recipe_tokenizer, 18)
-    if line_by_line:  # 2 of 40 lines, the first ones
+    examples, _ = run_mlm_flax.load_data(model_args, data_args, training_args, recipe_tokenizer, 16, "")
+    if line_by_line:  # 2 of 40 lines, the first ones, each a row of 16 tokens: cut short, or padded
         assert (len(examples["validation"]), len(examples["train"])) == (2, 38)
-        first = examples["validation"].tokens[: examples["validation"].offsets[1]]
-        assert recipe_tokenizer.decode(first) == lines[0].rstrip("\n")
-        train = examples["train"]
-        assert recipe_tokenizer.decode(train.tokens[train.offsets[0] : train.offsets[1]]) == lines[2].rstrip("\n")
+        for row, line in ((examples["validation"][0], lines[0]), (examples["train"][0], lines[2])):
+            tokens = recipe_tokenizer(line.rstrip("\n"), add_special_tokens=False)["input_ids"]
+            np.testing.assert_array_equal(row, (tokens + [recipe_tokenizer.pad_token_id] * 16)[:16])
     else:  # one document, cut into blocks of 16 tokens: 5% of them held out, the first ones
         tokens = recipe_tokenizer("".join(lines), add_special_tokens=False)["input_ids"] + [2]
         blocks = np.array(tokens[: len(tokens) // 16 * 16]).reshape(-1, 16)

@@ -432,16 +432,14 @@ def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, tmp_path
     cache_dir = str(tmp_path / "lines")
 
     def tokenize():
-        return mlm.tokenize_lines(text_dataset, "train", tokenizer, cache_dir, mlm.DataTrainingArguments())
+        data_args = mlm.DataTrainingArguments(line_by_line=True)
+        return mlm.cached_blocks(text_dataset, "train", tokenizer, 30, cache_dir, data_args)
 
-    expected = tokenize()
-    (tokens_file,) = [name for name in os.listdir(cache_dir) if name.startswith("lines-") and "tokens" in name]
-    cut_in_half(os.path.join(cache_dir, tokens_file))
+    expected = np.asarray(tokenize())
+    cut_in_half(os.path.join(tokenize().directory, "train-00000.npy"))
     with caplog.at_level(logging.WARNING, logger=mlm.logger.name):
-        again = tokenize()
-    np.testing.assert_array_equal(again.tokens, expected.tokens)
-    np.testing.assert_array_equal(again.offsets, expected.offsets)
-    assert "are damaged" in caplog.text
+        np.testing.assert_array_equal(np.asarray(tokenize()), expected)
+    assert "is damaged (train-00000.npy is cut short" in caplog.text
 
 
 def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset, paths, tmp_path):
@@ -449,9 +447,7 @@ def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset,
     next run removes those untouched for ten minutes, and leaves a fresh one, which may be a live run's."""
     cache_dir = str(tmp_path / "packed")
     os.makedirs(cache_dir)
-    stale = [
-        os.path.join(cache_dir, name) for name in ("lines-0123abcd-tokens.npy.4242.tmp.npy", "packed-0123.4242.tmp")
-    ]
+    stale = [os.path.join(cache_dir, name) for name in ("packed-89ab.4241.tmp", "packed-0123.4242.tmp")]
     fresh = os.path.join(cache_dir, "packed-4567.4243.tmp")
     kept = os.path.join(cache_dir, "notes-packed-0123.4242.tmp")
     with open(stale[0], "wb") as file:

@@ -52,10 +52,9 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def batch_maker(tokenizer, max_seq_length=SEQUENCE_LENGTH, **options):
-    return run_mlm_flax.BatchMaker.from_tokenizer(
-        tokenizer, max_seq_length, options.pop("mlm_probability", 0.15), options.pop("pad_to_max_length", False)
-    )
+def batch_maker(tokenizer, max_seq_length=SEQUENCE_LENGTH, **data_arguments):
+    data_args = run_mlm_flax.DataTrainingArguments(**data_arguments)
+    return run_mlm_flax.BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
 
 def chosen_positions(batch):
@@ -66,10 +65,10 @@ def chosen_positions(batch):
     return chosen
 
 
-def tokenize_lines(dataset, tokenizer, cache_dir):
-    return run_mlm_flax.tokenize_lines(
-        dataset, "train", tokenizer, str(cache_dir), run_mlm_flax.DataTrainingArguments()
-    )
+def line_rows(dataset, tokenizer, cache_dir, max_seq_length=SEQUENCE_LENGTH):
+    """The --line_by_line rows of a dataset: a packed corpus cached in cache_dir."""
+    data_args = run_mlm_flax.DataTrainingArguments(line_by_line=True)
+    return run_mlm_flax.cached_blocks(dataset, "train", tokenizer, max_seq_length - 2, str(cache_dir), data_args)
 
 
 def text_dataset(path, cache_dir):
@@ -103,31 +102,35 @@ def test_grouped_blocks_are_the_texts_joined_with_separators_and_framed_as_s_to_
     np.testing.assert_array_equal(input_ids[:, 1:-1].reshape(-1), joined[: len(blocks) * (SEQUENCE_LENGTH - 2)])
 
 
-def test_line_by_line_keeps_every_non_empty_line_and_caches_the_tokens(tokenizer, tmp_path):
-    lines = ["The first line.", "", "   ", "A second, longer line of the file.", "Third."]
+def test_line_by_line_keeps_every_non_empty_line_as_a_padded_row_and_caches_the_rows(
+    tokenizer, tmp_path, monkeypatch, caplog
+):
+    lines = ["The first line.", "", "   ", "A second, longer line of the file.", "Third.", "word " * 40]
     data_file = tmp_path / "lines.txt"
     data_file.write_text("\n".join(lines) + "\n")
     dataset = text_dataset(data_file, tmp_path / "cache")
 
-    examples = tokenize_lines(dataset, tokenizer, tmp_path / "cache")
+    with caplog.at_level("INFO", logger=run_mlm_flax.logger.name):
+        rows = np.asarray(line_rows(dataset, tokenizer, tmp_path / "cache", max_seq_length=16))
     kept = [line for line in lines if line.strip()]
-    assert len(examples) == len(kept)
-    for index, line in enumerate(kept):
-        expected = tokenizer(line, add_special_tokens=False)["input_ids"]  # the line break is removed
-        np.testing.assert_array_equal(examples.tokens[examples.offsets[index] : examples.offsets[index + 1]], expected)
+    token_lists = [tokenizer(line, add_special_tokens=False)["input_ids"] for line in kept]  # no line breaks
+    assert rows.shape == (len(kept), 14)
+    for row, tokens in zip(rows, token_lists):
+        np.testing.assert_array_equal(row[: len(tokens)], tokens[:14])
+        assert (row[len(tokens) :] == tokenizer.pad_token_id).all()
+    longer = sum(len(tokens) > 14 for tokens in token_lists)
+    assert 0 < longer < len(kept) and f"train: {longer} of 4 lines are longer than 14 tokens" in caplog.text
 
-    cached = tokenize_lines(dataset, tokenizer, tmp_path / "cache")
-    assert isinstance(cached.tokens, np.memmap), "the second call should read the tokens from the cache"
-    np.testing.assert_array_equal(cached.offsets, examples.offsets)
-    assert len(cached[:2]) == 2 and len(cached[2:]) == len(kept) - 2
-    np.testing.assert_array_equal(cached[2:].offsets, cached.offsets[2:])
+    monkeypatch.setattr(run_mlm_flax, "pack_texts", None)  # the second call must not tokenize
+    np.testing.assert_array_equal(np.asarray(line_rows(dataset, tokenizer, tmp_path / "cache", 16)), rows)
 
 
 def test_line_batches_are_padded_with_an_attention_mask_and_padding_is_never_masked(tokenizer):
-    lengths = [3, 20, 9, 100]  # the last one is longer than max_seq_length - 2
-    tokens = np.concatenate([np.full(length, 500 + row, np.int32) for row, length in enumerate(lengths)])
-    examples = run_mlm_flax.LineExamples(tokens, np.concatenate([[0], np.cumsum(lengths)]))
-    make_batch = batch_maker(tokenizer, mlm_probability=0.5)
+    lengths = [3, 20, 9, 62]  # the last one fills its row: a line truncated to max_seq_length - 2
+    examples = np.full((len(lengths), SEQUENCE_LENGTH - 2), tokenizer.pad_token_id, np.int32)
+    for row, length in enumerate(lengths):
+        examples[row, :length] = 500 + row
+    make_batch = batch_maker(tokenizer, mlm_probability=0.5, line_by_line=True)
 
     input_ids, attention_mask = make_batch.token_ids(examples, np.arange(3), num_rows=4)
     assert input_ids.shape == (4, 32)  # longest row 20 + 2, padded to the next power of two
@@ -140,7 +143,9 @@ def test_line_batches_are_padded_with_an_attention_mask_and_padding_is_never_mas
 
     truncated, _ = make_batch.token_ids(examples, np.array([3]), num_rows=1)
     assert truncated.shape == (1, SEQUENCE_LENGTH) and truncated[0, -1] == tokenizer.eos_token_id
-    padded_to_max, _ = batch_maker(tokenizer, pad_to_max_length=True).token_ids(examples, np.array([0]), 1)
+    padded_to_max, _ = batch_maker(tokenizer, pad_to_max_length=True, line_by_line=True).token_ids(
+        examples, np.array([0]), 1
+    )
     assert padded_to_max.shape == (1, SEQUENCE_LENGTH)
 
     for seed in range(20):
@@ -157,8 +162,8 @@ def test_line_batches_are_padded_with_an_attention_mask_and_padding_is_never_mas
 
 
 def test_masking_of_real_batches_chooses_the_mlm_probability_and_no_special_token(tokenizer, tmp_path):
-    examples = tokenize_lines(text_dataset(TRAIN_FILE, tmp_path), tokenizer, tmp_path)
-    make_batch = batch_maker(tokenizer)
+    examples = line_rows(text_dataset(TRAIN_FILE, tmp_path), tokenizer, tmp_path)
+    make_batch = batch_maker(tokenizer, line_by_line=True)
     indices = np.arange(len(examples))
     original, attention_mask = make_batch.token_ids(examples, indices, len(examples))
     batch = make_batch(examples, indices, len(examples), (0,))

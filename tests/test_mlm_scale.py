@@ -44,8 +44,9 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def batch_maker(tokenizer, max_seq_length=SEQUENCE_LENGTH):
-    return run_mlm_flax.BatchMaker.from_tokenizer(tokenizer, max_seq_length, 0.15, pad_to_max_length=False)
+def batch_maker(tokenizer, max_seq_length=SEQUENCE_LENGTH, line_by_line=False):
+    data_args = run_mlm_flax.DataTrainingArguments(line_by_line=line_by_line)
+    return run_mlm_flax.BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
 
 def training_arguments(model_dir, output_dir, *extra) -> list[str]:
@@ -213,10 +214,11 @@ def random_blocks(num_blocks):
     return np.random.default_rng(0).integers(5, 1000, (num_blocks, SEQUENCE_LENGTH - 2)).astype(np.int32)
 
 
-def line_examples(num_lines):  # some longer than a sequence, truncated when batched
-    lengths = np.random.default_rng(0).integers(1, 60, num_lines)
-    tokens = np.random.default_rng(1).integers(5, 1000, int(lengths.sum())).astype(np.int32)
-    return run_mlm_flax.LineExamples(tokens, np.concatenate([[0], np.cumsum(lengths)]))
+def line_rows(num_lines):  # lines of 1 to SEQUENCE_LENGTH - 2 tokens, padded to SEQUENCE_LENGTH - 2
+    rows = random_blocks(num_lines)
+    lengths = np.random.default_rng(1).integers(1, SEQUENCE_LENGTH - 1, num_lines)
+    rows[np.arange(SEQUENCE_LENGTH - 2) >= lengths[:, None]] = 1  # <pad>
+    return rows
 
 
 def batches_per_process(monkeypatch, num_processes, make_batches):
@@ -230,8 +232,8 @@ def batches_per_process(monkeypatch, num_processes, make_batches):
 
 @pytest.mark.parametrize("mode", ["grouped", "line_by_line"])
 def test_the_rows_each_process_masks_make_up_the_single_process_batch(mode, tokenizer, monkeypatch):
-    make_batch = batch_maker(tokenizer)
-    examples = random_blocks(40) if mode == "grouped" else line_examples(40)
+    make_batch = batch_maker(tokenizer, line_by_line=mode == "line_by_line")
+    examples = random_blocks(40) if mode == "grouped" else line_rows(40)
 
     def training():
         return (batch for batch, _ in run_mlm_flax.train_batches(examples, make_batch, 8, seed=1, epoch=2))
@@ -311,6 +313,52 @@ def test_packed_data_dir_holds_the_grouped_blocks_of_the_files_in_shards(packed_
         np.testing.assert_array_equal(np.asarray(blocks[split]), expected, err_msg=split)
 
 
+def test_line_by_line_rows_of_the_token_cache_and_of_a_packed_data_dir_are_the_same(tokenizer, tmp_path):
+    model_args = run_mlm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"), tokenizer_name="unused")
+    training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
+    examples = {}
+    for route, packed_data_dir, streaming in (
+        ("cache", None, False),
+        ("packed", str(tmp_path / "packed"), False),
+        ("packed from a stream", str(tmp_path / "packed-stream"), True),
+    ):
+        data_args = run_mlm_flax.DataTrainingArguments(
+            train_file=str(CORPUS / "validation.txt"),
+            line_by_line=True,
+            packed_data_dir=packed_data_dir,
+            streaming=streaming,
+        )
+        run_mlm_flax.check_arguments(model_args, data_args, training_args)
+        examples[route], _ = run_mlm_flax.load_data(
+            model_args, data_args, training_args, tokenizer, SEQUENCE_LENGTH - 2, ""
+        )
+    for split in ("train", "validation"):
+        for route in ("packed", "packed from a stream"):
+            np.testing.assert_array_equal(np.asarray(examples[route][split]), np.asarray(examples["cache"][split]))
+    first_line = next(line for line in (CORPUS / "validation.txt").read_text().splitlines() if line.strip())
+    tokens = tokenizer(first_line, add_special_tokens=False)["input_ids"][: SEQUENCE_LENGTH - 2]
+    held_out = np.asarray(examples["packed"]["validation"][0])  # the first line, padded with <pad>
+    np.testing.assert_array_equal(held_out[: len(tokens)], tokens)
+    assert (held_out[len(tokens) :] == tokenizer.pad_token_id).all()
+
+
+@pytest.mark.parametrize("line_by_line", [True, False], ids=["grouped-read-as-lines", "lines-read-as-grouped"])
+def test_a_packed_data_dir_of_the_other_framing_is_refused(line_by_line, packed_dir, tokenizer, tmp_path):
+    if not line_by_line:  # a corpus of lines, packed by a run with --line_by_line
+        packed_dir = tmp_path / "lines"
+        lines_args = run_mlm_flax.DataTrainingArguments(
+            packed_data_dir=str(packed_dir),
+            train_file=str(CORPUS / "validation.txt"),
+            line_by_line=True,
+            text_sample_by="line",
+        )
+        run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), lines_args, tokenizer, SEQUENCE_LENGTH - 2, "")
+    data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir), line_by_line=line_by_line)
+    recorded, expected = ("grouped", "line_by_line") if line_by_line else ("line_by_line", "grouped")
+    with pytest.raises(run_mlm_flax.UsageError, match=rf"holds {recorded} rows, not {expected} ones; use another"):
+        run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, tokenizer, SEQUENCE_LENGTH - 2, "")
+
+
 def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokenizer):
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir))
     with pytest.raises(
@@ -330,11 +378,7 @@ def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokeni
     [
         (
             ["--line_by_line", "--streaming", "--max_steps", "5"],
-            "--line_by_line cannot be combined with --streaming, ",
-        ),
-        (
-            ["--line_by_line", "--packed_data_dir", "{tmp}/packed"],
-            "--line_by_line cannot be combined with --packed_data_dir, ",
+            "--line_by_line cannot be combined with --streaming alone, .* add --packed_data_dir",
         ),
         (["--streaming"], "--streaming needs --max_steps"),
         (
