@@ -613,7 +613,7 @@ ACTIVATIONS = {
 }
 
 
-def check_gpt2_config(config):
+def check_model_config(config):
     if config.model_type != "gpt2":
         raise UsageError(
             f"this script trains GPT-2 but the config is of model type '{config.model_type}'; "
@@ -2025,7 +2025,7 @@ def main():
     on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
 
     config, tokenizer = load_config_and_tokenizer(model_args)
-    check_gpt2_config(config)
+    check_model_config(config)
     block_size = choose_block_size(data_args, tokenizer, config)
     blocks, train_stream = load_data(
         model_args, data_args, training_args, tokenizer, block_size, f"--block_size {block_size}"
@@ -2047,7 +2047,9 @@ def main():
     output_dir_lock = on_process_zero(  # noqa: F841
         lambda: prepare_output_dir(training_args, progress.step), f"lock --output_dir {training_args.output_dir}"
     )
-    arguments = saved_arguments(model_args, data_args, training_args)
+    # All arguments, recorded in the checkpoints and the trackers; the hub token is never written.
+    arguments = {**asdict(model_args), **asdict(data_args), **asdict(training_args)}
+    del arguments["token"]
     trackers = open_trackers(
         training_args, progress.step > 0, arguments, config.to_diff_dict(), Evaluation.metric_tags
     )
@@ -2485,12 +2487,35 @@ class TrainingLog:
 
     def read(self, step: int, progress: TrainingProgress, checkpoints):
         """Wait for the steps not yet read and add the finite ones to `progress`: checked here, before each save, no
-        non-finite step goes unnoticed into a checkpoint."""
+        non-finite step goes unnoticed into a checkpoint. Such a step's update was never applied; it stops the run,
+        or is logged and skipped with --skip_nonfinite_steps."""
         fetched = jax.device_get(self.unread)
-        finite = finite_steps(fetched, step - len(fetched) + 1, self.skip_nonfinite_steps, checkpoints)
+        first_step = step - len(fetched) + 1
+        bad_steps = [first_step + index for index, metrics in enumerate(fetched) if not metrics["finite"]]
+        if bad_steps and not self.skip_nonfinite_steps:
+            raise self.nonfinite_error(bad_steps[0], checkpoints)
+        for bad_step in bad_steps:
+            logger.warning("step %d: the loss or gradient norm is not finite; the update was skipped", bad_step)
+        finite = [metrics for metrics in fetched if metrics["finite"]]
         progress.add(finite)
         self.window += finite
         self.unread = []
+
+    @staticmethod
+    def nonfinite_error(step: int, checkpoints) -> UsageError:
+        newest = checkpoints.latest_step()
+        if newest is None:
+            advice = "no training checkpoint was saved yet. Lower --learning_rate and start again"
+        else:
+            last_good = os.path.join(str(checkpoints.directory), str(newest))
+            advice = (
+                f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with "
+                "--resume_from_checkpoint"
+            )
+        return UsageError(
+            f"the loss or gradient norm is not finite at step {step}; its update was not applied and nothing "
+            f"was saved after it; {advice}, or pass --skip_nonfinite_steps to skip such steps"
+        )
 
     def write(self, step: int):
         """The log line of the steps read since the last one."""
@@ -3094,11 +3119,6 @@ def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState
         )
 
 
-def saved_arguments(*argument_groups) -> dict:
-    """All arguments, for the checkpoint's record; the hub token is never written."""
-    return {name: value for group in argument_groups for name, value in asdict(group).items() if name != "token"}
-
-
 class StopRequest:
     """In its `with` block, Ctrl-C (SIGINT) or a preemption notice (SIGTERM) asks the loop to save a checkpoint and
     stop after the current step. A second Ctrl-C stops at once."""
@@ -3134,29 +3154,6 @@ class StopRequest:
             return False
         self.signal_name = self.signal_name or "a signal to another process"
         return True
-
-
-def finite_steps(step_metrics: list[dict], first_step: int, skip_nonfinite: bool, checkpoints) -> list[dict]:
-    """The metrics of the steps whose loss and gradient norm were finite. A non-finite step stops the run,
-    or is reported and skipped with --skip_nonfinite_steps (its update was never applied either way)."""
-    bad_steps = [first_step + index for index, metrics in enumerate(step_metrics) if not metrics["finite"]]
-    if bad_steps and not skip_nonfinite:
-        newest = checkpoints.latest_step()
-        if newest is None:
-            advice = "no training checkpoint was saved yet. Lower --learning_rate and start again"
-        else:
-            last_good = os.path.join(str(checkpoints.directory), str(newest))
-            advice = (
-                f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with "
-                "--resume_from_checkpoint"
-            )
-        raise UsageError(
-            f"the loss or gradient norm is not finite at step {bad_steps[0]}; its update was not applied and nothing "
-            f"was saved after it; {advice}, or pass --skip_nonfinite_steps to skip such steps"
-        )
-    for step in bad_steps:
-        logger.warning("step %d: the loss or gradient norm is not finite; the update was skipped", step)
-    return [metrics for metrics in step_metrics if metrics["finite"]]
 
 
 class TensorBoardWriter:

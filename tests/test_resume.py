@@ -222,6 +222,23 @@ def test_checkpoint_of_another_optimizer_is_refused(model_dir, uninterrupted_run
 
 
 @pytest.mark.parametrize(
+    "location, message",
+    [
+        ("elsewhere", "there are no training checkpoints in {tmp_path}/elsewhere"),
+        ("checkpoints/8", "there is no complete training checkpoint at {tmp_path}/checkpoints/8"),
+        ("checkpoints", "there is no readable training checkpoint in {tmp_path}/checkpoints"),
+    ],
+)
+def test_resume_from_a_location_without_a_complete_checkpoint_is_refused(location, message, tmp_path):
+    # All a run killed during its first save leaves: the temporary directory Orbax was writing checkpoint 8 into.
+    (tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp").mkdir(parents=True)
+    with pytest.raises(run_clm_flax.UsageError) as error:
+        # The state is never read: each location is refused before any checkpoint is opened.
+        run_clm_flax.restore_checkpoint(str(tmp_path / location), str(tmp_path), None, ["step"])
+    assert str(error.value) == "--resume_from_checkpoint: " + message.format(tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize(
     "content, extra_arguments, message",
     [
         (b"", [], "is empty"),
