@@ -1,0 +1,469 @@
+"""The arguments both training scripts take, and the checks that refuse a mistake before any work starts.
+
+Each script adds its own (the sequence length, its data framing, what it shows at evaluation) by subclassing
+DataArguments and CommonTrainingArguments.
+"""
+
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field, fields
+
+import jax
+from transformers import HfArgumentParser
+
+from flax_lm.errors import UsageError
+from flax_lm.mesh import create_mesh
+from flax_lm.tracking import trackers_to_report
+
+
+@dataclass
+class ModelArguments:
+    """Which model, config and tokenizer to start from, and how the model computes."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A checkpoint of this script's model to continue from: a local directory holding "
+            "config.json and model.safetensors, or a hub name. Leave unset to train from scratch."
+        },
+    )
+    # Each script sets the default to its own model: run_clm_flax.py gpt2, run_mlm_flax.py roberta.
+    model_type: str = field(
+        default="gpt2", metadata={"help": "This script's model; without --config_name, its default config is trained."}
+    )
+    config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."}
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Computation dtype: float32, bfloat16 or float16. Logits and the loss are always computed in "
+            "float32.",
+            "choices": ["float32", "bfloat16", "float16"],
+        },
+    )
+    param_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype of the parameters and the optimizer state. float32 (the default) keeps small updates "
+            "from being rounded away; bfloat16 halves their memory.",
+            "choices": ["float32", "bfloat16"],
+        },
+    )
+    gradient_checkpointing: str | None = field(
+        default=None,
+        metadata={
+            "help": "Recompute each layer's activations in the backward pass instead of storing them. Alone (or true) "
+            "it keeps nothing (nothing_saveable, least memory); or name what it keeps: dots_saveable (matmul outputs: "
+            "less recomputation) or dots_with_no_batch_dims_saveable (in between).",
+            "nargs": "?",
+            "const": "nothing_saveable",
+        },
+    )
+    token: str | None = field(
+        default=None,
+        metadata={"help": "Hugging Face hub token for private models or datasets. Never logged or saved."},
+    )
+    allow_pickle_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "Also load --model_name_or_path from a pytorch_model.bin (a pickle; needs PyTorch). Only for "
+            "files you trust; safetensors needs no such opt-in."
+        },
+    )
+
+
+# Shards of a packed corpus hold this many tokens (512 MiB as uint16); the last shard of a split may hold fewer.
+PACKED_TOKENS_PER_SHARD = 2**28
+
+
+@dataclass
+class DataArguments:
+    """Where the texts come from and how they are read, tokenized and stored; each script adds its sequence length."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "A `datasets` hub name, or a local directory: one written by Dataset.save_to_disk, or one "
+            "holding data files."
+        },
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "The configuration of the dataset given by --dataset_name."}
+    )
+    train_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."
+        },
+    )
+    validation_file: str | None = field(
+        default=None,
+        metadata={"help": "Evaluation text, in the same formats as --train_file."},
+    )
+    text_column_name: str = field(
+        default="text", metadata={"help": "The column holding the text (txt files always give 'text')."}
+    )
+    skip_missing_texts: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave out rows whose text is missing or null (counted in the log) instead of stopping there."
+        },
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Keep only this many training examples (for quick runs and debugging)."}
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many evaluation examples."})
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Tokenize and pack again even if a cached result exists."}
+    )
+    validation_split_percentage: int = field(
+        default=5,
+        metadata={
+            "help": "Without a validation split, the first this percent of the training examples (after packing, "
+            "so that a corpus of one document can be split too) are held out for evaluation, whichever the route."
+        },
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Processes that tokenize the texts, spawned (a forked copy of JAX's threads can deadlock); not "
+            "for a stream tokenized while training."
+        },
+    )
+    text_sample_by: str = field(
+        default="document",
+        metadata={
+            "help": "What one document of a .txt file is, each followed by the end-of-text token: 'document' (the "
+            "whole file, as written), 'paragraph' (text between blank lines) or 'line'. Rows of other formats are "
+            "always one document each.",
+            "choices": ["document", "paragraph", "line"],
+        },
+    )
+    keep_linebreaks: bool = field(
+        default=True,
+        metadata={"help": "With --text_sample_by line, keep the line break at the end of each line."},
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read the data as a stream, never copied to disk first: for corpora larger than memory or disk. "
+            "Alone, texts are tokenized and packed on the fly while training, which needs --max_steps; with "
+            "--packed_data_dir, the stream is packed into its shards once and training reads those."
+        },
+    )
+    shuffle_buffer_size: int = field(
+        default=10000,
+        metadata={
+            "help": "With --streaming (and no --packed_data_dir): texts held in the buffer the stream is shuffled "
+            "through, an approximate shuffle; 0 keeps the stream's order."
+        },
+    )
+    packed_data_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "A directory of packed token rows in memory-mappable shards. Used as it is when it holds the "
+            "data packed with this tokenizer, sequence length and framing; otherwise the data arguments are tokenized "
+            "and packed into it first (by process 0). Later runs and every process read only the rows they need, "
+            "nothing is tokenized again. Refused when packed with another tokenizer, length, framing or data."
+        },
+    )
+    packed_tokens_per_shard: int = field(
+        default=PACKED_TOKENS_PER_SHARD,
+        metadata={
+            "help": "Tokens per shard file of a packed corpus, in --packed_data_dir or the token cache under "
+            "--cache_dir (rounded down to whole blocks)."
+        },
+    )
+    # How texts become the rows of a packed corpus, recorded in it so that one is never read as the other: "grouped"
+    # (texts joined and cut into blocks), or "line_by_line" (a row per line, run_mlm_flax.py --line_by_line).
+    framing = "grouped"
+
+
+@dataclass
+class CommonTrainingArguments:
+    """The training arguments both scripts take; each script's TrainingArguments adds its own."""
+
+    output_dir: str = field(
+        metadata={"help": "Where the model, its tokenizer, the results and the TensorBoard logs are written."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an output directory that already holds one: its checkpoints, TensorBoard logs "
+            "and results are removed (the model files are overwritten by this run's)."
+        },
+    )
+    do_train: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the model. With neither --do_train nor --do_eval: train (given training data) and "
+            "evaluate, or with --packed_data_dir only pack the data."
+        },
+    )
+    do_eval: bool = field(default=False, metadata={"help": "Evaluate on the validation set."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Sequences per device per step; the global batch is this times the device count."}
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
+    gradient_accumulation_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Micro-batches whose gradients are summed into one update: the global batch becomes "
+            "per_device_train_batch_size x devices x this, in the memory of one micro-batch."
+        },
+    )
+    mesh_shape: str | None = field(
+        default=None,
+        metadata={
+            "help": "How the devices are arranged, e.g. data=2,fsdp=4: the batch is split over all devices, and "
+            "parameters, gradients and optimizer state over the fsdp axis (like ZeRO-3). Default: data=all devices."
+        },
+    )
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW weight decay; biases and LayerNorm parameters are never decayed."}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
+    max_steps: int = field(
+        default=-1, metadata={"help": "Steps to train; when positive, overrides --num_train_epochs."}
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "Steps of linear warm-up from 0 to the learning rate."})
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Warm-up as a fraction of all steps; used when --warmup_steps is 0."}
+    )
+    lr_scheduler_type: str = field(
+        default="linear",
+        metadata={
+            "help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
+            "choices": ["linear", "cosine", "constant"],
+        },
+    )
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm; 0: no clipping."})
+    logging_steps: int = field(default=500, metadata={"help": "Steps between log lines of the training loss."})
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"],
+        metadata={
+            "help": "Where to report the metrics, arguments and results: tensorboard, wandb, mlflow (each needs its "
+            "package), all (TensorBoard and the others installed) or none; several as a comma list."
+        },
+    )
+    save_steps: int = field(default=500, metadata={"help": "Steps between saves of a checkpoint and the model."})
+    save_total_limit: int = field(
+        default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "Continue from a training checkpoint: a directory OUTPUT_DIR/checkpoints/STEP, or no value (or "
+            "auto) for the newest readable one in --output_dir, starting afresh when there is none and exiting at "
+            "once when the run is complete, so the same command can be repeated until the run is done.",
+            "nargs": "?",
+            "const": "auto",
+        },
+    )
+    skip_nonfinite_steps: bool = field(
+        default=False,
+        metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
+    )
+    eval_steps: int | None = field(default=None, metadata={"help": "Evaluate this often; default: --logging_steps."})
+    seed: int = field(
+        default=42,
+        metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
+    )
+    ignore_data_skip: bool = field(
+        default=False,
+        metadata={
+            "help": "When resuming a --streaming run, start the stream afresh instead of re-reading (and "
+            "re-tokenizing) the blocks already trained on: faster, but the data differs from the interrupted run's."
+        },
+    )
+
+
+@dataclass
+class DistributedArguments:
+    """How the processes of a run started by hand find each other. Not needed for a single process, nor
+    where the launcher tells JAX (Cloud TPU VMs, Slurm's srun, Open MPI's mpirun): see initialize_distributed."""
+
+    coordinator_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "HOST:PORT of process 0, which every process of a multi-process run connects to (any free port). "
+            "Give it with --num_processes and --process_id when starting one command per host by hand."
+        },
+    )
+    num_processes: int | None = field(
+        default=None, metadata={"help": "How many processes take part in the run, with --coordinator_address."}
+    )
+    process_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "This process's number, 0 to --num_processes - 1, with --coordinator_address. Process 0 logs "
+            "and writes the model, the results and the TensorBoard logs."
+        },
+    )
+    local_device_ids: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated ids of the local GPUs this process drives, e.g. 0,1,2,3 (multi-process runs "
+            "only). Defaults to all of them, except under Slurm and Open MPI: one GPU per task."
+        },
+    )
+
+
+# Flags of the Hugging Face examples that these scripts do not take, and what to do instead.
+UNSUPPORTED_FLAGS = {
+    "push_to_hub": "upload --output_dir after training, e.g. with `hf upload`",
+    "hub_model_id": "upload --output_dir after training, e.g. with `hf upload MODEL_ID OUTPUT_DIR`",
+    "hub_token": "upload --output_dir after training with `hf upload`, which takes the token of `hf auth login`",
+    "use_fast_tokenizer": "the tokenizer is always the fast (tokenizers-backed) one; leave the flag out",
+    "remat_policy": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing dots_saveable",
+}
+
+
+def parse_arguments(model_arguments, data_arguments, training_arguments) -> tuple:
+    """The command line (or a single .json file of arguments) as the script's three argument dataclasses and
+    DistributedArguments."""
+    parser = HfArgumentParser((model_arguments, data_arguments, training_arguments, DistributedArguments))
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        try:
+            with open(sys.argv[1]) as file:
+                values = json.load(file)
+            if not isinstance(values, dict):
+                raise ValueError("it must hold one JSON object of argument names and values")
+            known = {item.name for group in parser.dataclass_types for item in fields(group)}
+            refuse_unknown_arguments([f"--{name}" for name in values if name not in known])
+            return parser.parse_dict(values)
+        except (OSError, TypeError, ValueError) as error:
+            raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
+    *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    refuse_unknown_arguments(unknown)
+    return tuple(arguments)
+
+
+def refuse_unknown_arguments(arguments: list[str]):
+    for argument in arguments:
+        name = argument.split("=")[0].lstrip("-").replace("-", "_")
+        if name in UNSUPPORTED_FLAGS:
+            raise UsageError(f"--{name} is not supported: {UNSUPPORTED_FLAGS[name]}")
+    if arguments:
+        raise UsageError(f"unknown argument {arguments[0]}; see --help for the arguments this script takes")
+
+
+def check_common_arguments(model_args, data_args, training_args):
+    """The checks both training scripts make before any work, each refusal one line; fills in the defaults that
+    depend on other arguments. Call it after initialize_distributed, which checks the distributed flags before the
+    processes join: the check of --dtype asks JAX for the platform, and JAX must not start before then."""
+    training_args.report_to = trackers_to_report(training_args.report_to)
+    if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
+        # As the Hugging Face Flax examples do: train (given training data) and evaluate.
+        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
+        training_args.do_eval = True
+    has_data = data_args.dataset_name is not None or data_args.train_file is not None
+    if not has_data and data_args.validation_file is None and not data_args.packed_data_dir:
+        raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
+    if training_args.do_train and not has_data and not data_args.packed_data_dir:
+        raise UsageError("--do_train needs --train_file or --dataset_name")
+    if data_args.text_sample_by not in ("document", "paragraph", "line"):  # a JSON file of arguments skips argparse
+        raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
+    if not data_args.keep_linebreaks and data_args.text_sample_by != "line":
+        raise UsageError(
+            f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
+            f"{data_args.text_sample_by} the text is read as written, line breaks included"
+        )
+    if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
+    if training_args.resume_from_checkpoint and not training_args.do_train:
+        raise UsageError("--resume_from_checkpoint continues training; add --do_train")
+    streaming_training = data_args.streaming and not data_args.packed_data_dir
+    if streaming_training and training_args.do_train and training_args.max_steps <= 0:
+        raise UsageError(
+            "--streaming needs --max_steps: the length of a stream is unknown, so --num_train_epochs cannot be "
+            "turned into steps (or add --packed_data_dir to pack the stream once and train on the shards)"
+        )
+    if streaming_training and data_args.max_train_samples is not None:
+        raise UsageError(
+            "--max_train_samples does not apply to --streaming, where data repeats without end; limit the run with "
+            "--max_steps"
+        )
+    if not (model_args.tokenizer_name or model_args.model_name_or_path):
+        raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
+    # A jax.checkpoint_policies name, or true or false as for the Hugging Face flag, a boolean.
+    policy = model_args.gradient_checkpointing
+    policy = {"true": "nothing_saveable", "false": None}.get(str(policy).lower(), policy)
+    if policy not in (None, "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
+        raise UsageError(
+            f"--gradient_checkpointing {policy} is not a policy: give none (or true) to keep nothing, or "
+            "dots_saveable or dots_with_no_batch_dims_saveable"
+        )
+    model_args.gradient_checkpointing = policy
+    if model_args.dtype == "float16" and jax.default_backend() == "cpu":
+        raise UsageError(
+            "--dtype float16 does not run on CPU, where XLA cannot multiply float16 matrices into float32 "
+            "results; use --dtype bfloat16 or float32 here, and float16 on a GPU"
+        )
+    create_mesh(training_args.mesh_shape)  # refuses a --mesh_shape that does not fit the devices
+    check_writable_directory(training_args.output_dir, "output_dir")
+
+
+def check_numeric_arguments(argument_groups, **script_ranges):
+    """Refuse numbers outside the range where they mean anything. `script_ranges` adds a script's own arguments:
+    name=(the test its value must pass, what the message asks for)."""
+    at_least_1 = (lambda value: value >= 1, "must be at least 1")
+    at_least_0 = (lambda value: value >= 0, "must be 0 or more")
+    ranges = {
+        "per_device_train_batch_size": at_least_1,
+        "per_device_eval_batch_size": at_least_1,
+        "gradient_accumulation_steps": at_least_1,
+        "logging_steps": at_least_1,
+        "save_steps": at_least_1,
+        "save_total_limit": at_least_1,
+        "eval_steps": (lambda value: value is None or value >= 1, "must be at least 1"),
+        "learning_rate": (lambda value: value > 0, "must be positive, such as 3e-4"),
+        "weight_decay": at_least_0,
+        "adam_beta1": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.9"),
+        "adam_beta2": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.999"),
+        "adam_epsilon": (lambda value: value >= 0, "must be 0 or more, such as 1e-8"),
+        "max_grad_norm": (lambda value: value >= 0, "must be 0 (no clipping) or more"),
+        "num_train_epochs": at_least_0,
+        "max_steps": (lambda value: value >= -1, "must be positive, or -1 to train for --num_train_epochs"),
+        "warmup_steps": at_least_0,
+        "warmup_ratio": (lambda value: 0 <= value < 1, "must be in [0, 1)"),
+        "seed": at_least_0,
+        "max_train_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
+        "max_eval_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
+        "preprocessing_num_workers": (lambda value: value is None or value >= 1, "must be at least 1"),
+        "validation_split_percentage": (lambda value: 0 < value < 100, "must be between 1 and 99"),
+        "shuffle_buffer_size": (lambda value: value >= 0, "must be 0 (the stream's order) or more"),
+        "packed_tokens_per_shard": at_least_1,
+        **script_ranges,
+    }
+    for name, (in_range, requirement) in ranges.items():
+        value = next(getattr(group, name) for group in argument_groups if hasattr(group, name))
+        if not in_range(value) or (isinstance(value, float) and not math.isfinite(value)):
+            raise UsageError(f"--{name} {value} {requirement}")
+
+
+def check_writable_directory(path: str, flag: str):
+    """Refuse a directory that cannot be created or written into, before any work rather than at the first save."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--{flag} {path}: {existing} is a file; pass a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise UsageError(
+            f"--{flag} {path} cannot be written ({error.strerror} in {existing}); pass a directory you can write to"
+        ) from None

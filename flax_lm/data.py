@@ -1,0 +1,213 @@
+"""The data of a run: rows of tokens for each split from whichever route the arguments name (files or a dataset
+through the token cache, --packed_data_dir, or a stream packed while training), and the order they are read in."""
+
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import datasets
+import datasets.distributed
+import jax
+import numpy as np
+
+from flax_lm.errors import UsageError
+from flax_lm.mesh import process_slice
+from flax_lm.packed import cached_blocks, load_packed_corpus
+from flax_lm.processes import main_process_first
+from flax_lm.texts import check_tokenizer_encodes, load_text_datasets, token_arrays
+
+logger = logging.getLogger(__name__)
+
+
+def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
+    """{split: examples} with a validation split: without one, the first validation_split_percentage percent of the
+    training examples (blocks: by blocks rather than texts, so that a corpus of one long document can be split too).
+    The one rule of every data route (files, datasets, --packed_data_dir)."""
+    if "train" not in blocks or "validation" in blocks:
+        return blocks
+    train = blocks["train"]
+    if len(train) < 2:
+        raise UsageError("the training data makes fewer than 2 examples; there is nothing to hold out for evaluation")
+    validation_size = max(1, len(train) * validation_split_percentage // 100)
+    return {"validation": train[:validation_size], "train": train[validation_size:]}
+
+
+def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
+    """This process's share of a stream: whole files (shards) when their number is a multiple of the process
+    count, otherwise every process_count-th text. The shares are disjoint and together cover the stream."""
+    if jax.process_count() == 1:
+        return dataset
+    return datasets.distributed.split_dataset_by_node(
+        dataset, rank=jax.process_index(), world_size=jax.process_count()
+    )
+
+
+def streaming_train_batches(
+    dataset: datasets.IterableDataset,
+    tokenizer,
+    text_column: str,
+    pack_blocks,
+    block_size: int,
+    global_batch_size: int,
+    seed: int,
+    shuffle_buffer_size: int,
+    first_batch: int = 0,
+) -> Iterator[dict]:
+    """This process's rows of each global batch, tokenized and grouped into blocks on the fly from its share of
+    the stream by the script's `pack_blocks(token_arrays, block_size)`, without end: pass after pass over the share,
+    each shuffled differently.
+
+    The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
+    files is shuffled). The batches depend only on the data, these arguments and the process count, so a
+    resumed run starting at `first_batch` re-reads (and re-tokenizes) the batches before it and goes on
+    with the very batches the interrupted run would have seen.
+    """
+    local_batch_size = len(range(global_batch_size)[process_slice(global_batch_size)])
+    share = stream_share(dataset)
+    if shuffle_buffer_size > 0:
+        share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
+
+    def every_pass():
+        for epoch in itertools.count():
+            if shuffle_buffer_size > 0:
+                share.set_epoch(epoch)  # reshuffles the files and the buffer
+            num_tokens = 0
+            for tokens in token_arrays(share, tokenizer, text_column):
+                num_tokens += len(tokens)
+                yield tokens
+            if num_tokens == 0:
+                raise UsageError(
+                    f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
+                    "text unless --text_sample_by says otherwise): give at least as many texts as processes"
+                )
+
+    rows = np.zeros((0, block_size), np.int32)
+    batch_number = 0
+    for blocks in pack_blocks(every_pass(), block_size):
+        rows = np.concatenate([rows, blocks])
+        while len(rows) >= local_batch_size:
+            if batch_number >= first_batch:
+                yield {"input_ids": rows[:local_batch_size]}
+            rows, batch_number = rows[local_batch_size:], batch_number + 1
+
+
+def first_blocks(row_arrays: Iterable[np.ndarray], block_size: int, count: int | None) -> np.ndarray:
+    """The first `count` rows of a stream's row arrays (all of them when `count` is None), read into memory."""
+    blocks, total = [np.zeros((0, block_size), np.int32)], 0
+    for block_array in row_arrays:
+        blocks.append(block_array)
+        total += len(block_array)
+        if count is not None and total >= count:
+            break
+    return np.concatenate(blocks)[:count]
+
+
+def load_streams(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int) -> tuple[dict, Any]:
+    """For --streaming without --packed_data_dir: the training stream, tokenized and packed while training, and
+    {"validation": the first blocks of the validation stream}, read once so that every evaluation (on every
+    process) sees the same blocks."""
+    streams = load_text_datasets(model_args, data_args, streaming=True)
+    check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+    train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
+    if not training_args.do_eval:
+        return {}, train_stream
+    if "validation" not in streams:
+        raise UsageError(
+            "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
+            "length to hold a percentage out from"
+        )
+    rows = tokenized_rows(streams["validation"], "validation", tokenizer, block_size, data_args)
+    validation = first_blocks(rows, block_size, data_args.max_eval_samples)
+    logger.info("validation: the first %d blocks of the stream", len(validation))
+    return {"validation": validation}, train_stream
+
+
+def load_data(
+    model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
+) -> tuple[dict, Any]:
+    """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}, as the
+    script's `tokenized_rows(dataset, split, tokenizer, block_size, data_args)` makes them from the texts: blocks, or
+    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
+    holds all rows (memory-mapped) and reads only its rows of each batch."""
+    train_stream = None
+    if data_args.packed_data_dir:
+        examples = load_packed_corpus(model_args, data_args, tokenized_rows, tokenizer, block_size, length_argument)
+        if not (training_args.do_train or training_args.do_eval):
+            return examples, None
+    elif data_args.streaming:
+        examples, train_stream = load_streams(
+            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size
+        )
+    else:
+        # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
+        with main_process_first("data prepared"):
+            evaluation_only = training_args.do_eval and not training_args.do_train
+            texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
+            check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+            cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
+            examples = {
+                split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
+                for split, dataset in texts.items()
+            }
+    examples = hold_out_blocks(examples, data_args.validation_split_percentage)
+    if data_args.max_train_samples is not None and "train" in examples:
+        examples["train"] = examples["train"][: data_args.max_train_samples]
+    if data_args.max_eval_samples is not None and "validation" in examples:
+        examples["validation"] = examples["validation"][: data_args.max_eval_samples]
+    for split, rows in examples.items():
+        if len(rows) == 0:
+            raise UsageError(
+                f"the {split} data has no non-empty lines"
+                if data_args.framing == "line_by_line"
+                else f"the {split} data has fewer tokens than one block of {block_size} ({length_argument}); add "
+                "text or lower it"
+            )
+    if training_args.do_train and "train" not in examples and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
+    if training_args.do_eval and "validation" not in examples:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+    return examples, train_stream
+
+
+def count_steps(training_args, train_examples, train_batch_size: int, length_flag: str) -> tuple[int | None, int]:
+    """Steps per epoch (None without training data of known length) and the run's last step; `length_flag` sets the
+    sequence length (--block_size), for the message where the data is too small."""
+    if not training_args.do_train:
+        return None, 1
+    if train_examples is None:  # a stream
+        return None, training_args.max_steps
+    steps_per_epoch = len(train_examples) // train_batch_size
+    if steps_per_epoch == 0:
+        raise UsageError(
+            f"the training data makes {len(train_examples)} sequences, fewer than one global batch of "
+            f"{train_batch_size}; add data or lower --per_device_train_batch_size or {length_flag}"
+        )
+    if training_args.max_steps > 0:
+        return steps_per_epoch, training_args.max_steps
+    return steps_per_epoch, max(1, int(training_args.num_train_epochs * steps_per_epoch))
+
+
+def epochs_of_batches(batches_of_epoch, first_step: int, steps_per_epoch: int):
+    """The batches from the step after `first_step` on, epoch after epoch; `batches_of_epoch(epoch, first_batch)`."""
+    epoch, first_batch = divmod(first_step, steps_per_epoch)
+    while True:
+        yield from batches_of_epoch(epoch, first_batch)
+        epoch, first_batch = epoch + 1, 0
+
+
+def stream_position(first_step: int, global_batch_size: int, training_args) -> tuple[int, int]:
+    """Where a stream resumes: the batch to start at and the shuffling seed."""
+    if first_step and training_args.ignore_data_skip:
+        logger.warning(
+            "--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's"
+        )
+        return 0, training_args.seed + first_step
+    if first_step:
+        logger.warning(
+            "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with the "
+            "batches the interrupted run would have seen (--ignore_data_skip starts the stream afresh instead)",
+            first_step * global_batch_size // jax.process_count(),
+            first_step,
+        )
+    return first_step, training_args.seed

@@ -1,0 +1,41 @@
+"""A Python exception for the mistakes a user can fix, and the one place that turns them into a line on stderr."""
+
+import sys
+
+import datasets
+from safetensors import SafetensorError
+
+
+class UsageError(Exception):
+    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
+
+
+def user_error_message(error: Exception) -> str | None:
+    """The line the command prints for an error the user can fix: a UsageError, or a library's error for a hub it
+    cannot reach or a file it cannot read. None for any other error, a bug, which keeps its traceback."""
+    first_line = str(error).strip().split("\n")[0]
+    if isinstance(error, UsageError):
+        return str(error)
+    if isinstance(error, ConnectionError) and error.errno is None:  # datasets and huggingface_hub, not a socket
+        return (
+            f"{first_line}; without a network (or with HF_HUB_OFFLINE=1) only what is in the cache can be loaded: "
+            "pass local files or directories, or run once online"
+        )
+    if isinstance(error, datasets.exceptions.DatasetNotFoundError):
+        return f"{first_line}; check --dataset_name"
+    if isinstance(error, SafetensorError):
+        return f"a safetensors file cannot be read ({first_line}); save it again"
+    return None
+
+
+def run(main):
+    """Run a script's main(): a mistake the user can fix ends in one line on stderr and exit status 2, not a
+    traceback; any other error (a bug) keeps its traceback."""
+    try:
+        main()
+    except Exception as error:
+        message = user_error_message(error)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)

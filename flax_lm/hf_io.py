@@ -1,0 +1,176 @@
+"""Hugging Face model directories: the config and tokenizer a run starts from, the safetensors weights it continues
+from, and the directory it exports (config.json, model.safetensors, tokenizer), which transformers loads."""
+
+import json
+import logging
+import os
+import pickle
+
+import jax
+import numpy as np
+import transformers
+from jax.experimental import multihost_utils
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from flax_lm.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+def load_config_and_tokenizer(model_args):
+    def load(loader, name, flag):
+        try:
+            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
+
+    if model_args.config_name or model_args.model_name_or_path:
+        config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
+        config = load(AutoConfig, model_args.config_name or model_args.model_name_or_path, config_flag)
+    else:
+        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
+        config = transformers.CONFIG_MAPPING[model_args.model_type]()
+
+    tokenizer_flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+    tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
+    if not tokenizer.is_fast:
+        raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    backend = tokenizer.backend_tokenizer
+    if backend.get_vocab_size(with_added_tokens=False) == 0:
+        raise UsageError(
+            f"{tokenizer_flag} {tokenizer_source} has no vocabulary (no tokenizer.json or vocabulary files), so it "
+            "cannot encode text; pass a tokenizer directory made by train_tokenizer.py"
+        )
+    added_beyond = [
+        token for token_id, token in backend.get_added_tokens_decoder().items() if token_id >= config.vocab_size
+    ]
+    # Every id a text can be encoded to must have an embedding; special tokens beyond it are made plain text below.
+    any_text_token_beyond = any(not token.special for token in added_beyond)
+    if backend.get_vocab_size(with_added_tokens=False) > config.vocab_size or any_text_token_beyond:
+        raise UsageError(
+            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
+            "ids beyond it would be clamped silently, so raise vocab_size in the config "
+            "(create_config.py --tokenizer_dir)"
+        )
+    if added_beyond:
+        # AutoTokenizer gives a GPT-2 tokenizer that lacks it an <|endoftext|> past the vocabulary. Such special
+        # tokens are never inserted here; written in a text, they are encoded as the plain text they are.
+        tokenizer.split_special_tokens = backend.encode_special_tokens = True  # the wrapper resets the backend's
+        logger.warning(
+            "The special tokens %s lie beyond the model's vocabulary of %d; they are not used, and special tokens "
+            "written in the texts are encoded as text",
+            ", ".join(token.content for token in added_beyond),
+            config.vocab_size,
+        )
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < config.vocab_size:
+        eos_source = "the tokenizer's end-of-text token"
+    elif config.eos_token_id is not None and 0 <= config.eos_token_id < config.vocab_size:
+        # The model's own end-of-text token; the exported tokenizer names it too, so generation stops there.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+        eos_source = "the config's eos_token_id"
+    else:
+        raise UsageError(
+            f"the tokenizer's end-of-text token {tokenizer.eos_token} is not among the model's {config.vocab_size} "
+            "ids and the config names none that is; set eos_token_id in the config or eos_token in "
+            "tokenizer_config.json"
+        )
+    logger.info("Documents end with %s, id %d (%s)", tokenizer.eos_token, tokenizer.eos_token_id, eos_source)
+    return config, tokenizer
+
+
+def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
+    """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
+    import huggingface_hub
+
+    def fetch(filename):
+        """The file's local path, or None where there is no such file."""
+        if os.path.isdir(name_or_path):
+            path = os.path.join(name_or_path, filename)
+            return path if os.path.isfile(path) else None
+        try:
+            return huggingface_hub.hf_hub_download(
+                name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+            )
+        except huggingface_hub.errors.EntryNotFoundError:
+            return None
+        except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
+            raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
+
+    def read(path):
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as error:
+            reason = str(error).splitlines()[0]
+            raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
+
+    index_name = "model.safetensors.index.json"
+    if (index_path := fetch(index_name)) is not None:
+        try:
+            with open(index_path) as index_file:
+                shard_names = sorted(set(json.load(index_file)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UsageError(f"{index_path} is not a safetensors index (JSON with a weight_map)") from None
+        state_dict = {}
+        for shard_name in shard_names:
+            if (shard_path := fetch(shard_name)) is None:
+                raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
+            state_dict.update(read(shard_path))
+        return state_dict
+    if (path := fetch("model.safetensors")) is not None:
+        return read(path)
+    if (pickle_path := fetch("pytorch_model.bin")) is None:
+        raise UsageError(f"{name_or_path} has no model.safetensors")
+    if not model_args.allow_pickle_weights:
+        raise UsageError(
+            f"{name_or_path} holds only pytorch_model.bin, a pickle that can run code when loaded; convert it to "
+            "model.safetensors, or pass --allow_pickle_weights if you trust the file"
+        )
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("reading pytorch_model.bin needs PyTorch: pip install torch") from None
+    # weights_only refuses anything in the pickle but tensors and plain containers, before running any of it.
+    try:
+        state_dict = torch.load(pickle_path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError):
+        raise UsageError(
+            f"{pickle_path} cannot be loaded as plain tensors: it holds other objects (none of them was run) or is "
+            "damaged; convert it to model.safetensors where you trust it"
+        ) from None
+    if not (isinstance(state_dict, dict) and all(isinstance(tensor, torch.Tensor) for tensor in state_dict.values())):
+        raise UsageError(f"{pickle_path} is not a state dict of named tensors; convert it to model.safetensors")
+    return {name: tensor.float().numpy() for name, tensor in state_dict.items()}
+
+
+def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
+    """model.safetensors in `output_dir`, replaced in one step so that no reader sees it half written."""
+    os.makedirs(output_dir, exist_ok=True)
+    weights_path = os.path.join(output_dir, "model.safetensors")
+    save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+    # safetensors writes 0600; the other files follow the umask. It can only be read by setting it: to the strictest
+    # value, so that a file another thread creates meanwhile is never more open than the user asked for.
+    umask = os.umask(0o077)
+    os.umask(umask)
+    os.chmod(f"{weights_path}.tmp", 0o666 & ~umask)
+    os.replace(f"{weights_path}.tmp", weights_path)
+
+
+def save_model(output_dir: str, params, config, tokenizer, model, generation_config: bool = False):
+    """A Hugging Face model directory: config.json naming `model.HF_ARCHITECTURE`, the weights as `model` maps them
+    (model.to_hf_state_dict) in model.safetensors, the tokenizer and, for a model that generates, its generation
+    config. `model` is the model's module (flax_lm.models.gpt2, for one).
+
+    Every process takes part in gathering the parameters; process 0 writes.
+    """
+    host_params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() != 0:
+        return
+    write_model_weights(output_dir, model.to_hf_state_dict(host_params))
+    config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
+    config.save_pretrained(output_dir)
+    if generation_config:
+        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)

@@ -1,0 +1,404 @@
+"""Packed corpora: token rows stored as memory-mappable shards with an index, so that every process reads only the
+rows it needs. The token cache under --cache_dir and --packed_data_dir are both packed corpora."""
+
+import contextlib
+import copy
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+
+import jax
+import numpy as np
+from datasets.fingerprint import Hasher
+from tqdm.auto import tqdm
+
+from flax_lm.arguments import check_writable_directory
+from flax_lm.errors import UsageError
+from flax_lm.processes import main_process_first
+from flax_lm.texts import check_tokenizer_encodes, load_text_datasets
+
+logger = logging.getLogger(__name__)
+
+
+# A packed corpus is a directory of token rows (blocks of grouped texts, or lines padded with the pad token): for
+# each split, .npy shards of shape (rows, block_size) named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an
+# index.json describing them, written last: a directory without index.json is an unfinished one, never read.
+# Ids are stored as uint16 when the vocabulary fits (half the disk of int32) and always read as int32.
+PACKED_INDEX_FILE = "index.json"
+
+
+PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
+
+
+def packed_dtype(tokenizer) -> np.dtype:
+    """uint16 when every id of the tokenizer fits in it, int32 otherwise."""
+    largest_id = max(len(tokenizer), tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)) - 1
+    return np.dtype(np.uint16) if largest_id <= np.iinfo(np.uint16).max else np.dtype(np.int32)
+
+
+def fingerprint(value) -> str:
+    """A short hash of a JSON value: the names of cached corpora, and the tokenizer a packed corpus records."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
+    """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
+    line_by_line), the data it was packed from and a fingerprint of everything in the tokenizer that changes the ids
+    (vocabulary, merges, normalisation, special tokens)."""
+    settings = json.loads(tokenizer.backend_tokenizer.to_str())
+    for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
+        settings.pop(transient, None)
+    tokenizer_settings = {
+        "tokenizer": settings,
+        "eos_token_id": tokenizer.eos_token_id,
+        "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
+    }
+    return {
+        "block_size": block_size,
+        "framing": framing,
+        "tokenizer_fingerprint": fingerprint(tokenizer_settings),
+        "source": source,
+    }
+
+
+def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
+    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
+    shorter) and return the split's entry of the index.
+
+    Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
+    and written under a temporary name, then renamed. No shard is written for an empty split.
+    """
+    dtype = np.dtype(dtype)
+    largest = np.iinfo(dtype).max
+    shards, shard, filled, num_blocks = [], None, 0, 0
+
+    def finish_shard():
+        name = f"{split}-{len(shards):05d}.npy"
+        if filled == len(shard):
+            shard.flush()
+            written_path = shard.filename
+        else:  # the last shard, shorter: copied into a file of its own size
+            written_path = os.path.join(directory, f"{name}.{os.getpid()}.end.tmp.npy")
+            np.save(written_path, shard[:filled], allow_pickle=False)
+            os.remove(shard.filename)
+        os.replace(written_path, os.path.join(directory, name))
+        shards.append({"file": name, "num_blocks": filled})
+
+    for block_array in blocks:
+        if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
+            raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
+        start = 0
+        while start < len(block_array):
+            if shard is None:
+                name = f"{split}-{len(shards):05d}.npy"
+                shard = np.lib.format.open_memmap(
+                    os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"),
+                    mode="w+",
+                    dtype=dtype,
+                    shape=(blocks_per_shard, block_array.shape[1]),
+                )
+                filled = 0
+            count = min(blocks_per_shard - filled, len(block_array) - start)
+            shard[filled : filled + count] = block_array[start : start + count]
+            filled, start, num_blocks = filled + count, start + count, num_blocks + count
+            if filled == blocks_per_shard:
+                finish_shard()
+                shard = None
+    if shard is not None:
+        finish_shard()
+        del shard
+    return {"num_blocks": num_blocks, "shards": shards}
+
+
+def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
+    """Pack each split's row arrays ({split: iterable of (count, block_size) arrays}) into `directory`, then write
+    the index (with `description`, from packed_description) and return it.
+
+    The index is removed first and written last, so an interrupted write leaves a directory that is
+    recognised as unfinished; shards left by an earlier unfinished write are replaced.
+    """
+    os.makedirs(directory, exist_ok=True)
+    index_path = os.path.join(directory, PACKED_INDEX_FILE)
+    if os.path.exists(index_path):
+        os.remove(index_path)
+    split_names = "|".join(map(re.escape, splits))
+    leftover = re.compile(rf"^({split_names})-\d{{5}}\.npy(\.\d+(\.end)?\.tmp\.npy)?$")
+    for name in os.listdir(directory):
+        if leftover.match(name):
+            os.remove(os.path.join(directory, name))
+    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    index = {
+        "format_version": PACKED_FORMAT_VERSION,
+        **description,
+        "dtype": np.dtype(dtype).name,
+        "blocks_per_shard": blocks_per_shard,
+        "splits": {
+            split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard)
+            for split, blocks in splits.items()
+        },
+    }
+    temporary_path = f"{index_path}.{os.getpid()}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(index, file, indent=2)
+    os.replace(temporary_path, index_path)
+    return index
+
+
+def read_packed_index(directory: str) -> dict | None:
+    """The index of the packed corpus in `directory`, or None when there is no finished one."""
+    path = os.path.join(directory, PACKED_INDEX_FILE)
+    try:
+        with open(path) as file:
+            index = json.load(file)
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        index = None
+    if not (isinstance(index, dict) and "format_version" in index and "splits" in index):
+        raise UsageError(f"{path} is not the index of a packed corpus; use another directory for the packed data")
+    return index
+
+
+def packed_shards_problem(directory: str, index: dict) -> str | None:
+    """What is wrong with the shard files of a packed corpus whose index is intact (a shard missing, cut short, or of
+    another shape than the index says), or None. Found here, before training, rather than when a shard is first
+    memory-mapped, maybe hours into the run."""
+    for entry in index["splits"].values():
+        for shard in entry["shards"]:
+            try:  # mapping the file checks its header, and that it holds every element the header promises
+                shape = np.load(os.path.join(directory, shard["file"]), mmap_mode="r").shape
+            except (OSError, ValueError, EOFError) as error:
+                return f"{shard['file']} is cut short or unreadable ({error})"
+            expected = (shard["num_blocks"], index["block_size"])
+            if shape != expected:
+                return f"{shard['file']} holds an array of shape {shape}, not the {expected} the index lists"
+    return None
+
+
+class PackedBlocks:
+    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
+    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
+
+    Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
+    only the blocks it asks for, whatever the size of the corpus.
+    """
+
+    dtype = np.dtype(np.int32)
+    ndim = 2
+    open_shards = 64
+
+    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: int | None = None):
+        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
+        sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        total = int(self.shard_starts[-1])
+        self.start, self.stop = start, total if stop is None else stop
+        self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
+
+    def open_shard(self, shard_number: int) -> np.ndarray:
+        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.block_size)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.step in (None, 1):
+            start, stop, _ = index.indices(len(self))
+            view = copy.copy(self)
+            view.start, view.stop = self.start + start, self.start + max(start, stop)
+            return view
+        if isinstance(index, (int, np.integer)):
+            return self[np.array([index])][0]
+        positions = np.arange(len(self))[index] if isinstance(index, slice) else np.asarray(index)
+        if positions.dtype == bool or not np.issubdtype(positions.dtype, np.integer):
+            raise IndexError("PackedBlocks takes an integer, a slice or an array of integer indices")
+        positions = np.where(positions < 0, positions + len(self), positions)
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"index out of range for {len(self)} blocks")
+        return self.read(positions + self.start)
+
+    def read(self, positions: np.ndarray) -> np.ndarray:
+        """The blocks at these positions of the whole split, in the order given."""
+        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
+        shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
+        for shard_number in np.unique(shard_numbers):
+            chosen = shard_numbers == shard_number
+            blocks[chosen] = self.shard(int(shard_number))[positions[chosen] - self.shard_starts[shard_number]]
+        return blocks
+
+    def __array__(self, dtype=None, copy=None):
+        blocks = self.read(np.arange(self.start, self.stop))
+        return blocks if dtype is None else blocks.astype(dtype, copy=False)
+
+
+def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
+    blocks = {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+    for split, split_blocks in blocks.items():
+        logger.info(
+            "%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), index["block_size"], directory
+        )
+    return blocks
+
+
+# What an interrupted run leaves in the cache directory: unfinished packed corpora.
+STALE_TEMPORARY_NAME = re.compile(r"packed-.*\.\d+\.tmp")
+
+
+STALE_AFTER_SECONDS = 600
+
+
+def remove_stale_temporary_files(cache_dir: str):
+    """Remove the temporary files that runs killed mid-tokenization left behind (about the size of the tokens each).
+    Only files untouched for STALE_AFTER_SECONDS go: a live run, this one or another sharing the cache, writes to
+    its own every few seconds."""
+    for entry in os.scandir(cache_dir):
+        if STALE_TEMPORARY_NAME.fullmatch(entry.name) and time.time() - entry.stat().st_mtime > STALE_AFTER_SECONDS:
+            logger.info("Removing %s, left in the cache by an interrupted run", entry.path)
+            if entry.is_dir():
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
+
+
+def pack_texts(
+    directory: str, texts: dict, tokenized_rows, tokenizer, block_size: int, description: dict, data_args
+) -> dict:
+    """Tokenize every split of `texts` ({split: dataset or stream}) into rows with the script's
+    `tokenized_rows(dataset, split, tokenizer, block_size, data_args)` and write them as a packed corpus in `directory`
+    (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of texts and one shard are in
+    memory at a time."""
+
+    def rows_with_progress(split, dataset):
+        with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
+            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, data_args):
+                progress.update(len(blocks))
+                yield blocks
+
+    splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
+    return write_packed_corpus(
+        directory, splits, description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard
+    )
+
+
+def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: int, cache_dir: str, data_args):
+    """The rows of one split (PackedBlocks), from the packed corpus that caches them in `cache_dir` under a
+    fingerprint of the texts, the tokenizer, the row length and the code that makes the rows (`tokenized_rows` and
+    the script's functions it calls, as `datasets` fingerprints a map function): packed there first when it is
+    missing, damaged or --overwrite_cache is given. Written under a name of this process's own and renamed when
+    complete, so that processes sharing the cache never read or write each other's unfinished files."""
+    source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name}
+    source.update(split=split, code_fingerprint=Hasher.hash(tokenized_rows))
+    description = packed_description(tokenizer, block_size, data_args.framing, source)
+    directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
+    os.makedirs(cache_dir, exist_ok=True)
+    remove_stale_temporary_files(cache_dir)
+    index = None if data_args.overwrite_cache else read_packed_index(directory)
+    if index is not None and (problem := packed_shards_problem(directory, index)):
+        logger.warning("The packed cache %s is damaged (%s); packing it again", directory, problem)
+        index = None
+    if index is not None:
+        logger.info("Loading packed %s blocks from cache %s", split, directory)
+    else:
+        temporary_directory = f"{directory}.{os.getpid()}.tmp"
+        try:
+            texts = {split: dataset}
+            index = pack_texts(
+                temporary_directory, texts, tokenized_rows, tokenizer, block_size, description, data_args
+            )
+        except BaseException:
+            shutil.rmtree(temporary_directory, ignore_errors=True)
+            raise
+        shutil.rmtree(directory, ignore_errors=True)
+        try:
+            os.rename(temporary_directory, directory)
+        except OSError:  # another process finished the same cache first
+            shutil.rmtree(temporary_directory, ignore_errors=True)
+    return open_packed_corpus(directory, index)[split]
+
+
+def load_packed_corpus(
+    model_args, data_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
+) -> dict:
+    """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
+    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the data arguments read as
+    they are or, with --streaming, as a stream. A directory packed with another tokenizer, block size (set by
+    `length_argument`, as the user gave it) or source is refused, never reused."""
+    directory = data_args.packed_data_dir
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
+    names = ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name")
+    source = {name: getattr(data_args, name) for name in (*names, "text_sample_by", "keep_linebreaks")}
+    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
+        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
+            source[name] = os.path.abspath(source[name])
+    description = packed_description(tokenizer, block_size, data_args.framing, source)
+    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
+
+    def check(index: dict):
+        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
+        if index["format_version"] != PACKED_FORMAT_VERSION:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds a packed corpus of format version "
+                f"{index['format_version']}; {fix}"
+            )
+        if index["block_size"] != block_size:
+            raise UsageError(
+                f"--packed_data_dir {directory} holds blocks of {index['block_size']} tokens, not the {block_size} "
+                f"of {length_argument}; {fix}"
+            )
+        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
+            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
+        if (framing := index.get("framing", "grouped")) != data_args.framing:  # corpora before lines were grouped
+            raise UsageError(
+                f"--packed_data_dir {directory} holds {framing} rows, not {data_args.framing} ones; {fix}"
+            )
+        if problem := packed_shards_problem(directory, index):
+            raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
+        differences = [name for name in source if index["source"].get(name) != source[name]]
+        if has_source and differences:
+            recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
+            raise UsageError(
+                f"--packed_data_dir {directory} was packed from other data ({recorded}); pass the same data "
+                f"arguments, or none to train on it as it is, or {fix}"
+            )
+
+    # Read even with --overwrite_cache: never overwrite a directory of other files.
+    index = read_packed_index(directory)
+    if data_args.overwrite_cache:
+        index = None
+    if index is not None:
+        check(index)
+    elif not has_source:
+        raise UsageError(
+            f"--packed_data_dir {directory} holds no finished packed corpus; pass --train_file or --dataset_name "
+            "to pack one"
+        )
+    # Process 0 packs while the others wait. It reaches the barrier even when packing fails, so that the others
+    # stop with an error rather than wait for it until the distributed runtime gives up.
+    with main_process_first("packed corpus written"):
+        if jax.process_index() == 0 and index is None:
+            check_writable_directory(directory, "packed_data_dir")
+            texts = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+            check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+            logger.info("Packing %s into %s", " and ".join(texts), directory)
+            index = pack_texts(directory, texts, tokenized_rows, tokenizer, block_size, description, data_args)
+    if jax.process_count() > 1:
+        index = read_packed_index(directory)
+        if index is None:
+            raise UsageError(
+                f"process {jax.process_index()} finds no packed corpus in --packed_data_dir {directory}: process 0 "
+                "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
+            )
+        check(index)
+    return open_packed_corpus(directory, index)

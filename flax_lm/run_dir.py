@@ -1,0 +1,228 @@
+"""The output directory of a run: one run at a time (a lock), no silent mixing with an earlier run's files, the
+results files, and a copy of the script that ran."""
+
+import fcntl
+import itertools
+import json
+import logging
+import os
+import shutil
+import socket
+
+import jax
+import orbax.checkpoint as ocp
+
+from flax_lm.errors import UsageError
+from flax_lm.processes import print_once
+
+logger = logging.getLogger(__name__)
+
+
+OUTPUT_DIR_LOCK = ".lock"
+
+
+def take_lock(lock_file, output_dir: str, mode: int) -> bool:
+    """flock without waiting; refuses in one line where another run holds it. False where the file system has no
+    locks."""
+    try:
+        fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "another process"
+        raise UsageError(
+            f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or pass another "
+            "--output_dir"
+        ) from None
+    except OSError as error:
+        logger.warning(
+            "cannot lock --output_dir %s (%s): make sure no other run writes into it", output_dir, error.strerror
+        )
+        return False
+    return True
+
+
+def lock_output_dir(output_dir: str):
+    """Hold OUTPUT_DIR/.lock, so that one run at a time writes into it, until the returned file is closed or the
+    process ends: however it ends, the kernel releases the lock, so a killed run never leaves the directory locked."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        lock_file = open(os.path.join(output_dir, OUTPUT_DIR_LOCK), "a+")
+    except OSError as error:
+        raise UsageError(
+            f"cannot write into --output_dir {output_dir} ({error.strerror}); pass a writable directory"
+        ) from None
+    try:
+        if take_lock(lock_file, output_dir, fcntl.LOCK_EX):
+            lock_file.seek(0)
+            lock_file.truncate()
+            lock_file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+            lock_file.flush()
+    except UsageError:
+        lock_file.close()
+        raise
+    return lock_file
+
+
+def refuse_earlier_run(training_args):
+    """Training into an earlier run's files needs --resume_from_checkpoint or --overwrite_output_dir. The lock and
+    unfinished checkpoints, which the next run deletes anyway, are not such files (a run killed before its first
+    checkpoint leaves nothing else of worth)."""
+    output_dir = training_args.output_dir
+    if not training_args.do_train or training_args.overwrite_output_dir or training_args.resume_from_checkpoint:
+        return
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    entries = set(os.listdir(output_dir)) if os.path.isdir(output_dir) else set()
+    if os.path.isdir(checkpoints) and all(
+        ocp.step.is_tmp_checkpoint(os.path.join(checkpoints, name)) for name in os.listdir(checkpoints)
+    ):
+        entries.discard("checkpoints")
+    if entries - {OUTPUT_DIR_LOCK}:
+        raise UsageError(
+            f"--output_dir {output_dir} already holds files; pass --resume_from_checkpoint to continue its run, or "
+            "--overwrite_output_dir to start a new run in it"
+        )
+
+
+def check_output_dir(training_args):
+    """Before any work, and writing nothing: refuse an output directory that another run holds (probed with a shared
+    lock), or one with an earlier run's files that these flags do not allow training into."""
+    lock_path = os.path.join(training_args.output_dir, OUTPUT_DIR_LOCK)
+    if os.path.isfile(lock_path):
+        with open(lock_path) as probe:
+            take_lock(probe, training_args.output_dir, fcntl.LOCK_SH)
+    refuse_earlier_run(training_args)
+
+
+# Where a run keeps the ids of its W&B and MLflow runs, to report into them again when it is resumed.
+TRACKER_RUNS_FILE = "tracker_runs.json"
+
+
+PREVIOUS_RUN_RESULTS = [
+    "checkpoints",
+    "discarded-checkpoints",
+    "tensorboard",
+    "train_results.json",
+    "eval_results.json",
+    "all_results.json",
+    TRACKER_RUNS_FILE,
+]
+
+
+def clear_previous_run(output_dir: str):
+    """For --overwrite_output_dir: remove what an earlier run left that would mix with this run's (checkpoints,
+    TensorBoard logs, results). The model files stay, to be overwritten: they may be this run's config or tokenizer."""
+    removed = []
+    for name in PREVIOUS_RUN_RESULTS:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+            removed.append(f"{name}/")
+        elif os.path.exists(path):
+            os.remove(path)
+            removed.append(name)
+    if removed:
+        logger.warning("--overwrite_output_dir: removed the previous run's %s from %s", ", ".join(removed), output_dir)
+
+
+def set_aside_checkpoints_after(output_dir: str, step: int):
+    """Move the training checkpoints after `step` (unreadable ones, or those of a later point the run resumes
+    before) to OUTPUT_DIR/discarded-checkpoints, so that this run's saves at those steps are not refused."""
+    directory = os.path.join(output_dir, "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    later = sorted(int(name) for name in names if name.isdigit() and int(name) > step)
+    if not later:
+        return
+    discarded = os.path.join(output_dir, "discarded-checkpoints")
+    os.makedirs(discarded, exist_ok=True)
+    for later_step in later:
+        target = os.path.join(discarded, str(later_step))
+        copies = itertools.count(2)
+        while os.path.exists(target):
+            target = os.path.join(discarded, f"{later_step}-{next(copies)}")
+        os.rename(os.path.join(directory, str(later_step)), target)
+    logger.warning("moved the training checkpoints of steps %s to %s", ", ".join(map(str, later)), discarded)
+
+
+def prepare_output_dir(training_args, resumed_step: int, script: str):
+    """Lock the output directory for this run (the lock is returned: it lasts as long as the object), clear or set
+    aside what an earlier run left that this one would mix with its own, and copy the `script` that runs into it, so
+    that the directory says which code made it."""
+    lock = lock_output_dir(training_args.output_dir)
+    refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
+    if training_args.do_train:
+        if training_args.overwrite_output_dir and not resumed_step:
+            clear_previous_run(training_args.output_dir)
+        set_aside_checkpoints_after(training_args.output_dir, resumed_step)
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    shutil.copyfile(script, os.path.join(training_args.output_dir, os.path.basename(script)))
+    return lock
+
+
+# all_results.json names a result as the Hugging Face examples do where it means the same.
+HUGGING_FACE_RESULT_NAMES = {
+    "train_runtime_seconds": "train_runtime",
+    "epochs": "epoch",
+    "eval_perplexity": "perplexity",
+}
+
+
+def write_all_results(output_dir: str) -> dict:
+    """Merge OUTPUT_DIR/train_results.json and eval_results.json (those there are) into all_results.json, as the
+    Hugging Face examples do; returns the merged results."""
+
+    def read(name: str) -> dict:
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as file:
+            return json.load(file)
+
+    results = {}
+    for name in ("train_results.json", "eval_results.json"):
+        results.update((HUGGING_FACE_RESULT_NAMES.get(key, key), value) for key, value in read(name).items())
+    if read("all_results.json") != results:  # a repeat of a complete run leaves the file as it was
+        write_json(os.path.join(output_dir, "all_results.json"), results)
+    return results
+
+
+def write_json(path: str, values: dict):
+    """Write via a temporary file, so an interrupted write never leaves a truncated file behind."""
+    temporary_path = f"{path}.tmp"
+    with open(temporary_path, "w") as file:
+        json.dump(values, file, indent=2)
+        file.write("\n")
+    os.replace(temporary_path, path)
+
+
+def evaluated_step(output_dir: str) -> int | None:
+    """The step of the evaluation in OUTPUT_DIR/eval_results.json; None if there is none."""
+    try:
+        with open(os.path.join(output_dir, "eval_results.json")) as file:
+            return json.load(file).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def write_train_results(output_dir: str, summary: dict, setup, log):
+    """train_results.json: the script's training metrics `summary` over the whole run, and how long it took; `setup`
+    is the script's TrainingSetup, `log` the run's TrainingLog."""
+    if jax.process_index() == 0:
+        results = {f"train_{name}": value for name, value in summary.items()}
+        results.update(
+            train_samples=setup.train_samples,
+            train_steps=setup.total_steps,
+            epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
+            train_runtime_seconds=log.runtime,
+            train_tokens_per_second=log.tokens / log.runtime,
+        )
+        write_json(os.path.join(output_dir, "train_results.json"), results)
+    logger.info("Saved the model to %s", output_dir)
+
+
+def report_stop(signal_name: str, step: int, output_dir: str, trackers):
+    trackers.close()
+    print_once(
+        f"Stopped by {signal_name} after step {step}; the training checkpoint is in "
+        f"{os.path.join(output_dir, 'checkpoints', str(step))}. To continue, run the same command with "
+        "--resume_from_checkpoint added."
+    )

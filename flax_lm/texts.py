@@ -1,0 +1,394 @@
+"""Reading texts (local files of several formats, a local dataset directory or a hub dataset; as a dataset or a
+stream) and turning them into token ids, in worker processes if asked."""
+
+import collections
+import glob
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import re
+from collections.abc import Iterable, Iterator
+from functools import partial
+
+import datasets
+import numpy as np
+from tokenizers import pre_tokenizers
+
+from flax_lm.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+DATA_FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+
+
+def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
+    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
+    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    if not files:
+        raise UsageError(f"--{flag} {pattern} matches no file")
+    builders = set()
+    for path in files:
+        if not os.path.isfile(path):
+            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--{flag}: {path} is not readable")
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"--{flag}: {path} is empty")
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in DATA_FILE_BUILDERS:
+            supported = ", ".join(DATA_FILE_BUILDERS)
+            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
+        builders.add(DATA_FILE_BUILDERS[extension])
+    if len(builders) > 1:
+        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
+    return builders.pop(), files
+
+
+def load_text_datasets(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
+    """The train and validation splits the data arguments name, as they are (no validation split is held out
+    here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
+    they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
+    With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
+    text_options = {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
+    try:
+        if data_args.dataset_name is not None:
+            name = data_args.dataset_name
+            if os.path.isdir(name) and any(
+                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
+            ):
+                raw = datasets.load_from_disk(name)
+                if streaming:
+                    raw = {"train": raw} if isinstance(raw, datasets.Dataset) else raw
+                    raw = {split: dataset.to_iterable_dataset() for split, dataset in raw.items()}
+            else:
+                holds_text_files = os.path.isdir(name) and any(
+                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
+                    for _, _, files in os.walk(name)
+                    for file in files
+                )
+                raw = datasets.load_dataset(
+                    name,
+                    data_args.dataset_config_name,
+                    cache_dir=model_args.cache_dir,
+                    token=model_args.token,
+                    streaming=streaming,
+                    **(text_options if holds_text_files else {}),
+                )
+        else:
+            raw = {}
+            for split, flag in (("train", "train_file"), ("validation", "validation_file")):
+                pattern = getattr(data_args, flag)
+                if pattern is None or (split == "train" and evaluation_only and data_args.validation_file):
+                    continue
+                builder, files = resolve_data_files(pattern, flag)
+                raw[split] = datasets.load_dataset(
+                    builder,
+                    data_files={split: files},
+                    split=split,
+                    cache_dir=model_args.cache_dir,
+                    streaming=streaming,
+                    **(text_options if builder == "text" else {}),
+                )
+    except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise UsageError(f"cannot load the dataset: {error}") from None
+    except ConnectionError as error:
+        raise UsageError(
+            f"cannot load --dataset_name {data_args.dataset_name}: {error}; it is not in the cache (--cache_dir), "
+            "so load it once online, or pass local files with --train_file"
+        ) from None
+    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
+        if str(error).startswith(("BuilderConfig", "Config name is missing")):  # raised before any file is read
+            raise UsageError(
+                f"cannot load --dataset_name {data_args.dataset_name} with --dataset_config_name "
+                f"{data_args.dataset_config_name}: {' '.join(str(error).splitlines()[:2])}; pass one of those "
+                "configurations with --dataset_config_name"
+            ) from None
+        cause = error.__cause__ or error
+        raise UsageError(
+            f"cannot read the data files ({type(cause).__name__}: {cause}); check their format and encoding"
+        ) from None
+    if isinstance(raw, (datasets.Dataset, datasets.IterableDataset)):
+        raw = {"train": raw}
+    used = ("validation",) if evaluation_only and "validation" in raw else ("train", "validation")
+    raw = {split: dataset for split, dataset in raw.items() if split in used}
+    for split, dataset in raw.items():
+        columns = dataset.column_names  # None for a stream whose columns are only known once read
+        if columns is not None and data_args.text_column_name not in columns:
+            raise UsageError(
+                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
+                "pass --text_column_name"
+            )
+    warn_of_files_in_both_splits(data_args)
+    return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
+
+
+def warn_of_files_in_both_splits(data_args):
+    if data_args.train_file is None or data_args.validation_file is None:
+        return
+    train_files, validation_files = (
+        {os.path.realpath(path) for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])}
+        for pattern in (data_args.train_file, data_args.validation_file)
+    )
+    if shared := sorted(train_files & validation_files):
+        logger.warning(
+            "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
+            "training texts, not how it does on new text",
+            ", ".join(shared),
+        )
+
+
+def text_source(split: str, data_args) -> str:
+    """Where the texts of a split come from, as the user named them, for messages about a row."""
+    pattern = {"train": data_args.train_file, "validation": data_args.validation_file}.get(split)
+    if pattern is None:
+        return f"the {split} split of --dataset_name {data_args.dataset_name}"
+    if glob.has_magic(pattern):
+        return f"the files of {pattern} (counted through them in sorted order)"
+    return pattern
+
+
+def rows_with_text(dataset, split: str, data_args):
+    """The dataset without rows whose text is missing or null: such a row is refused in one line naming its file
+    and row, or with --skip_missing_texts left out and counted in the log. A column of other values than strings
+    is refused. A stream is checked lazily, batch by batch as it is read."""
+    column, skip = data_args.text_column_name, data_args.skip_missing_texts
+
+    def not_text(type_name: str) -> UsageError:
+        return UsageError(
+            f"column '{column}' of {text_source(split, data_args)} holds {type_name} values, not text; "
+            "pass the column of texts with --text_column_name"
+        )
+
+    def missing_text(row: int) -> UsageError:
+        return UsageError(
+            f"row {row + 1} of {text_source(split, data_args)} has no text (its '{column}' is missing or null); "
+            "fix the data, or pass --skip_missing_texts to leave such rows out"
+        )
+
+    if isinstance(dataset, datasets.IterableDataset):
+
+        def keep(batch, rows):
+            if column not in batch:  # token_arrays names the missing column
+                return [True] * len(rows)
+            kept = []
+            for text, row in zip(batch[column], rows):
+                if text is not None and not isinstance(text, str):
+                    raise not_text(type(text).__name__)
+                if text is None and not skip:
+                    raise missing_text(row)
+                kept.append(text is not None)
+            if not all(kept):
+                logger.warning(
+                    "%s: left out %d rows without text, the first at row %d of %s",
+                    split,
+                    kept.count(False),
+                    rows[kept.index(False)] + 1,
+                    text_source(split, data_args),
+                )
+            return kept
+
+        return dataset.filter(keep, with_indices=True, batched=True, batch_size=TEXTS_PER_BATCH)
+    column_type = dataset.features[column]
+    if getattr(column_type, "dtype", None) not in ("string", "large_string", "string_view", "null"):
+        raise not_text(getattr(column_type, "dtype", type(column_type).__name__))
+    texts = dataset.data.column(column)
+    if texts.null_count == 0:
+        return dataset
+    missing = texts.is_null().to_numpy(zero_copy_only=False)
+    if not skip:
+        raise missing_text(int(np.argmax(missing)))
+    logger.warning(
+        "%s: left out %d of %d rows without text, the first at row %d of %s",
+        split,
+        int(missing.sum()),
+        len(dataset),
+        int(np.argmax(missing)) + 1,
+        text_source(split, data_args),
+    )
+    # Kept in memory (an index of the kept rows): written beside the dataset, it would land in a directory of
+    # save_to_disk that is the user's.
+    return dataset.filter(
+        lambda texts: [text is not None for text in texts],
+        input_columns=column,
+        batched=True,
+        keep_in_memory=True,
+        desc=f"Leaving out {split} rows without text",
+    )
+
+
+def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
+    """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
+    trained on that learns nothing of the texts while its loss looks like training."""
+    for split, dataset in text_datasets.items():
+        try:
+            first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
+            continue  # text_batches reports an unreadable stream
+        # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
+        texts = [text[:10_000] for text in first_texts if text and not text.isspace()]
+        if not texts:
+            continue
+        ids = [
+            token
+            for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+            for token in encoding.ids
+        ]
+        if not ids or set(ids) == {tokenizer.unk_token_id}:
+            outcome = "no tokens" if not ids else f"only the unknown token {tokenizer.unk_token}"
+            raise UsageError(
+                f"the tokenizer {tokenizer.name_or_path} cannot encode the {split} data: its first {len(texts)} "
+                f"texts give {outcome}; pass a tokenizer trained on such text (train_tokenizer.py makes one)"
+            )
+
+
+TEXTS_PER_BATCH = 1000
+
+
+def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
+    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order."""
+    if isinstance(dataset, datasets.Dataset):
+        dataset = dataset.select_columns(text_column)  # the other columns are not even read
+    texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
+    while True:
+        try:
+            batch = next(texts)
+        except StopIteration:
+            return
+        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
+            cause = error.__cause__ or error
+            raise UsageError(
+                f"cannot read the {split} stream ({type(cause).__name__}: {cause}); check its format and encoding"
+            ) from None
+        if text_column not in batch:
+            raise UsageError(
+                f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
+            )
+        yield batch[text_column]
+
+
+# A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many
+# pieces at a time: encoding holds ~300 bytes of memory per token until it returns, and one text uses one core.
+TEXT_PIECE_CHARACTERS = 2**18
+
+
+TEXT_PIECES_AT_ONCE = 16
+
+
+# Where a line that ends in a visible character is followed by one that starts with one.
+LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
+    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
+    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
+    normalizer and no prefix space; not assumed for any other tokenizer."""
+    settings = json.loads(backend.to_str())
+    pre_tokenizer = settings.get("pre_tokenizer") or {}
+    return (
+        settings.get("normalizer") is None
+        and pre_tokenizer.get("type") == "ByteLevel"
+        and pre_tokenizer.get("use_regex", True)
+        and not pre_tokenizer.get("add_prefix_space", False)
+    )
+
+
+def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
+    """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
+    if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
+        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+    token_lists = []
+    for text in texts:
+        starts = [0]
+        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
+            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
+            if line_start is None:
+                break
+            starts.append(line_start.start())
+        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+        ids = []
+        for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
+            group = pieces[first : first + TEXT_PIECES_AT_ONCE]
+            for encoding in backend.encode_batch(group, add_special_tokens=False):
+                ids.extend(encoding.ids)
+        token_lists.append(ids)
+    return token_lists
+
+
+def encode_documents(backend, eos_id: int, cut_long_texts: bool, texts: list[str]) -> np.ndarray:
+    """The tokens of the texts, each followed by eos_id, end to end: one flat int32 array."""
+    token_lists = [ids + [eos_id] for ids in encode_texts(backend, texts, cut_long_texts)]
+    return np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+
+
+def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterator:
+    """function(item) for each item, in order: here, or with num_workers > 1 in that many worker processes, a few
+    items per worker in flight. The workers are spawned, not forked: JAX's runtime is multithreaded, and a forked
+    copy of it can deadlock."""
+    if not num_workers or num_workers < 2:
+        yield from map(function, items)
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(num_workers, initializer=set_worker_function, initargs=(function,)) as pool:
+        in_flight = collections.deque()
+        for item in items:
+            in_flight.append(pool.apply_async(call_worker_function, (item,)))
+            if len(in_flight) > 2 * num_workers:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
+
+
+def set_worker_function(function):
+    """Runs once in each worker process: the function (the tokenizer with it) is sent once, not with every item."""
+    global worker_function
+    worker_function = function
+
+
+def call_worker_function(item):
+    return worker_function(item)
+
+
+def token_arrays(dataset, tokenizer, text_column, num_workers=None, split="train") -> Iterator[np.ndarray]:
+    """The tokens of every text of `dataset` (a `datasets.Dataset` or a stream), each text (a document) followed by
+    EOS, as flat int32 arrays of one batch of texts each, in the dataset's order, tokenized in `num_workers`
+    processes. Only a few batches of tokens are in memory at a time."""
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
+    # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
+    # about texts longer than model_max_length, which is expected here since texts get packed.
+    backend = tokenizer.backend_tokenizer
+    encode = partial(encode_documents, backend, eos_id, cuts_at_line_starts_keep_the_tokens(backend))
+    yield from map_in_workers(encode, text_batches(dataset, text_column, split), num_workers)
+
+
+def token_byte_counts(tokenizer, vocab_size: int) -> np.ndarray | None:
+    """The UTF-8 bytes of text each id stands for, float32 (vocab_size,), or None where that is not fixed.
+
+    Byte-level BPE tokens are fixed byte strings, one character of the byte alphabet per byte; special tokens
+    (EOS) stand for no text. Other tokenizers (WordPiece, SentencePiece) add or drop spaces when decoding, so
+    their tokens have no fixed byte count.
+    """
+    backend = tokenizer.backend_tokenizer
+    if (json.loads(backend.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
+        return None
+    byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    counts = np.zeros(vocab_size, np.float32)
+    for token, token_id in backend.get_vocab(with_added_tokens=False).items():
+        if not set(token) <= byte_alphabet:
+            return None
+        counts[token_id] = len(token)
+    for token_id, token in backend.get_added_tokens_decoder().items():
+        if token_id < vocab_size:
+            counts[token_id] = 0 if token.special else len(token.content.encode("utf-8"))
+    return counts

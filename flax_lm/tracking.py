@@ -1,0 +1,333 @@
+"""What a run reports: the training log (log lines, progress bar, non-finite steps) and the trackers of --report_to
+(TensorBoard without TensorFlow, Weights & Biases, MLflow)."""
+
+import html
+import importlib.util
+import json
+import logging
+import os
+import time
+
+import jax
+from tqdm.auto import tqdm
+
+from flax_lm.errors import UsageError
+from flax_lm.run_dir import TRACKER_RUNS_FILE, write_json
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingLog:
+    """What the loop reports. It holds the metrics of the steps not yet read from the devices and of those since
+    the last log line, stops on a non-finite step (or skips it, with --skip_nonfinite_steps), and writes the log
+    line, the progress bar and TensorBoard. As a `with` block it times the training and, leaving it, ends the
+    progress bar's line before any error is printed."""
+
+    def __init__(
+        self, trackers, skip_nonfinite_steps: bool, first_step: int, total_steps: int, metric_names, train_metrics
+    ):
+        """`train_metrics(sums)`: the script's metrics of a log line, from the sums of the train step's metrics
+        `metric_names` (the script's TRAIN_METRIC_SUMS) over the steps the line covers."""
+        self.trackers, self.skip_nonfinite_steps = trackers, skip_nonfinite_steps
+        self.first_step, self.total_steps = first_step, total_steps
+        self.metric_names, self.train_metrics = metric_names, train_metrics
+        self.unread, self.window, self.tokens = [], [], 0
+
+    def __enter__(self):
+        self.progress_bar = tqdm(
+            initial=self.first_step, total=self.total_steps, desc="Training", disable=jax.process_index() > 0
+        )
+        self.start = self.window_start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exception):
+        self.progress_bar.close()
+        self.runtime = time.perf_counter() - self.start
+
+    def step_done(self, metrics: dict, tokens: int):
+        self.unread.append({**metrics, "tokens": tokens})
+        self.tokens += tokens
+        self.progress_bar.update(1)
+
+    def read(self, step: int, progress, checkpoints):
+        """Wait for the steps not yet read and add the finite ones to `progress`: checked here, before each save, no
+        non-finite step goes unnoticed into a checkpoint. Such a step's update was never applied; it stops the run,
+        or is logged and skipped with --skip_nonfinite_steps."""
+        fetched = jax.device_get(self.unread)
+        first_step = step - len(fetched) + 1
+        bad_steps = [first_step + index for index, metrics in enumerate(fetched) if not metrics["finite"]]
+        if bad_steps and not self.skip_nonfinite_steps:
+            raise self.nonfinite_error(bad_steps[0], checkpoints)
+        for bad_step in bad_steps:
+            logger.warning("step %d: the loss or gradient norm is not finite; the update was skipped", bad_step)
+        finite = [metrics for metrics in fetched if metrics["finite"]]
+        progress.add(finite)
+        self.window += finite
+        self.unread = []
+
+    @staticmethod
+    def nonfinite_error(step: int, checkpoints) -> UsageError:
+        newest = checkpoints.latest_step()
+        if newest is None:
+            advice = "no training checkpoint was saved yet. Lower --learning_rate and start again"
+        else:
+            last_good = os.path.join(str(checkpoints.directory), str(newest))
+            advice = (
+                f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with "
+                "--resume_from_checkpoint"
+            )
+        return UsageError(
+            f"the loss or gradient norm is not finite at step {step}; its update was not applied and nothing "
+            f"was saved after it; {advice}, or pass --skip_nonfinite_steps to skip such steps"
+        )
+
+    def write(self, step: int):
+        """The log line of the steps read since the last one."""
+        if not self.window:
+            return
+        window_sums = {name: sum(float(metrics[name]) for metrics in self.window) for name in self.metric_names}
+        summary = self.train_metrics(window_sums)
+        learning_rate, grad_norm = float(self.window[-1]["learning_rate"]), float(self.window[-1]["grad_norm"])
+        elapsed = time.perf_counter() - self.window_start
+        tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / elapsed
+        self.progress_bar.set_postfix(
+            **{name: f"{value:.4f}" for name, value in summary.items()},
+            lr=f"{learning_rate:.2e}",
+            tokens_per_s=f"{tokens_per_second:.0f}",
+        )
+        logger.info(
+            "step %d: %s, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
+            step,
+            ", ".join(f"{name} {value:.4f}" for name, value in summary.items()),
+            learning_rate,
+            grad_norm,
+            tokens_per_second,
+        )
+        logged = {"learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_second": tokens_per_second}
+        self.trackers.scalars({f"train/{name}": value for name, value in {**summary, **logged}.items()}, step)
+        self.window, self.window_start = [], time.perf_counter()
+
+
+class TensorBoardWriter:
+    """OUTPUT_DIR/tensorboard, written with the tensorboard package alone (no TensorFlow). It opens with the
+    arguments, the model config and an HParams summary: the hyperparameters, and the scalars (`metric_tags`) whose
+    last values TensorBoard's HParams tab compares runs by."""
+
+    def __init__(self, output_dir: str, arguments: dict, model_config: dict, metric_tags: list[str]):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event_pb2, self._summary_pb2, self._text_pb = event_pb2, summary_pb2, text_pb
+        self._writer = EventFileWriter(os.path.join(output_dir, "tensorboard"))
+        self.text("arguments", markdown_table(arguments, "argument"))
+        config_json = json.dumps(model_config, indent=2, sort_keys=True)
+        self.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
+        hparams = hyperparameters(arguments, model_config)
+
+        def data_type(value):
+            if isinstance(value, bool):
+                return api_pb2.DATA_TYPE_BOOL
+            return api_pb2.DATA_TYPE_STRING if isinstance(value, str) else api_pb2.DATA_TYPE_FLOAT64
+
+        # Declared with types but no ranges of values: a range would hide the runs outside it.
+        experiment = api_pb2.Experiment(
+            hparam_infos=[api_pb2.HParamInfo(name=name, type=data_type(value)) for name, value in hparams.items()],
+            metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag)) for tag in metric_tags],
+        )
+        summary_metadata = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(experiment=experiment))
+        declaration = self._summary_pb2.Summary.Value(
+            tag=metadata.EXPERIMENT_TAG, metadata=summary_metadata, tensor=metadata.NULL_TENSOR
+        )
+        self._write(self._summary_pb2.Summary(value=[declaration]), 0)
+        # Named after the output directory: runs with the same hyperparameters would otherwise share a row.
+        self._write(summary_v2.hparams_pb(hparams, trial_id=os.path.abspath(output_dir)), 0)
+
+    def _write(self, summary, step: int):
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def scalars(self, values: dict, step: int):
+        summary_values = [
+            self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()
+        ]
+        self._write(self._summary_pb2.Summary(value=summary_values), step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self._write(self._text_pb(tag, markdown), step)
+
+    def results(self, results: dict, step: int):
+        self.text("results", markdown_table(results, "result"), step)
+
+    def close(self):
+        self._writer.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run. W&B's own environment variables choose the project, mode and local directory
+    (WANDB_PROJECT, WANDB_MODE=offline, WANDB_DIR, ...)."""
+
+    def __init__(self, name: str, run_id: str | None, arguments: dict, model_config: dict):
+        import wandb
+
+        self._wandb = wandb
+        try:
+            self.run = wandb.init(
+                name=name,
+                id=run_id,
+                resume="allow" if run_id else None,
+                config={**arguments, "model_config": model_config},
+                allow_val_change=True,  # a resumed run may change --max_steps, for one
+            )
+        except wandb.errors.Error as error:  # not logged in, for one
+            raise UsageError(f"--report_to wandb cannot start a run: {error}") from None
+        self.run_id = self.run.id
+        # Plotted against the training step as a value, not W&B's own step counter: that one must only grow,
+        # and a resumed run logs again the steps the interrupted run logged after its last checkpoint.
+        self.run.define_metric("train/global_step")
+        self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
+
+    def scalars(self, values: dict, step: int):
+        self.run.log({**values, "train/global_step": step})
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self.run.log({tag: self._wandb.Html(f"<pre>{html.escape(markdown)}</pre>"), "train/global_step": step})
+
+    def results(self, results: dict, step: int):
+        self.run.summary.update(results)
+
+    def close(self):
+        self.run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run. MLflow's own environment variables choose where it goes (MLFLOW_TRACKING_URI,
+    MLFLOW_EXPERIMENT_NAME, ...)."""
+
+    def __init__(self, name: str, run_id: str | None, arguments: dict, model_config: dict):
+        import mlflow
+
+        self._mlflow = mlflow
+        try:
+            run = mlflow.start_run(run_id=run_id, run_name=None if run_id else name)
+        except mlflow.exceptions.MlflowException as error:
+            raise UsageError(f"--report_to mlflow cannot start a run: {error}") from None
+        self.run_id = run.info.run_id
+        parameters = {**arguments, **{f"model_config/{key}": value for key, value in model_config.items()}}
+        # MLflow keeps a parameter's first value: a resumed run adds only the parameters new to it.
+        logged = run.data.params
+        changed = sorted(name for name, value in parameters.items() if logged.get(name, str(value)) != str(value))
+        if changed:
+            logger.warning("MLflow keeps the values the run started with for %s", ", ".join(changed))
+        mlflow.log_params({name: value for name, value in parameters.items() if name not in logged})
+
+    def scalars(self, values: dict, step: int):
+        self._mlflow.log_metrics(values, step=step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        self._mlflow.log_text(markdown, f"{tag}/step-{step}.md")
+
+    def results(self, results: dict, step: int):
+        numbers = {name: value for name, value in results.items() if type(value) in (int, float)}
+        self._mlflow.log_metrics(numbers, step=step)
+
+    def close(self):
+        self._mlflow.end_run()
+
+
+# The trackers of --report_to, each imported from the package of its name (TensorBoard's is a requirement).
+TRACKERS = ["tensorboard", "wandb", "mlflow"]
+
+
+def trackers_to_report(report_to: str | list[str]) -> list[str]:
+    """--report_to as a list of trackers, as the Hugging Face Trainer reads it: names (a comma list or several
+    values), `all` for TensorBoard and every tracker installed, or `none`."""
+    values = [report_to] if isinstance(report_to, str) else report_to
+    names = [name.strip() for value in values for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in [*TRACKERS, "all", "none"]]
+    if unknown:
+        raise UsageError(
+            f"--report_to {unknown[0]} is not a tracker; choose from {', '.join(TRACKERS)}, all or none "
+            "(several as a comma list)"
+        )
+    if "none" in names:
+        return []
+    if "all" in names:
+        return [name for name in TRACKERS if importlib.util.find_spec(name)]
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"--report_to {missing[0]} needs the {missing[0]} package: pip install {missing[0]}")
+    return list(dict.fromkeys(names))
+
+
+class Trackers:
+    """The trackers of --report_to, given the same scalars, texts and results."""
+
+    def __init__(self, trackers: list):
+        self.trackers = trackers
+
+    def scalars(self, values: dict, step: int):
+        for tracker in self.trackers:
+            tracker.scalars(values, step)
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        for tracker in self.trackers:
+            tracker.text(tag, markdown, step)
+
+    def results(self, results: dict, step: int):
+        for tracker in self.trackers:
+            tracker.results(results, step)
+
+    def close(self):
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def open_trackers(training_args, resumed: bool, arguments: dict, model_config: dict, metric_tags: list) -> Trackers:
+    """The trackers of --report_to, on process 0 only. W&B and MLflow runs are named after the output directory; a
+    resumed run reports into the runs it started (their ids are in TRACKER_RUNS_FILE)."""
+    if jax.process_index() != 0:
+        return Trackers([])
+    output_dir = training_args.output_dir
+    ids_path = os.path.join(output_dir, TRACKER_RUNS_FILE)
+    run_ids = {}
+    if resumed and os.path.isfile(ids_path):
+        with open(ids_path) as file:
+            run_ids = json.load(file)
+    trackers = []
+    for tracker in training_args.report_to:
+        if tracker == "tensorboard":
+            trackers.append(TensorBoardWriter(output_dir, arguments, model_config, metric_tags))
+            continue
+        tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
+        name = os.path.basename(os.path.abspath(output_dir))
+        trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
+        if trackers[-1].run_id != run_ids.get(tracker):
+            run_ids[tracker] = trackers[-1].run_id
+            write_json(ids_path, run_ids)
+    return Trackers(trackers)
+
+
+# Arguments about where a run reads and writes, how often it reports and saves, and how it runs, rather than what
+# it learns: left out of TensorBoard's HParams table, which then shows what differs between experiments.
+NOT_HYPERPARAMETERS = set(
+    "output_dir overwrite_output_dir do_train do_eval cache_dir overwrite_cache preprocessing_num_workers "
+    "packed_data_dir packed_tokens_per_shard allow_pickle_weights mesh_shape per_device_eval_batch_size "
+    "logging_steps eval_steps save_steps save_total_limit resume_from_checkpoint report_to sample_prompt "
+    "sample_tokens fill_mask_text fill_mask_top_k".split()
+)
+
+
+def hyperparameters(arguments: dict, model_config: dict) -> dict:
+    """What defines an experiment, for TensorBoard's HParams tab: the arguments that do and the model config,
+    those that are bools, numbers or strings."""
+    values = {name: value for name, value in arguments.items() if name not in NOT_HYPERPARAMETERS}
+    values.update((f"model_config/{name}", value) for name, value in model_config.items())
+    return {name: value for name, value in values.items() if type(value) in (bool, int, float, str)}
+
+
+def markdown_table(values: dict, name_header: str) -> str:
+    """A markdown table of name | value, for TensorBoard's text tab."""
+    rows = [f"| {name_header} | value |", "| --- | --- |"]
+    rows += [f"| {name} | {value} |" for name, value in sorted(values.items())]
+    return "\n".join(rows)

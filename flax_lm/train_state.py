@@ -1,0 +1,115 @@
+"""The training state, created directly with its sharding, and the parts of a train step that do not depend on
+the model or the loss: gradient accumulation, and an update applied only where it is finite."""
+
+from functools import partial
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flax_lm.mesh import LOGICAL_AXIS_RULES
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def abstract_model_params(model, dummy_input, unbox: bool = True):
+    """Shapes and dtypes of the model's parameters, without computing them. Unboxed: plain arrays;
+    boxed: each carries its logical axis names."""
+    variables = jax.eval_shape(partial(model.init, deterministic=True), jax.random.key(0), dummy_input)
+    return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
+
+
+def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
+    """Shape, dtype and sharding of every leaf of the training state, computed without allocating it."""
+    boxed_params = abstract_model_params(model, dummy_input, unbox=False)
+    param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
+    abstract_params = nn.meta.unbox(boxed_params)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    # Optimizer state that mirrors a parameter (Adam's moments) is sharded like it; the rest (step counts,
+    # Adafactor's factored statistics, whose shapes differ) is replicated.
+    opt_state_shardings = optax.tree_utils.tree_map_params(
+        optimizer,
+        lambda leaf, param, sharding: sharding if leaf.shape == param.shape else replicated,
+        abstract_opt_state,
+        abstract_params,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_state_shardings)
+    shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)
+    return jax.tree_util.tree_map(lambda shape, sharding: shape.update(sharding=sharding), shapes, shardings)
+
+
+def create_train_state(model, optimizer, abstract_state: TrainState, seed: int, dummy_input, loaded_params=None):
+    """The training state, created directly with its sharding: parameters are initialised (or placed,
+    when loaded from a checkpoint) on the devices that hold them, never first in full on one device."""
+    shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+
+    def init(params):
+        if params is None:
+            params = nn.meta.unbox(model.init(jax.random.key(seed), dummy_input, deterministic=True)["params"])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    if loaded_params is not None:
+        loaded_params = jax.device_put(loaded_params, shardings.params)
+    return jax.jit(init, out_shardings=shardings)(loaded_params)
+
+
+def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[TrainState, dict]:
+    """`state` one step on, with the update of `grads` applied if it is finite; and the gradient norm and
+    whether the update was finite, as metrics."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+    # A non-finite update is never applied: the step counter moves on, the weights stay as they were.
+    params, opt_state = jax.tree_util.tree_map(
+        lambda new, old: jnp.where(finite, new, old),
+        (optax.apply_updates(state.params, updates), opt_state),
+        (state.params, state.opt_state),
+    )
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, {"grad_norm": grad_norm, "finite": finite}
+
+
+def accumulate_gradients(loss_and_sums, params, batch, step_rng):
+    """Gradients of the loss summed over the micro-batches of `batch` (every array is (gradient_accumulation_steps,
+    micro_batch, ...)), and the metric sums summed too: `loss_and_sums(params, micro_batch, dropout_rng)` gives one
+    micro-batch's summed loss and a dict of its metric sums (float32 scalars)."""
+    gradients = jax.value_and_grad(loss_and_sums, has_aux=True)
+    num_micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    first_micro_batch = jax.tree_util.tree_map(lambda values: values[0], batch)
+    if num_micro_batches == 1:
+        (_, sums), grads = gradients(params, first_micro_batch, step_rng)
+        return grads, sums
+
+    def accumulate(totals, index):
+        micro_batch = jax.tree_util.tree_map(lambda values: values[index], batch)
+        (_, sums), grads = gradients(params, micro_batch, jax.random.fold_in(step_rng, index))
+        return jax.tree_util.tree_map(jnp.add, totals, (grads, sums)), None
+
+    # Summed in float32 whatever the parameters' dtype: in bfloat16, small contributions would round away.
+    zeros = (
+        jax.tree_util.tree_map(lambda param: jnp.zeros_like(param, dtype=jnp.float32), params),
+        jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(loss_and_sums, params, first_micro_batch, step_rng)[1]),
+    )
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, jnp.arange(num_micro_batches))
+    return grads, sums
+
+
+def train_step_compiler_options() -> dict:
+    """XLA options for compiling the train step. On CPU, XLA's default scheduler orders the work for
+    concurrency and so keeps alive the activations that gradient checkpointing means to free (GPT-2 124M,
+    2 x 1024 tokens, remat nothing_saveable: 7.5 GiB of temporaries either way); its memory-optimised
+    scheduler frees them (2.7 GiB), at no measured cost in speed."""
+    if jax.default_backend() == "cpu":
+        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    return {}
