@@ -14,7 +14,6 @@ the tokenizer and the model configuration:
 A single .json file holding the arguments works as well: `python create_config.py args.json`.
 """
 
-import dataclasses
 import difflib
 import json
 import logging
@@ -22,18 +21,16 @@ import math
 import os
 import sys
 import tempfile
-import types
-import typing
 from dataclasses import dataclass, field
 
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoTokenizer, GPT2Config, HfArgumentParser, RobertaConfig
+from transformers import AutoTokenizer, GPT2Config, RobertaConfig
+
+from flax_lm.errors import UsageError, run
+from flax_lm.processes import LOG_FORMAT
+from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
-
-# The log format of the training scripts.
-# Copied from run_clm_flax.LOG_FORMAT
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Presets: edit or add sizes here.
@@ -113,10 +110,6 @@ BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json"]
 
 
-class UsageError(Exception):
-    """A mistake in the arguments, reported as one line without a traceback."""
-
-
 @dataclass
 class ConfigArguments:
     preset: str = field(
@@ -151,71 +144,6 @@ class ConfigArguments:
 # ---------------------------------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-# Copied from train_tokenizer.parse_arguments
-def parse_arguments(dataclass_types):
-    """Parse the command line, or a single .json file of arguments."""
-    parser = HfArgumentParser(dataclass_types)
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        json_path = sys.argv[1]
-        try:
-            with open(json_path, encoding="utf-8") as json_file:
-                values = json.load(json_file)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot read the arguments file {json_path}: {error}") from None
-        if not isinstance(values, dict):
-            raise UsageError(f"the arguments file {json_path} must hold one JSON object of flag names and values")
-        for dataclass_type in dataclass_types:
-            for argument in dataclasses.fields(dataclass_type):
-                required = argument.default is dataclasses.MISSING and argument.default_factory is dataclasses.MISSING
-                if required and argument.name not in values:
-                    raise UsageError(f"the arguments file {json_path} has no '{argument.name}'; add it")
-        try:
-            parsed = parser.parse_dict(values)
-        except ValueError as error:
-            raise UsageError(f"the arguments file {json_path}: {error}") from None
-        for arguments in parsed:
-            check_argument_types(arguments, json_path)
-        return parsed
-    return parser.parse_args_into_dataclasses()
-
-
-# Copied from train_tokenizer.check_argument_types
-def check_argument_types(arguments, source):
-    """Check value types the way the command line would; a JSON file of arguments bypasses that check."""
-    type_hints = typing.get_type_hints(type(arguments))
-    for argument in dataclasses.fields(arguments):
-        value = getattr(arguments, argument.name)
-        if isinstance(value, str) and typing.get_origin(type_hints[argument.name]) in (typing.Union, types.UnionType):
-            # A single string where a list is expected, e.g. "train_file": "data.txt".
-            if list in [typing.get_origin(option) for option in typing.get_args(type_hints[argument.name])]:
-                value = [value]
-                setattr(arguments, argument.name, value)
-        if not value_has_type(value, type_hints[argument.name]):
-            annotation = type_hints[argument.name]
-            expected = annotation.__name__ if type(annotation) is type else str(annotation).replace("typing.", "")
-            raise UsageError(f"{source}: '{argument.name}' must be of type {expected}, not {value!r}")
-        choices = argument.metadata.get("choices")
-        if choices is not None and value not in choices:
-            raise UsageError(f"{source}: '{argument.name}' must be one of {', '.join(choices)}, not {value!r}")
-
-
-# Copied from train_tokenizer.value_has_type
-def value_has_type(value, annotation):
-    if annotation is type(None):
-        return value is None
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union or origin is types.UnionType:
-        return any(value_has_type(value, option) for option in typing.get_args(annotation))
-    if origin is list:
-        (item_type,) = typing.get_args(annotation)
-        return isinstance(value, list) and all(value_has_type(item, item_type) for item in value)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, annotation)
 
 
 def parse_overrides(overrides, model_type):
@@ -424,19 +352,9 @@ def main():
     output_dir = args.output_dir or args.tokenizer_dir
     if output_dir is None:
         raise UsageError("no output directory: pass --tokenizer_dir (config.json goes next to it) or --output_dir")
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
     if os.path.exists(os.path.join(output_dir, "config.json")) and not args.overwrite:
         raise UsageError(f"{output_dir} already has a config.json; pass --overwrite to replace it")
-    existing_ancestor = os.path.abspath(output_dir)
-    while not os.path.exists(existing_ancestor):
-        existing_ancestor = os.path.dirname(existing_ancestor)
-    try:
-        with tempfile.TemporaryFile(dir=existing_ancestor):
-            pass
-    except OSError as error:
-        reason = f"{error.strerror} in {existing_ancestor}"
-        raise UsageError(f"cannot write to --output_dir {output_dir}: {reason}") from None
+    check_writable_output_dir(output_dir)
 
     # Values: the preset, then what the tokenizer needs, then the user's changes -------------------------------------
     values = dict(preset_values)
@@ -483,8 +401,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -14,40 +14,33 @@ temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-t
     ./generate_flax.py --model_name_or_path gpt2-run --serve --port 8000
     curl -s localhost:8000 -d '{"prompt": "def main(", "max_new_tokens": 40, "temperature": 0.8, "seed": 1}'
 
-The model code is run_clm_flax.py's, copied: a model trained there decodes here exactly as it evaluated.
+The model and its sampler are run_clm_flax.py's own (flax_lm.models.gpt2): a model trained there decodes here
+exactly as it evaluated.
 """
 
 import json
 import logging
 import math
 import os
-import pickle
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import transformers
-from flax.traverse_util import flatten_dict, unflatten_dict
-from jax.experimental import multihost_utils
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
-from transformers import AutoConfig, AutoTokenizer, GPT2Config, HfArgumentParser
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
+
+from flax_lm.errors import UsageError, run
+from flax_lm.hf_io import read_safetensors_checkpoint
+from flax_lm.models.common import ACTIVATIONS
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, from_hf_state_dict, generate_ids, make_sampler
+from flax_lm.processes import LOG_FORMAT
+from flax_lm.train_state import abstract_model_params
 
 logger = logging.getLogger(__name__)
-
-
-# Copied from run_clm_flax.UsageError
-class UsageError(Exception):
-    """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
 
 
 class RequestError(Exception):
@@ -202,375 +195,8 @@ def read_prompts(generation_args) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Model: GPT-2 in Flax, copied from run_clm_flax.py (parameter names one-to-one with the checkpoint)
+# Model and generation
 # ----------------------------------------------------------------------------------------------------
-
-# Copied from run_clm_flax.ACTIVATIONS
-ACTIVATIONS = {
-    "gelu": partial(jax.nn.gelu, approximate=False),
-    "gelu_new": partial(jax.nn.gelu, approximate=True),
-    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-}
-
-
-# Copied from run_clm_flax.KeyValueCache
-class KeyValueCache(flax.struct.PyTreeNode):
-    """The keys and values of every layer for the tokens decoded so far, so that a new token costs one position.
-
-    Prompts of different lengths are left-padded to a common length: `mask` marks the slots that hold a token
-    of the row, and a token's position is the number of such slots before it, so padding changes no row.
-    """
-
-    keys: tuple  # one (batch, slots, n_head, head_dim) array per layer
-    values: tuple
-    mask: jax.Array  # (batch, slots) bool: the slot holds a token of the row, not padding
-    index: jax.Array  # int32: the slot the next token is written to
-
-    @classmethod
-    def empty(cls, config, prompt_mask, new_tokens: int, dtype):
-        """A cache for the prompts of `prompt_mask` (batch, prompt length) followed by `new_tokens` tokens."""
-        batch = prompt_mask.shape[0]
-        slots = prompt_mask.shape[1] + new_tokens
-        shape = (batch, slots, config.n_head, config.n_embd // config.n_head)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
-        mask = jnp.concatenate([prompt_mask.astype(bool), jnp.ones((batch, new_tokens), bool)], axis=1)
-        return cls(keys=zeros, values=zeros, mask=mask, index=jnp.zeros((), jnp.int32))
-
-
-# Copied from run_clm_flax.GPT2Module
-class GPT2Module(nn.Module):
-    """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
-    in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
-
-    config: GPT2Config
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
-
-    def child(self, module_class, name: str | None, **fields):
-        return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name, **fields)
-
-    def dense(self, features: int, names: tuple, stddev: float, name: str) -> nn.Dense:
-        """Weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the checkpoint's Conv1D."""
-        return nn.Dense(
-            features,
-            kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev), names),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    def layer_norm(self, name: str | None) -> nn.LayerNorm:
-        return nn.LayerNorm(
-            epsilon=self.config.layer_norm_epsilon,
-            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-
-# Copied from run_clm_flax.CausalSelfAttention
-class CausalSelfAttention(GPT2Module):
-    layer_index: int = 0
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
-        """(output, this layer's new (keys, values) when decoding with `cache`, else None)."""
-        config = self.config
-        batch, length, width = x.shape
-        head_dim = width // config.n_head
-        residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
-
-        qkv = self.dense(3 * width, ("embed", "heads"), config.initializer_range, "c_attn")(x)
-        query, key, value = (t.reshape(batch, length, config.n_head, head_dim) for t in jnp.split(qkv, 3, axis=-1))
-        scale = 1 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0
-        if config.scale_attn_by_inverse_layer_idx:
-            scale /= self.layer_index + 1
-
-        layer_cache = None
-        if cache is not None:
-            y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index)
-        elif deterministic or config.attn_pdrop == 0:
-            y = jax.nn.dot_product_attention(
-                query, key, value, scale=scale, is_causal=True, implementation=attention_implementation(query.dtype)
-            )
-        else:
-            # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
-            y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop, deterministic=False))
-        y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
-        return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
-
-
-# Copied from run_clm_flax.attention_implementation
-def attention_implementation(dtype) -> str | None:
-    """cuDNN's fused (flash) attention on NVIDIA GPUs in half precision, XLA's attention elsewhere.
-
-    jax.nn.dot_product_attention does not choose cuDNN by itself, and cuDNN has no float32 kernel.
-    """
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        return "cudnn"
-    return None
-
-
-# Copied from run_clm_flax.attention_with_dropout
-def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout):
-    """Causal attention written out, for training with dropout on the attention weights."""
-    # query, key, value: (batch, length, heads, head_dim)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
-    length = query.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    weights = dropout(weights).astype(value.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
-
-
-# Copied from run_clm_flax.cached_attention
-def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index: int):
-    """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves."""
-
-    # query, key, value: (batch, new, heads, head_dim); the layer's cached keys: (batch, slots, heads, head_dim)
-    def write(cached, new_entries):
-        return jax.lax.dynamic_update_slice_in_dim(cached, new_entries.astype(cached.dtype), cache.index, axis=1)
-
-    keys, values = write(cache.keys[layer_index], key), write(cache.values[layer_index], value)
-    new, slots = query.shape[1], keys.shape[1]
-    query_slots = cache.index + jnp.arange(new)
-    visible = cache.mask[:, None, :] & (jnp.arange(slots)[None, None, :] <= query_slots[None, :, None])
-    # A padding slot's query sees nothing; the softmax then spreads evenly, harmlessly, as nobody reads it.
-    y = jax.nn.dot_product_attention(query, keys, values, mask=visible[:, None], scale=scale)
-    return y, (keys, values)
-
-
-# Copied from run_clm_flax.MLP
-class MLP(GPT2Module):
-    @nn.compact
-    def __call__(self, x, deterministic: bool):
-        config = self.config
-        inner = config.n_inner or 4 * config.n_embd
-        residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
-        x = self.dense(inner, ("embed", "mlp"), config.initializer_range, "c_fc")(x)
-        x = ACTIVATIONS[config.activation_function](x)
-        x = self.dense(config.n_embd, ("mlp", "embed"), residual_stddev, "c_proj")(x)
-        return nn.Dropout(config.resid_pdrop)(x, deterministic)
-
-
-# Copied from run_clm_flax.Block
-class Block(GPT2Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
-
-    layer_index: int = 0
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
-        attention = self.child(CausalSelfAttention, "attn", layer_index=self.layer_index)
-        y, layer_cache = attention(self.layer_norm("ln_1")(x), deterministic, cache)
-        x = x + y
-        x = x + self.child(MLP, "mlp")(self.layer_norm("ln_2")(x), deterministic)
-        return x, layer_cache
-
-
-# Copied from run_clm_flax.GPT2Model
-class GPT2Model(GPT2Module):
-    """Embeddings, the blocks and the final LayerNorm; `attend` reuses the token embedding as output layer."""
-
-    def setup(self):
-        config = self.config
-
-        def embed(rows: int, names: tuple) -> nn.Embed:
-            init = nn.with_logical_partitioning(nn.initializers.normal(config.initializer_range), names)
-            return nn.Embed(rows, config.n_embd, embedding_init=init, dtype=self.dtype, param_dtype=self.param_dtype)
-
-        self.wte = embed(config.vocab_size, ("vocab", "embed"))
-        self.wpe = embed(config.n_positions, ("positions", "embed"))
-        self.dropout = nn.Dropout(config.embd_pdrop)
-        block = Block
-        if self.remat_policy:
-            # Argument 2 (deterministic) is a Python bool that selects code, not an array.
-            block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(2,))
-        # A list attribute names its modules h_0, h_1, ...: the checkpoint's h.0, h.1, ...
-        self.h = [self.child(block, None, layer_index=index) for index in range(config.n_layer)]
-        self.ln_f = self.layer_norm(None)
-
-    def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None):
-        # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
-        if cache is None:
-            positions = jnp.arange(input_ids.shape[1])[None, :]
-        else:
-            # Each row counts its own tokens; padding slots get position 0, and nothing reads them.
-            row_positions = jnp.maximum(jnp.cumsum(cache.mask, axis=1) - 1, 0)
-            positions = jax.lax.dynamic_slice_in_dim(row_positions, cache.index, input_ids.shape[1], axis=1)
-        x = self.dropout(self.wte(input_ids) + self.wpe(positions), deterministic)
-        layer_caches = []
-        for block in self.h:
-            x, layer_cache = block(x, deterministic, cache)
-            layer_caches.append(layer_cache)
-        if cache is not None:
-            keys, values = zip(*layer_caches)
-            cache = cache.replace(keys=keys, values=values, index=cache.index + input_ids.shape[1])
-        return self.ln_f(x), cache
-
-    def attend(self, hidden):
-        # The output layer is the token embedding, transposed; products accumulate and come out in float32.
-        # Multiplied as one (batch x length, n_embd) matrix: XLA then computes the embedding's gradient from the
-        # logits' gradient as it is laid out, where with three dimensions it makes a transposed copy of it.
-        embedding = self.wte.embedding.astype(self.dtype)
-        batch, length, width = hidden.shape
-        logits = jnp.dot(hidden.reshape(batch * length, width), embedding.T, preferred_element_type=jnp.float32)
-        return logits.reshape(batch, length, -1)
-
-
-# Copied from run_clm_flax.FlaxGPT2LMHeadModel
-class FlaxGPT2LMHeadModel(GPT2Module):
-    """GPT-2 with its language-model head; returns float32 logits (batch, length, vocab_size).
-
-    Given a KeyValueCache (decoding), the input is the tokens that follow the cached ones, and the result is
-    (logits, the cache with them added).
-    """
-
-    @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True, cache: KeyValueCache | None = None):
-        transformer = self.child(GPT2Model, "transformer")
-        hidden, cache = transformer(input_ids, deterministic, cache)
-        if self.config.tie_word_embeddings:
-            logits = transformer.attend(hidden)
-        else:
-            logits = nn.Dense(
-                self.config.vocab_size,
-                use_bias=False,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(self.config.initializer_range), ("embed", "vocab")
-                ),
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                dot_general=partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
-                name="lm_head",
-            )(hidden)
-        logits = logits.astype(jnp.float32)
-        return logits if cache is None else (logits, cache)
-
-
-# Copied from run_clm_flax.hf_name
-def hf_name(flax_path: tuple) -> str:
-    """('transformer', 'h_3', 'attn', 'c_attn', 'kernel') -> 'transformer.h.3.attn.c_attn.weight'."""
-    *modules, leaf = flax_path
-    modules = [f"h.{module[2:]}" if module.startswith("h_") and module[2:].isdigit() else module for module in modules]
-    return ".".join([*modules, "weight" if leaf in ("kernel", "scale", "embedding") else leaf])
-
-
-# Buffers some GPT-2 checkpoints carry (the causal mask); they are not parameters.
-# Copied from run_clm_flax.IGNORED_CHECKPOINT_SUFFIXES
-IGNORED_CHECKPOINT_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-
-
-# Copied from run_clm_flax.from_hf_state_dict
-def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
-    """The inverse of to_hf_state_dict, shaped like `abstract_params` (from jax.eval_shape of init).
-
-    Accepts GPT2LMHeadModel checkpoints and bare GPT2Model ones (names without 'transformer.').
-    """
-    if not any(name.startswith("transformer.") for name in state_dict):
-        state_dict = {f"transformer.{name}": value for name, value in state_dict.items()}
-    params, used = {}, set()
-    for path, expected in flatten_dict(abstract_params).items():
-        name = hf_name(path)
-        if name not in state_dict:
-            raise UsageError(f"the checkpoint has no tensor {name}; it does not match the model config")
-        value = np.asarray(state_dict[name], dtype=np.float32)
-        if name == "lm_head.weight":
-            value = value.T
-        if value.shape != expected.shape:
-            raise UsageError(
-                f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
-                "pass the config the checkpoint was trained with"
-            )
-        params[path] = value.astype(expected.dtype)
-        used.add(name)
-    ignored = [name for name in state_dict if name not in used and not name.endswith(IGNORED_CHECKPOINT_SUFFIXES)]
-    ignored = [name for name in ignored if name != "lm_head.weight"]  # tied to wte when tie_word_embeddings
-    if ignored:
-        logger.warning(
-            "Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5])
-        )
-    return unflatten_dict(params)
-
-
-# Copied from run_clm_flax.read_safetensors_checkpoint
-def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
-    """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
-    import huggingface_hub
-
-    def fetch(filename):
-        """The file's local path, or None where there is no such file."""
-        if os.path.isdir(name_or_path):
-            path = os.path.join(name_or_path, filename)
-            return path if os.path.isfile(path) else None
-        try:
-            return huggingface_hub.hf_hub_download(
-                name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
-            )
-        except huggingface_hub.errors.EntryNotFoundError:
-            return None
-        except (huggingface_hub.errors.HfHubHTTPError, OSError, ValueError) as error:
-            raise UsageError(f"cannot download {filename} of {name_or_path}: {error}") from None
-
-    def read(path):
-        try:
-            return load_file(path)
-        except (SafetensorError, OSError) as error:
-            reason = str(error).splitlines()[0]
-            raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
-
-    index_name = "model.safetensors.index.json"
-    if (index_path := fetch(index_name)) is not None:
-        try:
-            with open(index_path) as index_file:
-                shard_names = sorted(set(json.load(index_file)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise UsageError(f"{index_path} is not a safetensors index (JSON with a weight_map)") from None
-        state_dict = {}
-        for shard_name in shard_names:
-            if (shard_path := fetch(shard_name)) is None:
-                raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
-            state_dict.update(read(shard_path))
-        return state_dict
-    if (path := fetch("model.safetensors")) is not None:
-        return read(path)
-    if (pickle_path := fetch("pytorch_model.bin")) is None:
-        raise UsageError(f"{name_or_path} has no model.safetensors")
-    if not model_args.allow_pickle_weights:
-        raise UsageError(
-            f"{name_or_path} holds only pytorch_model.bin, a pickle that can run code when loaded; convert it to "
-            "model.safetensors, or pass --allow_pickle_weights if you trust the file"
-        )
-    try:
-        import torch
-    except ImportError:
-        raise UsageError("reading pytorch_model.bin needs PyTorch: pip install torch") from None
-    # weights_only refuses anything in the pickle but tensors and plain containers, before running any of it.
-    try:
-        state_dict = torch.load(pickle_path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError):
-        raise UsageError(
-            f"{pickle_path} cannot be loaded as plain tensors: it holds other objects (none of them was run) or is "
-            "damaged; convert it to model.safetensors where you trust it"
-        ) from None
-    if not (isinstance(state_dict, dict) and all(isinstance(tensor, torch.Tensor) for tensor in state_dict.values())):
-        raise UsageError(f"{pickle_path} is not a state dict of named tensors; convert it to model.safetensors")
-    return {name: tensor.float().numpy() for name, tensor in state_dict.items()}
-
-
-# Copied from run_clm_flax.abstract_model_params
-def abstract_model_params(model, dummy_input, unbox: bool = True):
-    """Shapes and dtypes of the model's parameters, without computing them. Unboxed: plain arrays;
-    boxed: each carries its logical axis names."""
-    variables = jax.eval_shape(partial(model.init, deterministic=True), jax.random.key(0), dummy_input)
-    return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
 
 
 def load_model(model_args):
@@ -593,147 +219,6 @@ def load_model(model_args):
     abstract_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
     params = from_hf_state_dict(read_safetensors_checkpoint(source, model_args), abstract_params)
     return model, jax.device_put(params), tokenizer
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sampling: the whole decoding loop compiled once per shape, with a key/value cache
-# ----------------------------------------------------------------------------------------------------
-
-
-# Copied from run_clm_flax.next_tokens
-def next_tokens(logits, row_keys, temperature, top_p, top_k: int, do_sample: bool, use_top_p: bool):
-    """One token per row from float32 logits (batch, vocab_size): the most likely, or drawn as transformers does:
-    logits divided by the temperature, cut to the `top_k` most likely (0: all), then to the most likely whose
-    probabilities add up to `top_p`."""
-    if not do_sample:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    candidate_ids = None
-    if top_k or use_top_p:
-        # Sorted, most likely first: a full sort of the vocabulary only when top_p is set without top_k.
-        logits, candidate_ids = jax.lax.top_k(logits, top_k or logits.shape[-1])
-    if use_top_p:
-        probabilities = jax.nn.softmax(logits, axis=-1)
-        mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities  # the most likely token always stays
-        logits = jnp.where(mass_before < top_p, logits, -jnp.inf)
-    choices = jax.vmap(jax.random.categorical)(row_keys, logits)
-    if candidate_ids is None:
-        return choices.astype(jnp.int32)
-    return jnp.take_along_axis(candidate_ids, choices[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
-# Copied from run_clm_flax.make_sampler
-def make_sampler(model, eos_token_id: int | None):
-    """A jitted function generating up to `max_new_tokens` tokens after left-padded prompts.
-
-    It is compiled once per (batch, prompt length, capacity) and per top_k / greedy / top_p-or-not; the
-    temperature, top_p, seed and max_new_tokens are arguments, so changing them does not compile again.
-    Returns (new tokens (batch, capacity), the count of new tokens per row, the end-of-text token included).
-    """
-    eos = -1 if eos_token_id is None else eos_token_id
-    pad = max(eos, 0)  # what finished rows write
-
-    @partial(jax.jit, static_argnames=("capacity", "top_k", "do_sample", "use_top_p"))
-    def sample(
-        params,
-        prompt_ids,
-        prompt_mask,
-        row_count,
-        seed,
-        max_new_tokens,
-        temperature,
-        top_p,
-        *,
-        capacity: int,
-        top_k: int,
-        do_sample: bool,
-        use_top_p: bool,
-    ):
-        # prompt_ids, prompt_mask: (batch, prompt length), left-padded; rows from row_count on only fill the batch.
-        batch = prompt_ids.shape[0]
-        variables = {"params": params}
-        cache = KeyValueCache.empty(model.config, prompt_mask, capacity, model.dtype)
-        logits, cache = model.apply(variables, prompt_ids, cache=cache)
-        seed_key = jax.random.key(seed)
-
-        def choose(step, last_logits):
-            # A key per row and step: a row's text does not depend on the other rows of the batch.
-            step_key = jax.random.fold_in(seed_key, step)
-            row_keys = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(jnp.arange(batch))
-            return next_tokens(last_logits, row_keys, temperature, top_p, top_k, do_sample, use_top_p)
-
-        token = choose(0, logits[:, -1])
-        tokens = jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(token)
-        counts = jnp.ones((batch,), jnp.int32)
-        finished = (token == eos) | (jnp.arange(batch) >= row_count)
-
-        def not_done(loop_state):
-            step, _, _, _, _, finished = loop_state
-            return (step < max_new_tokens) & ~jnp.all(finished)
-
-        def decode_one(loop_state):
-            step, token, cache, tokens, counts, finished = loop_state
-            logits, cache = model.apply(variables, token[:, None], cache=cache)
-            token = jnp.where(finished, pad, choose(step, logits[:, 0]))
-            tokens = tokens.at[:, step].set(token)
-            counts = counts + ~finished
-            return step + 1, token, cache, tokens, counts, finished | (token == eos)
-
-        loop_state = (1, token, cache, tokens, counts, finished)
-        _, _, _, tokens, counts, _ = jax.lax.while_loop(not_done, decode_one, loop_state)
-        return tokens, counts
-
-    return sample
-
-
-# Copied from run_clm_flax.shape_bucket
-def shape_bucket(size: int, smallest: int) -> int:
-    """The power of two at least `size` and `smallest`: shapes from a few buckets, so few compilations."""
-    return max(smallest, 1 << (size - 1).bit_length())
-
-
-# Copied from run_clm_flax.generate_ids
-def generate_ids(
-    sampler,
-    params,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-) -> list[list[int]]:
-    """The new tokens after each prompt (non-empty lists of ids), ending with the end-of-text token where the
-    model wrote it. Temperature 0 is greedy decoding."""
-    batch = shape_bucket(len(prompts), 1)
-    prompt_length = shape_bucket(max(map(len, prompts)), 8)
-    prompt_ids = np.zeros((batch, prompt_length), np.int32)
-    prompt_mask = np.zeros((batch, prompt_length), bool)
-    prompt_mask[len(prompts) :, -1] = True  # rows that only fill the batch hold one token
-    for row, ids in enumerate(prompts):
-        prompt_ids[row, prompt_length - len(ids) :] = ids
-        prompt_mask[row, prompt_length - len(ids) :] = True
-    tokens, counts = sampler(
-        params,
-        prompt_ids,
-        prompt_mask,
-        len(prompts),
-        seed,
-        max_new_tokens,
-        float(temperature),
-        float(top_p),
-        capacity=shape_bucket(max_new_tokens, 8),
-        top_k=int(top_k),
-        do_sample=temperature > 0,
-        use_top_p=top_p < 1,
-    )
-    # On several processes every one takes part in the sampling and gets the result.
-    tokens, counts = (
-        (np.asarray(tokens), np.asarray(counts))
-        if tokens.is_fully_addressable
-        else multihost_utils.process_allgather((tokens, counts), tiled=True)
-    )
-    return [tokens[row, : counts[row]].tolist() for row in range(len(prompts))]
 
 
 class Generator:
@@ -921,7 +406,7 @@ def serve(generator: Generator, generation_args, server_args):
 def main():
     model_args, generation_args, server_args = parse_arguments()
     check_arguments(generation_args, server_args)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logging.basicConfig(format=LOG_FORMAT, level=logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
     # JAX logs at INFO each accelerator backend it fails to find (libtpu on every GPU or CPU machine).
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -962,8 +447,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

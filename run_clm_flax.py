@@ -29,7 +29,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -49,6 +49,7 @@ from flax_lm.arguments import (
     check_common_arguments,
     check_numeric_arguments,
     parse_arguments,
+    recorded_arguments,
 )
 from flax_lm.checkpoints import (
     StopRequest,
@@ -428,12 +429,8 @@ def main():
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
 
-    model = FlaxGPT2LMHeadModel(
-        config,
-        dtype=jnp.dtype(model_args.dtype),
-        param_dtype=jnp.dtype(model_args.param_dtype),
-        remat_policy=model_args.gradient_checkpointing,
-    )
+    dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
+    model = FlaxGPT2LMHeadModel(config, *dtypes, remat_policy=model_args.gradient_checkpointing)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
     setup = set_up_training(model, eval_step, training_args, blocks.get("train"), block_size)
     state, progress = initial_state(model_args, training_args, setup)
@@ -442,12 +439,8 @@ def main():
         lambda: prepare_output_dir(training_args, progress.step, __file__),
         f"lock --output_dir {training_args.output_dir}",
     )
-    # All arguments, recorded in the checkpoints and the trackers; the hub token is never written.
-    arguments = {**asdict(model_args), **asdict(data_args), **asdict(training_args)}
-    del arguments["token"]
-    trackers = open_trackers(
-        training_args, progress.step > 0, arguments, config.to_diff_dict(), Evaluation.metric_tags
-    )
+    arguments = recorded_arguments(model_args, data_args, training_args)
+    trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
     evaluation = Evaluation(setup, blocks.get("validation"), tokenizer, training_args, trackers)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
@@ -456,14 +449,7 @@ def main():
             progress.step, setup, blocks.get("train"), train_stream, tokenizer, data_args, training_args
         )
         save = partial(save_run, setup, config, tokenizer, arguments)
-        log = TrainingLog(
-            trackers,
-            training_args.skip_nonfinite_steps,
-            progress.step,
-            setup.total_steps,
-            TRAIN_METRIC_SUMS,
-            train_metrics,
-        )
+        log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
         state, stopped_by = train(state, progress, batches, setup.train_step, save, evaluation, log, training_args)
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
@@ -683,7 +669,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
-    save_model(output_dir, state.params, config, tokenizer, gpt2, generation_config=True)
+    save_model(output_dir, state.params, config, tokenizer, gpt2)
     logger.info(
         "step %d: saved the model to %s; writing the training checkpoint in the background", progress.step, output_dir
     )
@@ -694,7 +680,7 @@ def export_complete_run(output_dir: str, params, config, tokenizer):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""
     if not os.path.isfile(os.path.join(output_dir, "model.safetensors")):
-        save_model(output_dir, params, config, tokenizer, gpt2, generation_config=True)
+        save_model(output_dir, params, config, tokenizer, gpt2)
         logger.info("Exported the model of the complete run to %s", output_dir)
 
 

@@ -4,27 +4,17 @@
 Trains from scratch (a config and a tokenizer, for example from create_config.py --preset roberta-tiny and
 train_tokenizer.py --model_type roberta) or continues from a Hugging Face RoBERTa checkpoint, on text from
 local files (txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
+Examples are grouped (the default: texts joined with the separator </s> and cut into blocks framed as
+`<s> ... </s>` of exactly --max_seq_length tokens) or, with --line_by_line, one per non-empty line (or text),
+framed the same way, truncated and padded per batch.
 
-Two ways to make examples:
-- grouped (the default): texts (a whole .txt file, unless --text_sample_by says otherwise; one row of other
-  formats) are tokenized, joined with the separator </s> and cut into blocks, each
-  framed as `<s> ... </s>`, of exactly --max_seq_length tokens. For corpora larger than memory or disk, the
-  blocks can be packed once into memory-mapped shards (--packed_data_dir) or made on the fly from a stream
-  (--streaming);
-- --line_by_line: every non-empty line (or text) is one example, framed the same way and truncated to
-  --max_seq_length; batches are padded and carry an attention mask.
+Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special token or
+padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random token and 10%
+stay as they are. The loss and the accuracy count the chosen tokens only. On several hosts every host runs the same
+command, each makes and masks only its own rows of every batch, and process 0 writes the outputs.
 
-Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special
-token or padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random
-token and 10% stay as they are. The loss and the accuracy count the chosen tokens only. Each global batch is
-split over every device of every process with `jax.jit` over a device mesh. On several hosts every host runs
-the same command (see initialize_distributed for how the processes find each other), each makes and masks
-only its own rows of every batch, and process 0 writes the outputs. Training checkpoints in
-OUTPUT_DIR/checkpoints let an interrupted run continue exactly with --resume_from_checkpoint.
-
-The model is a Flax RoBERTa whose parameters map one-to-one onto the PyTorch `RobertaForMaskedLM` of
-`transformers`: the output directory is an ordinary Hugging Face model directory (config.json,
-model.safetensors, tokenizer files) that `AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch.
+The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors, tokenizer files)
+that `AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch.
 
     ./run_mlm_flax.py --output_dir roberta-run --config_name my-model --tokenizer_name my-model \
         --train_file "data/*.txt" --do_train --do_eval --max_seq_length 128
@@ -33,9 +23,9 @@ A single .json file holding the arguments works too: `./run_mlm_flax.py args.jso
 
 This file holds what an experiment changes, in reading order: its arguments, how texts become examples and how they
 are masked, the loss, the optimizer and schedule, the train and eval steps, evaluation and fill-mask, and the loop in
-main(). The model (flax_lm/models/roberta.py) and the machinery every run shares (checkpoints, trackers, data
-storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where
-flax_lm is installed.
+main(). The model (flax_lm/models/roberta.py) and what every run shares (checkpoints, trackers, data storage,
+processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm is
+installed.
 """
 
 import itertools
@@ -43,7 +33,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -63,6 +53,7 @@ from flax_lm.arguments import (
     check_common_arguments,
     check_numeric_arguments,
     parse_arguments,
+    recorded_arguments,
 )
 from flax_lm.checkpoints import (
     StopRequest,
@@ -123,16 +114,6 @@ class ModelArguments(flax_lm.arguments.ModelArguments):
 
 @dataclass
 class DataTrainingArguments(DataArguments):
-    text_sample_by: str | None = field(
-        default=None,
-        metadata={
-            "help": "What one text of a .txt file is: 'document' (the whole file, as written; the default), "
-            "'paragraph' (text between blank lines) or 'line' (the default with --line_by_line). Grouped, texts are "
-            "joined with </s>; with --line_by_line each text is one example. Rows of other formats are always one "
-            "text each.",
-            "choices": ["document", "paragraph", "line"],
-        },
-    )
     max_seq_length: int | None = field(
         default=None,
         metadata={
@@ -730,26 +711,17 @@ def main():
     config, tokenizer = load_config_and_tokenizer(model_args)
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
+    length_flag = f"--max_seq_length {max_seq_length}"  # the blocks leave room for <s> and </s>
     examples, train_stream = load_data(
-        model_args,
-        data_args,
-        training_args,
-        tokenized_rows,
-        tokenizer,
-        max_seq_length - 2,
-        f"--max_seq_length {max_seq_length}",
+        model_args, data_args, training_args, tokenized_rows, tokenizer, max_seq_length - 2, length_flag
     )
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
-    model = FlaxRobertaForMaskedLM(
-        config,
-        dtype=jnp.dtype(model_args.dtype),
-        param_dtype=jnp.dtype(model_args.param_dtype),
-        remat_policy=model_args.gradient_checkpointing,
-    )
+    dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
+    model = FlaxRobertaForMaskedLM(config, *dtypes, remat_policy=model_args.gradient_checkpointing)
     setup = set_up_training(model, make_eval_step(model), training_args, examples.get("train"), max_seq_length)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
@@ -757,12 +729,8 @@ def main():
         lambda: prepare_output_dir(training_args, progress.step, __file__),
         f"lock --output_dir {training_args.output_dir}",
     )
-    # All arguments, recorded in the checkpoints and the trackers; the hub token is never written.
-    arguments = {**asdict(model_args), **asdict(data_args), **asdict(training_args)}
-    del arguments["token"]
-    trackers = open_trackers(
-        training_args, progress.step > 0, arguments, config.to_diff_dict(), Evaluation.metric_tags
-    )
+    arguments = recorded_arguments(model_args, data_args, training_args)
+    trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
     evaluation = Evaluation(setup, examples.get("validation"), make_batch, tokenizer, training_args, trackers)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
@@ -771,14 +739,7 @@ def main():
             progress.step, setup, examples.get("train"), train_stream, make_batch, tokenizer, data_args, training_args
         )
         save = partial(save_run, setup, config, tokenizer, arguments)
-        log = TrainingLog(
-            trackers,
-            training_args.skip_nonfinite_steps,
-            progress.step,
-            setup.total_steps,
-            TRAIN_METRIC_SUMS,
-            train_metrics,
-        )
+        log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
         state, stopped_by = train(state, progress, batches, setup.train_step, save, evaluation, log, training_args)
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
@@ -841,6 +802,7 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
     return data_args.max_seq_length
 
 
+# Copied from run_clm_flax.TrainingSetup
 @dataclass
 class TrainingSetup:
     """What training and evaluation need, built once from the arguments and the model."""
@@ -860,6 +822,7 @@ class TrainingSetup:
     eval_step: Any
 
 
+# Copied from run_clm_flax.set_up_training with block_size->max_seq_length
 def set_up_training(model, eval_step, training_args, train_examples, sequence_length: int) -> TrainingSetup:
     logger.info(
         "%d devices over %d processes (%d here): %s",
@@ -909,6 +872,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     )
 
 
+# Copied from run_clm_flax.initial_state with block_size->max_seq_length
 def initial_state(model_args, training_args, setup: TrainingSetup) -> tuple[TrainState, "TrainingProgress"]:
     """The state to start from: with --resume_from_checkpoint the newest (or the named) training checkpoint, if
     there is one; otherwise new weights, or those of the Hugging Face checkpoint --model_name_or_path."""
@@ -988,6 +952,7 @@ def train_batches_from(
     )
 
 
+# Copied from run_clm_flax.train
 def train(state, progress: TrainingProgress, batches, train_step, save, evaluate, log: TrainingLog, training_args):
     """Train from the step after `progress.step` to the last, logging every --logging_steps, evaluating every
     --eval_steps (with --do_eval) and saving every --save_steps and at the end, or at the step where a stop was
@@ -1026,6 +991,7 @@ def train(state, progress: TrainingProgress, batches, train_step, save, evaluate
     return state, stop.signal_name if stopping else None
 
 
+# Copied from run_clm_flax.save_run with block_size->max_seq_length,gpt2->roberta
 def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoints, state, progress) -> int:
     """Save a training checkpoint (written in the background) and export the model. Returns the step saved."""
     record = progress.record(
@@ -1042,6 +1008,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
     return progress.step
 
 
+# Copied from run_clm_flax.export_complete_run with gpt2->roberta
 def export_complete_run(output_dir: str, params, config, tokenizer):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""

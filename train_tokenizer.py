@@ -13,39 +13,25 @@ than memory works. The result is an ordinary tokenizer directory:
 A single .json file holding the arguments works as well: `python train_tokenizer.py args.json`.
 """
 
-import dataclasses
 import glob
-import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
 import time
-import types
-import typing
 from dataclasses import dataclass, field
 
 import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Tokenizer, HfArgumentParser, RobertaTokenizer
+from transformers import GPT2Tokenizer, RobertaTokenizer
+
+from flax_lm.errors import UsageError, run
+from flax_lm.processes import LOG_FORMAT
+from flax_lm.texts import DATA_FILE_BUILDERS, TEXTS_PER_BATCH
+from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
-
-# The log format of the training scripts.
-# Copied from run_clm_flax.LOG_FORMAT
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-# File extensions and the `datasets` builder that reads them.
-# Copied from run_clm_flax.DATA_FILE_BUILDERS
-DATA_FILE_BUILDERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-}
 
 # Special tokens of each model type, by role. The order is the order of their ids: the tokenizer gets ids 0, 1, ...
 # for the distinct tokens in this order. GPT-2 has one token for beginning, end and unknown text, and no padding
@@ -69,14 +55,8 @@ DEFAULT_MODEL_MAX_LENGTH = {"gpt2": 1024, "roberta": 512}
 # Every byte is in the initial alphabet, so any text can be encoded without an unknown token.
 BYTE_ALPHABET_SIZE = len(pre_tokenizers.ByteLevel.alphabet())
 
-TEXTS_PER_BATCH = 1000
-
 # Files the tokenizer writes, plus files older tokenizer formats wrote; replaced or removed with --overwrite.
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"]
-
-
-class UsageError(Exception):
-    """A mistake in the arguments or the input data, reported as one line without a traceback."""
 
 
 @dataclass
@@ -180,68 +160,6 @@ class ReadCounts:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def parse_arguments(dataclass_types):
-    """Parse the command line, or a single .json file of arguments."""
-    parser = HfArgumentParser(dataclass_types)
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        json_path = sys.argv[1]
-        try:
-            with open(json_path, encoding="utf-8") as json_file:
-                values = json.load(json_file)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot read the arguments file {json_path}: {error}") from None
-        if not isinstance(values, dict):
-            raise UsageError(f"the arguments file {json_path} must hold one JSON object of flag names and values")
-        for dataclass_type in dataclass_types:
-            for argument in dataclasses.fields(dataclass_type):
-                required = argument.default is dataclasses.MISSING and argument.default_factory is dataclasses.MISSING
-                if required and argument.name not in values:
-                    raise UsageError(f"the arguments file {json_path} has no '{argument.name}'; add it")
-        try:
-            parsed = parser.parse_dict(values)
-        except ValueError as error:
-            raise UsageError(f"the arguments file {json_path}: {error}") from None
-        for arguments in parsed:
-            check_argument_types(arguments, json_path)
-        return parsed
-    return parser.parse_args_into_dataclasses()
-
-
-def check_argument_types(arguments, source):
-    """Check value types the way the command line would; a JSON file of arguments bypasses that check."""
-    type_hints = typing.get_type_hints(type(arguments))
-    for argument in dataclasses.fields(arguments):
-        value = getattr(arguments, argument.name)
-        if isinstance(value, str) and typing.get_origin(type_hints[argument.name]) in (typing.Union, types.UnionType):
-            # A single string where a list is expected, e.g. "train_file": "data.txt".
-            if list in [typing.get_origin(option) for option in typing.get_args(type_hints[argument.name])]:
-                value = [value]
-                setattr(arguments, argument.name, value)
-        if not value_has_type(value, type_hints[argument.name]):
-            annotation = type_hints[argument.name]
-            expected = annotation.__name__ if type(annotation) is type else str(annotation).replace("typing.", "")
-            raise UsageError(f"{source}: '{argument.name}' must be of type {expected}, not {value!r}")
-        choices = argument.metadata.get("choices")
-        if choices is not None and value not in choices:
-            raise UsageError(f"{source}: '{argument.name}' must be one of {', '.join(choices)}, not {value!r}")
-
-
-def value_has_type(value, annotation):
-    if annotation is type(None):
-        return value is None
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union or origin is types.UnionType:
-        return any(value_has_type(value, option) for option in typing.get_args(annotation))
-    if origin is list:
-        (item_type,) = typing.get_args(annotation)
-        return isinstance(value, list) and all(value_has_type(item, item_type) for item in value)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, annotation)
-
-
 def special_tokens_by_role(tokenizer_args):
     """The preset's special tokens with the user's replacements, e.g. {"bos_token": "<s>", ...}."""
     roles = dict(SPECIAL_TOKEN_PRESETS[tokenizer_args.model_type])
@@ -255,26 +173,13 @@ def special_tokens_by_role(tokenizer_args):
 
 
 def check_output_dir(output_dir, overwrite):
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
     existing = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(output_dir, name))]
     if existing and not overwrite:
         raise UsageError(
             f"--output_dir {output_dir} already holds a tokenizer ({existing[0]}); pass --overwrite to replace it "
             "or choose another directory"
         )
-    # The nearest directory that exists must be writable, so that training is not wasted. Writing a file is the
-    # test: os.access says yes to root on a read-only filesystem.
-    ancestor = os.path.abspath(output_dir)
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"--output_dir {output_dir}: {ancestor} is a file; pass a directory")
-    try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
-    except OSError as error:
-        raise UsageError(f"cannot write to --output_dir {output_dir}: {error.strerror} in {ancestor}") from None
+    check_writable_output_dir(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -613,8 +518,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -9,7 +9,7 @@ import math
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import jax
 from transformers import HfArgumentParser
@@ -136,12 +136,13 @@ class DataArguments:
             "for a stream tokenized while training."
         },
     )
-    text_sample_by: str = field(
-        default="document",
+    text_sample_by: str | None = field(
+        default=None,
         metadata={
-            "help": "What one document of a .txt file is, each followed by the end-of-text token: 'document' (the "
-            "whole file, as written), 'paragraph' (text between blank lines) or 'line'. Rows of other formats are "
-            "always one document each.",
+            "help": "What one text (document) of a .txt file is, each ended by the end-of-text token: 'document' (the "
+            "whole file, as written; the default), 'paragraph' (text between blank lines) or 'line' (the default of "
+            "run_mlm_flax.py --line_by_line, where each text is one example). Rows of other formats are always one "
+            "text each.",
             "choices": ["document", "paragraph", "line"],
         },
     )
@@ -350,6 +351,13 @@ def parse_arguments(model_arguments, data_arguments, training_arguments) -> tupl
     return tuple(arguments)
 
 
+def recorded_arguments(*argument_groups) -> dict:
+    """All arguments as one dict, as the checkpoints and the trackers record them: the hub token is never written."""
+    arguments = {name: value for group in argument_groups for name, value in asdict(group).items()}
+    del arguments["token"]
+    return arguments
+
+
 def refuse_unknown_arguments(arguments: list[str]):
     for argument in arguments:
         name = argument.split("=")[0].lstrip("-").replace("-", "_")
@@ -373,6 +381,7 @@ def check_common_arguments(model_args, data_args, training_args):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
+    data_args.text_sample_by = data_args.text_sample_by or "document"
     if data_args.text_sample_by not in ("document", "paragraph", "line"):  # a JSON file of arguments skips argparse
         raise UsageError(f"--text_sample_by {data_args.text_sample_by} is not one of document, paragraph, line")
     if not data_args.keep_linebreaks and data_args.text_sample_by != "line":

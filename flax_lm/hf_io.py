@@ -158,10 +158,10 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
     os.replace(f"{weights_path}.tmp", weights_path)
 
 
-def save_model(output_dir: str, params, config, tokenizer, model, generation_config: bool = False):
+def save_model(output_dir: str, params, config, tokenizer, model):
     """A Hugging Face model directory: config.json naming `model.HF_ARCHITECTURE`, the weights as `model` maps them
-    (model.to_hf_state_dict) in model.safetensors, the tokenizer and, for a model that generates, its generation
-    config. `model` is the model's module (flax_lm.models.gpt2, for one).
+    (model.to_hf_state_dict) in model.safetensors, the tokenizer and, for a model that generates text
+    (model.GENERATES_TEXT), its generation config. `model` is the model's module (flax_lm.models.gpt2, for one).
 
     Every process takes part in gathering the parameters; process 0 writes.
     """
@@ -171,6 +171,6 @@ def save_model(output_dir: str, params, config, tokenizer, model, generation_con
     write_model_weights(output_dir, model.to_hf_state_dict(host_params))
     config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
     config.save_pretrained(output_dir)
-    if generation_config:
+    if model.GENERATES_TEXT:
         GenerationConfig.from_model_config(config).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

@@ -23,14 +23,12 @@ class TrainingLog:
     line, the progress bar and TensorBoard. As a `with` block it times the training and, leaving it, ends the
     progress bar's line before any error is printed."""
 
-    def __init__(
-        self, trackers, skip_nonfinite_steps: bool, first_step: int, total_steps: int, metric_names, train_metrics
-    ):
-        """`train_metrics(sums)`: the script's metrics of a log line, from the sums of the train step's metrics
-        `metric_names` (the script's TRAIN_METRIC_SUMS) over the steps the line covers."""
+    def __init__(self, trackers, progress, total_steps: int, train_metrics, skip_nonfinite_steps: bool):
+        """`progress`: the TrainingProgress training starts from; `train_metrics(sums)`: the script's metrics of a log
+        line, from the sums of the train step's metrics (progress.metric_sums's names) over the steps it covers."""
         self.trackers, self.skip_nonfinite_steps = trackers, skip_nonfinite_steps
-        self.first_step, self.total_steps = first_step, total_steps
-        self.metric_names, self.train_metrics = metric_names, train_metrics
+        self.first_step, self.total_steps = progress.step, total_steps
+        self.metric_names, self.train_metrics = list(progress.metric_sums), train_metrics
         self.unread, self.window, self.tokens = [], [], 0
 
     def __enter__(self):
@@ -283,9 +281,11 @@ class Trackers:
             tracker.close()
 
 
-def open_trackers(training_args, resumed: bool, arguments: dict, model_config: dict, metric_tags: list) -> Trackers:
-    """The trackers of --report_to, on process 0 only. W&B and MLflow runs are named after the output directory; a
-    resumed run reports into the runs it started (their ids are in TRACKER_RUNS_FILE)."""
+def open_trackers(training_args, progress, arguments: dict, config, metric_tags: list) -> Trackers:
+    """The trackers of --report_to, on process 0 only, given the run's arguments and model config. W&B and MLflow runs
+    are named after the output directory; a run resumed from a checkpoint (`progress` past step 0) reports into the
+    runs it started (their ids are in TRACKER_RUNS_FILE)."""
+    resumed, model_config = progress.step > 0, config.to_diff_dict()
     if jax.process_index() != 0:
         return Trackers([])
     output_dir = training_args.output_dir

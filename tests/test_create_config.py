@@ -1,6 +1,5 @@
 """Behaviour of create_config.py: the config it writes, the parameter count it prints, and the settings it refuses."""
 
-import ast
 import importlib.util
 import json
 import re
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
+
+from flax_lm import tool_arguments
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 
@@ -239,22 +240,22 @@ def test_existing_config_is_kept_unless_overwrite_is_given(monkeypatch, gpt2_mod
     assert AutoConfig.from_pretrained(gpt2_model_dir).n_layer == 2
 
 
-def test_code_copied_from_train_tokenizer_is_identical_to_it():
-    """create_config.py shares its argument parsing with train_tokenizer.py by copying it, marked as copied."""
+def test_a_json_arguments_file_with_a_value_of_the_wrong_type_is_refused(monkeypatch, tmp_path):
+    arguments = {"preset": "gpt2-tiny", "output_dir": str(tmp_path / "model"), "pad_vocab_to_multiple_of": "64"}
+    (tmp_path / "arguments.json").write_text(json.dumps(arguments))
 
-    def top_level_sources(path):
-        source = path.read_text()
-        return {
-            node.name: ast.get_source_segment(source, node)
-            for node in ast.parse(source).body
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef))
-        }
+    with pytest.raises(
+        create_config.UsageError, match="'pad_vocab_to_multiple_of' must be of type int | None, not '64'"
+    ):
+        run_main(monkeypatch, tmp_path / "arguments.json")
+    assert not (tmp_path / "model").exists()
 
-    originals = top_level_sources(REPO_DIR / "train_tokenizer.py")
-    copies = top_level_sources(REPO_DIR / "create_config.py")
-    copied_names = re.findall(
-        r"^# Copied from train_tokenizer\.(\w+)$", (REPO_DIR / "create_config.py").read_text(), re.M
-    )
-    assert copied_names
-    for name in copied_names:
-        assert copies[name] == originals[name], f"create_config.{name} differs from train_tokenizer.{name}"
+
+def test_arguments_are_parsed_by_the_one_definition_train_tokenizer_uses():
+    """create_config.py and train_tokenizer.py share their argument parsing: flax_lm.tool_arguments, not a copy."""
+    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO_DIR / "train_tokenizer.py")
+    train_tokenizer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_tokenizer)
+
+    assert create_config.parse_arguments is tool_arguments.parse_arguments
+    assert train_tokenizer.parse_arguments is tool_arguments.parse_arguments

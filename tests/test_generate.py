@@ -1,5 +1,6 @@
-"""generate_flax.py and the cached sampler it shares with run_clm_flax.py: transformers' greedy ids, cached logits
-equal to a full recompute, seeded sampling, stopping at the end-of-text token, the command line and the server."""
+"""generate_flax.py and the cached sampler of flax_lm.models.gpt2 it decodes with: transformers' greedy ids, cached
+logits equal to a full recompute, seeded sampling, stopping at the end-of-text token, the command line and the
+server."""
 
 import json
 import os
@@ -20,9 +21,11 @@ import torch
 from conftest import REPO_DIR
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from flax_lm.errors import UsageError
+from flax_lm.models import gpt2
+
 sys.path.insert(0, str(REPO_DIR))
 import generate_flax  # noqa: E402
-import run_clm_flax  # noqa: E402
 
 PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
 OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -72,7 +75,7 @@ def torch_greedy_ids(model_dir, prompt_ids, max_new_tokens):
 def test_greedy_ids_equal_transformers_generate_for_a_batch_of_different_lengths(generator, model_dir):
     prompt_ids = generator.encode(PROMPTS, 20, "prompt")
     assert len({len(ids) for ids in prompt_ids}) == 3
-    ours = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 20)
+    ours = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 20)
     for ids, new_ids in zip(prompt_ids, ours):
         expected = torch_greedy_ids(model_dir, ids, 20)
         assert new_ids == expected
@@ -88,7 +91,7 @@ def test_cached_logits_equal_a_full_recompute(generator):
     prompt_mask = np.zeros((2, prompt_length), bool)
     for row, ids in enumerate(rows):
         prompt_ids[row, prompt_length - len(ids) :], prompt_mask[row, prompt_length - len(ids) :] = ids, True
-    cache = run_clm_flax.KeyValueCache.empty(model.config, jnp.asarray(prompt_mask), 3, model.dtype)
+    cache = gpt2.KeyValueCache.empty(model.config, jnp.asarray(prompt_mask), 3, model.dtype)
     logits, cache = model.apply({"params": params}, jnp.asarray(prompt_ids), cache=cache)
     cached = [np.asarray(logits[:, -1])]
     for step in range(3):
@@ -104,7 +107,7 @@ def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(generator):
     prompt_ids = generator.encode(PROMPTS, 16, "prompt")
 
     def generate(**settings):
-        return run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 16, **settings)
+        return gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 16, **settings)
 
     greedy = generate()
     sampled = generate(temperature=1.0, seed=3)
@@ -114,7 +117,7 @@ def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(generator):
     assert generate(temperature=1.0, top_k=1, seed=3) == greedy
     assert generate(temperature=1.0, top_p=1e-6, seed=3) == greedy
     # A row's draws do not depend on the rows beside it.
-    alone = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids[:1], 16, temperature=1.0, seed=3)
+    alone = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids[:1], 16, temperature=1.0, seed=3)
     assert alone[0] == sampled[0]
 
 
@@ -123,7 +126,7 @@ def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens():
     row_keys = jax.random.split(jax.random.key(0), 2000)
 
     def drawn(top_k, top_p):
-        tokens = run_clm_flax.next_tokens(logits, row_keys, 1.0, top_p, top_k, True, top_p < 1)
+        tokens = gpt2.next_tokens(logits, row_keys, 1.0, top_p, top_k, True, top_p < 1)
         return set(np.asarray(tokens).tolist())
 
     assert drawn(0, 1.0) == {0, 1, 2, 3, 4}
@@ -139,16 +142,16 @@ def test_bfloat16_loads_bfloat16_weights_and_decodes_like_float32(generator, mod
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     bfloat16_generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
     prompt_ids = generator.encode(PROMPTS, 4, "prompt")
-    float32_ids = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 4)
-    assert run_clm_flax.generate_ids(bfloat16_generator.sampler, params, prompt_ids, 4) == float32_ids
+    float32_ids = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 4)
+    assert gpt2.generate_ids(bfloat16_generator.sampler, params, prompt_ids, 4) == float32_ids
 
 
 def test_generation_stops_at_the_end_of_text_token(generator):
     prompt_ids = generator.encode(PROMPTS, 12, "prompt")
-    greedy = run_clm_flax.generate_ids(generator.sampler, generator.params, prompt_ids, 12)
+    greedy = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 12)
     stop_token = greedy[1][4]  # as if the fifth token the second prompt gets were the end of the text
-    sampler = run_clm_flax.make_sampler(generator.model, stop_token)
-    stopped = run_clm_flax.generate_ids(sampler, generator.params, prompt_ids, 12)
+    sampler = gpt2.make_sampler(generator.model, stop_token)
+    stopped = gpt2.generate_ids(sampler, generator.params, prompt_ids, 12)
     for full, short in zip(greedy, stopped):
         end = full.index(stop_token) + 1 if stop_token in full else len(full)
         assert short == full[:end]
@@ -193,7 +196,7 @@ def test_prompt_too_long_for_the_model_exits_with_one_clear_line(model_dir):
 )
 def test_bad_arguments_are_reported_as_a_usage_error(model_dir, arguments, message, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["generate_flax.py", "--model_name_or_path", str(model_dir), *arguments])
-    with pytest.raises(generate_flax.UsageError, match=re.escape(message)):
+    with pytest.raises(UsageError, match=re.escape(message)):
         generate_flax.main()
 
 

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 # The transformers class whose checkpoint layout the parameters map onto, named in an exported config.json.
 HF_ARCHITECTURE = "GPT2LMHeadModel"
+# A causal LM: its exported directory carries a generation_config.json, as transformers writes for one.
+GENERATES_TEXT = True
 
 
 def check_model_config(config):

@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 # The transformers class whose checkpoint layout the parameters map onto, named in an exported config.json.
 HF_ARCHITECTURE = "RobertaForMaskedLM"
+# A masked LM: its exported directory has no generation config.
+GENERATES_TEXT = False
 
 
 def check_model_config(config):
