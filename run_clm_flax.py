@@ -128,6 +128,7 @@ class TrainingArguments(CommonTrainingArguments):
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
     arguments (after initialize_distributed: see check_common_arguments)."""
+    model_args.model_type = model_args.model_type or "gpt2"
     if model_args.model_type != "gpt2":
         raise UsageError(
             f"--model_type {model_args.model_type} is not supported; this script trains gpt2 (run_mlm_flax.py "
@@ -142,7 +143,7 @@ def check_arguments(model_args, data_args, training_args):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data: texts become blocks of tokens (flax_lm.data reads them from files, the cache, packed shards or a stream)
+# Data: texts become blocks of tokens (flax_lm.data reads the texts from files or a stream, and keeps the blocks)
 # ----------------------------------------------------------------------------------------------------
 
 

@@ -46,10 +46,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
 from tqdm.auto import tqdm
 
-import flax_lm.arguments
 from flax_lm.arguments import (
     CommonTrainingArguments,
     DataArguments,
+    ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
     parse_arguments,
@@ -67,6 +67,7 @@ from flax_lm.checkpoints import (
 from flax_lm.data import count_steps, epochs_of_batches, load_data, stream_position, streaming_train_batches
 from flax_lm.errors import UsageError, run
 from flax_lm.hf_io import load_config_and_tokenizer, read_safetensors_checkpoint, save_model
+from flax_lm.host_random import random_bits, uniform_from_bits
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.models import roberta
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM, check_model_config, from_hf_state_dict
@@ -103,13 +104,6 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------------
 # Arguments: this script's own, beside those of flax_lm.arguments that both scripts take
 # ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelArguments(flax_lm.arguments.ModelArguments):
-    model_type: str = field(
-        default="roberta", metadata={"help": "Must be roberta; without --config_name, its default config is trained."}
-    )
 
 
 @dataclass
@@ -160,6 +154,7 @@ class TrainingArguments(CommonTrainingArguments):
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
     arguments (after initialize_distributed: see check_common_arguments)."""
+    model_args.model_type = model_args.model_type or "roberta"
     if model_args.model_type != "roberta":
         raise UsageError(
             f"--model_type {model_args.model_type} is not supported; this script trains roberta (run_clm_flax.py "
@@ -182,13 +177,11 @@ def check_arguments(model_args, data_args, training_args):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data: texts become blocks or lines of tokens (flax_lm.data reads them from files, the cache, packed shards or a
-# stream), framed as <s> ... </s> and masked on the host
+# Data: texts become blocks or lines of tokens, framed as <s> ... </s> and masked on the host
 # ----------------------------------------------------------------------------------------------------
 
-# Grouped mode: the texts, each followed by </s>, joined and cut into blocks of max_seq_length - 2 tokens;
-# BatchMaker frames every block as <s> block </s>. RoBERTa's pretraining data is made the same way: full
-# sentences across document boundaries, with a separator between documents.
+# Grouped, texts are joined with </s> and cut into blocks of max_seq_length - 2 tokens, framed as <s> block </s>:
+# as RoBERTa's pretraining data, full sentences across document boundaries, with a separator between documents.
 
 
 # Copied from run_clm_flax.pack_blocks
@@ -232,20 +225,6 @@ def encode_lines(backend, width: int, pad_id: int, texts: list[str]) -> tuple[np
     for row, ids in zip(rows, token_lists):
         row[: len(ids)] = ids[:width]
     return rows, sum(len(ids) > width for ids in token_lists)
-
-
-def random_bits(seed: np.uint64, counters: np.ndarray) -> np.ndarray:
-    """64 random bits for each counter: output number `counter` of SplitMix64 seeded with `seed` (Steele, Lea
-    and Flood, 2014). An output depends on its number alone, so numpy computes any of them directly, all at once."""
-    bits = seed + (counters + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)  # wraps around at 2**64, as it should
-    bits = (bits ^ (bits >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    bits = (bits ^ (bits >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return bits ^ (bits >> np.uint64(31))
-
-
-def uniform_from_bits(bits: np.ndarray) -> np.ndarray:
-    """Numbers in [0, 1), from the top 53 of the random bits."""
-    return (bits >> np.uint64(11)) * 2.0**-53
 
 
 def mask_tokens(

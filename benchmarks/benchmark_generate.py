@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Tokens per second of generate_flax.py's decoding beside transformers' PyTorch `generate`, in the same run.
+"""Tokens per second of generate_flax.py's decoding (the sampler of flax_lm.models.gpt2) beside transformers'
+PyTorch `generate`, in the same run.
 
 Both decode greedily with a key/value cache, from the same random GPT-2 (124M parameters by default) and the
 same prompts, `--new_tokens` tokens each without stopping early (no end-of-text token), at each batch size.
@@ -10,8 +11,6 @@ every later request of the same shape bucket does). The two must write the same 
 """
 
 import argparse
-import os
-import sys
 import time
 
 import jax
@@ -19,8 +18,8 @@ import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import generate_flax  # noqa: E402
+from flax_lm.models import gpt2
+from flax_lm.train_state import abstract_model_params
 
 PRESETS = {"gpt2": dict(n_layer=12, n_embd=768, n_head=12), "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16)}
 
@@ -49,11 +48,11 @@ def main():
     )
     torch.manual_seed(0)
     torch_model = GPT2LMHeadModel(config).eval()
-    model = generate_flax.FlaxGPT2LMHeadModel(config)
-    abstract_params = generate_flax.abstract_model_params(model, jax.numpy.zeros((1, 8), jax.numpy.int32))
+    model = gpt2.FlaxGPT2LMHeadModel(config)
+    abstract_params = abstract_model_params(model, jax.numpy.zeros((1, 8), jax.numpy.int32))
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
-    params = jax.device_put(generate_flax.from_hf_state_dict(state_dict, abstract_params))
-    sampler = generate_flax.make_sampler(model, eos_token_id=None)
+    params = jax.device_put(gpt2.from_hf_state_dict(state_dict, abstract_params))
+    sampler = gpt2.make_sampler(model, eos_token_id=None)
     print(
         f"{arguments.preset}: {sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6:.1f}M parameters, "
         f"float32, greedy, {arguments.prompt_tokens} prompt + {arguments.new_tokens} new tokens; JAX on "
@@ -66,7 +65,7 @@ def main():
         prompts = rng.integers(0, config.vocab_size, size=(batch_size, arguments.prompt_tokens))
 
         def generate_jax(prompts=prompts):
-            return generate_flax.generate_ids(sampler, params, prompts.tolist(), arguments.new_tokens)
+            return gpt2.generate_ids(sampler, params, prompts.tolist(), arguments.new_tokens)
 
         def generate_torch(prompts=prompts):
             input_ids = torch.tensor(prompts)

@@ -30,9 +30,11 @@ class ModelArguments:
             "config.json and model.safetensors, or a hub name. Leave unset to train from scratch."
         },
     )
-    # Each script sets the default to its own model: run_clm_flax.py gpt2, run_mlm_flax.py roberta.
-    model_type: str = field(
-        default="gpt2", metadata={"help": "This script's model; without --config_name, its default config is trained."}
+    model_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "The script's model: gpt2 (the default of run_clm_flax.py) or roberta (of run_mlm_flax.py)."
+        },
     )
     config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})

@@ -61,9 +61,10 @@ def restore_checkpoint(
 ) -> tuple[TrainState, dict, str] | None:
     """The training state (placed with the shardings of `abstract_state`), the progress record (which must hold
     `progress_keys`) and the path of the checkpoint at `location`: "auto" (the newest complete and readable one in
-    output_dir; None if there is none, for a fresh start), a checkpoints directory, or one STEP in it. An unreadable
-    checkpoint is skipped with a warning for the next older one, except the one STEP asked for; a checkpoint of
-    another model is refused."""
+    output_dir; None where there is no complete one, for a fresh start), a checkpoints directory, or one STEP in it.
+    An unreadable checkpoint is skipped with a warning for the next older one, except the one STEP asked for; where
+    none can be read, or the checkpoint is of another model, the run is refused and the checkpoints stay as they are:
+    a fresh start would set them aside, and with them the run."""
     newest = location == "auto"
     location_path = os.path.normpath(os.path.join(output_dir, "checkpoints") if newest else location)
     if os.path.basename(location_path).isdigit():
@@ -88,6 +89,7 @@ def restore_checkpoint(
                     f"--resume_from_checkpoint: there is no complete training checkpoint at {location_path}"
                 )
             steps = [step]
+        unreadable = []
         for candidate in steps:
             path = os.path.join(directory, str(candidate))
             try:
@@ -117,6 +119,16 @@ def restore_checkpoint(
                     "--resume_from_checkpoint alone for the newest readable one"
                 )
             logger.warning("skipping the training checkpoint %s: it is unreadable (%s)", path, reason)
+            unreadable.append((candidate, reason))
+    if newest and unreadable:
+        # Every process skipped the same checkpoints, so every one stops here.
+        (newest_step, newest_reason), *_ = unreadable
+        skipped_steps = ", ".join(str(skipped) for skipped, _ in unreadable)
+        raise UsageError(
+            f"--resume_from_checkpoint: every training checkpoint in {directory} is unreadable (steps "
+            f"{skipped_steps}; step {newest_step}: {newest_reason}); they are left as they are: restore them from a "
+            "copy to resume, or pass --overwrite_output_dir without --resume_from_checkpoint to start a new run"
+        )
     if newest:
         return None
     raise UsageError(f"--resume_from_checkpoint: there is no readable training checkpoint in {directory}")

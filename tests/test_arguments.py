@@ -9,7 +9,14 @@ import pytest
 from test_clm import run_clm_flax
 from test_hostile_inputs import SCRIPTS
 
+from flax_lm import errors, processes
+
 TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
+
+
+def parse_arguments(module):
+    """The argument groups of sys.argv, parsed into the script's own classes as its main() does."""
+    return module.parse_arguments(module.ModelArguments, module.DataTrainingArguments, module.TrainingArguments)
 
 
 @pytest.fixture
@@ -20,7 +27,7 @@ def checked_arguments(tmp_path, monkeypatch):
         module = SCRIPTS[script]
         command_line = ["--output_dir", str(tmp_path / "out"), "--tokenizer_name", "a-tokenizer", *arguments]
         monkeypatch.setattr(sys, "argv", [f"{script}.py", *command_line])
-        model_args, data_args, training_args, _ = module.parse_arguments()
+        model_args, data_args, training_args, _ = parse_arguments(module)
         module.check_arguments(model_args, data_args, training_args)
         return model_args, data_args, training_args
 
@@ -75,7 +82,7 @@ def test_a_mesh_shape_that_does_not_fit_the_devices_is_refused_before_any_work(s
 
 def test_training_from_scratch_without_a_tokenizer_is_refused_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", str(tmp_path), "--train_file", "t.txt"])
-    model_args, data_args, training_args, _ = run_clm_flax.parse_arguments()
+    model_args, data_args, training_args, _ = parse_arguments(run_clm_flax)
     with pytest.raises(run_clm_flax.UsageError, match="training from scratch needs --tokenizer_name"):
         run_clm_flax.check_arguments(model_args, data_args, training_args)
 
@@ -95,7 +102,7 @@ def test_a_json_arguments_file_is_refused_in_one_line_as_the_command_line_is(val
     arguments_file.write_text(json.dumps(values))
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", str(arguments_file)])
     with pytest.raises(run_clm_flax.UsageError, match=message):
-        run_clm_flax.parse_arguments()
+        parse_arguments(run_clm_flax)
 
 
 def test_a_json_arguments_file_may_set_gradient_checkpointing_as_a_boolean(tmp_path, monkeypatch):
@@ -103,7 +110,7 @@ def test_a_json_arguments_file_may_set_gradient_checkpointing_as_a_boolean(tmp_p
     values = {"output_dir": str(tmp_path / "out"), "tokenizer_name": "t", "train_file": "t.txt"}
     arguments_file.write_text(json.dumps({**values, "gradient_checkpointing": True}))
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", str(arguments_file)])
-    model_args, data_args, training_args, _ = run_clm_flax.parse_arguments()
+    model_args, data_args, training_args, _ = parse_arguments(run_clm_flax)
     run_clm_flax.check_arguments(model_args, data_args, training_args)
     assert model_args.gradient_checkpointing == "nothing_saveable"
 
@@ -111,13 +118,14 @@ def test_a_json_arguments_file_may_set_gradient_checkpointing_as_a_boolean(tmp_p
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)
 def test_library_errors_for_user_mistakes_become_one_line_and_bugs_keep_their_traceback(script):
     module = SCRIPTS[script]
+    assert module.run is errors.run, "the script's command ends in the handler of flax_lm.errors"
     offline = ConnectionError("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled)")
-    assert module.user_error_message(offline).startswith("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled);")
-    damaged = module.SafetensorError("Error while deserializing header: HeaderTooLarge")
-    assert "HeaderTooLarge" in module.user_error_message(damaged)
-    assert module.user_error_message(module.UsageError("--x is wrong")) == "--x is wrong"
+    assert errors.user_error_message(offline).startswith("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled);")
+    damaged = errors.SafetensorError("Error while deserializing header: HeaderTooLarge")
+    assert "HeaderTooLarge" in errors.user_error_message(damaged)
+    assert errors.user_error_message(module.UsageError("--x is wrong")) == "--x is wrong"
     for bug in (KeyError("step"), TypeError("unsupported operand"), ConnectionResetError(104, "reset by peer")):
-        assert module.user_error_message(bug) is None
+        assert errors.user_error_message(bug) is None
 
 
 def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_tokenizer_dir, tmp_path):
@@ -128,4 +136,5 @@ def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_toke
     (log_line,) = [line for line in result.stdout.splitlines() if "From the tokenizer" in line]
     # LOG_FORMAT: the time, the level, the logger and the message.
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO __main__: From the tokenizer in .*", log_line)
-    assert SCRIPTS["create_config"].LOG_FORMAT == run_clm_flax.LOG_FORMAT == SCRIPTS["train_tokenizer"].LOG_FORMAT
+    assert SCRIPTS["create_config"].LOG_FORMAT == processes.LOG_FORMAT == SCRIPTS["train_tokenizer"].LOG_FORMAT
+    assert run_clm_flax.setup_logging is processes.setup_logging is SCRIPTS["run_mlm_flax"].setup_logging

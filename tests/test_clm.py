@@ -14,6 +14,11 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
+from flax_lm.hf_io import save_model
+from flax_lm.models import gpt2
+from flax_lm.packed import cached_blocks
+from flax_lm.train_state import abstract_model_params
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import run_clm_flax  # noqa: E402
@@ -59,7 +64,7 @@ def flax_logits(config, params, input_ids):
 
 def abstract_params(config):
     model = run_clm_flax.FlaxGPT2LMHeadModel(config)
-    return run_clm_flax.abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
+    return abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
 
 
 CONFIG_VARIANTS = {
@@ -90,7 +95,7 @@ def test_flax_weights_load_in_pytorch_with_the_same_logits(variant, model_dir, t
     params = jax.tree_util.tree_map(
         np.asarray, run_clm_flax.nn.meta.unbox(model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
     )
-    run_clm_flax.save_model(str(tmp_path), params, config, AutoTokenizer.from_pretrained(model_dir))
+    save_model(str(tmp_path), params, config, AutoTokenizer.from_pretrained(model_dir), gpt2)
 
     torch_model, loading_info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
     assert not any(loading_info.values()), loading_info
@@ -149,14 +154,17 @@ def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_
 
     def pack(block_size):
         data_args = run_clm_flax.DataTrainingArguments()
-        return run_clm_flax.cached_blocks(dataset, "train", tokenizer, block_size, str(tmp_path / "cache"), data_args)
+        cache_dir = str(tmp_path / "cache")
+        return cached_blocks(
+            dataset, "train", run_clm_flax.tokenized_rows, tokenizer, block_size, cache_dir, data_args
+        )
 
     blocks = pack(16)
     expected = [token for text in texts for token in tokenizer(text + "\n")["input_ids"] + [tokenizer.eos_token_id]]
     expected = np.array(expected[: len(expected) // 16 * 16]).reshape(-1, 16)
     np.testing.assert_array_equal(blocks, expected)
 
-    caplog.set_level("INFO", logger="run_clm_flax")
+    caplog.set_level("INFO", logger="flax_lm.packed")
     cached = pack(16)
     assert "Loading packed train blocks from cache" in caplog.text, "the second call should read the cached blocks"
     np.testing.assert_array_equal(cached, expected)

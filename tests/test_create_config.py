@@ -244,9 +244,8 @@ def test_a_json_arguments_file_with_a_value_of_the_wrong_type_is_refused(monkeyp
     arguments = {"preset": "gpt2-tiny", "output_dir": str(tmp_path / "model"), "pad_vocab_to_multiple_of": "64"}
     (tmp_path / "arguments.json").write_text(json.dumps(arguments))
 
-    with pytest.raises(
-        create_config.UsageError, match="'pad_vocab_to_multiple_of' must be of type int | None, not '64'"
-    ):
+    message = "arguments.json: 'pad_vocab_to_multiple_of' must be of type int | None, not '64'"
+    with pytest.raises(create_config.UsageError, match=re.escape(message)):
         run_main(monkeypatch, tmp_path / "arguments.json")
     assert not (tmp_path / "model").exists()
 

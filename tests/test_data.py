@@ -16,6 +16,11 @@ from conftest import FIXTURES_DIR
 from test_clm import run_clm_flax, scalars, tiny_config
 from transformers import AutoTokenizer
 
+import flax_lm.data
+import flax_lm.packed
+import flax_lm.processes
+import flax_lm.texts
+
 CORPUS = FIXTURES_DIR / "en"
 
 
@@ -50,15 +55,23 @@ def train_lines():
 
 def data_arguments(packed_dir, **overrides):
     settings = dict(
-        train_file=str(CORPUS / "train.txt"), packed_data_dir=str(packed_dir), packed_tokens_per_shard=2000
+        train_file=str(CORPUS / "train.txt"),
+        packed_data_dir=str(packed_dir),
+        packed_tokens_per_shard=2000,
+        text_sample_by="document",  # as check_arguments sets it: a .txt file is one document
     )
     return run_clm_flax.DataTrainingArguments(**{**settings, **overrides})
 
 
 def pack(packed_dir, tokenizer, block_size=32, **overrides):
     arguments = data_arguments(packed_dir, **overrides)
-    return run_clm_flax.load_packed_corpus(
-        run_clm_flax.ModelArguments(), arguments, tokenizer, block_size, f"--block_size {block_size}"
+    return flax_lm.packed.load_packed_corpus(
+        run_clm_flax.ModelArguments(),
+        arguments,
+        run_clm_flax.tokenized_rows,
+        tokenizer,
+        block_size,
+        f"--block_size {block_size}",
     )
 
 
@@ -79,7 +92,7 @@ def test_packed_shards_hold_the_blocks_of_the_in_memory_packing(streaming, token
     blocks = pack(tmp_path / "packed", tokenizer, streaming=streaming)
     expected = expected_blocks(tokenizer, train_texts(), 32)
     np.testing.assert_array_equal(np.asarray(blocks["train"]), expected)
-    held_out = run_clm_flax.hold_out_blocks(blocks, 5)
+    held_out = flax_lm.data.hold_out_blocks(blocks, 5)
     validation_size = len(expected) * 5 // 100  # held out from the start of the packed training blocks
     np.testing.assert_array_equal(np.asarray(held_out["validation"]), expected[:validation_size])
     np.testing.assert_array_equal(np.asarray(held_out["train"]), expected[validation_size:])
@@ -94,7 +107,7 @@ def test_packed_shards_hold_the_blocks_of_the_in_memory_packing(streaming, token
 def test_packed_blocks_index_like_an_array_across_shards(tokenizer, tmp_path):
     train = pack(tmp_path / "packed", tokenizer)["train"]
     expected = np.asarray(train)
-    assert isinstance(train, run_clm_flax.PackedBlocks) and train.shape == expected.shape
+    assert isinstance(train, flax_lm.packed.PackedBlocks) and train.shape == expected.shape
     indices = np.array([0, 61, 62, 63, 300, len(train) - 1, 5])  # on both sides of shard boundaries, unsorted
     np.testing.assert_array_equal(train[indices], expected[indices])
     assert train[indices].dtype == np.int32
@@ -145,7 +158,7 @@ def test_unfinished_packed_directory_is_rewritten_not_reused(tokenizer, tmp_path
         pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
     written = os.listdir(packed_dir)
     assert "index.json" not in written and any(name.startswith("train-") for name in written)
-    assert run_clm_flax.read_packed_index(str(packed_dir)) is None
+    assert flax_lm.packed.read_packed_index(str(packed_dir)) is None
 
     monkeypatch.setattr(run_clm_flax, "pack_blocks", real_pack_blocks)
     blocks = pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
@@ -188,7 +201,7 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
 
     tracemalloc.start()
     try:
-        index = run_clm_flax.write_packed_corpus(
+        index = flax_lm.packed.write_packed_corpus(
             str(tmp_path),
             {"train": run_clm_flax.pack_blocks(token_chunks(), block_size)},
             {"block_size": block_size},
@@ -200,7 +213,7 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
         tracemalloc.stop()
     assert peak < 1_000_000, f"{peak} bytes held while writing a corpus of {num_chunks * chunk_tokens * 4} bytes"
     assert len(index["splits"]["train"]["shards"]) == num_chunks and len(os.listdir(tmp_path)) == num_chunks + 1
-    blocks = run_clm_flax.open_packed_corpus(str(tmp_path), index)["train"]
+    blocks = flax_lm.packed.open_packed_corpus(str(tmp_path), index)["train"]
     np.testing.assert_array_equal(
         blocks[[0, 12345, len(blocks) - 1]][:, 0], np.array([0, 12345, len(blocks) - 1]) * 64 % 50000
     )
@@ -209,19 +222,19 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
 def test_ids_that_do_not_fit_the_shard_dtype_are_refused(tmp_path):
     too_large = [np.array([[1, 2], [70000, 3]], dtype=np.int32)]
     with pytest.raises(ValueError, match="outside the range of uint16"):
-        run_clm_flax.write_packed_split(too_large, str(tmp_path), "train", np.uint16, blocks_per_shard=4)
+        flax_lm.packed.write_packed_split(too_large, str(tmp_path), "train", np.uint16, blocks_per_shard=4)
 
 
 def test_process_zero_failing_to_pack_still_releases_the_waiting_processes(tokenizer, tmp_path, monkeypatch):
     barriers = []
-    monkeypatch.setattr(run_clm_flax.multihost_utils, "sync_global_devices", barriers.append)
+    monkeypatch.setattr(flax_lm.processes.multihost_utils, "sync_global_devices", barriers.append)
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 0)
 
     def fail(*arguments, **options):
         raise run_clm_flax.UsageError("cannot read the data files")
 
-    monkeypatch.setattr(run_clm_flax, "load_text_datasets", fail)
+    monkeypatch.setattr(flax_lm.packed, "load_text_datasets", fail)
     with pytest.raises(run_clm_flax.UsageError, match="cannot read the data files"):
         pack(tmp_path / "packed", tokenizer)
     assert barriers == ["packed corpus written"]
@@ -229,7 +242,7 @@ def test_process_zero_failing_to_pack_still_releases_the_waiting_processes(token
 
 def test_only_process_zero_writes_the_packed_corpus(tokenizer, tmp_path, monkeypatch):
     barriers = []
-    monkeypatch.setattr(run_clm_flax.multihost_utils, "sync_global_devices", barriers.append)
+    monkeypatch.setattr(flax_lm.processes.multihost_utils, "sync_global_devices", barriers.append)
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
     with pytest.raises(
@@ -289,9 +302,11 @@ def test_training_from_a_packed_data_dir(model_dir, tmp_path, monkeypatch, capfd
 
 def load_data(tmp_path, tokenizer, do_train=True, do_eval=True, **data_overrides):
     model_args = run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
-    data_args = run_clm_flax.DataTrainingArguments(**{"train_file": str(CORPUS / "train.txt"), **data_overrides})
+    settings = {"train_file": str(CORPUS / "train.txt"), "text_sample_by": "document", **data_overrides}
+    data_args = run_clm_flax.DataTrainingArguments(**settings)
     training_args = run_clm_flax.TrainingArguments(str(tmp_path / "out"), do_train=do_train, do_eval=do_eval)
-    return run_clm_flax.load_data(model_args, data_args, training_args, tokenizer, 32, "--block_size 32")[0]
+    rows = run_clm_flax.tokenized_rows
+    return flax_lm.data.load_data(model_args, data_args, training_args, rows, tokenizer, 32, "--block_size 32")[0]
 
 
 def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_format(tokenizer, tmp_path, monkeypatch):
@@ -310,7 +325,7 @@ def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_forma
 
     # The cache is a packed corpus, sharded as --packed_tokens_per_shard says, that --packed_data_dir reads as it is.
     (cache,) = [path for path in (tmp_path / "cache").iterdir() if path.name.startswith("packed-")]
-    index = run_clm_flax.read_packed_index(str(cache))
+    index = flax_lm.packed.read_packed_index(str(cache))
     assert index["blocks_per_shard"] == 2000 // 32 and len(index["splits"]["train"]["shards"]) > 10
     forbid_tokenizing(monkeypatch)
     as_packed_data_dir = pack(cache, tokenizer, train_file=None)
@@ -339,7 +354,7 @@ def test_a_save_to_disk_directory_is_never_written_into_and_cache_dir_holds_the_
 
 def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenizer, tmp_path, monkeypatch):
     read, tokenized = [], []
-    real_resolve, real_token_arrays = run_clm_flax.resolve_data_files, run_clm_flax.token_arrays
+    real_resolve, real_token_arrays = flax_lm.texts.resolve_data_files, run_clm_flax.token_arrays
 
     def resolve(pattern, flag):
         read.append(flag)
@@ -349,7 +364,7 @@ def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenize
         tokenized.append(split)
         return real_token_arrays(dataset, tokenizer, text_column, num_workers, split)
 
-    monkeypatch.setattr(run_clm_flax, "resolve_data_files", resolve)
+    monkeypatch.setattr(flax_lm.texts, "resolve_data_files", resolve)
     monkeypatch.setattr(run_clm_flax, "token_arrays", token_arrays)
     blocks = load_data(tmp_path, tokenizer, do_train=False, validation_file=str(CORPUS / "validation.txt"))
     assert list(blocks) == ["validation"] and read == ["validation_file"] and tokenized == ["validation"]
@@ -369,15 +384,15 @@ def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenize
 
 def test_tokenizing_in_worker_processes_gives_the_same_tokens_without_forking_jax(tokenizer, tmp_path, monkeypatch):
     run_clm_flax.jax.devices()  # JAX's runtime and its threads are up, as in a run
-    monkeypatch.setattr(run_clm_flax, "TEXTS_PER_BATCH", 40)
+    monkeypatch.setattr(flax_lm.texts, "TEXTS_PER_BATCH", 40)
     dataset = datasets.load_dataset(
         "text", data_files=str(CORPUS / "train.txt"), split="train", cache_dir=str(tmp_path / "cache")
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        in_workers = list(run_clm_flax.token_arrays(dataset, tokenizer, "text", num_workers=2))
+        in_workers = list(flax_lm.texts.token_arrays(dataset, tokenizer, "text", num_workers=2))
     assert not [warning for warning in caught if "fork" in str(warning.message)], "a process was forked"
-    here = list(run_clm_flax.token_arrays(dataset, tokenizer, "text"))
+    here = list(flax_lm.texts.token_arrays(dataset, tokenizer, "text"))
     assert len(in_workers) == len(here) == 8
     np.testing.assert_array_equal(np.concatenate(in_workers), np.concatenate(here))
 
@@ -387,7 +402,7 @@ def test_an_unknown_dataset_config_is_named_in_the_message(tmp_path):
     (tmp_path / "data" / "texts.jsonl").write_text('{"text": "a text"}\n')
     arguments = run_clm_flax.DataTrainingArguments(dataset_name=str(tmp_path / "data"), dataset_config_name="wiki")
     with pytest.raises(run_clm_flax.UsageError) as refusal:
-        run_clm_flax.load_text_datasets(run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache")), arguments)
+        flax_lm.texts.load_text_datasets(run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache")), arguments)
     message = str(refusal.value)
     assert "--dataset_config_name wiki" in message and "'wiki' not found" in message and "default" in message
     assert "format and encoding" not in message and "\n" not in message
@@ -455,7 +470,7 @@ def test_each_process_reads_its_own_share_of_the_stream(num_files, num_processes
     shares = []
     for process_index in range(num_processes):
         monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda index=process_index: index)
-        shares.append([example["text"] for example in run_clm_flax.stream_share(stream)])
+        shares.append([example["text"] for example in flax_lm.data.stream_share(stream)])
     assert all(len(share) >= len(lines) // num_processes - 1 for share in shares), "the shares are unbalanced"
     assert sorted(itertools.chain.from_iterable(shares)) == sorted(lines), "the shares overlap or miss texts"
 
@@ -466,7 +481,9 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_batch=0, seed=0):
-        return run_clm_flax.streaming_train_batches(stream, tokenizer, "text", 32, 16, seed, 100, first_batch)
+        return flax_lm.data.streaming_train_batches(
+            stream, tokenizer, "text", run_clm_flax.pack_blocks, 32, 16, seed, 100, first_batch
+        )
 
     # 160 batches of 8 rows run past the end of this process's share (about 420 blocks): the stream repeats.
     uninterrupted = [batch["input_ids"] for batch in itertools.islice(batches(), 160)]
@@ -482,15 +499,15 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
 
 def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_stream(tokenizer):
     arguments = data_arguments(None, train_file=None, validation_file=str(CORPUS / "validation.txt"))
-    stream = run_clm_flax.load_text_datasets(run_clm_flax.ModelArguments(), arguments, streaming=True)["validation"]
+    stream = flax_lm.texts.load_text_datasets(run_clm_flax.ModelArguments(), arguments, streaming=True)["validation"]
     texts = [(CORPUS / "validation.txt").read_text()]  # one document: the file as written
     expected = expected_blocks(tokenizer, texts, 32)
-    np.testing.assert_array_equal(
-        run_clm_flax.first_blocks(stream, tokenizer, "text", 32, 50, "validation"), expected[:50]
-    )
-    np.testing.assert_array_equal(
-        run_clm_flax.first_blocks(stream, tokenizer, "text", 32, None, "validation"), expected
-    )
+
+    def rows():
+        return run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, arguments)
+
+    np.testing.assert_array_equal(flax_lm.data.first_blocks(rows(), 32, 50), expected[:50])
+    np.testing.assert_array_equal(flax_lm.data.first_blocks(rows(), 32, None), expected)
 
 
 def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
@@ -498,4 +515,5 @@ def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
     data_file.write_text('{"body": "a text"}\n' * 3)
     stream = datasets.load_dataset("json", data_files=str(data_file), split="train", streaming=True)
     with pytest.raises(run_clm_flax.UsageError, match="no column 'text' .*pass --text_column_name"):
-        run_clm_flax.first_blocks(stream, tokenizer, "text", 32, None, "validation")
+        rows = run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, run_clm_flax.DataTrainingArguments())
+        flax_lm.data.first_blocks(rows, 32, None)

@@ -14,6 +14,9 @@ from test_clm import run_clm_flax, scalars, tiny_config
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
+import flax_lm.data
+import flax_lm.texts
+
 CORPUS = FIXTURES_DIR / "en"
 BLOCK_SIZE = 64
 
@@ -44,7 +47,9 @@ def recipe_tokenizer(recipe_dir):
 
 def load(tmp_path, **data_arguments):
     model_arguments = run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
-    return run_clm_flax.load_text_datasets(model_arguments, run_clm_flax.DataTrainingArguments(**data_arguments))
+    # A whole .txt file is one text unless --text_sample_by says otherwise, as check_arguments sets it.
+    data_arguments = run_clm_flax.DataTrainingArguments(**{"text_sample_by": "document", **data_arguments})
+    return flax_lm.texts.load_text_datasets(model_arguments, data_arguments)
 
 
 def write_text_files(tmp_path):
@@ -110,15 +115,15 @@ def test_dropping_line_breaks_is_refused_unless_reading_lines(tmp_path):
 
 def test_long_texts_encoded_in_pieces_give_the_tokens_of_the_whole_text(recipe_tokenizer, monkeypatch):
     backend = recipe_tokenizer.backend_tokenizer
-    assert run_clm_flax.cuts_at_line_starts_keep_the_tokens(backend)
-    monkeypatch.setattr(run_clm_flax, "TEXT_PIECE_CHARACTERS", 300)
-    monkeypatch.setattr(run_clm_flax, "TEXT_PIECES_AT_ONCE", 3)
+    assert flax_lm.texts.cuts_at_line_starts_keep_the_tokens(backend)
+    monkeypatch.setattr(flax_lm.texts, "TEXT_PIECE_CHARACTERS", 300)
+    monkeypatch.setattr(flax_lm.texts, "TEXT_PIECES_AT_ONCE", 3)
     paths = [*TOKENIZER_TRAINING_FILES, CORPUS / "validation.txt"]
     texts = [path.read_text() for path in paths if path.suffix == ".txt"]
     texts.append("code:\n    indented line\n\n\nend\n" * 200)  # line starts after blank and indented lines
     whole = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-    assert run_clm_flax.encode_texts(backend, texts, cut_long_texts=True) == whole
-    assert len(run_clm_flax.LINE_START.findall(texts[-1])) > 100
+    assert flax_lm.texts.encode_texts(backend, texts, cut_long_texts=True) == whole
+    assert len(flax_lm.texts.LINE_START.findall(texts[-1])) > 100
 
 
 def test_the_recipe_tokenizer_ends_documents_with_the_models_eos(recipe_tokenizer, caplog):
@@ -212,7 +217,7 @@ def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
     assert data_args.text_sample_by == sample_by
-    assert len(run_mlm_flax.load_text_datasets(model_args, data_args)["train"]) == num_texts
+    assert len(flax_lm.texts.load_text_datasets(model_args, data_args)["train"]) == num_texts
 
 
 @pytest.mark.parametrize("line_by_line", [True, False], ids=["lines", "blocks"])
@@ -227,7 +232,8 @@ def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, re
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
-    examples, _ = run_mlm_flax.load_data(model_args, data_args, training_args, recipe_tokenizer, 16, "")
+    rows = run_mlm_flax.tokenized_rows
+    examples, _ = flax_lm.data.load_data(model_args, data_args, training_args, rows, recipe_tokenizer, 16, "")
     if line_by_line:  # 2 of 40 lines, the first ones, each a row of 16 tokens: cut short, or padded
         assert (len(examples["validation"]), len(examples["train"])) == (2, 38)
         for row, line in ((examples["validation"][0], lines[0]), (examples["train"][0], lines[2])):
