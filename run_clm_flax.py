@@ -62,7 +62,12 @@ from flax_lm.checkpoints import (
 )
 from flax_lm.data import count_steps, epochs_of_batches, load_data, stream_position, streaming_train_batches
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import load_config_and_tokenizer, read_safetensors_checkpoint, save_model
+from flax_lm.hf_io import (
+    check_architecture_fits,
+    load_config_and_tokenizer,
+    read_safetensors_checkpoint,
+    save_model,
+)
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.models import gpt2
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict, generate_ids, make_sampler
@@ -514,6 +519,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     schedule = learning_rate_schedule(training_args, total_steps)
     optimizer = create_optimizer(training_args, schedule)
     abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
+    check_architecture_fits(abstract_state.params, model.config, gpt2)  # before any training
     state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
     logger.info(
         "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",

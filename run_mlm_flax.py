@@ -66,11 +66,16 @@ from flax_lm.checkpoints import (
 )
 from flax_lm.data import count_steps, epochs_of_batches, load_data, stream_position, streaming_train_batches
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import load_config_and_tokenizer, read_safetensors_checkpoint, save_model
+from flax_lm.hf_io import (
+    check_architecture_fits,
+    load_config_and_tokenizer,
+    read_safetensors_checkpoint,
+    save_model,
+)
 from flax_lm.host_random import random_bits, uniform_from_bits
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.models import roberta
-from flax_lm.models.roberta import FlaxRobertaForMaskedLM, check_model_config, from_hf_state_dict
+from flax_lm.models.roberta import FlaxRobertaForMaskedLM, check_model_config, check_tokenizer, from_hf_state_dict
 from flax_lm.processes import (
     initialize_distributed,
     on_process_zero,
@@ -738,8 +743,7 @@ def main():
 
 
 def check_model_and_tokenizer(config, tokenizer, training_args):
-    """The model must be a RoBERTa, and the tokenizer must have the special tokens masked language modelling and
-    RoBERTa's position numbering need."""
+    """The model must be a RoBERTa, and the tokenizer must have the special tokens RoBERTa and masking need."""
     check_model_config(config)
     if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
         raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
@@ -753,18 +757,7 @@ def check_model_and_tokenizer(config, tokenizer, training_args):
             "the tokenizer has no mask token, which masked language modelling needs; "
             "train it with train_tokenizer.py --model_type roberta"
         )
-    for role in ("bos", "eos", "pad"):
-        if getattr(tokenizer, f"{role}_token_id") is None:
-            raise UsageError(
-                f"the tokenizer has no {role}_token, which RoBERTa needs; "
-                "train it with train_tokenizer.py --model_type roberta"
-            )
-    if tokenizer.pad_token_id != config.pad_token_id:
-        raise UsageError(
-            f"the tokenizer's padding token has id {tokenizer.pad_token_id} but the config's pad_token_id is "
-            f"{config.pad_token_id}; RoBERTa numbers positions from it, so make them equal "
-            "(create_config.py --tokenizer_dir takes it from the tokenizer)"
-        )
+    check_tokenizer(config, tokenizer)
 
 
 def choose_max_seq_length(data_args, tokenizer, config) -> int:
@@ -819,6 +812,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     schedule = learning_rate_schedule(training_args, total_steps)
     optimizer = create_optimizer(training_args, schedule)
     abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
+    check_architecture_fits(abstract_state.params, model.config, roberta)  # before any training
     state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
     logger.info(
         "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",

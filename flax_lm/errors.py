@@ -2,9 +2,6 @@
 
 import sys
 
-import datasets
-from safetensors import SafetensorError
-
 
 class UsageError(Exception):
     """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
@@ -21,9 +18,11 @@ def user_error_message(error: Exception) -> str | None:
             f"{first_line}; without a network (or with HF_HUB_OFFLINE=1) only what is in the cache can be loaded: "
             "pass local files or directories, or run once online"
         )
-    if isinstance(error, datasets.exceptions.DatasetNotFoundError):
+    # Looked up only where the library was loaded: a tool that never imports it cannot have raised its errors.
+    datasets, safetensors = sys.modules.get("datasets"), sys.modules.get("safetensors")
+    if datasets is not None and isinstance(error, datasets.exceptions.DatasetNotFoundError):
         return f"{first_line}; check --dataset_name"
-    if isinstance(error, SafetensorError):
+    if safetensors is not None and isinstance(error, safetensors.SafetensorError):
         return f"a safetensors file cannot be read ({first_line}); save it again"
     return None
 

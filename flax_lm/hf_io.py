@@ -158,13 +158,43 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
     os.replace(f"{weights_path}.tmp", weights_path)
 
 
+def check_architecture_fits(params, config, model):
+    """Refuse, in one line, parameters that do not map onto the architecture an export of them names
+    (`model.HF_ARCHITECTURE` in config.json): transformers would load such weights with some of them dropped or
+    initialised at random, and no error. `params` may be abstract (shapes only); `model` is the model's module,
+    whose hf_shapes lays them out as its to_hf_state_dict does and whose hf_architecture_shapes lists the
+    architecture's tensors for `config`."""
+    exported, expected = model.hf_shapes(params), model.hf_architecture_shapes(config)
+    architecture = model.HF_ARCHITECTURE
+    problems = [
+        f"the parameter {name} {shape} is not part of {architecture}"
+        if name not in expected
+        else f"the parameter {name} has shape {shape} where {architecture} has {expected[name]}"
+        for name, shape in exported.items()
+        if expected.get(name) != shape
+    ]
+    problems += [
+        f"no parameter maps onto {architecture}'s {name} {shape}"
+        for name, shape in expected.items()
+        if name not in exported
+    ]
+    if problems:
+        raise UsageError(
+            f"the model no longer maps onto {architecture}, which its export names in config.json: {problems[0]}; "
+            f"map the model onto it in to_hf_state_dict and hf_shapes of {model.__name__}, or name there an "
+            "architecture the model fits (HF_ARCHITECTURE, and its tensors in hf_architecture_shapes)"
+        )
+
+
 def save_model(output_dir: str, params, config, tokenizer, model):
     """A Hugging Face model directory: config.json naming `model.HF_ARCHITECTURE`, the weights as `model` maps them
     (model.to_hf_state_dict) in model.safetensors, the tokenizer and, for a model that generates text
     (model.GENERATES_TEXT), its generation config. `model` is the model's module (flax_lm.models.gpt2, for one).
 
-    Every process takes part in gathering the parameters; process 0 writes.
+    Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the
+    architecture the config names are refused first (check_architecture_fits), by every process, with nothing written.
     """
+    check_architecture_fits(params, config, model)
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return

@@ -333,7 +333,8 @@ def load_packed_corpus(
     """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
     corpus (or --overwrite_cache), by process 0 alone while the others wait, from the data arguments read as
     they are or, with --streaming, as a stream. A directory packed with another tokenizer, block size (set by
-    `length_argument`, as the user gave it) or source is refused, never reused."""
+    `length_argument`, as the user gave it) or source is refused, never reused; one packed by other code (its
+    fingerprint of `tokenized_rows` differs) is used with a warning."""
     directory = data_args.packed_data_dir
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
@@ -343,6 +344,7 @@ def load_packed_corpus(
         if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
             source[name] = os.path.abspath(source[name])
     description = packed_description(tokenizer, block_size, data_args.framing, source)
+    description["code_fingerprint"] = Hasher.hash(tokenized_rows)  # as in the token cache's name
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     def check(index: dict):
@@ -401,4 +403,13 @@ def load_packed_corpus(
                 "failed to pack it (see its error), or the directory is not on a filesystem every process shares"
             )
         check(index)
+    # Told, not refused: the rows may well be the same (an edit of a comment or of the script's name changes the
+    # fingerprint too), and packing a large corpus again is costly. A corpus packed before it was recorded has none.
+    if index.get("code_fingerprint", description["code_fingerprint"]) != description["code_fingerprint"]:
+        logger.warning(
+            "--packed_data_dir %s was packed by other code than this script's tokenized_rows (another script, or the "
+            "function or one of the script's functions it calls since edited): its rows may not be those this script "
+            "makes; add --overwrite_cache to pack it again",
+            directory,
+        )
     return open_packed_corpus(directory, index)

@@ -2,6 +2,7 @@
 results files, and a copy of the script that ran."""
 
 import fcntl
+import filecmp
 import itertools
 import json
 import logging
@@ -154,7 +155,9 @@ def prepare_output_dir(training_args, resumed_step: int, script: str):
             clear_previous_run(training_args.output_dir)
         set_aside_checkpoints_after(training_args.output_dir, resumed_step)
     os.makedirs(training_args.output_dir, exist_ok=True)
-    shutil.copyfile(script, os.path.join(training_args.output_dir, os.path.basename(script)))
+    copy = os.path.join(training_args.output_dir, os.path.basename(script))
+    if not (os.path.isfile(copy) and filecmp.cmp(script, copy, shallow=False)):  # a repeat leaves its copy as it was
+        shutil.copyfile(script, copy)
     return lock
 
 

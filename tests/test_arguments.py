@@ -6,6 +6,7 @@ import re
 import sys
 
 import pytest
+from safetensors import SafetensorError
 from test_clm import run_clm_flax
 from test_hostile_inputs import SCRIPTS
 
@@ -121,7 +122,7 @@ def test_library_errors_for_user_mistakes_become_one_line_and_bugs_keep_their_tr
     assert module.run is errors.run, "the script's command ends in the handler of flax_lm.errors"
     offline = ConnectionError("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled)")
     assert errors.user_error_message(offline).startswith("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled);")
-    damaged = errors.SafetensorError("Error while deserializing header: HeaderTooLarge")
+    damaged = SafetensorError("Error while deserializing header: HeaderTooLarge")
     assert "HeaderTooLarge" in errors.user_error_message(damaged)
     assert errors.user_error_message(module.UsageError("--x is wrong")) == "--x is wrong"
     for bug in (KeyError("step"), TypeError("unsupported operand"), ConnectionResetError(104, "reset by peer")):

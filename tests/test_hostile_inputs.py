@@ -23,7 +23,11 @@ import torch
 from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import run_clm_flax, tiny_config
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast, RobertaConfig
+from transformers import AutoTokenizer, GPT2LMHeadModel, PreTrainedTokenizerFast, RobertaConfig
+
+import flax_lm.errors
+import flax_lm.packed
+import flax_lm.texts
 
 TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
 NULL_ROW = 57  # the row of the JSON-lines files below whose text is null (or absent): row 58 counted from 1
@@ -262,9 +266,8 @@ def script_arguments(script, arguments, paths, directory):
 
 def printed_error(module, error):
     """What the script's command prints after `error: ` for this exception; None where it shows a traceback."""
-    if hasattr(module, "user_error_message"):  # the training scripts' handler also takes some library errors
-        return module.user_error_message(error)
-    return str(error) if isinstance(error, module.UsageError) else None
+    assert module.run is flax_lm.errors.run, "every script's command ends in the handler of flax_lm.errors"
+    return flax_lm.errors.user_error_message(error)
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -364,8 +367,8 @@ def test_the_exported_weights_have_the_mode_of_the_other_files(run_skipping_rows
 def test_skip_missing_texts_leaves_out_the_rows_without_text(script, streaming, paths, tmp_path, caplog):
     module = SCRIPTS[script]
     data_args = module.DataTrainingArguments(train_file=str(paths["null"]), skip_missing_texts=True)
-    with caplog.at_level(logging.WARNING, logger=module.logger.name):
-        splits = module.load_text_datasets(module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming)
+    with caplog.at_level(logging.WARNING, logger=flax_lm.texts.logger.name):
+        splits = flax_lm.texts.load_text_datasets(module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming)
         train = splits["train"]
         texts = [text for batch in train.iter(batch_size=100) for text in batch["text"]]
     expected = [json.loads(line)["text"] for line in paths["null"].read_text().splitlines()]
@@ -399,28 +402,32 @@ def cut_in_half(path):
 
 
 def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, tmp_path, caplog):
-    tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
+    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
 
     def pack():
         data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
-        return run_clm_flax.cached_blocks(text_dataset, "train", tokenizer, 32, str(tmp_path / "packed"), data_args)
+        rows = run_clm_flax.tokenized_rows
+        return flax_lm.packed.cached_blocks(
+            text_dataset, "train", rows, tokenizer, 32, str(tmp_path / "packed"), data_args
+        )
 
     expected = np.asarray(pack())
     shard = os.path.join(pack().directory, "train-00001.npy")
     cut_in_half(shard)
-    with caplog.at_level(logging.WARNING, logger=run_clm_flax.logger.name):
+    with caplog.at_level(logging.WARNING, logger=flax_lm.packed.logger.name):
         np.testing.assert_array_equal(np.asarray(pack()), expected)
     assert "is damaged (train-00001.npy is cut short" in caplog.text
 
 
 def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
-    tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
+    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
 
     def load(**settings):
         data_args = run_clm_flax.DataTrainingArguments(packed_data_dir=str(tmp_path / "packed"), **settings)
-        return run_clm_flax.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, tokenizer, 32, "")
+        model_args, rows = run_clm_flax.ModelArguments(), run_clm_flax.tokenized_rows
+        return flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")
 
-    load(train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000)
+    load(train_file=str(TRAIN_FILE), text_sample_by="document", packed_tokens_per_shard=4000)
     cut_in_half(tmp_path / "packed" / "train-00001.npy")
     with pytest.raises(run_clm_flax.UsageError, match=r"is damaged: train-00001.npy is cut short .*--overwrite_cache"):
         load()
@@ -428,16 +435,18 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
 
 def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, tmp_path, caplog):
     mlm = SCRIPTS["run_mlm_flax"]
-    tokenizer = mlm.AutoTokenizer.from_pretrained(paths["roberta"])
+    tokenizer = AutoTokenizer.from_pretrained(paths["roberta"])
     cache_dir = str(tmp_path / "lines")
 
     def tokenize():
         data_args = mlm.DataTrainingArguments(line_by_line=True)
-        return mlm.cached_blocks(text_dataset, "train", tokenizer, 30, cache_dir, data_args)
+        return flax_lm.packed.cached_blocks(
+            text_dataset, "train", mlm.tokenized_rows, tokenizer, 30, cache_dir, data_args
+        )
 
     expected = np.asarray(tokenize())
     cut_in_half(os.path.join(tokenize().directory, "train-00000.npy"))
-    with caplog.at_level(logging.WARNING, logger=mlm.logger.name):
+    with caplog.at_level(logging.WARNING, logger=flax_lm.packed.logger.name):
         np.testing.assert_array_equal(np.asarray(tokenize()), expected)
     assert "is damaged (train-00000.npy is cut short" in caplog.text
 
@@ -458,7 +467,10 @@ def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset,
     an_hour_ago = time.time() - 3600
     for path in (*stale, kept):
         os.utime(path, (an_hour_ago, an_hour_ago))
-    tokenizer = run_clm_flax.AutoTokenizer.from_pretrained(paths["gpt2"])
-    run_clm_flax.cached_blocks(text_dataset, "train", tokenizer, 32, cache_dir, run_clm_flax.DataTrainingArguments())
+    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
+    data_args = run_clm_flax.DataTrainingArguments()
+    flax_lm.packed.cached_blocks(
+        text_dataset, "train", run_clm_flax.tokenized_rows, tokenizer, 32, cache_dir, data_args
+    )
     assert not any(os.path.exists(path) for path in stale)
     assert os.path.exists(fresh) and os.path.exists(kept)

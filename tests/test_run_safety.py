@@ -22,6 +22,8 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
 from test_mlm import run_mlm_flax
 
+from flax_lm.run_dir import OUTPUT_DIR_LOCK
+
 CORPUS = FIXTURES_DIR / "en"
 
 
@@ -101,7 +103,7 @@ def snapshot(directory) -> dict:
         )
         for root, _, names in os.walk(directory)
         for name in names
-        if name != run_clm_flax.OUTPUT_DIR_LOCK
+        if name != OUTPUT_DIR_LOCK
     }
 
 
@@ -195,6 +197,7 @@ def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missin
     log = capfd.readouterr().err
     assert "The run is complete (step 6 of 6)" in log and "saved the model" not in log
     assert_same_weights(output_dir, complete_run)
+    assert (output_dir / "run_clm_flax.py").read_bytes() == (REPO_DIR / "run_clm_flax.py").read_bytes()
     assert json.loads((output_dir / "eval_results.json").read_text())["step"] == 6
 
     before = snapshot(output_dir)

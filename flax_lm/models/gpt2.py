@@ -282,6 +282,45 @@ def to_hf_state_dict(params) -> dict[str, np.ndarray]:
     return state_dict
 
 
+def hf_shapes(params) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone (arrays or
+    jax.ShapeDtypeStruct): nothing is read or allocated. It follows to_hf_state_dict; change both together."""
+    shapes = {}
+    for path, value in flatten_dict(params).items():
+        name = hf_name(path)
+        shapes[name] = tuple(value.shape[::-1] if name == "lm_head.weight" else value.shape)
+    return shapes
+
+
+def hf_architecture_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors of a GPT2LMHeadModel of `config` (one check_model_config accepts) as
+    save_pretrained writes them, without a tied lm_head: what exported weights must be for transformers to load
+    them. From the config alone, so that it holds whatever is done to the Flax model."""
+    width = config.n_embd
+    inner = config.n_inner if config.n_inner is not None else 4 * width
+
+    def conv1d(name: str, fan_in: int, fan_out: int) -> dict:  # GPT-2's Conv1D stores its weight (in, out)
+        return {f"{name}.weight": (fan_in, fan_out), f"{name}.bias": (fan_out,)}
+
+    def layer_norm(name: str) -> dict:
+        return {f"{name}.weight": (width,), f"{name}.bias": (width,)}
+
+    shapes = {
+        "transformer.wte.weight": (config.vocab_size, width),
+        "transformer.wpe.weight": (config.n_positions, width),
+    }
+    for index in range(config.n_layer):
+        block = f"transformer.h.{index}"
+        shapes |= layer_norm(f"{block}.ln_1")
+        shapes |= conv1d(f"{block}.attn.c_attn", width, 3 * width) | conv1d(f"{block}.attn.c_proj", width, width)
+        shapes |= layer_norm(f"{block}.ln_2")
+        shapes |= conv1d(f"{block}.mlp.c_fc", width, inner) | conv1d(f"{block}.mlp.c_proj", inner, width)
+    shapes |= layer_norm("transformer.ln_f")
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, width)  # an nn.Linear: (out, in)
+    return shapes
+
+
 # Buffers some GPT-2 checkpoints carry (the causal mask); they are not parameters.
 IGNORED_CHECKPOINT_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 

@@ -57,6 +57,23 @@ def check_model_config(config):
         )
 
 
+def check_tokenizer(config, tokenizer):
+    """Raise UsageError if the tokenizer lacks a special token RoBERTa frames its inputs with, or pads with another id
+    than the config's pad_token_id, from which RoBERTa numbers the positions."""
+    for role in ("bos", "eos", "pad"):
+        if getattr(tokenizer, f"{role}_token_id") is None:
+            raise UsageError(
+                f"the tokenizer has no {role}_token, which RoBERTa needs; "
+                "train it with train_tokenizer.py --model_type roberta"
+            )
+    if tokenizer.pad_token_id != config.pad_token_id:
+        raise UsageError(
+            f"the tokenizer's padding token has id {tokenizer.pad_token_id} but the config's pad_token_id is "
+            f"{config.pad_token_id}; RoBERTa numbers positions from it, so make them equal "
+            "(create_config.py --tokenizer_dir takes it from the tokenizer)"
+        )
+
+
 class RobertaModule(nn.Module):
     """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
     in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
@@ -343,3 +360,44 @@ def from_hf_state_dict(state_dict, config):
                 "pass the matching --config_name"
             )
     return traverse_util.unflatten_dict(flat_params)
+
+
+def hf_shapes(params) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone (arrays or
+    jax.ShapeDtypeStruct): nothing is read or allocated. It follows to_hf_state_dict; change both together."""
+    return {
+        hf_name(path): tuple(value.shape[::-1] if path[-1] == "kernel" else value.shape)
+        for path, value in traverse_util.flatten_dict(params).items()
+    }
+
+
+def hf_architecture_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors of a RobertaForMaskedLM of `config` (one check_model_config accepts) as
+    save_pretrained writes them, without the lm_head.decoder tied to the word embeddings and to lm_head.bias: what
+    exported weights must be for transformers to load them. From the config alone, so that it holds whatever is
+    done to the Flax model."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+
+    def linear(name: str, fan_in: int, fan_out: int) -> dict:  # nn.Linear stores its weight (out, in)
+        return {f"{name}.weight": (fan_out, fan_in), f"{name}.bias": (fan_out,)}
+
+    def layer_norm(name: str) -> dict:
+        return {f"{name}.weight": (hidden,), f"{name}.bias": (hidden,)}
+
+    shapes = {
+        "roberta.embeddings.word_embeddings.weight": (config.vocab_size, hidden),
+        "roberta.embeddings.position_embeddings.weight": (config.max_position_embeddings, hidden),
+        "roberta.embeddings.token_type_embeddings.weight": (config.type_vocab_size, hidden),
+        **layer_norm("roberta.embeddings.LayerNorm"),
+    }
+    for index in range(config.num_hidden_layers):
+        layer = f"roberta.encoder.layer.{index}"
+        for projection in ("query", "key", "value"):
+            shapes |= linear(f"{layer}.attention.self.{projection}", hidden, hidden)
+        shapes |= linear(f"{layer}.attention.output.dense", hidden, hidden)
+        shapes |= layer_norm(f"{layer}.attention.output.LayerNorm")
+        shapes |= linear(f"{layer}.intermediate.dense", hidden, intermediate)
+        shapes |= linear(f"{layer}.output.dense", intermediate, hidden) | layer_norm(f"{layer}.output.LayerNorm")
+    shapes |= linear("lm_head.dense", hidden, hidden) | layer_norm("lm_head.layer_norm")
+    shapes["lm_head.bias"] = (config.vocab_size,)
+    return shapes
