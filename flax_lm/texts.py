@@ -59,7 +59,8 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
     they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
     With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
-    text_options = {"sample_by": data_args.text_sample_by, "keep_linebreaks": data_args.keep_linebreaks}
+    # Unset (the scripts' checks choose it), a .txt file is one document: the text builder would read no rows at all
+    text_options = {"sample_by": data_args.text_sample_by or "document", "keep_linebreaks": data_args.keep_linebreaks}
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
