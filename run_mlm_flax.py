@@ -794,7 +794,7 @@ class TrainingSetup:
     eval_step: Any
 
 
-# Copied from run_clm_flax.set_up_training with block_size->max_seq_length
+# Copied from run_clm_flax.set_up_training with block_size->max_seq_length,gpt2->roberta
 def set_up_training(model, eval_step, training_args, train_examples, sequence_length: int) -> TrainingSetup:
     logger.info(
         "%d devices over %d processes (%d here): %s",

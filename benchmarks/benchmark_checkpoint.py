@@ -16,6 +16,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+from transformers import GPT2Config
+
+from flax_lm.checkpoints import open_checkpoints, restore_checkpoint, save_checkpoint
+from flax_lm.mesh import create_mesh
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+from flax_lm.train_state import abstract_train_state, create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_clm_flax  # noqa: E402
@@ -29,28 +35,28 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     arguments = parser.parse_args()
 
-    config = run_clm_flax.GPT2Config(
+    config = GPT2Config(
         vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0, **PRESETS[arguments.preset]
     )
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    model = FlaxGPT2LMHeadModel(config)
     training_arguments = run_clm_flax.TrainingArguments(output_dir="unused", weight_decay=0.1)
     optimizer = run_clm_flax.create_optimizer(
         training_arguments, run_clm_flax.learning_rate_schedule(training_arguments, 1000)
     )
-    mesh = run_clm_flax.create_mesh()
+    mesh = create_mesh()
     dummy_input = jnp.zeros((1, 8), jnp.int32)
-    abstract_state = run_clm_flax.abstract_train_state(model, optimizer, mesh, dummy_input)
-    state = run_clm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
+    abstract_state = abstract_train_state(model, optimizer, mesh, dummy_input)
+    state = create_train_state(model, optimizer, abstract_state, 0, dummy_input)
     jax.block_until_ready(state)
     parameters = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
     state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state))
     print(f"{arguments.preset}: {parameters / 1e6:.1f}M parameters, training state {state_bytes / 1e9:.2f} GB")
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as output_dir:
-        with run_clm_flax.open_checkpoints(output_dir, save_total_limit=2) as checkpoints:
+        with open_checkpoints(output_dir, save_total_limit=2) as checkpoints:
             for repeat in range(1, arguments.repeats + 1):
                 start = time.perf_counter()
-                run_clm_flax.save_checkpoint(checkpoints, state, {"step": repeat})
+                save_checkpoint(checkpoints, state, {"step": repeat})
                 blocking = time.perf_counter() - start
                 checkpoints.wait_until_finished()
                 total = time.perf_counter() - start
@@ -59,7 +65,7 @@ def main():
                     f"({state_bytes / 1e9 / total:.2f} GB/s)"
                 )
         start = time.perf_counter()
-        restored, _, _ = run_clm_flax.restore_checkpoint("auto", output_dir, abstract_state, ["step"])
+        restored, _, _ = restore_checkpoint("auto", output_dir, abstract_state, ["step"])
         jax.block_until_ready(restored)
         print(f"restore: {time.perf_counter() - start:.2f} s")
 

@@ -31,6 +31,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from transformers import GPT2Config
+
+from flax_lm.mesh import create_mesh
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+from flax_lm.packed import cached_blocks
+from flax_lm.texts import token_arrays
+from flax_lm.train_state import create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_clm_flax  # noqa: E402
@@ -83,7 +90,7 @@ def time_calls(function, *arguments, repeats: int):
 
 def matmul_peak_flops(dtype) -> float:
     """The best FLOP/s of square matmuls on all devices at once (each device multiplies its own pair)."""
-    mesh = run_clm_flax.create_mesh()
+    mesh = create_mesh()
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     on_gpu = jax.devices()[0].platform == "gpu"
     best = 0.0
@@ -132,7 +139,7 @@ def step_matmul_flops(settings, dtype) -> float:
 
 
 def benchmark_training(settings, arguments) -> dict:
-    config = run_clm_flax.GPT2Config(
+    config = GPT2Config(
         vocab_size=settings["vocab_size"],
         n_positions=settings["block_size"],
         n_embd=settings["width"],
@@ -145,7 +152,7 @@ def benchmark_training(settings, arguments) -> dict:
         eos_token_id=0,
     )
     dtype = jnp.dtype(settings["dtype"])
-    model = run_clm_flax.FlaxGPT2LMHeadModel(
+    model = FlaxGPT2LMHeadModel(
         config,
         dtype=dtype,
         param_dtype=jnp.dtype(arguments.param_dtype),
@@ -169,7 +176,7 @@ def benchmark_training(settings, arguments) -> dict:
     eval_step = run_clm_flax.make_eval_step(model, None)
     setup = run_clm_flax.set_up_training(model, eval_step, training_arguments, None, settings["block_size"])
     dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
-    state = run_clm_flax.create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
+    state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
     train_step, batch_sharding = setup.train_step, setup.micro_batches_sharding
     # The global batch of the step, as gradient_accumulation_steps micro-batches.
     tokens = np.random.default_rng(0).integers(
@@ -289,20 +296,18 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
 
         start = time.perf_counter()
         data_args = run_clm_flax.DataTrainingArguments(overwrite_cache=True)
-        blocks = run_clm_flax.cached_blocks(dataset, "benchmark", tokenizer, 128, directory, data_args)
+        blocks = cached_blocks(dataset, "benchmark", run_clm_flax.tokenized_rows, tokenizer, 128, directory, data_args)
         pipeline_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        run_clm_flax.cached_blocks(
-            dataset, "benchmark", tokenizer, 128, directory, run_clm_flax.DataTrainingArguments()
-        )
+        use_cache = run_clm_flax.DataTrainingArguments()
+        cached_blocks(dataset, "benchmark", run_clm_flax.tokenized_rows, tokenizer, 128, directory, use_cache)
         cached_seconds = time.perf_counter() - start
 
         stream = datasets.load_dataset("json", data_files=data_file, split="train", streaming=True)
         start = time.perf_counter()
         streamed_blocks = sum(
-            len(blocks)
-            for blocks in run_clm_flax.pack_blocks(run_clm_flax.token_arrays(stream, tokenizer, "text"), 128)
+            len(blocks) for blocks in run_clm_flax.pack_blocks(token_arrays(stream, tokenizer, "text"), 128)
         )
         streaming_seconds = time.perf_counter() - start
         assert streamed_blocks == len(blocks)

@@ -30,6 +30,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from transformers import RobertaConfig
+
+from flax_lm.models.roberta import FlaxRobertaForMaskedLM
+from flax_lm.packed import cached_blocks
+from flax_lm.train_state import create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark_clm import byte_level_bpe, matmul_peak_flops, raw_encoding, stdlib_texts, write_jsonl  # noqa: E402  (same folder)
@@ -87,7 +92,7 @@ def batch_maker(settings) -> run_mlm_flax.BatchMaker:
 
 
 def benchmark_training(settings, arguments) -> dict:
-    config = run_mlm_flax.transformers.RobertaConfig(
+    config = RobertaConfig(
         vocab_size=settings["vocab_size"],
         hidden_size=settings["width"],
         num_hidden_layers=settings["layers"],
@@ -103,7 +108,7 @@ def benchmark_training(settings, arguments) -> dict:
         layer_norm_eps=1e-5,
     )
     dtype = jnp.dtype(settings["dtype"])
-    model = run_mlm_flax.FlaxRobertaForMaskedLM(config, dtype=dtype)
+    model = FlaxRobertaForMaskedLM(config, dtype=dtype)
     # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
     per_device_batch_size, remainder = divmod(settings["batch_size"], jax.device_count())
     if remainder or not per_device_batch_size:
@@ -119,7 +124,7 @@ def benchmark_training(settings, arguments) -> dict:
     eval_step = run_mlm_flax.make_eval_step(model)
     setup = run_mlm_flax.set_up_training(model, eval_step, training_arguments, None, settings["seq_length"])
     dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
-    state = run_mlm_flax.create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
+    state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
     train_step, batch_sharding = setup.train_step, setup.micro_batches_sharding
     blocks = random_blocks(settings, settings["batch_size"])
     batch = batch_maker(settings)(blocks, np.arange(len(blocks)), len(blocks), (0,))
@@ -205,15 +210,21 @@ def benchmark_preprocessing(arguments, vocab_size: int, seq_length: int) -> dict
         tokenize_again, use_cache = (
             run_mlm_flax.DataTrainingArguments(overwrite_cache=value) for value in (True, False)
         )
-        blocks = run_mlm_flax.cached_blocks(dataset, "benchmark", tokenizer, seq_length - 2, directory, tokenize_again)
+        blocks = cached_blocks(
+            dataset, "benchmark", run_mlm_flax.tokenized_rows, tokenizer, seq_length - 2, directory, tokenize_again
+        )
         grouped_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        run_mlm_flax.cached_blocks(dataset, "benchmark", tokenizer, seq_length - 2, directory, use_cache)
+        cached_blocks(
+            dataset, "benchmark", run_mlm_flax.tokenized_rows, tokenizer, seq_length - 2, directory, use_cache
+        )
         cached_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
         lines_again = run_mlm_flax.DataTrainingArguments(overwrite_cache=True, line_by_line=True)
-        run_mlm_flax.cached_blocks(dataset, "benchmark", tokenizer, seq_length - 2, directory, lines_again)
+        cached_blocks(
+            dataset, "benchmark", run_mlm_flax.tokenized_rows, tokenizer, seq_length - 2, directory, lines_again
+        )
         lines_seconds = time.perf_counter() - start
     return {
         "corpus_megabytes": size / 1e6,
