@@ -22,6 +22,10 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
 from test_resume import losses_per_process
 
+from flax_lm import processes
+from flax_lm.arguments import DistributedArguments
+from flax_lm.errors import UsageError
+
 CORPUS = FIXTURES_DIR / "en"
 MAX_STEPS = 10
 RUN_TIMEOUT_SECONDS = 300
@@ -218,31 +222,31 @@ def initialize_calls(monkeypatch):
     """The calls the script makes to jax.distributed.initialize, which is replaced by a recorder; no
     launcher in the environment and no Cloud TPU."""
     calls = []
-    monkeypatch.setattr(run_clm_flax.jax.distributed, "initialize", lambda **settings: calls.append(settings))
-    monkeypatch.setattr(run_clm_flax, "on_cloud_tpu_vm", lambda: False)
+    monkeypatch.setattr(processes.jax.distributed, "initialize", lambda **settings: calls.append(settings))
+    monkeypatch.setattr(processes, "on_cloud_tpu_vm", lambda: False)
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     return calls
 
 
 def distributed_arguments(**settings):
-    return run_clm_flax.DistributedArguments(**settings)
+    return DistributedArguments(**settings)
 
 
 def test_a_single_process_never_starts_the_distributed_runtime(initialize_calls, monkeypatch):
-    run_clm_flax.initialize_distributed(distributed_arguments())
+    processes.initialize_distributed(distributed_arguments())
     # A Slurm batch script (no srun) with --ntasks 4 is still one process.
     monkeypatch.setenv("SLURM_NTASKS", "4")
-    run_clm_flax.initialize_distributed(distributed_arguments())
+    processes.initialize_distributed(distributed_arguments())
     # As is a run started by hand with --num_processes 1.
-    run_clm_flax.initialize_distributed(
+    processes.initialize_distributed(
         distributed_arguments(coordinator_address="10.0.0.1:1234", num_processes=1, process_id=0)
     )
     assert initialize_calls == []
 
 
 def test_explicit_flags_start_the_distributed_runtime_with_them(initialize_calls):
-    run_clm_flax.initialize_distributed(
+    processes.initialize_distributed(
         distributed_arguments(
             coordinator_address="10.0.0.1:1234", num_processes=4, process_id=3, local_device_ids="0,1"
         )
@@ -260,7 +264,7 @@ def test_explicit_flags_start_the_distributed_runtime_with_them(initialize_calls
 def test_tasks_of_a_launcher_leave_the_settings_to_jax(initialize_calls, monkeypatch, launcher_environment):
     for name, value in launcher_environment.items():
         monkeypatch.setenv(name, value)
-    run_clm_flax.initialize_distributed(distributed_arguments())
+    processes.initialize_distributed(distributed_arguments())
     assert initialize_calls == [
         dict(coordinator_address=None, num_processes=None, process_id=None, local_device_ids=None)
     ]
@@ -270,10 +274,10 @@ def test_a_launcher_jax_cannot_read_asks_for_the_flags(initialize_calls, monkeyp
     def undetected(**settings):  # what jax.distributed.initialize raises when it finds no coordinator
         raise ValueError("coordinator_address should be defined.")
 
-    monkeypatch.setattr(run_clm_flax.jax.distributed, "initialize", undetected)
+    monkeypatch.setattr(processes.jax.distributed, "initialize", undetected)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    with pytest.raises(run_clm_flax.UsageError, match="Open MPI started this process.*pass --coordinator_address"):
-        run_clm_flax.initialize_distributed(distributed_arguments())
+    with pytest.raises(UsageError, match="Open MPI started this process.*pass --coordinator_address"):
+        processes.initialize_distributed(distributed_arguments())
 
 
 @pytest.mark.parametrize(
@@ -288,8 +292,8 @@ def test_a_launcher_jax_cannot_read_asks_for_the_flags(initialize_calls, monkeyp
     ],
 )
 def test_inconsistent_distributed_flags_are_refused(initialize_calls, settings, message):
-    with pytest.raises(run_clm_flax.UsageError, match=message):
-        run_clm_flax.initialize_distributed(distributed_arguments(**settings))
+    with pytest.raises(UsageError, match=message):
+        processes.initialize_distributed(distributed_arguments(**settings))
     assert initialize_calls == []
 
 

@@ -6,12 +6,18 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, PreTrainedTokenizerFast
+
+from flax_lm import tracking
+from flax_lm.checkpoints import TrainingProgress
+from flax_lm.errors import UsageError
+from flax_lm.run_dir import HUGGING_FACE_RESULT_NAMES, write_all_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -41,7 +47,9 @@ def tracker_env(tmp_path, monkeypatch):
 
 def open_trackers(report_to, output_dir, resumed=False, arguments=ARGUMENTS):
     training_args = run_clm_flax.TrainingArguments(output_dir=str(output_dir), report_to=report_to)
-    return run_clm_flax.open_trackers(training_args, resumed, arguments, MODEL_CONFIG, METRIC_TAGS)
+    progress = TrainingProgress({"loss_sum": 0.0}, step=5 if resumed else 0)
+    config = SimpleNamespace(to_diff_dict=lambda: MODEL_CONFIG)  # what the trackers read of a transformers config
+    return tracking.open_trackers(training_args, progress, arguments, config, METRIC_TAGS)
 
 
 def wandb_records(run_dir: str) -> list:
@@ -89,26 +97,24 @@ def hparams_plugin_data(log_dir):
 
 
 def test_report_to_takes_the_trainers_values():
-    assert run_clm_flax.trackers_to_report(["tensorboard"]) == ["tensorboard"]
-    assert run_clm_flax.trackers_to_report(["wandb,mlflow"]) == ["wandb", "mlflow"]
-    assert run_clm_flax.trackers_to_report(["wandb", "tensorboard,wandb"]) == ["wandb", "tensorboard"]
-    assert run_clm_flax.trackers_to_report("mlflow") == ["mlflow"]  # as a JSON file of arguments gives it
-    assert run_clm_flax.trackers_to_report(["none"]) == []
-    assert run_clm_flax.trackers_to_report(["all"]) == ["tensorboard", "wandb", "mlflow"]
-    with pytest.raises(run_clm_flax.UsageError, match="--report_to comet is not a tracker; choose from tensorboard"):
-        run_clm_flax.trackers_to_report(["tensorboard,comet"])
+    assert tracking.trackers_to_report(["tensorboard"]) == ["tensorboard"]
+    assert tracking.trackers_to_report(["wandb,mlflow"]) == ["wandb", "mlflow"]
+    assert tracking.trackers_to_report(["wandb", "tensorboard,wandb"]) == ["wandb", "tensorboard"]
+    assert tracking.trackers_to_report("mlflow") == ["mlflow"]  # as a JSON file of arguments gives it
+    assert tracking.trackers_to_report(["none"]) == []
+    assert tracking.trackers_to_report(["all"]) == ["tensorboard", "wandb", "mlflow"]
+    with pytest.raises(UsageError, match="--report_to comet is not a tracker; choose from tensorboard"):
+        tracking.trackers_to_report(["tensorboard,comet"])
 
 
 def test_a_tracker_not_installed_is_one_clear_line_and_left_out_of_all(monkeypatch):
-    find_spec = run_clm_flax.importlib.util.find_spec
+    find_spec = tracking.importlib.util.find_spec
     monkeypatch.setattr(
-        run_clm_flax.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name)
+        tracking.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name)
     )
-    with pytest.raises(
-        run_clm_flax.UsageError, match="^--report_to wandb needs the wandb package: pip install wandb$"
-    ):
-        run_clm_flax.trackers_to_report(["tensorboard,wandb"])
-    assert run_clm_flax.trackers_to_report(["all"]) == ["tensorboard", "mlflow"]
+    with pytest.raises(UsageError, match="^--report_to wandb needs the wandb package: pip install wandb$"):
+        tracking.trackers_to_report(["tensorboard,wandb"])
+    assert tracking.trackers_to_report(["all"]) == ["tensorboard", "mlflow"]
 
 
 def test_tensorboard_gets_an_hparams_summary_and_the_model_config(tmp_path):
@@ -217,14 +223,12 @@ def test_a_tracker_that_cannot_start_a_run_is_one_clear_line(tmp_path, monkeypat
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
 
     monkeypatch.setattr(wandb, "init", not_logged_in)
-    with pytest.raises(run_clm_flax.UsageError, match="^--report_to wandb cannot start a run: No API key configured"):
+    with pytest.raises(UsageError, match="^--report_to wandb cannot start a run: No API key configured"):
         open_trackers(["wandb"], tmp_path)
     # MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    with pytest.raises(
-        run_clm_flax.UsageError, match="^--report_to mlflow cannot start a run: .*MLFLOW_ALLOW_FILE_STORE"
-    ):
+    with pytest.raises(UsageError, match="^--report_to mlflow cannot start a run: .*MLFLOW_ALLOW_FILE_STORE"):
         open_trackers(["mlflow"], tmp_path)
     assert not (tmp_path / "tracker_runs.json").exists()
 
@@ -238,7 +242,7 @@ def test_all_results_merges_train_and_eval_results_with_the_hugging_face_names(t
         **{"train_loss": 3.5, "train_samples": 100, "epoch": 2.0, "train_runtime": 9.0, "train_steps": 20},
         **{"eval_loss": 3.25, "perplexity": 25.8, "eval_samples": 10, "eval_tokens": 320, "step": 20},
     }
-    assert run_clm_flax.write_all_results(str(tmp_path)) == expected
+    assert write_all_results(str(tmp_path)) == expected
     assert json.loads((tmp_path / "all_results.json").read_text()) == expected
 
 
@@ -267,7 +271,7 @@ def test_an_unknown_tracker_stops_the_script_before_any_work(model_dir, tmp_path
     arguments = ["--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir, "--do_train"]
     arguments += ["--train_file", os.path.join(CORPUS, "train.txt"), "--report_to", "tensorboard", "comet"]
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *map(str, arguments)])
-    with pytest.raises(run_clm_flax.UsageError, match="--report_to comet is not a tracker"):
+    with pytest.raises(UsageError, match="--report_to comet is not a tracker"):
         run_clm_flax.main()
     assert not output_dir.exists()
 
@@ -299,8 +303,8 @@ def test_training_run_reports_to_all_trackers_and_its_repeat_reports_into_the_sa
     all_results = json.loads((output_dir / "all_results.json").read_text())
     assert train_results["train_samples"] == 20 and 0 < eval_results["eval_samples"] <= 10
     assert all_results == {
-        **{run_clm_flax.HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in train_results.items()},
-        **{run_clm_flax.HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in eval_results.items()},
+        **{HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in train_results.items()},
+        **{HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in eval_results.items()},
     }
     assert {"train_runtime", "epoch", "perplexity"} <= all_results.keys()
     run_ids = json.loads((output_dir / "tracker_runs.json").read_text())
