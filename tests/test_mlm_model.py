@@ -1,4 +1,4 @@
-"""The Flax RoBERTa of run_mlm_flax.py against transformers' PyTorch RobertaForMaskedLM, plus masking and loss."""
+"""The Flax RoBERTa (flax_lm.models.roberta) against PyTorch RobertaForMaskedLM of transformers; masking and loss."""
 
 import os
 import sys
@@ -12,6 +12,9 @@ import pytest
 import torch
 import transformers
 from safetensors.numpy import save_file
+
+from flax_lm.models import roberta
+from flax_lm.train_state import abstract_model_params
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_mlm_flax  # noqa: E402
@@ -62,7 +65,7 @@ def torch_logits(torch_model, input_ids, attention_mask):
 @pytest.fixture(scope="module")
 def tiny_flax():
     """(model, unboxed params, jitted model.apply); jitted because eager Flax is slow on a small CPU."""
-    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config())
+    model = roberta.FlaxRobertaForMaskedLM(tiny_config())
     variables = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))
     return model, nn.meta.unbox(variables)["params"], jax.jit(model.apply, static_argnames="deterministic")
 
@@ -84,7 +87,7 @@ def test_logits_match_pytorch_after_loading_a_pytorch_state_dict(tiny_flax, padd
             if name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name:
                 tensor.add_(torch.randn_like(tensor) * 0.1)
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
-    params = run_mlm_flax.from_hf_state_dict(state_dict, config)
+    params = roberta.from_hf_state_dict(state_dict, config)
 
     input_ids, attention_mask = example_batch(padded)
     flax_logits = apply({"params": params}, input_ids, attention_mask)
@@ -97,7 +100,7 @@ def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(tiny_fla
     _, params, apply = tiny_flax
     params = perturbed(params)
     config = tiny_config()
-    save_file(run_mlm_flax.to_hf_state_dict(params), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(roberta.to_hf_state_dict(params), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp_path)
     torch_model, loading_info = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
     assert type(torch_model) is transformers.RobertaForMaskedLM
@@ -125,14 +128,14 @@ def test_logits_at_masked_positions_equal_those_of_the_whole_sequence(tiny_flax)
 def test_gradient_checkpointing_recomputes_layers_with_the_same_parameters_and_logits(tiny_flax):
     _, params, apply = tiny_flax
     input_ids, attention_mask = example_batch(padded=True)
-    remat_model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(), remat_policy="nothing_saveable")
-    remat_shapes = run_mlm_flax.abstract_model_params(remat_model, jnp.ones((1, 4), jnp.int32))
+    remat_model = roberta.FlaxRobertaForMaskedLM(tiny_config(), remat_policy="nothing_saveable")
+    remat_shapes = abstract_model_params(remat_model, jnp.ones((1, 4), jnp.int32))
     assert jax.tree_util.tree_structure(remat_shapes) == jax.tree_util.tree_structure(params)
 
     def loss(model, params):
         return jnp.mean(model.apply({"params": params}, input_ids, attention_mask))
 
-    plain_model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config())
+    plain_model = roberta.FlaxRobertaForMaskedLM(tiny_config())
     assert "remat" in str(jax.make_jaxpr(jax.grad(partial(loss, remat_model)))(params))
     assert "remat" not in str(jax.make_jaxpr(jax.grad(partial(loss, plain_model)))(params))
     remat_logits = jax.jit(remat_model.apply)({"params": params}, input_ids, attention_mask)
@@ -142,7 +145,7 @@ def test_gradient_checkpointing_recomputes_layers_with_the_same_parameters_and_l
 def test_export_has_exactly_the_tensors_save_pretrained_writes(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    state_dict = run_mlm_flax.to_hf_state_dict(params)
+    state_dict = roberta.to_hf_state_dict(params)
     torch_state_dict = transformers.RobertaForMaskedLM(config).state_dict()
     tied = {"lm_head.decoder.weight", "lm_head.decoder.bias"}
     assert set(state_dict) == set(torch_state_dict) - tied
@@ -154,7 +157,7 @@ def test_export_has_exactly_the_tensors_save_pretrained_writes(tiny_flax):
 def test_conversion_round_trip_is_exact(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    loaded = run_mlm_flax.from_hf_state_dict(run_mlm_flax.to_hf_state_dict(params), config)
+    loaded = roberta.from_hf_state_dict(roberta.to_hf_state_dict(params), config)
     assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(params)
     for original, reloaded in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(loaded)):
         np.testing.assert_array_equal(original, reloaded)
@@ -173,8 +176,8 @@ def test_init_follows_huggingface(tiny_flax):
 
 
 def test_params_carry_logical_axis_names():
-    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config())
-    boxed_params = run_mlm_flax.abstract_model_params(model, jnp.ones((1, 4), jnp.int32), unbox=False)
+    model = roberta.FlaxRobertaForMaskedLM(tiny_config())
+    boxed_params = abstract_model_params(model, jnp.ones((1, 4), jnp.int32), unbox=False)
     names = jax.tree_util.tree_map(tuple, nn.get_partition_spec(boxed_params))
     assert names["roberta"]["embeddings"]["word_embeddings"]["embedding"] == ("vocab", "embed")
     layer = names["roberta"]["encoder"]["layer_1"]
@@ -204,7 +207,7 @@ def test_dropout_is_active_only_when_not_deterministic(tiny_flax):
 
 def test_attention_dropout_alone_changes_the_output(tiny_flax):
     _, params, _ = tiny_flax
-    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.1))
+    model = roberta.FlaxRobertaForMaskedLM(tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.1))
     apply = jax.jit(model.apply, static_argnames="deterministic")
     input_ids, attention_mask = example_batch(padded=True)
 
@@ -219,7 +222,7 @@ def test_attention_dropout_alone_changes_the_output(tiny_flax):
 def test_explicit_attention_equals_library_attention_without_dropout():
     q, k, v = np.random.default_rng(0).standard_normal((3, 2, 7, 4, 8), np.float32)  # (batch, seq, heads, dim)
     mask = np.array([[1] * 7, [1] * 5 + [0] * 2], bool)[:, None, None, :]
-    explicit = jax.jit(run_mlm_flax.attention_with_dropout, static_argnums=4)(q, k, v, mask, lambda probs: probs)
+    explicit = jax.jit(roberta.attention_with_dropout, static_argnums=4)(q, k, v, mask, lambda probs: probs)
     library = jax.jit(jax.nn.dot_product_attention)(q, k, v, mask=mask)
     np.testing.assert_allclose(explicit, library, atol=1e-5)
 
@@ -227,8 +230,8 @@ def test_explicit_attention_equals_library_attention_without_dropout():
 def test_bfloat16_compute_keeps_float32_params_and_logits(tiny_flax):
     _, params, apply_fp32 = tiny_flax
     params = perturbed(params)  # logits of a few units rather than hundredths, so the tolerance means something
-    model_bf16 = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(), dtype=jnp.bfloat16)
-    shapes = run_mlm_flax.abstract_model_params(model_bf16, jnp.ones((1, 4), jnp.int32))
+    model_bf16 = roberta.FlaxRobertaForMaskedLM(tiny_config(), dtype=jnp.bfloat16)
+    shapes = abstract_model_params(model_bf16, jnp.ones((1, 4), jnp.int32))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(shapes))
 
     input_ids, attention_mask = example_batch(padded=True)
@@ -242,38 +245,38 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(tiny_flax):
 def test_wrong_shaped_checkpoint_is_a_usage_error_naming_the_tensor(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    state_dict = run_mlm_flax.to_hf_state_dict(params)
+    state_dict = roberta.to_hf_state_dict(params)
     state_dict["roberta.embeddings.word_embeddings.weight"] = np.zeros((120, 64), np.float32)
     with pytest.raises(
         run_mlm_flax.UsageError,
         match=r"roberta\.embeddings\.word_embeddings\.weight has shape "
         r"\(120, 64\) but the config needs \(101, 64\)",
     ):
-        run_mlm_flax.from_hf_state_dict(state_dict, config)
+        roberta.from_hf_state_dict(state_dict, config)
 
 
 def test_checkpoint_with_missing_or_extra_tensors_is_a_usage_error(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    state_dict = run_mlm_flax.to_hf_state_dict(params)
+    state_dict = roberta.to_hf_state_dict(params)
     state_dict["roberta.pooler.dense.weight"] = np.zeros((64, 64), np.float32)  # ignored, as in HF
     state_dict["lm_head.decoder.weight"] = state_dict["roberta.embeddings.word_embeddings.weight"]  # tied
-    run_mlm_flax.from_hf_state_dict(state_dict, config)
+    roberta.from_hf_state_dict(state_dict, config)
 
     extra_layer = dict(state_dict, **{"roberta.encoder.layer.2.output.dense.bias": np.zeros(64, np.float32)})
     with pytest.raises(run_mlm_flax.UsageError, match=r"layer\.2\.output\.dense\.bias is not part of"):
-        run_mlm_flax.from_hf_state_dict(extra_layer, config)
+        roberta.from_hf_state_dict(extra_layer, config)
     del state_dict["lm_head.dense.weight"]
     with pytest.raises(run_mlm_flax.UsageError, match=r"no tensor lm_head\.dense\.weight"):
-        run_mlm_flax.from_hf_state_dict(state_dict, config)
+        roberta.from_hf_state_dict(state_dict, config)
 
 
 def test_unsupported_config_is_a_usage_error():
     dummy_ids = jnp.ones((1, 4), jnp.int32)
     with pytest.raises(run_mlm_flax.UsageError, match="is_decoder"):
-        run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(is_decoder=True)).init(jax.random.key(0), dummy_ids)
+        roberta.FlaxRobertaForMaskedLM(tiny_config(is_decoder=True)).init(jax.random.key(0), dummy_ids)
     with pytest.raises(run_mlm_flax.UsageError, match="position_embedding_type"):
-        run_mlm_flax.check_model_config(tiny_config(position_embedding_type="relative_key"))
+        roberta.check_model_config(tiny_config(position_embedding_type="relative_key"))
 
 
 def make_masking_inputs():
@@ -377,7 +380,7 @@ def test_masked_lm_loss_sums_equal_torch_cross_entropy_over_chosen_positions():
 
 def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16_through_a_step():
     micro_batches = 2  # the accumulation path: float32 sums, then the division shared with the single-batch path
-    model = run_mlm_flax.FlaxRobertaForMaskedLM(tiny_config(), param_dtype=jnp.bfloat16)
+    model = roberta.FlaxRobertaForMaskedLM(tiny_config(), param_dtype=jnp.bfloat16)
     training_args = run_mlm_flax.TrainingArguments(output_dir="unused")
     schedule = run_mlm_flax.learning_rate_schedule(training_args, total_steps=10)
     optimizer = run_mlm_flax.create_optimizer(training_args, schedule)
