@@ -28,6 +28,8 @@ from transformers import (
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import run_mlm_flax  # noqa: E402
+from flax_lm.arguments import parse_arguments  # noqa: E402
+from flax_lm.packed import cached_blocks  # noqa: E402
 
 TRAIN_FILE = os.path.join(REPO, "tests", "fixtures", "en", "train.txt")
 VALIDATION_FILE = os.path.join(REPO, "tests", "fixtures", "en", "validation.txt")
@@ -68,7 +70,8 @@ def chosen_positions(batch):
 def line_rows(dataset, tokenizer, cache_dir, max_seq_length=SEQUENCE_LENGTH):
     """The --line_by_line rows of a dataset: a packed corpus cached in cache_dir."""
     data_args = run_mlm_flax.DataTrainingArguments(line_by_line=True)
-    return run_mlm_flax.cached_blocks(dataset, "train", tokenizer, max_seq_length - 2, str(cache_dir), data_args)
+    rows = run_mlm_flax.tokenized_rows
+    return cached_blocks(dataset, "train", rows, tokenizer, max_seq_length - 2, str(cache_dir), data_args)
 
 
 def text_dataset(path, cache_dir):
@@ -85,8 +88,8 @@ def text_dataset(path, cache_dir):
 def test_grouped_blocks_are_the_texts_joined_with_separators_and_framed_as_s_to_slash_s(tokenizer, tmp_path):
     dataset = text_dataset(VALIDATION_FILE, tmp_path)
     data_args = run_mlm_flax.DataTrainingArguments()
-    blocks = run_mlm_flax.cached_blocks(
-        dataset, "validation", tokenizer, SEQUENCE_LENGTH - 2, str(tmp_path), data_args
+    blocks = cached_blocks(
+        dataset, "validation", run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, str(tmp_path), data_args
     )
     joined = [
         token
@@ -121,7 +124,10 @@ def test_line_by_line_keeps_every_non_empty_line_as_a_padded_row_and_caches_the_
     longer = sum(len(tokens) > 14 for tokens in token_lists)
     assert 0 < longer < len(kept) and f"train: {longer} of 4 lines are longer than 14 tokens" in caplog.text
 
-    monkeypatch.setattr(run_mlm_flax, "pack_texts", None)  # the second call must not tokenize
+    def tokenizing(*arguments, **keywords):
+        raise AssertionError("the lines were tokenized again")
+
+    monkeypatch.setattr(run_mlm_flax, "map_in_workers", tokenizing)  # the second call reads the cache
     np.testing.assert_array_equal(np.asarray(line_rows(dataset, tokenizer, tmp_path / "cache", 16)), rows)
 
 
@@ -513,9 +519,10 @@ def test_json_arguments_file_gives_the_arguments_of_the_command_line(tmp_path, m
     arguments_file = tmp_path / "arguments.json"
     arguments_file.write_text(json.dumps(values))
     monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", str(arguments_file)])
-    from_file = run_mlm_flax.parse_arguments()
+    argument_classes = run_mlm_flax.ModelArguments, run_mlm_flax.DataTrainingArguments, run_mlm_flax.TrainingArguments
+    from_file = parse_arguments(*argument_classes)
     monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", *(f"--{name}={value}" for name, value in values.items())])
-    assert from_file == run_mlm_flax.parse_arguments()
+    assert from_file == parse_arguments(*argument_classes)
     assert from_file[1].mlm_probability == 0.2 and from_file[1].line_by_line
 
 
