@@ -21,6 +21,10 @@ from test_distributed import Processes
 from test_mlm import run_mlm_flax, scalars
 from transformers import AutoTokenizer, RobertaConfig
 
+from flax_lm.data import load_data, streaming_train_batches
+from flax_lm.errors import UsageError
+from flax_lm.packed import load_packed_corpus, open_packed_corpus
+
 CORPUS = FIXTURES_DIR / "en"
 SEQUENCE_LENGTH = 32
 MAX_STEPS = 10
@@ -279,8 +283,9 @@ def test_streamed_batches_resume_with_the_same_blocks_and_masks(tokenizer, monke
     monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_step=0):
-        block_batches = run_mlm_flax.streaming_train_batches(
-            stream, tokenizer, "text", SEQUENCE_LENGTH - 2, 16, 0, 100, first_step
+        pack_blocks = run_mlm_flax.pack_blocks
+        block_batches = streaming_train_batches(
+            stream, tokenizer, "text", pack_blocks, SEQUENCE_LENGTH - 2, 16, 0, 100, first_step
         )
         return [batch for batch, _ in itertools.islice(
             run_mlm_flax.masked_stream_batches(block_batches, make_batch, 16, seed=0, first_step=first_step),
@@ -303,7 +308,7 @@ def test_streamed_batches_resume_with_the_same_blocks_and_masks(tokenizer, monke
 def test_packed_data_dir_holds_the_grouped_blocks_of_the_files_in_shards(packed_dir, tokenizer):
     index = json.loads((packed_dir / "index.json").read_text())
     assert index["block_size"] == SEQUENCE_LENGTH - 2 and len(index["splits"]["train"]["shards"]) > 10
-    blocks = run_mlm_flax.open_packed_corpus(str(packed_dir), index)
+    blocks = open_packed_corpus(str(packed_dir), index)
     for split in ("train", "validation"):
         # Every text (a .txt file: one, as written) followed by </s>, joined and cut: the grouping written out
         # the slow, obvious way.
@@ -329,8 +334,8 @@ def test_line_by_line_rows_of_the_token_cache_and_of_a_packed_data_dir_are_the_s
             streaming=streaming,
         )
         run_mlm_flax.check_arguments(model_args, data_args, training_args)
-        examples[route], _ = run_mlm_flax.load_data(
-            model_args, data_args, training_args, tokenizer, SEQUENCE_LENGTH - 2, ""
+        examples[route], _ = load_data(
+            model_args, data_args, training_args, run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, ""
         )
     for split in ("train", "validation"):
         for route in ("packed", "packed from a stream"):
@@ -352,20 +357,26 @@ def test_a_packed_data_dir_of_the_other_framing_is_refused(line_by_line, packed_
             line_by_line=True,
             text_sample_by="line",
         )
-        run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), lines_args, tokenizer, SEQUENCE_LENGTH - 2, "")
+        load_packed_corpus(
+            run_mlm_flax.ModelArguments(), lines_args, run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, ""
+        )
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir), line_by_line=line_by_line)
     recorded, expected = ("grouped", "line_by_line") if line_by_line else ("line_by_line", "grouped")
-    with pytest.raises(run_mlm_flax.UsageError, match=rf"holds {recorded} rows, not {expected} ones; use another"):
-        run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, tokenizer, SEQUENCE_LENGTH - 2, "")
+    with pytest.raises(UsageError, match=rf"holds {recorded} rows, not {expected} ones; use another"):
+        load_packed_corpus(
+            run_mlm_flax.ModelArguments(), data_args, run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, ""
+        )
 
 
 def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokenizer):
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir))
     with pytest.raises(
-        run_mlm_flax.UsageError,
+        UsageError,
         match=r"holds blocks of 30 tokens, not the 62 of --max_seq_length 64; use another --packed_data_dir",
     ):
-        run_mlm_flax.load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, tokenizer, 62, "--max_seq_length 64")
+        load_packed_corpus(
+            run_mlm_flax.ModelArguments(), data_args, run_mlm_flax.tokenized_rows, tokenizer, 62, "--max_seq_length 64"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -392,7 +403,7 @@ def test_streaming_and_packing_misuse_is_refused(extra_arguments, message, model
         model_dir, tmp_path / "out", "--train_file", str(CORPUS / "train.txt"),
         *(argument.format(tmp=tmp_path) for argument in extra_arguments),
     )  # fmt: skip
-    with pytest.raises(run_mlm_flax.UsageError, match=message) as error:
+    with pytest.raises(UsageError, match=message) as error:
         run_in_this_process(monkeypatch, arguments)
     assert "\n" not in str(error.value), "the error should be one line"
     assert not (tmp_path / "out").exists() and not (tmp_path / "packed").exists()
