@@ -4,6 +4,7 @@ back from what it wrote; all_results.json; and one tiny training run reporting t
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -169,7 +170,9 @@ def test_wandb_offline_run_holds_what_was_reported_and_resumes_into_the_same_run
     wandb.teardown()  # the W&B service writes the offline files on its own time: wait for it to end
 
     first, resumed = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
-    assert first.endswith(run_id) and resumed.endswith(run_id)
+    # offline-run-DATE_TIME-ID, with -1 added by W&B when both runs started in the same second
+    for run_dir in (first, resumed):
+        assert re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", os.path.basename(run_dir)), run_dir
     records = wandb_records(first)
     [run] = [record.run for record in records if record.WhichOneof("record_type") == "run"]
     assert run.display_name == "gpt2-small-run"
