@@ -1,7 +1,6 @@
 """The output directory of a run: one run at a time (a lock), no silent mixing with an earlier run's files, the
 results files, and a copy of the script that ran."""
 
-import fcntl
 import filecmp
 import itertools
 import json
@@ -12,6 +11,7 @@ import socket
 
 import jax
 import orbax.checkpoint as ocp
+from filelock import FileLock, Timeout
 
 from flax_lm.errors import UsageError
 from flax_lm.processes import print_once
@@ -22,46 +22,54 @@ logger = logging.getLogger(__name__)
 OUTPUT_DIR_LOCK = ".lock"
 
 
-def take_lock(lock_file, output_dir: str, mode: int) -> bool:
-    """flock without waiting; refuses in one line where another run holds it. False where the file system has no
-    locks."""
+def holder(lock_path: str) -> str:
+    """Who holds the lock, as its holder wrote into the lock file."""
     try:
-        fcntl.flock(lock_file, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.seek(0)
-        holder = lock_file.read().strip() or "another process"
+        with open(lock_path) as lock_file:
+            return lock_file.read().strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def take_lock(lock_path: str, output_dir: str, on_acquired=None) -> FileLock | None:
+    """The lock at lock_path, taken without waiting; refuses in one line where another run holds it. None where the
+    file system has no locks (then nothing stops a second run: the user is told)."""
+    # No soft-lock fallback: a soft lock outlives a killed run, and a killed run must never leave the directory locked.
+    lock = FileLock(lock_path, fallback_to_soft=False, on_acquired=on_acquired)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
         raise UsageError(
-            f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or pass another "
-            "--output_dir"
+            f"--output_dir {output_dir} is in use by another run ({holder(lock_path)}); wait for it to end or pass "
+            "another --output_dir"
         ) from None
     except OSError as error:
         logger.warning(
             "cannot lock --output_dir %s (%s): make sure no other run writes into it", output_dir, error.strerror
         )
-        return False
-    return True
+        return None
+    return lock
 
 
-def lock_output_dir(output_dir: str):
-    """Hold OUTPUT_DIR/.lock, so that one run at a time writes into it, until the returned file is closed or the
-    process ends: however it ends, the kernel releases the lock, so a killed run never leaves the directory locked."""
+def write_holder(lock_fd: int):
+    """Name this process in the lock file, for the message of a run that finds the directory in use."""
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+
+
+def lock_output_dir(output_dir: str) -> FileLock | None:
+    """Hold OUTPUT_DIR/.lock, so that one run at a time writes into it, until the returned lock is released or the
+    process ends: however it ends, the kernel releases the lock (flock), so a killed run never leaves the directory
+    locked."""
     try:
         os.makedirs(output_dir, exist_ok=True)
-        lock_file = open(os.path.join(output_dir, OUTPUT_DIR_LOCK), "a+")
+        with open(os.path.join(output_dir, OUTPUT_DIR_LOCK), "a"):
+            pass
     except OSError as error:
         raise UsageError(
             f"cannot write into --output_dir {output_dir} ({error.strerror}); pass a writable directory"
         ) from None
-    try:
-        if take_lock(lock_file, output_dir, fcntl.LOCK_EX):
-            lock_file.seek(0)
-            lock_file.truncate()
-            lock_file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-            lock_file.flush()
-    except UsageError:
-        lock_file.close()
-        raise
-    return lock_file
+    return take_lock(os.path.join(output_dir, OUTPUT_DIR_LOCK), output_dir, on_acquired=write_holder)
 
 
 def refuse_earlier_run(training_args):
@@ -85,12 +93,13 @@ def refuse_earlier_run(training_args):
 
 
 def check_output_dir(training_args):
-    """Before any work, and writing nothing: refuse an output directory that another run holds (probed with a shared
-    lock), or one with an earlier run's files that these flags do not allow training into."""
+    """Before any work, and writing nothing: refuse an output directory that another run holds (its lock is probed), or
+    one with an earlier run's files that these flags do not allow training into."""
     lock_path = os.path.join(training_args.output_dir, OUTPUT_DIR_LOCK)
     if os.path.isfile(lock_path):
-        with open(lock_path) as probe:
-            take_lock(probe, training_args.output_dir, fcntl.LOCK_SH)
+        probe = take_lock(lock_path, training_args.output_dir)  # taken and let go at once
+        if probe is not None:
+            probe.release()
     refuse_earlier_run(training_args)
 
 

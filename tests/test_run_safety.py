@@ -9,7 +9,9 @@ run, or it stops with one line and leaves the directory as it was.
 import fcntl
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -22,7 +24,8 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
 from test_mlm import run_mlm_flax
 
-from flax_lm.run_dir import OUTPUT_DIR_LOCK
+from flax_lm.errors import UsageError
+from flax_lm.run_dir import OUTPUT_DIR_LOCK, lock_output_dir
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -327,3 +330,13 @@ def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
     log = run("--overwrite_output_dir")
     assert "removed the previous run's checkpoints/, discarded-checkpoints/, tensorboard/" in log
     assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4"]
+
+
+def test_a_run_that_finds_the_directory_locked_names_the_run_holding_it(tmp_path):
+    held = lock_output_dir(str(tmp_path))
+    holder = rf"\(process {os.getpid()} on {re.escape(socket.gethostname())}\)"
+    with pytest.raises(UsageError, match=rf"--output_dir {tmp_path} is in use by another run {holder}"):
+        lock_output_dir(str(tmp_path))
+    held.release()  # as when the holder ends: the lock is free again, and names its new holder
+    lock_output_dir(str(tmp_path)).release()
+    assert (tmp_path / OUTPUT_DIR_LOCK).read_text() == f"process {os.getpid()} on {socket.gethostname()}\n"
