@@ -235,12 +235,17 @@ def train_metrics(sums: dict) -> dict:
 
 def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
     warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
-    warmup_steps = min(warmup_steps, total_steps)
-    peak = training_args.learning_rate
+    if training_args.do_train and warmup_steps > total_steps:
+        raise UsageError(
+            f"--warmup_steps {warmup_steps} is longer than the run's {total_steps} steps, so the learning rate would "
+            "never reach --learning_rate; pass fewer --warmup_steps, or --warmup_ratio"
+        )
+    warmup_steps = min(warmup_steps, total_steps)  # an evaluation alone has no steps
+    peak, floor_rate = training_args.learning_rate, training_args.min_lr_rate
     decay_steps = max(total_steps - warmup_steps, 1)
     decay = {
-        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
+        "linear": optax.linear_schedule(peak, peak * floor_rate, decay_steps),
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=floor_rate),
         "constant": optax.constant_schedule(peak),
     }[training_args.lr_scheduler_type]
     warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))

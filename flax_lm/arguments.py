@@ -247,8 +247,15 @@ class CommonTrainingArguments:
     lr_scheduler_type: str = field(
         default="linear",
         metadata={
-            "help": "Decay after warm-up: linear or cosine (both to 0), or constant.",
+            "help": "Decay after warm-up: linear or cosine (both to --min_lr_rate of the peak), or constant.",
             "choices": ["linear", "cosine", "constant"],
+        },
+    )
+    min_lr_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "Where the linear and cosine decays end, as a fraction of --learning_rate: 0.1 ends at a tenth "
+            "of it (nanoGPT's min_lr); 0 decays to 0."
         },
     )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm; 0: no clipping."})
@@ -393,6 +400,8 @@ def check_common_arguments(model_args, data_args, training_args):
         )
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
+    if training_args.min_lr_rate and training_args.lr_scheduler_type == "constant":
+        raise UsageError("--min_lr_rate sets where a decay ends; use it with --lr_scheduler_type linear or cosine")
     if training_args.resume_from_checkpoint and not training_args.do_train:
         raise UsageError("--resume_from_checkpoint continues training; add --do_train")
     streaming_training = data_args.streaming and not data_args.packed_data_dir
@@ -449,6 +458,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         "max_steps": (lambda value: value >= -1, "must be positive, or -1 to train for --num_train_epochs"),
         "warmup_steps": at_least_0,
         "warmup_ratio": (lambda value: 0 <= value < 1, "must be in [0, 1)"),
+        "min_lr_rate": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.1"),
         "seed": at_least_0,
         "max_train_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "max_eval_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),

@@ -206,6 +206,14 @@ REFUSALS = {
         "run_clm_flax", [*CLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
     "clm-nan-learning-rate": ("run_clm_flax", [*CLM, "--learning_rate", "nan"], ["--learning_rate nan"]),
     "clm-negative-warmup": ("run_clm_flax", [*CLM, "--warmup_steps", "-5"], ["--warmup_steps -5", "0 or more"]),
+    "clm-warmup-longer-than-the-run": (
+        "run_clm_flax", [*CLM, "--warmup_steps", "5"], ["--warmup_steps 5", "longer than the run's 2 steps"]),
+    "mlm-warmup-longer-than-the-run": (
+        "run_mlm_flax", [*MLM, "--warmup_steps", "3"], ["--warmup_steps 3", "longer than the run's 2 steps"]),
+    "clm-min-lr-rate-of-1": ("run_clm_flax", [*CLM, "--min_lr_rate", "1"], ["--min_lr_rate 1.0", "[0, 1)"]),
+    "clm-min-lr-rate-without-a-decay": (
+        "run_clm_flax", [*CLM, "--lr_scheduler_type", "constant", "--min_lr_rate", "0.1"],
+        ["--min_lr_rate", "linear or cosine"]),
     "clm-adam-beta2-above-1": ("run_clm_flax", [*CLM, "--adam_beta2", "1.5"], ["--adam_beta2 1.5", "[0, 1)"]),
     "clm-negative-max-grad-norm": ("run_clm_flax", [*CLM, "--max_grad_norm", "-1"], ["--max_grad_norm -1.0"]),
     "clm-negative-max-train-samples": (

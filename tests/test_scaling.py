@@ -215,3 +215,22 @@ def test_command_line_accumulation_matches_the_larger_batch(gpt2_tokenizer_dir, 
         losses[name] = [loss for _, loss in scalars(tmp_path / name, "train/loss")]
     assert len(losses["whole"]) == 3
     np.testing.assert_allclose(losses["accumulated"], losses["whole"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheduler", ["linear", "cosine"])
+def test_the_decay_ends_at_min_lr_rate_of_the_peak(scheduler):
+    training_args = run_clm_flax.TrainingArguments(
+        output_dir="unused", learning_rate=1e-2, warmup_steps=2, lr_scheduler_type=scheduler, min_lr_rate=0.1
+    )
+    schedule = run_clm_flax.learning_rate_schedule(training_args, total_steps=10)
+    rates = np.array([float(schedule(step)) for step in range(13)])
+    np.testing.assert_allclose(rates[:3], [0.0, 5e-3, 1e-2], rtol=1e-6)  # the warm-up, to the peak
+    assert np.all(np.diff(rates[2:11]) < 0)  # then down, step by step
+    np.testing.assert_allclose(rates[10:], 1e-3, rtol=1e-6)  # to a tenth of the peak, where it stays
+    # A quarter of the way down (step 4 of the 8 after warm-up), between the peak and the floor:
+    share_left = {"linear": 0.75, "cosine": 0.5 * (1 + np.cos(np.pi / 4))}[scheduler]
+    np.testing.assert_allclose(rates[4], 1e-3 + share_left * 9e-3, rtol=1e-5)
+    without_floor = run_clm_flax.TrainingArguments(
+        output_dir="unused", learning_rate=1e-2, lr_scheduler_type=scheduler
+    )
+    assert float(run_clm_flax.learning_rate_schedule(without_floor, total_steps=10)(10)) == 0.0
