@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Train a byte-level BPE tokenizer for GPT-2 or RoBERTa on your own text.
 
-The text comes from local files (.txt, .json/.jsonl, .csv, .parquet; several files and glob patterns), from a
+The text comes from local files (.txt, .json/.jsonl, .csv, .parquet; the first three also compressed, such as
+corpus.jsonl.gz; several files and glob patterns), from a
 local dataset directory, or from a dataset on the Hugging Face Hub. It is streamed in batches, so a corpus larger
 than memory works. The result is an ordinary tokenizer directory:
 
@@ -28,7 +29,7 @@ from transformers import GPT2Tokenizer, RobertaTokenizer
 
 from flax_lm.errors import UsageError, run
 from flax_lm.processes import LOG_FORMAT
-from flax_lm.texts import DATA_FILE_BUILDERS, TEXTS_PER_BATCH
+from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file
 from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
@@ -210,14 +211,6 @@ def expand_train_files(patterns):
     return list(dict.fromkeys(files))  # a file named twice is read once
 
 
-def builder_for_file(path):
-    extension = os.path.splitext(path)[1].lower()
-    if extension not in DATA_FILE_BUILDERS:
-        supported = ", ".join(DATA_FILE_BUILDERS)
-        raise UsageError(f"--train_file {path} has an unsupported extension; supported: {supported}")
-    return DATA_FILE_BUILDERS[extension]
-
-
 def is_saved_dataset(directory):
     """True for a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
     return os.path.isfile(os.path.join(directory, "dataset_dict.json")) or os.path.isfile(
@@ -239,7 +232,7 @@ def open_text_sources(data_args):
     if data_args.train_file:
         files_by_builder = {}
         for path in expand_train_files(data_args.train_file):
-            files_by_builder.setdefault(builder_for_file(path), []).append(path)
+            files_by_builder.setdefault(builder_of_file(path, "train_file"), []).append(path)
         sources = []
         for builder, files in files_by_builder.items():
             description = files[0] if len(files) == 1 else f"{len(files)} {builder} files"

@@ -101,7 +101,8 @@ class DataArguments:
     train_file: str | None = field(
         default=None,
         metadata={
-            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'."
+            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'; "
+            "the text formats also compressed (.gz, .bz2, .xz, .zst), e.g. corpus.jsonl.gz."
         },
     )
     validation_file: str | None = field(

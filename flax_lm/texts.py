@@ -3,6 +3,7 @@ stream) and turning them into token ids, in worker processes if asked."""
 
 import collections
 import glob
+import importlib.util
 import itertools
 import json
 import logging
@@ -31,6 +32,33 @@ DATA_FILE_BUILDERS = {
 }
 
 
+# Compressed data files: `datasets` decompresses them as it reads (in files, globs and streams); their format is
+# that of the name under the suffix, as in corpus.jsonl.gz. The value names a package the suffix needs.
+COMPRESSION_SUFFIXES = {".gz": None, ".bz2": None, ".xz": None, ".zst": "zstandard"}
+
+
+def builder_of_file(path: str, flag: str) -> str:
+    """The `datasets` builder that reads the data file at `path` (given to --`flag`), from its extension."""
+    stem, extension = os.path.splitext(path.lower())
+    if extension in COMPRESSION_SUFFIXES:
+        package = COMPRESSION_SUFFIXES[extension]
+        if package and importlib.util.find_spec(package) is None:
+            raise UsageError(f"--{flag}: reading {path} needs the {package} package: pip install {package}")
+        stem, extension = os.path.splitext(stem)
+        if extension == ".parquet":
+            raise UsageError(
+                f"--{flag}: {path} is a compressed Parquet file; Parquet compresses inside: decompress it"
+            )
+    if extension not in DATA_FILE_BUILDERS:
+        supported = ", ".join(DATA_FILE_BUILDERS)
+        compressed = ", ".join(COMPRESSION_SUFFIXES)
+        raise UsageError(
+            f"--{flag}: {path} has an unsupported extension; use one of {supported}, or one of these followed by "
+            f"{compressed}"
+        )
+    return DATA_FILE_BUILDERS[extension]
+
+
 def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
     """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
     files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -44,11 +72,7 @@ def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
             raise UsageError(f"--{flag}: {path} is not readable")
         if os.path.getsize(path) == 0:
             raise UsageError(f"--{flag}: {path} is empty")
-        extension = os.path.splitext(path)[1].lower()
-        if extension not in DATA_FILE_BUILDERS:
-            supported = ", ".join(DATA_FILE_BUILDERS)
-            raise UsageError(f"--{flag}: {path} has an unsupported extension; use one of {supported}")
-        builders.add(DATA_FILE_BUILDERS[extension])
+        builders.add(builder_of_file(path, flag))
     if len(builders) > 1:
         raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
     return builders.pop(), files
@@ -73,9 +97,10 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
                     raw = {split: dataset.to_iterable_dataset() for split, dataset in raw.items()}
             else:
                 holds_text_files = os.path.isdir(name) and any(
-                    DATA_FILE_BUILDERS.get(os.path.splitext(file)[1].lower()) == "text"
+                    DATA_FILE_BUILDERS.get(os.path.splitext(file.lower().removesuffix(suffix))[1]) == "text"
                     for _, _, files in os.walk(name)
                     for file in files
+                    for suffix in ("", *COMPRESSION_SUFFIXES)
                 )
                 raw = datasets.load_dataset(
                     name,

@@ -517,3 +517,74 @@ def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
     with pytest.raises(run_clm_flax.UsageError, match="no column 'text' .*pass --text_column_name"):
         rows = run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, run_clm_flax.DataTrainingArguments())
         flax_lm.data.first_blocks(rows, 32, None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compressed data files
+# ----------------------------------------------------------------------------------------------------
+
+
+def compressed_copies(directory, texts):
+    """The same documents as .txt (one file, one document), .jsonl and .csv, each plain and gzip/bz2/xz-compressed."""
+    import bz2
+    import csv
+    import gzip
+    import io
+    import lzma
+
+    contents = {"corpus.txt": "".join(texts)}
+    contents["corpus.jsonl"] = "".join(json.dumps({"text": text}) + "\n" for text in texts)
+    table = io.StringIO()
+    csv.writer(table).writerows([["text"], *([text] for text in texts)])
+    contents["corpus.csv"] = table.getvalue()
+    paths = {}
+    for name, content in contents.items():
+        paths[name] = directory / name
+        paths[name].write_text(content)
+        for suffix, opener in ((".gz", gzip.open), (".bz2", bz2.open), (".xz", lzma.open)):
+            with opener(directory / (name + suffix), "wt") as file:
+                file.write(content)
+            paths[name + suffix] = directory / (name + suffix)
+    return paths
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["from-files", "from-a-stream"])
+def test_compressed_files_give_the_blocks_of_the_uncompressed_ones(streaming, tokenizer, tmp_path):
+    texts = train_lines()[:40]
+    paths = compressed_copies(tmp_path, texts)
+    blocks = {}
+    for name, path in paths.items():
+        blocks[name] = np.asarray(
+            pack(tmp_path / f"packed-{name}", tokenizer, train_file=str(path), streaming=streaming)["train"]
+        )
+    for name in paths:
+        file_format = name.split(".")[1]  # corpus.FORMAT[.COMPRESSION]
+        expected = expected_blocks(tokenizer, ["".join(texts)] if file_format == "txt" else texts, 32)
+        assert len(expected) > 5
+        np.testing.assert_array_equal(blocks[name], expected, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("corpus.txt.zip", "unsupported extension; use one of .txt, .text, .json, .jsonl, .csv, .parquet, or one of"),
+        ("corpus.md.gz", "corpus.md.gz has an unsupported extension"),
+        ("corpus.parquet.gz", "compressed Parquet file; Parquet compresses inside"),
+    ],
+)
+def test_a_compressed_file_of_no_known_format_is_one_clear_line(name, message, tmp_path):
+    path = tmp_path / name
+    path.write_bytes(b"not empty")
+    with pytest.raises(flax_lm.texts.UsageError, match=message):
+        flax_lm.texts.resolve_data_files(str(path), "train_file")
+
+
+def test_a_zstandard_file_without_the_package_names_the_package(tmp_path, monkeypatch):
+    path = tmp_path / "corpus.jsonl.zst"
+    path.write_bytes(b"not empty")
+    find_spec = flax_lm.texts.importlib.util.find_spec
+    monkeypatch.setattr(
+        flax_lm.texts.importlib.util, "find_spec", lambda name: None if name == "zstandard" else find_spec(name)
+    )
+    with pytest.raises(flax_lm.texts.UsageError, match="needs the zstandard package: pip install zstandard"):
+        flax_lm.texts.resolve_data_files(str(path), "train_file")

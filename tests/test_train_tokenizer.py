@@ -1,7 +1,9 @@
 """Behaviour of train_tokenizer.py: what it saves, what it reads, and how it refuses bad input."""
 
+import gzip
 import importlib.util
 import json
+import lzma
 import shutil
 import subprocess
 import sys
@@ -296,3 +298,25 @@ def test_derived_corpus_files_match_their_generator(tmp_path):
     for relative_path in ["corpus/mixed.jsonl", "corpus/mixed.csv", "en/train.txt", "en/validation.txt"]:
         assert (tmp_path / relative_path).read_bytes() == (FIXTURES_DIR / relative_path).read_bytes(), relative_path
     assert len((FIXTURES_DIR / "en" / "train.txt").read_bytes()) >= 100_000
+
+
+def test_compressed_files_train_the_tokenizer_of_the_plain_ones(run_tool, tmp_path):
+    plain, compressed = tmp_path / "plain", tmp_path / "compressed"
+    plain.mkdir(), compressed.mkdir()
+    for name in ("mixed.jsonl", "mixed.csv"):
+        content = (CORPUS_DIR / name).read_bytes()
+        (plain / name).write_bytes(content)
+    with gzip.open(compressed / "mixed.jsonl.gz", "wb") as file:
+        file.write((CORPUS_DIR / "mixed.jsonl").read_bytes())
+    with lzma.open(compressed / "mixed.csv.xz", "wb") as file:
+        file.write((CORPUS_DIR / "mixed.csv").read_bytes())
+    vocabularies = []
+    for inputs in (plain, compressed):
+        files = sorted(str(path) for path in inputs.iterdir())
+        result = run_tool(
+            "train_tokenizer.py", "--train_file", *files, "--vocab_size", 400, "--output_dir", inputs / "model"
+        )
+        assert result.returncode == 0, result.stderr
+        assert f"Trained on {2 * len(rows_of_mixed_corpus())} texts" in result.stdout
+        vocabularies.append(json.loads((inputs / "model" / "tokenizer.json").read_text())["model"]["vocab"])
+    assert vocabularies[0] == vocabularies[1]
