@@ -98,16 +98,18 @@ class DataArguments:
     dataset_config_name: str | None = field(
         default=None, metadata={"help": "The configuration of the dataset given by --dataset_name."}
     )
-    train_file: str | None = field(
+    train_file: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file, or a glob such as 'data/*.txt'; "
-            "the text formats also compressed (.gz, .bz2, .xz, .zst), e.g. corpus.jsonl.gz."
+            "help": "Training text: .txt, .json/.jsonl, .csv or .parquet files or globs such as 'data/*.txt', listed "
+            "or each after its own --train_file, formats mixed as they come; the text formats also compressed (.gz, "
+            ".bz2, .xz, .zst), e.g. corpus.jsonl.gz.",
+            "action": "extend",
         },
     )
-    validation_file: str | None = field(
+    validation_file: list[str] | None = field(
         default=None,
-        metadata={"help": "Evaluation text, in the same formats as --train_file."},
+        metadata={"help": "Evaluation text, in the same forms as --train_file.", "action": "extend"},
     )
     text_column_name: str = field(
         default="text", metadata={"help": "The column holding the text (txt files always give 'text')."}

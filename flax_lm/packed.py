@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from flax_lm.arguments import check_writable_directory
 from flax_lm.errors import UsageError
 from flax_lm.processes import main_process_first
-from flax_lm.texts import check_tokenizer_encodes, load_text_datasets
+from flax_lm.texts import check_tokenizer_encodes, data_file_patterns, load_text_datasets
 
 logger = logging.getLogger(__name__)
 
@@ -340,9 +340,11 @@ def load_packed_corpus(
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
     names = ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name")
     source = {name: getattr(data_args, name) for name in (*names, "text_sample_by", "keep_linebreaks")}
-    for name in ("train_file", "validation_file", "dataset_name"):  # the same files, from whichever directory
-        if source[name] is not None and (name != "dataset_name" or os.path.isdir(source[name])):
-            source[name] = os.path.abspath(source[name])
+    for name in ("train_file", "validation_file"):  # the same files, from whichever directory
+        paths = [os.path.abspath(pattern) for pattern in data_file_patterns(source[name])]
+        source[name] = paths[0] if len(paths) == 1 else paths or None  # one file: as recorded before lists
+    if source["dataset_name"] is not None and os.path.isdir(source["dataset_name"]):
+        source["dataset_name"] = os.path.abspath(source["dataset_name"])
     description = packed_description(tokenizer, block_size, data_args.framing, source)
     description["code_fingerprint"] = Hasher.hash(tokenized_rows)  # as in the token cache's name
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))

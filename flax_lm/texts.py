@@ -59,23 +59,70 @@ def builder_of_file(path: str, flag: str) -> str:
     return DATA_FILE_BUILDERS[extension]
 
 
-def resolve_data_files(pattern: str, flag: str) -> tuple[str, list[str]]:
-    """The `datasets` builder and the sorted file list for a file path or glob given to --`flag`."""
-    files = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-    if not files:
-        raise UsageError(f"--{flag} {pattern} matches no file")
-    builders = set()
-    for path in files:
+def data_file_patterns(value) -> list[str]:
+    """The files and globs of --train_file or --validation_file as a list: none, one (a string, as a JSON file of
+    arguments may give it) or several."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def resolve_data_files(patterns, flag: str) -> dict[str, list[str]]:
+    """The files that --`flag` names (paths and globs, each glob's matches sorted), in the order given and each once,
+    grouped by the `datasets` builder of their format."""
+    files = []
+    for pattern in data_file_patterns(patterns):
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise UsageError(f"--{flag} {pattern} matches no file")
+        files.extend(matches)
+    groups = {}
+    for path in dict.fromkeys(files):
         if not os.path.isfile(path):
             raise UsageError(f"--{flag}: {path} does not exist or is not a file")
         if not os.access(path, os.R_OK):
             raise UsageError(f"--{flag}: {path} is not readable")
         if os.path.getsize(path) == 0:
             raise UsageError(f"--{flag}: {path} is empty")
-        builders.add(builder_of_file(path, flag))
-    if len(builders) > 1:
-        raise UsageError(f"--{flag} {pattern} mixes file formats; give files of one format")
-    return builders.pop(), files
+        groups.setdefault(builder_of_file(path, flag), []).append(path)
+    return groups
+
+
+def text_builder_options(data_args) -> dict:
+    # Unset (the scripts' checks choose it), a .txt file is one document: the text builder would read no rows at all
+    return {"sample_by": data_args.text_sample_by or "document", "keep_linebreaks": data_args.keep_linebreaks}
+
+
+def load_data_files(groups: dict[str, list[str]], split: str, model_args, data_args, streaming: bool):
+    """One dataset of the files of a split, each format read by its own builder. Files of several formats are
+    joined, in the order of `groups`, on the text column alone (their other columns need not agree)."""
+    text_options = text_builder_options(data_args)
+    parts = []
+    for builder, files in groups.items():
+        part = datasets.load_dataset(
+            builder,
+            data_files={split: files},
+            split=split,
+            cache_dir=model_args.cache_dir,
+            streaming=streaming,
+            **(text_options if builder == "text" else {}),
+        )
+        if len(groups) > 1:
+            column = data_args.text_column_name
+            if part.column_names is not None and column not in part.column_names:
+                raise UsageError(
+                    f"the {builder} files of the {split} data ({', '.join(files)}) have no column '{column}' (they "
+                    f"have: {', '.join(part.column_names)}); pass --text_column_name"
+                )
+            part = part.select_columns([column])
+            # CSV reads text as Arrow's large_string, the other builders as string, and Arrow joins neither mix:
+            # a dataset is cast; a stream (whose types are known only once read) passes its rows through Python.
+            if streaming:
+                part = part.map(lambda row: row)
+            elif part.features[column] == datasets.Value("large_string"):
+                part = part.cast_column(column, datasets.Value("string"))
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def load_text_datasets(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
@@ -83,8 +130,7 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
     they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
     With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
-    # Unset (the scripts' checks choose it), a .txt file is one document: the text builder would read no rows at all
-    text_options = {"sample_by": data_args.text_sample_by or "document", "keep_linebreaks": data_args.keep_linebreaks}
+    text_options = text_builder_options(data_args)
     try:
         if data_args.dataset_name is not None:
             name = data_args.dataset_name
@@ -113,18 +159,11 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
         else:
             raw = {}
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):
-                pattern = getattr(data_args, flag)
-                if pattern is None or (split == "train" and evaluation_only and data_args.validation_file):
+                patterns = data_file_patterns(getattr(data_args, flag))
+                if not patterns or (split == "train" and evaluation_only and data_args.validation_file):
                     continue
-                builder, files = resolve_data_files(pattern, flag)
-                raw[split] = datasets.load_dataset(
-                    builder,
-                    data_files={split: files},
-                    split=split,
-                    cache_dir=model_args.cache_dir,
-                    streaming=streaming,
-                    **(text_options if builder == "text" else {}),
-                )
+                groups = resolve_data_files(patterns, flag)
+                raw[split] = load_data_files(groups, split, model_args, data_args, streaming)
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
     except ConnectionError as error:
@@ -162,8 +201,12 @@ def warn_of_files_in_both_splits(data_args):
     if data_args.train_file is None or data_args.validation_file is None:
         return
     train_files, validation_files = (
-        {os.path.realpath(path) for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])}
-        for pattern in (data_args.train_file, data_args.validation_file)
+        {
+            os.path.realpath(path)
+            for pattern in data_file_patterns(patterns)
+            for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])
+        }
+        for patterns in (data_args.train_file, data_args.validation_file)
     )
     if shared := sorted(train_files & validation_files):
         logger.warning(
@@ -175,12 +218,14 @@ def warn_of_files_in_both_splits(data_args):
 
 def text_source(split: str, data_args) -> str:
     """Where the texts of a split come from, as the user named them, for messages about a row."""
-    pattern = {"train": data_args.train_file, "validation": data_args.validation_file}.get(split)
-    if pattern is None:
+    patterns = data_file_patterns({"train": data_args.train_file, "validation": data_args.validation_file}.get(split))
+    if not patterns:
         return f"the {split} split of --dataset_name {data_args.dataset_name}"
-    if glob.has_magic(pattern):
-        return f"the files of {pattern} (counted through them in sorted order)"
-    return pattern
+    if len(patterns) > 1:
+        return f"the files of {' '.join(patterns)} (counted through them in the order read, a format after another)"
+    if glob.has_magic(patterns[0]):
+        return f"the files of {patterns[0]} (counted through them in sorted order)"
+    return patterns[0]
 
 
 def rows_with_text(dataset, split: str, data_args):

@@ -53,6 +53,14 @@ def test_gradient_checkpointing_takes_the_hugging_face_boolean_or_a_policy(scrip
 
 
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_every_train_file_given_is_read_listed_or_each_after_its_own_flag(script, checked_arguments):
+    _, data_args, _ = checked_arguments(
+        script, "--train_file", "a.txt", "--train_file", "b.csv", "c/*.jsonl.gz", "--validation_file", "v.txt"
+    )
+    assert data_args.train_file == ["a.txt", "b.csv", "c/*.jsonl.gz"] and data_args.validation_file == ["v.txt"]
+
+
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
 def test_neither_do_train_nor_do_eval_trains_and_evaluates_in_both_scripts(script, checked_arguments):
     _, _, training_args = checked_arguments(script, "--train_file", "train.txt")
     assert training_args.do_train and training_args.do_eval

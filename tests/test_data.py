@@ -1,6 +1,8 @@
 """Data at scale in run_clm_flax.py: packed corpora in memory-mapped shards, reused by later runs and every
 process, and --streaming, which tokenizes and packs a stream on the fly."""
 
+import csv
+import gzip
 import itertools
 import json
 import os
@@ -588,3 +590,17 @@ def test_a_zstandard_file_without_the_package_names_the_package(tmp_path, monkey
     )
     with pytest.raises(flax_lm.texts.UsageError, match="needs the zstandard package: pip install zstandard"):
         flax_lm.texts.resolve_data_files(str(path), "train_file")
+
+
+def test_train_files_of_several_formats_are_all_read_each_format_by_its_own_builder(tokenizer, tmp_path):
+    texts = train_lines()[:60]
+    (tmp_path / "a.txt").write_text("".join(texts[:20]))  # one document
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": text, "id": 1}) + "\n" for text in texts[20:40]))
+    with gzip.open(tmp_path / "c.csv.gz", "wt") as file:
+        csv.writer(file).writerows([["text"], *([text] for text in texts[40:])])
+    patterns = [str(tmp_path / "a.txt"), str(tmp_path / "c.csv.gz"), str(tmp_path / "*.jsonl")]
+    for streaming in (False, True):
+        blocks = pack(tmp_path / f"packed-{streaming}", tokenizer, train_file=patterns, streaming=streaming)
+        # Format after format, in the order the flags name them: the .txt document, the CSV rows, the JSON rows.
+        documents = ["".join(texts[:20]), *texts[40:], *texts[20:40]]
+        np.testing.assert_array_equal(np.asarray(blocks["train"]), expected_blocks(tokenizer, documents, 32))
