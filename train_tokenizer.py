@@ -29,7 +29,7 @@ from transformers import GPT2Tokenizer, RobertaTokenizer
 
 from flax_lm.errors import UsageError, run
 from flax_lm.processes import LOG_FORMAT
-from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file
+from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file, without_byte_order_marks
 from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ def text_batches(sources, counts, max_texts=None, max_characters=None, skip_miss
                     "pass the text column with --text_column_name"
                 )
             texts = []
-            for text in batch[column]:
+            for text in without_byte_order_marks(batch[column], description):
                 row += 1
                 if text is None and not skip_missing_texts:
                     raise UsageError(

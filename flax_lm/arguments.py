@@ -436,6 +436,8 @@ def check_common_arguments(model_args, data_args, training_args):
         )
     create_mesh(training_args.mesh_shape)  # refuses a --mesh_shape that does not fit the devices
     check_writable_directory(training_args.output_dir, "output_dir")
+    if model_args.cache_dir is not None:  # where `datasets` writes what it reads and the token cache lives
+        check_writable_directory(model_args.cache_dir, "cache_dir")
 
 
 def check_numeric_arguments(argument_groups, **script_ranges):

@@ -11,7 +11,7 @@ import datasets.distributed
 import jax
 import numpy as np
 
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.mesh import process_slice
 from flax_lm.packed import cached_blocks, load_packed_corpus
 from flax_lm.processes import main_process_first
@@ -132,7 +132,10 @@ def load_data(
     holds all rows (memory-mapped) and reads only its rows of each batch."""
     train_stream = None
     if data_args.packed_data_dir:
-        examples = load_packed_corpus(model_args, data_args, tokenized_rows, tokenizer, block_size, length_argument)
+        with naming_a_full_disk("--packed_data_dir", data_args.packed_data_dir):
+            examples = load_packed_corpus(
+                model_args, data_args, tokenized_rows, tokenizer, block_size, length_argument
+            )
         if not (training_args.do_train or training_args.do_eval):
             return examples, None
     elif data_args.streaming:
@@ -141,11 +144,11 @@ def load_data(
         )
     else:
         # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
-        with main_process_first("data prepared"):
+        cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
+        with main_process_first("data prepared"), naming_a_full_disk("--cache_dir", cache_dir):
             evaluation_only = training_args.do_eval and not training_args.do_train
             texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
             check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
-            cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
             examples = {
                 split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
                 for split, dataset in texts.items()

@@ -1,10 +1,26 @@
 """A Python exception for the mistakes a user can fix, and the one place that turns them into a line on stderr."""
 
+import contextlib
+import errno
 import sys
 
 
 class UsageError(Exception):
     """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(flag: str, directory: str):
+    """Within it, a disk that fills up ends the command in one line naming the directory being written (the
+    --`flag` the user can change), where the error itself names no file."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise UsageError(
+            f"the disk of {flag} {directory} is full; free some space there or pass another {flag}"
+        ) from None
 
 
 def user_error_message(error: Exception) -> str | None:
@@ -17,6 +33,12 @@ def user_error_message(error: Exception) -> str | None:
         return (
             f"{first_line}; without a network (or with HF_HUB_OFFLINE=1) only what is in the cache can be loaded: "
             "pass local files or directories, or run once online"
+        )
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = f" writing {error.filename}" if error.filename else ""
+        return (
+            f"the disk is full{where}; free some space, or pass a --cache_dir or --output_dir on a disk that has it "
+            "(a run killed by this resumes with --resume_from_checkpoint)"
         )
     # Looked up only where the library was loaded: a tool that never imports it cannot have raised its errors.
     datasets, safetensors = sys.modules.get("datasets"), sys.modules.get("safetensors")

@@ -325,8 +325,21 @@ def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
 TEXTS_PER_BATCH = 1000
 
 
+BYTE_ORDER_MARK = "\ufeff"
+
+
+def without_byte_order_marks(texts: list, where: str) -> list:
+    """The texts with the byte-order mark (U+FEFF) that starts a file saved as "UTF-8 with BOM" taken off: it names
+    the encoding and is no part of the text (the text reader keeps it). Each one dropped is noted in the log."""
+    marked = sum(isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) for text in texts)
+    if not marked:
+        return texts
+    logger.info("%s: dropped the byte-order mark (U+FEFF) at the start of %d text(s)", where, marked)
+    return [text[1:] if isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) else text for text in texts]
+
+
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
-    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order."""
+    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order (byte-order marks dropped)."""
     if isinstance(dataset, datasets.Dataset):
         dataset = dataset.select_columns(text_column)  # the other columns are not even read
     texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
@@ -344,7 +357,7 @@ def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
             raise UsageError(
                 f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
             )
-        yield batch[text_column]
+        yield without_byte_order_marks(batch[text_column], split)
 
 
 # A long text (a .txt file read as one document) is encoded in pieces of about this many characters, this many

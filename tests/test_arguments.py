@@ -1,6 +1,7 @@
 """The command line of the training scripts: what the flags mean after check_arguments, which errors reach the user
 as one line, and the log format the four scripts share. All in this process, before any data or model is read."""
 
+import errno
 import json
 import re
 import sys
@@ -133,6 +134,19 @@ def test_library_errors_for_user_mistakes_become_one_line_and_bugs_keep_their_tr
     damaged = SafetensorError("Error while deserializing header: HeaderTooLarge")
     assert "HeaderTooLarge" in errors.user_error_message(damaged)
     assert errors.user_error_message(module.UsageError("--x is wrong")) == "--x is wrong"
+    full = OSError(errno.ENOSPC, "No space left on device", "/data/cache/text/train-00001.arrow")
+    assert errors.user_error_message(full).startswith("the disk is full writing /data/cache/text/train-00001.arrow;")
+    # Writing to /dev/full is how Linux says a disk is full; the error names no file, so the data loading names the
+    # directory it writes into.
+    with pytest.raises(OSError) as written_to_full_disk:
+        with open("/dev/full", "w") as file:
+            file.write("x")
+    assert errors.user_error_message(written_to_full_disk.value).startswith("the disk is full;")
+    with pytest.raises(module.UsageError, match="^the disk of --cache_dir /data/cache is full; free some space"):
+        with errors.naming_a_full_disk("--cache_dir", "/data/cache"), open("/dev/full", "w") as file:
+            file.write("x")
+    with pytest.raises(PermissionError), errors.naming_a_full_disk("--cache_dir", "/data/cache"):
+        raise PermissionError(13, "Permission denied")  # not a full disk: left as it is
     for bug in (KeyError("step"), TypeError("unsupported operand"), ConnectionResetError(104, "reset by peer")):
         assert errors.user_error_message(bug) is None
 

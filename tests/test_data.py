@@ -604,3 +604,19 @@ def test_train_files_of_several_formats_are_all_read_each_format_by_its_own_buil
         # Format after format, in the order the flags name them: the .txt document, the CSV rows, the JSON rows.
         documents = ["".join(texts[:20]), *texts[40:], *texts[20:40]]
         np.testing.assert_array_equal(np.asarray(blocks["train"]), expected_blocks(tokenizer, documents, 32))
+
+
+def test_a_byte_order_mark_is_dropped_with_a_note(tokenizer, tmp_path, caplog):
+    text = "".join(train_lines()[:30])
+    (tmp_path / "plain.txt").write_text(text)
+    (tmp_path / "marked.txt").write_text("\ufeff" + text)  # as an editor saves "UTF-8 with BOM"
+    with gzip.open(tmp_path / "marked.txt.gz", "wt") as file:
+        file.write("\ufeff" + text)
+    expected = np.asarray(pack(tmp_path / "packed-plain", tokenizer, train_file=str(tmp_path / "plain.txt"))["train"])
+    assert tokenizer("\ufeff")["input_ids"], "the mark would be trained on as a token"
+    for name in ("marked.txt", "marked.txt.gz"):
+        with caplog.at_level("INFO", logger="flax_lm.texts"):
+            blocks = pack(tmp_path / f"packed-{name}", tokenizer, train_file=str(tmp_path / name))["train"]
+        np.testing.assert_array_equal(np.asarray(blocks), expected, err_msg=name)
+        assert "train: dropped the byte-order mark (U+FEFF) at the start of 1 text(s)" in caplog.text
+        caplog.clear()

@@ -206,6 +206,10 @@ REFUSALS = {
         "run_clm_flax", [*CLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),
     "clm-nan-learning-rate": ("run_clm_flax", [*CLM, "--learning_rate", "nan"], ["--learning_rate nan"]),
     "clm-negative-warmup": ("run_clm_flax", [*CLM, "--warmup_steps", "-5"], ["--warmup_steps -5", "0 or more"]),
+    "clm-unwritable-cache-dir": (
+        "run_clm_flax", [*CLM, "--cache_dir", UNWRITABLE], ["--cache_dir", UNWRITABLE, "cannot be written"]),
+    "mlm-unwritable-cache-dir": (
+        "run_mlm_flax", [*MLM, "--cache_dir", UNWRITABLE], ["--cache_dir", UNWRITABLE, "cannot be written"]),
     "clm-warmup-longer-than-the-run": (
         "run_clm_flax", [*CLM, "--warmup_steps", "5"], ["--warmup_steps 5", "longer than the run's 2 steps"]),
     "mlm-warmup-longer-than-the-run": (
@@ -265,7 +269,7 @@ def script_arguments(script, arguments, paths, directory):
     arguments = [argument.format(**placeholders) for argument in arguments]
     if script.startswith("run_") and "--output_dir" not in arguments:
         arguments += ["--output_dir", str(directory / "out")]
-    if script.startswith("run_"):
+    if script.startswith("run_") and "--cache_dir" not in arguments:
         arguments += ["--cache_dir", str(directory / "cache")]
     if script == "train_tokenizer" and "--output_dir" not in arguments:
         arguments += ["--output_dir", str(directory / "out")]
