@@ -368,14 +368,27 @@ TEXT_PIECE_CHARACTERS = 2**18
 TEXT_PIECES_AT_ONCE = 16
 
 
-# Where a line that ends in a visible character is followed by one that starts with one.
+# Where a line that ends in a visible character is followed by one that starts with one; in a text without such
+# line breaks (one long line), where a word follows a visible character and one space.
 LINE_START = re.compile(r"(?<=\S\n)(?=\S)")
+WORD_START = re.compile(r"(?<=\S)(?= \S)")
+
+
+def next_cut(text: str, start: int) -> int | None:
+    """Where the piece of `text` from `start` ends: at the first line start of the stretch of TEXT_PIECE_CHARACTERS
+    after the piece's own, else at the first word start there, else at the next word start at all (a text with no
+    space for that long); None where the rest of the text has none."""
+    after, before = start + TEXT_PIECE_CHARACTERS, start + 2 * TEXT_PIECE_CHARACTERS
+    cut = LINE_START.search(text, after, before) or WORD_START.search(text, after, before)
+    cut = cut or WORD_START.search(text, before)
+    return None if cut is None else cut.start()
 
 
 def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
-    """Whether encoding a text in pieces cut at LINE_START gives the tokens of the whole text: so for the
-    byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break) with no
-    normalizer and no prefix space; not assumed for any other tokenizer."""
+    """Whether encoding a text in pieces cut at LINE_START or WORD_START gives the tokens of the whole text: so for
+    the byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break, or a space between
+    a visible character and a word, which starts a piece of its own) with no normalizer and no prefix space; not
+    assumed for any other tokenizer."""
     settings = json.loads(backend.to_str())
     pre_tokenizer = settings.get("pre_tokenizer") or {}
     return (
@@ -394,10 +407,10 @@ def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[i
     for text in texts:
         starts = [0]
         while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
-            line_start = LINE_START.search(text, starts[-1] + TEXT_PIECE_CHARACTERS)
-            if line_start is None:
+            cut = next_cut(text, starts[-1])
+            if cut is None:
                 break
-            starts.append(line_start.start())
+            starts.append(cut)
         pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
         ids = []
         for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):

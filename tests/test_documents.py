@@ -127,6 +127,29 @@ def test_long_texts_encoded_in_pieces_give_the_tokens_of_the_whole_text(recipe_t
     assert len(flax_lm.texts.LINE_START.findall(texts[-1])) > 100
 
 
+def test_a_text_of_one_long_line_is_encoded_in_bounded_pieces_with_the_tokens_of_the_whole(
+    recipe_tokenizer, monkeypatch
+):
+    backend = recipe_tokenizer.backend_tokenizer
+    monkeypatch.setattr(flax_lm.texts, "TEXT_PIECE_CHARACTERS", 300)
+    words = (CORPUS / "train.txt").read_text().split()
+    # One line, no line break: words after one space, after several, after punctuation and tabs.
+    line = " ".join(words[:3000]) + "  double  spaced,\tand tabbed. " + "x" * 1000 + " end"
+    pieces = []
+    encode_batch = backend.encode_batch
+
+    class Recording:  # the backend, its pieces written down
+        def encode_batch(self, texts, add_special_tokens):
+            pieces.extend(texts)
+            return encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    [ids] = flax_lm.texts.encode_texts(Recording(), [line], cut_long_texts=True)
+    assert ids == backend.encode(line, add_special_tokens=False).ids
+    assert "".join(pieces) == line and len(pieces) > 40
+    # Each piece at most two lengths, but where no space comes for that long (the 1000 x's): up to the next word.
+    assert sorted(len(piece) for piece in pieces)[-2] <= 600 and max(len(piece) for piece in pieces) < 1400
+
+
 def test_the_recipe_tokenizer_ends_documents_with_the_models_eos(recipe_tokenizer, caplog):
     assert len(recipe_tokenizer) == 1001  # AutoTokenizer added GPT-2's <|endoftext|> beyond the vocabulary
     assert (recipe_tokenizer.eos_token, recipe_tokenizer.eos_token_id) == ("</s>", 2)
