@@ -355,6 +355,10 @@ def parse_arguments(model_arguments, data_arguments, training_arguments) -> tupl
                 raise ValueError("it must hold one JSON object of argument names and values")
             known = {item.name for group in parser.dataclass_types for item in fields(group)}
             refuse_unknown_arguments([f"--{name}" for name in values if name not in known])
+            # One file where the command line takes several ("train_file": "data.txt"), as the flag given once.
+            for name in ("train_file", "validation_file"):
+                if isinstance(values.get(name), str):
+                    values[name] = [values[name]]
             return parser.parse_dict(values)
         except (OSError, TypeError, ValueError) as error:
             raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None

@@ -267,6 +267,9 @@ REFUSALS = {
 def script_arguments(script, arguments, paths, directory):
     placeholders = {**paths, "out": directory / "out"}
     arguments = [argument.format(**placeholders) for argument in arguments]
+    if arguments.count("--train_file") > 1:  # a case's own data replaces that of CLM or MLM (both would be read)
+        first = arguments.index("--train_file")
+        arguments = arguments[:first] + arguments[first + 2 :]
     if script.startswith("run_") and "--output_dir" not in arguments:
         arguments += ["--output_dir", str(directory / "out")]
     if script.startswith("run_") and "--cache_dir" not in arguments:

@@ -572,6 +572,7 @@ def bad_inputs(model_dir, tmp_path_factory):
     ],
 )
 def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, bad_inputs, tmp_path, monkeypatch):
+    train_file = [] if "--train_file" in arguments else ["--train_file", TRAIN_FILE]  # both would be read
     command_line = [
         "--output_dir",
         str(tmp_path / "out"),
@@ -579,8 +580,7 @@ def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, b
         model_dir,
         "--tokenizer_name",
         model_dir,
-        "--train_file",
-        TRAIN_FILE,
+        *train_file,
         "--validation_file",
         VALIDATION_FILE,
         "--do_train",

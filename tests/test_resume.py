@@ -31,9 +31,11 @@ def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
 
 
 def arguments(model_dir, output_dir, *extra):
+    """A short training command line; a --train_file in `extra` replaces the English corpus (both would be read)."""
+    train_file = [] if "--train_file" in extra else ["--train_file", str(CORPUS / "train.txt")]
     return [
         "--output_dir", str(output_dir), "--config_name", model_dir, "--tokenizer_name", model_dir,
-        "--train_file", str(CORPUS / "train.txt"), "--do_train", "--block_size", "32",
+        *train_file, "--do_train", "--block_size", "32",
         "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--seed", "0", "--sample_tokens", "0",
         "--max_steps", "40", "--logging_steps", "1", "--save_steps", "8", *extra,
     ]  # fmt: skip
