@@ -115,6 +115,13 @@ class DataTrainingArguments(DataArguments):
             "the model's n_positions, capped at 1024."
         },
     )
+    document_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "In a block of documents packed end to end, a token attends only to its own document and "
+            "positions restart at each end-of-text token, which starts the document after it."
+        },
+    )
 
 
 @dataclass
@@ -441,7 +448,8 @@ def main():
         return
 
     dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
-    model = FlaxGPT2LMHeadModel(config, *dtypes, remat_policy=model_args.gradient_checkpointing)
+    separator_id = tokenizer.eos_token_id if data_args.document_attention else None
+    model = FlaxGPT2LMHeadModel(config, *dtypes, model_args.gradient_checkpointing, document_separator_id=separator_id)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
     setup = set_up_training(model, eval_step, training_args, blocks.get("train"), block_size)
     state, progress = initial_state(model_args, training_args, setup)

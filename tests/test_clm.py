@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 from safetensors.numpy import load_file
@@ -139,6 +140,50 @@ def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
     ).item()
     assert float(count) == 5
     assert float(loss_sum) == pytest.approx(expected, rel=1e-5)
+
+
+def per_token_losses(model, params, input_ids, deterministic=True, rngs=None):
+    """The loss of each next-token prediction of each row, (rows, length - 1)."""
+    logits = model.apply({"params": params}, jnp.asarray(input_ids), deterministic=deterministic, rngs=rngs)
+    return np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], jnp.asarray(input_ids)[:, 1:]))
+
+
+def test_document_attention_scores_each_packed_document_as_if_alone():
+    config = tiny_config()
+    eos = config.eos_token_id
+    plain = gpt2.FlaxGPT2LMHeadModel(config)
+    documents = gpt2.FlaxGPT2LMHeadModel(config, document_separator_id=eos)
+    rng = np.random.default_rng(0)
+    params = plain.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    first, second, third = (list(rng.integers(1, 512, size)) for size in (11, 17, 9))
+    block = first + [eos] + second + [eos] + third  # the first document began in an earlier block
+    packed = per_token_losses(documents, params, [block])[0]
+    # Each document alone, as the separator before it starts it: its predictions are those of the block.
+    alone = np.concatenate(
+        [
+            per_token_losses(plain, params, [first + [eos]])[0],
+            per_token_losses(plain, params, [[eos] + second + [eos]])[0],
+            per_token_losses(plain, params, [[eos] + third])[0],
+        ]
+    )
+    np.testing.assert_allclose(packed, alone, atol=1e-5)
+    assert abs(packed.mean() - alone.mean()) < 1e-5
+    assert np.abs(per_token_losses(plain, params, [block])[0] - alone).max() > 1e-3  # without: not the same
+    # A block of one document: the same as without the flag, with and without attention dropout.
+    one_document = [first + second]
+    np.testing.assert_allclose(
+        per_token_losses(documents, params, one_document), per_token_losses(plain, params, one_document), atol=1e-6
+    )
+    dropout = tiny_config(attn_pdrop=0.5)
+    rngs = {"dropout": jax.random.key(1)}
+    with_dropout = [
+        per_token_losses(model, params, one_document, deterministic=False, rngs=rngs)
+        for model in (
+            gpt2.FlaxGPT2LMHeadModel(dropout, document_separator_id=eos),
+            gpt2.FlaxGPT2LMHeadModel(dropout),
+        )
+    ]
+    np.testing.assert_allclose(with_dropout[0], with_dropout[1], atol=1e-6)
 
 
 def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_path, caplog):

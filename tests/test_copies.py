@@ -242,6 +242,8 @@ UNCHECKED_SHARED_LINES_CEILING = 100
 SCRIPT_SHARES_WITH_LIBRARY_CEILING = 10
 # One concern per module: a module past this has grown a second one.
 LIBRARY_MODULE_LINES_CEILING = 700
+# main() reads as the table of contents of its script: each step one call.
+MAIN_LINES_CEILING = 60
 
 
 def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded():
@@ -304,6 +306,17 @@ def test_a_library_function_pasted_into_a_script_is_counted(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("import os\n\n\n" + text + "\n")
     assert len(shared_line_numbers(str(script), library_module)) > SCRIPT_SHARES_WITH_LIBRARY_CEILING
+
+
+@pytest.mark.parametrize("script", ["run_clm_flax.py", "run_mlm_flax.py"])
+def test_main_is_a_table_of_contents(script):
+    [main] = [
+        node
+        for node in ast.parse(open(os.path.join(REPO, script)).read()).body
+        if isinstance(node, ast.FunctionDef) and node.name == "main"
+    ]
+    length = main.end_lineno - main.lineno + 1
+    assert length <= MAIN_LINES_CEILING, f"{script}: main() has {length} lines; move the detail into functions"
 
 
 @pytest.mark.parametrize("module", LIBRARY_MODULES)

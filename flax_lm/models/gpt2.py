@@ -103,8 +103,9 @@ class CausalSelfAttention(GPT2Module):
     layer_index: int = 0
 
     @nn.compact
-    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
-        """(output, this layer's new (keys, values) when decoding with `cache`, else None)."""
+    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None, segment_ids=None):
+        """(output, this layer's new (keys, values) when decoding with `cache`, else None). With `segment_ids`
+        (batch, length), a token attends only to the earlier tokens of its own segment."""
         config = self.config
         batch, length, width = x.shape
         head_dim = width // config.n_head
@@ -120,22 +121,45 @@ class CausalSelfAttention(GPT2Module):
         if cache is not None:
             y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index)
         elif deterministic or config.attn_pdrop == 0:
-            y = jax.nn.dot_product_attention(
-                query, key, value, scale=scale, is_causal=True, implementation=attention_implementation(query.dtype)
-            )
+            if segment_ids is None:
+                implementation = attention_implementation(query.dtype)
+                y = jax.nn.dot_product_attention(
+                    query, key, value, scale=scale, is_causal=True, implementation=implementation
+                )
+            else:  # XLA's attention: cuDNN's fused kernel is not given a mask here
+                same = same_segment(segment_ids)[:, None]
+                y = jax.nn.dot_product_attention(query, key, value, mask=same, scale=scale, is_causal=True)
         else:
             # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
-            y = attention_with_dropout(query, key, value, scale, nn.Dropout(config.attn_pdrop, deterministic=False))
+            dropout = nn.Dropout(config.attn_pdrop, deterministic=False)
+            y = attention_with_dropout(query, key, value, scale, dropout, segment_ids)
         y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
 
 
-def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout):
+def same_segment(segment_ids):
+    """(batch, length, length): whether query position q and key position k are of the same segment."""
+    return segment_ids[:, :, None] == segment_ids[:, None, :]
+
+
+def segments_and_positions(input_ids, separator_id: int):
+    """Segment ids and positions for a block of documents packed end to end: each `separator_id` (the
+    end-of-text token between documents) starts a segment, and positions count from 0 in each segment."""
+    starts = input_ids == separator_id
+    segment_ids = jnp.cumsum(starts, axis=1)
+    index = jnp.arange(input_ids.shape[1])[None, :]
+    segment_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    return segment_ids, index - segment_start
+
+
+def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, segment_ids=None):
     """Causal attention written out, for training with dropout on the attention weights."""
     # query, key, value: (batch, length, heads, head_dim)
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
     length = query.shape[1]
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    if segment_ids is not None:
+        causal = causal & same_segment(segment_ids)[:, None]
     weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), axis=-1)
     weights = dropout(weights).astype(value.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
@@ -175,9 +199,9 @@ class Block(GPT2Module):
     layer_index: int = 0
 
     @nn.compact
-    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None):
+    def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None, segment_ids=None):
         attention = self.child(CausalSelfAttention, "attn", layer_index=self.layer_index)
-        y, layer_cache = attention(self.layer_norm("ln_1")(x), deterministic, cache)
+        y, layer_cache = attention(self.layer_norm("ln_1")(x), deterministic, cache, segment_ids)
         x = x + y
         x = x + self.child(MLP, "mlp")(self.layer_norm("ln_2")(x), deterministic)
         return x, layer_cache
@@ -204,9 +228,12 @@ class GPT2Model(GPT2Module):
         self.h = [self.child(block, None, layer_index=index) for index in range(config.n_layer)]
         self.ln_f = self.layer_norm(None)
 
-    def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None):
+    def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None, separator_id=None):
         # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
-        if cache is None:
+        segment_ids = None
+        if cache is None and separator_id is not None:
+            segment_ids, positions = segments_and_positions(input_ids, separator_id)
+        elif cache is None:
             positions = jnp.arange(input_ids.shape[1])[None, :]
         else:
             # Each row counts its own tokens; padding slots get position 0, and nothing reads them.
@@ -215,7 +242,7 @@ class GPT2Model(GPT2Module):
         x = self.dropout(self.wte(input_ids) + self.wpe(positions), deterministic)
         layer_caches = []
         for block in self.h:
-            x, layer_cache = block(x, deterministic, cache)
+            x, layer_cache = block(x, deterministic, cache, segment_ids)
             layer_caches.append(layer_cache)
         if cache is not None:
             keys, values = zip(*layer_caches)
@@ -237,12 +264,19 @@ class FlaxGPT2LMHeadModel(GPT2Module):
 
     Given a KeyValueCache (decoding), the input is the tokens that follow the cached ones, and the result is
     (logits, the cache with them added).
+
+    With `document_separator_id` (the end-of-text token), the input is taken for documents packed end to end,
+    each separator starting the next: a token attends only to its own document, and positions restart at each
+    separator, so that each document is computed as if alone after the separator (Megatron-LM's
+    --reset-attention-mask --reset-position-ids).
     """
+
+    document_separator_id: int | None = None
 
     @nn.compact
     def __call__(self, input_ids, deterministic: bool = True, cache: KeyValueCache | None = None):
         transformer = self.child(GPT2Model, "transformer")
-        hidden, cache = transformer(input_ids, deterministic, cache)
+        hidden, cache = transformer(input_ids, deterministic, cache, self.document_separator_id)
         if self.config.tie_word_embeddings:
             logits = transformer.attend(hidden)
         else:
