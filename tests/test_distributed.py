@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
 from test_resume import losses_per_process
 
-from flax_lm import processes
+from flax_lm import mesh, processes
 from flax_lm.arguments import DistributedArguments
 from flax_lm.errors import UsageError
 
@@ -300,10 +300,10 @@ def test_inconsistent_distributed_flags_are_refused(initialize_calls, settings, 
 def test_the_processes_rows_make_up_the_single_process_batch(monkeypatch):
     blocks = np.arange(40 * 2).reshape(40, 2)
     single = [batch["input_ids"] for batch in run_clm_flax.train_batches(blocks, 8, seed=1, epoch=0)]
-    monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(mesh.jax, "process_count", lambda: 2)
     per_process = []
     for process_index in range(2):
-        monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda index=process_index: index)
+        monkeypatch.setattr(mesh.jax, "process_index", lambda index=process_index: index)
         per_process.append([batch["input_ids"] for batch in run_clm_flax.train_batches(blocks, 8, seed=1, epoch=0)])
     for step, batch in enumerate(single):
         np.testing.assert_array_equal(np.concatenate([per_process[0][step], per_process[1][step]]), batch)

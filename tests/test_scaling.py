@@ -12,26 +12,31 @@ import pytest
 from conftest import REPO_DIR
 from test_clm import run_clm_flax, tiny_config
 
+from flax_lm.errors import UsageError
+from flax_lm.mesh import create_mesh
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+from flax_lm.train_state import abstract_train_state, create_train_state, train_step_compiler_options
+
 LENGTH = 16
 
 
 def training_parts(config, length=LENGTH, adam_epsilon=1e-8, **model_options):
     """The model, optimizer, schedule and abstract training state, built as the script builds them."""
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config, **model_options)
+    model = FlaxGPT2LMHeadModel(config, **model_options)
     training_args = run_clm_flax.TrainingArguments(
         output_dir="unused", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=adam_epsilon
     )
     schedule = run_clm_flax.learning_rate_schedule(training_args, total_steps=10)
     optimizer = run_clm_flax.create_optimizer(training_args, schedule)
     dummy_input = jnp.zeros((1, length), jnp.int32)
-    abstract_state = run_clm_flax.abstract_train_state(model, optimizer, run_clm_flax.create_mesh(), dummy_input)
+    abstract_state = abstract_train_state(model, optimizer, create_mesh(), dummy_input)
     return model, optimizer, schedule, abstract_state
 
 
 def training_setup(config, adam_epsilon=1e-8, **model_options):
     model, optimizer, schedule, abstract_state = training_parts(config, adam_epsilon=adam_epsilon, **model_options)
     dummy_input = jnp.zeros((1, LENGTH), jnp.int32)
-    state = run_clm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
+    state = create_train_state(model, optimizer, abstract_state, 0, dummy_input)
     train_step = jax.jit(run_clm_flax.make_train_step(model, optimizer, schedule, seed=0))
     return state, train_step
 
@@ -80,7 +85,7 @@ def test_gradient_checkpointing_lowers_the_step_memory():
         model, optimizer, schedule, abstract_state = training_parts(config, length=128, remat_policy=policy)
         train_step = jax.jit(
             run_clm_flax.make_train_step(model, optimizer, schedule, seed=0),
-            compiler_options=run_clm_flax.train_step_compiler_options(),
+            compiler_options=train_step_compiler_options(),
         )
         compiled = train_step.lower(abstract_state, input_shape).compile()
         temporary_bytes[policy] = compiled.memory_analysis().temp_size_in_bytes
@@ -93,10 +98,10 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_state_and_logits():
     assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state)) if leaf.ndim} == {
         "float32"
     }
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config, dtype=jnp.bfloat16)
+    model = FlaxGPT2LMHeadModel(config, dtype=jnp.bfloat16)
     logits = model.apply({"params": state.params}, jnp.asarray(batch(2)))
     assert logits.dtype == jnp.float32
-    reference = run_clm_flax.FlaxGPT2LMHeadModel(config).apply({"params": state.params}, jnp.asarray(batch(2)))
+    reference = FlaxGPT2LMHeadModel(config).apply({"params": state.params}, jnp.asarray(batch(2)))
     difference = np.abs(np.asarray(logits) - np.asarray(reference)).max()
     assert 0 < difference < 0.05  # computed in bfloat16: close, not identical
 
@@ -128,22 +133,25 @@ FSDP_CHECK = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     sys.path.insert(0, {repo!r})
     import run_clm_flax as r
+    from flax_lm.mesh import BATCH_AXES, create_mesh
+    from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+    from flax_lm.train_state import abstract_train_state, create_train_state
     from transformers import GPT2Config
 
     config = GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     rows = np.random.default_rng(0).integers(0, 512, size=(1, 16, 16), dtype=np.int32)
     results = {{}}
     for mesh_shape in [None, "data=2,fsdp=4", "fsdp=8"]:
-        model = r.FlaxGPT2LMHeadModel(config)
+        model = FlaxGPT2LMHeadModel(config)
         args = r.TrainingArguments(output_dir="unused", learning_rate=1e-2, weight_decay=0.1)
         schedule = r.learning_rate_schedule(args, 10)
         optimizer = r.create_optimizer(args, schedule)
-        mesh = r.create_mesh(mesh_shape)
+        mesh = create_mesh(mesh_shape)
         dummy = jnp.zeros((1, 16), jnp.int32)
-        abstract = r.abstract_train_state(model, optimizer, mesh, dummy)
-        state = r.create_train_state(model, optimizer, abstract, 0, dummy)
+        abstract = abstract_train_state(model, optimizer, mesh, dummy)
+        state = create_train_state(model, optimizer, abstract, 0, dummy)
         shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract)
-        batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, r.BATCH_AXES))
+        batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, BATCH_AXES))
         step = jax.jit(r.make_train_step(model, optimizer, schedule, 0), in_shardings=(shardings, batch_sharding),
                        out_shardings=(shardings, None), donate_argnums=(0,))
         first_device = jax.devices()[0]
@@ -187,8 +195,8 @@ def test_fsdp_divides_the_state_over_devices_and_keeps_the_losses():
     ],
 )
 def test_bad_mesh_shape_is_refused(mesh_shape, message):
-    with pytest.raises(run_clm_flax.UsageError, match=message):
-        run_clm_flax.create_mesh(mesh_shape)
+    with pytest.raises(UsageError, match=message):
+        create_mesh(mesh_shape)
 
 
 def test_command_line_accumulation_matches_the_larger_batch(gpt2_tokenizer_dir, tmp_path, monkeypatch):
