@@ -69,6 +69,7 @@ from flax_lm.hf_io import (
     save_model,
 )
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
+from flax_lm.mixture import Mixture, evaluation_sets, summed
 from flax_lm.models import gpt2
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict, generate_ids, make_sampler
 from flax_lm.processes import (
@@ -323,15 +324,20 @@ def make_eval_step(model, token_bytes: np.ndarray | None = None):
     return eval_step
 
 
-def evaluate(eval_step, params, blocks, global_batch_size, batch_sharding) -> dict:
-    """Loss and perplexity over the whole evaluation set, averaged exactly over predicted tokens, and bits per
-    byte (the summed loss in bits over the UTF-8 bytes of the predicted text) where the step counts bytes."""
+def evaluation_sums(eval_step, params, blocks, global_batch_size, batch_sharding) -> dict:
+    """The eval step's sums over every block."""
     totals = {}
     num_batches = math.ceil(len(blocks) / global_batch_size)
     batches = prefetch(to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, global_batch_size))
     for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
         for name, value in jax.device_get(eval_step(params, batch)).items():
             totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def evaluation_results(totals: dict) -> dict:
+    """Loss and perplexity, averaged exactly over predicted tokens, and bits per byte (the summed loss in bits over
+    the UTF-8 bytes of the predicted text) where the step counts bytes."""
     loss = totals["loss_sum"] / totals["token_count"]
     results = {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "tokens": int(totals["token_count"])}
     if totals.get("byte_count"):
@@ -372,14 +378,27 @@ class Evaluation:
         self.sampler = make_sampler(sampling_model, tokenizer.eos_token_id)
 
     def __call__(self, params, step: int) -> dict:
+        """The results on the whole evaluation data; with a mixture, those of each source under "sources" too."""
         setup = self.setup
-        results = evaluate(setup.eval_step, params, self.blocks, setup.eval_batch_size, setup.batch_sharding)
-        bits_per_byte = f", bits per byte {results['bits_per_byte']:.4f}" if "bits_per_byte" in results else ""
-        logger.info(
-            "step %d: eval loss %.4f, perplexity %.2f%s", step, results["loss"], results["perplexity"], bits_per_byte
-        )
-        logged = {f"eval/{name}": results[name] for name in ("loss", "perplexity", "bits_per_byte") if name in results}
-        self.trackers.scalars(logged, step)
+        sums = {
+            name: evaluation_sums(setup.eval_step, params, blocks, setup.eval_batch_size, setup.batch_sharding)
+            for name, blocks in evaluation_sets(self.blocks).items()
+        }
+        results = evaluation_results(summed(list(sums.values())))
+        results["sources"] = {name: evaluation_results(part) for name, part in sums.items() if name}
+        for name, source_results in [("", results), *results["sources"].items()]:
+            bits_per_byte = source_results.get("bits_per_byte")
+            logger.info(
+                "step %d: eval%s loss %.4f, perplexity %.2f%s",
+                step,
+                f" of {name}" if name else "",
+                source_results["loss"],
+                source_results["perplexity"],
+                "" if bits_per_byte is None else f", bits per byte {bits_per_byte:.4f}",
+            )
+            prefix = f"eval/{name}/" if name else "eval/"
+            names = ("loss", "perplexity", "bits_per_byte")
+            self.trackers.scalars({prefix + key: source_results[key] for key in names if key in source_results}, step)
         if self.sample_tokens > 0:
             texts = self.samples(params)
             for text in texts:
@@ -406,7 +425,9 @@ class Evaluation:
             # bits_per_byte and bytes are null where the tokens have no fixed byte count.
             names = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
             saved = {f"eval_{name}": results.get(name) for name in names}
-            saved.update(eval_samples=len(self.blocks), step=step)
+            for source, source_results in results["sources"].items():
+                saved.update({f"eval_{source}_{name}": source_results.get(name) for name in names})
+            saved.update(eval_samples=sum(map(len, evaluation_sets(self.blocks).values())), step=step)
             write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
             bits_per_byte = f", {results['bits_per_byte']:.4f} bits per byte" if "bits_per_byte" in results else ""
             print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f}{bits_per_byte})")
@@ -504,7 +525,7 @@ class TrainingSetup:
     sequence_length: int
     train_batch_size: int  # global: over all devices and micro-batches
     eval_batch_size: int
-    train_samples: int | None  # None for a stream, whose length is unknown
+    train_examples: Any  # None for a stream
     steps_per_epoch: int | None
     total_steps: int
     batch_sharding: NamedSharding
@@ -547,7 +568,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
         sequence_length=sequence_length,
         train_batch_size=train_batch_size,
         eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
-        train_samples=None if train_examples is None else len(train_examples),
+        train_examples=train_examples,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         batch_sharding=batch_sharding,
@@ -603,7 +624,12 @@ def train_batches_from(
     """(global batch, token count) pairs for the steps after `first_step`, read ahead on a thread. The data order is a
     function of the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, block_size = setup.train_batch_size, setup.sequence_length
-    if train_stream is None:
+    if isinstance(train_blocks, Mixture):
+        data = f"on a mixture ({train_blocks.describe(setup.total_steps * batch_size)})"
+        rows = process_slice(batch_size)
+        global_batches = train_blocks.global_batches(batch_size, training_args.seed, first_step)
+        local_batches = ({"input_ids": train_blocks[indices[rows]]} for indices in global_batches)
+    elif train_stream is None:
         data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_blocks)} blocks)"
         batches_of_epoch = partial(train_batches, train_blocks, batch_size, training_args.seed)
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)

@@ -74,6 +74,7 @@ from flax_lm.hf_io import (
 )
 from flax_lm.host_random import random_bits, uniform_from_bits
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
+from flax_lm.mixture import Mixture, evaluation_sets, summed
 from flax_lm.models import roberta
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM, check_model_config, check_tokenizer, from_hf_state_dict
 from flax_lm.processes import (
@@ -408,6 +409,18 @@ def train_batches(
         yield batch, int(np.sum(make_batch.example_lengths(examples, indices) + 2))
 
 
+def mixture_train_batches(
+    mixture: Mixture, make_batch: BatchMaker, global_batch_size: int, seed: int, first_step: int
+) -> Iterator[tuple[dict, int]]:
+    """As train_batches, for the global batches a Mixture draws from the step after `first_step` on, without end;
+    step s's masks are drawn from (seed, s)."""
+    rows = process_slice(global_batch_size)
+    global_batches = mixture.global_batches(global_batch_size, seed, first_step)
+    for step, indices in zip(itertools.count(first_step), global_batches):
+        batch = make_batch(mixture, indices, global_batch_size, (seed, TRAIN_MASKING, step), rows)
+        yield batch, int(np.sum(make_batch.example_lengths(mixture, indices) + 2))
+
+
 def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int) -> Iterator[dict]:
     """This process's rows of batches holding every example once, in order, masked the same way at every
     evaluation (the masks are seeded by the batch's index), so evaluations are comparable. The last batch is
@@ -552,8 +565,8 @@ def make_eval_step(model):
     return eval_step
 
 
-def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, batch_sharding) -> dict:
-    """Loss, perplexity and accuracy over the whole evaluation set, averaged exactly over masked tokens."""
+def evaluation_sums(eval_step, params, examples, make_batch, global_batch_size, seed, batch_sharding) -> dict:
+    """The eval step's sums over every example."""
     totals = {"loss_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
     num_batches = math.ceil(len(examples) / global_batch_size)
     batches = prefetch(
@@ -562,6 +575,11 @@ def evaluate(eval_step, params, examples, make_batch, global_batch_size, seed, b
     for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
         for name, value in jax.device_get(eval_step(params, batch)).items():
             totals[name] += float(value)
+    return totals
+
+
+def evaluation_results(totals: dict) -> dict:
+    """Loss, perplexity and accuracy, averaged exactly over masked tokens."""
     masked_tokens = totals["weight_sum"]
     loss = totals["loss_sum"] / max(masked_tokens, 1.0)
     return {
@@ -621,25 +639,35 @@ class Evaluation:
         self.fill_mask_text, self.fill_mask_top_k = training_args.fill_mask_text, training_args.fill_mask_top_k
 
     def __call__(self, params, step: int) -> dict:
+        """The results on the whole evaluation data; with a mixture, those of each source under "sources" too."""
         setup = self.setup
-        results = evaluate(
-            setup.eval_step,
-            params,
-            self.examples,
-            self.make_batch,
-            setup.eval_batch_size,
-            self.seed,
-            setup.batch_sharding,
-        )
-        logger.info(
-            "step %d: eval loss %.4f, perplexity %.2f, accuracy %.4f over %d masked tokens",
-            step,
-            results["loss"],
-            results["perplexity"],
-            results["accuracy"],
-            results["masked_tokens"],
-        )
-        self.trackers.scalars({f"eval/{name}": results[name] for name in ("loss", "perplexity", "accuracy")}, step)
+        sums = {
+            name: evaluation_sums(
+                setup.eval_step,
+                params,
+                examples,
+                self.make_batch,
+                setup.eval_batch_size,
+                self.seed,
+                setup.batch_sharding,
+            )
+            for name, examples in evaluation_sets(self.examples).items()
+        }
+        results = evaluation_results(summed(list(sums.values())))
+        results["sources"] = {name: evaluation_results(part) for name, part in sums.items() if name}
+        for name, source_results in [("", results), *results["sources"].items()]:
+            logger.info(
+                "step %d: eval%s loss %.4f, perplexity %.2f, accuracy %.4f over %d masked tokens",
+                step,
+                f" of {name}" if name else "",
+                source_results["loss"],
+                source_results["perplexity"],
+                source_results["accuracy"],
+                source_results["masked_tokens"],
+            )
+            prefix = f"eval/{name}/" if name else "eval/"
+            names = ("loss", "perplexity", "accuracy")
+            self.trackers.scalars({prefix + key: source_results[key] for key in names}, step)
         return results
 
     def final(self, params, step: int, reuse_saved: bool):
@@ -652,7 +680,9 @@ class Evaluation:
         if jax.process_index() == 0:
             names = ("loss", "perplexity", "accuracy", "masked_tokens")
             saved = {f"eval_{name}": results[name] for name in names}
-            saved.update(eval_samples=len(self.examples), step=step)
+            for source, source_results in results["sources"].items():
+                saved.update({f"eval_{source}_{name}": source_results[name] for name in names})
+            saved.update(eval_samples=sum(map(len, evaluation_sets(self.examples).values())), step=step)
             write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
             print(
                 f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
@@ -666,7 +696,7 @@ class Evaluation:
             return
         text, masked_word = self.fill_mask_text, None
         if not text and self.examples is not None:
-            texts = example_texts(self.examples, self.tokenizer, 100)
+            texts = example_texts(next(iter(evaluation_sets(self.examples).values())), self.tokenizer, 100)
             text, masked_word = fill_mask_demo_text(texts, self.tokenizer.mask_token)
         if not text:
             return
@@ -788,7 +818,7 @@ class TrainingSetup:
     sequence_length: int
     train_batch_size: int  # global: over all devices and micro-batches
     eval_batch_size: int
-    train_samples: int | None  # None for a stream, whose length is unknown
+    train_examples: Any  # None for a stream
     steps_per_epoch: int | None
     total_steps: int
     batch_sharding: NamedSharding
@@ -832,7 +862,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
         sequence_length=sequence_length,
         train_batch_size=train_batch_size,
         eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
-        train_samples=None if train_examples is None else len(train_examples),
+        train_examples=train_examples,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         batch_sharding=batch_sharding,
@@ -889,7 +919,10 @@ def train_batches_from(
     """(global batch, token count) pairs for the steps after `first_step`, read ahead on a thread. The data order and
     the masks are a function of the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, max_seq_length = setup.train_batch_size, setup.sequence_length
-    if train_stream is None:
+    if isinstance(train_examples, Mixture):
+        data = f"on a mixture ({train_examples.describe(setup.total_steps * batch_size)})"
+        local_batches = mixture_train_batches(train_examples, make_batch, batch_size, training_args.seed, first_step)
+    elif train_stream is None:
         data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_examples)} examples)"
         batches_of_epoch = partial(train_batches, train_examples, make_batch, batch_size, training_args.seed)
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)

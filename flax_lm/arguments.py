@@ -16,6 +16,7 @@ from transformers import HfArgumentParser
 
 from flax_lm.errors import UsageError
 from flax_lm.mesh import create_mesh
+from flax_lm.mixture import read_mixture
 from flax_lm.tracking import trackers_to_report
 
 
@@ -110,6 +111,15 @@ class DataArguments:
     validation_file: list[str] | None = field(
         default=None,
         metadata={"help": "Evaluation text, in the same forms as --train_file.", "action": "extend"},
+    )
+    data_mixture: str | None = field(
+        default=None,
+        metadata={
+            "help": "A YAML or JSON file naming several sources of text, each with a weight, its train_file and "
+            "optionally its validation_file (files and globs relative to the mixture file): training batches draw "
+            "rows from the sources in proportion to their weights, and each source is evaluated on its own. Instead "
+            "of --train_file, --validation_file and --dataset_name."
+        },
     )
     text_column_name: str = field(
         default="text", metadata={"help": "The column holding the text (txt files always give 'text')."}
@@ -390,9 +400,13 @@ def check_common_arguments(model_args, data_args, training_args):
     training_args.report_to = trackers_to_report(training_args.report_to)
     if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
         # As the Hugging Face Flax examples do: train (given training data) and evaluate.
-        training_args.do_train = data_args.train_file is not None or data_args.dataset_name is not None
+        training_args.do_train = any(
+            getattr(data_args, name) is not None for name in ("train_file", "dataset_name", "data_mixture")
+        )
         training_args.do_eval = True
-    has_data = data_args.dataset_name is not None or data_args.train_file is not None
+    if data_args.data_mixture:
+        check_mixture(data_args, training_args)
+    has_data = any(getattr(data_args, name) is not None for name in ("train_file", "dataset_name", "data_mixture"))
     if not has_data and data_args.validation_file is None and not data_args.packed_data_dir:
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
@@ -442,6 +456,21 @@ def check_common_arguments(model_args, data_args, training_args):
     check_writable_directory(training_args.output_dir, "output_dir")
     if model_args.cache_dir is not None:  # where `datasets` writes what it reads and the token cache lives
         check_writable_directory(model_args.cache_dir, "cache_dir")
+
+
+def check_mixture(data_args, training_args):
+    others = [name for name in ("train_file", "validation_file", "dataset_name") if getattr(data_args, name)]
+    others += [name for name in ("streaming", "packed_data_dir") if getattr(data_args, name)]
+    if others:
+        raise UsageError(
+            f"--data_mixture names the data, so --{others[0]} has no place beside it: put the files in the mixture "
+            "file, or drop --data_mixture"
+        )
+    sources = read_mixture(data_args.data_mixture)
+    if training_args.do_train and all(source.weight is None for source in sources):
+        raise UsageError(
+            f"--do_train needs training data: --data_mixture {data_args.data_mixture} gives no source a train_file"
+        )
 
 
 def check_numeric_arguments(argument_groups, **script_ranges):

@@ -13,6 +13,7 @@ import numpy as np
 
 from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.mesh import process_slice
+from flax_lm.mixture import Mixture, read_mixture, source_data_arguments
 from flax_lm.packed import cached_blocks, load_packed_corpus
 from flax_lm.processes import main_process_first
 from flax_lm.texts import check_tokenizer_encodes, load_text_datasets, token_arrays
@@ -131,6 +132,10 @@ def load_data(
     lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
     holds all rows (memory-mapped) and reads only its rows of each batch."""
     train_stream = None
+    if data_args.data_mixture:
+        return load_mixture(
+            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, length_argument
+        )
     if data_args.packed_data_dir:
         with naming_a_full_disk("--packed_data_dir", data_args.packed_data_dir):
             examples = load_packed_corpus(
@@ -143,16 +148,32 @@ def load_data(
             model_args, data_args, training_args, tokenized_rows, tokenizer, block_size
         )
     else:
-        # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
-        cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
-        with main_process_first("data prepared"), naming_a_full_disk("--cache_dir", cache_dir):
-            evaluation_only = training_args.do_eval and not training_args.do_train
-            texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
-            check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
-            examples = {
-                split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
-                for split, dataset in texts.items()
-            }
+        examples = cached_examples(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size)
+    examples = final_examples(examples, data_args, block_size, length_argument)
+    if training_args.do_train and "train" not in examples and train_stream is None:
+        raise UsageError("--do_train needs training data, and the data has no train split")
+    if training_args.do_eval and "validation" not in examples:
+        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
+    return examples, train_stream
+
+
+def cached_examples(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int) -> dict:
+    """The rows of each split of the data files or dataset, from the token cache (packed there first if missing)."""
+    # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
+    cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
+    with main_process_first("data prepared"), naming_a_full_disk("--cache_dir", cache_dir):
+        evaluation_only = training_args.do_eval and not training_args.do_train
+        texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
+        check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+        return {
+            split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
+            for split, dataset in texts.items()
+        }
+
+
+def final_examples(examples: dict, data_args, block_size: int, length_argument: str, source: str = "") -> dict:
+    """The rows of each split as a run uses them: a validation split held out where there is none, cut to
+    --max_train_samples and --max_eval_samples; refused where empty. `source`: whose data it is, for the message."""
     examples = hold_out_blocks(examples, data_args.validation_split_percentage)
     if data_args.max_train_samples is not None and "train" in examples:
         examples["train"] = examples["train"][: data_args.max_train_samples]
@@ -161,16 +182,36 @@ def load_data(
     for split, rows in examples.items():
         if len(rows) == 0:
             raise UsageError(
-                f"the {split} data has no non-empty lines"
+                f"the {split} data{source} has no non-empty lines"
                 if data_args.framing == "line_by_line"
-                else f"the {split} data has fewer tokens than one block of {block_size} ({length_argument}); add "
-                "text or lower it"
+                else f"the {split} data{source} has fewer tokens than one block of {block_size} ({length_argument}); "
+                "add text or lower it"
             )
-    if training_args.do_train and "train" not in examples and train_stream is None:
-        raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in examples:
-        raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    return examples, train_stream
+    return examples
+
+
+def load_mixture(
+    model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
+) -> tuple[dict, None]:
+    """The data of --data_mixture: {"train": a Mixture of the sources with training files, "validation": {source
+    name: rows}}, each source's rows made as those of --train_file and --validation_file are (a source without
+    validation files has some of its training rows held out)."""
+    train_sources, validation = [], {}
+    for source in read_mixture(data_args.data_mixture):
+        source_args = source_data_arguments(data_args, source)
+        logger.info("Mixture source %s", source.name)
+        examples = cached_examples(model_args, source_args, training_args, tokenized_rows, tokenizer, block_size)
+        examples = final_examples(examples, source_args, block_size, length_argument, f" of source '{source.name}'")
+        if "train" in examples and training_args.do_train:
+            train_sources.append((source, examples["train"]))
+        if "validation" in examples:
+            validation[source.name] = examples["validation"]
+    examples = {"validation": validation} if training_args.do_eval else {}
+    if train_sources:
+        names, weights = [source.name for source, _ in train_sources], [source.weight for source, _ in train_sources]
+        rows_are_tokens = data_args.framing != "line_by_line"
+        examples["train"] = Mixture(names, weights, [rows for _, rows in train_sources], rows_are_tokens)
+    return examples, None
 
 
 def count_steps(training_args, train_examples, train_batch_size: int, length_flag: str) -> tuple[int | None, int]:

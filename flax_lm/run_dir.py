@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from filelock import FileLock, Timeout
 
 from flax_lm.errors import UsageError
+from flax_lm.mixture import Mixture
 from flax_lm.processes import print_once
 
 logger = logging.getLogger(__name__)
@@ -216,12 +217,15 @@ def evaluated_step(output_dir: str) -> int | None:
 
 
 def write_train_results(output_dir: str, summary: dict, setup, log):
-    """train_results.json: the script's training metrics `summary` over the whole run, and how long it took; `setup`
-    is the script's TrainingSetup, `log` the run's TrainingLog."""
+    """train_results.json: the script's training metrics `summary` over the whole run, what each source of a mixture
+    gave it, and how long it took; `setup` is the script's TrainingSetup, `log` the run's TrainingLog."""
     if jax.process_index() == 0:
+        train_examples = setup.train_examples
+        if isinstance(train_examples, Mixture):
+            summary = summary | train_examples.contributions(setup.total_steps * setup.train_batch_size)
         results = {f"train_{name}": value for name, value in summary.items()}
         results.update(
-            train_samples=setup.train_samples,
+            train_samples=None if train_examples is None else len(train_examples),
             train_steps=setup.total_steps,
             epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
             train_runtime_seconds=log.runtime,

@@ -1,0 +1,248 @@
+"""--data_mixture: several sources of training text drawn by weight, deterministically (so resume is exact and
+processes agree), each source evaluated on its own; and the mixture file's mistakes, each refused in one line."""
+
+import itertools
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from conftest import FIXTURES_DIR
+from safetensors.numpy import load_file
+from test_clm import run_clm_flax, scalars, tiny_config
+from test_mlm import run_mlm_flax
+from transformers import RobertaConfig
+
+import flax_lm.mesh
+from flax_lm.errors import UsageError
+from flax_lm.mixture import Mixture, read_mixture
+
+# The stated tolerance: at every step, each source has given within this many rows of its weight's share of all the
+# rows drawn so far (measured: at most 4 rows over the first million rows, for 2 to 7 sources of any weights).
+ROWS_OFF_WEIGHT = 5
+
+
+def numbered_sources(sizes, width=4):
+    """Sources whose rows say where they come from: row i of source s is filled with 1000 * s + i."""
+    return [
+        np.repeat(1000 * source + np.arange(size), width).reshape(size, width) for source, size in enumerate(sizes)
+    ]
+
+
+def drawn_rows(mixture, batch_size, steps, seed=0, first_step=0):
+    return [
+        mixture[indices][:, 0]
+        for indices in itertools.islice(mixture.global_batches(batch_size, seed, first_step), steps)
+    ]
+
+
+@pytest.mark.parametrize("weights", [(5, 3, 2), (0.9, 0.1), (1, 1, 1, 1, 1, 1, 1)])
+def test_each_source_gives_its_weight_of_the_rows_at_every_step(weights):
+    sizes = [37 + 11 * source for source in range(len(weights))]
+    mixture = Mixture([f"s{index}" for index in range(len(weights))], list(weights), numbered_sources(sizes))
+    shares = np.asarray(weights) / sum(weights)
+    counts = np.zeros(len(weights))
+    for step, rows in enumerate(drawn_rows(mixture, 16, 500), start=1):
+        counts += np.bincount(rows // 1000, minlength=len(weights))
+        assert np.all(np.abs(counts - shares * 16 * step) <= ROWS_OFF_WEIGHT), (step, counts)
+    np.testing.assert_array_equal(counts, mixture.draws_per_source(500 * 16))
+
+
+def test_each_source_is_read_pass_after_pass_in_a_new_order_each_time():
+    sizes = (23, 5)
+    mixture = Mixture(["big", "small"], [1, 1], numbered_sources(sizes))
+    rows = np.concatenate(drawn_rows(mixture, 8, 40))
+    for source, size in enumerate(sizes):
+        drawn = rows[rows // 1000 == source] % 1000
+        draws = mixture.source_rows(source, 0, len(drawn), seed=0)
+        np.testing.assert_array_equal(np.sort(drawn), np.sort(draws))  # the batches hold the source's draws
+        passes = draws[: len(draws) // size * size].reshape(-1, size)
+        assert len(passes) >= 5
+        for one_pass in passes:  # every row once in each pass, whatever the other source does
+            np.testing.assert_array_equal(np.sort(one_pass), np.arange(size))
+        assert len({tuple(one_pass) for one_pass in passes}) > len(passes) // 2  # (5 rows have only 120 orders)
+
+
+def test_batches_follow_the_seed_and_a_resumed_run_draws_the_very_same_rows():
+    mixture = Mixture(["a", "b", "c"], [2, 1, 1], numbered_sources((19, 7, 40)))
+    uninterrupted = drawn_rows(mixture, 12, 60)
+    resumed = drawn_rows(Mixture(["a", "b", "c"], [2, 1, 1], numbered_sources((19, 7, 40))), 12, 20, first_step=40)
+    np.testing.assert_array_equal(np.stack(resumed), np.stack(uninterrupted[40:]))
+    assert not np.array_equal(np.stack(drawn_rows(mixture, 12, 60, seed=1)), np.stack(uninterrupted))
+
+
+def test_processes_each_take_their_rows_of_the_same_global_batch(monkeypatch):
+    """run_mlm_flax.py's masked mixture batches: the rows of 2 processes together are the batch of 1, masks and all."""
+    tokenizer_ids = dict(
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, mask_token_id=4, special_token_ids=(0, 1, 2, 4)
+    )
+    make_batch = run_mlm_flax.BatchMaker(**tokenizer_ids, random_token_count=50, mlm_probability=0.3, max_seq_length=6)
+    mixture = Mixture(["a", "b"], [3, 1], [np.arange(5, 45).reshape(10, 4), np.arange(45, 85).reshape(10, 4)])
+
+    def batches(process_index, process_count):
+        monkeypatch.setattr(flax_lm.mesh.jax, "process_index", lambda: process_index)
+        monkeypatch.setattr(flax_lm.mesh.jax, "process_count", lambda: process_count)
+        generator = run_mlm_flax.mixture_train_batches(mixture, make_batch, 8, 0, 3)
+        return [batch for batch, _ in itertools.islice(generator, 4)]
+
+    alone, first, second = batches(0, 1), batches(0, 2), batches(1, 2)
+    for whole, part_0, part_1 in zip(alone, first, second):
+        for name, values in whole.items():
+            np.testing.assert_array_equal(values, np.concatenate([part_0[name], part_1[name]]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Runs of the training scripts
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mixture-model")
+    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
+    tiny_config(vocab_size=1000, n_positions=64).save_pretrained(directory)
+    return str(directory)
+
+
+def write_mixture(directory, **sources):
+    """A mixture file in `directory`, its paths relative to it, the data files copied beside it."""
+    data = directory / "data"
+    data.mkdir(exist_ok=True)
+    shutil.copy(FIXTURES_DIR / "en" / "train.txt", data / "en-train.txt")
+    shutil.copy(FIXTURES_DIR / "en" / "validation.txt", data / "en-validation.txt")
+    shutil.copy(FIXTURES_DIR / "corpus" / "norwegian.txt", data / "norwegian.txt")
+    shutil.copy(FIXTURES_DIR / "corpus" / "turkish.txt", data / "turkish.txt")
+    lines = []
+    for name, fields in sources.items():
+        lines.append(f"{name}:")
+        lines.extend(f"  {key}: {json.dumps(value)}" for key, value in fields.items())
+    path = directory / "mixture.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+SOURCES = {
+    "english": {"weight": 3, "train_file": "data/en-train.txt", "validation_file": "data/en-validation.txt"},
+    "nordic": {"weight": 1, "train_file": ["data/norwegian.txt", "data/turkish.txt"]},
+}
+
+
+def clm_arguments(model_dir, output_dir, mixture, *extra):
+    return [
+        "run_clm_flax.py", "--output_dir", str(output_dir), "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--data_mixture", mixture, "--block_size", "32", "--per_device_train_batch_size", "8", "--seed", "0",
+        "--learning_rate", "3e-3", "--sample_tokens", "0", "--max_steps", "12", "--logging_steps", "4",
+        "--save_steps", "6", "--eval_steps", "6", *extra,
+    ]  # fmt: skip
+
+
+def test_a_mixture_trains_in_its_proportions_evaluates_each_source_and_resumes_exactly(
+    model_dir, tmp_path, monkeypatch, capfd
+):
+    mixture = write_mixture(tmp_path, **SOURCES)
+    output_dir = tmp_path / "run"
+    monkeypatch.chdir(tmp_path / "data")  # the mixture's paths are relative to its own directory, not to here
+    monkeypatch.setattr(sys, "argv", clm_arguments(model_dir, output_dir, mixture))
+    run_clm_flax.main()
+
+    train_results = json.loads((output_dir / "train_results.json").read_text())
+    rows = 12 * 8
+    assert train_results["train_tokens_english"] + train_results["train_tokens_nordic"] == rows * 32
+    assert abs(train_results["train_tokens_english"] / 32 - rows * 0.75) <= ROWS_OFF_WEIGHT
+    assert abs(train_results["train_token_share_nordic"] - 0.25) <= ROWS_OFF_WEIGHT / rows
+    assert "The mixture's tokens: english" in capfd.readouterr().err
+
+    eval_results = json.loads((output_dir / "eval_results.json").read_text())
+    for source in ("english", "nordic"):  # nordic: its validation rows are held out of its training rows
+        assert eval_results[f"eval_{source}_tokens"] > 0
+        (step_6, loss_6), (step_12, loss_12) = scalars(output_dir, f"eval/{source}/loss")
+        assert (
+            (step_6, step_12) == (6, 12)
+            and loss_12 < loss_6
+            and loss_12 == pytest.approx(eval_results[f"eval_{source}_loss"])
+        )
+    # The whole evaluation is that of all its tokens: the sources' losses weighted by their token counts.
+    english, nordic = eval_results["eval_english_tokens"], eval_results["eval_nordic_tokens"]
+    assert eval_results["eval_tokens"] == english + nordic
+    weighted = (eval_results["eval_english_loss"] * english + eval_results["eval_nordic_loss"] * nordic) / (
+        english + nordic
+    )
+    assert eval_results["eval_loss"] == pytest.approx(weighted, rel=1e-6)
+
+    # Resumed from step 6, the run draws the batches the uninterrupted one drew and ends with the same weights.
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(output_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "12")
+    (resumed_dir / "model.safetensors").unlink()
+    monkeypatch.setattr(sys, "argv", clm_arguments(model_dir, resumed_dir, mixture, "--resume_from_checkpoint"))
+    run_clm_flax.main()
+    assert "checkpoints/6 at step 6" in capfd.readouterr().err
+    resumed, uninterrupted = load_file(resumed_dir / "model.safetensors"), load_file(output_dir / "model.safetensors")
+    for name, weights in uninterrupted.items():
+        np.testing.assert_array_equal(resumed[name], weights, err_msg=name)
+
+
+def test_run_mlm_flax_mixes_sources_too(roberta_tokenizer_dir, tmp_path, monkeypatch):
+    mixture = write_mixture(tmp_path, **SOURCES)
+    model = tmp_path / "model"
+    shutil.copytree(roberta_tokenizer_dir, model)
+    RobertaConfig(
+        vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=34,
+    ).save_pretrained(model)  # fmt: skip
+    output_dir = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", [
+        "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", str(model), "--tokenizer_name",
+        str(model), "--data_mixture", mixture, "--line_by_line",
+        "--max_seq_length", "32", "--per_device_train_batch_size", "8", "--max_steps", "8", "--logging_steps", "4",
+        "--fill_mask_top_k", "0",
+    ])  # fmt: skip
+    run_mlm_flax.main()
+    train_results = json.loads((output_dir / "train_results.json").read_text())
+    assert train_results["train_rows_english"] + train_results["train_rows_nordic"] == 64  # lines: rows, not tokens
+    assert abs(train_results["train_rows_english"] - 48) <= ROWS_OFF_WEIGHT
+    eval_results = json.loads((output_dir / "eval_results.json").read_text())
+    assert (
+        eval_results["eval_masked_tokens"]
+        == eval_results["eval_english_masked_tokens"] + eval_results["eval_nordic_masked_tokens"]
+    )
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("english: [1, 2]", "source 'english' must be a mapping of weight, train_file, validation_file"),
+        ("english: {weight: 0, train_file: a.txt}", "source 'english' needs a positive weight"),
+        ("english: {weight: two, train_file: a.txt}", "source 'english' needs a positive weight"),
+        ("english: {weight: 1, train_files: a.txt}", "source 'english' must be a mapping of weight"),
+        ("english: {weight: 1}", "source 'english' has a weight but no train_file"),
+        ("'english words': {weight: 1, train_file: a.txt}", "source name 'english words' must be letters"),
+        ("english: {weight: 1, train_file: a.txt", "is not YAML or JSON"),
+        ("[]", "must map each source's name to its weight and files"),
+    ],
+)
+def test_mistakes_in_the_mixture_file_are_one_line(content, message, tmp_path):
+    path = tmp_path / "mixture.yaml"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        read_mixture(str(path))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--train_file", "x.txt"], "--data_mixture names the data, so --train_file has no place beside it"),
+        (["--streaming"], "so --streaming has no place beside it"),
+        ([], "data/missing.txt does not exist"),
+    ],
+)
+def test_mixture_misuse_is_refused_in_one_line(extra, message, model_dir, tmp_path, monkeypatch, capfd):
+    sources = {**SOURCES, "other": {"weight": 1, "train_file": "data/missing.txt"}} if not extra else SOURCES
+    mixture = write_mixture(tmp_path, **sources)
+    monkeypatch.setattr(sys, "argv", clm_arguments(model_dir, tmp_path / "run", mixture, *extra))
+    with pytest.raises(SystemExit) as stopped:
+        run_clm_flax.run(run_clm_flax.main)
+    assert stopped.value.code != 0
+    error = capfd.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: ") and message in error
