@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
 from test_clm import run_clm_flax, scalars, tiny_config
 from test_mlm import run_mlm_flax
@@ -246,3 +246,15 @@ def test_mixture_misuse_is_refused_in_one_line(extra, message, model_dir, tmp_pa
     assert stopped.value.code != 0
     error = capfd.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("error: ") and message in error
+
+
+def test_the_readme_mixture_file_reads_as_it_says(tmp_path):
+    readme = (REPO_DIR / "README.md").read_text()
+    example = next(block for block in readme.split("```yaml\n")[1:] if block.startswith("# mixture.yaml"))
+    example = example.split("```")[0]
+    path = tmp_path / "mixture.yaml"
+    path.write_text(example)
+    prose, code, wiki = read_mixture(str(path))
+    assert (prose.name, prose.weight, code.weight, wiki.weight) == ("prose", 3, 1, None)
+    assert prose.train_file == [str(tmp_path / "prose/*.jsonl.gz"), str(tmp_path / "books.txt")]
+    assert wiki.validation_file == [str(tmp_path / "wiki-valid.txt")] and not wiki.train_file
