@@ -29,7 +29,7 @@ from transformers import GPT2Tokenizer, RobertaTokenizer
 
 from flax_lm.errors import UsageError, run
 from flax_lm.processes import LOG_FORMAT
-from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file, without_byte_order_marks
+from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
 from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
@@ -319,7 +319,8 @@ def text_batches(sources, counts, max_texts=None, max_characters=None, skip_miss
                     )
                 if max_characters is not None:
                     text = text[: max_characters - counts.characters]
-                texts.append(text)
+                # The byte-level pre-tokenizer gives the pieces the words of the whole text, in bounded memory.
+                texts.extend(text_pieces(text))
                 counts.texts += 1
                 counts.characters += len(text)
                 counts.bytes += len(text.encode("utf-8"))

@@ -384,6 +384,17 @@ def next_cut(text: str, start: int) -> int | None:
     return None if cut is None else cut.start()
 
 
+def text_pieces(text: str) -> list[str]:
+    """`text` cut at next_cut into pieces of about TEXT_PIECE_CHARACTERS or more (itself, when shorter)."""
+    starts = [0]
+    while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
+        cut = next_cut(text, starts[-1])
+        if cut is None:
+            break
+        starts.append(cut)
+    return [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+
+
 def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
     """Whether encoding a text in pieces cut at LINE_START or WORD_START gives the tokens of the whole text: so for
     the byte-level pre-tokenizer of GPT-2 and RoBERTa (no piece it makes spans such a line break, or a space between
@@ -405,13 +416,7 @@ def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[i
         return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
     token_lists = []
     for text in texts:
-        starts = [0]
-        while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
-            cut = next_cut(text, starts[-1])
-            if cut is None:
-                break
-            starts.append(cut)
-        pieces = [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+        pieces = text_pieces(text)
         ids = []
         for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
             group = pieces[first : first + TEXT_PIECES_AT_ONCE]

@@ -14,7 +14,10 @@ import datasets
 import pyarrow
 import pyarrow.parquet
 import pytest
+from tokenizers import trainers
 from transformers import AutoTokenizer
+
+import flax_lm.texts
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 CORPUS_DIR = FIXTURES_DIR / "corpus"
@@ -320,3 +323,28 @@ def test_compressed_files_train_the_tokenizer_of_the_plain_ones(run_tool, tmp_pa
         assert f"Trained on {2 * len(rows_of_mixed_corpus())} texts" in result.stdout
         vocabularies.append(json.loads((inputs / "model" / "tokenizer.json").read_text())["model"]["vocab"])
     assert vocabularies[0] == vocabularies[1]
+
+
+def test_a_text_of_one_long_line_is_read_in_pieces_that_train_the_same_tokenizer(tmp_path, monkeypatch):
+    """Memory stays bounded on a text with no line breaks (a 51 MB one-line file took 5.4 GB read whole, 1.5 GB in
+    pieces): it reaches the trainer in pieces cut where a word starts, which give the words of the whole text."""
+    train_tokenizer = load_train_tokenizer_module()
+    words = (CORPUS_DIR / "english.txt").read_text().split()
+    (tmp_path / "one_line.txt").write_text(" ".join(words * 12))  # about 50,000 characters, no line break
+    sources = train_tokenizer.open_text_sources(
+        train_tokenizer.DataArguments(train_file=[str(tmp_path / "one_line.txt")])
+    )
+
+    def trained(piece_characters):
+        monkeypatch.setattr(flax_lm.texts, "TEXT_PIECE_CHARACTERS", piece_characters)
+        counts = train_tokenizer.ReadCounts()
+        batches = list(train_tokenizer.text_batches(sources, counts))
+        tokenizer = train_tokenizer.new_byte_level_bpe()
+        tokenizer.train_from_iterator(batches, trainer=trainers.BpeTrainer(vocab_size=400, show_progress=False))
+        return batches, counts, json.loads(tokenizer.to_str())["model"]
+
+    (whole,), whole_counts, whole_model = trained(10**9)
+    (pieces,), piece_counts, piece_model = trained(2**12)
+    assert len(whole) == 1 and len(pieces) > 10 and max(map(len, pieces)) < 2 * 2**12 + 100
+    assert "".join(pieces) == whole[0] and piece_counts.texts == whole_counts.texts == 1
+    assert piece_model["vocab"] == whole_model["vocab"] and piece_model["merges"] == whole_model["merges"]
