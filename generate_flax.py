@@ -34,7 +34,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import read_safetensors_checkpoint
+from flax_lm.hf_io import check_local_model_directory, read_safetensors_checkpoint
 from flax_lm.models.common import ACTIVATIONS
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, from_hf_state_dict, generate_ids, make_sampler
 from flax_lm.processes import LOG_FORMAT
@@ -202,6 +202,7 @@ def read_prompts(generation_args) -> list[str]:
 def load_model(model_args):
     """(model, parameters on the default device, tokenizer) of a GPT-2 model directory or hub name."""
     source = model_args.model_name_or_path
+    check_local_model_directory("--model_name_or_path", source)
 
     def load(loader):
         try:

@@ -1006,7 +1006,10 @@ def train(state, progress: TrainingProgress, batches, train_step, save, evaluate
 def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoints, state, progress) -> int:
     """Save a training checkpoint (written in the background) and export the model. Returns the step saved."""
     record = progress.record(
-        global_batch_size=setup.train_batch_size, max_seq_length=setup.sequence_length, arguments=arguments
+        global_batch_size=setup.train_batch_size,
+        max_seq_length=setup.sequence_length,
+        training_examples=None if setup.train_examples is None else len(setup.train_examples),
+        arguments=arguments,
     )
     if setup.steps_per_epoch:
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)

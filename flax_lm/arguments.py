@@ -15,6 +15,7 @@ import jax
 from transformers import HfArgumentParser
 
 from flax_lm.errors import UsageError
+from flax_lm.hf_io import check_local_model_directory
 from flax_lm.mesh import create_mesh
 from flax_lm.mixture import read_mixture
 from flax_lm.tracking import trackers_to_report
@@ -438,6 +439,9 @@ def check_common_arguments(model_args, data_args, training_args):
         )
     if not (model_args.tokenizer_name or model_args.model_name_or_path):
         raise UsageError("training from scratch needs --tokenizer_name; make one with train_tokenizer.py")
+    for name in ("model_name_or_path", "config_name", "tokenizer_name"):
+        if getattr(model_args, name):
+            check_local_model_directory(f"--{name}", getattr(model_args, name))
     # A jax.checkpoint_policies name, or true or false as for the Hugging Face flag, a boolean.
     policy = model_args.gradient_checkpointing
     policy = {"true": "nothing_saveable", "false": None}.get(str(policy).lower(), policy)

@@ -231,9 +231,9 @@ class TrainingProgress:
 
 
 def check_resumed_run(record: dict, setup, training_args, length_name: str):
-    """Warn where the resumed run differs from the checkpoint's (the data order then does too); refuse a checkpoint
-    beyond this run's last step. `setup` is the script's TrainingSetup; `length_name` names the sequence length in the
-    record (block_size, max_seq_length)."""
+    """Warn where the resumed run's batches or training data differ from the checkpoint's (the data order then does
+    too); refuse a checkpoint beyond this run's last step. `setup` is the script's TrainingSetup; `length_name` names
+    the sequence length in the record (block_size, max_seq_length)."""
     if training_args.overwrite_output_dir:
         logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
     if (record["global_batch_size"], record[length_name]) != (setup.train_batch_size, setup.sequence_length):
@@ -245,6 +245,15 @@ def check_resumed_run(record: dict, setup, training_args, length_name: str):
             setup.train_batch_size,
             setup.sequence_length,
         )
+    training_examples = None if setup.train_examples is None else len(setup.train_examples)
+    # A checkpoint written before the count was recorded has nothing to compare it with.
+    if record.get("training_examples", training_examples) != training_examples:
+        logger.warning(
+            "The checkpoint was trained on %s, this run on %s: the training data changed, so the data order differs "
+            "from the interrupted run's",
+            describe_training_examples(record["training_examples"]),
+            describe_training_examples(training_examples),
+        )
     if not training_args.do_train:
         return
     if record["step"] > setup.total_steps:
@@ -254,3 +263,7 @@ def check_resumed_run(record: dict, setup, training_args, length_name: str):
         )
     if record["step"] == setup.total_steps:
         logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
+
+
+def describe_training_examples(count: int | None) -> str:
+    return "a stream" if count is None else f"{count} training examples"

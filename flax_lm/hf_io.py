@@ -19,6 +19,21 @@ from flax_lm.errors import UsageError
 logger = logging.getLogger(__name__)
 
 
+def check_local_model_directory(flag: str, name_or_path: str):
+    """Refuse, naming the path, a `flag` value meant as a local directory where there is none: the loaders would take
+    it for a hub name and answer about the hub. A hub name is NAME or OWNER/NAME, starting with neither . nor ~; a
+    value with more parts, or whose first part is a local directory, is a path."""
+    parts = name_or_path.replace(os.sep, "/").split("/")
+    meant_as_path = (
+        name_or_path.startswith((".", "~")) or os.path.isabs(name_or_path) or len(parts) > 2 or os.path.isdir(parts[0])
+    )
+    if meant_as_path and not os.path.exists(name_or_path):
+        raise UsageError(
+            f"{flag} {name_or_path}: no such directory; pass an existing directory, or a hub name such as "
+            "openai-community/gpt2"
+        )
+
+
 def load_config_and_tokenizer(model_args):
     def load(loader, name, flag):
         try:

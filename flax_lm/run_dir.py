@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 
@@ -119,13 +120,38 @@ PREVIOUS_RUN_RESULTS = [
 ]
 
 
+# How a run names what it writes into each directory of PREVIOUS_RUN_RESULTS: where the user made one a link (to
+# another disk), its target may hold files of theirs too, and only these are the run's to remove.
+RUN_ENTRY_NAMES = {
+    "checkpoints": re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?"),
+    "discarded-checkpoints": re.compile(r"\d+(-\d+)?"),
+    "tensorboard": re.compile(r"events\.out\.tfevents\..*"),
+}
+
+
+def clear_linked_directory(link: str, name: str):
+    """Remove what runs wrote into the directory that `link` (OUTPUT_DIR/`name`) leads to. The link stays: the user
+    made it, to keep the directory on another disk, where other files of theirs may lie beside this run's."""
+    target = os.path.realpath(link)
+    for entry in os.listdir(target):
+        if RUN_ENTRY_NAMES[name].fullmatch(entry):
+            path = os.path.join(target, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
 def clear_previous_run(output_dir: str):
     """For --overwrite_output_dir: remove what an earlier run left that would mix with this run's (checkpoints,
     TensorBoard logs, results). The model files stay, to be overwritten: they may be this run's config or tokenizer."""
     removed = []
     for name in PREVIOUS_RUN_RESULTS:
         path = os.path.join(output_dir, name)
-        if os.path.isdir(path):
+        if os.path.islink(path) and os.path.isdir(path):
+            clear_linked_directory(path, name)
+            removed.append(f"{name}/ (in {os.path.realpath(path)}, where the link leads)")
+        elif os.path.isdir(path):
             shutil.rmtree(path)
             removed.append(f"{name}/")
         elif os.path.exists(path):
@@ -150,7 +176,8 @@ def set_aside_checkpoints_after(output_dir: str, step: int):
         copies = itertools.count(2)
         while os.path.exists(target):
             target = os.path.join(discarded, f"{later_step}-{next(copies)}")
-        os.rename(os.path.join(directory, str(later_step)), target)
+        # Copied, then removed, where checkpoints/ is a link to another disk, which a rename cannot cross.
+        shutil.move(os.path.join(directory, str(later_step)), target)
     logger.warning("moved the training checkpoints of steps %s to %s", ", ".join(map(str, later)), discarded)
 
 
@@ -181,7 +208,8 @@ HUGGING_FACE_RESULT_NAMES = {
 
 def write_all_results(output_dir: str) -> dict:
     """Merge OUTPUT_DIR/train_results.json and eval_results.json (those there are) into all_results.json, as the
-    Hugging Face examples do; returns the merged results."""
+    Hugging Face examples do; returns the merged results. An evaluation of another step than the training's (a run
+    resumed without --do_eval keeps the earlier one) is left out, so that it never reads as the model's."""
 
     def read(name: str) -> dict:
         path = os.path.join(output_dir, name)
@@ -190,9 +218,18 @@ def write_all_results(output_dir: str) -> dict:
         with open(path) as file:
             return json.load(file)
 
+    train_results, eval_results = read("train_results.json"), read("eval_results.json")
+    if train_results and eval_results and eval_results.get("step") != train_results["train_steps"]:
+        logger.warning(
+            "eval_results.json holds the evaluation of step %s, not of the trained model's step %d, so "
+            "all_results.json leaves it out; resume with --do_eval to evaluate the trained model",
+            eval_results.get("step"),
+            train_results["train_steps"],
+        )
+        eval_results = {}
     results = {}
-    for name in ("train_results.json", "eval_results.json"):
-        results.update((HUGGING_FACE_RESULT_NAMES.get(key, key), value) for key, value in read(name).items())
+    for partial_results in (train_results, eval_results):
+        results.update((HUGGING_FACE_RESULT_NAMES.get(key, key), value) for key, value in partial_results.items())
     if read("all_results.json") != results:  # a repeat of a complete run leaves the file as it was
         write_json(os.path.join(output_dir, "all_results.json"), results)
     return results

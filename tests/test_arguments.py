@@ -90,6 +90,36 @@ def test_a_mesh_shape_that_does_not_fit_the_devices_is_refused_before_any_work(s
         checked_arguments(script, "--train_file", "train.txt", "--mesh_shape", "data=3,fsdp=3")
 
 
+@pytest.mark.parametrize(
+    "script, flag, path",
+    [
+        ("run_clm_flax", "--model_name_or_path", "./my-model"),
+        ("run_clm_flax", "--config_name", "../configs/my-model"),
+        ("run_clm_flax", "--tokenizer_name", "~/my-tokenizer"),
+        ("run_mlm_flax", "--model_name_or_path", "/no/such/model"),
+        ("run_mlm_flax", "--config_name", "runs/gpt2/final"),
+        ("run_mlm_flax", "--tokenizer_name", "runs/my-tokenizer"),  # ./runs exists: a path, not OWNER/NAME
+    ],
+)
+def test_a_missing_local_model_directory_is_refused_naming_the_path_not_the_hub(
+    script, flag, path, checked_arguments, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SCRIPTS[script].UsageError) as error:
+        checked_arguments(script, "--train_file", "train.txt", flag, path)
+    assert str(error.value) == (
+        f"{flag} {path}: no such directory; pass an existing directory, or a hub name such as openai-community/gpt2"
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "openai-community/gpt2"])
+def test_a_hub_name_is_left_to_the_hub(name, checked_arguments, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model_args, _, _ = checked_arguments("run_clm_flax", "--train_file", "train.txt", "--model_name_or_path", name)
+    assert model_args.model_name_or_path == name
+
+
 def test_training_from_scratch_without_a_tokenizer_is_refused_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", str(tmp_path), "--train_file", "t.txt"])
     model_args, data_args, training_args, _ = parse_arguments(run_clm_flax)

@@ -192,6 +192,10 @@ def test_prompt_too_long_for_the_model_exits_with_one_clear_line(model_dir):
         (["--prompt", "A", "--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
         (["--prompt_file", "missing.txt"], "cannot read --prompt_file missing.txt"),
         (["--serve", "--prompt", "A"], "--serve takes its prompts from HTTP requests"),
+        (
+            ["--model_name_or_path", "./no-such-model", "--prompt", "A"],
+            "--model_name_or_path ./no-such-model: no such",
+        ),
     ],
 )
 def test_bad_arguments_are_reported_as_a_usage_error(model_dir, arguments, message, monkeypatch):

@@ -189,6 +189,13 @@ REFUSALS = {
     "clm-pickle-with-code": (
         "run_clm_flax", [*CLM, "--model_name_or_path", "{pickled}", "--allow_pickle_weights"],
         ["pytorch_model.bin", "cannot be loaded as plain tensors", "none of them was run"]),
+    # A local model directory that is not there, named as such rather than looked up on the hub
+    "clm-missing-model-directory": (
+        "run_clm_flax", [*CLM, "--model_name_or_path", "{root}/no-such-model"],
+        ["--model_name_or_path", "no-such-model: no such directory"]),
+    "mlm-missing-tokenizer-directory": (
+        "run_mlm_flax", [*MLM, "--tokenizer_name", "./no-such-tokenizer"],
+        ["--tokenizer_name ./no-such-tokenizer: no such directory"]),
     # Unwritable output directories
     "clm-unwritable-output-dir": (
         "run_clm_flax", [*CLM, "--output_dir", UNWRITABLE], ["--output_dir", UNWRITABLE, "cannot be written"]),

@@ -6,6 +6,7 @@ it, runs the script again, and checks the outcome: the run works and ends with t
 run, or it stops with one line and leaves the directory as it was.
 """
 
+import errno
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
 from test_mlm import run_mlm_flax
 
+import flax_lm.run_dir
 from flax_lm.errors import UsageError
 from flax_lm.run_dir import OUTPUT_DIR_LOCK, lock_output_dir
 
@@ -212,6 +214,50 @@ def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missin
     assert all(name.startswith("tensorboard") for name in changed), changed
 
 
+def test_a_resume_on_training_data_of_another_size_says_so_in_one_warning(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    recorded = json.loads((output_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
+    lines = (CORPUS / "train.txt").read_text().splitlines(keepends=True)
+    first_half = tmp_path / "first-half.txt"
+    first_half.write_text("".join(lines[: len(lines) // 2]))
+    resume = arguments(model_dir, output_dir, "--max_steps", "8", "--resume_from_checkpoint")
+    resume[resume.index(str(CORPUS / "train.txt"))] = str(first_half)
+
+    run_main(monkeypatch, resume)
+    log = capfd.readouterr().err
+    warnings = [line for line in log.splitlines() if "the training data changed" in line]
+    assert len(warnings) == 1
+    counts = re.search(r"trained on (\d+) training examples, this run on (\d+) training examples: ", warnings[0])
+    assert counts and int(counts[1]) == recorded.get("training_examples") > int(counts[2]) > 0
+    assert warnings[0].endswith("the training data changed, so the data order differs from the interrupted run's")
+    assert "step 8: training checkpoint committed" in log
+
+    run_main(monkeypatch, resume)  # its own checkpoint, on the data it was trained on
+    assert "the training data changed" not in capfd.readouterr().err
+
+
+def test_a_train_only_resume_leaves_the_earlier_evaluation_out_of_all_results(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    evaluate = ["--do_eval", "--validation_file", str(CORPUS / "validation.txt"), "--resume_from_checkpoint"]
+    run_main(monkeypatch, arguments(model_dir, output_dir, *evaluate))
+    assert json.loads((output_dir / "all_results.json").read_text())["step"] == 6
+    evaluation = (output_dir / "eval_results.json").read_text()
+
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--max_steps", "8", "--resume_from_checkpoint"))
+    all_results = json.loads((output_dir / "all_results.json").read_text())
+    assert all_results["train_steps"] == 8
+    assert not [name for name in all_results if name.startswith("eval_") or name in ("perplexity", "step")]
+    assert (output_dir / "eval_results.json").read_text() == evaluation
+    assert (
+        "eval_results.json holds the evaluation of step 6, not of the trained model's step 8, so all_results.json "
+        "leaves it out; resume with --do_eval to evaluate the trained model"
+    ) in capfd.readouterr().err
+
+
 def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
     model_dir, complete_run, tmp_path, monkeypatch, capfd
 ):
@@ -224,6 +270,26 @@ def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
     progress = json.loads((output_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
     assert progress["arguments"]["save_steps"] == 3
     assert len(os.listdir(output_dir / "tensorboard")) == 1
+
+
+def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_and_keeps_the_link(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    other_disk = tmp_path / "other-disk" / "checkpoints"
+    other_disk.parent.mkdir()
+    shutil.move(output_dir / "checkpoints", other_disk)
+    os.symlink(other_disk, output_dir / "checkpoints")
+    (other_disk / "notes.txt").write_text("the user's own file, beside the checkpoints")
+
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir", "--save_steps", "3"))
+    log = capfd.readouterr().err
+    target = os.path.realpath(other_disk)
+    assert f"removed the previous run's checkpoints/ (in {target}, where the link leads), tensorboard/" in log
+    assert os.readlink(output_dir / "checkpoints") == str(other_disk)
+    assert sorted(os.listdir(other_disk)) == ["3", "6", "notes.txt"]
+    progress = json.loads((other_disk / "6" / "progress" / "metadata").read_text())
+    assert progress["arguments"]["save_steps"] == 3
 
 
 def test_a_second_run_in_a_directory_in_use_stops_in_one_line_and_changes_nothing(
@@ -340,3 +406,19 @@ def test_a_run_that_finds_the_directory_locked_names_the_run_holding_it(tmp_path
     held.release()  # as when the holder ends: the lock is free again, and names its new holder
     lock_output_dir(str(tmp_path)).release()
     assert (tmp_path / OUTPUT_DIR_LOCK).read_text() == f"process {os.getpid()} on {socket.gethostname()}\n"
+
+
+def test_checkpoints_are_set_aside_across_disks_where_checkpoints_is_a_link(tmp_path, monkeypatch):
+    """A rename cannot cross from a checkpoints/ linked to another disk into OUTPUT_DIR: the checkpoint is copied."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in ("4", "6"):
+        (checkpoints / step).mkdir(parents=True)
+        (checkpoints / step / "state").write_text(step)
+
+    def rename_within_one_disk_only(source, target):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", str(source))
+
+    monkeypatch.setattr(os, "rename", rename_within_one_disk_only)
+    flax_lm.run_dir.set_aside_checkpoints_after(str(tmp_path / "run"), 4)
+    assert os.listdir(checkpoints) == ["4"]
+    assert (tmp_path / "run" / "discarded-checkpoints" / "6" / "state").read_text() == "6"

@@ -249,6 +249,20 @@ def test_all_results_merges_train_and_eval_results_with_the_hugging_face_names(t
     assert json.loads((tmp_path / "all_results.json").read_text()) == expected
 
 
+def test_all_results_leaves_out_an_evaluation_of_another_step_than_the_training(tmp_path, caplog):
+    train = {"train_loss": 3.5, "train_samples": 100, "train_steps": 30}
+    evaluation = {"eval_loss": 3.25, "eval_perplexity": 25.8, "eval_samples": 10, "step": 20}
+    (tmp_path / "train_results.json").write_text(json.dumps(train))
+    (tmp_path / "eval_results.json").write_text(json.dumps(evaluation))
+    assert write_all_results(str(tmp_path)) == train
+    assert json.loads((tmp_path / "all_results.json").read_text()) == train
+    assert json.loads((tmp_path / "eval_results.json").read_text()) == evaluation
+    assert caplog.messages == [
+        "eval_results.json holds the evaluation of step 20, not of the trained model's step 30, so all_results.json "
+        "leaves it out; resume with --do_eval to evaluate the trained model"
+    ]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A byte-level BPE tokenizer of 512 tokens trained on the English fixture corpus, and a tiny GPT-2 config."""
