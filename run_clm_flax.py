@@ -69,7 +69,7 @@ from flax_lm.hf_io import (
     save_model,
 )
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.mixture import Mixture, evaluation_sets, summed
+from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
 from flax_lm.models import gpt2
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict, generate_ids, make_sampler
 from flax_lm.processes import (
@@ -335,6 +335,11 @@ def evaluation_sums(eval_step, params, blocks, global_batch_size, batch_sharding
     return totals
 
 
+def describe_results(results: dict) -> str:
+    bits_per_byte = f", bits per byte {results['bits_per_byte']:.4f}" if "bits_per_byte" in results else ""
+    return f"loss {results['loss']:.4f}, perplexity {results['perplexity']:.2f}{bits_per_byte}"
+
+
 def evaluation_results(totals: dict) -> dict:
     """Loss and perplexity, averaged exactly over predicted tokens, and bits per byte (the summed loss in bits over
     the UTF-8 bytes of the predicted text) where the step counts bytes."""
@@ -380,25 +385,18 @@ class Evaluation:
     def __call__(self, params, step: int) -> dict:
         """The results on the whole evaluation data; with a mixture, those of each source under "sources" too."""
         setup = self.setup
-        sums = {
-            name: evaluation_sums(setup.eval_step, params, blocks, setup.eval_batch_size, setup.batch_sharding)
-            for name, blocks in evaluation_sets(self.blocks).items()
-        }
-        results = evaluation_results(summed(list(sums.values())))
-        results["sources"] = {name: evaluation_results(part) for name, part in sums.items() if name}
-        for name, source_results in [("", results), *results["sources"].items()]:
-            bits_per_byte = source_results.get("bits_per_byte")
-            logger.info(
-                "step %d: eval%s loss %.4f, perplexity %.2f%s",
-                step,
-                f" of {name}" if name else "",
-                source_results["loss"],
-                source_results["perplexity"],
-                "" if bits_per_byte is None else f", bits per byte {bits_per_byte:.4f}",
-            )
-            prefix = f"eval/{name}/" if name else "eval/"
-            names = ("loss", "perplexity", "bits_per_byte")
-            self.trackers.scalars({prefix + key: source_results[key] for key in names if key in source_results}, step)
+        results = evaluate_by_source(
+            partial(
+                evaluation_sums,
+                setup.eval_step,
+                params,
+                global_batch_size=setup.eval_batch_size,
+                batch_sharding=setup.batch_sharding,
+            ),
+            self.blocks,
+            evaluation_results,
+        )
+        report_by_source(results, step, self.trackers, ("loss", "perplexity", "bits_per_byte"), describe_results)
         if self.sample_tokens > 0:
             texts = self.samples(params)
             for text in texts:

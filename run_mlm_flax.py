@@ -74,7 +74,7 @@ from flax_lm.hf_io import (
 )
 from flax_lm.host_random import random_bits, uniform_from_bits
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.mixture import Mixture, evaluation_sets, summed
+from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
 from flax_lm.models import roberta
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM, check_model_config, check_tokenizer, from_hf_state_dict
 from flax_lm.processes import (
@@ -139,6 +139,14 @@ class DataTrainingArguments(DataArguments):
             "next power of two (at least 16) above its longest example, so jit compiles only a few shapes."
         },
     )
+    document_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "In a block of texts joined end to end, a token attends only to its own text and positions "
+            "restart at each </s> between texts, which starts the text after it. Not with --line_by_line, where "
+            "each example is one text already."
+        },
+    )
 
     @property
     def framing(self) -> str:
@@ -178,6 +186,11 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError(
             "--line_by_line cannot be combined with --streaming alone, which groups the texts into full blocks while "
             "training; add --packed_data_dir to pack the stream's lines once, or drop --line_by_line"
+        )
+    if data_args.line_by_line and data_args.document_attention:
+        raise UsageError(
+            "--document_attention has no effect with --line_by_line, where each example is one line (or text) "
+            "already; drop one of them"
         )
     check_common_arguments(model_args, data_args, training_args)
 
@@ -578,6 +591,13 @@ def evaluation_sums(eval_step, params, examples, make_batch, global_batch_size, 
     return totals
 
 
+def describe_results(results: dict) -> str:
+    return (
+        f"loss {results['loss']:.4f}, perplexity {results['perplexity']:.2f}, accuracy {results['accuracy']:.4f} "
+        f"over {results['masked_tokens']} masked tokens"
+    )
+
+
 def evaluation_results(totals: dict) -> dict:
     """Loss, perplexity and accuracy, averaged exactly over masked tokens."""
     masked_tokens = totals["weight_sum"]
@@ -641,33 +661,20 @@ class Evaluation:
     def __call__(self, params, step: int) -> dict:
         """The results on the whole evaluation data; with a mixture, those of each source under "sources" too."""
         setup = self.setup
-        sums = {
-            name: evaluation_sums(
+        results = evaluate_by_source(
+            partial(
+                evaluation_sums,
                 setup.eval_step,
                 params,
-                examples,
-                self.make_batch,
-                setup.eval_batch_size,
-                self.seed,
-                setup.batch_sharding,
-            )
-            for name, examples in evaluation_sets(self.examples).items()
-        }
-        results = evaluation_results(summed(list(sums.values())))
-        results["sources"] = {name: evaluation_results(part) for name, part in sums.items() if name}
-        for name, source_results in [("", results), *results["sources"].items()]:
-            logger.info(
-                "step %d: eval%s loss %.4f, perplexity %.2f, accuracy %.4f over %d masked tokens",
-                step,
-                f" of {name}" if name else "",
-                source_results["loss"],
-                source_results["perplexity"],
-                source_results["accuracy"],
-                source_results["masked_tokens"],
-            )
-            prefix = f"eval/{name}/" if name else "eval/"
-            names = ("loss", "perplexity", "accuracy")
-            self.trackers.scalars({prefix + key: source_results[key] for key in names}, step)
+                make_batch=self.make_batch,
+                global_batch_size=setup.eval_batch_size,
+                seed=self.seed,
+                batch_sharding=setup.batch_sharding,
+            ),
+            self.examples,
+            evaluation_results,
+        )
+        report_by_source(results, step, self.trackers, ("loss", "perplexity", "accuracy"), describe_results)
         return results
 
     def final(self, params, step: int, reuse_saved: bool):
@@ -739,8 +746,7 @@ def main():
         return
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
-    dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
-    model = FlaxRobertaForMaskedLM(config, *dtypes, remat_policy=model_args.gradient_checkpointing)
+    model = masked_lm_model(config, tokenizer, model_args, data_args)
     setup = set_up_training(model, make_eval_step(model), training_args, examples.get("train"), max_seq_length)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
@@ -807,6 +813,16 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
             f"{usable_positions}; lower --max_seq_length"
         )
     return data_args.max_seq_length
+
+
+def masked_lm_model(config, tokenizer, model_args, data_args) -> FlaxRobertaForMaskedLM:
+    """The model to train, in the dtypes asked for. With --document_attention it keeps the texts of a block apart,
+    each starting at the </s> that joins it to the one before (the block's first at its <s>)."""
+    dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
+    separator_id = tokenizer.eos_token_id if data_args.document_attention else None
+    return FlaxRobertaForMaskedLM(
+        config, *dtypes, model_args.gradient_checkpointing, document_separator_id=separator_id
+    )
 
 
 # Copied from run_clm_flax.TrainingSetup

@@ -11,6 +11,8 @@ import shutil
 import sys
 
 import datasets
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,7 +30,7 @@ from transformers import (
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import run_mlm_flax  # noqa: E402
-from flax_lm.arguments import parse_arguments  # noqa: E402
+from flax_lm.arguments import ModelArguments, parse_arguments  # noqa: E402
 from flax_lm.packed import cached_blocks  # noqa: E402
 
 TRAIN_FILE = os.path.join(REPO, "tests", "fixtures", "en", "train.txt")
@@ -103,6 +105,31 @@ def test_grouped_blocks_are_the_texts_joined_with_separators_and_framed_as_s_to_
     assert (input_ids[:, 0] == tokenizer.bos_token_id).all() and (input_ids[:, -1] == tokenizer.eos_token_id).all()
     assert attention_mask.all()
     np.testing.assert_array_equal(input_ids[:, 1:-1].reshape(-1), joined[: len(blocks) * (SEQUENCE_LENGTH - 2)])
+
+
+def test_with_document_attention_the_texts_of_a_grouped_block_are_scored_as_if_alone(model_dir, tokenizer, tmp_path):
+    data_file = tmp_path / "texts.txt"
+    data_file.write_text("The first text.\nA second text, a little longer than the first.\nThird.\n")
+    dataset = text_dataset(data_file, tmp_path)  # a text per line
+    token_lists = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in dataset["text"]]
+    width = sum(len(tokens) + 1 for tokens in token_lists)  # one block holds the texts, each followed by </s>
+    data_args = run_mlm_flax.DataTrainingArguments(document_attention=True)
+    blocks = cached_blocks(dataset, "train", run_mlm_flax.tokenized_rows, tokenizer, width, str(tmp_path), data_args)
+    input_ids, attention_mask = batch_maker(tokenizer, width + 2).token_ids(blocks, np.arange(1), 1)
+    assert tokenizer.decode(input_ids[0]) == "<s>" + "</s>".join(dataset["text"]) + "</s></s>"
+
+    config = RobertaConfig.from_pretrained(model_dir)
+    model = run_mlm_flax.masked_lm_model(config, tokenizer, ModelArguments(), data_args)
+    params = nn.meta.unbox(model.init(jax.random.key(0), input_ids))["params"]
+    packed = model.apply({"params": params}, input_ids, attention_mask)[0]
+    # Each text alone, led by the </s> that joins it to the one before where a sequence of its own has <s> (the first
+    # text by the block's <s>); then the </s> after the last text and the block's closing </s>, each alone.
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    pieces = [[bos, *token_lists[0]], *([eos, *tokens] for tokens in token_lists[1:]), [eos], [eos]]
+    plain = run_mlm_flax.FlaxRobertaForMaskedLM(config)
+    alone = np.concatenate([plain.apply({"params": params}, jnp.array([piece]))[0] for piece in pieces])
+    np.testing.assert_allclose(packed, alone, atol=1e-5)
+    assert np.abs(plain.apply({"params": params}, input_ids, attention_mask)[0] - alone).max() > 1e-3
 
 
 def test_line_by_line_keeps_every_non_empty_line_as_a_padded_row_and_caches_the_rows(
@@ -506,6 +533,33 @@ def test_resumed_run_continues_with_the_same_batches_masks_and_weights(run_tool,
         np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
 
 
+def test_document_attention_trains_and_evaluates(run_tool, model_dir, tmp_path):
+    """Two steps and an evaluation on the lines of the files as texts, several to a block."""
+    output_dir = tmp_path / "out"
+    command_line = [
+        f"--output_dir={output_dir}",
+        f"--config_name={model_dir}",
+        f"--tokenizer_name={model_dir}",
+        f"--train_file={TRAIN_FILE}",
+        f"--validation_file={VALIDATION_FILE}",
+        "--text_sample_by=line",
+        "--document_attention",
+        f"--max_seq_length={SEQUENCE_LENGTH}",
+        "--per_device_train_batch_size=4",
+        "--per_device_eval_batch_size=16",
+        "--max_steps=2",
+        "--max_eval_samples=32",
+        "--fill_mask_top_k=0",
+        "--do_train",
+        "--do_eval",
+    ]
+    run_mlm(run_tool, command_line)
+    assert (output_dir / "model.safetensors").is_file() and (output_dir / "train_results.json").is_file()
+    eval_results = json.loads((output_dir / "eval_results.json").read_text())
+    assert eval_results["step"] == 2 and eval_results["eval_masked_tokens"] > 100
+    assert math.isfinite(eval_results["eval_loss"])
+
+
 def test_json_arguments_file_gives_the_arguments_of_the_command_line(tmp_path, monkeypatch):
     values = {
         "output_dir": str(tmp_path / "out"),
@@ -565,6 +619,7 @@ def bad_inputs(model_dir, tmp_path_factory):
         (["--fill_mask_text", "no mask here"], "--fill_mask_text must contain the mask token <mask>"),
         (["--train_file", "missing.txt"], "--train_file: missing.txt does not exist"),
         (["--line_by_line", "--train_file", "{bad}/empty.txt"], "the train data has no non-empty lines"),
+        (["--line_by_line", "--document_attention"], "--document_attention has no effect with --line_by_line"),
         (["--per_device_train_batch_size", "100000"], "lower --per_device_train_batch_size or --max_seq_length"),
         (["--output_dir", "{bad}/output-with-files"], "already holds files; pass --resume_from_checkpoint"),
         (["--hub_model_id", "me/model"], "--hub_model_id is not supported: upload --output_dir after training"),

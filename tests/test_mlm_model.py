@@ -14,6 +14,7 @@ import transformers
 from safetensors.numpy import save_file
 
 from flax_lm.models import roberta
+from flax_lm.models.common import segments_and_positions
 from flax_lm.train_state import abstract_model_params
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,9 +77,9 @@ def perturbed(params, scale=0.1):
     return jax.tree_util.tree_map(lambda leaf: leaf + scale * rng.standard_normal(leaf.shape, np.float32), params)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_logits_match_pytorch_after_loading_a_pytorch_state_dict(tiny_flax, padded):
-    _, _, apply = tiny_flax
+@pytest.fixture(scope="module")
+def torch_roberta():
+    """(a PyTorch RobertaForMaskedLM of the tiny config, its parameters read by from_hf_state_dict)."""
     config = tiny_config()
     torch.manual_seed(0)
     torch_model = transformers.RobertaForMaskedLM(config).eval()
@@ -87,8 +88,13 @@ def test_logits_match_pytorch_after_loading_a_pytorch_state_dict(tiny_flax, padd
             if name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name:
                 tensor.add_(torch.randn_like(tensor) * 0.1)
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
-    params = roberta.from_hf_state_dict(state_dict, config)
+    return torch_model, roberta.from_hf_state_dict(state_dict, config)
 
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_logits_match_pytorch_after_loading_a_pytorch_state_dict(tiny_flax, torch_roberta, padded):
+    _, _, apply = tiny_flax
+    torch_model, params = torch_roberta
     input_ids, attention_mask = example_batch(padded)
     flax_logits = apply({"params": params}, input_ids, attention_mask)
     assert flax_logits.shape == (3, 12, VOCAB_SIZE)
@@ -123,6 +129,67 @@ def test_logits_at_masked_positions_equal_those_of_the_whole_sequence(tiny_flax)
     np.testing.assert_allclose(
         at_positions, np.take_along_axis(everywhere, masked_positions[:, :, None], axis=1), atol=1e-5
     )
+
+
+def random_documents():
+    rng = np.random.default_rng(2)
+    return [list(rng.integers(3, MASK, size)) for size in (7, 11, 5)]
+
+
+def packed(documents):
+    """The documents as run_mlm_flax.py packs texts into a block: joined with </s>, framed as <s> ... </s>."""
+    return [BOS, *documents[0], *(token for document in documents[1:] for token in (EOS, *document)), EOS]
+
+
+def test_document_attention_scores_each_packed_document_as_if_alone(tiny_flax):
+    _, params, apply = tiny_flax
+    params = perturbed(params)
+    first, second, third = random_documents()
+    second[3] = PAD  # a random replacement can be the padding token, which RoBERTa gives no position
+    block = packed([first, second, third])
+    input_ids = np.array([block + [PAD] * 3], np.int32)  # and padding after the block, which is not attended to
+    attention_mask = np.array([[1] * len(block) + [0] * 3], np.int32)
+    documents = roberta.FlaxRobertaForMaskedLM(tiny_config(), document_separator_id=EOS)
+    together = jax.jit(documents.apply)({"params": params}, input_ids, attention_mask)[0, : len(block)]
+    # Each document alone, led by the separator before it (the first by <s>), and the closing </s> alone.
+    pieces = [[BOS, *first], [EOS, *second], [EOS, *third], [EOS]]
+    alone = np.concatenate([apply({"params": params}, np.array([piece], np.int32))[0] for piece in pieces])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+    without = apply({"params": params}, input_ids, attention_mask)[0, : len(block)]
+    assert np.abs(without - alone).max() > 1e-2  # without document attention the documents see each other
+
+
+def test_document_attention_keeps_documents_apart_in_training_with_dropout(tiny_flax):
+    _, params, _ = tiny_flax
+    first, second, third = random_documents()
+    block = packed([first, second, third])
+    other = packed([[50] * len(first), second, third])  # another first document of the same length
+    later = slice(1 + len(first), None)  # the documents after it, from its separator on
+    config = tiny_config(attention_probs_dropout_prob=0.5)
+
+    def logits(separator_id, input_ids):
+        model = roberta.FlaxRobertaForMaskedLM(config, document_separator_id=separator_id)
+        rngs = {"dropout": jax.random.key(3)}  # the same dropout masks for the same shapes
+        return model.apply({"params": params}, np.array([input_ids]), deterministic=False, rngs=rngs)[0, later]
+
+    np.testing.assert_array_equal(logits(EOS, block), logits(EOS, other))
+    assert not np.allclose(logits(None, block), logits(None, other), atol=1e-3)
+
+
+def test_without_document_attention_a_packed_block_is_one_sequence_as_in_pytorch(tiny_flax, torch_roberta):
+    _, _, apply = tiny_flax
+    torch_model, params = torch_roberta
+    input_ids = np.array([packed(random_documents())], np.int32)
+    attention_mask = np.ones_like(input_ids)
+    flax_logits = apply({"params": params}, input_ids, attention_mask)
+    np.testing.assert_allclose(flax_logits, torch_logits(torch_model, input_ids, attention_mask), atol=1e-4)
+
+
+def test_positions_restart_at_each_separator_and_count_no_padding():
+    input_ids = jnp.array([[BOS, 5, 6, EOS, 7, PAD, 8, EOS, PAD, PAD]])
+    segment_ids, tokens_before = segments_and_positions(input_ids, EOS, counted=input_ids != PAD)
+    assert segment_ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]]
+    assert tokens_before.tolist() == [[0, 1, 2, 0, 1, 2, 2, 0, 1, 1]]
 
 
 def test_gradient_checkpointing_recomputes_layers_with_the_same_parameters_and_logits(tiny_flax):

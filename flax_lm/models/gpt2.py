@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from transformers import GPT2Config
 
 from flax_lm.errors import UsageError
-from flax_lm.models.common import ACTIVATIONS, attention_implementation
+from flax_lm.models.common import ACTIVATIONS, attention_implementation, same_segment, segments_and_positions
 
 logger = logging.getLogger(__name__)
 
@@ -135,21 +135,6 @@ class CausalSelfAttention(GPT2Module):
             y = attention_with_dropout(query, key, value, scale, dropout, segment_ids)
         y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
-
-
-def same_segment(segment_ids):
-    """(batch, length, length): whether query position q and key position k are of the same segment."""
-    return segment_ids[:, :, None] == segment_ids[:, None, :]
-
-
-def segments_and_positions(input_ids, separator_id: int):
-    """Segment ids and positions for a block of documents packed end to end: each `separator_id` (the
-    end-of-text token between documents) starts a segment, and positions count from 0 in each segment."""
-    starts = input_ids == separator_id
-    segment_ids = jnp.cumsum(starts, axis=1)
-    index = jnp.arange(input_ids.shape[1])[None, :]
-    segment_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-    return segment_ids, index - segment_start
 
 
 def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, segment_ids=None):

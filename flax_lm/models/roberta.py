@@ -11,7 +11,7 @@ import transformers
 from flax import traverse_util
 
 from flax_lm.errors import UsageError
-from flax_lm.models.common import ACTIVATIONS, attention_implementation
+from flax_lm.models.common import ACTIVATIONS, attention_implementation, same_segment, segments_and_positions
 from flax_lm.train_state import abstract_model_params
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,8 @@ class RobertaModule(nn.Module):
 
 
 class RobertaEmbeddings(RobertaModule):
-    """Word + position + token type embeddings (every token of type 0), then LayerNorm and dropout."""
+    """Word + position + token type embeddings (every token of type 0), then LayerNorm and dropout. The position ids
+    (batch, seq) are RobertaModel's."""
 
     def setup(self):
         config = self.config
@@ -135,12 +136,7 @@ class RobertaEmbeddings(RobertaModule):
         self.LayerNorm = self.layer_norm("LayerNorm")
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def __call__(self, input_ids, deterministic):
-        # RoBERTa (after fairseq) numbers real tokens pad+1, pad+2, ... and gives padding the position
-        # pad itself, so a sequence of length L needs max_position_embeddings >= L + pad + 1.
-        pad = self.config.pad_token_id
-        is_token = (input_ids != pad).astype(jnp.int32)
-        position_ids = jnp.cumsum(is_token, axis=1) * is_token + pad
+    def __call__(self, input_ids, position_ids, deterministic):
         token_type_ids = jnp.zeros_like(input_ids)
         x = (
             self.word_embeddings(input_ids)
@@ -152,7 +148,7 @@ class RobertaEmbeddings(RobertaModule):
 
 def attention_with_dropout(query, key, value, mask, dropout: nn.Dropout):
     """Attention written out, for training with dropout on the attention probabilities."""
-    # query, key, value: (batch, seq, heads, head_dim); mask: (batch, 1, 1, seq) bool or None
+    # query, key, value: (batch, seq, heads, head_dim); mask: (batch, 1, 1 or seq, seq) bool or None
     scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
     scores = scores / np.sqrt(query.shape[-1])
     if mask is not None:
@@ -181,8 +177,8 @@ class RobertaSelfAttention(RobertaModule):
             dropout = nn.Dropout(config.attention_probs_dropout_prob, deterministic=False)
             out = attention_with_dropout(query, key, value, mask, dropout)
         else:
-            # Softmax runs in float32 inside, whatever the dtype of query and key. With cuDNN the padding
-            # mask becomes an additive bias of the fused kernel.
+            # Softmax runs in float32 inside, whatever the dtype of query and key. With cuDNN the mask becomes an
+            # additive bias of the fused kernel.
             out = jax.nn.dot_product_attention(
                 query, key, value, mask=mask, implementation=attention_implementation(query.dtype)
             )
@@ -246,11 +242,22 @@ class RobertaModel(RobertaModule):
         self.embeddings = self.child(RobertaEmbeddings, "embeddings")
         self.encoder = self.child(RobertaEncoder, "encoder")
 
-    def __call__(self, input_ids, attention_mask, deterministic):
+    def __call__(self, input_ids, attention_mask, deterministic, separator_id=None):
         mask = None
         if attention_mask is not None:
             mask = attention_mask[:, None, None, :].astype(bool)  # (batch, 1, 1, seq): True = may attend
-        x = self.embeddings(input_ids, deterministic)
+        # RoBERTa (after fairseq) numbers real tokens pad+1, pad+2, ... and gives padding the position
+        # pad itself, so a sequence of length L needs max_position_embeddings >= L + pad + 1.
+        pad = self.config.pad_token_id
+        is_token = (input_ids != pad).astype(jnp.int32)
+        if separator_id is None:
+            tokens_before = jnp.cumsum(is_token, axis=1) - is_token
+        else:
+            segment_ids, tokens_before = segments_and_positions(input_ids, separator_id, counted=is_token)
+            same = same_segment(segment_ids)[:, None]  # (batch, 1, seq, seq)
+            mask = same if mask is None else mask & same
+        position_ids = (tokens_before + 1) * is_token + pad
+        x = self.embeddings(input_ids, position_ids, deterministic)
         return self.encoder(x, mask, deterministic)
 
 
@@ -274,7 +281,16 @@ class RobertaLMHead(RobertaModule):
 
 class FlaxRobertaForMaskedLM(RobertaModule):
     """RoBERTa encoder with its masked-language-modelling head; returns float32 logits (batch, seq, vocab),
-    or (batch, predictions, vocab) at `masked_positions` only."""
+    or (batch, predictions, vocab) at `masked_positions` only.
+
+    With `document_separator_id` (</s>, which joins the texts of a packed block), the input is taken for documents
+    packed end to end, each separator starting the document after it: a token attends only to its own document,
+    and positions restart at each separator, so that each document is computed as if alone, led by its separator
+    where a sequence of its own has <s>. Without it, the model is Hugging Face's RobertaForMaskedLM, which sees a row
+    as one sequence.
+    """
+
+    document_separator_id: int | None = None
 
     def setup(self):
         check_model_config(self.config)
@@ -282,7 +298,7 @@ class FlaxRobertaForMaskedLM(RobertaModule):
         self.lm_head = self.child(RobertaLMHead, "lm_head")
 
     def __call__(self, input_ids, attention_mask=None, deterministic: bool = True, masked_positions=None):
-        hidden_states = self.roberta(input_ids, attention_mask, deterministic)
+        hidden_states = self.roberta(input_ids, attention_mask, deterministic, self.document_separator_id)
         if masked_positions is not None:
             # masked_positions: (batch, predictions) int. Training predicts about 15% of the tokens, so running
             # the head (whose vocabulary projection is the largest matmul of a small model) only there saves
