@@ -12,7 +12,11 @@ temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-t
     ./generate_flax.py --model_name_or_path gpt2-run --prompt "def main(" --prompt "import " --max_new_tokens 40
     ./generate_flax.py --model_name_or_path gpt2-run --prompt_file prompts.txt --temperature 0.8 --top_p 0.95
     ./generate_flax.py --model_name_or_path gpt2-run --serve --port 8000
-    curl -s localhost:8000 -d '{"prompt": "def main(", "max_new_tokens": 40, "temperature": 0.8, "seed": 1}'
+    curl -s localhost:8000/v1/completions -H "Content-Type: application/json" \
+        -d '{"model": "gpt2-run", "prompt": "def main(", "max_tokens": 40, "temperature": 0.8, "seed": 1}'
+
+The server (flax_lm/serving.py) speaks the OpenAI completions API, streaming on request, and this script's own
+JSON API; requests that arrive together are decoded together, each by its own settings.
 
 The model and its sampler are run_clm_flax.py's own (flax_lm.models.gpt2): a model trained there decodes here
 exactly as it evaluated.
@@ -20,13 +24,10 @@ exactly as it evaluated.
 
 import json
 import logging
-import math
 import os
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -36,15 +37,12 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from flax_lm.errors import UsageError, run
 from flax_lm.hf_io import check_local_model_directory, read_safetensors_checkpoint
 from flax_lm.models.common import ACTIVATIONS
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, from_hf_state_dict, generate_ids, make_sampler
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, Sampling, decode_rows, from_hf_state_dict, make_sampler
 from flax_lm.processes import LOG_FORMAT
+from flax_lm.serving import Limits, listening_socket, serve
 from flax_lm.train_state import abstract_model_params
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(Exception):
-    """A request the server refuses: answered 400 with this one line."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -109,7 +107,11 @@ class GenerationArguments:
     )
     seed: int = field(default=0, metadata={"help": "Seed of the draws: the same seed gives the same texts."})
     batch_size: int = field(
-        default=8, metadata={"help": "Prompts decoded together; also the most prompts one HTTP request may carry."}
+        default=8,
+        metadata={
+            "help": "Prompts decoded together. With --serve: the most rows a batch of requests shares (1 serves "
+            "requests one at a time), and the most prompts one request may carry."
+        },
     )
     json_output: bool = field(
         default=False,
@@ -121,12 +123,18 @@ class GenerationArguments:
 class ServerArguments:
     serve: bool = field(
         default=False,
-        metadata={"help": "Answer HTTP POST requests instead of reading prompts; see the module docstring."},
+        metadata={"help": "Answer HTTP requests instead of reading prompts; see the module docstring."},
     )
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 for every interface."})
     port: int = field(default=8000, metadata={"help": "Port to listen on; 0 picks a free one (printed)."})
     max_new_tokens_limit: int = field(
         default=256, metadata={"help": "The most new tokens a request may ask for per prompt."}
+    )
+    max_queued_requests: int = field(
+        default=64,
+        metadata={
+            "help": "Requests that may wait for a batch while others decode; more are answered 503 with Retry-After."
+        },
     )
 
 
@@ -145,22 +153,13 @@ def parse_arguments() -> tuple[ModelArguments, GenerationArguments, ServerArgume
     return tuple(arguments)
 
 
-def sampling_settings_problem(settings: dict, prefix: str) -> str | None:
-    """What is wrong with max_new_tokens, temperature, top_k, top_p (named with `prefix`), or None."""
-    if settings["max_new_tokens"] < 1:
-        return f"{prefix}max_new_tokens must be at least 1"
-    if not (settings["temperature"] >= 0 and math.isfinite(settings["temperature"])):
-        return f"{prefix}temperature must be 0 (greedy) or positive"
-    if settings["top_k"] < 0:
-        return f"{prefix}top_k must be 0 (all tokens) or positive"
-    if not 0 < settings["top_p"] <= 1:
-        return f"{prefix}top_p must be in (0, 1]"
-    return None
+def sampling_of(generation_args) -> Sampling:
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+    return Sampling(**{name: getattr(generation_args, name) for name in names})
 
 
 def check_arguments(generation_args, server_args):
-    settings = {name: getattr(generation_args, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p")}
-    if problem := sampling_settings_problem(settings, "--"):
+    if problem := sampling_of(generation_args).problem("--"):
         raise UsageError(problem)
     if generation_args.batch_size < 1:
         raise UsageError("--batch_size must be at least 1")
@@ -171,6 +170,8 @@ def check_arguments(generation_args, server_args):
             raise UsageError(f"--port {server_args.port} is not a port number; use 1 to 65535, or 0 for any free one")
         if server_args.max_new_tokens_limit < generation_args.max_new_tokens:
             raise UsageError("--max_new_tokens (the default of requests) exceeds --max_new_tokens_limit; lower it")
+        if server_args.max_queued_requests < 1:
+            raise UsageError("--max_queued_requests must be at least 1")
     elif generation_args.prompt and generation_args.prompt_file:
         raise UsageError("give prompts with --prompt or --prompt_file, not both")
 
@@ -223,14 +224,13 @@ def load_model(model_args):
 
 
 class Generator:
-    """One loaded model answering batches of prompts; a lock lets the server's threads take turns."""
+    """One loaded model answering batches of prompts."""
 
     def __init__(self, model, params, tokenizer, batch_size: int):
         self.model, self.params, self.tokenizer, self.batch_size = model, params, tokenizer, batch_size
         eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
         self.eos_token_id = eos_token_id
         self.sampler = make_sampler(model, eos_token_id)
-        self.lock = threading.Lock()
 
     def encode(self, prompts: list[str], max_new_tokens: int, where: str) -> list[list[int]]:
         """Token ids of each prompt; an empty one starts from the end-of-text token. Refuses prompts that leave
@@ -247,27 +247,15 @@ class Generator:
             encoded.append(ids)
         return encoded
 
-    def generate(
-        self,
-        prompts: list[str],
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int,
-        where: str = "prompt",
-    ) -> list[dict]:
-        """For each prompt: its continuation, the count of prompt and new tokens, and why it stopped."""
-        prompt_ids = self.encode(prompts, max_new_tokens, where)
+    def generate(self, prompts: list[str], sampling: Sampling, where: str = "prompt") -> list[dict]:
+        """For each prompt: its continuation, the count of prompt and new tokens, and why it stopped. A prompt's
+        draws depend on the seed and its place in the list, not on the other prompts."""
+        prompt_ids = self.encode(prompts, sampling.max_new_tokens, where)
         results = []
         for first in range(0, len(prompt_ids), self.batch_size):
             batch = prompt_ids[first : first + self.batch_size]
-            with self.lock:
-                # Each batch draws from its own seed, so that no two prompts share their draws.
-                new_ids = generate_ids(
-                    self.sampler, self.params, batch, max_new_tokens, temperature, top_k, top_p, seed + first
-                )
-            for ids, new in zip(batch, new_ids):
+            samplings = [replace(sampling, prompt_index=first + row) for row in range(len(batch))]
+            for ids, new in zip(batch, decode_rows(self.sampler, self.params, batch, samplings)):
                 stopped = bool(new) and new[-1] == self.eos_token_id
                 results.append(
                     {
@@ -278,125 +266,6 @@ class Generator:
                     }
                 )
         return results
-
-
-# ----------------------------------------------------------------------------------------------------
-# HTTP server
-# ----------------------------------------------------------------------------------------------------
-
-MAX_REQUEST_BYTES = 1 << 20
-SETTING_TYPES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
-REQUEST_FIELDS = {"prompt", "prompts", *SETTING_TYPES}
-REQUEST_EXAMPLE = '{"prompt": "Once", "max_new_tokens": 20, "temperature": 0.8, "top_k": 0, "top_p": 1, "seed": 0}'
-
-
-def parse_request(body: bytes, generation_args, server_args) -> dict:
-    """The prompts and settings of a request body, the command line's settings filling in what it leaves out."""
-    try:
-        request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the body is not JSON: {error}") from None
-    if not isinstance(request, dict):
-        raise RequestError(f"the body must be a JSON object such as {REQUEST_EXAMPLE}")
-    if unknown := sorted(set(request) - REQUEST_FIELDS):
-        raise RequestError(f"unknown field {unknown[0]!r}; the fields are {', '.join(sorted(REQUEST_FIELDS))}")
-    if ("prompt" in request) == ("prompts" in request):
-        raise RequestError('give either "prompt" (a string) or "prompts" (a list of strings)')
-    prompts = [request["prompt"]] if "prompt" in request else request["prompts"]
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(prompt, str) for prompt in prompts):
-        raise RequestError('"prompt" must be a string and "prompts" a non-empty list of strings')
-    if len(prompts) > generation_args.batch_size:
-        raise RequestError(
-            f"{len(prompts)} prompts in one request; the server takes at most {generation_args.batch_size}"
-        )
-    settings = {"prompts": prompts}
-    for name, kind in SETTING_TYPES.items():
-        value = request.get(name, getattr(generation_args, name))
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not is_number or (kind is int and not float(value).is_integer()):
-            raise RequestError(f'"{name}" must be {"an integer" if kind is int else "a number"}, not {value!r}')
-        settings[name] = kind(value)
-    if problem := sampling_settings_problem(settings, ""):
-        raise RequestError(problem)
-    if settings["max_new_tokens"] > server_args.max_new_tokens_limit:
-        raise RequestError(
-            f"max_new_tokens {settings['max_new_tokens']} exceeds this server's limit of "
-            f"{server_args.max_new_tokens_limit}"
-        )
-    if not 0 <= settings["seed"] < 2**31:
-        raise RequestError("seed must be in [0, 2**31)")
-    return settings
-
-
-def make_request_handler(generator: Generator, generation_args, server_args):
-    class GenerationRequestHandler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.reply(200, {"model": generator.model.config.name_or_path, "usage": f"POST {REQUEST_EXAMPLE}"})
-
-        def do_POST(self):
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_REQUEST_BYTES:
-                    raise RequestError(f"the body has {length} bytes; the server takes at most {MAX_REQUEST_BYTES}")
-                settings = parse_request(self.rfile.read(length), generation_args, server_args)
-                prompts = settings.pop("prompts")
-                start = time.perf_counter()
-                try:
-                    results = generator.generate(prompts, **settings, where="prompt")
-                except ValueError as error:
-                    raise RequestError(str(error)) from None
-            except RequestError as error:
-                self.reply(400, {"error": str(error)})
-                return
-            except Exception:  # the server stays up for the next request
-                logger.exception("Failed to answer a request")
-                self.reply(500, {"error": "the server failed to answer this request; see its log"})
-                return
-            logger.info(
-                "%d prompts, %d new tokens in %.2f s",
-                len(prompts),
-                sum(r["new_tokens"] for r in results),
-                time.perf_counter() - start,
-            )
-            self.reply(
-                200,
-                {
-                    "texts": [result["text"] for result in results],
-                    "prompt_tokens": [result["prompt_tokens"] for result in results],
-                    "new_tokens": [result["new_tokens"] for result in results],
-                    "finish_reasons": [result["finish_reason"] for result in results],
-                },
-            )
-
-        def reply(self, status: int, content: dict):
-            body = json.dumps(content).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format, *args):
-            logger.info("%s %s", self.address_string(), format % args)
-
-    return GenerationRequestHandler
-
-
-def serve(generator: Generator, generation_args, server_args):
-    try:
-        server = ThreadingHTTPServer(
-            (server_args.host, server_args.port), make_request_handler(generator, generation_args, server_args)
-        )
-    except OSError as error:
-        raise UsageError(f"cannot listen on --host {server_args.host} --port {server_args.port}: {error}") from None
-    host, port = server.server_address[:2]
-    print(f"Serving {generator.model.config.name_or_path} on http://{host}:{port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -413,6 +282,8 @@ def main():
     logging.getLogger("jax").setLevel(logging.WARNING)
     transformers.utils.logging.set_verbosity_error()
     prompts = None if server_args.serve else read_prompts(generation_args)
+    # Taken before the model loads, so that an address in use is said at once.
+    listener = listening_socket(server_args.host, server_args.port) if server_args.serve else None
 
     model, params, tokenizer = load_model(model_args)
     generator = Generator(model, params, tokenizer, generation_args.batch_size)
@@ -423,16 +294,17 @@ def main():
         model_args.dtype,
         jax.devices()[0],
     )
-    settings = {name: getattr(generation_args, name) for name in SETTING_TYPES}
+    sampling = sampling_of(generation_args)
     if server_args.serve:
         # Compile the most common shape before the first request arrives.
-        generator.generate([""], **settings)
-        serve(generator, generation_args, server_args)
+        generator.generate([""], sampling)
+        limits = Limits(sampling, server_args.max_new_tokens_limit, generation_args.batch_size)
+        serve(generator, limits, server_args.max_queued_requests, listener)
         return
 
     start = time.perf_counter()
     try:
-        results = generator.generate(prompts, **settings, where="--prompt" if generation_args.prompt else "line")
+        results = generator.generate(prompts, sampling, where="--prompt" if generation_args.prompt else "line")
     except ValueError as error:
         raise UsageError(str(error)) from None
     new_tokens = sum(result["new_tokens"] for result in results)

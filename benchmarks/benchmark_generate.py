@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tokens per second of generate_flax.py's decoding (the sampler of flax_lm.models.gpt2) beside transformers'
-PyTorch `generate`, in the same run.
+PyTorch `generate`, in the same run; or, with --serving, of generate_flax.py --serve under concurrent clients.
 
 Both decode greedily with a key/value cache, from the same random GPT-2 (124M parameters by default) and the
 same prompts, `--new_tokens` tokens each without stopping early (no end-of-text token), at each batch size.
@@ -8,18 +8,36 @@ The first JAX call compiles; its time is reported apart, and the timed calls reu
 every later request of the same shape bucket does). The two must write the same tokens: both are checked.
 
     python benchmarks/benchmark_generate.py [--batch_sizes 1 8] [--new_tokens 128] [--prompt_tokens 16]
+
+With --serving, the model of --model_name_or_path (a GPT-2 directory, as run_clm_flax.py writes) is served twice,
+decoding up to --serving_batch_size concurrent requests together and then one request at a time (--batch_size 1),
+and each server is sent greedy requests for --new_tokens tokens by each count of --clients clients at once, each
+client sending its next request when the last one is answered. An untimed round first compiles the shapes the
+timed one uses. Reported: new tokens per second over all clients, the latency of requests (p50, p90, p99), and
+the mean rows of the server's batches (from its /metrics).
+
+    python benchmarks/benchmark_generate.py --serving --model_name_or_path DIR [--clients 1 8 32] \
+        [--requests_per_client 4] [--serving_batch_size 32] [--new_tokens 64]
 """
 
 import argparse
+import os
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jax
 import numpy as np
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from flax_lm.models import gpt2
 from flax_lm.train_state import abstract_model_params
+
+GENERATE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate_flax.py")
 
 PRESETS = {"gpt2": dict(n_layer=12, n_embd=768, n_head=12), "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16)}
 
@@ -40,8 +58,21 @@ def main():
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls of each; the fastest is reported")
+    parser.add_argument("--serving", action="store_true", help="benchmark generate_flax.py --serve instead")
+    parser.add_argument("--model_name_or_path", help="with --serving: the GPT-2 directory to serve")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32], help="with --serving")
+    parser.add_argument("--requests_per_client", type=int, default=4, help="with --serving: timed requests of each")
+    parser.add_argument("--serving_batch_size", type=int, default=32, help="with --serving: the batched server's")
     arguments = parser.parse_args()
+    if arguments.serving:
+        if not arguments.model_name_or_path:
+            parser.error("--serving needs --model_name_or_path, the GPT-2 directory to serve")
+        benchmark_serving(arguments)
+    else:
+        benchmark_decoding(arguments)
 
+
+def benchmark_decoding(arguments):
     # No end-of-text token: every row decodes all new tokens, on both sides.
     config = GPT2Config(
         vocab_size=50257, n_positions=1024, bos_token_id=None, eos_token_id=None, **PRESETS[arguments.preset]
@@ -95,6 +126,79 @@ def main():
             f"{same} of {batch_size} rows the same tokens",
             flush=True,
         )
+
+
+def start_server(model: str, batch_size: int, new_tokens: int, max_queued_requests: int):
+    """generate_flax.py --serve on a free port: (the process, its URL)."""
+    command = [
+        sys.executable, GENERATE_SCRIPT, "--model_name_or_path", model, "--serve", "--port", "0",
+        "--batch_size", str(batch_size), "--max_new_tokens", str(new_tokens),
+        "--max_new_tokens_limit", str(new_tokens), "--max_queued_requests", str(max_queued_requests),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = server.stdout.readline()
+    if not line.startswith("Serving"):
+        server.kill()
+        raise SystemExit(f"the server did not start; run it alone to see why: {' '.join(command)}")
+    return server, line.split()[-1]
+
+
+def batch_rows(url: str) -> tuple[float, float]:
+    """(rows, batches) the server has decoded so far, from its /metrics."""
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        if family.name == "flax_lm_batch_rows":
+            values = {sample.name: sample.value for sample in family.samples}
+            return values["flax_lm_batch_rows_sum"], values["flax_lm_batch_rows_count"]
+    raise SystemExit("the server's /metrics has no flax_lm_batch_rows")
+
+
+def run_clients(url: str, model: str, clients: int, requests_per_client: int, new_tokens: int):
+    """(seconds, new tokens, latency of each request): `clients` clients sending their requests one after another."""
+
+    def client(number: int) -> list[tuple[float, int]]:
+        answers = []
+        with httpx.Client(timeout=3600) as http:
+            for index in range(requests_per_client):
+                request = {"model": model, "prompt": f"Request {number} {index}:", "max_tokens": new_tokens}
+                start = time.perf_counter()
+                answer = http.post(f"{url}/v1/completions", json=request)
+                answer.raise_for_status()
+                answers.append((time.perf_counter() - start, answer.json()["usage"]["completion_tokens"]))
+        return answers
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        answers = [answer for answers in pool.map(client, range(clients)) for answer in answers]
+    return time.perf_counter() - start, sum(tokens for _, tokens in answers), [latency for latency, _ in answers]
+
+
+def benchmark_serving(arguments):
+    model = arguments.model_name_or_path
+    print(
+        f"generate_flax.py --serve of {model}: greedy, {arguments.new_tokens} new tokens a request, "
+        f"{arguments.requests_per_client} requests a client; JAX on {jax.devices()[0].platform}",
+        flush=True,
+    )
+    for label, batch_size in [("batched", arguments.serving_batch_size), ("one at a time", 1)]:
+        server, url = start_server(model, batch_size, arguments.new_tokens, max(arguments.clients))
+        try:
+            for clients in arguments.clients:
+                run_clients(url, model, clients, 1, arguments.new_tokens)  # compiles the shapes of this load
+                rows_before, batches_before = batch_rows(url)
+                seconds, tokens, latencies = run_clients(
+                    url, model, clients, arguments.requests_per_client, arguments.new_tokens
+                )
+                rows, batches = batch_rows(url)
+                p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
+                print(
+                    f"{label} (--batch_size {batch_size}), {clients:2d} clients: {tokens / seconds:7.1f} tokens/s, "
+                    f"latency p50 {p50:.2f} s, p90 {p90:.2f} s, p99 {p99:.2f} s; "
+                    f"{(rows - rows_before) / (batches - batches_before):.1f} rows a batch",
+                    flush=True,
+                )
+        finally:
+            server.terminate()
+            server.wait()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
-"""Shared test helpers: run a script of the repository offline, and small tokenizers trained on the test corpus."""
+"""Shared test helpers: run a script of the repository offline, small tokenizers trained on the test corpus, and a
+tiny GPT-2 with the Generator that generate_flax.py decodes it with, and its server in a process of its own."""
 
+import contextlib
 import os
+import queue
+import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,3 +66,67 @@ def gpt2_tokenizer_dir(test_tokenizer_dirs):
 def roberta_tokenizer_dir(test_tokenizer_dirs):
     """The RoBERTa test tokenizer. Shared by all tests: copy it before writing into it."""
     return test_tokenizer_dirs["roberta"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    """A tiny random GPT-2 saved by transformers (safetensors) beside the test tokenizer. Its weights are drawn
+    wider than GPT-2's usual 0.02, so that greedy decoding wanders instead of repeating one token."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    directory = shutil.copytree(gpt2_tokenizer_dir, tmp_path_factory.mktemp("generate") / "tiny-gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        initializer_range=0.3,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def generator(tiny_gpt2_dir):
+    """generate_flax.py's Generator of the tiny GPT-2, 4 prompts to a batch."""
+    sys.path.insert(0, str(REPO_DIR))
+    import generate_flax
+
+    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_gpt2_dir)))
+    return generate_flax.Generator(model, params, tokenizer, batch_size=4)
+
+
+@contextlib.contextmanager
+def server_process(model_dir, log_path, *arguments):
+    """generate_flax.py --serve of `model_dir` on a free port of 127.0.0.1, offline, in a process of its own, with
+    `arguments` besides: (the process, its URL, its log file). Killed at the end if it still runs."""
+    log = open(log_path, "w+")  # a file, not a pipe: a full pipe would block the server
+    command = [sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(model_dir), "--serve"]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    server = subprocess.Popen(
+        [*command, "--port", "0", *map(str, arguments)], stdout=subprocess.PIPE, stderr=log, text=True, env=environment
+    )
+    try:
+        lines = queue.Queue()
+
+        def read_output():
+            for line in server.stdout:
+                lines.put(line)
+            lines.put("(the server exited)")
+
+        threading.Thread(target=read_output, daemon=True).start()
+        first_line = lines.get(timeout=180)
+        log.seek(0)
+        assert "Serving" in first_line, log.read()[-3000:]
+        yield server, first_line.split()[-1], log
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+        log.close()

@@ -4,12 +4,9 @@ server."""
 
 import json
 import os
-import queue
 import re
-import shutil
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 
@@ -18,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_DIR
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from conftest import REPO_DIR, server_process
+from transformers import GPT2LMHeadModel
 
 from flax_lm.errors import UsageError
 from flax_lm.models import gpt2
@@ -29,34 +26,6 @@ import generate_flax  # noqa: E402
 
 PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
 OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
-    """A tiny random GPT-2 saved by transformers (safetensors) beside the test tokenizer. Its weights are drawn
-    wider than GPT-2's usual 0.02, so that greedy decoding wanders instead of repeating one token."""
-    directory = shutil.copytree(gpt2_tokenizer_dir, tmp_path_factory.mktemp("generate") / "tiny-gpt2")
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        initializer_range=0.3,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    GPT2LMHeadModel(config).eval().save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def generator(model_dir):
-    model_args = generate_flax.ModelArguments(model_name_or_path=str(model_dir))
-    model, params, tokenizer = generate_flax.load_model(model_args)
-    return generate_flax.Generator(model, params, tokenizer, batch_size=4)
 
 
 def torch_greedy_ids(model_dir, prompt_ids, max_new_tokens):
@@ -72,12 +41,12 @@ def torch_greedy_ids(model_dir, prompt_ids, max_new_tokens):
     return output[0, len(prompt_ids) :].tolist()
 
 
-def test_greedy_ids_equal_transformers_generate_for_a_batch_of_different_lengths(generator, model_dir):
+def test_greedy_ids_equal_transformers_generate_for_a_batch_of_different_lengths(generator, tiny_gpt2_dir):
     prompt_ids = generator.encode(PROMPTS, 20, "prompt")
     assert len({len(ids) for ids in prompt_ids}) == 3
     ours = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 20)
     for ids, new_ids in zip(prompt_ids, ours):
-        expected = torch_greedy_ids(model_dir, ids, 20)
+        expected = torch_greedy_ids(tiny_gpt2_dir, ids, 20)
         assert new_ids == expected
         assert len(set(new_ids)) > 3  # the model writes something, not one token over and over
 
@@ -121,12 +90,48 @@ def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(generator):
     assert alone[0] == sampled[0]
 
 
+def test_each_row_decodes_by_its_own_settings_as_it_would_alone(generator):
+    prompt_ids = generator.encode(PROMPTS + ["The"], 16, "prompt")
+    samplings = [
+        gpt2.Sampling(16),
+        gpt2.Sampling(9, temperature=0.9, top_k=20, seed=7),
+        gpt2.Sampling(12, temperature=1.2, top_p=0.8, seed=7, prompt_index=1),
+        gpt2.Sampling(5, temperature=1.0, seed=2),
+    ]
+    together = gpt2.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
+    for ids, sampling, new_ids in zip(prompt_ids, samplings, together):
+        assert new_ids == gpt2.decode_rows(generator.sampler, generator.params, [ids], [sampling])[0]
+        assert len(new_ids) == sampling.max_new_tokens
+
+
+def test_decoding_in_chunks_gives_the_tokens_of_one_go(generator):
+    prompt_ids = generator.encode(PROMPTS, 16, "prompt")
+    samplings = [gpt2.Sampling(16 - 3 * row, temperature=1.0, top_k=30, seed=1, prompt_index=row) for row in range(3)]
+    batch = gpt2.DecodingBatch(generator.sampler, generator.params, prompt_ids, samplings)
+    chunks = [batch.advance(steps) for steps in (0, 5, 5, 5, 5)]
+    joined = [sum(row_chunks, []) for row_chunks in zip(*chunks)]
+    assert batch.finished.all() and chunks[0] == [row[:1] for row in joined]  # the first look: each row's first token
+    assert joined == gpt2.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
+
+
+def test_ended_rows_decode_no_more_and_the_others_go_on(generator):
+    prompt_ids = generator.encode(PROMPTS, 16, "prompt")
+    samplings = [gpt2.Sampling(16, prompt_index=row) for row in range(3)]
+    batch = gpt2.DecodingBatch(generator.sampler, generator.params, prompt_ids, samplings)
+    first = batch.advance(3)
+    rest = batch.advance(16, ended=[1])
+    assert rest[1] == [] and batch.finished.tolist() == [True, True, True]
+    full = gpt2.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
+    assert [first[0] + rest[0], first[2] + rest[2]] == [full[0], full[2]]
+
+
 def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens():
     logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]] * 2000))
     row_keys = jax.random.split(jax.random.key(0), 2000)
 
     def drawn(top_k, top_p):
-        tokens = gpt2.next_tokens(logits, row_keys, 1.0, top_p, top_k, True, top_p < 1)
+        rows = jnp.ones(2000)
+        tokens = gpt2.next_tokens(logits, row_keys, rows, rows.astype(int) * top_k, rows * top_p, True, 5)
         return set(np.asarray(tokens).tolist())
 
     assert drawn(0, 1.0) == {0, 1, 2, 3, 4}
@@ -135,9 +140,9 @@ def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens():
     assert drawn(2, 0.3) == {1}
 
 
-def test_bfloat16_loads_bfloat16_weights_and_decodes_like_float32(generator, model_dir):
+def test_bfloat16_loads_bfloat16_weights_and_decodes_like_float32(generator, tiny_gpt2_dir):
     model, params, tokenizer = generate_flax.load_model(
-        generate_flax.ModelArguments(model_name_or_path=str(model_dir), dtype="bfloat16")
+        generate_flax.ModelArguments(model_name_or_path=str(tiny_gpt2_dir), dtype="bfloat16")
     )
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     bfloat16_generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
@@ -163,9 +168,9 @@ def run_generate(*args, stdin=None):
     return subprocess.run(command, input=stdin, capture_output=True, text=True, env=OFFLINE_ENV, timeout=300)
 
 
-def test_command_line_generates_from_prompts_and_stdin(generator, model_dir):
-    expected = generator.generate(PROMPTS, 10, temperature=0.0, top_k=0, top_p=1.0, seed=0)
-    arguments = ["--model_name_or_path", model_dir, "--max_new_tokens", 10, "--json_output", "--batch_size", 2]
+def test_command_line_generates_from_prompts_and_stdin(generator, tiny_gpt2_dir):
+    expected = generator.generate(PROMPTS, gpt2.Sampling(10))
+    arguments = ["--model_name_or_path", tiny_gpt2_dir, "--max_new_tokens", 10, "--json_output", "--batch_size", 2]
     from_flags = run_generate(*arguments, *[item for prompt in PROMPTS for item in ("--prompt", prompt)])
     assert from_flags.returncode == 0, from_flags.stderr[-3000:]
     lines = [json.loads(line) for line in from_flags.stdout.splitlines()]
@@ -178,8 +183,8 @@ def test_command_line_generates_from_prompts_and_stdin(generator, model_dir):
     assert from_stdin.stdout == from_flags.stdout
 
 
-def test_prompt_too_long_for_the_model_exits_with_one_clear_line(model_dir):
-    result = run_generate("--model_name_or_path", model_dir, "--prompt", "word " * 70)
+def test_prompt_too_long_for_the_model_exits_with_one_clear_line(tiny_gpt2_dir):
+    result = run_generate("--model_name_or_path", tiny_gpt2_dir, "--prompt", "word " * 70)
     assert result.returncode == 2
     assert "--prompt 1 has" in result.stderr and "exceeds the model's 64 positions" in result.stderr
     assert "Traceback" not in result.stderr
@@ -192,14 +197,16 @@ def test_prompt_too_long_for_the_model_exits_with_one_clear_line(model_dir):
         (["--prompt", "A", "--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
         (["--prompt_file", "missing.txt"], "cannot read --prompt_file missing.txt"),
         (["--serve", "--prompt", "A"], "--serve takes its prompts from HTTP requests"),
+        (["--serve", "--max_queued_requests", "0"], "--max_queued_requests must be at least 1"),
+        (["--prompt", "A", "--seed", "-1"], "--seed must be in [0, 2**31)"),
         (
             ["--model_name_or_path", "./no-such-model", "--prompt", "A"],
             "--model_name_or_path ./no-such-model: no such",
         ),
     ],
 )
-def test_bad_arguments_are_reported_as_a_usage_error(model_dir, arguments, message, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["generate_flax.py", "--model_name_or_path", str(model_dir), *arguments])
+def test_bad_arguments_are_reported_as_a_usage_error(tiny_gpt2_dir, arguments, message, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["generate_flax.py", "--model_name_or_path", str(tiny_gpt2_dir), *arguments])
     with pytest.raises(UsageError, match=re.escape(message)):
         generate_flax.main()
 
@@ -214,29 +221,12 @@ def post(url, content, timeout=60):
         return error.code, json.loads(error.read())
 
 
-def test_server_answers_requests_and_refuses_bad_ones_with_400(generator, model_dir, tmp_path):
-    log = open(tmp_path / "server.log", "w+")  # a file, not a pipe: a full pipe would block the server
-    server = subprocess.Popen(
-        [sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(model_dir), "--serve",
-         "--port", "0", "--batch_size", "4", "--max_new_tokens", "8", "--max_new_tokens_limit", "32"],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=OFFLINE_ENV,
-    )  # fmt: skip
-    try:
-        lines = queue.Queue()
-
-        def read_output():
-            for line in server.stdout:
-                lines.put(line)
-            lines.put("(the server exited)")
-
-        threading.Thread(target=read_output, daemon=True).start()
-        first_line = lines.get(timeout=180)
-        log.seek(0)
-        assert "Serving" in first_line, log.read()[-3000:]
-        url = first_line.split()[-1]
+def test_server_answers_requests_and_refuses_bad_ones_with_400(generator, tiny_gpt2_dir, tmp_path):
+    arguments = ["--batch_size", 4, "--max_new_tokens", 8, "--max_new_tokens_limit", 32]
+    with server_process(tiny_gpt2_dir, tmp_path / "server.log", *arguments) as (_, url, _):
         assert url.startswith("http://127.0.0.1:")
 
-        expected = generator.generate(PROMPTS, 8, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+        expected = generator.generate(PROMPTS, gpt2.Sampling(8))
         status, answer = post(url, {"prompts": PROMPTS})  # max_new_tokens from the command line
         assert status == 200
         assert answer["texts"] == [result["text"] for result in expected]
@@ -260,7 +250,3 @@ def test_server_answers_requests_and_refuses_bad_ones_with_400(generator, model_
             status, answer = post(url, body)
             assert status == 400 and reason in answer["error"] and "\n" not in answer["error"]
         assert post(url, {"prompts": PROMPTS, "max_new_tokens": 8})[1]["texts"] == [r["text"] for r in expected]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()

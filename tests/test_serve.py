@@ -1,0 +1,277 @@
+"""generate_flax.py --serve (flax_lm/serving.py and flax_lm/batching.py): requests that arrive together share a
+batch and get what they would get alone, a full queue answers 503, SIGTERM answers the requests in flight and
+exits 0, and the OpenAI client gets completions, streamed or not."""
+
+import contextlib
+import json
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from conftest import server_process
+from prometheus_client.parser import text_string_to_metric_families
+
+from flax_lm import batching, serving
+from flax_lm.models import gpt2
+
+PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
+DEFAULTS = gpt2.Sampling(max_new_tokens=8)
+
+
+@contextlib.contextmanager
+def running_server(generator, max_queued_requests: int = 64):
+    """The server, in this process, on a free port of 127.0.0.1: (its URL, the server)."""
+    listener = serving.listening_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    limits = serving.Limits(DEFAULTS, max_new_tokens_limit=32, batch_size=generator.batch_size)
+    server = serving.make_server(generator, limits, max_queued_requests)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]})
+    thread.start()
+    try:
+        wait_until(lambda: server.started)
+        yield url, server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def wait_until(condition, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    with running_server(generator) as url_and_server:
+        yield url_and_server
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds the next batch the server decodes until the test sets `gate.open`, so that requests queue behind it;
+    `gate.reached` is set once that batch waits there."""
+    reached, opened = threading.Event(), threading.Event()
+
+    class HeldBatch(batching.DecodingBatch):
+        def __init__(self, *args, **kwargs):
+            if not reached.is_set():
+                reached.set()
+                opened.wait(timeout=120)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(batching, "DecodingBatch", HeldBatch)
+    yield type("Gate", (), {"reached": reached, "open": opened})
+    opened.set()
+
+
+def complete(url: str, model: str, **fields) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": model, **fields}, timeout=120)
+
+
+def model_id(generator) -> str:
+    return generator.model.config.name_or_path
+
+
+def batches_of_one_and_all(url: str) -> tuple[float, float]:
+    """(batches of 1 row, all batches) that the server decoded so far, from its /metrics."""
+    metrics = {family.name: family for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value for sample in metrics["flax_lm_batch_rows"].samples
+    }
+    return samples[("flax_lm_batch_rows_bucket", "1.0")], samples[("flax_lm_batch_rows_count", None)]
+
+
+def test_32_concurrent_requests_are_all_answered_in_shared_batches(generator, server):
+    url, _ = server
+    ones_before, all_before = batches_of_one_and_all(url)
+
+    def request(number: int) -> httpx.Response:
+        return complete(url, model_id(generator), prompt=f"{PROMPTS[number % 3]} {number}", max_tokens=24)
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(request, range(32)))
+    assert [answer.status_code for answer in answers] == [200] * 32
+    assert all(answer.json()["usage"]["completion_tokens"] >= 1 for answer in answers)
+    ones, batches = batches_of_one_and_all(url)
+    assert batches - all_before < 32  # some batch had more than one row
+    assert batches - all_before > ones - ones_before
+
+
+def test_a_request_in_a_shared_batch_gets_what_it_gets_alone(generator, server, gate):
+    url, running = server
+    requests = [
+        {"prompt": PROMPTS[0], "max_tokens": 12},
+        {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0.9, "top_k": 20, "seed": 3},
+        {"prompt": PROMPTS[2], "max_tokens": 16, "temperature": 1.1, "top_p": 0.9, "seed": 3},
+        {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "seed": 4},
+    ]
+    ones_before, all_before = batches_of_one_and_all(url)
+    with ThreadPoolExecutor(len(requests) + 1) as pool:
+        first = pool.submit(complete, url, model_id(generator), prompt="A", max_tokens=4)
+        assert gate.reached.wait(timeout=120)
+        together = [pool.submit(complete, url, model_id(generator), **request) for request in requests]
+        wait_until(lambda: running.engine.queued == len(requests))
+        gate.open.set()
+        assert first.result().status_code == 200
+        together = [answer.result().json() for answer in together]
+    ones, batches = batches_of_one_and_all(url)
+    assert (batches - all_before, ones - ones_before) == (2, 1)  # the first alone, then the four together
+    for request, shared in zip(requests, together):
+        alone = complete(url, model_id(generator), **request).json()
+        assert shared["choices"] == alone["choices"] and shared["usage"] == alone["usage"]
+    assert together[1]["choices"][0]["text"] != together[3]["choices"][0]["text"]
+
+
+def test_a_full_queue_is_answered_503_with_retry_after(generator, gate):
+    with running_server(generator, max_queued_requests=2) as (url, running), ThreadPoolExecutor(3) as pool:
+        answers = [pool.submit(complete, url, model_id(generator), prompt="A", max_tokens=4)]
+        assert gate.reached.wait(timeout=120)
+        answers += [
+            pool.submit(complete, url, model_id(generator), prompt=prompt, max_tokens=4) for prompt in PROMPTS[:2]
+        ]
+        wait_until(lambda: running.engine.queued == 2)
+
+        refused = complete(url, model_id(generator), prompt="B", max_tokens=4)
+        assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+        assert (
+            refused.json()["error"]["message"]
+            == f"the server is busy (2 requests wait); retry in {refused.headers['Retry-After']} s"
+        )
+        refused = httpx.post(url, json={"prompt": "B"}, timeout=60)
+        assert refused.status_code == 503 and "the server is busy" in refused.json()["error"]
+
+        gate.open.set()
+        assert [answer.result().status_code for answer in answers] == [200] * 3
+
+
+def test_the_openai_client_gets_a_completion_and_a_streamed_one(generator, server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    assert model.id == model_id(generator)
+    expected = generator.generate([PROMPTS[1]], gpt2.Sampling(10))[0]
+
+    completion = client.completions.create(model=model.id, prompt=PROMPTS[1], max_tokens=10)
+    [choice] = completion.choices
+    assert (choice.text, choice.finish_reason) == (expected["text"], "length")
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (expected["prompt_tokens"], 10)
+
+    stream = client.completions.create(
+        model=model.id, prompt=PROMPTS[1], max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    pieces = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert len([piece for piece in pieces if piece]) > 1  # sent as it was decoded, not at the end
+    assert "".join(pieces) == expected["text"]
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(generator, server):
+    url, _ = server
+    text = generator.generate([PROMPTS[1]], gpt2.Sampling(24))[0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    request = {"prompt": PROMPTS[1], "max_tokens": 24, "stop": [stop, "never written"]}
+
+    answer = complete(url, model_id(generator), **request).json()
+    [choice] = answer["choices"]
+    assert (choice["text"], choice["finish_reason"]) == (text[: text.index(stop)], "stop")
+    assert answer["usage"]["completion_tokens"] < 24
+
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={"model": model_id(generator), "stream": True, **request}
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    assert "".join(chunk["text"] for chunk in chunks) == choice["text"]
+    assert [chunk["finish_reason"] for chunk in chunks][-1] == "stop"
+
+
+@pytest.mark.parametrize(
+    "fields, status, message",
+    [
+        ({"n": 2}, 400, '"n" must be 1'),
+        ({"logprobs": 2}, 400, '"logprobs" is not supported'),
+        ({"echo": True}, 400, '"echo" is not supported'),
+        ({"max_tokens": 33}, 400, "max_tokens 33 exceeds this server's limit of 32"),
+        ({"max_tokens": 30, "prompt": "word " * 40}, 400, "exceeds the model's 64 positions"),
+        ({"temperature": -1}, 400, "temperature must be 0 (greedy) or positive"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, '"stop" must be a non-empty string or a list of at most 4'),
+        ({"prompt": [1, 2]}, 400, '"prompt" must be a string or a non-empty list of strings'),
+        ({"prompt": ["A"] * 5}, 400, "5 prompts in one request; the server takes at most 4"),
+        ({"stream_options": {"include_usage": True}}, 400, '"stream_options" may only be'),
+        ({"stream": True, "stream_options": [1]}, 400, '"stream_options" may only be'),
+        ({"temperature": 10**400}, 400, '"temperature" is out of range'),
+        ({"seed": 2**31}, 400, "seed must be in [0, 2**31)"),
+        ({"frequency_penalty_typo": 1}, 400, "unknown field 'frequency_penalty_typo'"),
+        ({"model": "gpt-4"}, 404, "the model 'gpt-4' is not served here"),
+    ],
+)
+def test_bad_completion_requests_are_refused_in_openai_error_shape(generator, server, fields, status, message):
+    url, _ = server
+    request = {"model": model_id(generator), "prompt": "A", **fields}
+    answer = httpx.post(f"{url}/v1/completions", json=request, timeout=60)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert message in error["message"] and "\n" not in error["message"] and error["type"]
+
+
+def test_a_body_over_1_mib_or_not_json_is_refused_with_400(server):
+    url, _ = server
+    for body, message in [(b"x" * (serving.MAX_REQUEST_BYTES + 1), "longer than 1048576 bytes"), (b"{", "not JSON")]:
+        answer = httpx.post(f"{url}/v1/completions", content=body, timeout=60)
+        assert answer.status_code == 400 and message in answer.json()["error"]["message"]
+
+
+def test_health_models_and_metrics_answer(generator, server):
+    url, _ = server
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == model_id(generator)
+    complete(url, model_id(generator), prompt="A", max_tokens=3)
+    metrics = httpx.get(f"{url}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    names = {family.name for family in text_string_to_metric_families(metrics.text)}
+    assert {
+        "flax_lm_requests",
+        "flax_lm_generated_tokens",
+        "flax_lm_prompt_tokens",
+        "flax_lm_queued_requests",
+        "flax_lm_batch_rows",
+        "flax_lm_request_duration_seconds",
+    } <= names
+    assert 'flax_lm_requests_total{path="/v1/completions",status="200"}' in metrics.text
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_0(tiny_gpt2_dir, tmp_path):
+    arguments = ["--batch_size", 1, "--max_new_tokens", 8, "--max_new_tokens_limit", 48]
+    with server_process(tiny_gpt2_dir, tmp_path / "server.log", *arguments) as (server, url, log):
+        accepted = threading.Semaphore(0)
+
+        def stream(number: int) -> list[str]:
+            request = {"model": str(tiny_gpt2_dir), "prompt": f"A {number}", "max_tokens": 48, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as response:
+                accepted.release()  # the answer has begun: the request is in flight
+                return [line for line in response.iter_lines() if line]
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = [pool.submit(stream, number) for number in range(6)]
+            for _ in answers:
+                assert accepted.acquire(timeout=120)
+            server.send_signal(signal.SIGTERM)
+            answers = [answer.result() for answer in answers]
+        assert server.wait(timeout=60) == 0
+        for events in answers:
+            last_choice = json.loads(events[-2].removeprefix("data: "))["choices"][0]
+            assert events[-1] == "data: [DONE]" and last_choice["finish_reason"] in ("length", "stop")
+        log.seek(0)
+        stopped = re.findall(r"Stopped on SIGTERM, after answering the (\d+) requests in flight", log.read())
+        assert len(stopped) == 1 and int(stopped[0]) >= 1
