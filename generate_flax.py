@@ -18,8 +18,8 @@ temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-t
 The server (flax_lm/serving.py) speaks the OpenAI completions API, streaming on request, and this script's own
 JSON API; requests that arrive together are decoded together, each by its own settings.
 
-The model and its sampler are run_clm_flax.py's own (flax_lm.models.gpt2): a model trained there decodes here
-exactly as it evaluated.
+The model and its sampler are run_clm_flax.py's own (flax_lm.models.gpt2, flax_lm.sampling): a model trained there
+decodes here exactly as it evaluated.
 """
 
 import json
@@ -37,8 +37,9 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 from flax_lm.errors import UsageError, run
 from flax_lm.hf_io import check_local_model_directory, read_safetensors_checkpoint
 from flax_lm.models.common import ACTIVATIONS
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, Sampling, decode_rows, from_hf_state_dict, make_sampler
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, from_hf_state_dict
 from flax_lm.processes import LOG_FORMAT
+from flax_lm.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.serving import Limits, listening_socket, serve
 from flax_lm.train_state import abstract_model_params
 

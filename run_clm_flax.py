@@ -71,7 +71,7 @@ from flax_lm.hf_io import (
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
 from flax_lm.models import gpt2
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict, generate_ids, make_sampler
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict
 from flax_lm.processes import (
     initialize_distributed,
     on_process_zero,
@@ -88,6 +88,7 @@ from flax_lm.run_dir import (
     write_json,
     write_train_results,
 )
+from flax_lm.sampling import generate_ids, make_sampler
 from flax_lm.texts import token_arrays, token_byte_counts
 from flax_lm.tracking import TrainingLog, open_trackers
 from flax_lm.train_state import (
@@ -379,7 +380,9 @@ class Evaluation:
         self.output_dir, self.seed = training_args.output_dir, training_args.seed
         self.prompts, self.sample_tokens = training_args.sample_prompt or [""], training_args.sample_tokens
         model = setup.model  # without gradient checkpointing, which sampling does not need
-        sampling_model = FlaxGPT2LMHeadModel(model.config, dtype=model.dtype, param_dtype=model.param_dtype)
+        sampling_model = FlaxGPT2LMHeadModel(
+            model.config, dtype=model.dtype, param_dtype=model.param_dtype, mesh=model.mesh
+        )
         self.sampler = make_sampler(sampling_model, tokenizer.eos_token_id)
 
     def __call__(self, params, step: int) -> dict:
@@ -457,7 +460,8 @@ def main():
     on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
 
     config, tokenizer = load_config_and_tokenizer(model_args)
-    check_model_config(config)
+    mesh = create_mesh(training_args.mesh_shape)
+    check_model_config(config, mesh)
     block_size = choose_block_size(data_args, tokenizer, config)
     blocks, train_stream = load_data(
         model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, f"--block_size {block_size}"
@@ -466,9 +470,7 @@ def main():
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
 
-    dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
-    separator_id = tokenizer.eos_token_id if data_args.document_attention else None
-    model = FlaxGPT2LMHeadModel(config, *dtypes, model_args.gradient_checkpointing, document_separator_id=separator_id)
+    model = causal_lm_model(config, tokenizer, model_args, data_args, mesh)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
     setup = set_up_training(model, eval_step, training_args, blocks.get("train"), block_size)
     state, progress = initial_state(model_args, training_args, setup)
@@ -515,6 +517,16 @@ def choose_block_size(data_args, tokenizer, config) -> int:
     return block_size
 
 
+def causal_lm_model(config, tokenizer, model_args, data_args, mesh) -> FlaxGPT2LMHeadModel:
+    """The model to train on `mesh`, in the dtypes asked for. With --document_attention it keeps the documents of a
+    block apart, each starting at the end-of-text token that ends the one before."""
+    dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
+    separator_id = tokenizer.eos_token_id if data_args.document_attention else None
+    return FlaxGPT2LMHeadModel(
+        config, *dtypes, model_args.gradient_checkpointing, mesh, document_separator_id=separator_id
+    )
+
+
 @dataclass
 class TrainingSetup:
     """What training and evaluation need, built once from the arguments and the model."""
@@ -542,7 +554,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
         jax.local_device_count(),
         jax.devices(),
     )
-    mesh = create_mesh(training_args.mesh_shape)
+    mesh = model.mesh
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, ...)
     accumulation_steps = training_args.gradient_accumulation_steps

@@ -735,7 +735,8 @@ def main():
     on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
 
     config, tokenizer = load_config_and_tokenizer(model_args)
-    check_model_and_tokenizer(config, tokenizer, training_args)
+    mesh = create_mesh(training_args.mesh_shape)
+    check_model_and_tokenizer(config, tokenizer, training_args, mesh)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
     length_flag = f"--max_seq_length {max_seq_length}"  # the blocks leave room for <s> and </s>
     examples, train_stream = load_data(
@@ -746,7 +747,7 @@ def main():
         return
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
-    model = masked_lm_model(config, tokenizer, model_args, data_args)
+    model = masked_lm_model(config, tokenizer, model_args, data_args, mesh)
     setup = set_up_training(model, make_eval_step(model), training_args, examples.get("train"), max_seq_length)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
@@ -783,9 +784,10 @@ def main():
         print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 
 
-def check_model_and_tokenizer(config, tokenizer, training_args):
-    """The model must be a RoBERTa, and the tokenizer must have the special tokens RoBERTa and masking need."""
-    check_model_config(config)
+def check_model_and_tokenizer(config, tokenizer, training_args, mesh):
+    """The model must be a RoBERTa that `mesh` can split, and the tokenizer must have the special tokens RoBERTa and
+    masking need."""
+    check_model_config(config, mesh)
     if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
         raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
     if len(tokenizer) > config.vocab_size:  # masking draws random replacements from every id of the tokenizer
@@ -815,13 +817,13 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
     return data_args.max_seq_length
 
 
-def masked_lm_model(config, tokenizer, model_args, data_args) -> FlaxRobertaForMaskedLM:
-    """The model to train, in the dtypes asked for. With --document_attention it keeps the texts of a block apart,
-    each starting at the </s> that joins it to the one before (the block's first at its <s>)."""
+def masked_lm_model(config, tokenizer, model_args, data_args, mesh) -> FlaxRobertaForMaskedLM:
+    """The model to train on `mesh`, in the dtypes asked for. With --document_attention it keeps the texts of a block
+    apart, each starting at the </s> that joins it to the one before (the block's first at its <s>)."""
     dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
     separator_id = tokenizer.eos_token_id if data_args.document_attention else None
     return FlaxRobertaForMaskedLM(
-        config, *dtypes, model_args.gradient_checkpointing, document_separator_id=separator_id
+        config, *dtypes, model_args.gradient_checkpointing, mesh, document_separator_id=separator_id
     )
 
 
@@ -854,7 +856,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
         jax.local_device_count(),
         jax.devices(),
     )
-    mesh = create_mesh(training_args.mesh_shape)
+    mesh = model.mesh
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, ...)
     accumulation_steps = training_args.gradient_accumulation_steps

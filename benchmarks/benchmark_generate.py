@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tokens per second of generate_flax.py's decoding (the sampler of flax_lm.models.gpt2) beside transformers'
+"""Tokens per second of generate_flax.py's decoding (the sampler of flax_lm.sampling) beside transformers'
 PyTorch `generate`, in the same run; or, with --serving, of generate_flax.py --serve under concurrent clients.
 
 Both decode greedily with a key/value cache, from the same random GPT-2 (124M parameters by default) and the
@@ -34,6 +34,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from flax_lm import sampling
 from flax_lm.models import gpt2
 from flax_lm.train_state import abstract_model_params
 
@@ -83,7 +84,7 @@ def benchmark_decoding(arguments):
     abstract_params = abstract_model_params(model, jax.numpy.zeros((1, 8), jax.numpy.int32))
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
     params = jax.device_put(gpt2.from_hf_state_dict(state_dict, abstract_params))
-    sampler = gpt2.make_sampler(model, eos_token_id=None)
+    sampler = sampling.make_sampler(model, eos_token_id=None)
     print(
         f"{arguments.preset}: {sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6:.1f}M parameters, "
         f"float32, greedy, {arguments.prompt_tokens} prompt + {arguments.new_tokens} new tokens; JAX on "
@@ -96,7 +97,7 @@ def benchmark_decoding(arguments):
         prompts = rng.integers(0, config.vocab_size, size=(batch_size, arguments.prompt_tokens))
 
         def generate_jax(prompts=prompts):
-            return gpt2.generate_ids(sampler, params, prompts.tolist(), arguments.new_tokens)
+            return sampling.generate_ids(sampler, params, prompts.tolist(), arguments.new_tokens)
 
         def generate_torch(prompts=prompts):
             input_ids = torch.tensor(prompts)

@@ -238,8 +238,9 @@ class CommonTrainingArguments:
     mesh_shape: str | None = field(
         default=None,
         metadata={
-            "help": "How the devices are arranged, e.g. data=2,fsdp=4: the batch is split over all devices, and "
-            "parameters, gradients and optimizer state over the fsdp axis (like ZeRO-3). Default: data=all devices."
+            "help": "How the devices are arranged, e.g. data=2,fsdp=2,tensor=2: the batch is split over data and "
+            "fsdp; parameters, gradients and optimizer state over fsdp (like ZeRO-3); attention heads, MLP columns "
+            "and the vocabulary over tensor (Megatron-style tensor parallelism). Default: data=all devices."
         },
     )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})

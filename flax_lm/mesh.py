@@ -9,44 +9,69 @@ import jax
 
 from flax_lm.errors import UsageError
 
-# The mesh has two axes. The batch is split over both; parameters (and with them gradients and optimizer
-# state) are split along their embedding dimension over "fsdp" and replicated over "data". With the
-# default mesh (fsdp=1) that is plain data parallelism; with fsdp=N each device holds 1/N of the state
-# and XLA gathers the parameters for each layer as needed, as ZeRO-3/FSDP do.
-MESH_AXES = ("data", "fsdp")
+# The mesh has three axes.
+# - "data": each device computes its own rows of the batch with whole parameters (data parallelism).
+# - "fsdp": the batch is split over it too, and the parameters (with their gradients and optimizer state) are split
+#   along their embedding dimension; XLA gathers each layer's parameters as it needs them (ZeRO-3/FSDP).
+# - "tensor": the devices of a group compute the same rows, each with its share of the attention heads, of the
+#   MLP's inner columns and of the vocabulary (Megatron-LM's tensor parallelism): a layer's first matrix is split
+#   by columns, its second by rows, so a block costs one sum over the group in each direction.
+# The default mesh puts every device on "data".
+MESH_AXES = ("data", "fsdp", "tensor")
 
-
+# Batches arrive split over every device, each process loading its own rows (see process_slice); the models then
+# regroup the rows over "data" and "fsdp" (the logical "batch" below), every device of a tensor group with the
+# group's rows.
 BATCH_AXES = MESH_AXES
 
-
+# Logical axis names (on parameters, and on activations in the models' sharding constraints) -> mesh axes.
 LOGICAL_AXIS_RULES = (
-    ("vocab", None),
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
     ("positions", None),
     ("embed", "fsdp"),
-    ("heads", None),
-    ("mlp", None),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
 )
 
 
 def create_mesh(mesh_shape: str | None = None) -> jax.sharding.Mesh:
-    """All devices of all processes on MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=4"); by default all on "data"."""
+    """All devices of all processes on MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=2,tensor=2"); an axis left out
+    has size 1, but for "data", which takes the devices the others leave. By default all devices are on "data"."""
     given = {}
     if mesh_shape:
         try:
             given = {name.strip(): int(size) for name, size in (part.split("=") for part in mesh_shape.split(","))}
         except ValueError:
-            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M") from None
+            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M,tensor=K") from None
         if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
-            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are {' and '.join(MESH_AXES)}, each at least 1")
-    sizes = {"data": max(1, jax.device_count() // given.get("fsdp", 1)), "fsdp": 1, **given}
-    if sizes["data"] * sizes["fsdp"] != jax.device_count():
+            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are data, fsdp and tensor, each at least 1")
+    others = given.get("fsdp", 1) * given.get("tensor", 1)
+    sizes = {"data": max(1, jax.device_count() // others), "fsdp": 1, "tensor": 1, **given}
+    total = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    if total != jax.device_count():
         raise UsageError(
-            f"--mesh_shape {mesh_shape} has {sizes['data'] * sizes['fsdp']} devices but there are "
-            f"{jax.device_count()}; make the sizes multiply to the device count"
+            f"--mesh_shape {mesh_shape} has {total} devices but there are {jax.device_count()}; make the sizes "
+            "multiply to the device count"
         )
+    # The last axis varies fastest over the devices, which jax orders process by process: a tensor group, whose
+    # every layer exchanges activations, takes neighbouring devices of one process where it fits in one.
     return jax.make_mesh(
         tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     )
+
+
+def check_tensor_split(mesh: jax.sharding.Mesh, split_sizes: dict[str, int]):
+    """Refuse a tensor axis that does not divide every size it splits (`split_sizes`: what -> size, e.g.
+    {"attention heads (n_head)": 12}), naming the first that it does not divide."""
+    tensor = mesh.shape["tensor"]
+    for what, size in split_sizes.items():
+        if size % tensor:
+            fix = "pad it with create_config.py --pad_vocab_to_multiple_of" if "vocab" in what else "change the config"
+            raise UsageError(
+                f"--mesh_shape tensor={tensor} does not divide the {what} {size}: choose a tensor size that divides "
+                f"it, or {fix}"
+            )
 
 
 def to_global_batch(local_batch: dict, batch_sharding) -> dict:

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from flax_lm.batching import BatchingEngine, Completion, Failed, RowFinished, TextPiece
 from flax_lm.errors import UsageError
-from flax_lm.models.gpt2 import Sampling, shape_bucket
+from flax_lm.sampling import Sampling, shape_bucket
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""generate_flax.py and the cached sampler of flax_lm.models.gpt2 it decodes with: transformers' greedy ids, cached
+"""generate_flax.py and the cached sampler of flax_lm.sampling it decodes with: transformers' greedy ids, cached
 logits equal to a full recompute, seeded sampling, stopping at the end-of-text token, the command line and the
 server."""
 
@@ -18,6 +18,7 @@ import torch
 from conftest import REPO_DIR, server_process
 from transformers import GPT2LMHeadModel
 
+from flax_lm import sampling
 from flax_lm.errors import UsageError
 from flax_lm.models import gpt2
 
@@ -44,7 +45,7 @@ def torch_greedy_ids(model_dir, prompt_ids, max_new_tokens):
 def test_greedy_ids_equal_transformers_generate_for_a_batch_of_different_lengths(generator, tiny_gpt2_dir):
     prompt_ids = generator.encode(PROMPTS, 20, "prompt")
     assert len({len(ids) for ids in prompt_ids}) == 3
-    ours = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 20)
+    ours = sampling.generate_ids(generator.sampler, generator.params, prompt_ids, 20)
     for ids, new_ids in zip(prompt_ids, ours):
         expected = torch_greedy_ids(tiny_gpt2_dir, ids, 20)
         assert new_ids == expected
@@ -76,7 +77,7 @@ def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(generator):
     prompt_ids = generator.encode(PROMPTS, 16, "prompt")
 
     def generate(**settings):
-        return gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 16, **settings)
+        return sampling.generate_ids(generator.sampler, generator.params, prompt_ids, 16, **settings)
 
     greedy = generate()
     sampled = generate(temperature=1.0, seed=3)
@@ -86,42 +87,44 @@ def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(generator):
     assert generate(temperature=1.0, top_k=1, seed=3) == greedy
     assert generate(temperature=1.0, top_p=1e-6, seed=3) == greedy
     # A row's draws do not depend on the rows beside it.
-    alone = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids[:1], 16, temperature=1.0, seed=3)
+    alone = sampling.generate_ids(generator.sampler, generator.params, prompt_ids[:1], 16, temperature=1.0, seed=3)
     assert alone[0] == sampled[0]
 
 
 def test_each_row_decodes_by_its_own_settings_as_it_would_alone(generator):
     prompt_ids = generator.encode(PROMPTS + ["The"], 16, "prompt")
     samplings = [
-        gpt2.Sampling(16),
-        gpt2.Sampling(9, temperature=0.9, top_k=20, seed=7),
-        gpt2.Sampling(12, temperature=1.2, top_p=0.8, seed=7, prompt_index=1),
-        gpt2.Sampling(5, temperature=1.0, seed=2),
+        sampling.Sampling(16),
+        sampling.Sampling(9, temperature=0.9, top_k=20, seed=7),
+        sampling.Sampling(12, temperature=1.2, top_p=0.8, seed=7, prompt_index=1),
+        sampling.Sampling(5, temperature=1.0, seed=2),
     ]
-    together = gpt2.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
-    for ids, sampling, new_ids in zip(prompt_ids, samplings, together):
-        assert new_ids == gpt2.decode_rows(generator.sampler, generator.params, [ids], [sampling])[0]
-        assert len(new_ids) == sampling.max_new_tokens
+    together = sampling.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
+    for ids, row_sampling, new_ids in zip(prompt_ids, samplings, together):
+        assert new_ids == sampling.decode_rows(generator.sampler, generator.params, [ids], [row_sampling])[0]
+        assert len(new_ids) == row_sampling.max_new_tokens
 
 
 def test_decoding_in_chunks_gives_the_tokens_of_one_go(generator):
     prompt_ids = generator.encode(PROMPTS, 16, "prompt")
-    samplings = [gpt2.Sampling(16 - 3 * row, temperature=1.0, top_k=30, seed=1, prompt_index=row) for row in range(3)]
-    batch = gpt2.DecodingBatch(generator.sampler, generator.params, prompt_ids, samplings)
+    samplings = [
+        sampling.Sampling(16 - 3 * row, temperature=1.0, top_k=30, seed=1, prompt_index=row) for row in range(3)
+    ]
+    batch = sampling.DecodingBatch(generator.sampler, generator.params, prompt_ids, samplings)
     chunks = [batch.advance(steps) for steps in (0, 5, 5, 5, 5)]
     joined = [sum(row_chunks, []) for row_chunks in zip(*chunks)]
     assert batch.finished.all() and chunks[0] == [row[:1] for row in joined]  # the first look: each row's first token
-    assert joined == gpt2.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
+    assert joined == sampling.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
 
 
 def test_ended_rows_decode_no_more_and_the_others_go_on(generator):
     prompt_ids = generator.encode(PROMPTS, 16, "prompt")
-    samplings = [gpt2.Sampling(16, prompt_index=row) for row in range(3)]
-    batch = gpt2.DecodingBatch(generator.sampler, generator.params, prompt_ids, samplings)
+    samplings = [sampling.Sampling(16, prompt_index=row) for row in range(3)]
+    batch = sampling.DecodingBatch(generator.sampler, generator.params, prompt_ids, samplings)
     first = batch.advance(3)
     rest = batch.advance(16, ended=[1])
     assert rest[1] == [] and batch.finished.tolist() == [True, True, True]
-    full = gpt2.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
+    full = sampling.decode_rows(generator.sampler, generator.params, prompt_ids, samplings)
     assert [first[0] + rest[0], first[2] + rest[2]] == [full[0], full[2]]
 
 
@@ -131,7 +134,7 @@ def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens():
 
     def drawn(top_k, top_p):
         rows = jnp.ones(2000)
-        tokens = gpt2.next_tokens(logits, row_keys, rows, rows.astype(int) * top_k, rows * top_p, True, 5)
+        tokens = sampling.next_tokens(logits, row_keys, rows, rows.astype(int) * top_k, rows * top_p, True, 5)
         return set(np.asarray(tokens).tolist())
 
     assert drawn(0, 1.0) == {0, 1, 2, 3, 4}
@@ -147,16 +150,16 @@ def test_bfloat16_loads_bfloat16_weights_and_decodes_like_float32(generator, tin
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     bfloat16_generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
     prompt_ids = generator.encode(PROMPTS, 4, "prompt")
-    float32_ids = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 4)
-    assert gpt2.generate_ids(bfloat16_generator.sampler, params, prompt_ids, 4) == float32_ids
+    float32_ids = sampling.generate_ids(generator.sampler, generator.params, prompt_ids, 4)
+    assert sampling.generate_ids(bfloat16_generator.sampler, params, prompt_ids, 4) == float32_ids
 
 
 def test_generation_stops_at_the_end_of_text_token(generator):
     prompt_ids = generator.encode(PROMPTS, 12, "prompt")
-    greedy = gpt2.generate_ids(generator.sampler, generator.params, prompt_ids, 12)
+    greedy = sampling.generate_ids(generator.sampler, generator.params, prompt_ids, 12)
     stop_token = greedy[1][4]  # as if the fifth token the second prompt gets were the end of the text
-    sampler = gpt2.make_sampler(generator.model, stop_token)
-    stopped = gpt2.generate_ids(sampler, generator.params, prompt_ids, 12)
+    sampler = sampling.make_sampler(generator.model, stop_token)
+    stopped = sampling.generate_ids(sampler, generator.params, prompt_ids, 12)
     for full, short in zip(greedy, stopped):
         end = full.index(stop_token) + 1 if stop_token in full else len(full)
         assert short == full[:end]
@@ -169,7 +172,7 @@ def run_generate(*args, stdin=None):
 
 
 def test_command_line_generates_from_prompts_and_stdin(generator, tiny_gpt2_dir):
-    expected = generator.generate(PROMPTS, gpt2.Sampling(10))
+    expected = generator.generate(PROMPTS, sampling.Sampling(10))
     arguments = ["--model_name_or_path", tiny_gpt2_dir, "--max_new_tokens", 10, "--json_output", "--batch_size", 2]
     from_flags = run_generate(*arguments, *[item for prompt in PROMPTS for item in ("--prompt", prompt)])
     assert from_flags.returncode == 0, from_flags.stderr[-3000:]
@@ -226,7 +229,7 @@ def test_server_answers_requests_and_refuses_bad_ones_with_400(generator, tiny_g
     with server_process(tiny_gpt2_dir, tmp_path / "server.log", *arguments) as (_, url, _):
         assert url.startswith("http://127.0.0.1:")
 
-        expected = generator.generate(PROMPTS, gpt2.Sampling(8))
+        expected = generator.generate(PROMPTS, sampling.Sampling(8))
         status, answer = post(url, {"prompts": PROMPTS})  # max_new_tokens from the command line
         assert status == 200
         assert answer["texts"] == [result["text"] for result in expected]

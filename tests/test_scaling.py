@@ -190,7 +190,7 @@ def test_fsdp_divides_the_state_over_devices_and_keeps_the_losses():
     "mesh_shape, message",
     [
         ("data=3,fsdp=3", "has 9 devices but there are 1"),
-        ("data=1,tensor=1", "the axes are data and fsdp"),
+        ("data=1,model=1", "the axes are data, fsdp and tensor"),
         ("fsdp", "write it as"),
     ],
 )

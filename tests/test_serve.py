@@ -16,11 +16,10 @@ import pytest
 from conftest import server_process
 from prometheus_client.parser import text_string_to_metric_families
 
-from flax_lm import batching, serving
-from flax_lm.models import gpt2
+from flax_lm import batching, sampling, serving
 
 PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
-DEFAULTS = gpt2.Sampling(max_new_tokens=8)
+DEFAULTS = sampling.Sampling(max_new_tokens=8)
 
 
 @contextlib.contextmanager
@@ -156,7 +155,7 @@ def test_the_openai_client_gets_a_completion_and_a_streamed_one(generator, serve
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     [model] = client.models.list().data
     assert model.id == model_id(generator)
-    expected = generator.generate([PROMPTS[1]], gpt2.Sampling(10))[0]
+    expected = generator.generate([PROMPTS[1]], sampling.Sampling(10))[0]
 
     completion = client.completions.create(model=model.id, prompt=PROMPTS[1], max_tokens=10)
     [choice] = completion.choices
@@ -176,7 +175,7 @@ def test_the_openai_client_gets_a_completion_and_a_streamed_one(generator, serve
 
 def test_a_stop_string_ends_the_text_before_it_streamed_or_not(generator, server):
     url, _ = server
-    text = generator.generate([PROMPTS[1]], gpt2.Sampling(24))[0]["text"]
+    text = generator.generate([PROMPTS[1]], sampling.Sampling(24))[0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     request = {"prompt": PROMPTS[1], "max_tokens": 24, "stop": [stop, "never written"]}
 

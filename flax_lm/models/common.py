@@ -1,10 +1,13 @@
-"""What the Flax models share: activations by their Hugging Face config names, the choice of attention kernel, and the
-segments of documents packed end to end into one sequence."""
+"""What the Flax models share: activations by their Hugging Face config names, the choice of attention kernel, the
+layout of activations over a device mesh, and the segments of documents packed end to end into one sequence."""
 
 from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from flax_lm.mesh import LOGICAL_AXIS_RULES
 
 ACTIVATIONS = {
     "gelu": partial(jax.nn.gelu, approximate=False),
@@ -24,6 +27,15 @@ def attention_implementation(dtype) -> str | None:
     if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return None
+
+
+def constrain(x, mesh: jax.sharding.Mesh | None, logical_axes: tuple):
+    """`x` laid out over `mesh` by the logical names of its axes (flax_lm.mesh.LOGICAL_AXIS_RULES; None: whole on
+    every device); `x` as it is without a mesh. The models pin their activations so: left to itself, XLA may
+    choose to replicate an activation that a tensor-parallel layer means to split."""
+    if mesh is None:
+        return x
+    return nn.with_logical_constraint(x, logical_axes, rules=LOGICAL_AXIS_RULES, mesh=mesh)
 
 
 def same_segment(segment_ids):

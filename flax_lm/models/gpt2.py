@@ -1,11 +1,8 @@
 """GPT-2 in Flax, with parameter names and layouts one-to-one with the Hugging Face PyTorch checkpoint
-(GPT2LMHeadModel), a key/value cache for decoding, and a sampler whose decoding loop is compiled once per shape,
-each row of a batch decoded by its own settings."""
+(GPT2LMHeadModel), and a key/value cache for decoding (flax_lm.sampling decodes with it)."""
 
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -15,11 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
-from jax.experimental import multihost_utils
 from transformers import GPT2Config
 
 from flax_lm.errors import UsageError
-from flax_lm.models.common import ACTIVATIONS, attention_implementation, same_segment, segments_and_positions
+from flax_lm.mesh import check_tensor_split
+from flax_lm.models.common import (
+    ACTIVATIONS,
+    attention_implementation,
+    constrain,
+    same_segment,
+    segments_and_positions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +32,9 @@ HF_ARCHITECTURE = "GPT2LMHeadModel"
 GENERATES_TEXT = True
 
 
-def check_model_config(config):
+def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
+    """Raise UsageError if `config` asks for a GPT-2 variant this model does not implement, or one that the tensor
+    axis of `mesh` cannot split."""
     if config.model_type != "gpt2":
         raise UsageError(
             f"this script trains GPT-2 but the config is of model type '{config.model_type}'; "
@@ -43,6 +48,15 @@ def check_model_config(config):
         )
     if getattr(config, "add_cross_attention", False):
         raise UsageError("add_cross_attention is not supported by this script; set it to false in the config")
+    if mesh is not None:
+        check_tensor_split(
+            mesh,
+            {
+                "attention heads (n_head)": config.n_head,
+                "MLP width (n_inner)": config.n_inner or 4 * config.n_embd,
+                "vocabulary (vocab_size)": config.vocab_size,
+            },
+        )
 
 
 class KeyValueCache(flax.struct.PyTreeNode):
@@ -70,15 +84,22 @@ class KeyValueCache(flax.struct.PyTreeNode):
 
 class GPT2Module(nn.Module):
     """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
-    in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
+    in, and layers whose parameters carry logical axis names, so that a mesh can shard them. With `mesh`, the
+    activations are laid out over it too (see constrain)."""
 
     config: GPT2Config
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each block in the backward pass
+    mesh: jax.sharding.Mesh | None = None
 
     def child(self, module_class, name: str | None, **fields):
-        return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name, **fields)
+        return module_class(
+            self.config, self.dtype, self.param_dtype, self.remat_policy, self.mesh, name=name, **fields
+        )
+
+    def constrain(self, x, logical_axes: tuple):
+        return constrain(x, self.mesh, logical_axes)
 
     def dense(self, features: int, names: tuple, stddev: float, name: str) -> nn.Dense:
         """Weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the checkpoint's Conv1D."""
@@ -114,8 +135,7 @@ class CausalSelfAttention(GPT2Module):
         head_dim = width // config.n_head
         residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
 
-        qkv = self.dense(3 * width, ("embed", "heads"), config.initializer_range, "c_attn")(x)
-        query, key, value = (t.reshape(batch, length, config.n_head, head_dim) for t in jnp.split(qkv, 3, axis=-1))
+        query, key, value = self.child(QueryKeyValue, "c_attn")(x)
         scale = 1 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scale /= self.layer_index + 1
@@ -136,8 +156,34 @@ class CausalSelfAttention(GPT2Module):
             # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
             dropout = nn.Dropout(config.attn_pdrop, deterministic=False)
             y = attention_with_dropout(query, key, value, scale, dropout, segment_ids)
+        # Split by heads, the projection's rows are split alike: each device sums its heads' share of the
+        # output, and one sum over the tensor axis completes it.
         y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
+        y = self.constrain(y, ("batch", None, None))
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
+
+
+class QueryKeyValue(GPT2Module):
+    """The query, key and value of every head, (batch, length, n_head, head_dim) each, from one projection whose
+    kernel (n_embd, 3 * n_embd) holds the three side by side, as the checkpoint's c_attn does."""
+
+    @nn.compact
+    def __call__(self, x):
+        config = self.config
+        width, heads = config.n_embd, config.n_head
+        kernel_init = nn.with_logical_partitioning(
+            nn.initializers.normal(config.initializer_range), ("embed", "heads")
+        )
+        kernel = self.param("kernel", kernel_init, (width, 3 * width), self.param_dtype)
+        bias_init = nn.with_logical_partitioning(nn.initializers.zeros, ("heads",))
+        bias = self.param("bias", bias_init, (3 * width,), self.param_dtype)
+        # Stored, the kernel's columns are split over the tensor axis in contiguous pieces, which cut across q, k
+        # and v; computed, each device takes whole heads of all three.
+        kernel = self.constrain(kernel.reshape(width, 3, heads, -1), ("embed", None, "heads", None))
+        bias = self.constrain(bias.reshape(3, heads, -1), (None, "heads", None))
+        qkv = jnp.einsum("ble,ethd->blthd", x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        qkv = self.constrain(qkv, ("batch", None, None, "heads", None))
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
 def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, segment_ids=None):
@@ -175,9 +221,12 @@ class MLP(GPT2Module):
         config = self.config
         inner = config.n_inner or 4 * config.n_embd
         residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
+        # Split over the tensor axis by columns, then by rows: each device computes its own columns of the inner
+        # layer, and one sum over the axis completes the output.
         x = self.dense(inner, ("embed", "mlp"), config.initializer_range, "c_fc")(x)
-        x = ACTIVATIONS[config.activation_function](x)
+        x = self.constrain(ACTIVATIONS[config.activation_function](x), ("batch", None, "mlp"))
         x = self.dense(config.n_embd, ("mlp", "embed"), residual_stddev, "c_proj")(x)
+        x = self.constrain(x, ("batch", None, None))
         return nn.Dropout(config.resid_pdrop)(x, deterministic)
 
 
@@ -218,6 +267,7 @@ class GPT2Model(GPT2Module):
 
     def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None, separator_id=None):
         # input_ids: (batch, length) -> hidden states (batch, length, n_embd), and the cache with them added
+        input_ids = self.constrain(input_ids, ("batch", None))  # every device of a tensor group takes its rows
         segment_ids = None
         if cache is None and separator_id is not None:
             segment_ids, positions = segments_and_positions(input_ids, separator_id)
@@ -227,7 +277,10 @@ class GPT2Model(GPT2Module):
             # Each row counts its own tokens; padding slots get position 0, and nothing reads them.
             row_positions = jnp.maximum(jnp.cumsum(cache.mask, axis=1) - 1, 0)
             positions = jax.lax.dynamic_slice_in_dim(row_positions, cache.index, input_ids.shape[1], axis=1)
-        x = self.dropout(self.wte(input_ids) + self.wpe(positions), deterministic)
+        x = self.dropout(
+            self.look_up(self.wte, "vocab", input_ids) + self.look_up(self.wpe, "positions", positions), deterministic
+        )
+        x = self.constrain(x, ("batch", None, None))
         layer_caches = []
         for block in self.h:
             x, layer_cache = block(x, deterministic, cache, segment_ids)
@@ -237,6 +290,13 @@ class GPT2Model(GPT2Module):
             cache = cache.replace(keys=keys, values=values, index=cache.index + input_ids.shape[1])
         return self.ln_f(x), cache
 
+    def look_up(self, table: nn.Embed, row_axis: str, ids):
+        # The table whole along its embedding (gathered over fsdp, as for any layer's weights), still split by rows
+        # over the tensor axis: each device looks up the ids in its rows, and one sum over the axis adds the rest.
+        # Left to itself, XLA would look up in a table split along both and then move the result whole.
+        embedding = self.constrain(table.embedding, (row_axis, None))
+        return jnp.take(embedding, ids, axis=0).astype(self.dtype)
+
     def attend(self, hidden):
         # The output layer is the token embedding, transposed; products accumulate and come out in float32.
         # Multiplied as one (batch x length, n_embd) matrix: XLA then computes the embedding's gradient from the
@@ -244,7 +304,7 @@ class GPT2Model(GPT2Module):
         embedding = self.wte.embedding.astype(self.dtype)
         batch, length, width = hidden.shape
         logits = jnp.dot(hidden.reshape(batch * length, width), embedding.T, preferred_element_type=jnp.float32)
-        return logits.reshape(batch, length, -1)
+        return self.constrain(logits.reshape(batch, length, -1), ("batch", None, "vocab"))
 
 
 class FlaxGPT2LMHeadModel(GPT2Module):
@@ -279,6 +339,7 @@ class FlaxGPT2LMHeadModel(GPT2Module):
                 dot_general=partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
                 name="lm_head",
             )(hidden)
+            logits = self.constrain(logits, ("batch", None, "vocab"))
         logits = logits.astype(jnp.float32)
         return logits if cache is None else (logits, cache)
 
@@ -376,261 +437,3 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
             "Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5])
         )
     return unflatten_dict(params)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sampling: decoding with the key/value cache, each row by its own settings, in compiled chunks of steps
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How one row is decoded: greedy at temperature 0, else drawn (see next_tokens). Its draws depend only on
-    `seed`, `prompt_index` (the prompt's place among those decoded under one seed, so that they draw differently)
-    and the step, never on the rows beside it."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    prompt_index: int = 0
-
-    def problem(self, prefix: str) -> str | None:
-        """What is wrong with these settings (named with `prefix`, "--" on a command line), or None."""
-        if self.max_new_tokens < 1:
-            return f"{prefix}max_new_tokens must be at least 1"
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            return f"{prefix}temperature must be 0 (greedy) or positive"
-        if not 0 <= self.top_k < 2**31:
-            return f"{prefix}top_k must be 0 (all tokens) or positive, below 2**31"
-        if not 0 < self.top_p <= 1:
-            return f"{prefix}top_p must be in (0, 1]"
-        if not 0 <= self.seed < 2**31:
-            return f"{prefix}seed must be in [0, 2**31)"
-        return None
-
-
-class RowSettings(flax.struct.PyTreeNode):
-    """The Sampling of each row as arrays (batch,): data to the compiled program, so that rows with different
-    settings share it."""
-
-    max_new_tokens: jax.Array  # int32; 0 for the rows that only fill the batch
-    temperature: jax.Array  # float32
-    top_k: jax.Array  # int32
-    top_p: jax.Array  # float32
-    seed: jax.Array  # int32
-    prompt_index: jax.Array  # int32
-
-    @classmethod
-    def of(cls, samplings: list[Sampling]):
-        def column(name: str, dtype):
-            return np.asarray([getattr(sampling, name) for sampling in samplings], dtype)
-
-        return cls(
-            max_new_tokens=column("max_new_tokens", np.int32),
-            temperature=column("temperature", np.float32),
-            top_k=column("top_k", np.int32),
-            top_p=column("top_p", np.float32),
-            seed=column("seed", np.int32),
-            prompt_index=column("prompt_index", np.int32),
-        )
-
-
-class DecodingState(flax.struct.PyTreeNode):
-    """What the decoding carries from one call of `decode` to the next."""
-
-    cache: KeyValueCache
-    settings: RowSettings
-    last_token: jax.Array  # (batch,) int32
-    tokens: jax.Array  # (batch, capacity) int32: the new tokens so far, then padding
-    counts: jax.Array  # (batch,) int32: new tokens per row, the end-of-text token included
-    finished: jax.Array  # (batch,) bool
-    step: jax.Array  # int32: the column of `tokens` the next token goes to
-
-
-def next_tokens(logits, row_keys, temperature, top_k, top_p, do_sample: bool, candidates: int):
-    """One token per row from float32 logits (batch, vocab_size), each row by its own settings (arrays (batch,)):
-    the most likely where the temperature is 0; else drawn as transformers does: logits divided by the
-    temperature, cut to the `top_k` most likely (0: all), then to the most likely whose probabilities add up to
-    `top_p`. `do_sample` (some row draws) and `candidates` (how many of the most likely tokens some row's cut
-    needs to see; 0 where no row cuts) only leave out work that no row needs: a row's token is the same."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not do_sample:
-        return greedy
-    drawing = temperature > 0
-    logits = logits / jnp.where(drawing, temperature, 1.0)[:, None]
-    if candidates:
-        logits = cut_to_most_likely(logits, top_k, top_p, candidates)
-    # Every row draws over the whole vocabulary in its order, so that its draw is the same in any batch.
-    drawn = jax.vmap(jax.random.categorical)(row_keys, logits)
-    return jnp.where(drawing, drawn, greedy).astype(jnp.int32)
-
-
-def cut_to_most_likely(logits, top_k, top_p, candidates: int):
-    """The logits with -inf outside each row's top_k most likely tokens, then outside the most likely of those
-    whose probabilities add up to its top_p; tokens that tie with the last one kept are kept too, as in
-    transformers' top-k. `candidates`: how many of the most likely tokens to sort, at least every row's top_k
-    (all of them where a row has top_p without top_k)."""
-    sorted_logits, _ = jax.lax.top_k(logits, candidates)
-    rank = jnp.arange(candidates)[None, :]
-    in_top_k = rank < jnp.where(top_k > 0, top_k, candidates)[:, None]
-    sorted_logits = jnp.where(in_top_k, sorted_logits, -jnp.inf)
-    probabilities = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probabilities, axis=-1) - probabilities  # the most likely token always stays
-    kept = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))
-    threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1)
-    cuts = (top_k > 0) | (top_p < 1)
-    return jnp.where(~cuts[:, None] | (logits >= threshold[:, None]), logits, -jnp.inf)
-
-
-def candidates_to_sort(samplings: list[Sampling], vocab_size: int) -> int:
-    """The `candidates` of next_tokens for these rows: a power of two, so that few programs serve all top_k."""
-    cutting = [s for s in samplings if s.temperature > 0 and (s.top_k or s.top_p < 1)]
-    if not cutting:
-        return 0
-    if any(not s.top_k for s in cutting):
-        return vocab_size
-    return min(vocab_size, shape_bucket(max(s.top_k for s in cutting), 1))
-
-
-@dataclass(frozen=True)
-class Sampler:
-    """The compiled decoding of a model: `prefill` reads the prompts and chooses each row's first token,
-    `decode` goes on for some steps. Compiled once per (batch, prompt length, capacity), per greedy or not and
-    per count of candidates (see next_tokens); every setting of a row is data, so changing it compiles nothing."""
-
-    prefill: Callable
-    decode: Callable
-    vocab_size: int
-
-
-def make_sampler(model, eos_token_id: int | None) -> Sampler:
-    eos = -1 if eos_token_id is None else eos_token_id
-    pad = max(eos, 0)  # what finished rows write
-
-    def choose(settings: RowSettings, step, logits, do_sample: bool, candidates: int):
-        def row_key(seed, prompt_index):
-            return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), prompt_index), step)
-
-        row_keys = jax.vmap(row_key)(settings.seed, settings.prompt_index)
-        return next_tokens(
-            logits, row_keys, settings.temperature, settings.top_k, settings.top_p, do_sample, candidates
-        )
-
-    @partial(jax.jit, static_argnames=("capacity", "do_sample", "candidates"))
-    def prefill(params, prompt_ids, prompt_mask, settings, *, capacity: int, do_sample: bool, candidates: int):
-        # prompt_ids, prompt_mask: (batch, prompt length), left-padded
-        batch = prompt_ids.shape[0]
-        cache = KeyValueCache.empty(model.config, prompt_mask, capacity, model.dtype)
-        logits, cache = model.apply({"params": params}, prompt_ids, cache=cache)
-        token = choose(settings, 0, logits[:, -1], do_sample, candidates)
-        counts = (settings.max_new_tokens > 0).astype(jnp.int32)
-        token = jnp.where(counts > 0, token, pad)
-        return DecodingState(
-            cache=cache,
-            settings=settings,
-            last_token=token,
-            tokens=jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(token),
-            counts=counts,
-            finished=(token == eos) | (counts >= settings.max_new_tokens),
-            step=jnp.ones((), jnp.int32),
-        )
-
-    @partial(jax.jit, static_argnames=("do_sample", "candidates"), donate_argnames=("state",))
-    def decode(params, state: DecodingState, until_step, ended, *, do_sample: bool, candidates: int):
-        """Decodes until step `until_step` or until every row is finished; `ended` (batch,) bool finishes rows
-        first, those the caller has no use for any more."""
-
-        def not_done(state):
-            return (state.step < until_step) & ~jnp.all(state.finished)
-
-        def decode_one(state):
-            logits, cache = model.apply({"params": params}, state.last_token[:, None], cache=state.cache)
-            token = choose(state.settings, state.step, logits[:, 0], do_sample, candidates)
-            token = jnp.where(state.finished, pad, token)
-            counts = state.counts + ~state.finished
-            return state.replace(
-                cache=cache,
-                last_token=token,
-                tokens=state.tokens.at[:, state.step].set(token),
-                counts=counts,
-                finished=state.finished | (token == eos) | (counts >= state.settings.max_new_tokens),
-                step=state.step + 1,
-            )
-
-        return jax.lax.while_loop(not_done, decode_one, state.replace(finished=state.finished | ended))
-
-    return Sampler(prefill, decode, model.config.vocab_size)
-
-
-def shape_bucket(size: int, smallest: int) -> int:
-    """The power of two at least `size` and `smallest`: shapes from a few buckets, so few compilations."""
-    return max(smallest, 1 << (size - 1).bit_length())
-
-
-def on_host(*arrays) -> list[np.ndarray]:
-    # On several processes every one takes part in the decoding and gets the result.
-    if all(array.is_fully_addressable for array in arrays):
-        return [np.asarray(array) for array in arrays]
-    return list(multihost_utils.process_allgather(arrays, tiled=True))
-
-
-class DecodingBatch:
-    """Prompts (non-empty lists of ids) decoded together, each by its own Sampling, some steps at a time: between
-    calls of `advance` the caller reads each row's new tokens (to send them on) and may end rows. A row's tokens
-    end with the end-of-text token where the model wrote it."""
-
-    def __init__(self, sampler: Sampler, params, prompts: list[list[int]], samplings: list[Sampling]):
-        self.sampler, self.params, self.rows = sampler, params, len(prompts)
-        batch = shape_bucket(len(prompts), 1)
-        prompt_length = shape_bucket(max(map(len, prompts)), 8)
-        prompt_ids = np.zeros((batch, prompt_length), np.int32)
-        prompt_mask = np.zeros((batch, prompt_length), bool)
-        prompt_mask[len(prompts) :, -1] = True  # rows that only fill the batch hold one token and decode none
-        for row, ids in enumerate(prompts):
-            prompt_ids[row, prompt_length - len(ids) :] = ids
-            prompt_mask[row, prompt_length - len(ids) :] = True
-        settings = RowSettings.of(samplings + [Sampling(max_new_tokens=0)] * (batch - len(prompts)))
-        self.variant = {
-            "do_sample": any(s.temperature > 0 for s in samplings),
-            "candidates": candidates_to_sort(samplings, sampler.vocab_size),
-        }
-        self.capacity = shape_bucket(max(s.max_new_tokens for s in samplings), 8)
-        self.state = sampler.prefill(params, prompt_ids, prompt_mask, settings, capacity=self.capacity, **self.variant)
-        self.read = np.zeros(len(prompts), int)  # tokens of each row handed out so far
-        self.finished = np.zeros(len(prompts), bool)
-
-    def advance(self, steps: int, ended=()) -> list[list[int]]:
-        """Decodes up to `steps` more steps (none once every row is finished) and returns each row's tokens that
-        no earlier call returned (the first call: from the first). Rows in `ended` decode no more."""
-        ended_rows = np.zeros(self.state.counts.shape, bool)
-        ended_rows[list(ended)] = True
-        until_step = self.state.step + steps
-        self.state = self.sampler.decode(self.params, self.state, until_step, ended_rows, **self.variant)
-        tokens, counts, finished = on_host(self.state.tokens, self.state.counts, self.state.finished)
-        new = [tokens[row, self.read[row] : counts[row]].tolist() for row in range(self.rows)]
-        self.read, self.finished = counts[: self.rows], finished[: self.rows]
-        return new
-
-
-def decode_rows(sampler: Sampler, params, prompts: list[list[int]], samplings: list[Sampling]) -> list[list[int]]:
-    """The new tokens after each prompt, decoded together to the end."""
-    batch = DecodingBatch(sampler, params, prompts, samplings)
-    return batch.advance(batch.capacity)
-
-
-def generate_ids(
-    sampler: Sampler,
-    params,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-) -> list[list[int]]:
-    """The new tokens after each prompt (non-empty lists of ids), ending with the end-of-text token where the
-    model wrote it, all prompts by the same settings. Temperature 0 is greedy decoding."""
-    samplings = [Sampling(max_new_tokens, temperature, top_k, top_p, seed, row) for row in range(len(prompts))]
-    return decode_rows(sampler, params, prompts, samplings)

@@ -11,7 +11,14 @@ import transformers
 from flax import traverse_util
 
 from flax_lm.errors import UsageError
-from flax_lm.models.common import ACTIVATIONS, attention_implementation, same_segment, segments_and_positions
+from flax_lm.mesh import check_tensor_split
+from flax_lm.models.common import (
+    ACTIVATIONS,
+    attention_implementation,
+    constrain,
+    same_segment,
+    segments_and_positions,
+)
 from flax_lm.train_state import abstract_model_params
 
 logger = logging.getLogger(__name__)
@@ -22,8 +29,9 @@ HF_ARCHITECTURE = "RobertaForMaskedLM"
 GENERATES_TEXT = False
 
 
-def check_model_config(config):
-    """Raise UsageError if `config` asks for a RoBERTa variant this model does not implement."""
+def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
+    """Raise UsageError if `config` asks for a RoBERTa variant this model does not implement, or one that the tensor
+    axis of `mesh` cannot split."""
     if config.model_type != "roberta":
         raise UsageError(
             f"this script trains RoBERTa but the config is of model type '{config.model_type}'; "
@@ -55,6 +63,15 @@ def check_model_config(config):
             "tie_word_embeddings is false in the config; this model always shares the "
             "output projection with the word embeddings"
         )
+    if mesh is not None:
+        check_tensor_split(
+            mesh,
+            {
+                "attention heads (num_attention_heads)": config.num_attention_heads,
+                "MLP width (intermediate_size)": config.intermediate_size,
+                "vocabulary (vocab_size)": config.vocab_size,
+            },
+        )
 
 
 def check_tokenizer(config, tokenizer):
@@ -76,12 +93,17 @@ def check_tokenizer(config, tokenizer):
 
 class RobertaModule(nn.Module):
     """Base of the model's parts: the config, the dtype of the computation, the dtype the parameters are stored
-    in, and layers whose parameters carry logical axis names, so that a mesh can shard them."""
+    in, and layers whose parameters carry logical axis names, so that a mesh can shard them. With `mesh`, the
+    activations are laid out over it too (see constrain)."""
 
     config: transformers.RobertaConfig
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     remat_policy: str | None = None  # a jax.checkpoint_policies name: recompute each layer in the backward pass
+    mesh: jax.sharding.Mesh | None = None
+
+    def constrain(self, x, logical_axes: tuple):
+        return constrain(x, self.mesh, logical_axes)
 
     def dense(self, features, kernel_axes, bias_axes, name):
         kernel_init = nn.initializers.normal(self.config.initializer_range)
@@ -119,7 +141,7 @@ class RobertaModule(nn.Module):
         )
 
     def child(self, module_class, name):
-        return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, name=name)
+        return module_class(self.config, self.dtype, self.param_dtype, self.remat_policy, self.mesh, name=name)
 
 
 class RobertaEmbeddings(RobertaModule):
@@ -139,11 +161,19 @@ class RobertaEmbeddings(RobertaModule):
     def __call__(self, input_ids, position_ids, deterministic):
         token_type_ids = jnp.zeros_like(input_ids)
         x = (
-            self.word_embeddings(input_ids)
-            + self.position_embeddings(position_ids)
-            + self.token_type_embeddings(token_type_ids)
+            self.look_up(self.word_embeddings, "vocab", input_ids)
+            + self.look_up(self.position_embeddings, "positions", position_ids)
+            + self.look_up(self.token_type_embeddings, None, token_type_ids)
         )  # (batch, seq, hidden)
+        x = self.constrain(x, ("batch", None, None))
         return self.dropout(self.LayerNorm(x), deterministic=deterministic)
+
+    def look_up(self, table: nn.Embed, row_axis: str | None, ids):
+        # The table whole along its embedding (gathered over fsdp, as for any layer's weights), still split by rows
+        # over the tensor axis: each device looks up the ids in its rows, and one sum over the axis adds the rest.
+        # Left to itself, XLA would look up in a table split along both and then move the result whole.
+        embedding = self.constrain(table.embedding, (row_axis, None))
+        return jnp.take(embedding, ids, axis=0).astype(self.dtype)
 
 
 def attention_with_dropout(query, key, value, mask, dropout: nn.Dropout):
@@ -168,8 +198,9 @@ class RobertaSelfAttention(RobertaModule):
         batch, seq, _ = hidden_states.shape
 
         def project(name):
+            # Split by columns over the tensor axis: each device computes whole heads.
             x = self.dense(config.hidden_size, ("embed", "heads"), ("heads",), name)(hidden_states)
-            return x.reshape(batch, seq, num_heads, head_dim)
+            return self.constrain(x.reshape(batch, seq, num_heads, head_dim), ("batch", None, "heads", None))
 
         query, key, value = project("query"), project("key"), project("value")
         if not deterministic and config.attention_probs_dropout_prob > 0:
@@ -190,7 +221,9 @@ class RobertaResidualOutput(RobertaModule):
 
     @nn.compact
     def __call__(self, hidden_states, residual, deterministic, kernel_axes):
+        # Split by rows over the tensor axis (heads or MLP columns): one sum over the axis completes the output.
         x = self.dense(self.config.hidden_size, kernel_axes, ("embed",), "dense")(hidden_states)
+        x = self.constrain(x, ("batch", None, None))
         x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
         return self.layer_norm("LayerNorm")(x + residual)
 
@@ -208,7 +241,8 @@ class RobertaIntermediate(RobertaModule):
     @nn.compact
     def __call__(self, hidden_states):
         x = self.dense(self.config.intermediate_size, ("embed", "mlp"), ("mlp",), "dense")(hidden_states)
-        return ACTIVATIONS[self.config.hidden_act](x)  # (batch, seq, intermediate)
+        x = ACTIVATIONS[self.config.hidden_act](x)  # (batch, seq, intermediate)
+        return self.constrain(x, ("batch", None, "mlp"))
 
 
 class RobertaLayer(RobertaModule):
@@ -243,8 +277,10 @@ class RobertaModel(RobertaModule):
         self.encoder = self.child(RobertaEncoder, "encoder")
 
     def __call__(self, input_ids, attention_mask, deterministic, separator_id=None):
+        input_ids = self.constrain(input_ids, ("batch", None))  # every device of a tensor group takes its rows
         mask = None
         if attention_mask is not None:
+            attention_mask = self.constrain(attention_mask, ("batch", None))
             mask = attention_mask[:, None, None, :].astype(bool)  # (batch, 1, 1, seq): True = may attend
         # RoBERTa (after fairseq) numbers real tokens pad+1, pad+2, ... and gives padding the position
         # pad itself, so a sequence of length L needs max_position_embeddings >= L + pad + 1.
@@ -276,7 +312,7 @@ class RobertaLMHead(RobertaModule):
         )
         # Accumulate in float32 so that bfloat16 compute still gives float32 logits for the loss.
         logits = jnp.einsum("bsh,vh->bsv", x, word_embeddings.astype(self.dtype), preferred_element_type=jnp.float32)
-        return logits + bias.astype(jnp.float32)  # (batch, seq, vocab)
+        return self.constrain(logits + bias.astype(jnp.float32), ("batch", None, "vocab"))  # (batch, seq, vocab)
 
 
 class FlaxRobertaForMaskedLM(RobertaModule):
@@ -303,6 +339,7 @@ class FlaxRobertaForMaskedLM(RobertaModule):
             # masked_positions: (batch, predictions) int. Training predicts about 15% of the tokens, so running
             # the head (whose vocabulary projection is the largest matmul of a small model) only there saves
             # most of its work.
+            masked_positions = constrain(masked_positions, self.mesh, ("batch", None))
             rows = jnp.arange(hidden_states.shape[0])[:, None]
             hidden_states = hidden_states[rows, masked_positions]  # (batch, predictions, hidden)
         # The output projection is the word embedding table itself (tied weights, as in RoBERTa).
