@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import transformers
@@ -36,12 +37,12 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from flax_lm.errors import UsageError, run
 from flax_lm.hf_io import check_local_model_directory, read_safetensors_checkpoint
-from flax_lm.models.common import ACTIVATIONS
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, from_hf_state_dict
+from flax_lm.mesh import create_mesh
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict
 from flax_lm.processes import LOG_FORMAT
 from flax_lm.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.serving import Limits, listening_socket, serve
-from flax_lm.train_state import abstract_model_params
+from flax_lm.train_state import abstract_model_params, parameter_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,13 @@ class ModelArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Where downloaded models are cached."})
     token: str | None = field(
         default=None, metadata={"help": "Hugging Face hub token for private models. Never logged."}
+    )
+    mesh_shape: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split the model over devices by attention heads, MLP columns and vocabulary: tensor=N, with N "
+            "the number of devices (a model too big for one device's memory). Default: one device."
+        },
     )
     allow_pickle_weights: bool = field(
         default=False,
@@ -215,13 +223,29 @@ def load_model(model_args):
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
     if config.model_type != "gpt2":
         raise UsageError(f"this script generates with GPT-2 but {source} is a '{config.model_type}' model")
-    if config.activation_function not in ACTIVATIONS:
-        raise UsageError(f"{source} uses activation_function '{config.activation_function}', which is not supported")
+    mesh = generation_mesh(model_args.mesh_shape)
+    check_model_config(config, mesh)
     dtype = jnp.dtype(model_args.dtype)
-    model = FlaxGPT2LMHeadModel(config, dtype=dtype, param_dtype=dtype)
-    abstract_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
-    params = from_hf_state_dict(read_safetensors_checkpoint(source, model_args), abstract_params)
-    return model, jax.device_put(params), tokenizer
+    model = FlaxGPT2LMHeadModel(config, dtype=dtype, param_dtype=dtype, mesh=mesh)
+    boxed_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32), unbox=False)
+    params = from_hf_state_dict(read_safetensors_checkpoint(source, model_args), nn.meta.unbox(boxed_params))
+    if mesh is None:
+        return model, jax.device_put(params), tokenizer
+    return model, jax.device_put(params, parameter_shardings(boxed_params, mesh)), tokenizer
+
+
+def generation_mesh(mesh_shape: str | None):
+    """The devices the model is split over (None: the default device alone). Decoding batches are too small to split
+    by rows, so a mesh here has only its tensor axis."""
+    if mesh_shape is None:
+        return None
+    mesh = create_mesh(mesh_shape)
+    if mesh.shape["data"] * mesh.shape["fsdp"] > 1:
+        raise UsageError(
+            f"--mesh_shape {mesh_shape}: generation splits the model over a tensor axis alone; give "
+            f"tensor={jax.device_count()} (all devices), or make fewer devices visible"
+        )
+    return mesh
 
 
 class Generator:
@@ -293,7 +317,7 @@ def main():
         model_args.model_name_or_path,
         sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6,
         model_args.dtype,
-        jax.devices()[0],
+        jax.devices()[0] if model.mesh is None else f"a mesh of {dict(model.mesh.shape)}",
     )
     sampling = sampling_of(generation_args)
     if server_args.serve:

@@ -409,10 +409,10 @@ class Evaluation:
             self.trackers.text("samples", "\n\n---\n\n".join(code_blocks), step)
         return results
 
-    def samples(self, params) -> list[str]:
+    def samples(self, params, sampler=None) -> list[str]:
         max_length = self.setup.model.config.n_positions
         return sample_texts(
-            self.sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed
+            sampler or self.sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed
         )
 
     def final(self, params, step: int, reuse_saved: bool):
@@ -438,7 +438,14 @@ class Evaluation:
         if jax.process_index() != 0 or self.sample_tokens <= 0:
             return
         exported = load_file(os.path.join(self.output_dir, "model.safetensors"))
-        for text in self.samples(from_hf_state_dict(exported, abstract_params)):
+        sampler = self.sampler
+        if jax.process_count() > 1:  # process 0 alone, so on its own device, not on a mesh the others would share
+            model = self.setup.model
+            sampler = make_sampler(
+                FlaxGPT2LMHeadModel(model.config, dtype=model.dtype, param_dtype=model.param_dtype),
+                self.tokenizer.eos_token_id,
+            )
+        for text in self.samples(from_hf_state_dict(exported, abstract_params), sampler):
             print(f"sample from {self.output_dir}: {text!r}")
 
 

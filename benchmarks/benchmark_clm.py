@@ -70,7 +70,7 @@ def parse_arguments():
         help="recompute activations in the backward pass, as run_clm_flax.py's flag: a jax.checkpoint_policies name",
     )
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per step")
-    parser.add_argument("--mesh_shape", help="e.g. data=2,fsdp=4 (default: all devices on data)")
+    parser.add_argument("--mesh_shape", help="e.g. data=2,fsdp=2,tensor=2 (default: all devices on data)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
     parser.add_argument("--skip_training", action="store_true", help="only time the preprocessing")
     parser.add_argument("--skip_preprocessing", action="store_true", help="only time the training step")
@@ -171,6 +171,7 @@ def benchmark_training(settings, arguments) -> dict:
         dtype=dtype,
         param_dtype=jnp.dtype(arguments.param_dtype),
         remat_policy=arguments.gradient_checkpointing,
+        mesh=create_mesh(arguments.mesh_shape),
     )
     # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
     accumulation = arguments.gradient_accumulation_steps

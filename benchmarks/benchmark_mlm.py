@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import RobertaConfig
 
+from flax_lm.mesh import create_mesh
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
 from flax_lm.packed import cached_blocks
 from flax_lm.train_state import create_train_state
@@ -108,7 +109,7 @@ def benchmark_training(settings, arguments) -> dict:
         layer_norm_eps=1e-5,
     )
     dtype = jnp.dtype(settings["dtype"])
-    model = FlaxRobertaForMaskedLM(config, dtype=dtype)
+    model = FlaxRobertaForMaskedLM(config, dtype=dtype, mesh=create_mesh())
     # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
     per_device_batch_size, remainder = divmod(settings["batch_size"], jax.device_count())
     if remainder or not per_device_batch_size:

@@ -27,10 +27,15 @@ def abstract_model_params(model, dummy_input, unbox: bool = True):
     return nn.meta.unbox(variables["params"]) if unbox else variables["params"]
 
 
+def parameter_shardings(boxed_params, mesh):
+    """Where each parameter lives on `mesh`, by the logical axis names it carries (flax_lm.mesh.LOGICAL_AXIS_RULES)."""
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
+
+
 def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
     """Shape, dtype and sharding of every leaf of the training state, computed without allocating it."""
     boxed_params = abstract_model_params(model, dummy_input, unbox=False)
-    param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
+    param_shardings = parameter_shardings(boxed_params, mesh)
     abstract_params = nn.meta.unbox(boxed_params)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -2,8 +2,10 @@
 
 The runs share one machine: the processes find each other through a coordinator on 127.0.0.1, as
 hosts of a cluster do through process 0's address. The two-process run is stopped by a signal to
-process 1 alone and resumed from the checkpoint both processes wrote, so the comparison with the
-single-process run also covers the stop agreement, the collective checkpoint and the resume.
+process 1 alone and resumed from the checkpoint both processes wrote, on a mesh whose tensor axis spans both
+processes (tensor=8, where the stopped run had data=8), so the comparison with the single-process run also covers
+the stop agreement, the collective checkpoint, its move to another mesh, tensor parallelism across processes
+(training, evaluation, sampling and export) and the resume.
 """
 
 import json
@@ -33,11 +35,12 @@ RUN_TIMEOUT_SECONDS = 300
 
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
-    """The 1000-token test tokenizer and a one-layer GPT-2. Dropout stays on: the runs then agree only if
-    the global batch is the same row for row, whatever the number of processes."""
+    """The 1000-token test tokenizer and a one-layer GPT-2 of 8 heads, which tensor=8 splits. Dropout stays on: the
+    runs then agree only if the global batch is the same row for row, and every mask the same, whatever the number
+    of processes and the mesh."""
     directory = tmp_path_factory.mktemp("distributed-model")
     shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(directory)
+    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=8).save_pretrained(directory)
     return str(directory)
 
 
@@ -149,10 +152,10 @@ def runs(model_dir, tmp_path_factory):
         stopped.wait()
         stopped_checkpoints = os.listdir(two_dir / "checkpoints")
         stopped_losses = losses_per_process(two_dir)[0]
+        resumed_arguments = ["--resume_from_checkpoint", "--sample_tokens", "4", "--mesh_shape", "tensor=8"]
         resumed = Processes(
-            arguments(model_dir, two_dir, "--resume_from_checkpoint", "--sample_tokens", "4"), 2, 4, logs["resumed"],
-            caches["two"],
-        ).wait()  # fmt: skip
+            arguments(model_dir, two_dir, *resumed_arguments), 2, 4, logs["resumed"], caches["two"]
+        ).wait()
         single.wait()
     finally:
         single.kill()

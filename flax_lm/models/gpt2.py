@@ -142,7 +142,7 @@ class CausalSelfAttention(GPT2Module):
 
         layer_cache = None
         if cache is not None:
-            y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index)
+            y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)
         elif deterministic or config.attn_pdrop == 0:
             if segment_ids is None:
                 implementation = attention_implementation(query.dtype)
@@ -199,14 +199,16 @@ def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, segmen
     return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
 
 
-def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index: int):
-    """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves."""
+def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index: int, mesh=None):
+    """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves. With
+    `mesh`, the cache is split by heads over its tensor axis, as the attention is."""
 
     # query, key, value: (batch, new, heads, head_dim); the layer's cached keys: (batch, slots, heads, head_dim)
     def write(cached, new_entries):
         return jax.lax.dynamic_update_slice_in_dim(cached, new_entries.astype(cached.dtype), cache.index, axis=1)
 
     keys, values = write(cache.keys[layer_index], key), write(cache.values[layer_index], value)
+    keys, values = (constrain(cached, mesh, ("batch", None, "heads", None)) for cached in (keys, values))
     new, slots = query.shape[1], keys.shape[1]
     query_slots = cache.index + jnp.arange(new)
     visible = cache.mask[:, None, :] & (jnp.arange(slots)[None, None, :] <= query_slots[None, :, None])

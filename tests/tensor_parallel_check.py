@@ -1,0 +1,109 @@
+"""Train a tiny GPT-2 (the CLM script's step) and a tiny RoBERTa (the MLM script's step) a few steps on one device and
+on meshes of 8 devices, and print, as one JSON line, each mesh's losses, its largest weight difference from one
+device, and how much of each parameter one device holds.
+
+Run by tests/test_tensor_parallel.py in a process of its own with 8 forced CPU devices:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_check.py data=8 tensor=8 ...
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import transformers
+from flax.traverse_util import flatten_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import run_clm_flax  # noqa: E402
+import run_mlm_flax  # noqa: E402
+from flax_lm.mesh import BATCH_AXES, MESH_AXES, create_mesh  # noqa: E402
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel  # noqa: E402
+from flax_lm.models.roberta import FlaxRobertaForMaskedLM  # noqa: E402
+from flax_lm.train_state import abstract_train_state, create_train_state  # noqa: E402
+
+STEPS, MICRO_BATCHES, ROWS, LENGTH, VOCAB = 3, 2, 16, 16, 512
+# Dropout on everywhere: the meshes agree only if every device draws the masks one device would.
+GPT2 = transformers.GPT2Config(
+    vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=8, bos_token_id=0, eos_token_id=0
+)
+ROBERTA = transformers.RobertaConfig(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
+    max_position_embeddings=LENGTH + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
+)  # fmt: skip
+
+
+def batches(script):
+    """The global batches of every step, (micro-batch, row, ...)."""
+    rng = np.random.default_rng(0)
+    shape = (MICRO_BATCHES, ROWS // MICRO_BATCHES)
+    for _ in range(STEPS):
+        input_ids = rng.integers(3, VOCAB, size=(*shape, LENGTH), dtype=np.int32)
+        if script is run_clm_flax:
+            yield {"input_ids": input_ids}
+            continue
+        predictions = 4
+        positions = np.stack([rng.permutation(LENGTH)[:predictions] for _ in range(ROWS)]).reshape(*shape, -1)
+        yield {
+            "input_ids": input_ids,
+            "attention_mask": np.ones_like(input_ids),
+            "masked_positions": positions.astype(np.int32),
+            "masked_labels": rng.integers(3, VOCAB, size=positions.shape, dtype=np.int32),
+            "masked_weights": np.ones(positions.shape, np.float32),
+        }
+
+
+def train(script, model_class, config, mesh):
+    """(losses, final parameters on the host, the share of each parameter the first device holds)."""
+    model = model_class(config, remat_policy="nothing_saveable", mesh=mesh)
+    args = script.TrainingArguments(output_dir="unused", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=1e-3)
+    schedule = script.learning_rate_schedule(args, 10)
+    optimizer = script.create_optimizer(args, schedule)
+    dummy = jnp.zeros((1, LENGTH), jnp.int32)
+    abstract = abstract_train_state(model, optimizer, mesh, dummy)
+    state = create_train_state(model, optimizer, abstract, 0, dummy)
+    shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract)
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, BATCH_AXES))
+    step = jax.jit(
+        script.make_train_step(model, optimizer, schedule, 0),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, None),
+        donate_argnums=(0,),
+    )
+    first_device = mesh.devices.flat[0]
+    shares = {
+        "/".join(path): next(s.data.size for s in leaf.addressable_shards if s.device == first_device) / leaf.size
+        for path, leaf in flatten_dict(state.params).items()
+    }
+    losses = []
+    for batch in batches(script):
+        state, metrics = step(state, jax.device_put(batch, batch_sharding))
+        count = metrics["token_count"] if "token_count" in metrics else metrics["weight_sum"]
+        losses.append(float(metrics["loss_sum"] / count))
+    return losses, jax.tree_util.tree_map(np.asarray, state.params), shares
+
+
+def main():
+    one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
+    results = {}
+    for name, script, model_class, config in (
+        ("clm", run_clm_flax, FlaxGPT2LMHeadModel, GPT2),
+        ("mlm", run_mlm_flax, FlaxRobertaForMaskedLM, ROBERTA),
+    ):
+        reference_losses, reference_params, _ = train(script, model_class, config, one_device)
+        results[name] = {"one device": {"losses": reference_losses}}
+        for mesh_shape in sys.argv[1:]:
+            losses, params, shares = train(script, model_class, config, create_mesh(mesh_shape))
+            differences = jax.tree_util.tree_map(lambda a, b: float(np.max(np.abs(a - b))), params, reference_params)
+            results[name][mesh_shape] = {
+                "losses": losses,
+                "largest_weight_difference": max(jax.tree_util.tree_leaves(differences)),
+                "shares": shares,
+            }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

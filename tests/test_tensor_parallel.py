@@ -1,0 +1,209 @@
+"""Tensor parallelism (the tensor axis of --mesh_shape): attention heads, MLP columns and the vocabulary split over
+devices train, checkpoint and generate exactly as on one device. Every test runs its work in processes of their own
+with forced CPU devices."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import FIXTURES_DIR, REPO_DIR
+from safetensors.numpy import load_file
+from test_clm import OFFLINE_ENV, run_script, scalars, tiny_config
+
+from flax_lm.errors import UsageError
+from flax_lm.models import gpt2, roberta
+
+CORPUS = FIXTURES_DIR / "en"
+MESH_SHAPES = ["tensor=2", "tensor=8", "data=2,fsdp=2,tensor=2", "data=4,tensor=2"]
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def devices_env(count: int) -> dict:
+    return {**OFFLINE_ENV, "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+    """tests/tensor_parallel_check.py's results: CLM and MLM steps with dropout, remat and 2 micro-batches, on one
+    device and on each mesh of MESH_SHAPES over 8 devices."""
+    result = subprocess.run(
+        [sys.executable, str(REPO_DIR / "tests" / "tensor_parallel_check.py"), *MESH_SHAPES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=devices_env(8),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("script", ["clm", "mlm"])
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
+def test_every_mix_of_data_fsdp_and_tensor_trains_as_one_device(mesh_results, script, mesh_shape):
+    one_device, mesh = mesh_results[script]["one device"], mesh_results[script][mesh_shape]
+    np.testing.assert_allclose(mesh["losses"], one_device["losses"], rtol=1e-5)
+    assert mesh["largest_weight_difference"] < 1e-5
+
+
+@pytest.mark.parametrize("script", ["clm", "mlm"])
+def test_a_tensor_axis_of_eight_leaves_each_device_an_eighth_of_every_split_matrix(mesh_results, script):
+    shares = mesh_results[script]["tensor=8"]["shares"]
+    split = {
+        "clm": ("attn/c_attn/kernel", "attn/c_proj/kernel", "mlp/c_fc/kernel", "mlp/c_proj/kernel", "wte/embedding"),
+        "mlm": (
+            "self/query/kernel", "self/key/kernel", "self/value/kernel", "attention/output/dense/kernel",
+            "intermediate/dense/kernel", "layer_0/output/dense/kernel", "word_embeddings/embedding",
+        ),
+    }[script]  # fmt: skip
+    matrices = {name: share for name, share in shares.items() if name.endswith(split)}
+    assert len(matrices) >= len(split)
+    assert set(matrices.values()) == {1 / 8}, matrices
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    """The 1000-token test tokenizer and a GPT-2 of 4 heads, which tensor=4 splits."""
+    directory = tmp_path_factory.mktemp("tensor-model")
+    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
+    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=4).save_pretrained(directory)
+    return str(directory)
+
+
+def arguments(model_dir, output_dir, *extra):
+    # Dropout is on (the config's default 0.1): a resumed run on another mesh must draw the same masks.
+    return [
+        "--output_dir", str(output_dir), "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--train_file", str(CORPUS / "train.txt"), "--do_train", "--block_size", "32",
+        "--per_device_train_batch_size", "1", "--learning_rate", "1e-3", "--seed", "0", "--sample_tokens", "0",
+        "--max_steps", "6", "--logging_steps", "1", *extra,
+    ]  # fmt: skip
+
+
+def resume_copy(run_dir, new_dir, newest_kept: int):
+    """A copy of `run_dir` as if stopped right after its checkpoint of step `newest_kept` was written."""
+    shutil.copytree(run_dir, new_dir)
+    for step in os.listdir(new_dir / "checkpoints"):
+        if int(step) > newest_kept:
+            shutil.rmtree(new_dir / "checkpoints" / step)
+    shutil.rmtree(new_dir / "tensorboard")
+    (new_dir / "model.safetensors").unlink()
+
+
+def assert_continues_like(resumed_dir, uninterrupted_dir, first_step: int):
+    losses, expected = dict(scalars(resumed_dir, "train/loss")), dict(scalars(uninterrupted_dir, "train/loss"))
+    assert sorted(losses) == list(range(first_step, 7))
+    np.testing.assert_allclose([losses[step] for step in losses], [expected[step] for step in losses], rtol=1e-5)
+    final, reference = (
+        load_file(str(resumed_dir / "model.safetensors")),
+        load_file(str(uninterrupted_dir / "model.safetensors")),
+    )
+    for name in reference:
+        np.testing.assert_allclose(final[name], reference[name], atol=1e-5, err_msg=name)
+
+
+def test_checkpoints_move_between_data_and_tensor_parallel_meshes(model_dir, tmp_path):
+    """A run on data=8 saved at step 3 resumes on data=2,tensor=4; that run's step-4 checkpoint resumes on data=8;
+    both end with the losses and weights of the uninterrupted data=8 run."""
+    uninterrupted = tmp_path / "uninterrupted"
+    run_script(arguments(model_dir, uninterrupted, "--save_steps", "3"), env=devices_env(8))
+
+    on_tensor = tmp_path / "on-tensor"
+    resume_copy(uninterrupted, on_tensor, newest_kept=3)
+    result = run_script(
+        arguments(
+            model_dir, on_tensor, "--save_steps", "2", "--resume_from_checkpoint", "--mesh_shape", "data=2,tensor=4"
+        ),
+        env=devices_env(8),
+    )
+    assert "at step 3" in result.stderr and "'tensor': 4" in result.stderr
+    assert_continues_like(on_tensor, uninterrupted, first_step=4)
+
+    back_on_data = tmp_path / "back-on-data"
+    resume_copy(on_tensor, back_on_data, newest_kept=4)
+    result = run_script(arguments(model_dir, back_on_data, "--resume_from_checkpoint"), env=devices_env(8))
+    assert "at step 4" in result.stderr and "'tensor': 1" in result.stderr
+    assert_continues_like(back_on_data, uninterrupted, first_step=5)
+
+
+def test_greedy_generation_split_over_four_devices_gives_the_ids_of_one(model_dir, tmp_path):
+    trained = tmp_path / "trained"
+    run_script(arguments(model_dir, trained, "--max_steps", "2"))
+    command = [
+        sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(trained), "--json_output",
+        "--max_new_tokens", "12", "--prompt", "The", "--prompt", "It was a long", "--prompt", "",
+    ]  # fmt: skip
+    texts = {}
+    for name, extra, env in (("one", [], OFFLINE_ENV), ("tensor=4", ["--mesh_shape", "tensor=4"], devices_env(4))):
+        result = subprocess.run([*command, *extra], capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        texts[name] = [json.loads(line) for line in result.stdout.splitlines()]
+    assert "'tensor': 4" in result.stderr
+    assert len(texts["one"]) == 3 and all(row["new_tokens"] > 0 for row in texts["one"])
+    assert texts["tensor=4"] == texts["one"]
+
+
+def test_generation_on_a_mesh_with_rows_split_is_refused(model_dir, tmp_path):
+    command = [sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", model_dir]
+    result = subprocess.run(
+        [*command, "--prompt", "The", "--mesh_shape", "data=2,tensor=2"],
+        capture_output=True,
+        text=True,
+        env=devices_env(4),
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert last_line(result.stderr).endswith(
+        "generation splits the model over a tensor axis alone; give tensor=4 (all devices), or make fewer devices "
+        "visible"
+    )
+
+
+class TensorAxis:
+    """What check_model_config reads of a mesh: the size of each axis."""
+
+    def __init__(self, size: int):
+        self.shape = {"data": 1, "fsdp": 1, "tensor": size}
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (tiny_config(n_head=2), "tensor=4 does not divide the attention heads (n_head) 2"),
+        (tiny_config(n_head=4, n_inner=66), "tensor=4 does not divide the MLP width (n_inner) 66"),
+        (
+            tiny_config(n_head=4, vocab_size=1002),
+            "tensor=4 does not divide the vocabulary (vocab_size) 1002: choose a tensor size that divides it, or pad "
+            "it with create_config.py --pad_vocab_to_multiple_of",
+        ),
+    ],
+)
+def test_a_tensor_size_that_does_not_divide_the_split_sizes_is_refused(config, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        gpt2.check_model_config(config, TensorAxis(4))
+    gpt2.check_model_config(config, TensorAxis(1))
+
+
+def test_a_roberta_tensor_size_that_does_not_divide_its_heads_is_refused():
+    from test_mlm_model import tiny_config as roberta_config
+
+    with pytest.raises(UsageError, match=r"tensor=8 does not divide the attention heads \(num_attention_heads\) 4"):
+        roberta.check_model_config(roberta_config(), TensorAxis(8))
+
+
+def test_the_training_script_refuses_a_tensor_size_before_any_work(model_dir, tmp_path):
+    result = run_script(
+        arguments(model_dir, tmp_path / "out", "--mesh_shape", "tensor=8"), env=devices_env(8), check=False
+    )
+    assert result.returncode == 2
+    assert last_line(result.stderr).endswith(
+        "--mesh_shape tensor=8 does not divide the attention heads (n_head) 4: choose a tensor size that divides "
+        "it, or change the config"
+    )
+    assert not (tmp_path / "out").exists()
