@@ -369,8 +369,8 @@ MODEL_EDITS = {
     "position embedding removed": (
         {
             '        self.wpe = embed(config.n_positions, ("positions", "embed"))\n': "",
-            "x = self.dropout(self.wte(input_ids) + self.wpe(positions), deterministic)": (
-                "x = self.dropout(self.wte(input_ids), deterministic)"
+            'self.look_up(self.wte, "vocab", input_ids) + self.look_up(self.wpe, "positions", positions)': (
+                'self.look_up(self.wte, "vocab", input_ids)'
             ),
         },
         "no parameter maps onto GPT2LMHeadModel's transformer.wpe.weight (64, 32)",

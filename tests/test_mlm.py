@@ -119,7 +119,7 @@ def test_with_document_attention_the_texts_of_a_grouped_block_are_scored_as_if_a
     assert tokenizer.decode(input_ids[0]) == "<s>" + "</s>".join(dataset["text"]) + "</s></s>"
 
     config = RobertaConfig.from_pretrained(model_dir)
-    model = run_mlm_flax.masked_lm_model(config, tokenizer, ModelArguments(), data_args)
+    model = run_mlm_flax.masked_lm_model(config, tokenizer, ModelArguments(), data_args, mesh=None)
     params = nn.meta.unbox(model.init(jax.random.key(0), input_ids))["params"]
     packed = model.apply({"params": params}, input_ids, attention_mask)[0]
     # Each text alone, led by the </s> that joins it to the one before where a sequence of its own has <s> (the first
