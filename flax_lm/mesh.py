@@ -27,6 +27,10 @@ BATCH_AXES = MESH_AXES
 # Logical axis names (on parameters, and on activations in the models' sharding constraints) -> mesh axes.
 LOGICAL_AXIS_RULES = (
     ("batch", ("data", "fsdp")),
+    # The positions of the activations between the split layers (residuals, layer norms), split over the tensor
+    # axis where the layers are not (Megatron-LM's sequence parallelism): the sum that ends a split layer is
+    # scattered over the positions, and gathered again where the next one starts, for the same traffic as one sum.
+    ("length", "tensor"),
     ("vocab", "tensor"),
     ("positions", None),
     ("embed", "fsdp"),

@@ -1,11 +1,12 @@
 """What the Flax models share: activations by their Hugging Face config names, the choice of attention kernel, the
 layout of activations over a device mesh, and the segments of documents packed end to end into one sequence."""
 
+import math
 from functools import partial
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_lm.mesh import LOGICAL_AXIS_RULES
 
@@ -32,10 +33,18 @@ def attention_implementation(dtype) -> str | None:
 def constrain(x, mesh: jax.sharding.Mesh | None, logical_axes: tuple):
     """`x` laid out over `mesh` by the logical names of its axes (flax_lm.mesh.LOGICAL_AXIS_RULES; None: whole on
     every device); `x` as it is without a mesh. The models pin their activations so: left to itself, XLA may
-    choose to replicate an activation that a tensor-parallel layer means to split."""
+    choose to replicate an activation that a tensor-parallel layer means to split. An axis that its mesh axes do not
+    divide stays whole (a decoding step's one position, a batch of one prompt)."""
     if mesh is None:
         return x
-    return nn.with_logical_constraint(x, logical_axes, rules=LOGICAL_AXIS_RULES, mesh=mesh)
+    rules = dict(LOGICAL_AXIS_RULES)
+    spec = []
+    for size, name in zip(x.shape, logical_axes):
+        mesh_axes = rules.get(name) if name else None
+        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+        ways = math.prod(mesh.shape[axis] for axis in mesh_axes) if mesh_axes else 1
+        spec.append(mesh_axes if mesh_axes and size % ways == 0 else None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 def same_segment(segment_ids):

@@ -159,7 +159,7 @@ class CausalSelfAttention(GPT2Module):
         # Split by heads, the projection's rows are split alike: each device sums its heads' share of the
         # output, and one sum over the tensor axis completes it.
         y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
-        y = self.constrain(y, ("batch", None, None))
+        y = self.constrain(y, ("batch", "length", None))
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
 
 
@@ -228,7 +228,7 @@ class MLP(GPT2Module):
         x = self.dense(inner, ("embed", "mlp"), config.initializer_range, "c_fc")(x)
         x = self.constrain(ACTIVATIONS[config.activation_function](x), ("batch", None, "mlp"))
         x = self.dense(config.n_embd, ("mlp", "embed"), residual_stddev, "c_proj")(x)
-        x = self.constrain(x, ("batch", None, None))
+        x = self.constrain(x, ("batch", "length", None))
         return nn.Dropout(config.resid_pdrop)(x, deterministic)
 
 
@@ -282,7 +282,7 @@ class GPT2Model(GPT2Module):
         x = self.dropout(
             self.look_up(self.wte, "vocab", input_ids) + self.look_up(self.wpe, "positions", positions), deterministic
         )
-        x = self.constrain(x, ("batch", None, None))
+        x = self.constrain(x, ("batch", "length", None))
         layer_caches = []
         for block in self.h:
             x, layer_cache = block(x, deterministic, cache, segment_ids)

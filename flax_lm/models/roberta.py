@@ -165,7 +165,7 @@ class RobertaEmbeddings(RobertaModule):
             + self.look_up(self.position_embeddings, "positions", position_ids)
             + self.look_up(self.token_type_embeddings, None, token_type_ids)
         )  # (batch, seq, hidden)
-        x = self.constrain(x, ("batch", None, None))
+        x = self.constrain(x, ("batch", "length", None))
         return self.dropout(self.LayerNorm(x), deterministic=deterministic)
 
     def look_up(self, table: nn.Embed, row_axis: str | None, ids):
@@ -223,7 +223,7 @@ class RobertaResidualOutput(RobertaModule):
     def __call__(self, hidden_states, residual, deterministic, kernel_axes):
         # Split by rows over the tensor axis (heads or MLP columns): one sum over the axis completes the output.
         x = self.dense(self.config.hidden_size, kernel_axes, ("embed",), "dense")(hidden_states)
-        x = self.constrain(x, ("batch", None, None))
+        x = self.constrain(x, ("batch", "length", None))
         x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
         return self.layer_norm("LayerNorm")(x + residual)
 
