@@ -461,7 +461,7 @@ def check_common_arguments(model_args, data_args, training_args):
         )
     model_args.gradient_checkpointing = policy
     if training_args.steps_per_call is None:
-        training_args.steps_per_call = 8 if jax.default_backend() == "cpu" else 1
+        training_args.steps_per_call = default_steps_per_call()
     if model_args.dtype == "float16" and jax.default_backend() == "cpu":
         raise UsageError(
             "--dtype float16 does not run on CPU, where XLA cannot multiply float16 matrices into float32 "
@@ -486,6 +486,12 @@ def check_mixture(data_args, training_args):
         raise UsageError(
             f"--do_train needs training data: --data_mixture {data_args.data_mixture} gives no source a train_file"
         )
+
+
+def default_steps_per_call() -> int:
+    """Several steps per compiled call on a CPU, where the host waits for each step; one on GPUs and TPUs, where the
+    host queues the next steps while the devices compute."""
+    return 8 if jax.default_backend() == "cpu" else 1
 
 
 def check_numeric_arguments(argument_groups, **script_ranges):
