@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 import jax
 from transformers import HfArgumentParser
 
+from flax_lm.compilation import use_compilation_cache
 from flax_lm.errors import UsageError
 from flax_lm.hf_io import check_local_model_directory
 from flax_lm.mesh import create_mesh
@@ -283,6 +284,15 @@ class CommonTrainingArguments:
             "depend on it. Default: 8 on a CPU, 1 on GPUs and TPUs, whose steps are queued ahead anyway."
         },
     )
+    compilation_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where compiled steps are kept, so that the next run of the same model, shapes and flags starts "
+            "without compiling them (JAX's persistent compilation cache, shared safely by processes and runs, at "
+            "most 4 GB). Default: JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/flax_lm/compilation "
+            "(~/.cache/flax_lm/compilation); none to compile afresh every run."
+        },
+    )
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"],
         metadata={
@@ -471,6 +481,9 @@ def check_common_arguments(model_args, data_args, training_args):
     check_writable_directory(training_args.output_dir, "output_dir")
     if model_args.cache_dir is not None:  # where `datasets` writes what it reads and the token cache lives
         check_writable_directory(model_args.cache_dir, "cache_dir")
+    if training_args.compilation_cache_dir not in (None, "none"):
+        check_writable_directory(training_args.compilation_cache_dir, "compilation_cache_dir")
+    use_compilation_cache(training_args.compilation_cache_dir)  # before the first compilation
 
 
 def check_mixture(data_args, training_args):
