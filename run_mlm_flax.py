@@ -64,7 +64,14 @@ from flax_lm.checkpoints import (
     restore_checkpoint,
     save_checkpoint,
 )
-from flax_lm.data import count_steps, epochs_of_batches, load_data, stream_position, streaming_train_batches
+from flax_lm.data import (
+    call_batches,
+    count_steps,
+    epochs_of_batches,
+    load_data,
+    stream_position,
+    streaming_train_batches,
+)
 from flax_lm.errors import UsageError, run
 from flax_lm.hf_io import (
     check_architecture_fits,
@@ -101,6 +108,7 @@ from flax_lm.train_state import (
     accumulate_gradients,
     apply_finite_update,
     create_train_state,
+    repeat_train_step,
     train_step_compiler_options,
 )
 
@@ -192,6 +200,14 @@ def check_arguments(model_args, data_args, training_args):
             "--document_attention has no effect with --line_by_line, where each example is one line (or text) "
             "already; drop one of them"
         )
+    if data_args.line_by_line and not data_args.pad_to_max_length:
+        # Each batch is padded to its own length, and one compiled call runs steps of one shape only.
+        if (training_args.steps_per_call or 1) > 1:
+            raise UsageError(
+                f"--steps_per_call {training_args.steps_per_call} needs batches of one length: with --line_by_line "
+                "add --pad_to_max_length, or leave out --steps_per_call"
+            )
+        training_args.steps_per_call = 1
     check_common_arguments(model_args, data_args, training_args)
 
 
@@ -766,7 +782,7 @@ def main():
         )
         save = partial(save_run, setup, config, tokenizer, arguments)
         log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
-        state, stopped_by = train(state, progress, batches, setup.train_step, save, evaluation, log, training_args)
+        state, stopped_by = train(state, progress, batches, setup.train_steps, save, evaluation, log, training_args)
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
@@ -840,10 +856,10 @@ class TrainingSetup:
     steps_per_epoch: int | None
     total_steps: int
     batch_sharding: NamedSharding
-    micro_batches_sharding: NamedSharding
+    call_batches_sharding: NamedSharding
     optimizer: optax.GradientTransformation
     abstract_state: TrainState
-    train_step: Any
+    train_steps: Any  # (state, batches of up to --steps_per_call steps, steps) -> (state, metrics of each step)
     eval_step: Any
 
 
@@ -858,7 +874,8 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     )
     mesh = model.mesh
     batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    micro_batches_sharding = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (micro-batch, row, ...)
+    # (step of a compiled call, micro-batch, row, ...)
+    call_batches_sharding = NamedSharding(mesh, PartitionSpec(None, None, BATCH_AXES))
     accumulation_steps = training_args.gradient_accumulation_steps
     train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
     steps_per_epoch, total_steps = count_steps(training_args, train_examples, train_batch_size, "--max_seq_length")
@@ -884,12 +901,14 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         batch_sharding=batch_sharding,
-        micro_batches_sharding=micro_batches_sharding,
+        call_batches_sharding=call_batches_sharding,
         optimizer=optimizer,
         abstract_state=abstract_state,
-        train_step=jax.jit(
-            make_train_step(model, optimizer, schedule, training_args.seed),
-            in_shardings=(state_shardings, micro_batches_sharding),
+        train_steps=jax.jit(
+            repeat_train_step(
+                make_train_step(model, optimizer, schedule, training_args.seed), training_args.steps_per_call
+            ),
+            in_shardings=(state_shardings, call_batches_sharding, None),
             out_shardings=(state_shardings, None),
             donate_argnums=(0,),
             compiler_options=train_step_compiler_options(),
@@ -934,8 +953,9 @@ def pretrained_params(model_args, setup: TrainingSetup):
 def train_batches_from(
     first_step, setup: TrainingSetup, train_examples, train_stream, make_batch, tokenizer, data_args, training_args
 ):
-    """(global batch, token count) pairs for the steps after `first_step`, read ahead on a thread. The data order and
-    the masks are a function of the step, so a resumed run sees the batches the interrupted one would have."""
+    """The global batches of each compiled call after `first_step` (steps_of_calls says how many steps each runs),
+    stacked, and the token count of each step, read ahead on a thread. The data order and the masks are a function of
+    the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, max_seq_length = setup.train_batch_size, setup.sequence_length
     if isinstance(train_examples, Mixture):
         data = f"on a mixture ({train_examples.describe(setup.total_steps * batch_size)})"
@@ -969,23 +989,35 @@ def train_batches_from(
         " at most (padded per batch)" if data_args.line_by_line else "",
     )
     accumulation_steps = training_args.gradient_accumulation_steps
-    return prefetch(
-        (
-            to_global_batch(
-                {name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()},
-                setup.micro_batches_sharding,
-            ),
-            tokens,
-        )
+    micro_batches = (
+        ({name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()}, tokens)
         for batch, tokens in local_batches
     )
+    calls = steps_of_calls(first_step, setup.total_steps, training_args)
+    return call_batches(micro_batches, calls, training_args.steps_per_call, setup.call_batches_sharding)
+
+
+# Copied from run_clm_flax.steps_of_calls
+def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int]:
+    """How many steps each compiled call runs, from the step after `first_step` to the last: --steps_per_call, or
+    fewer where the loop logs, evaluates or saves sooner, so that a call ends at every such step."""
+    intervals = [training_args.logging_steps, training_args.save_steps]
+    if training_args.do_eval:
+        intervals.append(training_args.eval_steps or training_args.logging_steps)
+    calls, step = [], first_step
+    while step < total_steps:
+        call_end = min([total_steps, step + training_args.steps_per_call] + [(step // n + 1) * n for n in intervals])
+        calls.append(call_end - step)
+        step = call_end
+    return calls
 
 
 # Copied from run_clm_flax.train
-def train(state, progress: TrainingProgress, batches, train_step, save, evaluate, log: TrainingLog, training_args):
-    """Train from the step after `progress.step` to the last, logging every --logging_steps, evaluating every
-    --eval_steps (with --do_eval) and saving every --save_steps and at the end, or at the step where a stop was
-    requested. Returns the state and the signal that stopped training, None if it ran to the end."""
+def train(state, progress: TrainingProgress, batches, train_steps, save, evaluate, log: TrainingLog, training_args):
+    """Train from the step after `progress.step` to the last, in compiled calls of the steps `batches` holds for each
+    (steps_of_calls), logging every --logging_steps, evaluating every --eval_steps (with --do_eval) and saving every
+    --save_steps and at the end, or after the call in which a stop was requested. Returns the state and the signal
+    that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
@@ -993,11 +1025,11 @@ def train(state, progress: TrainingProgress, batches, train_step, save, evaluate
         StopRequest() as stop,
         log,
     ):
-        checkpoint_being_written = None
-        for step in range(progress.step + 1, log.total_steps + 1):
-            batch, tokens = next(batches)
-            state, metrics = train_step(state, batch)
-            log.step_done(metrics, tokens)
+        checkpoint_being_written, step = None, progress.step
+        for batch, step_tokens in batches:
+            state, metrics = train_steps(state, batch, len(step_tokens))
+            log.steps_done(metrics, step_tokens)
+            step += len(step_tokens)
             checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
             is_log_step = step % training_args.logging_steps == 0 or is_last

@@ -23,6 +23,7 @@ import argparse
 import glob
 import itertools
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import GPT2Config
 
+from flax_lm.arguments import default_steps_per_call
 from flax_lm.mesh import create_mesh
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
 from flax_lm.packed import cached_blocks
@@ -70,6 +72,9 @@ def parse_arguments():
         help="recompute activations in the backward pass, as run_clm_flax.py's flag: a jax.checkpoint_policies name",
     )
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per step")
+    parser.add_argument(
+        "--steps_per_call", type=int, help="steps per compiled call, as run_clm_flax.py's flag (default: its default)"
+    )
     parser.add_argument("--mesh_shape", help="e.g. data=2,fsdp=2,tensor=2 (default: all devices on data)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
     parser.add_argument("--skip_training", action="store_true", help="only time the preprocessing")
@@ -178,6 +183,7 @@ def benchmark_training(settings, arguments) -> dict:
     per_device_batch_size, remainder = divmod(settings["batch_size"], jax.device_count() * accumulation)
     if remainder or not per_device_batch_size:
         raise SystemExit("error: the batch size must be a multiple of the devices times --gradient_accumulation_steps")
+    steps_per_call = arguments.steps_per_call or default_steps_per_call()
     training_arguments = run_clm_flax.TrainingArguments(
         output_dir="unused",
         do_train=True,
@@ -186,42 +192,46 @@ def benchmark_training(settings, arguments) -> dict:
         weight_decay=0.1,
         per_device_train_batch_size=per_device_batch_size,
         gradient_accumulation_steps=accumulation,
+        steps_per_call=steps_per_call,
         mesh_shape=arguments.mesh_shape,
     )
     eval_step = run_clm_flax.make_eval_step(model, None)
     setup = run_clm_flax.set_up_training(model, eval_step, training_arguments, None, settings["block_size"])
     dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
-    train_step, batch_sharding = setup.train_step, setup.micro_batches_sharding
-    # The global batch of the step, as gradient_accumulation_steps micro-batches.
+    train_steps = setup.train_steps
+    # The global batches of one compiled call: each step's batch as gradient_accumulation_steps micro-batches.
     tokens = np.random.default_rng(0).integers(
         0,
         config.vocab_size,
         size=(
+            steps_per_call,
             arguments.gradient_accumulation_steps,
             settings["batch_size"] // arguments.gradient_accumulation_steps,
             settings["block_size"],
         ),
         dtype=np.int32,
     )
-    batch = {"input_ids": jax.device_put(tokens, batch_sharding)}
+    batches = {"input_ids": jax.device_put(tokens, setup.call_batches_sharding)}
 
+    # The first call runs steps_per_call steps, as in the script: its end is the time to the first step.
     compile_start = time.perf_counter()
-    state, metrics = train_step(state, batch)
+    state, metrics = train_steps(state, batches, steps_per_call)
     jax.block_until_ready(metrics)
     compile_seconds = time.perf_counter() - compile_start
     first_step_seconds = seconds_since_process_start()
-    memory = train_step.lower(state, batch).compile().memory_analysis()
+    memory = train_steps.lower(state, batches, steps_per_call).compile().memory_analysis()
 
     # Steps and the matmul peak are timed in alternating rounds and the best of each kept, so that a
     # moment of load from other programs on the machine does not skew their ratio.
     step_seconds, peak, step_matmuls = float("inf"), 0.0, 0.0
+    calls = math.ceil(arguments.steps / steps_per_call)
     for _ in range(arguments.rounds):
         start = time.perf_counter()
-        for _ in range(arguments.steps):
-            state, metrics = train_step(state, batch)
+        for _ in range(calls):
+            state, metrics = train_steps(state, batches, steps_per_call)
         jax.block_until_ready(metrics)
-        step_seconds = min(step_seconds, (time.perf_counter() - start) / arguments.steps)
+        step_seconds = min(step_seconds, (time.perf_counter() - start) / (calls * steps_per_call))
         peak = max(peak, matmul_peak_flops(dtype))
         step_matmuls = max(step_matmuls, step_matmul_flops(settings, dtype))
 
@@ -244,7 +254,8 @@ def benchmark_training(settings, arguments) -> dict:
         "mfu": tokens_per_second * flops_per_token / peak,
         "step_matmuls_fraction_of_peak": step_matmuls / peak,
         "mfu_fraction_of_shapes_ceiling": tokens_per_second * flops_per_token / step_matmuls,
-        "final_loss": float(metrics["loss_sum"] / metrics["token_count"]),
+        "steps_per_call": steps_per_call,
+        "final_loss": float(metrics["loss_sum"][-1] / metrics["token_count"][-1]),
     }
 
 
@@ -354,7 +365,7 @@ def main():
         training = results["training"]
         print(
             f"training: {training['train_tokens_per_second']:,.0f} tokens/s, "
-            f"{training['step_seconds'] * 1000:.1f} ms/step, "
+            f"{training['step_seconds'] * 1000:.1f} ms/step in calls of {training['steps_per_call']} steps, "
             f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
             f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
             f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
@@ -366,8 +377,8 @@ def main():
         )
         if training["seconds_to_first_step"] is not None:
             print(
-                f"time to first step: {training['seconds_to_first_step']:.1f} s from the process's start (imports, "
-                "set-up, compilation)"
+                f"time to first step: {training['seconds_to_first_step']:.1f} s from the process's start to the end "
+                "of the first call (imports, set-up, compilation)"
             )
         if training["temporary_megabytes_per_device"] is not None:
             print(

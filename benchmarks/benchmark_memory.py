@@ -59,15 +59,14 @@ def step_memory(config, arguments, mesh_shape: str) -> dict:
         max_steps=1000,
         per_device_train_batch_size=arguments.per_device_train_batch_size,
         mesh_shape=mesh_shape,
+        steps_per_call=1,
     )
     eval_step = run_clm_flax.make_eval_step(model)
     setup = run_clm_flax.set_up_training(model, eval_step, training_arguments, None, arguments.block_size)
-    batch = {
-        "input_ids": jax.ShapeDtypeStruct(
-            (1, setup.train_batch_size, arguments.block_size), jnp.int32, sharding=setup.micro_batches_sharding
-        )
-    }
-    memory = setup.train_step.lower(setup.abstract_state, batch).compile().memory_analysis()
+    # One step's batch: (steps of the call, micro-batches, rows, positions).
+    shape = (1, 1, setup.train_batch_size, arguments.block_size)
+    batches = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.call_batches_sharding)}
+    memory = setup.train_steps.lower(setup.abstract_state, batches, 1).compile().memory_analysis()
     gibibyte = 2**30
     return {
         "state_and_batch": memory.argument_size_in_bytes / gibibyte,

@@ -22,6 +22,7 @@ cache, against the raw `tokenizers` batch encoding of the same texts.
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import RobertaConfig
 
+from flax_lm.arguments import default_steps_per_call
 from flax_lm.mesh import create_mesh
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
 from flax_lm.packed import cached_blocks
@@ -61,6 +63,9 @@ def parse_arguments():
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset's compute dtype")
     parser.add_argument("--steps", type=int, default=10, help="training steps timed in each round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of timing; the best round counts")
+    parser.add_argument(
+        "--steps_per_call", type=int, help="steps per compiled call, as run_mlm_flax.py's flag (default: its default)"
+    )
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (RoBERTa uses 0.1)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
     parser.add_argument("--skip_preprocessing", action="store_true")
@@ -114,6 +119,7 @@ def benchmark_training(settings, arguments) -> dict:
     per_device_batch_size, remainder = divmod(settings["batch_size"], jax.device_count())
     if remainder or not per_device_batch_size:
         raise SystemExit("error: the batch size must be a multiple of the number of devices")
+    steps_per_call = arguments.steps_per_call or default_steps_per_call()
     training_arguments = run_mlm_flax.TrainingArguments(
         output_dir="unused",
         do_train=True,
@@ -121,31 +127,37 @@ def benchmark_training(settings, arguments) -> dict:
         learning_rate=3e-4,
         weight_decay=0.01,
         per_device_train_batch_size=per_device_batch_size,
+        steps_per_call=steps_per_call,
     )
     eval_step = run_mlm_flax.make_eval_step(model)
     setup = run_mlm_flax.set_up_training(model, eval_step, training_arguments, None, settings["seq_length"])
     dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
-    train_step, batch_sharding = setup.train_step, setup.micro_batches_sharding
+    train_steps = setup.train_steps
     blocks = random_blocks(settings, settings["batch_size"])
     batch = batch_maker(settings)(blocks, np.arange(len(blocks)), len(blocks), (0,))
-    # One micro-batch: (1, batch, ...), as the script passes a step without gradient accumulation.
-    batch = {name: jax.device_put(values[None], batch_sharding) for name, values in batch.items()}
+    # The batches of one compiled call, (steps_per_call, 1, batch, ...): the same batch for every step, as one
+    # micro-batch, as the script passes a step without gradient accumulation.
+    batches = {
+        name: jax.device_put(np.broadcast_to(values, (steps_per_call, 1, *values.shape)), setup.call_batches_sharding)
+        for name, values in batch.items()
+    }
 
     compile_start = time.perf_counter()
-    state, metrics = train_step(state, batch)
+    state, metrics = train_steps(state, batches, steps_per_call)
     jax.block_until_ready(metrics)
     compile_seconds = time.perf_counter() - compile_start
 
     # Steps and the matmul peak are timed in alternating rounds and the best of each kept, so that a
     # moment of load from other programs on the machine does not skew their ratio.
     step_seconds, peak = float("inf"), 0.0
+    calls = math.ceil(arguments.steps / steps_per_call)
     for _ in range(arguments.rounds):
         start = time.perf_counter()
-        for _ in range(arguments.steps):
-            state, metrics = train_step(state, batch)
+        for _ in range(calls):
+            state, metrics = train_steps(state, batches, steps_per_call)
         jax.block_until_ready(metrics)
-        step_seconds = min(step_seconds, (time.perf_counter() - start) / arguments.steps)
+        step_seconds = min(step_seconds, (time.perf_counter() - start) / (calls * steps_per_call))
         peak = max(peak, matmul_peak_flops(dtype))
 
     def count(tree):
@@ -155,7 +167,7 @@ def benchmark_training(settings, arguments) -> dict:
     # only at the room left for predictions; embedding lookups are not matmuls and are left out.
     parameters = count(state.params)
     head_parameters = count(state.params["lm_head"]) + config.vocab_size * config.hidden_size
-    head_fraction = batch["masked_positions"].shape[2] / settings["seq_length"]
+    head_fraction = batch["masked_positions"].shape[1] / settings["seq_length"]
     attention_flops = 12 * config.num_hidden_layers * config.hidden_size * settings["seq_length"]
     flops_per_token = (
         6 * count(state.params["roberta"]["encoder"]) + 6 * head_parameters * head_fraction + attention_flops
@@ -170,7 +182,8 @@ def benchmark_training(settings, arguments) -> dict:
         "model_tflops_per_second": tokens_per_second * flops_per_token / 1e12,
         "matmul_peak_tflops_per_second": peak / 1e12,
         "mfu": tokens_per_second * flops_per_token / peak,
-        "final_loss": float(metrics["loss_sum"] / metrics["weight_sum"]),
+        "steps_per_call": steps_per_call,
+        "final_loss": float(metrics["loss_sum"][-1] / metrics["weight_sum"][-1]),
     }
 
 
@@ -249,7 +262,7 @@ def main():
     results["training"] = training = benchmark_training(settings, arguments)
     print(
         f"training: {training['train_tokens_per_second']:,.0f} tokens/s, "
-        f"{training['step_seconds'] * 1000:.1f} ms/step, "
+        f"{training['step_seconds'] * 1000:.1f} ms/step in calls of {training['steps_per_call']} steps, "
         f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
         f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
         f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"

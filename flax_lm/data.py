@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from flax_lm.errors import UsageError, naming_a_full_disk
-from flax_lm.mesh import process_slice
+from flax_lm.mesh import prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, read_mixture, source_data_arguments
 from flax_lm.packed import cached_blocks, load_packed_corpus
 from flax_lm.processes import main_process_first
@@ -255,3 +255,19 @@ def stream_position(first_step: int, global_batch_size: int, training_args) -> t
             first_step,
         )
     return first_step, training_args.seed
+
+
+def call_batches(batches_and_tokens: Iterator[tuple[dict, int]], calls: Iterable[int], steps_per_call: int, sharding):
+    """The global batches of each compiled call (`calls`: how many steps each runs), stacked into arrays of
+    (steps_per_call, ...) split by `sharding`, with the token count of each step; read ahead on a thread. Past a
+    call's last step the arrays hold copies of its last batch, which the call never reads, so that every call has the
+    same shapes and runs the same compiled code."""
+
+    def stacked():
+        for steps in calls:
+            batches, tokens = zip(*itertools.islice(batches_and_tokens, steps))
+            filled = batches + (batches[-1],) * (steps_per_call - steps)
+            stacked = {name: np.stack([batch[name] for batch in filled]) for name in batches[0]}
+            yield to_global_batch(stacked, sharding), list(tokens)
+
+    return prefetch(stacked())

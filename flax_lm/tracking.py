@@ -42,16 +42,22 @@ class TrainingLog:
         self.progress_bar.close()
         self.runtime = time.perf_counter() - self.start
 
-    def step_done(self, metrics: dict, tokens: int):
-        self.unread.append({**metrics, "tokens": tokens})
-        self.tokens += tokens
-        self.progress_bar.update(1)
+    def steps_done(self, metrics: dict, step_tokens: list[int]):
+        """The steps of one compiled call: `metrics` stacked over them (entries beyond the call's steps unused), and
+        the tokens of each. Kept on the devices until read: fetching them would wait for the steps to finish."""
+        self.unread.append((metrics, step_tokens))
+        self.tokens += sum(step_tokens)
+        self.progress_bar.update(len(step_tokens))
 
     def read(self, step: int, progress, checkpoints):
         """Wait for the steps not yet read and add the finite ones to `progress`: checked here, before each save, no
         non-finite step goes unnoticed into a checkpoint. Such a step's update was never applied; it stops the run,
         or is logged and skipped with --skip_nonfinite_steps."""
-        fetched = jax.device_get(self.unread)
+        fetched = [
+            {**{name: values[index] for name, values in metrics.items()}, "tokens": tokens}
+            for metrics, step_tokens in jax.device_get(self.unread)
+            for index, tokens in enumerate(step_tokens)
+        ]
         first_step = step - len(fetched) + 1
         bad_steps = [first_step + index for index, metrics in enumerate(fetched) if not metrics["finite"]]
         if bad_steps and not self.skip_nonfinite_steps:

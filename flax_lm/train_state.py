@@ -110,6 +110,43 @@ def accumulate_gradients(loss_and_sums, params, batch, step_rng):
     return grads, sums
 
 
+def repeat_train_step(train_step, steps_per_call: int):
+    """`train_step(state, batch)` made into `train_steps(state, batches, count)`, which runs the first `count` batches
+    of `batches` (every array (steps_per_call, ...)) one step each in one compiled loop, and returns the state and
+    the metrics of every step stacked (steps_per_call, ...; those after `count` are zeros). Between small steps,
+    returning to Python costs as much as the step's own arithmetic. The count is an argument rather than a shape, so
+    calls of every count run the same compiled step: a run resumed at any step gives the uninterrupted run's weights
+    bit for bit."""
+    if steps_per_call == 1:  # no loop around the step
+
+        def train_one_step(state, batches, count):
+            state, metrics = train_step(state, jax.tree_util.tree_map(lambda values: values[0], batches))
+            return state, jax.tree_util.tree_map(lambda value: value[None], metrics)
+
+        return train_one_step
+
+    def train_steps(state, batches, count):
+        def step(index, state_and_metrics):
+            state, all_metrics = state_and_metrics
+            batch = jax.tree_util.tree_map(
+                lambda values: jax.lax.dynamic_index_in_dim(values, index, 0, False), batches
+            )
+            state, metrics = train_step(state, batch)
+            all_metrics = jax.tree_util.tree_map(
+                lambda stacked, value: stacked.at[index].set(value), all_metrics, metrics
+            )
+            return state, all_metrics
+
+        first_batch = jax.tree_util.tree_map(lambda values: values[0], batches)
+        metric_shapes = jax.eval_shape(train_step, state, first_batch)[1]
+        no_metrics = jax.tree_util.tree_map(
+            lambda shape: jnp.zeros((steps_per_call, *shape.shape), shape.dtype), metric_shapes
+        )
+        return jax.lax.fori_loop(0, count, step, (state, no_metrics))
+
+    return train_steps
+
+
 def train_step_compiler_options() -> dict:
     """XLA options for compiling the train step. On CPU, XLA's default scheduler orders the work for
     concurrency and so keeps alive the activations that gradient checkpointing means to free (GPT-2 124M,

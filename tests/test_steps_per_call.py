@@ -1,0 +1,158 @@
+"""Several training steps in one compiled call (--steps_per_call): the same losses and weights as one step per call,
+calls that end where the loop logs, evaluates or saves, an exact resume inside a call's range, and the persistent
+compilation cache that lets the next run skip compiling."""
+
+import os
+import shutil
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES_DIR
+from safetensors.numpy import load_file
+from test_clm import OFFLINE_ENV, run_script, tiny_config
+from test_scaling import LENGTH, batch, training_parts
+
+import run_clm_flax
+import run_mlm_flax
+from flax_lm.errors import UsageError
+from flax_lm.train_state import create_train_state, repeat_train_step
+
+CORPUS = FIXTURES_DIR / "en"
+STEPS = 6
+
+
+def compiled_steps(steps_per_call: int, dropout: float):
+    """A fresh training state and the script's train step, compiled to run up to `steps_per_call` steps a call."""
+    config = tiny_config(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    model, optimizer, schedule, abstract_state = training_parts(config)
+    state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32))
+    train_step = run_clm_flax.make_train_step(model, optimizer, schedule, seed=0)
+    return state, jax.jit(repeat_train_step(train_step, steps_per_call))
+
+
+def call_batches(first_step: int, steps: int, steps_per_call: int) -> dict:
+    """The batches of steps first_step + 1 ... first_step + steps, each one micro-batch, filled to steps_per_call."""
+    rows = [batch(4, seed=step)[None] for step in range(first_step, first_step + steps)]
+    rows += [rows[-1]] * (steps_per_call - steps)
+    return {"input_ids": np.stack(rows)}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_steps_in_one_call_give_the_losses_and_weights_of_one_step_per_call(dropout):
+    state, one_step = compiled_steps(1, dropout)
+    losses_one_per_call = []
+    for step in range(STEPS):
+        state, metrics = one_step(state, call_batches(step, 1, 1), 1)
+        losses_one_per_call.append(float(metrics["loss_sum"][0] / metrics["token_count"][0]))
+    one_per_call = state
+
+    state, several_steps = compiled_steps(STEPS, dropout)
+    state, metrics = several_steps(state, call_batches(0, STEPS, STEPS), STEPS)
+    losses_in_one_call = list(np.asarray(metrics["loss_sum"] / metrics["token_count"]))
+
+    assert int(state.step) == int(one_per_call.step) == STEPS
+    np.testing.assert_allclose(losses_in_one_call, losses_one_per_call, rtol=1e-6, atol=1e-6)
+    for name, (in_one_call, one_at_a_time) in enumerate(
+        zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(one_per_call.params))
+    ):
+        np.testing.assert_allclose(in_one_call, one_at_a_time, rtol=1e-5, atol=1e-6, err_msg=str(name))
+
+
+def test_a_call_runs_only_its_count_of_steps_and_calls_of_any_count_compose_exactly():
+    state, train_steps = compiled_steps(4, dropout=0.1)
+    state, metrics = train_steps(state, call_batches(0, 4, 4), 4)
+    whole_call = state
+
+    state, train_steps = compiled_steps(4, dropout=0.1)
+    state, first = train_steps(state, call_batches(0, 1, 4), 1)
+    assert int(state.step) == 1 and not np.any(np.asarray(first["token_count"][1:]))
+    state, rest = train_steps(state, call_batches(1, 3, 4), 3)
+
+    # The same compiled step whatever the count: bit for bit, as a resumed run must be.
+    assert int(state.step) == 4
+    np.testing.assert_array_equal(first["loss_sum"][0], metrics["loss_sum"][0])
+    np.testing.assert_array_equal(rest["loss_sum"][:3], metrics["loss_sum"][1:])
+    for resumed, uninterrupted in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(whole_call)):
+        np.testing.assert_array_equal(resumed, uninterrupted)
+
+
+def loop_arguments(**overrides):
+    defaults = dict(steps_per_call=8, logging_steps=10, save_steps=25, eval_steps=None, do_eval=True)
+    return SimpleNamespace(**{**defaults, **overrides})
+
+
+def test_calls_end_at_every_step_that_logs_evaluates_or_saves():
+    calls = run_clm_flax.steps_of_calls(0, 30, loop_arguments(eval_steps=12))
+    call_ends = list(np.cumsum(calls))
+    assert max(calls) <= 8 and call_ends[-1] == 30
+    assert {10, 12, 20, 24, 25, 30} <= set(call_ends)
+    assert run_clm_flax.steps_of_calls(0, 30, loop_arguments(eval_steps=12, do_eval=False)) == [8, 2, 8, 2, 5, 5]
+    # A resumed run's calls start after its checkpoint; one step per call is the plain loop.
+    assert run_clm_flax.steps_of_calls(25, 30, loop_arguments()) == [5]
+    assert run_clm_flax.steps_of_calls(3, 7, loop_arguments(steps_per_call=1)) == [1, 1, 1, 1]
+
+
+def training_command(model_dir, output_dir, *extra):
+    return [
+        "--output_dir", str(output_dir), "--config_name", model_dir, "--tokenizer_name", model_dir,
+        "--train_file", str(CORPUS / "train.txt"), "--do_train", "--block_size", "32",
+        "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--seed", "0", "--sample_tokens", "0",
+        "--max_steps", "20", "--logging_steps", "10", "--steps_per_call", "8", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("steps-per-call-model")
+    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
+    tiny_config(vocab_size=1000, n_positions=64).save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_run_resumed_inside_a_call_s_range_ends_with_the_uninterrupted_weights(model_dir, tmp_path):
+    # Uninterrupted, the calls run steps 1-8, 9-10, 11-18 and 19-20. The interrupted run saves every 5 steps; resumed
+    # from step 15, inside the uninterrupted run's call of steps 11-18, its one call runs steps 16-20.
+    uninterrupted = tmp_path / "uninterrupted"
+    run_script(training_command(model_dir, uninterrupted, "--save_steps", "20"))
+    interrupted = tmp_path / "interrupted"
+    run_script(training_command(model_dir, interrupted, "--save_steps", "5"))
+    checkpoint = str(interrupted / "checkpoints" / "15")
+    run_script(training_command(model_dir, interrupted, "--save_steps", "20", "--resume_from_checkpoint", checkpoint))
+
+    final = load_file(str(interrupted / "model.safetensors"))
+    expected = load_file(str(uninterrupted / "model.safetensors"))
+    for name in expected:
+        np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
+
+
+def test_line_by_line_batches_of_several_lengths_refuse_several_steps_per_call(model_dir, monkeypatch):
+    monkeypatch.setattr(run_mlm_flax, "check_common_arguments", lambda *arguments: None)
+    data_args = run_mlm_flax.DataTrainingArguments(line_by_line=True)
+    training_args = run_mlm_flax.TrainingArguments(output_dir="unused", steps_per_call=4)
+    with pytest.raises(UsageError, match="--steps_per_call 4 needs batches of one length.*--pad_to_max_length"):
+        run_mlm_flax.check_arguments(run_mlm_flax.ModelArguments(), data_args, training_args)
+    # Left out, it is one step per call.
+    training_args.steps_per_call = None
+    run_mlm_flax.check_arguments(run_mlm_flax.ModelArguments(), data_args, training_args)
+    assert training_args.steps_per_call == 1
+
+
+def test_the_next_run_finds_its_compiled_steps_in_the_cache_and_none_switches_it_off(model_dir, tmp_path):
+    environment = {name: value for name, value in OFFLINE_ENV.items() if not name.startswith("JAX_COMPILATION")}
+    cache_home = tmp_path / "cache-home"
+    command = training_command(model_dir, tmp_path / "run", "--overwrite_output_dir", "--max_steps", "4")
+    run_script(command, env={**environment, "XDG_CACHE_HOME": str(cache_home)})
+    cache_dir = cache_home / "flax_lm" / "compilation"
+    compiled = {name for name in os.listdir(cache_dir) if name.endswith("-cache")}
+    assert any(name.startswith("jit_train_steps-") for name in compiled), compiled
+
+    # The same run again: every program comes from the cache, and none is added.
+    run_script(command, env={**environment, "XDG_CACHE_HOME": str(cache_home)})
+    assert {name for name in os.listdir(cache_dir) if name.endswith("-cache")} == compiled
+
+    other_home = tmp_path / "other-home"
+    run_script([*command, "--compilation_cache_dir", "none"], env={**environment, "XDG_CACHE_HOME": str(other_home)})
+    assert not (other_home / "flax_lm").exists()
