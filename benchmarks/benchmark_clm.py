@@ -114,9 +114,10 @@ def matmul_peak_flops(dtype) -> float:
 
 
 def step_matmul_flops(settings, dtype) -> float:
-    """FLOP/s of the train step's own matrix products alone, at one device's shapes: every projection, the
-    attention products and the LM head, forward and both gradients, with nothing else in between. Its
-    ratio to the peak is the most MFU that matmuls of these shapes allow."""
+    """FLOP/s of the train step's own matrix products alone, at a data-parallel device's shapes, on all devices at
+    once (as the peak is measured: forced CPU devices share the cores): every projection, the attention products
+    and the LM head, forward and both gradients, with nothing else in between. Its ratio to the peak is the most
+    MFU that matmuls of these shapes allow."""
     tokens = settings["batch_size"] * settings["block_size"] // jax.device_count()
     width, heads, length = settings["width"], settings["heads"], settings["block_size"]
     projections = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * settings["layers"]
@@ -124,8 +125,10 @@ def step_matmul_flops(settings, dtype) -> float:
     rows = tokens // length
     keys = (jax.random.fold_in(jax.random.key(0), number) for number in itertools.count())
 
-    def normal(*shape):
-        return jax.random.normal(next(keys), shape, dtype)
+    every_device = jax.sharding.NamedSharding(create_mesh(), jax.sharding.PartitionSpec("data"))
+
+    def normal(*shape):  # one array of `shape` on each device
+        return jax.device_put(jax.random.normal(next(keys), (jax.device_count(), *shape), dtype), every_device)
 
     inputs = [normal(tokens, fan_in) for fan_in, _ in projections]
     weights = [normal(fan_in, fan_out) for fan_in, fan_out in projections]
@@ -140,8 +143,9 @@ def step_matmul_flops(settings, dtype) -> float:
         return outputs, gradients_of(output_gradients)
 
     arguments = (inputs, weights, *attention)
-    output_gradients = jax.tree_util.tree_map(lambda out: normal(*out.shape), jax.eval_shape(products, *arguments))
-    seconds = time_calls(jax.jit(forward_and_gradients), arguments, output_gradients, repeats=3)
+    output_shapes = jax.eval_shape(jax.vmap(products), *arguments)
+    output_gradients = jax.tree_util.tree_map(lambda out: normal(*out.shape[1:]), output_shapes)
+    seconds = time_calls(jax.jit(jax.vmap(forward_and_gradients)), arguments, output_gradients, repeats=3)
     flops = 3 * sum(2 * tokens * fan_in * fan_out for fan_in, fan_out in projections)
     flops += 3 * 2 * 2 * settings["layers"] * rows * length * length * width
     return flops * jax.device_count() / seconds
