@@ -47,6 +47,15 @@ def constrain(x, mesh: jax.sharding.Mesh | None, logical_axes: tuple):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
+def look_up(table, row_axis: str | None, ids, mesh: jax.sharding.Mesh | None, dtype):
+    """The rows of `table` (an nn.Embed; `row_axis`: the logical name of its rows) at `ids`, in `dtype`."""
+    # The table whole along its embedding (gathered over fsdp, as for any layer's weights), still split by rows over
+    # the tensor axis: each device looks up the ids in its rows, and one sum over the axis adds the rest. Left to
+    # itself, XLA would look up in a table split along both and then move the result whole.
+    embedding = constrain(table.embedding, mesh, (row_axis, None))
+    return jnp.take(embedding, ids, axis=0).astype(dtype)
+
+
 def same_segment(segment_ids):
     """(batch, length, length): whether query position q and key position k are of the same segment."""
     return segment_ids[:, :, None] == segment_ids[:, None, :]

@@ -20,6 +20,7 @@ from flax_lm.models.common import (
     ACTIVATIONS,
     attention_implementation,
     constrain,
+    look_up,
     same_segment,
     segments_and_positions,
 )
@@ -293,11 +294,7 @@ class GPT2Model(GPT2Module):
         return self.ln_f(x), cache
 
     def look_up(self, table: nn.Embed, row_axis: str, ids):
-        # The table whole along its embedding (gathered over fsdp, as for any layer's weights), still split by rows
-        # over the tensor axis: each device looks up the ids in its rows, and one sum over the axis adds the rest.
-        # Left to itself, XLA would look up in a table split along both and then move the result whole.
-        embedding = self.constrain(table.embedding, (row_axis, None))
-        return jnp.take(embedding, ids, axis=0).astype(self.dtype)
+        return look_up(table, row_axis, ids, self.mesh, self.dtype)
 
     def attend(self, hidden):
         # The output layer is the token embedding, transposed; products accumulate and come out in float32.

@@ -16,6 +16,7 @@ from flax_lm.models.common import (
     ACTIVATIONS,
     attention_implementation,
     constrain,
+    look_up,
     same_segment,
     segments_and_positions,
 )
@@ -169,11 +170,7 @@ class RobertaEmbeddings(RobertaModule):
         return self.dropout(self.LayerNorm(x), deterministic=deterministic)
 
     def look_up(self, table: nn.Embed, row_axis: str | None, ids):
-        # The table whole along its embedding (gathered over fsdp, as for any layer's weights), still split by rows
-        # over the tensor axis: each device looks up the ids in its rows, and one sum over the axis adds the rest.
-        # Left to itself, XLA would look up in a table split along both and then move the result whole.
-        embedding = self.constrain(table.embedding, (row_axis, None))
-        return jnp.take(embedding, ids, axis=0).astype(self.dtype)
+        return look_up(table, row_axis, ids, self.mesh, self.dtype)
 
 
 def attention_with_dropout(query, key, value, mask, dropout: nn.Dropout):
