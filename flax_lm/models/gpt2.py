@@ -18,11 +18,12 @@ from flax_lm.errors import UsageError
 from flax_lm.mesh import check_tensor_split
 from flax_lm.models.common import (
     ACTIVATIONS,
-    attention_implementation,
+    RowsDense,
     constrain,
     look_up,
     same_segment,
     segments_and_positions,
+    use_cudnn_attention,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,9 +103,9 @@ class GPT2Module(nn.Module):
     def constrain(self, x, logical_axes: tuple):
         return constrain(x, self.mesh, logical_axes)
 
-    def dense(self, features: int, names: tuple, stddev: float, name: str) -> nn.Dense:
+    def dense(self, features: int, names: tuple, stddev: float, name: str) -> RowsDense:
         """Weights drawn from N(0, stddev), zero bias, kernel laid out (in, out) as in the checkpoint's Conv1D."""
-        return nn.Dense(
+        return RowsDense(
             features,
             kernel_init=nn.with_logical_partitioning(nn.initializers.normal(stddev), names),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[1:]),
@@ -142,21 +143,14 @@ class CausalSelfAttention(GPT2Module):
             scale /= self.layer_index + 1
 
         layer_cache = None
+        no_dropout = deterministic or config.attn_pdrop == 0
         if cache is not None:
             y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)
-        elif deterministic or config.attn_pdrop == 0:
-            if segment_ids is None:
-                implementation = attention_implementation(query.dtype)
-                y = jax.nn.dot_product_attention(
-                    query, key, value, scale=scale, is_causal=True, implementation=implementation
-                )
-            else:  # XLA's attention: cuDNN's fused kernel is not given a mask here
-                same = same_segment(segment_ids)[:, None]
-                y = jax.nn.dot_product_attention(query, key, value, mask=same, scale=scale, is_causal=True)
+        elif no_dropout and segment_ids is None and use_cudnn_attention(query.dtype):
+            y = jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=True, implementation="cudnn")
         else:
-            # jax.nn.dot_product_attention has no dropout on the attention weights, which GPT-2 trains with.
-            dropout = nn.Dropout(config.attn_pdrop, deterministic=False)
-            y = attention_with_dropout(query, key, value, scale, dropout, segment_ids)
+            dropout = nn.Dropout(config.attn_pdrop, deterministic=no_dropout)
+            y = causal_attention(query, key, value, scale, dropout, segment_ids)
         # Split by heads, the projection's rows are split alike: each device sums its heads' share of the
         # output, and one sum over the tensor axis completes it.
         y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
@@ -182,13 +176,16 @@ class QueryKeyValue(GPT2Module):
         # and v; computed, each device takes whole heads of all three.
         kernel = self.constrain(kernel.reshape(width, 3, heads, -1), ("embed", None, "heads", None))
         bias = self.constrain(bias.reshape(3, heads, -1), (None, "heads", None))
-        qkv = jnp.einsum("ble,ethd->blthd", x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
-        qkv = self.constrain(qkv, ("batch", None, None, "heads", None))
+        batch, length, _ = x.shape
+        rows = x.reshape(batch * length, width).astype(self.dtype)  # one matrix, as RowsDense multiplies
+        qkv = jnp.einsum("ne,ethd->nthd", rows, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        qkv = self.constrain(qkv.reshape(batch, length, 3, heads, -1), ("batch", None, None, "heads", None))
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
-def attention_with_dropout(query, key, value, scale, dropout: nn.Dropout, segment_ids=None):
-    """Causal attention written out, for training with dropout on the attention weights."""
+def causal_attention(query, key, value, scale, dropout: nn.Dropout, segment_ids=None):
+    """Causal attention written out, with dropout on the attention weights (which jax.nn.dot_product_attention
+    lacks); without dropout, XLA:CPU also runs it faster than that function's own XLA version."""
     # query, key, value: (batch, length, heads, head_dim)
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
     length = query.shape[1]
@@ -297,9 +294,8 @@ class GPT2Model(GPT2Module):
         return look_up(table, row_axis, ids, self.mesh, self.dtype)
 
     def attend(self, hidden):
-        # The output layer is the token embedding, transposed; products accumulate and come out in float32.
-        # Multiplied as one (batch x length, n_embd) matrix: XLA then computes the embedding's gradient from the
-        # logits' gradient as it is laid out, where with three dimensions it makes a transposed copy of it.
+        # The output layer is the token embedding, transposed; products accumulate and come out in float32. One
+        # (batch x length, n_embd) matrix, for the reason RowsDense gives.
         embedding = self.wte.embedding.astype(self.dtype)
         batch, length, width = hidden.shape
         logits = jnp.dot(hidden.reshape(batch * length, width), embedding.T, preferred_element_type=jnp.float32)
@@ -327,7 +323,7 @@ class FlaxGPT2LMHeadModel(GPT2Module):
         if self.config.tie_word_embeddings:
             logits = transformer.attend(hidden)
         else:
-            logits = nn.Dense(
+            logits = RowsDense(
                 self.config.vocab_size,
                 use_bias=False,
                 kernel_init=nn.with_logical_partitioning(
