@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -31,6 +32,14 @@ OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", 
 def tiny_config(**overrides) -> GPT2Config:
     settings = dict(vocab_size=512, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     return GPT2Config(**{**settings, **overrides})
+
+
+def model_dir_with_config(tokenizer_dir, directory, **overrides) -> str:
+    """`directory` holding a copy of the 1000-token test tokenizer `tokenizer_dir` and a tiny GPT-2 config of its
+    vocabulary and 64 positions (tiny_config, with `overrides`)."""
+    shutil.copytree(tokenizer_dir, directory, dirs_exist_ok=True)
+    tiny_config(vocab_size=1000, n_positions=64, **overrides).save_pretrained(directory)
+    return str(directory)
 
 
 @pytest.fixture(scope="module")

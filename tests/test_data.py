@@ -6,7 +6,6 @@ import gzip
 import itertools
 import json
 import os
-import shutil
 import sys
 import tracemalloc
 import warnings
@@ -15,7 +14,7 @@ import datasets
 import numpy as np
 import pytest
 from conftest import FIXTURES_DIR
-from test_clm import run_clm_flax, scalars, tiny_config
+from test_clm import model_dir_with_config, run_clm_flax, scalars
 from transformers import AutoTokenizer
 
 import flax_lm.data
@@ -29,10 +28,7 @@ CORPUS = FIXTURES_DIR / "en"
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     """The 1000-token test tokenizer (its ids fit in uint16) with a tiny GPT-2."""
-    directory = tmp_path_factory.mktemp("data-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("data-model"))
 
 
 @pytest.fixture(scope="module")

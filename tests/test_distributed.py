@@ -10,7 +10,6 @@ the stop agreement, the collective checkpoint, its move to another mesh, tensor 
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
 from test_resume import losses_per_process
 
 from flax_lm import mesh, processes
@@ -38,10 +37,7 @@ def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     """The 1000-token test tokenizer and a one-layer GPT-2 of 8 heads, which tensor=8 splits. Dropout stays on: the
     runs then agree only if the global batch is the same row for row, and every mask the same, whatever the number
     of processes and the mesh."""
-    directory = tmp_path_factory.mktemp("distributed-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=8).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("distributed-model"), n_layer=1, n_head=8)
 
 
 def arguments(model_dir, output_dir, *extra):

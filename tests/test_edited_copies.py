@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors import safe_open
-from test_clm import OFFLINE_ENV, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, tiny_config
 from transformers import AutoTokenizer, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
 
 from flax_lm.errors import UsageError
@@ -32,10 +32,7 @@ CORPUS = FIXTURES_DIR / "en"
 
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("edited-copies-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("edited-copies-model"), n_layer=1)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
-from test_clm import run_clm_flax, scalars, tiny_config
+from test_clm import model_dir_with_config, run_clm_flax, scalars
 from test_mlm import run_mlm_flax
 from transformers import RobertaConfig
 
@@ -99,10 +99,7 @@ def test_processes_each_take_their_rows_of_the_same_global_batch(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("mixture-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("mixture-model"))
 
 
 def write_mixture(directory, **sources):

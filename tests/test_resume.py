@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, run_clm_flax, run_script, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, run_script, tiny_config
 from transformers import GPT2Config, GPT2LMHeadModel
 
 CORPUS = FIXTURES_DIR / "en"
@@ -24,10 +24,7 @@ SECRET = "hf_SECRET_TOKEN_never_to_be_written"
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     """The 1000-token test tokenizer with a GPT-2 big enough that saving a checkpoint takes a moment."""
-    directory = tmp_path_factory.mktemp("resume-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64, n_embd=128, n_layer=2, n_head=2).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("resume-model"), n_embd=128)
 
 
 def arguments(model_dir, output_dir, *extra):

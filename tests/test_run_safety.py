@@ -22,7 +22,7 @@ import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from jax.experimental.compilation_cache import compilation_cache
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, run_clm_flax, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
 from test_mlm import run_mlm_flax
 
 import flax_lm.run_dir
@@ -34,10 +34,7 @@ CORPUS = FIXTURES_DIR / "en"
 
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("safety-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("safety-model"), n_layer=1)
 
 
 @pytest.fixture(scope="module", autouse=True)

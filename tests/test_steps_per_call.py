@@ -3,7 +3,6 @@ calls that end where the loop logs, evaluates or saves, an exact resume inside a
 compilation cache that lets the next run skip compiling."""
 
 import os
-import shutil
 from types import SimpleNamespace
 
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, run_script, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, tiny_config
 from test_scaling import LENGTH, batch, training_parts
 
 import run_clm_flax
@@ -106,10 +105,7 @@ def training_command(model_dir, output_dir, *extra):
 
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("steps-per-call-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("steps-per-call-model"))
 
 
 def test_a_run_resumed_inside_a_call_s_range_ends_with_the_uninterrupted_weights(model_dir, tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, run_script, scalars, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, scalars, tiny_config
 
 from flax_lm.errors import UsageError
 from flax_lm.models import gpt2, roberta
@@ -72,10 +72,7 @@ def test_a_tensor_axis_of_eight_leaves_each_device_an_eighth_of_every_split_matr
 @pytest.fixture(scope="module")
 def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     """The 1000-token test tokenizer and a GPT-2 of 4 heads, which tensor=4 splits."""
-    directory = tmp_path_factory.mktemp("tensor-model")
-    shutil.copytree(gpt2_tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=4).save_pretrained(directory)
-    return str(directory)
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("tensor-model"), n_head=4)
 
 
 def arguments(model_dir, output_dir, *extra):
