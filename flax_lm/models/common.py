@@ -1,6 +1,6 @@
 """What the Flax models share: activations by their Hugging Face config names, when attention runs as cuDNN's
-kernel, dense layers multiplied as one matrix, the layout of activations over a device mesh, and the segments of
-documents packed end to end into one sequence."""
+kernel, dense layers and the tied output layer multiplied as one matrix, the layout of activations over a device
+mesh, and the segments of documents packed end to end into one sequence."""
 
 import math
 from functools import partial
@@ -53,6 +53,14 @@ class RowsDense(nn.Dense):
     def __call__(self, inputs):
         rows = inputs.reshape(-1, inputs.shape[-1])
         return super().__call__(rows).reshape(*inputs.shape[:-1], self.features)
+
+
+def tied_logits(hidden, embedding):
+    """(batch, length, vocab) float32 logits of an output layer that is the token `embedding` (vocab, width),
+    transposed; the products accumulate in float32, over the positions as one matrix, as RowsDense multiplies."""
+    batch, length, width = hidden.shape
+    logits = jnp.dot(hidden.reshape(batch * length, width), embedding.T, preferred_element_type=jnp.float32)
+    return logits.reshape(batch, length, -1)
 
 
 def look_up(table, row_axis: str | None, ids, mesh: jax.sharding.Mesh | None, dtype):

@@ -23,6 +23,7 @@ from flax_lm.models.common import (
     look_up,
     same_segment,
     segments_and_positions,
+    tied_logits,
     use_cudnn_attention,
 )
 
@@ -294,12 +295,8 @@ class GPT2Model(GPT2Module):
         return look_up(table, row_axis, ids, self.mesh, self.dtype)
 
     def attend(self, hidden):
-        # The output layer is the token embedding, transposed; products accumulate and come out in float32. One
-        # (batch x length, n_embd) matrix, for the reason RowsDense gives.
-        embedding = self.wte.embedding.astype(self.dtype)
-        batch, length, width = hidden.shape
-        logits = jnp.dot(hidden.reshape(batch * length, width), embedding.T, preferred_element_type=jnp.float32)
-        return self.constrain(logits.reshape(batch, length, -1), ("batch", None, "vocab"))
+        logits = tied_logits(hidden, self.wte.embedding.astype(self.dtype))
+        return self.constrain(logits, ("batch", None, "vocab"))
 
 
 class FlaxGPT2LMHeadModel(GPT2Module):

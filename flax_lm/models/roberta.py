@@ -19,6 +19,7 @@ from flax_lm.models.common import (
     look_up,
     same_segment,
     segments_and_positions,
+    tied_logits,
     use_cudnn_attention,
 )
 from flax_lm.train_state import abstract_model_params
@@ -306,11 +307,8 @@ class RobertaLMHead(RobertaModule):
             (self.config.vocab_size,),
             self.param_dtype,
         )
-        # Accumulate in float32 so that bfloat16 compute still gives float32 logits for the loss.
-        batch, seq, hidden = x.shape
-        rows = x.reshape(batch * seq, hidden)  # one matrix, as RowsDense multiplies
-        logits = jnp.dot(rows, word_embeddings.astype(self.dtype).T, preferred_element_type=jnp.float32)
-        logits = logits.reshape(batch, seq, -1) + bias.astype(jnp.float32)
+        # Float32 logits for the loss, whatever the compute dtype.
+        logits = tied_logits(x, word_embeddings.astype(self.dtype)) + bias.astype(jnp.float32)
         return self.constrain(logits, ("batch", None, "vocab"))  # (batch, seq, vocab)
 
 
