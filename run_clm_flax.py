@@ -60,6 +60,7 @@ from flax_lm.checkpoints import (
     restore_checkpoint,
     save_checkpoint,
 )
+from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
     call_batches,
     count_steps,
@@ -488,6 +489,9 @@ def main():
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
     setup = set_up_training(model, eval_step, training_args, blocks.get("train"), block_size)
+    if training_args.do_train:  # compiled while the weights are initialised or restored
+        abstract_batches = abstract_call_batches(setup, training_args)
+        compile_in_background(setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
     output_dir_lock = on_process_zero(  # noqa: F841
@@ -691,6 +695,14 @@ def train_batches_from(
     )
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
     return call_batches(micro_batches, calls, training_args.steps_per_call, setup.call_batches_sharding)
+
+
+def abstract_call_batches(setup: TrainingSetup, training_args) -> dict:
+    """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them."""
+    accumulation_steps = training_args.gradient_accumulation_steps
+    micro_batch_size = setup.train_batch_size // accumulation_steps
+    shape = (training_args.steps_per_call, accumulation_steps, micro_batch_size, setup.sequence_length)
+    return {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.call_batches_sharding)}
 
 
 def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int]:

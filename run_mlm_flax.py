@@ -64,6 +64,7 @@ from flax_lm.checkpoints import (
     restore_checkpoint,
     save_checkpoint,
 )
+from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
     call_batches,
     count_steps,
@@ -340,6 +341,11 @@ class BatchMaker:
             pad_to_max_length=data_args.pad_to_max_length,
             line_by_line=data_args.line_by_line,
         )
+
+    @property
+    def pads_each_batch(self) -> bool:
+        """Whether batches are padded each to its own length (and so differ in shape)."""
+        return self.line_by_line and not self.pad_to_max_length
 
     def padded_length(self, longest: int) -> int:
         """The length a batch whose longest row has `longest` tokens is padded to. jit compiles the step once
@@ -765,6 +771,10 @@ def main():
 
     model = masked_lm_model(config, tokenizer, model_args, data_args, mesh)
     setup = set_up_training(model, make_eval_step(model), training_args, examples.get("train"), max_seq_length)
+    # Compiled while the weights are initialised or restored; batches padded each to its own length differ in shape.
+    if training_args.do_train and not make_batch.pads_each_batch:
+        abstract_batches = abstract_call_batches(setup, make_batch, training_args)
+        compile_in_background(setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
     output_dir_lock = on_process_zero(  # noqa: F841
@@ -995,6 +1005,22 @@ def train_batches_from(
     )
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
     return call_batches(micro_batches, calls, training_args.steps_per_call, setup.call_batches_sharding)
+
+
+def abstract_call_batches(setup: TrainingSetup, make_batch: BatchMaker, training_args) -> dict:
+    """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them: those of a
+    batch made from stand-in examples."""
+    batch_size, accumulation_steps = setup.train_batch_size, training_args.gradient_accumulation_steps
+    stand_in = np.zeros((1, setup.sequence_length - 2), np.int32)
+    batch = make_batch(stand_in, np.zeros(batch_size, np.int64), batch_size, (training_args.seed, TRAIN_MASKING, 0, 0))
+    return {
+        name: jax.ShapeDtypeStruct(
+            (training_args.steps_per_call, accumulation_steps, batch_size // accumulation_steps, *values.shape[1:]),
+            values.dtype,
+            sharding=setup.call_batches_sharding,
+        )
+        for name, values in batch.items()
+    }
 
 
 # Copied from run_clm_flax.steps_of_calls

@@ -1,8 +1,10 @@
-"""The persistent compilation cache: the compiled train, eval and sampling steps kept on disk, so that the next run of
-the same model, shapes and flags loads them instead of compiling them again."""
+"""Compiling less and sooner: the persistent compilation cache, which keeps the compiled train, eval and sampling steps
+on disk so that the next run of the same model, shapes and flags loads them instead of compiling them again; and the
+train step compiled on a thread while the run prepares everything else."""
 
 import logging
 import os
+import threading
 
 import jax
 
@@ -34,3 +36,19 @@ def use_compilation_cache(directory: str | None):
     jax.config.update("jax_compilation_cache_dir", directory)
     if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no limit, and no locks
         jax.config.update("jax_compilation_cache_max_size", CACHE_SIZE_LIMIT_BYTES)
+
+
+def compile_in_background(jitted, *abstract_args) -> threading.Thread:
+    """Start compiling `jitted` for arguments of these shapes, dtypes and shardings (jax.ShapeDtypeStruct) on a thread,
+    and return at once, so that the caller's own work (initialising the weights, say) overlaps. JAX keeps the program:
+    a call with arguments of these shapes runs it, and one made while it is still compiling waits for it."""
+
+    def compile_program():
+        try:
+            jitted.lower(*abstract_args).compile()
+        except Exception:  # the first call compiles again, and raises the error where the caller sees it
+            pass
+
+    thread = threading.Thread(target=compile_program, name="compile-ahead")
+    thread.start()
+    return thread

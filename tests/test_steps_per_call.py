@@ -1,6 +1,6 @@
 """Several training steps in one compiled call (--steps_per_call): the same losses and weights as one step per call,
-calls that end where the loop logs, evaluates or saves, an exact resume inside a call's range, and the persistent
-compilation cache that lets the next run skip compiling."""
+calls that end where the loop logs, evaluates or saves, an exact resume inside a call's range; the persistent
+compilation cache that lets the next run skip compiling, and the train step compiled ahead for the first call."""
 
 import os
 from types import SimpleNamespace
@@ -13,10 +13,15 @@ from conftest import FIXTURES_DIR
 from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, tiny_config
 from test_scaling import LENGTH, batch, training_parts
+from transformers import RobertaConfig
 
 import run_clm_flax
 import run_mlm_flax
+from flax_lm.compilation import compile_in_background
 from flax_lm.errors import UsageError
+from flax_lm.mesh import create_mesh
+from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+from flax_lm.models.roberta import FlaxRobertaForMaskedLM
 from flax_lm.train_state import create_train_state, repeat_train_step
 
 CORPUS = FIXTURES_DIR / "en"
@@ -152,3 +157,68 @@ def test_the_next_run_finds_its_compiled_steps_in_the_cache_and_none_switches_it
     other_home = tmp_path / "other-home"
     run_script([*command, "--compilation_cache_dir", "none"], env={**environment, "XDG_CACHE_HOME": str(other_home)})
     assert not (other_home / "flax_lm").exists()
+
+
+def clm_training(training_args):
+    """The CLM script's training setup for a tiny GPT-2, its training blocks, and the batches of its first call."""
+    model = FlaxGPT2LMHeadModel(tiny_config(), mesh=create_mesh())
+    blocks = np.random.default_rng(0).integers(0, 512, size=(64, LENGTH), dtype=np.int32)
+    setup = run_clm_flax.set_up_training(
+        model, run_clm_flax.make_eval_step(model, None), training_args, blocks, LENGTH
+    )
+    batches = run_clm_flax.train_batches_from(0, setup, blocks, None, None, None, training_args)
+    return setup, run_clm_flax.abstract_call_batches(setup, training_args), next(iter(batches))
+
+
+def mlm_training(training_args):
+    """The same for the MLM script: a tiny RoBERTa, blocks of LENGTH - 2 tokens."""
+    config = tiny_config_mlm()
+    model = FlaxRobertaForMaskedLM(config, mesh=create_mesh())
+    special_ids = dict(bos_token_id=0, eos_token_id=2, pad_token_id=1, mask_token_id=4, special_token_ids=(0, 1, 2, 4))
+    make_batch = run_mlm_flax.BatchMaker(
+        **special_ids, random_token_count=50, mlm_probability=0.15, max_seq_length=LENGTH
+    )
+    blocks = np.random.default_rng(0).integers(5, 50, size=(64, LENGTH - 2), dtype=np.int32)
+    setup = run_mlm_flax.set_up_training(model, run_mlm_flax.make_eval_step(model), training_args, blocks, LENGTH)
+    batches = run_mlm_flax.train_batches_from(
+        0, setup, blocks, None, make_batch, None, run_mlm_flax.DataTrainingArguments(), training_args
+    )
+    return setup, run_mlm_flax.abstract_call_batches(setup, make_batch, training_args), next(iter(batches))
+
+
+def tiny_config_mlm():
+    return RobertaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=LENGTH + 4, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("script", [run_clm_flax, run_mlm_flax])
+def test_the_train_step_compiled_ahead_is_the_program_the_first_call_runs(script):
+    training_args = script.TrainingArguments(
+        output_dir="unused", do_train=True, max_steps=10, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, steps_per_call=3, logging_steps=10, save_steps=10,
+    )  # fmt: skip
+    setup, abstract_batches, (first_batches, step_tokens) = (
+        clm_training(training_args) if script is run_clm_flax else mlm_training(training_args)
+    )
+    # The program compiled ahead is found only by arguments of its shapes, dtypes and shardings: those of the batches.
+    assert {name: (value.shape, value.dtype, value.sharding) for name, value in abstract_batches.items()} == {
+        name: (value.shape, value.dtype, value.sharding) for name, value in first_batches.items()
+    }
+    compile_in_background(
+        setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call
+    ).join()
+
+    compilations = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compilations.append(event) if event.endswith("backend_compile_duration") else None
+    )
+    state = create_train_state(
+        setup.model, setup.optimizer, setup.abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32)
+    )
+    assert compilations  # the listener hears compilations: initialising the state compiles its own program
+    compilations.clear()
+    state, metrics = setup.train_steps(state, first_batches, len(step_tokens))
+    assert compilations == [] and int(state.step) == len(step_tokens) == 3
+    assert np.all(np.isfinite(metrics["loss_sum"])) and np.all(np.asarray(metrics["loss_sum"]) > 0)
