@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 # The least recently used programs are removed beyond this size. A limit also makes JAX lock the directory around
 # each read and write, so that several processes, of one run or of several runs, can share it.
 CACHE_SIZE_LIMIT_BYTES = 4 * 1024**3
+MIN_COMPILE_SECONDS_KEPT = 0.1
 
 
 def default_compilation_cache_dir() -> str:
@@ -34,6 +35,10 @@ def use_compilation_cache(directory: str | None):
         jax.config.update("jax_enable_compilation_cache", False)
         return
     jax.config.update("jax_compilation_cache_dir", directory)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        # JAX keeps only programs that took a second or more to compile; a small model's weight initialisation, eval
+        # step and sampling steps each take less, and loading them is still faster than compiling them.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS_KEPT)
     if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no limit, and no locks
         jax.config.update("jax_compilation_cache_max_size", CACHE_SIZE_LIMIT_BYTES)
 

@@ -305,8 +305,9 @@ def check_tokenizer_encodes(tokenizer, text_datasets: dict, text_column: str):
             first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
         except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError):
             continue  # text_batches reports an unreadable stream
-        # The start of each text is enough, and a .txt file read as one document may be gigabytes long.
-        texts = [text[:10_000] for text in first_texts if text and not text.isspace()]
+        # The start of each text is enough: a .txt file read as one document may be gigabytes long, and every run
+        # waits for this (1,000 characters of 100 files of Python encode in 0.02 s; 10,000 took 0.17 s).
+        texts = [text[:1_000] for text in first_texts if text and not text.isspace()]
         if not texts:
             continue
         ids = [
