@@ -489,9 +489,7 @@ def main():
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
     setup = set_up_training(model, eval_step, training_args, blocks.get("train"), block_size)
-    if training_args.do_train:  # compiled while the weights are initialised or restored
-        abstract_batches = abstract_call_batches(setup, training_args)
-        compile_in_background(setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call)
+    compile_train_steps_ahead(setup, training_args)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
     output_dir_lock = on_process_zero(  # noqa: F841
@@ -695,6 +693,13 @@ def train_batches_from(
     )
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
     return call_batches(micro_batches, calls, training_args.steps_per_call, setup.call_batches_sharding)
+
+
+def compile_train_steps_ahead(setup: TrainingSetup, training_args):
+    """With --do_train, start compiling the train step on a thread, while the weights are initialised or restored."""
+    if training_args.do_train:
+        abstract_batches = abstract_call_batches(setup, training_args)
+        compile_in_background(setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call)
 
 
 def abstract_call_batches(setup: TrainingSetup, training_args) -> dict:

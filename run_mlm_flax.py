@@ -771,10 +771,7 @@ def main():
 
     model = masked_lm_model(config, tokenizer, model_args, data_args, mesh)
     setup = set_up_training(model, make_eval_step(model), training_args, examples.get("train"), max_seq_length)
-    # Compiled while the weights are initialised or restored; batches padded each to its own length differ in shape.
-    if training_args.do_train and not make_batch.pads_each_batch:
-        abstract_batches = abstract_call_batches(setup, make_batch, training_args)
-        compile_in_background(setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call)
+    compile_train_steps_ahead(setup, make_batch, training_args)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
     output_dir_lock = on_process_zero(  # noqa: F841
@@ -1005,6 +1002,14 @@ def train_batches_from(
     )
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
     return call_batches(micro_batches, calls, training_args.steps_per_call, setup.call_batches_sharding)
+
+
+def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, training_args):
+    """With --do_train, start compiling the train step on a thread, while the weights are initialised or restored;
+    not where batches are padded each to its own length, and so differ in shape."""
+    if training_args.do_train and not make_batch.pads_each_batch:
+        abstract_batches = abstract_call_batches(setup, make_batch, training_args)
+        compile_in_background(setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call)
 
 
 def abstract_call_batches(setup: TrainingSetup, make_batch: BatchMaker, training_args) -> dict:
