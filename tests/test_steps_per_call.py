@@ -211,14 +211,20 @@ def test_the_train_step_compiled_ahead_is_the_program_the_first_call_runs(script
     ).join()
 
     compilations = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **_: compilations.append(event) if event.endswith("backend_compile_duration") else None
-    )
-    state = create_train_state(
-        setup.model, setup.optimizer, setup.abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32)
-    )
-    assert compilations  # the listener hears compilations: initialising the state compiles its own program
-    compilations.clear()
-    state, metrics = setup.train_steps(state, first_batches, len(step_tokens))
+
+    def count_compilations(event, duration, **_):
+        if event.endswith("backend_compile_duration"):
+            compilations.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count_compilations)
+    try:
+        state = create_train_state(
+            setup.model, setup.optimizer, setup.abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32)
+        )
+        assert compilations  # the listener hears compilations: initialising the state compiles its own program
+        compilations.clear()
+        state, metrics = setup.train_steps(state, first_batches, len(step_tokens))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count_compilations)
     assert compilations == [] and int(state.step) == len(step_tokens) == 3
     assert np.all(np.isfinite(metrics["loss_sum"])) and np.all(np.asarray(metrics["loss_sum"]) > 0)
