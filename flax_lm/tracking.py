@@ -30,6 +30,7 @@ class TrainingLog:
         self.first_step, self.total_steps = progress.step, total_steps
         self.metric_names, self.train_metrics = list(progress.metric_sums), train_metrics
         self.unread, self.window, self.tokens = [], [], 0
+        self.unread_steps_shown = 0  # calls of `unread` whose steps the progress bar counts
 
     def __enter__(self):
         self.progress_bar = tqdm(
@@ -47,7 +48,17 @@ class TrainingLog:
         the tokens of each. Kept on the devices until read: fetching them would wait for the steps to finish."""
         self.unread.append((metrics, step_tokens))
         self.tokens += sum(step_tokens)
-        self.progress_bar.update(len(step_tokens))
+        self.show_finished_steps()
+
+    def show_finished_steps(self, all_finished: bool = False):
+        """Advance the progress bar over the calls whose steps have finished, asking the devices without waiting: a
+        call returns when it is queued, and the bar counts steps done, not steps queued."""
+        while self.unread_steps_shown < len(self.unread):
+            metrics, step_tokens = self.unread[self.unread_steps_shown]
+            if not (all_finished or jax.tree_util.tree_leaves(metrics)[0].is_ready()):
+                break
+            self.progress_bar.update(len(step_tokens))
+            self.unread_steps_shown += 1
 
     def read(self, step: int, progress, checkpoints):
         """Wait for the steps not yet read and add the finite ones to `progress`: checked here, before each save, no
@@ -58,6 +69,7 @@ class TrainingLog:
             for metrics, step_tokens in jax.device_get(self.unread)
             for index, tokens in enumerate(step_tokens)
         ]
+        self.show_finished_steps(all_finished=True)
         first_step = step - len(fetched) + 1
         bad_steps = [first_step + index for index, metrics in enumerate(fetched) if not metrics["finite"]]
         if bad_steps and not self.skip_nonfinite_steps:
@@ -67,7 +79,7 @@ class TrainingLog:
         finite = [metrics for metrics in fetched if metrics["finite"]]
         progress.add(finite)
         self.window += finite
-        self.unread = []
+        self.unread, self.unread_steps_shown = [], 0
 
     @staticmethod
     def nonfinite_error(step: int, checkpoints) -> UsageError:

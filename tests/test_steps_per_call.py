@@ -17,11 +17,13 @@ from transformers import RobertaConfig
 
 import run_clm_flax
 import run_mlm_flax
+from flax_lm.checkpoints import TrainingProgress
 from flax_lm.compilation import compile_in_background
 from flax_lm.errors import UsageError
 from flax_lm.mesh import create_mesh
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
+from flax_lm.tracking import TrainingLog
 from flax_lm.train_state import create_train_state, repeat_train_step
 
 CORPUS = FIXTURES_DIR / "en"
@@ -228,3 +230,30 @@ def test_the_train_step_compiled_ahead_is_the_program_the_first_call_runs(script
         jax.monitoring.unregister_event_duration_listener(count_compilations)
     assert compilations == [] and int(state.step) == len(step_tokens) == 3
     assert np.all(np.isfinite(metrics["loss_sum"])) and np.all(np.asarray(metrics["loss_sum"]) > 0)
+
+
+class StepsOnTheDevices:
+    """Stands in for the metrics of a call still running: ready once `finished` is set."""
+
+    def __init__(self):
+        self.finished = False
+
+    def is_ready(self) -> bool:
+        return self.finished
+
+
+def test_the_progress_bar_counts_the_steps_that_finished_not_those_queued():
+    log = TrainingLog(None, TrainingProgress.start(["loss_sum"]), 20, None, skip_nonfinite_steps=False)
+    with log:
+        log.steps_done({"loss_sum": jnp.ones(8)}, [64] * 8)  # an array computed already
+        assert log.progress_bar.n == 8
+        running, queued = StepsOnTheDevices(), StepsOnTheDevices()
+        log.steps_done({"loss_sum": running}, [64] * 8)
+        log.steps_done({"loss_sum": queued}, [64] * 2)
+        assert log.progress_bar.n == 8
+        running.finished = True
+        log.show_finished_steps()
+        assert log.progress_bar.n == 16  # in order: the queued call is not ready yet
+        queued.finished = True
+        log.show_finished_steps()
+        assert log.progress_bar.n == 18 and log.tokens == 18 * 64
