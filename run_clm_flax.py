@@ -62,6 +62,7 @@ from flax_lm.checkpoints import (
 )
 from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
+    call_batch_shapes,
     call_batches,
     count_steps,
     epochs_of_batches,
@@ -704,10 +705,9 @@ def compile_train_steps_ahead(setup: TrainingSetup, training_args):
 
 def abstract_call_batches(setup: TrainingSetup, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them."""
-    accumulation_steps = training_args.gradient_accumulation_steps
-    micro_batch_size = setup.train_batch_size // accumulation_steps
-    shape = (training_args.steps_per_call, accumulation_steps, micro_batch_size, setup.sequence_length)
-    return {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.call_batches_sharding)}
+    global_batch = {"input_ids": jax.ShapeDtypeStruct((setup.train_batch_size, setup.sequence_length), jnp.int32)}
+    accumulation_steps, steps_per_call = training_args.gradient_accumulation_steps, training_args.steps_per_call
+    return call_batch_shapes(global_batch, accumulation_steps, steps_per_call, setup.call_batches_sharding)
 
 
 def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int]:

@@ -66,6 +66,7 @@ from flax_lm.checkpoints import (
 )
 from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
+    call_batch_shapes,
     call_batches,
     count_steps,
     epochs_of_batches,
@@ -1015,17 +1016,12 @@ def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, trai
 def abstract_call_batches(setup: TrainingSetup, make_batch: BatchMaker, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them: those of a
     batch made from stand-in examples."""
-    batch_size, accumulation_steps = setup.train_batch_size, training_args.gradient_accumulation_steps
-    stand_in = np.zeros((1, setup.sequence_length - 2), np.int32)
-    batch = make_batch(stand_in, np.zeros(batch_size, np.int64), batch_size, (training_args.seed, TRAIN_MASKING, 0, 0))
-    return {
-        name: jax.ShapeDtypeStruct(
-            (training_args.steps_per_call, accumulation_steps, batch_size // accumulation_steps, *values.shape[1:]),
-            values.dtype,
-            sharding=setup.call_batches_sharding,
-        )
-        for name, values in batch.items()
-    }
+    batch_size, stand_in = setup.train_batch_size, np.zeros((1, setup.sequence_length - 2), np.int32)
+    global_batch = make_batch(
+        stand_in, np.zeros(batch_size, np.int64), batch_size, (training_args.seed, TRAIN_MASKING)
+    )
+    accumulation_steps, steps_per_call = training_args.gradient_accumulation_steps, training_args.steps_per_call
+    return call_batch_shapes(global_batch, accumulation_steps, steps_per_call, setup.call_batches_sharding)
 
 
 # Copied from run_clm_flax.steps_of_calls

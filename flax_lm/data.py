@@ -271,3 +271,17 @@ def call_batches(batches_and_tokens: Iterator[tuple[dict, int]], calls: Iterable
             yield to_global_batch(stacked, sharding), list(tokens)
 
     return prefetch(stacked())
+
+
+def call_batch_shapes(global_batch: dict, accumulation_steps: int, steps_per_call: int, sharding) -> dict:
+    """Shape, dtype and sharding of what call_batches yields for global batches like `global_batch` (arrays, or
+    jax.ShapeDtypeStruct, of (rows, ...)) split into `accumulation_steps` micro-batches: what the train step is
+    compiled for, before any batch exists."""
+    return {
+        name: jax.ShapeDtypeStruct(
+            (steps_per_call, accumulation_steps, values.shape[0] // accumulation_steps, *values.shape[1:]),
+            values.dtype,
+            sharding=sharding,
+        )
+        for name, values in global_batch.items()
+    }

@@ -12,8 +12,9 @@ import pytest
 from conftest import FIXTURES_DIR
 from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, tiny_config
+from test_mlm_model import BOS, EOS, MASK, PAD, VOCAB_SIZE
+from test_mlm_model import tiny_config as tiny_roberta_config
 from test_scaling import LENGTH, batch, training_parts
-from transformers import RobertaConfig
 
 import run_clm_flax
 import run_mlm_flax
@@ -174,11 +175,14 @@ def clm_training(training_args):
 
 def mlm_training(training_args):
     """The same for the MLM script: a tiny RoBERTa, blocks of LENGTH - 2 tokens."""
-    config = tiny_config_mlm()
-    model = FlaxRobertaForMaskedLM(config, mesh=create_mesh())
-    special_ids = dict(bos_token_id=0, eos_token_id=2, pad_token_id=1, mask_token_id=4, special_token_ids=(0, 1, 2, 4))
+    model = FlaxRobertaForMaskedLM(tiny_roberta_config(), mesh=create_mesh())
+    special_ids = dict(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, mask_token_id=MASK)
     make_batch = run_mlm_flax.BatchMaker(
-        **special_ids, random_token_count=50, mlm_probability=0.15, max_seq_length=LENGTH
+        **special_ids,
+        special_token_ids=(BOS, PAD, EOS, MASK),
+        random_token_count=VOCAB_SIZE,
+        mlm_probability=0.15,
+        max_seq_length=LENGTH,
     )
     blocks = np.random.default_rng(0).integers(5, 50, size=(64, LENGTH - 2), dtype=np.int32)
     setup = run_mlm_flax.set_up_training(model, run_mlm_flax.make_eval_step(model), training_args, blocks, LENGTH)
@@ -186,13 +190,6 @@ def mlm_training(training_args):
         0, setup, blocks, None, make_batch, None, run_mlm_flax.DataTrainingArguments(), training_args
     )
     return setup, run_mlm_flax.abstract_call_batches(setup, make_batch, training_args), next(iter(batches))
-
-
-def tiny_config_mlm():
-    return RobertaConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=LENGTH + 4, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("script", [run_clm_flax, run_mlm_flax])
