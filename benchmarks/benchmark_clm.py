@@ -80,6 +80,11 @@ def parse_arguments():
     parser.add_argument("--skip_training", action="store_true", help="only time the preprocessing")
     parser.add_argument("--skip_preprocessing", action="store_true", help="only time the training step")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--profile_dir",
+        help="also trace the timed steps' calls once more with jax.profiler into this directory (TensorBoard's "
+        "profile plugin reads it; a Perfetto trace, perfetto_trace.json.gz, is written beside it)",
+    )
     arguments = parser.parse_args()
     settings = dict(PRESETS[arguments.preset])
     for name in settings:
@@ -238,6 +243,11 @@ def benchmark_training(settings, arguments) -> dict:
         step_seconds = min(step_seconds, (time.perf_counter() - start) / (calls * steps_per_call))
         peak = max(peak, matmul_peak_flops(dtype))
         step_matmuls = max(step_matmuls, step_matmul_flops(settings, dtype))
+    if arguments.profile_dir:
+        with jax.profiler.trace(arguments.profile_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                state, metrics = train_steps(state, batches, steps_per_call)
+            jax.block_until_ready(metrics)
 
     parameters = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
     matmul_parameters = parameters - config.n_positions * config.n_embd

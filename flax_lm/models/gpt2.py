@@ -3,7 +3,6 @@
 
 import logging
 import math
-from functools import partial
 from typing import Any
 
 import flax
@@ -20,6 +19,7 @@ from flax_lm.models.common import (
     ACTIVATIONS,
     RowsDense,
     constrain,
+    logits_dot_general,
     look_up,
     same_segment,
     segments_and_positions,
@@ -328,7 +328,7 @@ class FlaxGPT2LMHeadModel(GPT2Module):
                 ),
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
-                dot_general=partial(jax.lax.dot_general, preferred_element_type=jnp.float32),
+                dot_general=logits_dot_general,
                 name="lm_head",
             )(hidden)
             logits = self.constrain(logits, ("batch", None, "vocab"))
