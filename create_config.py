@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the config.json of a GPT-2 or RoBERTa model from a preset size, with your changes.
+"""Write the config.json of a GPT-2, Llama or RoBERTa model from a preset size, with your changes.
 
 The presets are stored here, so no network is needed. Given a tokenizer directory, the vocabulary size and the
 special-token ids are taken from the tokenizer, and config.json is written next to it, so that one directory holds
@@ -24,9 +24,10 @@ import tempfile
 from dataclasses import dataclass, field
 
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoTokenizer, GPT2Config, RobertaConfig
+from transformers import AutoTokenizer, GPT2Config, LlamaConfig, RobertaConfig
 
 from flax_lm.errors import UsageError, run
+from flax_lm.models import stock_module
 from flax_lm.processes import LOG_FORMAT
 from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
@@ -48,6 +49,82 @@ GPT2_PRESETS = {
     # Small sizes of our own that train on a CPU.
     "gpt2-tiny": {"n_layer": 2, "n_embd": 128, "n_head": 2, "n_positions": 256, "vocab_size": 50257},
     "gpt2-mini": {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 512, "vocab_size": 50257},
+}
+
+# Llama sizes. Llama 2 7B as published (Touvron et al., 2023; meta-llama/Llama-2-7b-hf on the Hugging Face Hub); 1B as
+# TinyLlama-1.1B (Zhang et al., 2024; TinyLlama/TinyLlama_v1.1); 60M and 350M as the LLaMA sizes of the ReLoRA and
+# GaLore papers (Lialin et al., 2023; Zhao et al., 2024); 160M, mini and tiny our own. The vocabulary is Llama 2's
+# 32000 unless the tokenizer gives another. Other values are the LlamaConfig defaults (SiLU, RMSNorm eps 1e-6, rope
+# theta 10000), but for the RMSNorm eps 1e-5 of Llama 2. mini has the parameters of gpt2-mini: two key/value heads and
+# an MLP of 3 x 768 columns where GPT-2's has 2 x 1024, and no position table.
+LLAMA_SHARED = {"vocab_size": 32000, "rms_norm_eps": 1e-5}
+LLAMA_PRESETS = {
+    "llama-7b": {
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 4096,
+        **LLAMA_SHARED,
+    },
+    "llama-1b": {
+        "num_hidden_layers": 22,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 2048,
+        **LLAMA_SHARED,
+    },
+    "llama-350m": {
+        "num_hidden_layers": 24,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "intermediate_size": 2736,
+        "max_position_embeddings": 1024,
+        **LLAMA_SHARED,
+    },
+    "llama-160m": {
+        "num_hidden_layers": 16,
+        "hidden_size": 768,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "intermediate_size": 2048,
+        "max_position_embeddings": 1024,
+        **LLAMA_SHARED,
+    },
+    "llama-60m": {
+        "num_hidden_layers": 8,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 1376,
+        "max_position_embeddings": 1024,
+        **LLAMA_SHARED,
+    },
+    # Small sizes of our own that train on a CPU, with the output layer tied to the embedding, as small Llamas have.
+    "llama-mini": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 768,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        **LLAMA_SHARED,
+    },
+    "llama-tiny": {
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 384,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        **LLAMA_SHARED,
+    },
 }
 
 # RoBERTa sizes as published with the RoBERTa paper (Liu et al., 2019) and the FacebookAI/roberta-base and
@@ -99,11 +176,10 @@ ROBERTA_PRESETS = {
 
 PRESETS = {
     **{name: ("gpt2", values) for name, values in GPT2_PRESETS.items()},
+    **{name: ("llama", values) for name, values in LLAMA_PRESETS.items()},
     **{name: ("roberta", values) for name, values in ROBERTA_PRESETS.items()},
 }
-CONFIG_CLASSES = {"gpt2": GPT2Config, "roberta": RobertaConfig}
-# The model class each config is written for, so that pipeline() and the Auto classes pick the right head.
-ARCHITECTURES = {"gpt2": ["GPT2LMHeadModel"], "roberta": ["RobertaForMaskedLM"]}
+CONFIG_CLASSES = {"gpt2": GPT2Config, "llama": LlamaConfig, "roberta": RobertaConfig}
 # Keys of config.json that describe the file rather than the model.
 BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}
 # Files that make a directory a tokenizer directory.
@@ -262,6 +338,7 @@ def check_config(config, preset, tokenizer=None):
             f"hidden size {config.hidden_size} is not divisible by the {config.num_attention_heads} attention heads; "
             "change one of them with --set"
         )
+    stock_module(config.model_type).check_model_config(config)  # what the model itself computes
     for name in ["bos_token_id", "eos_token_id", "pad_token_id"]:
         token_id = getattr(config, name, None)
         if token_id is not None and not 0 <= token_id < config.vocab_size:
@@ -301,7 +378,8 @@ def check_config(config, preset, tokenizer=None):
 
 
 def count_parameters(config):
-    """Parameters of GPT2LMHeadModel or RobertaForMaskedLM built from this config, counted from the sizes.
+    """Parameters of GPT2LMHeadModel, LlamaForCausalLM or RobertaForMaskedLM built from this config, counted from
+    the sizes.
 
     The output layer shares its weights with the token embeddings unless tie_word_embeddings is false.
     """
@@ -315,6 +393,16 @@ def count_parameters(config):
         block = layer_norm + attention + layer_norm + mlp
         output_layer = 0 if config.tie_word_embeddings else vocab * hidden
         return embeddings + layers * block + layer_norm + output_layer
+    if config.model_type == "llama":
+        heads_width = config.num_attention_heads * config.head_dim
+        key_value_width = config.num_key_value_heads * config.head_dim
+        inner, bias = config.intermediate_size, config.attention_bias
+        attention = hidden * (heads_width + 2 * key_value_width) + heads_width * hidden
+        attention += (heads_width + 2 * key_value_width + hidden) if bias else 0
+        mlp = 3 * hidden * inner + ((2 * inner + hidden) if config.mlp_bias else 0)
+        block = attention + mlp + 2 * hidden  # and two RMSNorm weights
+        output_layer = 0 if config.tie_word_embeddings else vocab * hidden
+        return vocab * hidden + layers * block + hidden + output_layer
     inner = config.intermediate_size
     embeddings = (vocab + config.max_position_embeddings + config.type_vocab_size) * hidden + layer_norm
     attention = 4 * (hidden * hidden + hidden) + layer_norm  # q, k, v, output, then layer norm
@@ -376,7 +464,8 @@ def main():
                 f"{args.pad_vocab_to_multiple_of}; leave one of them out"
             )
         values["vocab_size"] = round_up(values["vocab_size"], args.pad_vocab_to_multiple_of)
-    values["architectures"] = ARCHITECTURES[model_type]
+    # The model class the config is written for, so that pipeline() and the Auto classes pick the right head.
+    values["architectures"] = [stock_module(model_type).HF_ARCHITECTURE]
     values.update(overrides)
 
     # Config ---------------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Generate text with a GPT-2 in JAX/Flax: from prompts on the command line, in a file or on stdin, or as an
-HTTP server.
+"""Generate text with a causal language model (GPT-2, Llama) in JAX/Flax: from prompts on the command line, in a
+file or on stdin, or as an HTTP server.
 
-Loads any GPT-2 model directory with config.json, model.safetensors and tokenizer files, as run_clm_flax.py
-and transformers write them (or a hub name). Prompts are decoded together in batches, left-padded to a
+Loads any model directory of a model type run_clm_flax.py trains, with config.json, model.safetensors and tokenizer
+files, as run_clm_flax.py and transformers write them (or a hub name); a model of an experiment's own code with
+--model_file. Prompts are decoded together in batches, left-padded to a
 common length; a key/value cache makes each new token cost one position, and the whole decoding loop is one
 compiled XLA program per shape (batch, prompt length and new tokens are rounded up to powers of two, so a
 few shapes serve all requests). Decoding is greedy by default (--temperature 0), or draws with a
@@ -18,7 +19,7 @@ temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-t
 The server (flax_lm/serving.py) speaks the OpenAI completions API, streaming on request, and this script's own
 JSON API; requests that arrive together are decoded together, each by its own settings.
 
-The model and its sampler are run_clm_flax.py's own (flax_lm.models.gpt2, flax_lm.sampling): a model trained there
+The models and the sampler are run_clm_flax.py's own (flax_lm.models, flax_lm.sampling): a model trained there
 decodes here exactly as it evaluated.
 """
 
@@ -36,12 +37,13 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import check_local_model_directory, read_safetensors_checkpoint
+from flax_lm.hf_io import check_local_model_directory, read_exported_params
 from flax_lm.mesh import create_mesh
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict
+from flax_lm.model_code import load_model_code
 from flax_lm.processes import LOG_FORMAT
 from flax_lm.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.serving import Limits, listening_socket, serve
+from flax_lm.texts import ids_around_documents
 from flax_lm.train_state import abstract_model_params, parameter_shardings
 
 logger = logging.getLogger(__name__)
@@ -56,9 +58,16 @@ logger = logging.getLogger(__name__)
 class ModelArguments:
     model_name_or_path: str = field(
         metadata={
-            "help": "A GPT-2 model: a directory with config.json, model.safetensors and tokenizer files, or a hub "
-            "name."
+            "help": "A causal LM (GPT-2, Llama): a directory with config.json, model.safetensors and tokenizer "
+            "files, or a hub name."
         }
+    )
+    model_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "The model module of the experiment that trained the model, where it was its own (run_clm_flax.py "
+            "--model_file): its export holds a copy of the file, flax_model.safetensors and a config naming it."
+        },
     )
     dtype: str = field(
         default="float32",
@@ -210,7 +219,7 @@ def read_prompts(generation_args) -> list[str]:
 
 
 def load_model(model_args):
-    """(model, parameters on the default device, tokenizer) of a GPT-2 model directory or hub name."""
+    """(model, parameters on the default device, tokenizer) of a model directory or hub name."""
     source = model_args.model_name_or_path
     check_local_model_directory("--model_name_or_path", source)
 
@@ -221,14 +230,12 @@ def load_model(model_args):
             raise UsageError(f"cannot load --model_name_or_path {source}: {str(error).splitlines()[0]}") from None
 
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
-    if config.model_type != "gpt2":
-        raise UsageError(f"this script generates with GPT-2 but {source} is a '{config.model_type}' model")
     mesh = generation_mesh(model_args.mesh_shape)
-    check_model_config(config, mesh)
+    model_code = load_model_code(config, model_args.model_file, True, "generate_flax.py", mesh)
     dtype = jnp.dtype(model_args.dtype)
-    model = FlaxGPT2LMHeadModel(config, dtype=dtype, param_dtype=dtype, mesh=mesh)
+    model = model_code.module.MODEL_CLASS(config, dtype=dtype, param_dtype=dtype, mesh=mesh)
     boxed_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32), unbox=False)
-    params = from_hf_state_dict(read_safetensors_checkpoint(source, model_args), nn.meta.unbox(boxed_params))
+    params = read_exported_params(source, model_args, model_code, nn.meta.unbox(boxed_params))
     if mesh is None:
         return model, jax.device_put(params), tokenizer
     return model, jax.device_put(params, parameter_shardings(boxed_params, mesh)), tokenizer
@@ -258,16 +265,19 @@ class Generator:
         self.sampler = make_sampler(model, eos_token_id)
 
     def encode(self, prompts: list[str], max_new_tokens: int, where: str) -> list[list[int]]:
-        """Token ids of each prompt; an empty one starts from the end-of-text token. Refuses prompts that leave
-        no room for max_new_tokens within the model's positions (`where` names the prompt for the message)."""
-        start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.eos_token_id
+        """Token ids of each prompt, starting as the documents the model was trained on do (ids_around_documents:
+        a Llama's BOS first); an empty GPT-2 prompt starts from the end-of-text token. Refuses prompts that leave no
+        room for max_new_tokens within the model's positions (`where` names the prompt for the message)."""
+        before_documents, _ = ids_around_documents(self.tokenizer)
+        positions = self.model.config.max_position_embeddings
         encoded = []
         for number, prompt in enumerate(prompts, 1):
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [start]
-            if len(ids) + max_new_tokens > self.model.config.n_positions:
+            ids = before_documents + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = ids or [self.eos_token_id]
+            if len(ids) + max_new_tokens > positions:
                 raise ValueError(
                     f"{where} {number} has {len(ids)} tokens, which with max_new_tokens {max_new_tokens} exceeds the "
-                    f"model's {self.model.config.n_positions} positions; shorten it or lower max_new_tokens"
+                    f"model's {positions} positions; shorten it or lower max_new_tokens"
                 )
             encoded.append(ids)
         return encoded

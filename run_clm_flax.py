@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Pretrain a GPT-2 causal language model with JAX/Flax.
+"""Pretrain a causal language model (GPT-2, Llama) with JAX/Flax.
 
-Trains from scratch (a config and a tokenizer, for example from create_config.py and
-train_tokenizer.py) or continues from a Hugging Face GPT-2 checkpoint, on text from local files
-(txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
-Documents (a whole .txt file as written, unless --text_sample_by says otherwise; one row of other formats)
-are tokenized, each ended by the end-of-text token, joined and packed into blocks of `--block_size` tokens.
+Trains from scratch (a config and a tokenizer, for example from create_config.py and train_tokenizer.py) or continues
+from a Hugging Face checkpoint, on text from local files (txt, json/jsonl, csv, parquet; globs allowed), a local
+dataset directory or a `datasets` hub name. The config's model_type chooses the model (flax_lm/models/__init__.py
+lists them), or --model_file gives one of the experiment's own. Documents (a whole .txt file as written, unless
+--text_sample_by says otherwise; one row of other formats) are tokenized, each framed as the tokenizer frames a text
+(a Llama tokenizer's BOS first) and ended by the end-of-text token, joined and packed into blocks of `--block_size`
+tokens.
 Evaluation reports loss, perplexity and bits per byte.
 Each global batch is split over every device of every process with `jax.jit` over a device mesh.
 On several hosts every host runs the same command (see initialize_distributed for how the processes
@@ -20,9 +22,9 @@ tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM
 A single .json file holding the arguments works too: `./run_clm_flax.py args.json`.
 
 This file holds what an experiment changes, in reading order: its arguments, how texts become blocks, the loss, the
-optimizer and schedule, the train and eval steps, evaluation with samples, and the loop in main(). The model
-(flax_lm/models/gpt2.py) and the machinery every run shares (checkpoints, trackers, data storage, processes) are
-imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm is installed.
+optimizer and schedule, the train and eval steps, evaluation with samples, and the loop in main(). The models
+(flax_lm/models) and the machinery every run shares (checkpoints, trackers, data storage, processes) are imported
+from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm is installed.
 """
 
 import logging
@@ -39,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
-from safetensors.numpy import load_file
 from tqdm.auto import tqdm
 
 from flax_lm.arguments import (
@@ -71,16 +72,10 @@ from flax_lm.data import (
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import (
-    check_architecture_fits,
-    load_config_and_tokenizer,
-    read_safetensors_checkpoint,
-    save_model,
-)
+from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params, save_model
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
-from flax_lm.models import gpt2
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config, from_hf_state_dict
+from flax_lm.model_code import FLAX_WEIGHTS_NAME, ModelCode, load_model_code
 from flax_lm.processes import (
     initialize_distributed,
     on_process_zero,
@@ -98,7 +93,7 @@ from flax_lm.run_dir import (
     write_train_results,
 )
 from flax_lm.sampling import generate_ids, make_sampler
-from flax_lm.texts import token_arrays, token_byte_counts
+from flax_lm.texts import ids_around_documents, token_arrays, token_byte_counts
 from flax_lm.tracking import TrainingLog, open_trackers
 from flax_lm.train_state import (
     TrainState,
@@ -124,7 +119,7 @@ class DataTrainingArguments(DataArguments):
         default=None,
         metadata={
             "help": "Tokens per training sequence. Defaults to the smaller of the tokenizer's model_max_length and "
-            "the model's n_positions, capped at 1024."
+            "the model's positions (max_position_embeddings; GPT-2's n_positions), capped at 1024."
         },
     )
     document_attention: bool = field(
@@ -153,11 +148,6 @@ def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
     arguments (after initialize_distributed: see check_common_arguments)."""
     model_args.model_type = model_args.model_type or "gpt2"
-    if model_args.model_type != "gpt2":
-        raise UsageError(
-            f"--model_type {model_args.model_type} is not supported; this script trains gpt2 (run_mlm_flax.py "
-            "trains roberta)"
-        )
     check_numeric_arguments(
         (data_args, training_args),
         block_size=(lambda value: value is None or value >= 2, "must be at least 2"),
@@ -187,9 +177,11 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
 
 
 def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
-    """The rows of a packed corpus made from one split: its texts, each followed by EOS, joined and cut into blocks.
-    The token cache is keyed by this function's code (and that of what it calls here), so an edit re-tokenizes."""
-    tokens = token_arrays(dataset, tokenizer, data_args.text_column_name, data_args.preprocessing_num_workers, split)
+    """The rows of a packed corpus made from one split: its texts, each framed by ids_around_documents (GPT-2's
+    tokenizers: text EOS; Llama's: BOS text EOS), joined and cut into blocks. The token cache is keyed by this
+    function's code (and that of what it calls here), so an edit re-tokenizes."""
+    column, workers = data_args.text_column_name, data_args.preprocessing_num_workers
+    tokens = token_arrays(dataset, tokenizer, column, workers, split, ids_around_documents(tokenizer))
     return pack_blocks(tokens, block_size)
 
 
@@ -368,11 +360,13 @@ def evaluation_results(totals: dict) -> dict:
 
 
 def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int):
-    """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely; an
-    empty prompt starts from the end-of-text token, and long prompts keep their last tokens (at most
-    `max_length` positions in all). The texts are decoded without special tokens: a reader sees text only."""
+    """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely. A prompt
+    starts as the documents trained on do (ids_around_documents; an empty one of GPT-2 from the end-of-text token),
+    and a long one keeps its last tokens (at most `max_length` positions in all). The texts are decoded without
+    special tokens: a reader sees text only."""
     num_tokens = min(num_tokens, max_length - 1)
-    encoded = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    before_documents, _ = ids_around_documents(tokenizer)
+    encoded = [before_documents + tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
     prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
     new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
     return [tokenizer.decode(ids + new, skip_special_tokens=True) for ids, new in zip(prompt_ids, new_ids)]
@@ -389,10 +383,8 @@ class Evaluation:
         self.setup, self.blocks, self.tokenizer, self.trackers = setup, blocks, tokenizer, trackers
         self.output_dir, self.seed = training_args.output_dir, training_args.seed
         self.prompts, self.sample_tokens = training_args.sample_prompt or [""], training_args.sample_tokens
-        model = setup.model  # without gradient checkpointing, which sampling does not need
-        sampling_model = FlaxGPT2LMHeadModel(
-            model.config, dtype=model.dtype, param_dtype=model.param_dtype, mesh=model.mesh
-        )
+        # Without gradient checkpointing, which sampling does not need, and decoding one sequence per row.
+        sampling_model = setup.model.clone(remat_policy=None, document_separator_id=None)
         self.sampler = make_sampler(sampling_model, tokenizer.eos_token_id)
 
     def __call__(self, params, step: int) -> dict:
@@ -420,7 +412,7 @@ class Evaluation:
         return results
 
     def samples(self, params, sampler=None) -> list[str]:
-        max_length = self.setup.model.config.n_positions
+        max_length = self.setup.model.config.max_position_embeddings
         return sample_texts(
             sampler or self.sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed
         )
@@ -447,15 +439,12 @@ class Evaluation:
         """Samples from the exported model, read back: they also show that the saved files hold the trained model."""
         if jax.process_index() != 0 or self.sample_tokens <= 0:
             return
-        exported = load_file(os.path.join(self.output_dir, "model.safetensors"))
+        exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
         sampler = self.sampler
         if jax.process_count() > 1:  # process 0 alone, so on its own device, not on a mesh the others would share
-            model = self.setup.model
-            sampler = make_sampler(
-                FlaxGPT2LMHeadModel(model.config, dtype=model.dtype, param_dtype=model.param_dtype),
-                self.tokenizer.eos_token_id,
-            )
-        for text in self.samples(from_hf_state_dict(exported, abstract_params), sampler):
+            model = self.setup.model.clone(remat_policy=None, document_separator_id=None, mesh=None)
+            sampler = make_sampler(model, self.tokenizer.eos_token_id)
+        for text in self.samples(exported, sampler):
             print(f"sample from {self.output_dir}: {text!r}")
 
 
@@ -478,7 +467,7 @@ def main():
 
     config, tokenizer = load_config_and_tokenizer(model_args)
     mesh = create_mesh(training_args.mesh_shape)
-    check_model_config(config, mesh)
+    model_code = load_model_code(config, model_args.model_file, True, "run_clm_flax.py", mesh)
     block_size = choose_block_size(data_args, tokenizer, config)
     blocks, train_stream = load_data(
         model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, f"--block_size {block_size}"
@@ -487,14 +476,14 @@ def main():
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
 
-    model = causal_lm_model(config, tokenizer, model_args, data_args, mesh)
+    model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
-    setup = set_up_training(model, eval_step, training_args, blocks.get("train"), block_size)
+    setup = set_up_training(model, model_code, eval_step, training_args, blocks.get("train"), block_size)
     compile_train_steps_ahead(setup, training_args)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
     output_dir_lock = on_process_zero(  # noqa: F841
-        lambda: prepare_output_dir(training_args, progress.step, __file__),
+        lambda: prepare_output_dir(training_args, progress.step, [__file__, model_args.model_file]),
         f"lock --output_dir {training_args.output_dir}",
     )
     arguments = recorded_arguments(model_args, data_args, training_args)
@@ -514,7 +503,7 @@ def main():
             return
         write_train_results(training_args.output_dir, train_metrics(progress.metric_sums), setup, log)
     elif training_args.do_train:
-        export_complete_run(training_args.output_dir, state.params, config, tokenizer)
+        export_complete_run(training_args.output_dir, state.params, config, tokenizer, model_code)
     if training_args.do_eval:
         evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not train_now)
     if jax.process_index() == 0:
@@ -527,20 +516,21 @@ def main():
 
 
 def choose_block_size(data_args, tokenizer, config) -> int:
-    block_size = data_args.block_size or min(tokenizer.model_max_length, config.n_positions, 1024)
-    if block_size > config.n_positions:
-        raise UsageError(
-            f"--block_size {block_size} exceeds the model's n_positions {config.n_positions}; lower --block_size"
-        )
+    positions = config.max_position_embeddings  # GPT-2's n_positions
+    block_size = data_args.block_size or min(tokenizer.model_max_length, positions, 1024)
+    if block_size > positions:
+        raise UsageError(f"--block_size {block_size} exceeds the model's {positions} positions; lower --block_size")
     return block_size
 
 
-def causal_lm_model(config, tokenizer, model_args, data_args, mesh) -> FlaxGPT2LMHeadModel:
-    """The model to train on `mesh`, in the dtypes asked for. With --document_attention it keeps the documents of a
-    block apart, each starting at the end-of-text token that ends the one before."""
+def causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code: ModelCode) -> nn.Module:
+    """The model of `model_code` to train on `mesh`, in the dtypes asked for. With --document_attention it keeps the
+    documents of a block apart, each starting at its BOS (Llama) or at the end-of-text token that ends the one before
+    (GPT-2, whose documents have no BOS)."""
     dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
-    separator_id = tokenizer.eos_token_id if data_args.document_attention else None
-    return FlaxGPT2LMHeadModel(
+    before_documents, _ = ids_around_documents(tokenizer)
+    separator_id = (before_documents or [tokenizer.eos_token_id])[0] if data_args.document_attention else None
+    return model_code.module.MODEL_CLASS(
         config, *dtypes, model_args.gradient_checkpointing, mesh, document_separator_id=separator_id
     )
 
@@ -550,6 +540,7 @@ class TrainingSetup:
     """What training and evaluation need, built once from the arguments and the model."""
 
     model: nn.Module
+    model_code: ModelCode
     sequence_length: int
     train_batch_size: int  # global: over all devices and micro-batches
     eval_batch_size: int
@@ -564,7 +555,9 @@ class TrainingSetup:
     eval_step: Any
 
 
-def set_up_training(model, eval_step, training_args, train_examples, sequence_length: int) -> TrainingSetup:
+def set_up_training(
+    model, model_code: ModelCode, eval_step, training_args, train_examples, sequence_length: int
+) -> TrainingSetup:
     logger.info(
         "%d devices over %d processes (%d here): %s",
         jax.device_count(),
@@ -582,7 +575,6 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     schedule = learning_rate_schedule(training_args, total_steps)
     optimizer = create_optimizer(training_args, schedule)
     abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
-    check_architecture_fits(abstract_state.params, model.config, gpt2)  # before any training
     state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
     logger.info(
         "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",
@@ -594,6 +586,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     )
     return TrainingSetup(
         model=model,
+        model_code=model_code,
         sequence_length=sequence_length,
         train_batch_size=train_batch_size,
         eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
@@ -643,8 +636,8 @@ def pretrained_params(model_args, setup: TrainingSetup):
     """The weights of the Hugging Face checkpoint --model_name_or_path in this model's layout; None without one."""
     if not model_args.model_name_or_path:
         return None
-    checkpoint = read_safetensors_checkpoint(model_args.model_name_or_path, model_args)
-    params = from_hf_state_dict(checkpoint, setup.abstract_state.params)
+    source = model_args.model_name_or_path
+    params = read_exported_params(source, model_args, setup.model_code, setup.abstract_state.params)
     logger.info("Loaded weights from %s", model_args.model_name_or_path)
     return params
 
@@ -678,6 +671,7 @@ def train_batches_from(
             seed,
             data_args.shuffle_buffer_size,
             first_batch,
+            ids_around_documents(tokenizer),
         )
     logger.info(
         "Training steps %d to %d %s, global batch %d x %d tokens",
@@ -766,6 +760,7 @@ def train(state, progress: TrainingProgress, batches, train_steps, save, evaluat
 def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoints, state, progress) -> int:
     """Save a training checkpoint (written in the background) and export the model. Returns the step saved."""
     record = progress.record(
+        model_code={"file": setup.model_code.description, "fingerprint": setup.model_code.fingerprint},
         global_batch_size=setup.train_batch_size,
         block_size=setup.sequence_length,
         training_examples=None if setup.train_examples is None else len(setup.train_examples),
@@ -775,18 +770,18 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
-    save_model(output_dir, state.params, config, tokenizer, gpt2)
+    save_model(output_dir, state.params, config, tokenizer, setup.model_code)
     logger.info(
         "step %d: saved the model to %s; writing the training checkpoint in the background", progress.step, output_dir
     )
     return progress.step
 
 
-def export_complete_run(output_dir: str, params, config, tokenizer):
+def export_complete_run(output_dir: str, params, config, tokenizer, model_code: ModelCode):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""
-    if not os.path.isfile(os.path.join(output_dir, "model.safetensors")):
-        save_model(output_dir, params, config, tokenizer, gpt2)
+    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("model.safetensors", FLAX_WEIGHTS_NAME)):
+        save_model(output_dir, params, config, tokenizer, model_code)
         logger.info("Exported the model of the complete run to %s", output_dir)
 
 

@@ -23,9 +23,9 @@ A single .json file holding the arguments works too: `./run_mlm_flax.py args.jso
 
 This file holds what an experiment changes, in reading order: its arguments, how texts become examples and how they
 are masked, the loss, the optimizer and schedule, the train and eval steps, evaluation and fill-mask, and the loop in
-main(). The model (flax_lm/models/roberta.py) and what every run shares (checkpoints, trackers, data storage,
-processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm is
-installed.
+main(). The model (flax_lm/models/roberta.py, or --model_file) and what every run shares (checkpoints, trackers, data
+storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm
+is installed.
 """
 
 import itertools
@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
-from safetensors.numpy import load_file
 from tqdm.auto import tqdm
 
 from flax_lm.arguments import (
@@ -75,17 +74,12 @@ from flax_lm.data import (
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import (
-    check_architecture_fits,
-    load_config_and_tokenizer,
-    read_safetensors_checkpoint,
-    save_model,
-)
+from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params, save_model
 from flax_lm.host_random import random_bits, uniform_from_bits
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
-from flax_lm.models import roberta
-from flax_lm.models.roberta import FlaxRobertaForMaskedLM, check_model_config, check_tokenizer, from_hf_state_dict
+from flax_lm.model_code import FLAX_WEIGHTS_NAME, ModelCode, load_model_code
+from flax_lm.models.roberta import check_tokenizer
 from flax_lm.processes import (
     initialize_distributed,
     on_process_zero,
@@ -719,7 +713,7 @@ class Evaluation:
                 f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
             )
 
-    def fill_mask_with_export(self, config):
+    def fill_mask_with_export(self):
         """What the exported model, read back, predicts for --fill_mask_text (or a validation text with a word
         masked): this also shows that the saved files hold the trained model."""
         if jax.process_index() != 0 or self.fill_mask_top_k <= 0:
@@ -730,8 +724,9 @@ class Evaluation:
             text, masked_word = fill_mask_demo_text(texts, self.tokenizer.mask_token)
         if not text:
             return
-        exported = from_hf_state_dict(load_file(os.path.join(self.output_dir, "model.safetensors")), config)
-        model = FlaxRobertaForMaskedLM(config)
+        abstract_params = self.setup.abstract_state.params
+        exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
+        model = self.setup.model.clone(remat_policy=None, mesh=None)
         max_seq_length = self.setup.sequence_length
         predictions = fill_mask(model, exported, self.tokenizer, text, self.fill_mask_top_k, max_seq_length)
         masked = f" (masked: {masked_word!r})" if masked_word else ""
@@ -759,7 +754,8 @@ def main():
 
     config, tokenizer = load_config_and_tokenizer(model_args)
     mesh = create_mesh(training_args.mesh_shape)
-    check_model_and_tokenizer(config, tokenizer, training_args, mesh)
+    model_code = load_model_code(config, model_args.model_file, False, "run_mlm_flax.py", mesh)
+    check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
     length_flag = f"--max_seq_length {max_seq_length}"  # the blocks leave room for <s> and </s>
     examples, train_stream = load_data(
@@ -770,13 +766,15 @@ def main():
         return
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
-    model = masked_lm_model(config, tokenizer, model_args, data_args, mesh)
-    setup = set_up_training(model, make_eval_step(model), training_args, examples.get("train"), max_seq_length)
+    model = masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
+    setup = set_up_training(
+        model, model_code, make_eval_step(model), training_args, examples.get("train"), max_seq_length
+    )
     compile_train_steps_ahead(setup, make_batch, training_args)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.
     output_dir_lock = on_process_zero(  # noqa: F841
-        lambda: prepare_output_dir(training_args, progress.step, __file__),
+        lambda: prepare_output_dir(training_args, progress.step, [__file__, model_args.model_file]),
         f"lock --output_dir {training_args.output_dir}",
     )
     arguments = recorded_arguments(model_args, data_args, training_args)
@@ -796,22 +794,20 @@ def main():
             return
         write_train_results(training_args.output_dir, train_metrics(progress.metric_sums), setup, log)
     elif training_args.do_train:
-        export_complete_run(training_args.output_dir, state.params, config, tokenizer)
+        export_complete_run(training_args.output_dir, state.params, config, tokenizer, model_code)
     if training_args.do_eval:
         evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not train_now)
     if jax.process_index() == 0:
         trackers.results(write_all_results(training_args.output_dir), int(state.step))
     trackers.close()
     if train_now:
-        evaluation.fill_mask_with_export(config)
+        evaluation.fill_mask_with_export()
     if training_args.do_train and "tensorboard" in training_args.report_to:
         print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 
 
-def check_model_and_tokenizer(config, tokenizer, training_args, mesh):
-    """The model must be a RoBERTa that `mesh` can split, and the tokenizer must have the special tokens RoBERTa and
-    masking need."""
-    check_model_config(config, mesh)
+def check_model_and_tokenizer(config, tokenizer, training_args):
+    """The tokenizer must have the special tokens RoBERTa and masking need."""
     if training_args.fill_mask_text and tokenizer.mask_token not in training_args.fill_mask_text:
         raise UsageError(f"--fill_mask_text must contain the mask token {tokenizer.mask_token}")
     if len(tokenizer) > config.vocab_size:  # masking draws random replacements from every id of the tokenizer
@@ -841,12 +837,13 @@ def choose_max_seq_length(data_args, tokenizer, config) -> int:
     return data_args.max_seq_length
 
 
-def masked_lm_model(config, tokenizer, model_args, data_args, mesh) -> FlaxRobertaForMaskedLM:
-    """The model to train on `mesh`, in the dtypes asked for. With --document_attention it keeps the texts of a block
-    apart, each starting at the </s> that joins it to the one before (the block's first at its <s>)."""
+def masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code: ModelCode) -> nn.Module:
+    """The model of `model_code` to train on `mesh`, in the dtypes asked for. With --document_attention it keeps the
+    texts of a block apart, each starting at the </s> that joins it to the one before (the block's first at its
+    <s>)."""
     dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
     separator_id = tokenizer.eos_token_id if data_args.document_attention else None
-    return FlaxRobertaForMaskedLM(
+    return model_code.module.MODEL_CLASS(
         config, *dtypes, model_args.gradient_checkpointing, mesh, document_separator_id=separator_id
     )
 
@@ -857,6 +854,7 @@ class TrainingSetup:
     """What training and evaluation need, built once from the arguments and the model."""
 
     model: nn.Module
+    model_code: ModelCode
     sequence_length: int
     train_batch_size: int  # global: over all devices and micro-batches
     eval_batch_size: int
@@ -871,8 +869,10 @@ class TrainingSetup:
     eval_step: Any
 
 
-# Copied from run_clm_flax.set_up_training with block_size->max_seq_length,gpt2->roberta
-def set_up_training(model, eval_step, training_args, train_examples, sequence_length: int) -> TrainingSetup:
+# Copied from run_clm_flax.set_up_training with block_size->max_seq_length
+def set_up_training(
+    model, model_code: ModelCode, eval_step, training_args, train_examples, sequence_length: int
+) -> TrainingSetup:
     logger.info(
         "%d devices over %d processes (%d here): %s",
         jax.device_count(),
@@ -890,7 +890,6 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     schedule = learning_rate_schedule(training_args, total_steps)
     optimizer = create_optimizer(training_args, schedule)
     abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
-    check_architecture_fits(abstract_state.params, model.config, roberta)  # before any training
     state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
     logger.info(
         "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",
@@ -902,6 +901,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
     )
     return TrainingSetup(
         model=model,
+        model_code=model_code,
         sequence_length=sequence_length,
         train_batch_size=train_batch_size,
         eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
@@ -948,12 +948,13 @@ def initial_state(model_args, training_args, setup: TrainingSetup) -> tuple[Trai
     return state, TrainingProgress.start(TRAIN_METRIC_SUMS)
 
 
+# Copied from run_clm_flax.pretrained_params
 def pretrained_params(model_args, setup: TrainingSetup):
     """The weights of the Hugging Face checkpoint --model_name_or_path in this model's layout; None without one."""
     if not model_args.model_name_or_path:
         return None
-    checkpoint = read_safetensors_checkpoint(model_args.model_name_or_path, model_args)
-    params = from_hf_state_dict(checkpoint, setup.model.config)
+    source = model_args.model_name_or_path
+    params = read_exported_params(source, model_args, setup.model_code, setup.abstract_state.params)
     logger.info("Loaded weights from %s", model_args.model_name_or_path)
     return params
 
@@ -1079,10 +1080,11 @@ def train(state, progress: TrainingProgress, batches, train_steps, save, evaluat
     return state, stop.signal_name if stopping else None
 
 
-# Copied from run_clm_flax.save_run with block_size->max_seq_length,gpt2->roberta
+# Copied from run_clm_flax.save_run with block_size->max_seq_length
 def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoints, state, progress) -> int:
     """Save a training checkpoint (written in the background) and export the model. Returns the step saved."""
     record = progress.record(
+        model_code={"file": setup.model_code.description, "fingerprint": setup.model_code.fingerprint},
         global_batch_size=setup.train_batch_size,
         max_seq_length=setup.sequence_length,
         training_examples=None if setup.train_examples is None else len(setup.train_examples),
@@ -1092,19 +1094,19 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
-    save_model(output_dir, state.params, config, tokenizer, roberta)
+    save_model(output_dir, state.params, config, tokenizer, setup.model_code)
     logger.info(
         "step %d: saved the model to %s; writing the training checkpoint in the background", progress.step, output_dir
     )
     return progress.step
 
 
-# Copied from run_clm_flax.export_complete_run with gpt2->roberta
-def export_complete_run(output_dir: str, params, config, tokenizer):
+# Copied from run_clm_flax.export_complete_run
+def export_complete_run(output_dir: str, params, config, tokenizer, model_code: ModelCode):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""
-    if not os.path.isfile(os.path.join(output_dir, "model.safetensors")):
-        save_model(output_dir, params, config, tokenizer, roberta)
+    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("model.safetensors", FLAX_WEIGHTS_NAME)):
+        save_model(output_dir, params, config, tokenizer, model_code)
         logger.info("Exported the model of the complete run to %s", output_dir)
 
 

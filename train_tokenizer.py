@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train a byte-level BPE tokenizer for GPT-2 or RoBERTa on your own text.
+"""Train a byte-level BPE tokenizer for GPT-2, Llama or RoBERTa on your own text.
 
 The text comes from local files (.txt, .json/.jsonl, .csv, .parquet; the first three also compressed, such as
 corpus.jsonl.gz; several files and glob patterns), from a
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Tokenizer, RobertaTokenizer
+from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenizer
 
 from flax_lm.errors import UsageError, run
 from flax_lm.processes import LOG_FORMAT
@@ -36,9 +36,11 @@ logger = logging.getLogger(__name__)
 
 # Special tokens of each model type, by role. The order is the order of their ids: the tokenizer gets ids 0, 1, ...
 # for the distinct tokens in this order. GPT-2 has one token for beginning, end and unknown text, and no padding
-# token; RoBERTa has <s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4, as in the published roberta-base vocabulary.
+# token; Llama has a beginning and an end of text, as Llama 3's tokenizer names them, and puts the first before every
+# text it encodes; RoBERTa has <s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4, as in the published roberta-base vocabulary.
 SPECIAL_TOKEN_PRESETS = {
     "gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"},
+    "llama": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
     "roberta": {
         "bos_token": "<s>",
         "pad_token": "<pad>",
@@ -49,9 +51,9 @@ SPECIAL_TOKEN_PRESETS = {
 }
 SPECIAL_TOKEN_ROLES = ["bos_token", "pad_token", "eos_token", "unk_token", "mask_token"]
 
-# The longest input the model takes, in tokens: GPT-2 has 1024 positions; RoBERTa has 514 position embeddings, two
-# of which are taken by the padding offset, leaving 512.
-DEFAULT_MODEL_MAX_LENGTH = {"gpt2": 1024, "roberta": 512}
+# The longest input the model takes, in tokens: GPT-2 has 1024 positions; the Llama presets up to llama-1b 2048;
+# RoBERTa has 514 position embeddings, two of which are taken by the padding offset, leaving 512.
+DEFAULT_MODEL_MAX_LENGTH = {"gpt2": 1024, "llama": 2048, "roberta": 512}
 
 # Every byte is in the initial alphabet, so any text can be encoded without an unknown token.
 BYTE_ALPHABET_SIZE = len(pre_tokenizers.ByteLevel.alphabet())
@@ -128,7 +130,10 @@ class TokenizerArguments:
     min_frequency: int = field(default=2, metadata={"help": "Only merge pairs that occur at least this often."})
     model_max_length: int | None = field(
         default=None,
-        metadata={"help": "Longest input the model takes, in tokens; leave out for 1024 (gpt2) or 512 (roberta)."},
+        metadata={
+            "help": "Longest input the model takes, in tokens; leave out for 1024 (gpt2), 2048 (llama) or 512 "
+            "(roberta)."
+        },
     )
     bos_token: str | None = field(default=None, metadata={"help": "Replace the preset's beginning-of-text token."})
     eos_token: str | None = field(default=None, metadata={"help": "Replace the preset's end-of-text token."})
@@ -355,7 +360,8 @@ def wrap_for_transformers(tokenizer, model_type, roles, extra_special_tokens, mo
     """The `transformers` tokenizer class of the model type, around the trained `tokenizers` object.
 
     Saved, it loads with AutoTokenizer.from_pretrained as GPT2Tokenizer or RobertaTokenizer, the fast tokenizer
-    classes of transformers 5.
+    classes of transformers 5, or for Llama as the plain fast tokenizer, as Llama 3's does (transformers'
+    LlamaTokenizer is the SentencePiece-style one of Llama 2).
     """
     tokens = {role: special_token(token, takes_space_before=role == "mask_token") for role, token in roles.items()}
     options = dict(
@@ -367,6 +373,8 @@ def wrap_for_transformers(tokenizer, model_type, roles, extra_special_tokens, mo
     if model_type == "roberta":
         # RoBERTa starts a sequence with its classifier token and ends it with the separator: <s> A </s></s> B </s>.
         return RobertaTokenizer(cls_token=tokens["bos_token"], sep_token=tokens["eos_token"], **options)
+    if model_type == "llama":
+        return PreTrainedTokenizerFast(**options)
     return GPT2Tokenizer(**options)
 
 
@@ -492,6 +500,12 @@ def main():
             (roles["bos_token"], tokenizer.token_to_id(roles["bos_token"])),
             trim_offsets=True,
             add_prefix_space=False,
+        )
+    elif tokenizer_args.model_type == "llama":
+        # BOS before each text, as Llama's tokenizers put it: <|begin_of_text|> A, and before each of a pair.
+        bos = roles["bos_token"]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
         )
 
     # Save -----------------------------------------------------------------------------------------------------------

@@ -236,6 +236,13 @@ def check_resumed_run(record: dict, setup, training_args, length_name: str):
     the sequence length in the record (block_size, max_seq_length)."""
     if training_args.overwrite_output_dir:
         logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
+    recorded_code, code = record.get("model_code"), setup.model_code
+    if recorded_code is not None and recorded_code["fingerprint"] != code.fingerprint:
+        raise UsageError(
+            f"the checkpoint was trained with other model code ({recorded_code['file']}, fingerprint "
+            f"{recorded_code['fingerprint']}) than this run's ({code.description}, fingerprint {code.fingerprint}); "
+            "resume with the code it was trained with (a model file of your own: --model_file)"
+        )
     if (record["global_batch_size"], record[length_name]) != (setup.train_batch_size, setup.sequence_length):
         logger.warning(
             "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "

@@ -54,10 +54,11 @@ def streaming_train_batches(
     seed: int,
     shuffle_buffer_size: int,
     first_batch: int = 0,
+    around=None,
 ) -> Iterator[dict]:
     """This process's rows of each global batch, tokenized and grouped into blocks on the fly from its share of
-    the stream by the script's `pack_blocks(token_arrays, block_size)`, without end: pass after pass over the share,
-    each shuffled differently.
+    the stream by the script's `pack_blocks(token_arrays, block_size)`, each document between the ids `around` it (see
+    flax_lm.texts.token_arrays), without end: pass after pass over the share, each shuffled differently.
 
     The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
     files is shuffled). The batches depend only on the data, these arguments and the process count, so a
@@ -74,7 +75,7 @@ def streaming_train_batches(
             if shuffle_buffer_size > 0:
                 share.set_epoch(epoch)  # reshuffles the files and the buffer
             num_tokens = 0
-            for tokens in token_arrays(share, tokenizer, text_column):
+            for tokens in token_arrays(share, tokenizer, text_column, around=around):
                 num_tokens += len(tokens)
                 yield tokens
             if num_tokens == 0:

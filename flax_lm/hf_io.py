@@ -1,20 +1,26 @@
 """Hugging Face model directories: the config and tokenizer a run starts from, the safetensors weights it continues
-from, and the directory it exports (config.json, model.safetensors, tokenizer), which transformers loads."""
+from, and the directory it exports (config.json, model.safetensors, tokenizer), which transformers loads; or, for
+model code not known to compute a transformers architecture, flax_model.safetensors beside the model file."""
 
 import json
 import logging
 import os
 import pickle
+import shutil
+import struct
 
 import jax
+import ml_dtypes
 import numpy as np
 import transformers
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from flax_lm.errors import UsageError
+from flax_lm.model_code import FINGERPRINT_KEY, FLAX_WEIGHTS_NAME, MODEL_FILE_KEY, ModelCode, check_model_file_of
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +102,33 @@ def load_config_and_tokenizer(model_args):
     return config, tokenizer
 
 
+# safetensors dtype names -> numpy dtypes; bfloat16 (how Llama checkpoints are saved) through ml_dtypes, which
+# safetensors' own numpy reader does not use.
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}  # fmt: skip
+
+
+def load_safetensors(path: str) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as numpy arrays of their own dtype, bfloat16 included, memory-mapped: a
+    tensor is read from disk when it is used. The format: an 8-byte little-endian header size, a JSON header of each
+    tensor's dtype, shape and byte range, then the bytes."""
+    with open(path, "rb") as file:
+        (header_size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(header_size))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise SafetensorError(f"tensor {name} has dtype {entry['dtype']}, which cannot be read here")
+        start, end = entry["data_offsets"]
+        tensors[name] = data[start:end].view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return tensors
+
+
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
     import huggingface_hub
@@ -116,8 +149,8 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
 
     def read(path):
         try:
-            return load_file(path)
-        except (SafetensorError, OSError) as error:
+            return load_safetensors(path)
+        except (SafetensorError, OSError, ValueError, KeyError, struct.error) as error:
             reason = str(error).splitlines()[0]
             raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
 
@@ -160,10 +193,10 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
     return {name: tensor.float().numpy() for name, tensor in state_dict.items()}
 
 
-def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
-    """model.safetensors in `output_dir`, replaced in one step so that no reader sees it half written."""
+def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file_name: str):
+    """The weights file `file_name` in `output_dir`, replaced in one step so that no reader sees it half written."""
     os.makedirs(output_dir, exist_ok=True)
-    weights_path = os.path.join(output_dir, "model.safetensors")
+    weights_path = os.path.join(output_dir, file_name)
     save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
     # safetensors writes 0600; the other files follow the umask. It can only be read by setting it: to the strictest
     # value, so that a file another thread creates meanwhile is never more open than the user asked for.
@@ -201,21 +234,76 @@ def check_architecture_fits(params, config, model):
         )
 
 
-def save_model(output_dir: str, params, config, tokenizer, model):
-    """A Hugging Face model directory: config.json naming `model.HF_ARCHITECTURE`, the weights as `model` maps them
-    (model.to_hf_state_dict) in model.safetensors, the tokenizer and, for a model that generates text
-    (model.GENERATES_TEXT), its generation config. `model` is the model's module (flax_lm.models.gpt2, for one).
+def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode):
+    """A Hugging Face model directory: config.json, the weights, the tokenizer and, for a model that generates text
+    (GENERATES_TEXT), its generation config. Where `model_code` claims its architecture (flax_lm.model_code), the
+    config names it and model.safetensors holds the weights as the module maps them (to_hf_state_dict), for
+    transformers; otherwise flax_model.safetensors holds the Flax parameters, beside a copy of the model file, for
+    the tools of this repository (--model_file), and transformers finds no weights it could load as another model.
 
     Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the
     architecture the config names are refused first (check_architecture_fits), by every process, with nothing written.
     """
-    check_architecture_fits(params, config, model)
+    model = model_code.module
+    if model_code.claims_architecture:
+        check_architecture_fits(params, config, model)
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return
-    write_model_weights(output_dir, model.to_hf_state_dict(host_params))
-    config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
+    config = copy_of(config)
+    for key in (MODEL_FILE_KEY, FINGERPRINT_KEY):
+        if hasattr(config, key):
+            delattr(config, key)
+    if model_code.claims_architecture:
+        write_model_weights(output_dir, model.to_hf_state_dict(host_params), "model.safetensors")
+        remove_if_there(os.path.join(output_dir, FLAX_WEIGHTS_NAME))
+        config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
+    else:
+        flat = {"/".join(path): np.asarray(value) for path, value in flatten_dict(host_params).items()}
+        write_model_weights(output_dir, flat, FLAX_WEIGHTS_NAME)
+        # An earlier export's model.safetensors would load in transformers as the architecture it named.
+        remove_if_there(os.path.join(output_dir, "model.safetensors"))
+        model_file = os.path.basename(model_code.own_file or model.__file__)
+        shutil.copyfile(model.__file__, os.path.join(output_dir, model_file))
+        config.architectures = None
+        setattr(config, MODEL_FILE_KEY, model_file)
+        setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
     config.save_pretrained(output_dir)
     if model.GENERATES_TEXT:
         GenerationConfig.from_model_config(config).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+
+
+def copy_of(config):
+    return config.__class__.from_dict(config.to_dict())
+
+
+def remove_if_there(path: str):
+    if os.path.isfile(path):
+        os.remove(path)
+
+
+def read_exported_params(source: str, model_args, model_code: ModelCode, abstract_params) -> dict:
+    """The weights of a model directory or hub name `source` as parameters shaped like `abstract_params`: those of an
+    export of this code's own (flax_model.safetensors), or a transformers checkpoint mapped by the module
+    (from_hf_state_dict)."""
+    flax_weights = os.path.join(source, FLAX_WEIGHTS_NAME)
+    if os.path.isdir(source) and os.path.isfile(flax_weights):
+        directory_config = AutoConfig.from_pretrained(source)
+        if getattr(directory_config, MODEL_FILE_KEY, None) is None:
+            raise UsageError(f"{source} holds {FLAX_WEIGHTS_NAME} but its config.json names no model file")
+        check_model_file_of(directory_config, model_code, source)
+        try:
+            flat = load_safetensors(flax_weights)
+        except (SafetensorError, OSError, ValueError, KeyError, struct.error) as error:
+            raise UsageError(f"{flax_weights} is not a readable safetensors file ({error}); save it again") from None
+        params = {}
+        for path, expected in flatten_dict(abstract_params).items():
+            name = "/".join(path)
+            if name not in flat or flat[name].shape != expected.shape:
+                raise UsageError(
+                    f"{flax_weights} has no parameter {name} of shape {expected.shape}; it is of another model"
+                )
+            params[path] = np.asarray(flat[name]).astype(expected.dtype)
+        return unflatten_dict(params)
+    return model_code.module.from_hf_state_dict(read_safetensors_checkpoint(source, model_args), abstract_params)

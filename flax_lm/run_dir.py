@@ -181,10 +181,11 @@ def set_aside_checkpoints_after(output_dir: str, step: int):
     logger.warning("moved the training checkpoints of steps %s to %s", ", ".join(map(str, later)), discarded)
 
 
-def prepare_output_dir(training_args, resumed_step: int, script: str):
+def prepare_output_dir(training_args, resumed_step: int, code_files: list[str | None]):
     """Lock the output directory for this run (the lock is returned: it lasts as long as the object), clear or set
-    aside what an earlier run left that this one would mix with its own, and copy the `script` that runs into it, so
-    that the directory says which code made it."""
+    aside what an earlier run left that this one would mix with its own, and copy the `code_files` that run (the
+    script, a model file of the experiment's own; None for none) into it, so that the directory says which code made
+    it."""
     lock = lock_output_dir(training_args.output_dir)
     refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
     if training_args.do_train:
@@ -192,9 +193,10 @@ def prepare_output_dir(training_args, resumed_step: int, script: str):
             clear_previous_run(training_args.output_dir)
         set_aside_checkpoints_after(training_args.output_dir, resumed_step)
     os.makedirs(training_args.output_dir, exist_ok=True)
-    copy = os.path.join(training_args.output_dir, os.path.basename(script))
-    if not (os.path.isfile(copy) and filecmp.cmp(script, copy, shallow=False)):  # a repeat leaves its copy as it was
-        shutil.copyfile(script, copy)
+    for code_file in filter(None, code_files):
+        copy = os.path.join(training_args.output_dir, os.path.basename(code_file))
+        if not (os.path.isfile(copy) and filecmp.cmp(code_file, copy, shallow=False)):  # a repeat leaves it as it was
+            shutil.copyfile(code_file, copy)
     return lock
 
 

@@ -1,5 +1,5 @@
-"""Sampling from a causal language model with a key/value cache (flax_lm.models.gpt2): each row of a batch decoded by
-its own settings, the decoding loop compiled once per shape and run some steps at a time."""
+"""Sampling from a causal language model with a key/value cache (the model's empty_cache): each row of a batch
+decoded by its own settings, the decoding loop compiled once per shape and run some steps at a time."""
 
 import math
 from collections.abc import Callable
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flax_lm.models.gpt2 import KeyValueCache
+from flax_lm.models.common import KeyValueCache
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def make_sampler(model, eos_token_id: int | None) -> Sampler:
     def prefill(params, prompt_ids, prompt_mask, settings, *, capacity: int, do_sample: bool, candidates: int):
         # prompt_ids, prompt_mask: (batch, prompt length), left-padded
         batch = prompt_ids.shape[0]
-        cache = KeyValueCache.empty(model.config, prompt_mask, capacity, model.dtype)
+        cache = model.empty_cache(prompt_mask, capacity)
         logits, cache = model.apply({"params": params}, prompt_ids, cache=cache)
         token = choose(settings, 0, logits[:, -1], do_sample, candidates)
         counts = (settings.max_new_tokens > 0).astype(jnp.int32)

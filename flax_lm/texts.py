@@ -427,10 +427,25 @@ def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[i
     return token_lists
 
 
-def encode_documents(backend, eos_id: int, cut_long_texts: bool, texts: list[str]) -> np.ndarray:
-    """The tokens of the texts, each followed by eos_id, end to end: one flat int32 array."""
-    token_lists = [ids + [eos_id] for ids in encode_texts(backend, texts, cut_long_texts)]
+def encode_documents(backend, around: tuple, cut_long_texts: bool, texts: list[str]) -> np.ndarray:
+    """The tokens of the texts, each between the ids `around` it (before, after), end to end: one flat int32 array."""
+    before, after = around
+    token_lists = [before + ids + after for ids in encode_texts(backend, texts, cut_long_texts)]
     return np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+
+
+def ids_around_documents(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids before and after the tokens of each document: the special tokens the tokenizer puts around one text
+    (a Llama tokenizer's BOS before it, as Llama models were trained; a GPT-2 tokenizer's none), and its end-of-text
+    token after it where the tokenizer puts none there."""
+    backend = tokenizer.backend_tokenizer
+    plain = backend.encode("x", add_special_tokens=False).ids
+    framed = backend.encode("x", add_special_tokens=True).ids
+    starts = [index for index in range(len(framed) - len(plain) + 1) if framed[index : index + len(plain)] == plain]
+    before, after = (framed[: starts[0]], framed[starts[0] + len(plain) :]) if starts else ([], [])
+    if not after or after[-1] != tokenizer.eos_token_id:
+        after = after + [tokenizer.eos_token_id]
+    return before, after
 
 
 def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterator:
@@ -461,17 +476,21 @@ def call_worker_function(item):
     return worker_function(item)
 
 
-def token_arrays(dataset, tokenizer, text_column, num_workers=None, split="train") -> Iterator[np.ndarray]:
-    """The tokens of every text of `dataset` (a `datasets.Dataset` or a stream), each text (a document) followed by
-    EOS, as flat int32 arrays of one batch of texts each, in the dataset's order, tokenized in `num_workers`
-    processes. Only a few batches of tokens are in memory at a time."""
+def token_arrays(
+    dataset, tokenizer, text_column, num_workers=None, split="train", around=None
+) -> Iterator[np.ndarray]:
+    """The tokens of every text of `dataset` (a `datasets.Dataset` or a stream), each text (a document) between the
+    ids `around` it (before, after; by default nothing before and EOS after), as flat int32 arrays of one batch of
+    texts each, in the dataset's order, tokenized in `num_workers` processes. Only a few batches of tokens are in
+    memory at a time."""
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
     # The Rust tokenizer directly: the transformers wrapper would also build attention masks and warn
     # about texts longer than model_max_length, which is expected here since texts get packed.
     backend = tokenizer.backend_tokenizer
-    encode = partial(encode_documents, backend, eos_id, cuts_at_line_starts_keep_the_tokens(backend))
+    around = around or ([], [eos_id])
+    encode = partial(encode_documents, backend, around, cuts_at_line_starts_keep_the_tokens(backend))
     yield from map_in_workers(encode, text_batches(dataset, text_column, split), num_workers)
 
 

@@ -13,10 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from flax_lm.model_code import ModelCode, load_model_code
+from flax_lm.models import stock_module
+
 REPO_DIR = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = REPO_DIR / "tests" / "fixtures"
 # The multilingual corpus (English, Norwegian, Turkish, Korean) plus about 110 KB of English prose.
 TOKENIZER_TRAINING_FILES = sorted((FIXTURES_DIR / "corpus").glob("*.txt")) + [FIXTURES_DIR / "en" / "train.txt"]
+
+
+def stock_code(config) -> ModelCode:
+    """The code of `config`'s model as flax_lm ships it, loaded as the tools load it (save_model takes it)."""
+    return load_model_code(config, None, stock_module(config.model_type).GENERATES_TEXT, "the tests")
 
 
 @pytest.fixture(scope="session")

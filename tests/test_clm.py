@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 import torch
+from conftest import stock_code
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -68,12 +69,12 @@ def model_dir(tmp_path_factory):
 
 
 def flax_logits(config, params, input_ids):
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    model = gpt2.FlaxGPT2LMHeadModel(config)
     return np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
 
 
 def abstract_params(config):
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    model = gpt2.FlaxGPT2LMHeadModel(config)
     return abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
 
 
@@ -94,18 +95,18 @@ def test_pytorch_weights_give_the_same_logits_in_flax(variant):
     with torch.no_grad():
         expected = torch_model(torch.tensor(input_ids)).logits.numpy()
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
-    params = run_clm_flax.from_hf_state_dict(state_dict, abstract_params(config))
+    params = gpt2.from_hf_state_dict(state_dict, abstract_params(config))
     np.testing.assert_allclose(flax_logits(config, params, input_ids), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("variant", CONFIG_VARIANTS)
 def test_flax_weights_load_in_pytorch_with_the_same_logits(variant, model_dir, tmp_path):
     config = tiny_config(**CONFIG_VARIANTS[variant])
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    model = gpt2.FlaxGPT2LMHeadModel(config)
     params = jax.tree_util.tree_map(
         np.asarray, run_clm_flax.nn.meta.unbox(model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
     )
-    save_model(str(tmp_path), params, config, AutoTokenizer.from_pretrained(model_dir), gpt2)
+    save_model(str(tmp_path), params, config, AutoTokenizer.from_pretrained(model_dir), stock_code(config))
 
     torch_model, loading_info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
     assert not any(loading_info.values()), loading_info
@@ -117,7 +118,7 @@ def test_flax_weights_load_in_pytorch_with_the_same_logits(variant, model_dir, t
 
 def test_residual_projections_get_the_scaled_initialisation():
     config = tiny_config(n_embd=64, n_layer=8, n_head=2, initializer_range=0.02)
-    model = run_clm_flax.FlaxGPT2LMHeadModel(config)
+    model = gpt2.FlaxGPT2LMHeadModel(config)
     params = run_clm_flax.nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     block = params["transformer"]["h_0"]
     scaled = 0.02 / np.sqrt(2 * config.n_layer)
@@ -133,7 +134,7 @@ def test_checkpoint_of_another_shape_is_refused_with_the_tensor_named():
     with pytest.raises(
         run_clm_flax.UsageError, match=r"checkpoint tensor transformer\..* has shape .* but the config needs"
     ):
-        run_clm_flax.from_hf_state_dict(state_dict, abstract_params(tiny_config()))
+        gpt2.from_hf_state_dict(state_dict, abstract_params(tiny_config()))
 
 
 def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
@@ -366,7 +367,7 @@ def test_cli_run_trains_evaluates_and_writes_a_loadable_model(model_dir, tmp_pat
     with torch.no_grad():
         expected = torch_model(input_ids).logits.numpy()
     config = GPT2Config.from_pretrained(str(output_dir))
-    params = run_clm_flax.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), abstract_params(config))
+    params = gpt2.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), abstract_params(config))
     np.testing.assert_allclose(flax_logits(config, params, input_ids.numpy()), expected, atol=1e-4, rtol=0)
 
 

@@ -20,7 +20,6 @@ from transformers import GPT2LMHeadModel
 
 from flax_lm import sampling
 from flax_lm.errors import UsageError
-from flax_lm.models import gpt2
 
 sys.path.insert(0, str(REPO_DIR))
 import generate_flax  # noqa: E402
@@ -61,7 +60,7 @@ def test_cached_logits_equal_a_full_recompute(generator):
     prompt_mask = np.zeros((2, prompt_length), bool)
     for row, ids in enumerate(rows):
         prompt_ids[row, prompt_length - len(ids) :], prompt_mask[row, prompt_length - len(ids) :] = ids, True
-    cache = gpt2.KeyValueCache.empty(model.config, jnp.asarray(prompt_mask), 3, model.dtype)
+    cache = model.empty_cache(jnp.asarray(prompt_mask), 3)
     logits, cache = model.apply({"params": params}, jnp.asarray(prompt_ids), cache=cache)
     cached = [np.asarray(logits[:, -1])]
     for step in range(3):

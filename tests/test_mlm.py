@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import stock_code
 from safetensors.numpy import load_file
 from transformers import (
     AutoModelForMaskedLM,
@@ -31,7 +32,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import run_mlm_flax  # noqa: E402
 from flax_lm.arguments import ModelArguments, parse_arguments  # noqa: E402
+from flax_lm.models import roberta  # noqa: E402
 from flax_lm.packed import cached_blocks  # noqa: E402
+from flax_lm.train_state import abstract_model_params  # noqa: E402
 
 TRAIN_FILE = os.path.join(REPO, "tests", "fixtures", "en", "train.txt")
 VALIDATION_FILE = os.path.join(REPO, "tests", "fixtures", "en", "validation.txt")
@@ -119,14 +122,14 @@ def test_with_document_attention_the_texts_of_a_grouped_block_are_scored_as_if_a
     assert tokenizer.decode(input_ids[0]) == "<s>" + "</s>".join(dataset["text"]) + "</s></s>"
 
     config = RobertaConfig.from_pretrained(model_dir)
-    model = run_mlm_flax.masked_lm_model(config, tokenizer, ModelArguments(), data_args, mesh=None)
+    model = run_mlm_flax.masked_lm_model(config, tokenizer, ModelArguments(), data_args, None, stock_code(config))
     params = nn.meta.unbox(model.init(jax.random.key(0), input_ids))["params"]
     packed = model.apply({"params": params}, input_ids, attention_mask)[0]
     # Each text alone, led by the </s> that joins it to the one before where a sequence of its own has <s> (the first
     # text by the block's <s>); then the </s> after the last text and the block's closing </s>, each alone.
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     pieces = [[bos, *token_lists[0]], *([eos, *tokens] for tokens in token_lists[1:]), [eos], [eos]]
-    plain = run_mlm_flax.FlaxRobertaForMaskedLM(config)
+    plain = roberta.FlaxRobertaForMaskedLM(config)
     alone = np.concatenate([plain.apply({"params": params}, jnp.array([piece]))[0] for piece in pieces])
     np.testing.assert_allclose(packed, alone, atol=1e-5)
     assert np.abs(plain.apply({"params": params}, input_ids, attention_mask)[0] - alone).max() > 1e-3
@@ -416,10 +419,10 @@ def test_export_loads_in_transformers_with_the_logits_of_the_flax_model(trained_
         ).logits.numpy()
 
     config = RobertaConfig.from_pretrained(str(output_dir))
-    params = run_mlm_flax.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), config)
-    logits = run_mlm_flax.FlaxRobertaForMaskedLM(config).apply(
-        {"params": params}, jnp.asarray(inputs["input_ids"]), jnp.asarray(inputs["attention_mask"])
-    )
+    model = roberta.FlaxRobertaForMaskedLM(config)
+    abstract = abstract_model_params(model, jnp.zeros((1, 1), jnp.int32))
+    params = roberta.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), abstract)
+    logits = model.apply({"params": params}, jnp.asarray(inputs["input_ids"]), jnp.asarray(inputs["attention_mask"]))
     real = inputs["attention_mask"].astype(bool)  # PyTorch and Flax differ only at the padding
     np.testing.assert_allclose(np.asarray(logits)[real], expected[real], atol=1e-4, rtol=0)
 

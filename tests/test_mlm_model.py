@@ -63,6 +63,11 @@ def torch_logits(torch_model, input_ids, attention_mask):
     return output.logits.numpy()
 
 
+def abstract_params(config):
+    """The shapes of the tiny RoBERTa's parameters, as from_hf_state_dict takes them."""
+    return abstract_model_params(roberta.FlaxRobertaForMaskedLM(config), jnp.zeros((1, 1), jnp.int32))
+
+
 @pytest.fixture(scope="module")
 def tiny_flax():
     """(model, unboxed params, jitted model.apply); jitted because eager Flax is slow on a small CPU."""
@@ -88,7 +93,7 @@ def torch_roberta():
             if name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name:
                 tensor.add_(torch.randn_like(tensor) * 0.1)
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
-    return torch_model, roberta.from_hf_state_dict(state_dict, config)
+    return torch_model, roberta.from_hf_state_dict(state_dict, abstract_params(config))
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -224,7 +229,7 @@ def test_export_has_exactly_the_tensors_save_pretrained_writes(tiny_flax):
 def test_conversion_round_trip_is_exact(tiny_flax):
     _, params, _ = tiny_flax
     config = tiny_config()
-    loaded = roberta.from_hf_state_dict(roberta.to_hf_state_dict(params), config)
+    loaded = roberta.from_hf_state_dict(roberta.to_hf_state_dict(params), abstract_params(config))
     assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(params)
     for original, reloaded in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(loaded)):
         np.testing.assert_array_equal(original, reloaded)
@@ -319,7 +324,7 @@ def test_wrong_shaped_checkpoint_is_a_usage_error_naming_the_tensor(tiny_flax):
         match=r"roberta\.embeddings\.word_embeddings\.weight has shape "
         r"\(120, 64\) but the config needs \(101, 64\)",
     ):
-        roberta.from_hf_state_dict(state_dict, config)
+        roberta.from_hf_state_dict(state_dict, abstract_params(config))
 
 
 def test_checkpoint_with_missing_or_extra_tensors_is_a_usage_error(tiny_flax):
@@ -328,14 +333,14 @@ def test_checkpoint_with_missing_or_extra_tensors_is_a_usage_error(tiny_flax):
     state_dict = roberta.to_hf_state_dict(params)
     state_dict["roberta.pooler.dense.weight"] = np.zeros((64, 64), np.float32)  # ignored, as in HF
     state_dict["lm_head.decoder.weight"] = state_dict["roberta.embeddings.word_embeddings.weight"]  # tied
-    roberta.from_hf_state_dict(state_dict, config)
+    roberta.from_hf_state_dict(state_dict, abstract_params(config))
 
     extra_layer = dict(state_dict, **{"roberta.encoder.layer.2.output.dense.bias": np.zeros(64, np.float32)})
     with pytest.raises(run_mlm_flax.UsageError, match=r"layer\.2\.output\.dense\.bias is not part of"):
-        roberta.from_hf_state_dict(extra_layer, config)
+        roberta.from_hf_state_dict(extra_layer, abstract_params(config))
     del state_dict["lm_head.dense.weight"]
     with pytest.raises(run_mlm_flax.UsageError, match=r"no tensor lm_head\.dense\.weight"):
-        roberta.from_hf_state_dict(state_dict, config)
+        roberta.from_hf_state_dict(state_dict, abstract_params(config))
 
 
 def test_unsupported_config_is_a_usage_error():

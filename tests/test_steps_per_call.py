@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, stock_code
 from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, tiny_config
 from test_mlm_model import BOS, EOS, MASK, PAD, VOCAB_SIZE
@@ -166,9 +166,8 @@ def clm_training(training_args):
     """The CLM script's training setup for a tiny GPT-2, its training blocks, and the batches of its first call."""
     model = FlaxGPT2LMHeadModel(tiny_config(), mesh=create_mesh())
     blocks = np.random.default_rng(0).integers(0, 512, size=(64, LENGTH), dtype=np.int32)
-    setup = run_clm_flax.set_up_training(
-        model, run_clm_flax.make_eval_step(model, None), training_args, blocks, LENGTH
-    )
+    eval_step = run_clm_flax.make_eval_step(model, None)
+    setup = run_clm_flax.set_up_training(model, stock_code(model.config), eval_step, training_args, blocks, LENGTH)
     batches = run_clm_flax.train_batches_from(0, setup, blocks, None, None, None, training_args)
     return setup, run_clm_flax.abstract_call_batches(setup, training_args), next(iter(batches))
 
@@ -185,7 +184,8 @@ def mlm_training(training_args):
         max_seq_length=LENGTH,
     )
     blocks = np.random.default_rng(0).integers(5, 50, size=(64, LENGTH - 2), dtype=np.int32)
-    setup = run_mlm_flax.set_up_training(model, run_mlm_flax.make_eval_step(model), training_args, blocks, LENGTH)
+    eval_step = run_mlm_flax.make_eval_step(model)
+    setup = run_mlm_flax.set_up_training(model, stock_code(model.config), eval_step, training_args, blocks, LENGTH)
     batches = run_mlm_flax.train_batches_from(
         0, setup, blocks, None, make_batch, None, run_mlm_flax.DataTrainingArguments(), training_args
     )

@@ -1,0 +1,103 @@
+"""The models, one module each, chosen by the `model_type` of a Hugging Face config.
+
+MODEL_MODULES below is the one table of them. A model module defines one model and what the tools need of it:
+
+    MODEL_TYPE              the config.model_type it computes
+    HF_ARCHITECTURE         the transformers class whose checkpoint layout its parameters map onto
+    GENERATES_TEXT          a causal LM (run_clm_flax.py, generate_flax.py), or not (run_mlm_flax.py)
+    MODEL_CLASS             the flax.linen model: MODEL_CLASS(config, dtype, param_dtype, remat_policy, mesh, ...)
+                            returning float32 logits; a causal LM also decodes with a key/value cache (empty_cache)
+    check_model_config(config, mesh)        refuse a config the module does not implement, in one line
+    to_hf_state_dict(params), from_hf_state_dict(state_dict, abstract_params)
+                            the parameters as the transformers checkpoint names and lays them out, and back
+    hf_shapes(params), hf_architecture_shapes(config)
+                            the shapes of the first, and those the architecture has, to check they agree
+
+To give one experiment a model of its own, copy a module beside the script (`cp flax_lm/models/gpt2.py my_gpt2.py`),
+edit the copy and pass it to every tool with `--model_file my_gpt2.py`: flax_lm and every other run stay as they are.
+See flax_lm/model_code.py for what a run records of the code and what its exports may claim.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+from flax_lm.errors import UsageError
+
+# model_type -> the module that computes it.
+MODEL_MODULES = {
+    "gpt2": "flax_lm.models.gpt2",
+    "llama": "flax_lm.models.llama",
+    "roberta": "flax_lm.models.roberta",
+}
+
+# What a module must define, for the tools to train, export and decode its model.
+MODULE_INTERFACE = (
+    "MODEL_TYPE",
+    "HF_ARCHITECTURE",
+    "GENERATES_TEXT",
+    "MODEL_CLASS",
+    "check_model_config",
+    "to_hf_state_dict",
+    "from_hf_state_dict",
+    "hf_shapes",
+    "hf_architecture_shapes",
+)
+
+
+def model_types(generates_text: bool) -> list[str]:
+    """The model types of MODEL_MODULES that generate text (causal LMs), or that do not (masked LMs)."""
+    return [name for name in MODEL_MODULES if stock_module(name).GENERATES_TEXT == generates_text]
+
+
+def stock_module(model_type: str) -> ModuleType:
+    return importlib.import_module(MODEL_MODULES[model_type])
+
+
+def import_model_file(path: str) -> ModuleType:
+    """The module of a model file of one's own (a copy of a module of flax_lm/models, edited), by its path."""
+    if not path.endswith(".py") or not os.path.isfile(path):
+        raise UsageError(
+            f"--model_file {path}: no such Python file; pass the path of a copy of a flax_lm/models module"
+        )
+    name = f"flax_lm_model_file_{os.path.splitext(os.path.basename(path))[0]}"
+    spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and flax.struct look classes up by their module's name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[name]
+        raise UsageError(f"--model_file {path} fails on import ({type(error).__name__}: {error})") from None
+    missing = [name for name in MODULE_INTERFACE if not hasattr(module, name)]
+    if missing:
+        raise UsageError(
+            f"--model_file {path} does not define {', '.join(missing)}; copy a module of flax_lm/models and edit it"
+        )
+    return module
+
+
+def model_module(model_type: str, model_file: str | None, generates_text: bool, tool: str) -> ModuleType:
+    """The module that computes `model_type` for `tool` (a script name, for the messages): that of --model_file when
+    given, else the one MODEL_MODULES names. Refused in one line: a type without a module, or a module of another
+    type or of the other kind of model (masked for a causal tool, or the reverse)."""
+    kind = "causal" if generates_text else "masked"
+    if model_file:
+        module = import_model_file(model_file)
+        if module.MODEL_TYPE != model_type:
+            raise UsageError(
+                f"--model_file {model_file} computes model type '{module.MODEL_TYPE}' but the config is of model type "
+                f"'{model_type}'; pass a config of that type, or a copy of the module of '{model_type}'"
+            )
+        if module.GENERATES_TEXT != generates_text:
+            raise UsageError(f"{tool} cannot run --model_file {model_file}: it is not a {kind} LM")
+        return module
+    trained_here = model_types(generates_text)
+    if model_type not in trained_here:
+        raise UsageError(
+            f"{tool} has no model of type '{model_type}': it runs {', '.join(trained_here)} (the {kind} LMs of "
+            "flax_lm/models/__init__.py); pass a config of one of those (create_config.py makes one)"
+        )
+    return stock_module(model_type)

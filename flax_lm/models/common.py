@@ -1,10 +1,12 @@
-"""What the Flax models share: activations by their Hugging Face config names, when attention runs as cuDNN's
-kernel, dense layers and the tied output layer multiplied as one matrix, the layout of activations over a device
-mesh, and the segments of documents packed end to end into one sequence."""
+"""What the Flax models share: activations by their Hugging Face config names, causal attention (written out, as
+cuDNN's kernel, and over a key/value cache for decoding), dense layers and the output layer multiplied as one
+matrix, the layout of activations over a device mesh, and the segments of documents packed end to end into one
+sequence."""
 
 import math
 from functools import partial
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,79 @@ def use_cudnn_attention(dtype) -> bool:
     """Whether attention runs as cuDNN's fused (flash) kernel: on NVIDIA GPUs in half precision (cuDNN has no
     float32 kernel, and jax.nn.dot_product_attention does not choose it by itself); elsewhere it is written out."""
     return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+class KeyValueCache(flax.struct.PyTreeNode):
+    """The keys and values of every layer for the tokens decoded so far, so that a new token costs one position.
+
+    Prompts of different lengths are left-padded to a common length: `mask` marks the slots that hold a token
+    of the row, and a token's position is the number of such slots before it, so padding changes no row.
+    """
+
+    keys: tuple  # one (batch, slots, key/value heads, head_dim) array per layer
+    values: tuple
+    mask: jax.Array  # (batch, slots) bool: the slot holds a token of the row, not padding
+    index: jax.Array  # int32: the slot the next token is written to
+
+    @classmethod
+    def empty(cls, layers: int, key_value_heads: int, head_dim: int, prompt_mask, new_tokens: int, dtype):
+        """A cache for the prompts of `prompt_mask` (batch, prompt length) followed by `new_tokens` tokens."""
+        batch = prompt_mask.shape[0]
+        slots = prompt_mask.shape[1] + new_tokens
+        zeros = tuple(jnp.zeros((batch, slots, key_value_heads, head_dim), dtype) for _ in range(layers))
+        mask = jnp.concatenate([prompt_mask.astype(bool), jnp.ones((batch, new_tokens), bool)], axis=1)
+        return cls(keys=zeros, values=zeros, mask=mask, index=jnp.zeros((), jnp.int32))
+
+    def positions(self, new_tokens: int):
+        """(batch, new_tokens) positions of the tokens written next: each row counts its own tokens; padding slots get
+        position 0, and nothing reads them."""
+        row_positions = jnp.maximum(jnp.cumsum(self.mask, axis=1) - 1, 0)
+        return jax.lax.dynamic_slice_in_dim(row_positions, self.index, new_tokens, axis=1)
+
+
+def causal_attention(query, key, value, scale: float, dropout=None, segment_ids=None):
+    """Causal attention of query (batch, length, heads, head_dim) over key and value (batch, length, key/value heads,
+    head_dim); each key/value head serves heads // key/value heads query heads (grouped-query attention; as many:
+    multi-head). With `segment_ids` (batch, length), a token attends only to the earlier tokens of its own segment.
+    `dropout` (a function of the attention weights) is applied to the weights, which jax.nn.dot_product_attention
+    cannot do: with it, or with segments, or off NVIDIA GPUs in half precision, attention is written out (XLA:CPU
+    also runs that faster than the function's own XLA version); else it is cuDNN's fused kernel."""
+    if dropout is None and segment_ids is None and use_cudnn_attention(query.dtype):
+        return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=True, implementation="cudnn")
+    groups = query.shape[2] // key.shape[2]
+    if groups > 1:
+        # Query head h uses key/value head h // groups, as transformers repeats them. Repeated, the heads take the
+        # multi-head products below, which XLA:CPU runs faster than products over the groups as an axis of their own.
+        key, value = jnp.repeat(key, groups, axis=2), jnp.repeat(value, groups, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
+    length = query.shape[1]
+    visible = jnp.tril(jnp.ones((length, length), dtype=bool))
+    if segment_ids is not None:
+        visible = visible & same_segment(segment_ids)[:, None]
+    weights = jax.nn.softmax(jnp.where(visible, logits, jnp.finfo(jnp.float32).min), axis=-1)
+    if dropout is not None:
+        weights = dropout(weights)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
+
+
+def cached_attention(query, key, value, scale: float, cache: KeyValueCache, layer_index: int, mesh=None):
+    """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves; returns
+    the output and the layer's new (keys, values). With `mesh`, the cache is split by heads over its tensor axis, as
+    the attention is."""
+
+    # query: (batch, new, heads, head_dim); key, value: (batch, new, key/value heads, head_dim); the layer's cached
+    # keys and values: (batch, slots, key/value heads, head_dim)
+    def write(cached, new_entries):
+        return jax.lax.dynamic_update_slice_in_dim(cached, new_entries.astype(cached.dtype), cache.index, axis=1)
+
+    keys, values = write(cache.keys[layer_index], key), write(cache.values[layer_index], value)
+    keys, values = (constrain(cached, mesh, ("batch", None, "heads", None)) for cached in (keys, values))
+    new, slots = query.shape[1], keys.shape[1]
+    query_slots = cache.index + jnp.arange(new)
+    visible = cache.mask[:, None, :] & (jnp.arange(slots)[None, None, :] <= query_slots[None, :, None])
+    # A padding slot's query sees nothing; the softmax then spreads evenly, harmlessly, as nobody reads it.
+    output = jax.nn.dot_product_attention(query, keys, values, mask=visible[:, None], scale=scale)
+    return output, (keys, values)
 
 
 def constrain(x, mesh: jax.sharding.Mesh | None, logical_axes: tuple):

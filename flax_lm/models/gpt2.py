@@ -1,11 +1,12 @@
 """GPT-2 in Flax, with parameter names and layouts one-to-one with the Hugging Face PyTorch checkpoint
-(GPT2LMHeadModel), and a key/value cache for decoding (flax_lm.sampling decodes with it)."""
+(GPT2LMHeadModel), and a key/value cache for decoding (flax_lm.sampling decodes with it).
+
+A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
 import logging
 import math
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,18 +18,21 @@ from flax_lm.errors import UsageError
 from flax_lm.mesh import check_tensor_split
 from flax_lm.models.common import (
     ACTIVATIONS,
+    KeyValueCache,
     RowsDense,
+    cached_attention,
+    causal_attention,
     constrain,
     logits_dot_general,
     look_up,
-    same_segment,
     segments_and_positions,
     tied_logits,
-    use_cudnn_attention,
 )
 
 logger = logging.getLogger(__name__)
 
+# The config.model_type this module computes.
+MODEL_TYPE = "gpt2"
 # The transformers class whose checkpoint layout the parameters map onto, named in an exported config.json.
 HF_ARCHITECTURE = "GPT2LMHeadModel"
 # A causal LM: its exported directory carries a generation_config.json, as transformers writes for one.
@@ -60,29 +64,6 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
                 "vocabulary (vocab_size)": config.vocab_size,
             },
         )
-
-
-class KeyValueCache(flax.struct.PyTreeNode):
-    """The keys and values of every layer for the tokens decoded so far, so that a new token costs one position.
-
-    Prompts of different lengths are left-padded to a common length: `mask` marks the slots that hold a token
-    of the row, and a token's position is the number of such slots before it, so padding changes no row.
-    """
-
-    keys: tuple  # one (batch, slots, n_head, head_dim) array per layer
-    values: tuple
-    mask: jax.Array  # (batch, slots) bool: the slot holds a token of the row, not padding
-    index: jax.Array  # int32: the slot the next token is written to
-
-    @classmethod
-    def empty(cls, config, prompt_mask, new_tokens: int, dtype):
-        """A cache for the prompts of `prompt_mask` (batch, prompt length) followed by `new_tokens` tokens."""
-        batch = prompt_mask.shape[0]
-        slots = prompt_mask.shape[1] + new_tokens
-        shape = (batch, slots, config.n_head, config.n_embd // config.n_head)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
-        mask = jnp.concatenate([prompt_mask.astype(bool), jnp.ones((batch, new_tokens), bool)], axis=1)
-        return cls(keys=zeros, values=zeros, mask=mask, index=jnp.zeros((), jnp.int32))
 
 
 class GPT2Module(nn.Module):
@@ -144,13 +125,11 @@ class CausalSelfAttention(GPT2Module):
             scale /= self.layer_index + 1
 
         layer_cache = None
-        no_dropout = deterministic or config.attn_pdrop == 0
         if cache is not None:
             y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)
-        elif no_dropout and segment_ids is None and use_cudnn_attention(query.dtype):
-            y = jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=True, implementation="cudnn")
         else:
-            dropout = nn.Dropout(config.attn_pdrop, deterministic=no_dropout)
+            no_dropout = deterministic or config.attn_pdrop == 0
+            dropout = None if no_dropout else nn.Dropout(config.attn_pdrop, deterministic=False)
             y = causal_attention(query, key, value, scale, dropout, segment_ids)
         # Split by heads, the projection's rows are split alike: each device sums its heads' share of the
         # output, and one sum over the tensor axis completes it.
@@ -182,38 +161,6 @@ class QueryKeyValue(GPT2Module):
         qkv = jnp.einsum("ne,ethd->nthd", rows, kernel.astype(self.dtype)) + bias.astype(self.dtype)
         qkv = self.constrain(qkv.reshape(batch, length, 3, heads, -1), ("batch", None, None, "heads", None))
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-
-
-def causal_attention(query, key, value, scale, dropout: nn.Dropout, segment_ids=None):
-    """Causal attention written out, with dropout on the attention weights (which jax.nn.dot_product_attention
-    lacks); without dropout, XLA:CPU also runs it faster than that function's own XLA version."""
-    # query, key, value: (batch, length, heads, head_dim)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
-    length = query.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    if segment_ids is not None:
-        causal = causal & same_segment(segment_ids)[:, None]
-    weights = jax.nn.softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    weights = dropout(weights).astype(value.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
-
-
-def cached_attention(query, key, value, scale, cache: KeyValueCache, layer_index: int, mesh=None):
-    """Attention of new tokens, written to the cache at `cache.index`, over the cached ones and themselves. With
-    `mesh`, the cache is split by heads over its tensor axis, as the attention is."""
-
-    # query, key, value: (batch, new, heads, head_dim); the layer's cached keys: (batch, slots, heads, head_dim)
-    def write(cached, new_entries):
-        return jax.lax.dynamic_update_slice_in_dim(cached, new_entries.astype(cached.dtype), cache.index, axis=1)
-
-    keys, values = write(cache.keys[layer_index], key), write(cache.values[layer_index], value)
-    keys, values = (constrain(cached, mesh, ("batch", None, "heads", None)) for cached in (keys, values))
-    new, slots = query.shape[1], keys.shape[1]
-    query_slots = cache.index + jnp.arange(new)
-    visible = cache.mask[:, None, :] & (jnp.arange(slots)[None, None, :] <= query_slots[None, :, None])
-    # A padding slot's query sees nothing; the softmax then spreads evenly, harmlessly, as nobody reads it.
-    y = jax.nn.dot_product_attention(query, keys, values, mask=visible[:, None], scale=scale)
-    return y, (keys, values)
 
 
 class MLP(GPT2Module):
@@ -275,9 +222,7 @@ class GPT2Model(GPT2Module):
         elif cache is None:
             positions = jnp.arange(input_ids.shape[1])[None, :]
         else:
-            # Each row counts its own tokens; padding slots get position 0, and nothing reads them.
-            row_positions = jnp.maximum(jnp.cumsum(cache.mask, axis=1) - 1, 0)
-            positions = jax.lax.dynamic_slice_in_dim(row_positions, cache.index, input_ids.shape[1], axis=1)
+            positions = cache.positions(input_ids.shape[1])
         x = self.dropout(
             self.look_up(self.wte, "vocab", input_ids) + self.look_up(self.wpe, "positions", positions), deterministic
         )
@@ -334,6 +279,17 @@ class FlaxGPT2LMHeadModel(GPT2Module):
             logits = self.constrain(logits, ("batch", None, "vocab"))
         logits = logits.astype(jnp.float32)
         return logits if cache is None else (logits, cache)
+
+    def empty_cache(self, prompt_mask, new_tokens: int) -> KeyValueCache:
+        """The cache to decode the prompts of `prompt_mask` (batch, prompt length) and `new_tokens` more with."""
+        config = self.config
+        head_dim = config.n_embd // config.n_head
+        return KeyValueCache.empty(config.n_layer, config.n_head, head_dim, prompt_mask, new_tokens, self.dtype)
+
+
+# The model class of this module, as the scripts construct it: (config, dtype, param_dtype, remat_policy, mesh,
+# document_separator_id=...).
+MODEL_CLASS = FlaxGPT2LMHeadModel
 
 
 def hf_name(flax_path: tuple) -> str:

@@ -22,10 +22,11 @@ from flax_lm.models.common import (
     tied_logits,
     use_cudnn_attention,
 )
-from flax_lm.train_state import abstract_model_params
 
 logger = logging.getLogger(__name__)
 
+# The config.model_type this module computes.
+MODEL_TYPE = "roberta"
 # The transformers class whose checkpoint layout the parameters map onto, named in an exported config.json.
 HF_ARCHITECTURE = "RobertaForMaskedLM"
 # A masked LM: its exported directory has no generation config.
@@ -344,6 +345,11 @@ class FlaxRobertaForMaskedLM(RobertaModule):
         return self.lm_head(hidden_states, word_embeddings)
 
 
+# The model class of this module, as the scripts construct it: (config, dtype, param_dtype, remat_policy, mesh,
+# document_separator_id=...).
+MODEL_CLASS = FlaxRobertaForMaskedLM
+
+
 # Tensors a RobertaForMaskedLM checkpoint may hold that this model does not need: the decoder weight and
 # bias are tied to the word embeddings and lm_head.bias (save_pretrained leaves them out), the pooler
 # belongs to RobertaModel, and older checkpoints saved the constant position_ids/token_type_ids buffers.
@@ -380,14 +386,13 @@ def to_hf_state_dict(params) -> dict[str, np.ndarray]:
     return state_dict
 
 
-def from_hf_state_dict(state_dict, config):
-    """The inverse of to_hf_state_dict for a model of `config`.
+def from_hf_state_dict(state_dict, abstract_params) -> dict:
+    """The inverse of to_hf_state_dict, shaped like `abstract_params` (from jax.eval_shape of init).
 
     Accepts checkpoints with or without the tied lm_head.decoder tensors and the pooler. Raises
-    UsageError naming the first tensor that is missing, unexpected or of the wrong shape for `config`.
+    UsageError naming the first tensor that is missing, unexpected or of the wrong shape for the model.
     """
-    model = FlaxRobertaForMaskedLM(config)
-    expected = traverse_util.flatten_dict(abstract_model_params(model, jnp.zeros((1, 1), jnp.int32)))
+    expected = traverse_util.flatten_dict(abstract_params)
     flat_params = {}
     for path, abstract in expected.items():
         name = hf_name(path)
@@ -401,7 +406,7 @@ def from_hf_state_dict(state_dict, config):
                 f"checkpoint tensor {name} has shape {array.shape} but the config needs "
                 f"{needed_shape}; pass the matching --config_name"
             )
-        flat_params[path] = np.ascontiguousarray(array.T if is_kernel else array)
+        flat_params[path] = np.ascontiguousarray(array.T if is_kernel else array).astype(abstract.dtype)
     used_names = {hf_name(path) for path in expected}
     for name in state_dict:
         if name not in used_names and name not in IGNORED_HF_TENSORS and not name.startswith(IGNORED_HF_PREFIXES):
