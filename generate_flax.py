@@ -54,6 +54,12 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------------
 
 
+MODEL_FILE_HELP = (
+    "The model module of the experiment that trained the model, where it was its own (run_clm_flax.py --model_file): "
+    "its export holds a copy of the file, flax_model.safetensors and a config naming it."
+)
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(
@@ -62,13 +68,7 @@ class ModelArguments:
             "files, or a hub name."
         }
     )
-    model_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "The model module of the experiment that trained the model, where it was its own (run_clm_flax.py "
-            "--model_file): its export holds a copy of the file, flax_model.safetensors and a config naming it."
-        },
-    )
+    model_file: str | None = field(default=None, metadata={"help": MODEL_FILE_HELP})
     dtype: str = field(
         default="float32",
         metadata={

@@ -767,9 +767,8 @@ def main():
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
     model = masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
-    setup = set_up_training(
-        model, model_code, make_eval_step(model), training_args, examples.get("train"), max_seq_length
-    )
+    train_examples, eval_step = examples.get("train"), make_eval_step(model)
+    setup = set_up_training(model, model_code, eval_step, training_args, train_examples, max_seq_length)
     compile_train_steps_ahead(setup, make_batch, training_args)
     state, progress = initial_state(model_args, training_args, setup)
     # Process 0 holds the lock on the output directory until this process ends, for all processes.

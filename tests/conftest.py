@@ -42,9 +42,9 @@ def run_tool(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def test_tokenizer_dirs(run_tool, tmp_path_factory):
-    """A GPT-2 and a RoBERTa tokenizer of 1000 tokens with model_max_length 256, trained side by side."""
+    """A GPT-2, a Llama and a RoBERTa tokenizer of 1000 tokens with model_max_length 256, trained side by side."""
     output_dirs = {
-        model_type: tmp_path_factory.mktemp(f"{model_type}_tokenizer") for model_type in ["gpt2", "roberta"]
+        model_type: tmp_path_factory.mktemp(f"{model_type}_tokenizer") for model_type in ["gpt2", "llama", "roberta"]
     }
 
     def train(model_type):
@@ -57,7 +57,7 @@ def test_tokenizer_dirs(run_tool, tmp_path_factory):
             "--output_dir", output_dirs[model_type],
         )  # fmt: skip
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=len(output_dirs)) as pool:
         results = dict(zip(output_dirs, pool.map(train, output_dirs)))
     for result in results.values():
         assert result.returncode == 0, result.stderr
@@ -68,6 +68,12 @@ def test_tokenizer_dirs(run_tool, tmp_path_factory):
 def gpt2_tokenizer_dir(test_tokenizer_dirs):
     """The GPT-2 test tokenizer. Shared by all tests: copy it before writing into it."""
     return test_tokenizer_dirs["gpt2"]
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer_dir(test_tokenizer_dirs):
+    """The Llama test tokenizer (BOS before each text). Shared by all tests: copy it before writing into it."""
+    return test_tokenizer_dirs["llama"]
 
 
 @pytest.fixture(scope="session")

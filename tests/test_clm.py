@@ -15,7 +15,14 @@ import torch
 from conftest import stock_code
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+)
 
 from flax_lm.hf_io import save_model
 from flax_lm.models import gpt2
@@ -35,11 +42,23 @@ def tiny_config(**overrides) -> GPT2Config:
     return GPT2Config(**{**settings, **overrides})
 
 
-def model_dir_with_config(tokenizer_dir, directory, **overrides) -> str:
-    """`directory` holding a copy of the 1000-token test tokenizer `tokenizer_dir` and a tiny GPT-2 config of its
-    vocabulary and 64 positions (tiny_config, with `overrides`)."""
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """A Llama of GPT-2's tiny_config sizes, with grouped-query attention (2 heads, 1 key/value head)."""
+    settings = dict(
+        vocab_size=512, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def model_dir_with_config(tokenizer_dir, directory, model_type="gpt2", **overrides) -> str:
+    """`directory` holding a copy of the 1000-token test tokenizer `tokenizer_dir` and a tiny config of its
+    vocabulary and 64 positions (tiny_config for gpt2, tiny_llama_config for llama; with `overrides`)."""
     shutil.copytree(tokenizer_dir, directory, dirs_exist_ok=True)
-    tiny_config(vocab_size=1000, n_positions=64, **overrides).save_pretrained(directory)
+    if model_type == "llama":
+        tiny_llama_config(vocab_size=1000, **overrides).save_pretrained(directory)
+    else:
+        tiny_config(vocab_size=1000, n_positions=64, **overrides).save_pretrained(directory)
     return str(directory)
 
 
@@ -434,7 +453,7 @@ def test_bad_input_exits_with_one_clear_line_and_no_traceback(model_dir, tmp_pat
         (["--train_file", "README.md"], "unsupported extension"),
         (["--train_file", "no-such-dir/*.txt"], "matches no file"),
         (["--text_column_name", "body"], "no column 'body'"),
-        (["--block_size", "128"], "exceeds the model's n_positions"),
+        (["--block_size", "128"], "exceeds the model's 64 positions"),
         (["--per_device_train_batch_size", "0"], "must be at least 1"),
         (["--max_steps", "0", "--num_train_epochs", "0"], "no training steps"),
         (["--per_device_train_batch_size", "100000"], "lower --per_device_train_batch_size or --block_size"),
@@ -456,7 +475,7 @@ def test_config_of_another_model_type_is_refused(model_dir, tmp_path, monkeypatc
     RobertaConfig(vocab_size=512).save_pretrained(str(config_dir))
     arguments = training_arguments(model_dir, tmp_path / "out", "--do_train", "--config_name", str(config_dir))
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *arguments])
-    with pytest.raises(run_clm_flax.UsageError, match="model type 'roberta'"):
+    with pytest.raises(run_clm_flax.UsageError, match="has no model of type 'roberta': it runs gpt2, llama"):
         run_clm_flax.main()
 
 

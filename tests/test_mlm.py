@@ -613,7 +613,7 @@ def bad_inputs(model_dir, tmp_path_factory):
     "arguments, message",
     [
         (["--max_seq_length", "300"], "--max_seq_length 300 does not fit the model's positions: .* leaves 256"),
-        (["--config_name", "{bad}/gpt2-config"], "trains RoBERTa but the config is of model type 'gpt2'"),
+        (["--config_name", "{bad}/gpt2-config"], "has no model of type 'gpt2': it runs roberta"),
         (["--tokenizer_name", "{bad}/no-mask-tokenizer"], "no mask token.*train_tokenizer.py --model_type roberta"),
         (["--config_name", "{bad}/other-pad"], "padding token has id 1 but the config's pad_token_id is 3"),
         (["--model_type", "bert"], "--model_type bert is not supported"),

@@ -160,11 +160,11 @@ class LlamaModule(nn.Module):
             name=name,
         )
 
-    def rms_norm(self, name: str) -> "RMSNorm":
-        return RMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
+    def rms_norm(self, name: str) -> "LlamaRMSNorm":
+        return LlamaRMSNorm(self.config.rms_norm_eps, self.dtype, self.param_dtype, name=name)
 
 
-class RMSNorm(nn.Module):
+class LlamaRMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps), computed in float32, times a learned `weight`, as transformers' LlamaRMSNorm."""
 
     epsilon: float
@@ -180,7 +180,7 @@ class RMSNorm(nn.Module):
         return weight.astype(self.dtype) * normalized.astype(self.dtype)
 
 
-class Attention(LlamaModule):
+class LlamaAttention(LlamaModule):
     layer_index: int = 0
 
     @nn.compact
@@ -215,7 +215,7 @@ class Attention(LlamaModule):
         return self.constrain(y, ("batch", "length", None)), layer_cache
 
 
-class MLP(LlamaModule):
+class LlamaMLP(LlamaModule):
     """down(act(gate(x)) * up(x)): SwiGLU with the config's activation (silu)."""
 
     @nn.compact
@@ -229,17 +229,17 @@ class MLP(LlamaModule):
         return self.constrain(y, ("batch", "length", None))
 
 
-class DecoderLayer(LlamaModule):
+class LlamaDecoderLayer(LlamaModule):
     """x + attention(norm(x)), then x + mlp(norm(x))."""
 
     layer_index: int = 0
 
     @nn.compact
     def __call__(self, x, positions, cache: KeyValueCache | None = None, segment_ids=None):
-        attention = self.child(Attention, "self_attn", layer_index=self.layer_index)
+        attention = self.child(LlamaAttention, "self_attn", layer_index=self.layer_index)
         y, layer_cache = attention(self.rms_norm("input_layernorm")(x), positions, cache, segment_ids)
         x = x + y
-        x = x + self.child(MLP, "mlp")(self.rms_norm("post_attention_layernorm")(x))
+        x = x + self.child(LlamaMLP, "mlp")(self.rms_norm("post_attention_layernorm")(x))
         return x, layer_cache
 
 
@@ -252,9 +252,9 @@ class LlamaModel(LlamaModule):
         self.embed_tokens = nn.Embed(
             config.vocab_size, config.hidden_size, embedding_init=init, dtype=self.dtype, param_dtype=self.param_dtype
         )
-        layer = DecoderLayer
+        layer = LlamaDecoderLayer
         if self.remat_policy:
-            layer = nn.remat(DecoderLayer, policy=getattr(jax.checkpoint_policies, self.remat_policy))
+            layer = nn.remat(LlamaDecoderLayer, policy=getattr(jax.checkpoint_policies, self.remat_policy))
         # A list attribute names its modules layers_0, layers_1, ...: the checkpoint's layers.0, layers.1, ...
         self.layers = [self.child(layer, None, layer_index=index) for index in range(config.num_hidden_layers)]
         self.norm = self.rms_norm("norm")

@@ -1,0 +1,255 @@
+"""The models of flax_lm/models against transformers' PyTorch models, and what an export may claim of them.
+
+Llama's logits equal LlamaForCausalLM's for every variant of its layout; greedy decoding with the key/value cache
+equals PyTorch's generate for each causal model; the stock modules are the code these comparisons verified (their
+fingerprints); the probe that decides whether other code may name an architecture tells an equal computation from an
+edited one; and a sharded bfloat16 Hugging Face Llama checkpoint is evaluated as PyTorch evaluates it, then trained on.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import FIXTURES_DIR, REPO_DIR, stock_code
+from test_clm import OFFLINE_ENV, tiny_config, tiny_llama_config
+from test_mlm_model import tiny_config as tiny_roberta_config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from flax_lm import model_code
+from flax_lm.hf_io import save_model
+from flax_lm.models import import_model_file, llama, stock_module
+from flax_lm.sampling import generate_ids, make_sampler
+from flax_lm.texts import ids_around_documents
+from flax_lm.train_state import abstract_model_params
+
+CORPUS = FIXTURES_DIR / "en"
+
+LLAMA_VARIANTS = {
+    "multi-head untied": dict(num_key_value_heads=4),
+    "grouped-query tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
+    "grouped-query biases": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+    "llama3 rope": dict(
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        )
+    ),  # fmt: skip
+    "linear rope": dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+}
+
+
+def llama_config(**overrides):
+    return tiny_llama_config(
+        **{
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "intermediate_size": 96,
+            "tie_word_embeddings": False,
+            **overrides,
+        }
+    )
+
+
+def random_torch_model(hf_class, config):
+    """A PyTorch model of `config` whose every parameter is random: norms and biases too, so a wrong mapping shows."""
+    torch.manual_seed(0)
+    model = hf_class(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            is_norm_weight = tensor.dim() == 1 and not name.endswith("bias")
+            tensor.copy_(torch.randn_like(tensor) * 0.2 + (1.0 if is_norm_weight else 0.0))
+    return model
+
+
+def flax_params_of(module, config, torch_model):
+    model = module.MODEL_CLASS(config)
+    abstract = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
+    state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
+    return model, module.from_hf_state_dict(state_dict, abstract)
+
+
+@pytest.mark.parametrize("variant", LLAMA_VARIANTS)
+def test_llama_logits_equal_pytorch_llama(variant):
+    config = llama_config(**LLAMA_VARIANTS[variant])
+    torch_model = random_torch_model(LlamaForCausalLM, config)
+    model, params = flax_params_of(llama, config, torch_model)
+    input_ids = np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 40))
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(input_ids)).logits.numpy()
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
+    assert np.abs(expected).max() > 1  # logits far from zero: an error of the mapping would show
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_llama_export_loads_in_transformers_with_the_same_logits(llama_tokenizer_dir, tmp_path):
+    config = llama_config(vocab_size=1000, num_key_value_heads=2)
+    model = llama.FlaxLlamaForCausalLM(config)
+    params = jax.tree_util.tree_map(
+        np.asarray, nn.meta.unbox(model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"])
+    )
+    save_model(str(tmp_path), params, config, AutoTokenizer.from_pretrained(llama_tokenizer_dir), stock_code(config))
+    torch_model, loading_info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert type(torch_model).__name__ == "LlamaForCausalLM"
+    assert not any(loading_info.values()), loading_info
+    input_ids = np.random.default_rng(1).integers(0, config.vocab_size, size=(2, 24))
+    with torch.no_grad():
+        expected = torch_model.eval()(torch.tensor(input_ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model.apply({"params": params}, input_ids)), expected, atol=1e-4, rtol=0)
+
+
+def test_llama_document_attention_computes_each_document_as_if_alone():
+    """With BOS as the separator, a block of documents gives each document's logits as the document alone: the
+    rotary positions restart at each BOS and no token sees another document."""
+    config = llama_config(num_key_value_heads=2)
+    bos = config.bos_token_id
+    documents = [[bos, 5, 9, 14, 3], [bos, 7, 2], [bos, 11, 12, 13, 4, 6]]
+    block = jnp.asarray([sum(documents, [])])
+    plain = llama.FlaxLlamaForCausalLM(config)
+    params = nn.meta.unbox(plain.init(jax.random.key(0), block)["params"])
+    packed = llama.FlaxLlamaForCausalLM(config, document_separator_id=bos).apply({"params": params}, block)[0]
+    alone = np.concatenate([plain.apply({"params": params}, jnp.asarray([document]))[0] for document in documents])
+    np.testing.assert_allclose(packed, alone, atol=1e-5)
+    assert np.abs(plain.apply({"params": params}, block)[0] - alone).max() > 1e-3  # without it, documents mix
+
+
+CAUSAL_MODELS = {
+    "gpt2": lambda: tiny_config(n_embd=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=7),
+    "llama": lambda: llama_config(num_key_value_heads=2, eos_token_id=7),
+}
+
+
+@pytest.mark.parametrize("model_type", CAUSAL_MODELS)
+def test_greedy_decoding_equals_pytorch_generate(model_type):
+    """Prompts of several lengths, decoded together (left-padded, with the key/value cache) until the end-of-text
+    token or 12 new tokens: each row's tokens are those PyTorch's generate gives the prompt alone."""
+    module = stock_module(model_type)
+    config = CAUSAL_MODELS[model_type]()
+    torch_model = random_torch_model(getattr(transformers, module.HF_ARCHITECTURE), config)
+    model, params = flax_params_of(module, config, torch_model)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(8, config.vocab_size, size=length).tolist() for length in (3, 9, 5)]
+    decoded = generate_ids(make_sampler(model, config.eos_token_id), params, prompts, max_new_tokens=12)
+    for prompt, new in zip(prompts, decoded):
+        with torch.no_grad():
+            expected = torch_model.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=config.eos_token_id,
+                pad_token_id=config.eos_token_id,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert new == expected
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "roberta"])
+def test_the_verified_fingerprints_are_those_of_the_stock_modules(model_type):
+    """An export of a stock module names its transformers architecture without a probe because the parity tests
+    compare that code: a change to the module (or to common.py) must be compared again, then its fingerprint set."""
+    fingerprint = model_code.code_fingerprint(stock_module(model_type))
+    assert model_code.VERIFIED_FINGERPRINTS[model_type] == fingerprint, (
+        f"flax_lm/models/{model_type}.py or common.py changed: once its parity tests pass, set "
+        f'VERIFIED_FINGERPRINTS["{model_type}"] = "{fingerprint}" in flax_lm/model_code.py'
+    )
+
+
+PROBE_CONFIGS = {
+    "gpt2": lambda: tiny_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": lambda: llama_config(num_key_value_heads=2),
+    "roberta": lambda: tiny_roberta_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+}
+
+
+@pytest.mark.parametrize("model_type", PROBE_CONFIGS)
+def test_the_probe_finds_each_stock_module_equal_to_its_architecture(model_type):
+    module = stock_module(model_type)
+    difference = model_code.probe_difference(
+        module, PROBE_CONFIGS[model_type](), getattr(transformers, module.HF_ARCHITECTURE)
+    )
+    assert difference <= model_code.PROBE_TOLERANCE
+
+
+def edited_module(tmp_path, name: str, replacements: dict):
+    text = (REPO_DIR / "flax_lm" / "models" / "llama.py").read_text()
+    for old, new in replacements.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (tmp_path / name).write_text(text)
+    return import_model_file(str(tmp_path / name))
+
+
+def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path):
+    config = llama_config(num_key_value_heads=2)
+    # The same computation written another way, and attention scaled otherwise.
+    same = edited_module(tmp_path, "same.py", {"scale = 1 / math.sqrt(head_dim)": "scale = head_dim**-0.5"})
+    other = edited_module(
+        tmp_path, "other.py", {"scale = 1 / math.sqrt(head_dim)": "scale = 0.5 / math.sqrt(head_dim)"}
+    )
+    claims_same, reason_same = model_code.architecture_claim(
+        same, config, model_code.code_fingerprint(same), "same.py"
+    )
+    claims_other, reason_other = model_code.architecture_claim(other, config, "x", "other.py")
+    assert claims_same, reason_same
+    assert not claims_other and "logits differ" in reason_other, reason_other
+
+
+@pytest.fixture(scope="module")
+def sharded_llama_dir(llama_tokenizer_dir, tmp_path_factory):
+    """A Llama saved by transformers as Llama checkpoints are published: in bfloat16, in several safetensors shards
+    with their index, beside its tokenizer."""
+    directory = tmp_path_factory.mktemp("sharded-llama")
+    config = tiny_llama_config(vocab_size=1000, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory, max_shard_size="100KB")
+    for name in os.listdir(llama_tokenizer_dir):
+        shutil.copy(os.path.join(llama_tokenizer_dir, name), directory)
+    return directory
+
+
+def pytorch_block_loss(model_dir, text: str, block_size: int) -> float:
+    """The mean next-token loss of PyTorch's model over the blocks run_clm_flax.py makes of one document: its tokens
+    framed as the tokenizer frames a text (BOS first) and followed by EOS, cut into blocks of block_size."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    before, after = ids_around_documents(tokenizer)
+    assert before == [tokenizer.bos_token_id] and after == [tokenizer.eos_token_id]
+    tokens = before + tokenizer(text, add_special_tokens=False)["input_ids"] + after
+    blocks = torch.tensor(tokens[: len(tokens) // block_size * block_size]).reshape(-1, block_size)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(blocks).logits[:, :-1]
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1)))
+
+
+def test_a_sharded_bfloat16_llama_checkpoint_is_evaluated_as_pytorch_does_and_trains_on(sharded_llama_dir, tmp_path):
+    assert len([name for name in os.listdir(sharded_llama_dir) if name.startswith("model-000")]) > 1
+    validation = CORPUS / "validation.txt"
+    common = ["--model_name_or_path", str(sharded_llama_dir), "--validation_file", str(validation), "--block_size",
+              "32", "--per_device_eval_batch_size", "4", "--sample_tokens", "0"]  # fmt: skip
+    environment = {**OFFLINE_ENV, "HF_HOME": str(tmp_path / "hf-home")}
+
+    def run(*arguments):
+        command = [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *common, *arguments]
+        result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    run("--output_dir", str(tmp_path / "evaluated"), "--do_eval")
+    evaluated = json.loads((tmp_path / "evaluated" / "eval_results.json").read_text())
+    expected = pytorch_block_loss(str(sharded_llama_dir), validation.read_text(), 32)
+    assert abs(evaluated["eval_loss"] - expected) < 1e-3, (evaluated["eval_loss"], expected)
+
+    run("--output_dir", str(tmp_path / "trained"), "--do_train", "--train_file", str(CORPUS / "train.txt"),
+        "--max_steps", "3", "--learning_rate", "1e-3", "--per_device_train_batch_size", "4")  # fmt: skip
+    trained = json.loads((tmp_path / "trained" / "train_results.json").read_text())
+    assert np.isfinite(trained["train_loss"])
+    torch_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"))
+    assert type(torch_model).__name__ == "LlamaForCausalLM"
