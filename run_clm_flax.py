@@ -55,6 +55,7 @@ from flax_lm.arguments import (
 from flax_lm.checkpoints import (
     StopRequest,
     TrainingProgress,
+    check_model_code,
     check_resumed_run,
     committed_checkpoint,
     open_checkpoints,
@@ -616,7 +617,11 @@ def initial_state(model_args, training_args, setup: TrainingSetup) -> tuple[Trai
     if training_args.resume_from_checkpoint:
         record_keys = ["step", "global_batch_size", "block_size"]
         restored = restore_checkpoint(
-            training_args.resume_from_checkpoint, training_args.output_dir, setup.abstract_state, record_keys
+            training_args.resume_from_checkpoint,
+            training_args.output_dir,
+            setup.abstract_state,
+            record_keys,
+            partial(check_model_code, setup.model_code),
         )
         if restored:
             state, record, path = restored

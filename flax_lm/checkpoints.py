@@ -56,15 +56,29 @@ def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, w
     return None
 
 
+def check_model_code(model_code, progress_record: dict):
+    """Refuse to resume a checkpoint that other model code trained (the fingerprint its progress record holds; older
+    checkpoints hold none): its weights would be computed by code they were not trained with."""
+    recorded = progress_record.get("model_code")
+    if recorded is not None and recorded["fingerprint"] != model_code.fingerprint:
+        raise UsageError(
+            f"the checkpoint was trained with other model code ({recorded['file']}, fingerprint "
+            f"{recorded['fingerprint']}) than this run's ({model_code.description}, fingerprint "
+            f"{model_code.fingerprint}); resume with the code it was trained with (a model file of your own: "
+            "--model_file)"
+        )
+
+
 def restore_checkpoint(
-    location: str, output_dir: str, abstract_state: TrainState, progress_keys: list[str]
+    location: str, output_dir: str, abstract_state: TrainState, progress_keys: list[str], check_progress=None
 ) -> tuple[TrainState, dict, str] | None:
     """The training state (placed with the shardings of `abstract_state`), the progress record (which must hold
     `progress_keys`) and the path of the checkpoint at `location`: "auto" (the newest complete and readable one in
     output_dir; None where there is no complete one, for a fresh start), a checkpoints directory, or one STEP in it.
     An unreadable checkpoint is skipped with a warning for the next older one, except the one STEP asked for; where
     none can be read, or the checkpoint is of another model, the run is refused and the checkpoints stay as they are:
-    a fresh start would set them aside, and with them the run."""
+    a fresh start would set them aside, and with them the run. `check_progress(progress_record)` may refuse a
+    checkpoint by what its record says (UsageError), before its arrays are compared with this run's."""
     newest = location == "auto"
     location_path = os.path.normpath(os.path.join(output_dir, "checkpoints") if newest else location)
     if os.path.basename(location_path).isdigit():
@@ -99,6 +113,8 @@ def restore_checkpoint(
                     raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
                 if progress["step"] != candidate:
                     raise ValueError(f"its progress record is of step {progress['step']}")
+                if check_progress is not None:
+                    check_progress(progress)
                 check_checkpoint_fits(path, manager.item_metadata(candidate)["state"], abstract_state)
                 # The shapes fit: what fails from here on is the files, not the model.
                 args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
@@ -236,13 +252,6 @@ def check_resumed_run(record: dict, setup, training_args, length_name: str):
     the sequence length in the record (block_size, max_seq_length)."""
     if training_args.overwrite_output_dir:
         logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
-    recorded_code, code = record.get("model_code"), setup.model_code
-    if recorded_code is not None and recorded_code["fingerprint"] != code.fingerprint:
-        raise UsageError(
-            f"the checkpoint was trained with other model code ({recorded_code['file']}, fingerprint "
-            f"{recorded_code['fingerprint']}) than this run's ({code.description}, fingerprint {code.fingerprint}); "
-            "resume with the code it was trained with (a model file of your own: --model_file)"
-        )
     if (record["global_batch_size"], record[length_name]) != (setup.train_batch_size, setup.sequence_length):
         logger.warning(
             "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "

@@ -1,7 +1,8 @@
 """A training script copied and edited, as a researcher does: what the edit changes must never give a silently wrong
 result or lose the run. The token cache follows the code that makes the rows; a checkpoint resumes in a copy that
-sums another metric; checkpoints that exist but cannot be read stop the run and stay; and a model edited off the
-architecture its export names is refused before it trains.
+sums another metric; checkpoints that exist but cannot be read stop the run and stay; and an experiment's own model
+file is kept with its run, needed to resume it, and exported as a transformers architecture only where it computes
+one.
 
 Each case runs a copy of run_clm_flax.py, edited by exact replacements, in a fresh process, as a user runs it."""
 
@@ -16,14 +17,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES_DIR, REPO_DIR
+import torch
+from conftest import FIXTURES_DIR, REPO_DIR, stock_code
 from safetensors import safe_open
-from test_clm import OFFLINE_ENV, model_dir_with_config, tiny_config
-from transformers import AutoTokenizer, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
+from safetensors.numpy import load_file
+from test_clm import OFFLINE_ENV, model_dir_with_config, tiny_config, tiny_llama_config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
 
 from flax_lm.errors import UsageError
 from flax_lm.hf_io import save_model
-from flax_lm.models import gpt2, roberta
+from flax_lm.models import gpt2, import_model_file, llama, roberta
 from flax_lm.packed import PackedBlocks, read_packed_index
 from flax_lm.train_state import abstract_model_params
 
@@ -337,6 +348,21 @@ def test_gpt2_architecture_shapes_are_those_transformers_saves(variant, tmp_path
     assert gpt2.hf_architecture_shapes(config) == saved_shapes(GPT2LMHeadModel(config), tmp_path)
 
 
+LLAMA_CONFIGS = {
+    "grouped-query tied": {},
+    "multi-head untied biases": dict(
+        num_key_value_heads=2, tie_word_embeddings=False, attention_bias=True, mlp_bias=True
+    ),
+    "head_dim of its own": dict(head_dim=8, num_hidden_layers=3),
+}
+
+
+@pytest.mark.parametrize("variant", LLAMA_CONFIGS)
+def test_llama_architecture_shapes_are_those_transformers_saves(variant, tmp_path):
+    config = tiny_llama_config(**LLAMA_CONFIGS[variant])
+    assert llama.hf_architecture_shapes(config) == saved_shapes(LlamaForCausalLM(config), tmp_path)
+
+
 @pytest.mark.parametrize("variant", ROBERTA_CONFIGS)
 def test_roberta_architecture_shapes_are_those_transformers_saves(variant, tmp_path):
     config = roberta_config(**ROBERTA_CONFIGS[variant])
@@ -348,12 +374,13 @@ def test_roberta_architecture_shapes_are_those_transformers_saves(variant, tmp_p
     [
         (gpt2, tiny_config()),
         (gpt2, tiny_config(tie_word_embeddings=False, n_inner=48)),
+        (llama, tiny_llama_config(**LLAMA_CONFIGS["multi-head untied biases"])),
         (roberta, roberta_config(**ROBERTA_CONFIGS["one layer"])),
     ],
-    ids=["gpt2 tied", "gpt2 untied", "roberta"],
+    ids=["gpt2 tied", "gpt2 untied", "llama", "roberta"],
 )
 def test_hf_shapes_of_abstract_parameters_are_those_of_to_hf_state_dict(model, config):
-    flax_model = gpt2.FlaxGPT2LMHeadModel(config) if model is gpt2 else roberta.FlaxRobertaForMaskedLM(config)
+    flax_model = model.MODEL_CLASS(config)
     dummy_input = jnp.zeros((1, 8), jnp.int32)
     params = nn.meta.unbox(flax_model.init(jax.random.key(0), dummy_input)["params"])
     written = {name: tensor.shape for name, tensor in model.to_hf_state_dict(params).items()}
@@ -361,52 +388,101 @@ def test_hf_shapes_of_abstract_parameters_are_those_of_to_hf_state_dict(model, c
     assert written == model.hf_architecture_shapes(config)
 
 
-# Edits of a copy of flax_lm/models/gpt2.py: a parameter of GPT2LMHeadModel removed, and one it does not have added.
+# ----------------------------------------------------------------------------------------------------
+# An experiment's own model file: kept with the run, resumed only with it, and exported as what it computes
+# ----------------------------------------------------------------------------------------------------
+
+# Edits of a copy of flax_lm/models/gpt2.py. Without the position table, the model computes something GPT2LMHeadModel
+# does not (and has one tensor fewer); the attention's scale written another way, it computes what GPT-2 does.
 MODEL_EDITS = {
-    "position embedding removed": (
-        {
-            '        self.wpe = embed(config.n_positions, ("positions", "embed"))\n': "",
-            'self.look_up(self.wte, "vocab", input_ids) + self.look_up(self.wpe, "positions", positions)': (
-                'self.look_up(self.wte, "vocab", input_ids)'
-            ),
-        },
-        "no parameter maps onto GPT2LMHeadModel's transformer.wpe.weight (64, 32)",
-    ),
-    "logit scale added": (
-        {
-            "        logits = logits.astype(jnp.float32)\n": (
-                '        logits = logits.astype(jnp.float32) * self.param("logit_scale", nn.initializers.ones, ())\n'
-            )
-        },
-        "the parameter logit_scale () is not part of GPT2LMHeadModel",
-    ),
+    "position table removed": {
+        '        self.wpe = embed(config.n_positions, ("positions", "embed"))\n': "",
+        'self.look_up(self.wte, "vocab", input_ids) + self.look_up(self.wpe, "positions", positions)': (
+            'self.look_up(self.wte, "vocab", input_ids)'
+        ),
+    },
+    "scale written another way": {
+        "scale = 1 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0": (
+            "scale = head_dim**-0.5 if config.scale_attn_weights else 1.0"
+        )
+    },
 }
 
 
-@pytest.mark.parametrize("edit", MODEL_EDITS)
-def test_a_model_edited_off_its_architecture_is_refused_before_training(edit, model_dir, environment, tmp_path):
-    replacements, problem = MODEL_EDITS[edit]
-    edited_copy(REPO_DIR / "flax_lm" / "models" / "gpt2.py", tmp_path / "my_gpt2.py", replacements)
-    script = edited_copy(
-        REPO_DIR / "run_clm_flax.py",
-        tmp_path / "run_clm_flax.py",
-        {
-            "from flax_lm.models import gpt2\n": "import my_gpt2 as gpt2\n",
-            "from flax_lm.models.gpt2 import": "from my_gpt2 import",
-        },
-    )
-    output_dir = tmp_path / "output"
-    result = run_copy(
-        script, environment, *training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "2")
-    )
+@pytest.fixture(scope="module", params=MODEL_EDITS)
+def experiment(request, model_dir, environment, tmp_path_factory):
+    """run_clm_flax.py copied, unedited, into a directory of its own beside an edited copy of gpt2.py, and trained
+    there for 2 steps with --model_file: (the edit, the directory, the output directory, the completed process)."""
+    directory = tmp_path_factory.mktemp("experiment")
+    edited_copy(REPO_DIR / "flax_lm" / "models" / "gpt2.py", directory / "my_gpt2.py", MODEL_EDITS[request.param])
+    script = edited_copy(REPO_DIR / "run_clm_flax.py", directory / "run_clm_flax.py")
+    output_dir = directory / "output"
+    arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "2", "--save_steps", "2")
+    result = run_copy(script, environment, *arguments, "--model_file", "my_gpt2.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return request.param, directory, output_dir, result
+
+
+def test_the_run_directory_keeps_the_model_file_beside_the_script(experiment):
+    _, directory, output_dir, _ = experiment
+    for name in ("my_gpt2.py", "run_clm_flax.py"):
+        assert (output_dir / name).read_text() == (directory / name).read_text()
+
+
+def test_a_resume_with_the_stock_module_is_refused_in_one_line(experiment, model_dir, environment):
+    _, directory, output_dir, _ = experiment
+    before = snapshot(output_dir)
+    arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "4", "--resume_from_checkpoint")
+    result = run_copy(str(directory / "run_clm_flax.py"), environment, *arguments)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: the model no longer maps onto GPT2LMHeadModel, which its export names in config.json: "
-        f"{problem}; map the model onto it in to_hf_state_dict and hf_shapes of my_gpt2, or name there an "
-        "architecture the model fits (HF_ARCHITECTURE, and its tensors in hf_architecture_shapes)"
-    )
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: the checkpoint was trained with other model code (my_gpt2.py, fingerprint ")
+    assert "than this run's (flax_lm/models/gpt2.py, fingerprint " in last_line, last_line
     assert "Traceback" not in result.stderr
-    assert not output_dir.exists()
+    assert snapshot(output_dir) == before
+
+
+def test_the_export_claims_gpt2_only_where_its_logits_equal_pytorchs(experiment):
+    edit, _, output_dir, result = experiment
+    config = json.loads((output_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    input_ids = tokenizer(["The garden was quiet.", "A road past the"], return_tensors="np", padding=False)
+    if edit == "scale written another way":
+        assert config["architectures"] == ["GPT2LMHeadModel"] and "flax_lm_model_file" not in config
+        torch_model = GPT2LMHeadModel.from_pretrained(output_dir).eval()
+        module = import_model_file(str(output_dir.parent / "my_gpt2.py"))
+        model = module.MODEL_CLASS(AutoConfig.from_pretrained(output_dir))
+        abstract = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
+        params = module.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), abstract)
+        ids = np.asarray(input_ids["input_ids"][0])[None]
+        with torch.no_grad():
+            expected = torch_model(torch.tensor(ids)).logits.numpy()
+        np.testing.assert_allclose(np.asarray(model.apply({"params": params}, ids)), expected, atol=1e-4)
+    else:
+        assert "exports do not name GPT2LMHeadModel" in result.stderr
+        assert config.get("architectures") is None and config["flax_lm_model_file"] == "my_gpt2.py"
+        assert (output_dir / "flax_model.safetensors").is_file() and not (output_dir / "model.safetensors").exists()
+        assert (output_dir / "my_gpt2.py").is_file()
+        with pytest.raises(OSError):
+            AutoModelForCausalLM.from_pretrained(output_dir)
+
+
+def test_generate_flax_runs_an_export_of_own_code_only_with_its_model_file(experiment, environment):
+    edit, _, output_dir, _ = experiment
+    command = [sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(output_dir),
+               "--prompt", "The", "--max_new_tokens", "4"]  # fmt: skip
+    if edit != "scale written another way":  # own code: its file must be named, as code that will run
+        refused = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2
+        assert (
+            refused.stderr.strip()
+            .splitlines()[-1]
+            .startswith(f"error: {output_dir} holds a model of its own code (my_gpt2.py, fingerprint ")
+        )
+        command += ["--model_file", str(output_dir / "my_gpt2.py")]
+    generated = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.startswith("The")
 
 
 def test_save_model_refuses_a_parameter_off_the_architecture_and_writes_nothing(gpt2_tokenizer_dir, tmp_path):
@@ -416,5 +492,7 @@ def test_save_model_refuses_a_parameter_off_the_architecture_and_writes_nothing(
     params["transformer"]["ln_f"]["extra"] = np.zeros((2,), np.float32)
     output_dir = tmp_path / "export"
     with pytest.raises(UsageError, match=r"the parameter transformer\.ln_f\.extra \(2,\) is not part of GPT2LMH"):
-        save_model(str(output_dir), params, config, AutoTokenizer.from_pretrained(gpt2_tokenizer_dir), gpt2)
+        save_model(
+            str(output_dir), params, config, AutoTokenizer.from_pretrained(gpt2_tokenizer_dir), stock_code(config)
+        )
     assert not output_dir.exists()
