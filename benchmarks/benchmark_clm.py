@@ -17,6 +17,10 @@ same texts read as a stream, tokenized and packed on the fly as --streaming does
     python benchmarks/benchmark_clm.py                  # the CPU target: 4 layers x 256, vocab 8192
     python benchmarks/benchmark_clm.py --preset nanogpt-laptop  # nanoGPT's baby GPT: 4 x 4 x 128, block 64
     python benchmarks/benchmark_clm.py --preset gpt2    # GPT-2 124M, sequence 1024, bfloat16 (for a GPU)
+    python benchmarks/benchmark_clm.py --model_type llama  # a Llama of the preset's shape (SwiGLU, rotary, GQA)
+
+With --model_type llama the preset's layers, width and heads make a Llama whose MLP has 3 x 8/3 of the width (rounded
+up to a multiple of 64) where GPT-2's has 2 x 4: about GPT-2's parameters, less its position table.
 """
 
 import argparse
@@ -33,11 +37,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from transformers import GPT2Config
+from transformers import GPT2Config, LlamaConfig
 
 from flax_lm.arguments import default_steps_per_call
 from flax_lm.mesh import create_mesh
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+from flax_lm.model_code import load_model_code
 from flax_lm.packed import cached_blocks
 from flax_lm.texts import token_arrays
 from flax_lm.train_state import create_train_state
@@ -59,6 +63,10 @@ PRESETS = {
 def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=PRESETS, default="cpu-small")
+    parser.add_argument(
+        "--model_type", choices=["gpt2", "llama"], default="gpt2", help="the model of the preset's shape"
+    )
+    parser.add_argument("--key_value_heads", type=int, help="llama: key/value heads (default: as many as heads)")
     for name in ("layers", "width", "heads", "vocab_size", "block_size", "batch_size"):
         parser.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset's compute dtype")
@@ -118,15 +126,37 @@ def matmul_peak_flops(dtype) -> float:
     return best
 
 
-def step_matmul_flops(settings, dtype) -> float:
+def projection_shapes(config) -> list[tuple[int, int]]:
+    """(fan in, fan out) of each matrix product of the layers, as the model multiplies them, and of the LM head."""
+    width = config.hidden_size
+    if config.model_type == "gpt2":
+        inner = config.n_inner or 4 * width
+        layer = [(width, 3 * width), (width, width), (width, inner), (inner, width)]
+    else:
+        heads_width = config.num_attention_heads * config.head_dim
+        key_value_width = config.num_key_value_heads * config.head_dim
+        inner = config.intermediate_size
+        layer = [(width, heads_width), (width, key_value_width), (width, key_value_width), (heads_width, width)]
+        layer += [(width, inner), (width, inner), (inner, width)]
+    return layer * config.num_hidden_layers + [(width, config.vocab_size)]
+
+
+def attention_width(config) -> int:
+    """The width of the queries of all heads together."""
+    if config.model_type == "gpt2":
+        return config.hidden_size
+    return config.num_attention_heads * config.head_dim
+
+
+def step_matmul_flops(settings, config, dtype) -> float:
     """FLOP/s of the train step's own matrix products alone, at a data-parallel device's shapes, on all devices at
     once (as the peak is measured: forced CPU devices share the cores): every projection, the attention products
     and the LM head, forward and both gradients, with nothing else in between. Its ratio to the peak is the most
     MFU that matmuls of these shapes allow."""
     tokens = settings["batch_size"] * settings["block_size"] // jax.device_count()
-    width, heads, length = settings["width"], settings["heads"], settings["block_size"]
-    projections = [(width, 3 * width), (width, width), (width, 4 * width), (4 * width, width)] * settings["layers"]
-    projections.append((width, settings["vocab_size"]))
+    heads, length = config.num_attention_heads, settings["block_size"]
+    head_dim = attention_width(config) // heads
+    projections = projection_shapes(config)
     rows = tokens // length
     keys = (jax.random.fold_in(jax.random.key(0), number) for number in itertools.count())
 
@@ -137,7 +167,7 @@ def step_matmul_flops(settings, dtype) -> float:
 
     inputs = [normal(tokens, fan_in) for fan_in, _ in projections]
     weights = [normal(fan_in, fan_out) for fan_in, fan_out in projections]
-    attention = [normal(settings["layers"], rows, heads, length, width // heads) for _ in range(3)]
+    attention = [normal(config.num_hidden_layers, rows, heads, length, head_dim) for _ in range(3)]
 
     def products(inputs, weights, queries, keys, values):
         scores = jnp.einsum("lbhqd,lbhkd->lbhqk", queries, keys, preferred_element_type=dtype)
@@ -152,7 +182,7 @@ def step_matmul_flops(settings, dtype) -> float:
     output_gradients = jax.tree_util.tree_map(lambda out: normal(*out.shape[1:]), output_shapes)
     seconds = time_calls(jax.jit(jax.vmap(forward_and_gradients)), arguments, output_gradients, repeats=3)
     flops = 3 * sum(2 * tokens * fan_in * fan_out for fan_in, fan_out in projections)
-    flops += 3 * 2 * 2 * settings["layers"] * rows * length * length * width
+    flops += 3 * 2 * 2 * config.num_hidden_layers * rows * length * length * attention_width(config)
     return flops * jax.device_count() / seconds
 
 
@@ -166,26 +196,37 @@ def seconds_since_process_start() -> float | None:
     return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def benchmark_training(settings, arguments) -> dict:
-    config = GPT2Config(
-        vocab_size=settings["vocab_size"],
-        n_positions=settings["block_size"],
-        n_embd=settings["width"],
-        n_layer=settings["layers"],
-        n_head=settings["heads"],
-        resid_pdrop=arguments.dropout,
-        embd_pdrop=arguments.dropout,
-        attn_pdrop=arguments.dropout,
-        bos_token_id=0,
+def model_config(settings, arguments):
+    """The preset's GPT-2, or a Llama of its layers, width and heads (see the module's docstring)."""
+    if arguments.model_type == "gpt2":
+        dropout = arguments.dropout
+        return GPT2Config(
+            vocab_size=settings["vocab_size"], n_positions=settings["block_size"], n_embd=settings["width"],
+            n_layer=settings["layers"], n_head=settings["heads"], resid_pdrop=dropout, embd_pdrop=dropout,
+            attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    if arguments.dropout:
+        raise SystemExit("error: the Llama model has no dropout; leave --dropout out")
+    return LlamaConfig(
+        vocab_size=settings["vocab_size"], max_position_embeddings=settings["block_size"],
+        hidden_size=settings["width"], num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
+        num_key_value_heads=arguments.key_value_heads or settings["heads"],
+        intermediate_size=math.ceil(8 * settings["width"] / 3 / 64) * 64, tie_word_embeddings=True, bos_token_id=0,
         eos_token_id=0,
-    )
+    )  # fmt: skip
+
+
+def benchmark_training(settings, arguments) -> dict:
+    config = model_config(settings, arguments)
     dtype = jnp.dtype(settings["dtype"])
-    model = FlaxGPT2LMHeadModel(
+    mesh = create_mesh(arguments.mesh_shape)
+    model_code = load_model_code(config, None, True, "benchmark_clm.py", mesh)
+    model = model_code.module.MODEL_CLASS(
         config,
         dtype=dtype,
         param_dtype=jnp.dtype(arguments.param_dtype),
         remat_policy=arguments.gradient_checkpointing,
-        mesh=create_mesh(arguments.mesh_shape),
+        mesh=mesh,
     )
     # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
     accumulation = arguments.gradient_accumulation_steps
@@ -205,7 +246,9 @@ def benchmark_training(settings, arguments) -> dict:
         mesh_shape=arguments.mesh_shape,
     )
     eval_step = run_clm_flax.make_eval_step(model, None)
-    setup = run_clm_flax.set_up_training(model, eval_step, training_arguments, None, settings["block_size"])
+    setup = run_clm_flax.set_up_training(
+        model, model_code, eval_step, training_arguments, None, settings["block_size"]
+    )
     dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
     train_steps = setup.train_steps
@@ -242,7 +285,7 @@ def benchmark_training(settings, arguments) -> dict:
         jax.block_until_ready(metrics)
         step_seconds = min(step_seconds, (time.perf_counter() - start) / (calls * steps_per_call))
         peak = max(peak, matmul_peak_flops(dtype))
-        step_matmuls = max(step_matmuls, step_matmul_flops(settings, dtype))
+        step_matmuls = max(step_matmuls, step_matmul_flops(settings, config, dtype))
     if arguments.profile_dir:
         with jax.profiler.trace(arguments.profile_dir, create_perfetto_trace=True):
             for _ in range(calls):
@@ -250,8 +293,11 @@ def benchmark_training(settings, arguments) -> dict:
             jax.block_until_ready(metrics)
 
     parameters = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
-    matmul_parameters = parameters - config.n_positions * config.n_embd
-    attention_flops = 12 * config.n_layer * config.n_embd * settings["block_size"]
+    # Tables only looked up are no products: GPT-2's positions, an embedding apart from the output layer.
+    looked_up = config.hidden_size * (config.max_position_embeddings if config.model_type == "gpt2" else 0)
+    looked_up += 0 if config.tie_word_embeddings else config.hidden_size * config.vocab_size
+    matmul_parameters = parameters - looked_up
+    attention_flops = 12 * config.num_hidden_layers * attention_width(config) * settings["block_size"]
     flops_per_token = 6 * matmul_parameters + attention_flops
     tokens_per_second = settings["batch_size"] * settings["block_size"] / step_seconds
     return {

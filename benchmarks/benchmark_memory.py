@@ -2,7 +2,8 @@
 """Memory per device of run_clm_flax.py's train step on each device mesh, as XLA accounts for the compiled step:
 the training state (parameters and AdamW's two moments) and the batch it is given, and the temporaries it needs
 (activations kept for the backward pass, gradients, gathered parameters). Nothing is allocated: the step is compiled
-for the shapes alone, so GPT-2 large's account comes from a laptop.
+for the shapes alone, so GPT-2 large's account comes from a laptop. The presets are create_config.py's causal ones
+(GPT-2 and Llama sizes), the vocabulary padded to a multiple of 64 (which every tensor size up to 64 divides).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/benchmark_memory.py --preset gpt2 \\
         --mesh_shape data=8 --mesh_shape fsdp=8 --mesh_shape data=2,tensor=4 --mesh_shape fsdp=2,tensor=4
@@ -17,22 +18,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from transformers import GPT2Config
 
 from flax_lm.mesh import create_mesh
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel, check_model_config
+from flax_lm.model_code import load_model_code
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import create_config  # noqa: E402
 import run_clm_flax  # noqa: E402
 
-# GPT-2's published sizes, the vocabulary padded from 50257 to a multiple of 64 (which every tensor size up to 64
-# divides).
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_embd=768, n_head=12),
-    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
-    "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
-    "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
-}
+PRESETS = {name: preset for name, preset in create_config.PRESETS.items() if preset[0] != "roberta"}
 
 
 def parse_arguments():
@@ -49,8 +43,8 @@ def parse_arguments():
 def step_memory(config, arguments, mesh_shape: str) -> dict:
     """Gibibytes per device: the state and batch the step takes, and the temporaries it needs."""
     mesh = create_mesh(mesh_shape)
-    check_model_config(config, mesh)
-    model = FlaxGPT2LMHeadModel(
+    model_code = load_model_code(config, None, True, "benchmark_memory.py", mesh)
+    model = model_code.module.MODEL_CLASS(
         config, dtype=jnp.dtype(arguments.dtype), remat_policy=arguments.gradient_checkpointing, mesh=mesh
     )
     training_arguments = run_clm_flax.TrainingArguments(
@@ -62,7 +56,7 @@ def step_memory(config, arguments, mesh_shape: str) -> dict:
         steps_per_call=1,
     )
     eval_step = run_clm_flax.make_eval_step(model)
-    setup = run_clm_flax.set_up_training(model, eval_step, training_arguments, None, arguments.block_size)
+    setup = run_clm_flax.set_up_training(model, model_code, eval_step, training_arguments, None, arguments.block_size)
     # One step's batch: (steps of the call, micro-batches, rows, positions).
     shape = (1, 1, setup.train_batch_size, arguments.block_size)
     batches = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.call_batches_sharding)}
@@ -77,9 +71,13 @@ def step_memory(config, arguments, mesh_shape: str) -> dict:
 
 def main():
     arguments = parse_arguments()
-    config = GPT2Config(
-        vocab_size=50304, n_positions=1024, bos_token_id=50256, eos_token_id=50256, **PRESETS[arguments.preset]
-    )
+    model_type, values = PRESETS[arguments.preset]
+    values = {**values, "vocab_size": create_config.round_up(values["vocab_size"], 64), "bos_token_id": 0}
+    config = create_config.CONFIG_CLASSES[model_type](**values, eos_token_id=0)
+    if arguments.block_size > config.max_position_embeddings:
+        raise SystemExit(
+            f"error: {arguments.preset} has {config.max_position_embeddings} positions; lower --block_size"
+        )
     print(
         f"{arguments.preset}: {jax.device_count()} devices, global batch "
         f"{arguments.per_device_train_batch_size * jax.device_count()} x {arguments.block_size} tokens, computing in "

@@ -35,6 +35,7 @@ from transformers import RobertaConfig
 
 from flax_lm.arguments import default_steps_per_call
 from flax_lm.mesh import create_mesh
+from flax_lm.model_code import load_model_code
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
 from flax_lm.packed import cached_blocks
 from flax_lm.train_state import create_train_state
@@ -130,7 +131,10 @@ def benchmark_training(settings, arguments) -> dict:
         steps_per_call=steps_per_call,
     )
     eval_step = run_mlm_flax.make_eval_step(model)
-    setup = run_mlm_flax.set_up_training(model, eval_step, training_arguments, None, settings["seq_length"])
+    model_code = load_model_code(config, None, False, "benchmark_mlm.py")
+    setup = run_mlm_flax.set_up_training(
+        model, model_code, eval_step, training_arguments, None, settings["seq_length"]
+    )
     dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
     train_steps = setup.train_steps
