@@ -1,16 +1,19 @@
-"""The quickstart in miniature: tokenizer, config and GPT-2 training chained through the command-line tools."""
+"""The quickstart in miniature: tokenizer, config and training chained through the command-line tools, for each
+causal model type."""
 
 import json
 import shutil
 
+import pytest
 from conftest import FIXTURES_DIR
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 
-def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, gpt2_tokenizer_dir, tmp_path):
-    model_dir = shutil.copytree(gpt2_tokenizer_dir, tmp_path / "gpt2-tiny")
-    result = run_tool("create_config.py", "--preset", "gpt2-tiny", "--tokenizer_dir", model_dir)
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, test_tokenizer_dirs, model_type, tmp_path):
+    model_dir = shutil.copytree(test_tokenizer_dirs[model_type], tmp_path / f"{model_type}-tiny")
+    result = run_tool("create_config.py", "--preset", f"{model_type}-tiny", "--tokenizer_dir", model_dir)
     assert result.returncode == 0, result.stderr
 
     output_dir = tmp_path / "trained"
