@@ -1,6 +1,6 @@
-"""Train a tiny GPT-2 (the CLM script's step) and a tiny RoBERTa (the MLM script's step) a few steps on one device and
-on meshes of 8 devices, and print, as one JSON line, each mesh's losses, its largest weight difference from one
-device, and how much of each parameter one device holds.
+"""Train a tiny GPT-2 and a tiny Llama (the CLM script's step) and a tiny RoBERTa (the MLM script's step) a few steps
+on one device and on meshes of 8 devices, and print, as one JSON line, each mesh's losses, its largest weight
+difference from one device, and how much of each parameter one device holds.
 
 Run by tests/test_tensor_parallel.py in a process of its own with 8 forced CPU devices:
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_check.py data=8 tensor=8 ...
@@ -21,6 +21,7 @@ import run_clm_flax  # noqa: E402
 import run_mlm_flax  # noqa: E402
 from flax_lm.mesh import BATCH_AXES, MESH_AXES, create_mesh  # noqa: E402
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel  # noqa: E402
+from flax_lm.models.llama import FlaxLlamaForCausalLM  # noqa: E402
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM  # noqa: E402
 from flax_lm.train_state import abstract_train_state, create_train_state  # noqa: E402
 
@@ -29,6 +30,11 @@ STEPS, MICRO_BATCHES, ROWS, LENGTH, VOCAB = 3, 2, 16, 16, 512
 GPT2 = transformers.GPT2Config(
     vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=8, bos_token_id=0, eos_token_id=0
 )
+# Grouped-query attention: 16 heads over 8 key/value heads, both split by tensor=8.
+LLAMA = transformers.LlamaConfig(
+    vocab_size=VOCAB, max_position_embeddings=LENGTH, hidden_size=64, num_hidden_layers=2, num_attention_heads=16,
+    num_key_value_heads=8, intermediate_size=128, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
 ROBERTA = transformers.RobertaConfig(
     vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
     max_position_embeddings=LENGTH + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
@@ -90,6 +96,7 @@ def main():
     results = {}
     for name, script, model_class, config in (
         ("clm", run_clm_flax, FlaxGPT2LMHeadModel, GPT2),
+        ("llama", run_clm_flax, FlaxLlamaForCausalLM, LLAMA),
         ("mlm", run_mlm_flax, FlaxRobertaForMaskedLM, ROBERTA),
     ):
         reference_losses, reference_params, _ = train(script, model_class, config, one_device)

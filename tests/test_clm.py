@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from flax_lm.hf_io import save_model
-from flax_lm.models import gpt2
+from flax_lm.models import gpt2, stock_module
 from flax_lm.packed import cached_blocks
 from flax_lm.train_state import abstract_model_params
 
@@ -177,40 +177,50 @@ def per_token_losses(model, params, input_ids, deterministic=True, rngs=None):
     return np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], jnp.asarray(input_ids)[:, 1:]))
 
 
-def test_document_attention_scores_each_packed_document_as_if_alone():
-    config = tiny_config()
-    eos = config.eos_token_id
-    plain = gpt2.FlaxGPT2LMHeadModel(config)
-    documents = gpt2.FlaxGPT2LMHeadModel(config, document_separator_id=eos)
+# Each model type's documents as run_clm_flax.py frames them (ids_around_documents), and the token that starts a
+# document for --document_attention: GPT-2's text EOS, the EOS starting the next; Llama's BOS text EOS, at its BOS.
+DOCUMENT_FRAMING = {
+    "gpt2": (tiny_config, lambda config: ([], [config.eos_token_id], config.eos_token_id)),
+    "llama": (tiny_llama_config, lambda config: ([config.bos_token_id], [config.eos_token_id], config.bos_token_id)),
+}
+
+
+@pytest.mark.parametrize("model_type", DOCUMENT_FRAMING)
+def test_document_attention_scores_each_packed_document_as_if_alone(model_type):
+    make_config, framing = DOCUMENT_FRAMING[model_type]
+    config = make_config()
+    before, after, separator = framing(config)
+    model_class = stock_module(model_type).MODEL_CLASS
+    plain, documents = model_class(config), model_class(config, document_separator_id=separator)
     rng = np.random.default_rng(0)
     params = plain.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    first, second, third = (list(rng.integers(1, 512, size)) for size in (11, 17, 9))
-    block = first + [eos] + second + [eos] + third  # the first document began in an earlier block
+    first, second, third = (list(rng.integers(2, 512, size)) for size in (11, 17, 9))
+    block = first + after + before + second + after + before + third  # the first document began in an earlier block
     packed = per_token_losses(documents, params, [block])[0]
-    # Each document alone, as the separator before it starts it: its predictions are those of the block.
-    alone = np.concatenate(
-        [
-            per_token_losses(plain, params, [first + [eos]])[0],
-            per_token_losses(plain, params, [[eos] + second + [eos]])[0],
-            per_token_losses(plain, params, [[eos] + third])[0],
-        ]
-    )
+    # Each document alone, from the separator that starts it, with the prediction of the next one's separator: its
+    # predictions are those of the block.
+    starts = [0] + [index for index, token in enumerate(block) if token == separator and index > 0] + [len(block)]
+    pieces = [block[start : end + 1] for start, end in zip(starts, starts[1:])]
+    alone = np.concatenate([per_token_losses(plain, params, [piece])[0] for piece in pieces])
     np.testing.assert_allclose(packed, alone, atol=1e-5)
     assert abs(packed.mean() - alone.mean()) < 1e-5
     assert np.abs(per_token_losses(plain, params, [block])[0] - alone).max() > 1e-3  # without: not the same
-    # A block of one document: the same as without the flag, with and without attention dropout.
+    # A block of one document: the same as without the flag.
     one_document = [first + second]
     np.testing.assert_allclose(
         per_token_losses(documents, params, one_document), per_token_losses(plain, params, one_document), atol=1e-6
     )
-    dropout = tiny_config(attn_pdrop=0.5)
+
+
+def test_document_attention_of_one_document_draws_the_attention_dropout_of_none():
+    config, eos = tiny_config(attn_pdrop=0.5), 0
+    plain = gpt2.FlaxGPT2LMHeadModel(config)
+    params = plain.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    one_document = [list(np.random.default_rng(0).integers(1, 512, 28))]
     rngs = {"dropout": jax.random.key(1)}
     with_dropout = [
         per_token_losses(model, params, one_document, deterministic=False, rngs=rngs)
-        for model in (
-            gpt2.FlaxGPT2LMHeadModel(dropout, document_separator_id=eos),
-            gpt2.FlaxGPT2LMHeadModel(dropout),
-        )
+        for model in (gpt2.FlaxGPT2LMHeadModel(config, document_separator_id=eos), plain)
     ]
     np.testing.assert_allclose(with_dropout[0], with_dropout[1], atol=1e-6)
 

@@ -78,6 +78,28 @@ def test_txt_files_are_cut_into_documents_each_followed_by_eos(sample_by, recipe
     assert np.sum(tokens == eos) == len(expected_texts)
 
 
+@pytest.mark.parametrize(
+    "model_type, framed",
+    [
+        ("gpt2", "A first file.<|endoftext|>The second one<|endoftext|>"),
+        ("llama", "<|begin_of_text|>A first file.<|end_of_text|><|begin_of_text|>The second one<|end_of_text|>"),
+    ],
+)
+def test_the_blocks_frame_each_document_as_the_model_type_was_trained(
+    model_type, framed, test_tokenizer_dirs, tmp_path
+):
+    """Read back from the packed blocks: GPT-2's documents each end with its end-of-text token (which also starts the
+    next), Llama's begin with BOS (as a Llama tokenizer frames a text) and end with EOS."""
+    (tmp_path / "a.txt").write_text("A first file.")
+    (tmp_path / "b.txt").write_text("The second one")
+    dataset = load(tmp_path, train_file=str(tmp_path / "*.txt"))["train"]
+    tokenizer = AutoTokenizer.from_pretrained(test_tokenizer_dirs[model_type])
+    data_args = run_clm_flax.DataTrainingArguments()
+    # Blocks of one token, so that no tail is cut off.
+    blocks = np.concatenate(list(run_clm_flax.tokenized_rows(dataset, "train", tokenizer, 1, data_args)))
+    assert tokenizer.decode(blocks.reshape(-1)) == framed
+
+
 def test_text_files_of_prose_get_one_eos_per_file_not_per_line(recipe_tokenizer, tmp_path):
     shares = {}
     for sample_by in ("line", "document"):

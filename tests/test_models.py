@@ -1,6 +1,7 @@
 """The models of flax_lm/models against transformers' PyTorch models, and what an export may claim of them.
 
-Llama's logits equal LlamaForCausalLM's for every variant of its layout; greedy decoding with the key/value cache
+Llama's logits equal LlamaForCausalLM's for every variant of its layout (document attention: tests/test_clm.py, for
+GPT-2 and Llama); greedy decoding with the key/value cache
 equals PyTorch's generate for each causal model; the stock modules are the code these comparisons verified (their
 fingerprints); the probe that decides whether other code may name an architecture tells an equal computation from an
 edited one; and a sharded bfloat16 Hugging Face Llama checkpoint is evaluated as PyTorch evaluates it, then trained on.
@@ -108,21 +109,6 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(llama_tokenizer
     with torch.no_grad():
         expected = torch_model.eval()(torch.tensor(input_ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(model.apply({"params": params}, input_ids)), expected, atol=1e-4, rtol=0)
-
-
-def test_llama_document_attention_computes_each_document_as_if_alone():
-    """With BOS as the separator, a block of documents gives each document's logits as the document alone: the
-    rotary positions restart at each BOS and no token sees another document."""
-    config = llama_config(num_key_value_heads=2)
-    bos = config.bos_token_id
-    documents = [[bos, 5, 9, 14, 3], [bos, 7, 2], [bos, 11, 12, 13, 4, 6]]
-    block = jnp.asarray([sum(documents, [])])
-    plain = llama.FlaxLlamaForCausalLM(config)
-    params = nn.meta.unbox(plain.init(jax.random.key(0), block)["params"])
-    packed = llama.FlaxLlamaForCausalLM(config, document_separator_id=bos).apply({"params": params}, block)[0]
-    alone = np.concatenate([plain.apply({"params": params}, jnp.asarray([document]))[0] for document in documents])
-    np.testing.assert_allclose(packed, alone, atol=1e-5)
-    assert np.abs(plain.apply({"params": params}, block)[0] - alone).max() > 1e-3  # without it, documents mix
 
 
 CAUSAL_MODELS = {

@@ -14,6 +14,7 @@ from test_clm import run_clm_flax, tiny_config
 
 from flax_lm.errors import UsageError
 from flax_lm.mesh import create_mesh
+from flax_lm.models import stock_module
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
 from flax_lm.train_state import abstract_train_state, create_train_state, train_step_compiler_options
 
@@ -21,8 +22,9 @@ LENGTH = 16
 
 
 def training_parts(config, length=LENGTH, adam_epsilon=1e-8, **model_options):
-    """The model, optimizer, schedule and abstract training state, built as the script builds them."""
-    model = FlaxGPT2LMHeadModel(config, **model_options)
+    """The model of `config`'s type, optimizer, schedule and abstract training state, built as the script builds
+    them."""
+    model = stock_module(config.model_type).MODEL_CLASS(config, **model_options)
     training_args = run_clm_flax.TrainingArguments(
         output_dir="unused", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=adam_epsilon
     )

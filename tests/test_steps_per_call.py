@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, stock_code
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, tiny_config, tiny_llama_config
 from test_mlm_model import BOS, EOS, MASK, PAD, VOCAB_SIZE
 from test_mlm_model import tiny_config as tiny_roberta_config
 from test_scaling import LENGTH, batch, training_parts
@@ -31,9 +31,16 @@ CORPUS = FIXTURES_DIR / "en"
 STEPS = 6
 
 
-def compiled_steps(steps_per_call: int, dropout: float):
+# The models of the tests of steps per call: GPT-2 without and with dropout (its masks must follow the step), Llama.
+CONFIGS = {
+    "gpt2": lambda: tiny_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt2 with dropout": lambda: tiny_config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1),
+    "llama": lambda: tiny_llama_config(),
+}
+
+
+def compiled_steps(steps_per_call: int, config):
     """A fresh training state and the script's train step, compiled to run up to `steps_per_call` steps a call."""
-    config = tiny_config(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     model, optimizer, schedule, abstract_state = training_parts(config)
     state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32))
     train_step = run_clm_flax.make_train_step(model, optimizer, schedule, seed=0)
@@ -47,16 +54,16 @@ def call_batches(first_step: int, steps: int, steps_per_call: int) -> dict:
     return {"input_ids": np.stack(rows)}
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_steps_in_one_call_give_the_losses_and_weights_of_one_step_per_call(dropout):
-    state, one_step = compiled_steps(1, dropout)
+@pytest.mark.parametrize("model", CONFIGS)
+def test_steps_in_one_call_give_the_losses_and_weights_of_one_step_per_call(model):
+    state, one_step = compiled_steps(1, CONFIGS[model]())
     losses_one_per_call = []
     for step in range(STEPS):
         state, metrics = one_step(state, call_batches(step, 1, 1), 1)
         losses_one_per_call.append(float(metrics["loss_sum"][0] / metrics["token_count"][0]))
     one_per_call = state
 
-    state, several_steps = compiled_steps(STEPS, dropout)
+    state, several_steps = compiled_steps(STEPS, CONFIGS[model]())
     state, metrics = several_steps(state, call_batches(0, STEPS, STEPS), STEPS)
     losses_in_one_call = list(np.asarray(metrics["loss_sum"] / metrics["token_count"]))
 
@@ -69,11 +76,11 @@ def test_steps_in_one_call_give_the_losses_and_weights_of_one_step_per_call(drop
 
 
 def test_a_call_runs_only_its_count_of_steps_and_calls_of_any_count_compose_exactly():
-    state, train_steps = compiled_steps(4, dropout=0.1)
+    state, train_steps = compiled_steps(4, CONFIGS["gpt2 with dropout"]())
     state, metrics = train_steps(state, call_batches(0, 4, 4), 4)
     whole_call = state
 
-    state, train_steps = compiled_steps(4, dropout=0.1)
+    state, train_steps = compiled_steps(4, CONFIGS["gpt2 with dropout"]())
     state, first = train_steps(state, call_batches(0, 1, 4), 1)
     assert int(state.step) == 1 and not np.any(np.asarray(first["token_count"][1:]))
     state, rest = train_steps(state, call_batches(1, 3, 4), 3)
@@ -116,7 +123,14 @@ def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("steps-per-call-model"))
 
 
-def test_a_run_resumed_inside_a_call_s_range_ends_with_the_uninterrupted_weights(model_dir, tmp_path):
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model_dir_of_each_type(request, test_tokenizer_dirs, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"steps-per-call-{request.param}")
+    return model_dir_with_config(test_tokenizer_dirs[request.param], directory, request.param)
+
+
+def test_a_run_resumed_inside_a_call_s_range_ends_with_the_uninterrupted_weights(model_dir_of_each_type, tmp_path):
+    model_dir = model_dir_of_each_type
     # Uninterrupted, the calls run steps 1-8, 9-10, 11-18 and 19-20. The interrupted run saves every 5 steps; resumed
     # from step 15, inside the uninterrupted run's call of steps 11-18, its one call runs steps 16-20.
     uninterrupted = tmp_path / "uninterrupted"

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, scalars, tiny_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, scalars, tiny_config, tiny_llama_config
 
 from flax_lm.errors import UsageError
-from flax_lm.models import gpt2, roberta
+from flax_lm.models import gpt2, llama, roberta
 
 CORPUS = FIXTURES_DIR / "en"
 MESH_SHAPES = ["tensor=2", "tensor=8", "data=2,fsdp=2,tensor=2", "data=4,tensor=2"]
@@ -33,8 +33,8 @@ def devices_env(count: int) -> dict:
 
 @pytest.fixture(scope="module")
 def mesh_results():
-    """tests/tensor_parallel_check.py's results: CLM and MLM steps with dropout, remat and 2 micro-batches, on one
-    device and on each mesh of MESH_SHAPES over 8 devices."""
+    """tests/tensor_parallel_check.py's results: CLM (GPT-2 with dropout, and Llama) and MLM steps with remat and 2
+    micro-batches, on one device and on each mesh of MESH_SHAPES over 8 devices."""
     result = subprocess.run(
         [sys.executable, str(REPO_DIR / "tests" / "tensor_parallel_check.py"), *MESH_SHAPES],
         capture_output=True,
@@ -46,7 +46,7 @@ def mesh_results():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("script", ["clm", "mlm"])
+@pytest.mark.parametrize("script", ["clm", "llama", "mlm"])
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
 def test_every_mix_of_data_fsdp_and_tensor_trains_as_one_device(mesh_results, script, mesh_shape):
     one_device, mesh = mesh_results[script]["one device"], mesh_results[script][mesh_shape]
@@ -54,11 +54,15 @@ def test_every_mix_of_data_fsdp_and_tensor_trains_as_one_device(mesh_results, sc
     assert mesh["largest_weight_difference"] < 1e-5
 
 
-@pytest.mark.parametrize("script", ["clm", "mlm"])
+@pytest.mark.parametrize("script", ["clm", "llama", "mlm"])
 def test_a_tensor_axis_of_eight_leaves_each_device_an_eighth_of_every_split_matrix(mesh_results, script):
     shares = mesh_results[script]["tensor=8"]["shares"]
     split = {
         "clm": ("attn/c_attn/kernel", "attn/c_proj/kernel", "mlp/c_fc/kernel", "mlp/c_proj/kernel", "wte/embedding"),
+        "llama": (
+            "q_proj/kernel", "k_proj/kernel", "v_proj/kernel", "o_proj/kernel", "gate_proj/kernel", "up_proj/kernel",
+            "down_proj/kernel", "embed_tokens/embedding",
+        ),
         "mlm": (
             "self/query/kernel", "self/key/kernel", "self/value/kernel", "attention/output/dense/kernel",
             "intermediate/dense/kernel", "layer_0/output/dense/kernel", "word_embeddings/embedding",
@@ -187,6 +191,14 @@ def test_a_tensor_size_that_does_not_divide_the_split_sizes_is_refused(config, m
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         gpt2.check_model_config(config, TensorAxis(4))
     gpt2.check_model_config(config, TensorAxis(1))
+
+
+def test_a_llama_tensor_size_that_does_not_divide_its_key_value_heads_is_refused():
+    config = tiny_llama_config(num_attention_heads=8, num_key_value_heads=2, hidden_size=64, vocab_size=1024)
+    message = r"tensor=4 does not divide the key/value heads \(num_key_value_heads\) 2"
+    with pytest.raises(UsageError, match=message):
+        llama.check_model_config(config, TensorAxis(4))
+    llama.check_model_config(config, TensorAxis(2))
 
 
 def test_a_roberta_tensor_size_that_does_not_divide_its_heads_is_refused():
