@@ -15,10 +15,10 @@ from collections.abc import Iterable
 
 import jax
 import numpy as np
-from datasets.fingerprint import Hasher
 from tqdm.auto import tqdm
 
 from flax_lm.arguments import check_writable_directory
+from flax_lm.code_fingerprint import code_fingerprint
 from flax_lm.errors import UsageError
 from flax_lm.processes import main_process_first
 from flax_lm.texts import check_tokenizer_encodes, data_file_patterns, load_text_datasets
@@ -294,11 +294,11 @@ def pack_texts(
 def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: int, cache_dir: str, data_args):
     """The rows of one split (PackedBlocks), from the packed corpus that caches them in `cache_dir` under a
     fingerprint of the texts, the tokenizer, the row length and the code that makes the rows (`tokenized_rows` and
-    the script's functions it calls, as `datasets` fingerprints a map function): packed there first when it is
+    the functions of the script and of flax_lm it calls: code_fingerprint): packed there first when it is
     missing, damaged or --overwrite_cache is given. Written under a name of this process's own and renamed when
     complete, so that processes sharing the cache never read or write each other's unfinished files."""
     source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name}
-    source.update(split=split, code_fingerprint=Hasher.hash(tokenized_rows))
+    source.update(split=split, code_fingerprint=code_fingerprint(tokenized_rows))
     description = packed_description(tokenizer, block_size, data_args.framing, source)
     directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
     os.makedirs(cache_dir, exist_ok=True)
@@ -346,7 +346,7 @@ def load_packed_corpus(
     if source["dataset_name"] is not None and os.path.isdir(source["dataset_name"]):
         source["dataset_name"] = os.path.abspath(source["dataset_name"])
     description = packed_description(tokenizer, block_size, data_args.framing, source)
-    description["code_fingerprint"] = Hasher.hash(tokenized_rows)  # as in the token cache's name
+    description["code_fingerprint"] = code_fingerprint(tokenized_rows)  # as in the token cache's name
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     def check(index: dict):

@@ -6,7 +6,9 @@ one.
 
 Each case runs a copy of run_clm_flax.py, edited by exact replacements, in a fresh process, as a user runs it."""
 
+import importlib.util
 import json
+import linecache
 import os
 import shutil
 import subprocess
@@ -21,7 +23,7 @@ import torch
 from conftest import FIXTURES_DIR, REPO_DIR, stock_code
 from safetensors import safe_open
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, model_dir_with_config, tiny_config, tiny_llama_config
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, tiny_config, tiny_llama_config
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -32,6 +34,7 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
+from flax_lm.code_fingerprint import code_fingerprint
 from flax_lm.errors import UsageError
 from flax_lm.hf_io import save_model
 from flax_lm.models import gpt2, import_model_file, llama, roberta
@@ -145,7 +148,7 @@ def test_token_cache_is_reused_by_the_same_code_and_packed_again_after_an_edit_o
     assert "Loading packed train blocks from cache" in second.stderr
     assert packed_corpora(cache_dir) == {unedited_corpus}
 
-    edited_copy(script, script, REVERSED_BLOCKS)  # in place: the file's name is part of the code's fingerprint
+    edited_copy(script, script, REVERSED_BLOCKS)
     run[run.index("--output_dir") + 1] = tmp_path / "edited"
     third = run_copy(script, environment, *run)
     assert third.returncode == 0, third.stderr[-3000:]
@@ -153,6 +156,51 @@ def test_token_cache_is_reused_by_the_same_code_and_packed_again_after_an_edit_o
     (edited_corpus,) = packed_corpora(cache_dir) - {unedited_corpus}
     unedited_blocks = train_blocks(cache_dir / unedited_corpus)
     np.testing.assert_array_equal(train_blocks(cache_dir / edited_corpus), unedited_blocks[:, ::-1])
+
+
+def test_a_copy_of_the_script_under_another_name_reuses_the_token_cache(model_dir, environment, tmp_path):
+    """The README's `cp run_clm_flax.py rotary.py`: the same code, so the same tokens, from the same cache."""
+    cache_dir = tmp_path / "cache"
+    for name in ("run_clm_flax.py", "rotary.py"):
+        script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / name)
+        arguments = training_arguments(model_dir, tmp_path / name[:-3], "--do_train", "--max_steps", "1")
+        result = run_copy(script, environment, *arguments, "--cache_dir", cache_dir)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "Loading packed train blocks from cache" in result.stderr
+    assert len(packed_corpora(cache_dir)) == 1
+
+
+def module_copy(module, name: str, replacements: dict):
+    """A copy of the flax_lm `module` as the module flax_lm.NAME, its source edited by `replacements`."""
+    text = open(module.__file__).read()
+    for old, new in replacements.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = os.path.join(os.path.dirname(module.__file__), f"{name}.py")
+    spec = importlib.util.spec_from_loader(f"flax_lm.{name}", loader=None, origin=path)
+    copy = importlib.util.module_from_spec(spec)
+    copy.__file__ = path
+    linecache.cache[path] = (len(text), None, text.splitlines(keepends=True), path)  # what inspect reads
+    exec(compile(text, path, "exec"), copy.__dict__)
+    return copy
+
+
+def test_the_token_cache_key_covers_the_package_code_that_makes_tokens_and_nothing_else(monkeypatch):
+    import flax_lm.texts
+
+    key = code_fingerprint(run_clm_flax.tokenized_rows)
+    unedited = module_copy(flax_lm.texts, "texts_copy", {})
+    monkeypatch.setattr(run_clm_flax, "token_arrays", unedited.token_arrays)
+    assert code_fingerprint(run_clm_flax.tokenized_rows) == key
+    # An edit of flax_lm.texts that changes the tokens changes the key; one of code that makes no tokens does not.
+    edits = {
+        "tokens": {"token_lists = [before + ids + after for ids": "token_lists = [before + ids[::-1] + after for ids"},
+        "no tokens": {'raise UsageError(f"--{flag} {pattern} matches no file")': 'raise UsageError("no file")'},
+    }
+    for edit, replacements in edits.items():
+        edited = module_copy(flax_lm.texts, f"texts_{edit.replace(' ', '_')}", replacements)
+        monkeypatch.setattr(run_clm_flax, "token_arrays", edited.token_arrays)
+        assert (code_fingerprint(run_clm_flax.tokenized_rows) != key) == (edit == "tokens"), edit
 
 
 @pytest.fixture(scope="module")
