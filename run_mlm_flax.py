@@ -1047,9 +1047,9 @@ def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int
 # Copied from run_clm_flax.train
 def train(state, progress: TrainingProgress, batches, train_steps, save, evaluate, log: TrainingLog, training_args):
     """Train from the step after `progress.step` to the last, in compiled calls of the steps `batches` holds for each
-    (steps_of_calls), logging every --logging_steps, evaluating every --eval_steps (with --do_eval) and saving every
-    --save_steps and at the end, or after the call in which a stop was requested. Returns the state and the signal
-    that stopped training, None if it ran to the end."""
+    (steps_of_calls), logging every --logging_steps, saving every --save_steps and at the end, or after the call in
+    which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
+    Returns the state and the signal that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
@@ -1071,13 +1071,13 @@ def train(state, progress: TrainingProgress, batches, train_steps, save, evaluat
                 log.read(step, progress, checkpoints)
             if is_log_step or stopping:
                 log.write(step)
-            if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
-                evaluate(state.params, step)
-            if is_save_step:
+            if is_save_step:  # before the evaluation: an evaluation that fails must not lose the steps before it
                 # The save would wait for the checkpoint still being written: announce it first.
                 committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
                 progress.step = step
                 checkpoint_being_written = save(checkpoints, state, progress)
+            if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
+                evaluate(state.params, step)
             if stopping:
                 break
         committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)

@@ -436,6 +436,25 @@ def test_hf_shapes_of_abstract_parameters_are_those_of_to_hf_state_dict(model, c
     assert written == model.hf_architecture_shapes(config)
 
 
+def test_a_step_that_saves_and_evaluates_saves_first_so_an_evaluation_that_fails_loses_nothing(
+    model_dir, environment, tmp_path
+):
+    broken_evaluation = {
+        "    def eval_step(params, batch):\n": (
+            "    def eval_step(params, batch):\n        raise RuntimeError('an edited evaluation that fails')\n"
+        )
+    }
+    script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "run_clm_flax.py", broken_evaluation)
+    output_dir = tmp_path / "output"
+    arguments = training_arguments(
+        model_dir, output_dir, "--do_train", "--do_eval", "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2"
+    )
+    result = run_copy(script, environment, *arguments)
+    assert result.returncode != 0 and "an edited evaluation that fails" in result.stderr
+    assert (output_dir / "checkpoints" / "2").is_dir()
+    assert progress_record(output_dir / "checkpoints" / "2")["step"] == 2
+
+
 # ----------------------------------------------------------------------------------------------------
 # An experiment's own model file: kept with the run, resumed only with it, and exported as what it computes
 # ----------------------------------------------------------------------------------------------------
