@@ -11,6 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from flax_lm.checksums import checkpoint_checksum_problem, checkpoint_has_checksums, write_checkpoint_checksums
 from flax_lm.errors import UsageError
 from flax_lm.train_state import TrainState
 
@@ -20,10 +21,26 @@ logger = logging.getLogger(__name__)
 def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointManager:
     """OUTPUT_DIR/checkpoints/STEP. Orbax writes each checkpoint into a temporary directory and renames it once
     complete; an unfinished one is deleted when the directory is next opened. Every process writes its own shards
-    into the same directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a bucket)."""
+    into the same directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a bucket).
+
+    Each checkpoint holds the checksums of its files (flax_lm.checksums), which restore_checkpoint compares. Orbax
+    keeps none of the arrays' bytes (its zarr format checks only a shard's index), so they are taken here: once
+    every process's files are written and before the temporary directory is renamed into place, on process 0's
+    thread that finishes the checkpoint in the background, so that a committed checkpoint always has them."""
+    directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
+
+    def write_checksums_before_commit():
+        for entry in os.scandir(directory):
+            if ocp.step.is_tmp_checkpoint(entry.path):  # the checkpoint being finished: one at a time
+                write_checkpoint_checksums(entry.path)
+
     return ocp.CheckpointManager(
-        os.path.abspath(os.path.join(output_dir, "checkpoints")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, cleanup_tmp_directories=True),
+        directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=save_total_limit,
+            cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=write_checksums_before_commit),
+        ),
     )
 
 
@@ -53,6 +70,26 @@ def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, w
         logger.info("step %d: training checkpoint committed to %s", step, path)
     else:
         logger.warning("step %d: the training checkpoint could not be written to %s", step, path)
+    return None
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files differ from the checksums taken when it was saved."""
+
+
+# The sequence length each training script records in its checkpoints, with what the script trains: a checkpoint that
+# records the other script's was saved by that script (or a copy of it).
+SEQUENCE_LENGTH_KEYS = {"block_size": ("causal", "run_clm_flax.py"), "max_seq_length": ("masked", "run_mlm_flax.py")}
+
+
+def last_intact_checkpoint(checkpoints: ocp.CheckpointManager) -> str | None:
+    """The newest complete checkpoint whose files still match their checksums (or that has none), for a message
+    naming the one to go back to; None where there is none. Waits for the one being written: it may be that one."""
+    checkpoints.wait_until_finished()
+    for step in sorted(checkpoints.all_steps(), reverse=True):
+        path = os.path.join(str(checkpoints.directory), str(step))
+        if os.path.isdir(path) and checkpoint_checksum_problem(path) is None:
+            return path
     return None
 
 
@@ -93,32 +130,42 @@ def restore_checkpoint(
         for candidate in steps:
             path = os.path.join(directory, str(candidate))
             try:
+                # Process 0 compares the checksums for all: every process reading the whole checkpoint again would
+                # multiply the reads of a shared file system by the process count.
+                if jax.process_index() == 0 and (problem := checkpoint_checksum_problem(path)):
+                    raise DamagedCheckpoint(problem)
                 progress_args = ocp.args.Composite(progress=ocp.args.JsonRestore())
                 progress = manager.restore(candidate, args=progress_args).progress
-                if not isinstance(progress, dict) or any(key not in progress for key in progress_keys):
-                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
-                if progress["step"] != candidate:
-                    raise ValueError(f"its progress record is of step {progress['step']}")
+                check_progress_record(path, progress, progress_keys, candidate)
                 check_checkpoint_fits(path, manager.item_metadata(candidate)["state"], abstract_state)
                 # The shapes fit: what fails from here on is the files, not the model.
                 args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
                 restored, reason = (manager.restore(candidate, args=args).state, progress, path), None
             except UsageError:
                 raise
+            except DamagedCheckpoint as error:
+                restored, reason = None, f"damaged ({error})"
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for damaged files
-                restored, reason = None, str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+                first_line = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+                restored, reason = None, f"unreadable ({first_line})"
             # Every process takes the same checkpoint, even where only some could not read theirs.
             if jax.process_count() > 1:
                 if not np.all(multihost_utils.process_allgather(np.asarray(restored is not None))):
-                    restored, reason = None, reason or "another process could not read it"
+                    restored, reason = None, reason or "unreadable (another process could not read it)"
             if restored:
+                if not checkpoint_has_checksums(path):
+                    logger.warning(
+                        "The training checkpoint %s has no checksums (it was saved by an earlier version), so its "
+                        "bytes were not checked",
+                        path,
+                    )
                 return restored
             if not newest:
                 raise UsageError(
-                    f"the training checkpoint {path} is unreadable ({reason}); resume from an earlier one, or pass "
+                    f"the training checkpoint {path} is {reason}; resume from an earlier one, or pass "
                     "--resume_from_checkpoint alone for the newest readable one"
                 )
-            logger.warning("skipping the training checkpoint %s: it is unreadable (%s)", path, reason)
+            logger.warning("skipping the training checkpoint %s: it is %s", path, reason)
             unreadable.append((candidate, reason))
     if newest and unreadable:
         # Every process skipped the same checkpoints, so every one stops here.
@@ -132,6 +179,26 @@ def restore_checkpoint(
     if newest:
         return None
     raise UsageError(f"--resume_from_checkpoint: there is no readable training checkpoint in {directory}")
+
+
+def check_progress_record(path: str, progress, progress_keys: list[str], step: int):
+    """Refuse, in one line, the checkpoint of the other training script (a ValueError, which skips the checkpoint as
+    unreadable, for a record that is damaged)."""
+    if not isinstance(progress, dict):
+        raise ValueError("its progress record is not a mapping")
+    ours = [key for key in progress_keys if key in SEQUENCE_LENGTH_KEYS]
+    theirs = [key for key in SEQUENCE_LENGTH_KEYS if key in progress and key not in progress_keys]
+    if ours and theirs and ours[0] not in progress:
+        (our_kind, _), (their_kind, their_script) = SEQUENCE_LENGTH_KEYS[ours[0]], SEQUENCE_LENGTH_KEYS[theirs[0]]
+        raise UsageError(
+            f"the training checkpoint {path} is of a {their_kind} language model, saved by {their_script} or a copy "
+            f"of it, not of this script's {our_kind} one: resume it with the script that saved it, or train into "
+            "another --output_dir"
+        )
+    if any(key not in progress for key in progress_keys):
+        raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
+    if progress["step"] != step:
+        raise ValueError(f"its progress record is of step {progress['step']}")
 
 
 def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState):

@@ -455,6 +455,52 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
         load()
 
 
+def overwrite_bytes_in_the_middle(path):
+    """Bytes changed in place, the file's size kept: ids of 65535, beyond any vocabulary of the tests."""
+    with open(path, "r+b") as file:
+        file.seek(os.path.getsize(path) // 2)
+        file.write(b"\xff" * 64)
+
+
+def test_a_packed_data_dir_shard_whose_bytes_changed_is_refused_when_opened(paths, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
+    data_args = run_clm_flax.DataTrainingArguments(
+        packed_data_dir=str(tmp_path / "packed"), train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000
+    )
+    model_args, rows = run_clm_flax.ModelArguments(), run_clm_flax.tokenized_rows
+    flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")
+    overwrite_bytes_in_the_middle(tmp_path / "packed" / "train-00001.npy")
+    blocks = flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")["train"]
+    blocks[:100]  # a view: no shard is opened
+    first_shard = blocks.split_entry["shards"][0]["num_blocks"]
+    assert np.asarray(blocks[np.arange(first_shard)]).max() < 1000  # the intact shard reads
+    with pytest.raises(
+        run_clm_flax.UsageError,
+        match=r"--packed_data_dir .*packed is damaged: train-00001.npy differs from the checksum taken when it was "
+        r"packed; .*--overwrite_cache",
+    ):
+        blocks[np.array([first_shard])]
+
+
+def test_a_token_cache_shard_whose_bytes_changed_stops_the_run_and_is_packed_again_by_the_next(
+    text_dataset, paths, tmp_path
+):
+    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
+
+    def pack():
+        data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
+        rows = run_clm_flax.tokenized_rows
+        return flax_lm.packed.cached_blocks(
+            text_dataset, "train", rows, tokenizer, 32, str(tmp_path / "packed"), data_args
+        )
+
+    expected = np.asarray(pack())
+    overwrite_bytes_in_the_middle(os.path.join(pack().directory, "train-00000.npy"))
+    with pytest.raises(run_clm_flax.UsageError, match=r"the token cache .* is damaged: train-00000.npy differs"):
+        np.asarray(pack())
+    np.testing.assert_array_equal(np.asarray(pack()), expected)
+
+
 def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, tmp_path, caplog):
     mlm = SCRIPTS["run_mlm_flax"]
     tokenizer = AutoTokenizer.from_pretrained(paths["roberta"])

@@ -26,8 +26,11 @@ from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
 from test_mlm import run_mlm_flax
 
 import flax_lm.run_dir
+from flax_lm.checkpoints import open_checkpoints
+from flax_lm.checksums import CHECKPOINT_CHECKSUMS, checkpoint_checksum_problem
 from flax_lm.errors import UsageError
 from flax_lm.run_dir import OUTPUT_DIR_LOCK, lock_output_dir
+from flax_lm.tracking import TrainingLog
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -109,13 +112,25 @@ def snapshot(directory) -> dict:
     }
 
 
-def truncate_largest_data_file(checkpoint):
+def largest_data_file(checkpoint):
     files = [os.path.join(root, name) for root, _, names in os.walk(checkpoint / "state") for name in names]
-    largest = max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
-    os.truncate(largest, os.path.getsize(largest) // 2)
+    return max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
 
 
-# How a checkpoint gets damaged: a disk filling up, a copy cut short, a file system losing a write.
+def truncate_largest_data_file(checkpoint):
+    os.truncate(largest_data_file(checkpoint), os.path.getsize(largest_data_file(checkpoint)) // 2)
+
+
+def overwrite_bytes_of_largest_data_file(checkpoint):
+    """Bytes changed in place, the file's size kept: what Orbax restores without a complaint, as NaN or worse."""
+    path = largest_data_file(checkpoint)
+    with open(path, "r+b") as file:
+        file.seek(os.path.getsize(path) // 2)
+        file.write(b"\xff" * 1000)
+
+
+# How a checkpoint gets damaged: a disk filling up, a copy cut short, a file system losing a write. Each is found
+# by the checkpoint's checksums; these damage checkpoints saved before there were checksums, which Orbax must find.
 DAMAGE = {
     "truncated data file": truncate_largest_data_file,
     "corrupt _METADATA": lambda checkpoint: (checkpoint / "state" / "_METADATA").write_text('{"tree_metadata": {'),
@@ -132,6 +147,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
     model_dir, damage, complete_run, tmp_path, monkeypatch, capfd
 ):
     output_dir = copy_of(complete_run, tmp_path)
+    os.remove(output_dir / "checkpoints" / "6" / CHECKPOINT_CHECKSUMS)  # saved by an earlier version
     DAMAGE[damage](output_dir / "checkpoints" / "6")
     os.remove(output_dir / "model.safetensors")
 
@@ -146,6 +162,34 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
     assert_same_weights(output_dir, complete_run)
 
 
+def test_a_checkpoint_whose_bytes_changed_at_the_same_size_is_found_by_its_checksums_and_skipped(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    overwrite_bytes_of_largest_data_file(output_dir / "checkpoints" / "6")
+    changed = os.path.relpath(largest_data_file(output_dir / "checkpoints" / "6"), output_dir / "checkpoints" / "6")
+
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--resume_from_checkpoint"))
+    log = capfd.readouterr().err
+    assert (
+        f"skipping the training checkpoint {output_dir}/checkpoints/6: it is damaged (its file {changed} differs "
+        "from the checksum taken when it was written)"
+    ) in log
+    assert f"Resumed from {output_dir}/checkpoints/4 at step 4" in log
+    assert "has no checksums" not in log
+    # Nothing of the changed bytes was trained on, and the checkpoint this run saved in its place verifies.
+    assert_same_weights(output_dir, complete_run)
+    assert checkpoint_checksum_problem(str(output_dir / "checkpoints" / "6")) is None
+
+
+def test_a_non_finite_step_names_the_newest_intact_checkpoint_as_the_last_good_one(complete_run, tmp_path):
+    output_dir = copy_of(complete_run, tmp_path)
+    overwrite_bytes_of_largest_data_file(output_dir / "checkpoints" / "6")
+    with open_checkpoints(str(output_dir), 10) as checkpoints:
+        message = str(TrainingLog.nonfinite_error(7, checkpoints))
+    assert f"the last good checkpoint is {output_dir}/checkpoints/4." in message and "checkpoints/6" not in message
+
+
 @pytest.mark.parametrize("damage", ["truncated data file", "corrupt progress JSON"])
 def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(
     model_dir, damage, complete_run, tmp_path, monkeypatch
@@ -155,7 +199,8 @@ def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(
     before = snapshot(output_dir)
     resume = arguments(model_dir, output_dir, "--resume_from_checkpoint", str(output_dir / "checkpoints" / "6"))
     with pytest.raises(
-        run_clm_flax.UsageError, match=r"checkpoints/6 is unreadable \(.*\); resume from an earlier one"
+        run_clm_flax.UsageError,
+        match=r"checkpoints/6 is damaged \(its file .* differs .*\); resume from an earlier one",
     ) as error:
         run_main(monkeypatch, resume)
     assert "\n" not in str(error.value) and "config" not in str(error.value)
@@ -393,6 +438,26 @@ def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
     log = run("--overwrite_output_dir")
     assert "removed the previous run's checkpoints/, discarded-checkpoints/, tensorboard/" in log
     assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4"]
+
+
+def test_a_masked_lm_resumed_in_a_causal_lm_run_is_told_whose_checkpoints_they_are(
+    roberta_dir, complete_run, tmp_path, monkeypatch
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    before = snapshot(output_dir)
+    monkeypatch.setattr(sys, "argv", [
+        "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
+        "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
+        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "8", "--resume_from_checkpoint",
+    ])  # fmt: skip
+    with pytest.raises(run_mlm_flax.UsageError) as error:
+        run_mlm_flax.main()
+    assert str(error.value) == (
+        f"the training checkpoint {output_dir}/checkpoints/6 is of a causal language model, saved by run_clm_flax.py "
+        "or a copy of it, not of this script's masked one: resume it with the script that saved it, or train into "
+        "another --output_dir"
+    )
+    assert snapshot(output_dir) == before
 
 
 def test_a_run_that_finds_the_directory_locked_names_the_run_holding_it(tmp_path):
