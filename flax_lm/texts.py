@@ -193,21 +193,24 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
                 f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
                 "pass --text_column_name"
             )
-    warn_of_files_in_both_splits(data_args)
     return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
 
 
+def data_file_paths(patterns) -> set[str]:
+    """The real paths of the files that data file patterns (files and globs) name."""
+    return {
+        os.path.realpath(path)
+        for pattern in data_file_patterns(patterns)
+        for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])
+    }
+
+
 def warn_of_files_in_both_splits(data_args):
+    """Warn where --train_file and --validation_file name a file in common (a mixture's sources are checked as the
+    mixture file is read)."""
     if data_args.train_file is None or data_args.validation_file is None:
         return
-    train_files, validation_files = (
-        {
-            os.path.realpath(path)
-            for pattern in data_file_patterns(patterns)
-            for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])
-        }
-        for patterns in (data_args.train_file, data_args.validation_file)
-    )
+    train_files, validation_files = map(data_file_paths, (data_args.train_file, data_args.validation_file))
     if shared := sorted(train_files & validation_files):
         logger.warning(
             "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
