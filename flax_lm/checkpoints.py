@@ -3,6 +3,7 @@ one restored (into any mesh), and a stop on SIGINT or SIGTERM that saves first."
 
 import logging
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 
@@ -45,8 +46,10 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
 
 
 def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progress_record: dict):
-    """Returns once the arrays are copied off the devices; the files are written while training goes on."""
+    """Returns once the arrays are copied off the devices; the files are written while training goes on. Refused in
+    one line, with nothing written, where the disk has no room for the checkpoint and the model's export after it."""
     step = progress_record["step"]
+    check_room_to_save(checkpoints, state, step)
     started = checkpoints.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record))
     )
@@ -54,6 +57,38 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
         raise UsageError(
             f"cannot save training checkpoint {step}: {checkpoints.directory} already holds checkpoint "
             f"{checkpoints.latest_step()}; pass --overwrite_output_dir to start afresh"
+        )
+
+
+def check_room_to_save(checkpoints: ocp.CheckpointManager, state: TrainState, step: int):
+    """Refuse to save where the disk of the checkpoints (OUTPUT_DIR/checkpoints, or where a link of that name leads)
+    or of the export (OUTPUT_DIR) has less room than they take: the state's bytes (Orbax compresses little of
+    them), and the parameters' for the export. Written into a disk that fills, the checkpoint would fail in its
+    background threads, with a traceback from each."""
+    output_dir = os.path.dirname(str(checkpoints.directory))
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state))
+    params_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state.params))
+    by_disk = {}  # what is written to each disk: one of its directories, and the bytes
+    for directory, size in ((str(checkpoints.directory), state_bytes), (output_dir, params_bytes)):
+        disk = os.stat(directory).st_dev
+        first_directory, total = by_disk.get(disk, (directory, 0))
+        by_disk[disk] = (first_directory, total + size)
+    short = [(directory, shutil.disk_usage(directory).free, size) for directory, size in by_disk.values()]
+    short = [(directory, free, size) for directory, free, size in short if free < size]
+    # Every process stops, or none: a save waits for all of them.
+    anyone_short = bool(short)
+    if jax.process_count() > 1:
+        anyone_short = bool(np.any(multihost_utils.process_allgather(np.asarray(anyone_short))))
+    advice = "nothing of them was written: free some space there, then continue with --resume_from_checkpoint"
+    if short:
+        directory, free, size = short[0]
+        raise UsageError(
+            f"the disk of {directory} has {free / 1e6:.1f} MB free, less than the {size / 1e6:.1f} MB that the "
+            f"training checkpoint and model of step {step} take; {advice}"
+        )
+    if anyone_short:
+        raise UsageError(
+            f"another process found no room for the training checkpoint and model of step {step}; {advice}"
         )
 
 

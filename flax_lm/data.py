@@ -113,7 +113,7 @@ def load_streams(model_args, data_args, training_args, tokenized_rows, tokenizer
     {"validation": the first blocks of the validation stream}, read once so that every evaluation (on every
     process) sees the same blocks."""
     streams = load_text_datasets(model_args, data_args, streaming=True)
-    check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+    check_tokenizer_encodes(tokenizer, streams, data_args)
     train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
     if not training_args.do_eval:
         return {}, train_stream
@@ -169,7 +169,7 @@ def cached_examples(model_args, data_args, training_args, tokenized_rows, tokeni
     with main_process_first("data prepared"), naming_a_full_disk("--cache_dir", cache_dir):
         evaluation_only = training_args.do_eval and not training_args.do_train
         texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
-        check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+        check_tokenizer_encodes(tokenizer, texts, data_args)
         return {
             split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
             for split, dataset in texts.items()

@@ -1,6 +1,7 @@
 """Hugging Face model directories: the config and tokenizer a run starts from, the safetensors weights it continues
 from, and the directory it exports (config.json, model.safetensors, tokenizer), which transformers loads."""
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, naming_a_full_disk
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,12 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray]):
     """model.safetensors in `output_dir`, replaced in one step so that no reader sees it half written."""
     os.makedirs(output_dir, exist_ok=True)
     weights_path = os.path.join(output_dir, "model.safetensors")
-    save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+    try:
+        save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+    except BaseException:  # a full disk, say: the part written would only keep the disk full
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{weights_path}.tmp")
+        raise
     # safetensors writes 0600; the other files follow the umask. It can only be read by setting it: to the strictest
     # value, so that a file another thread creates meanwhile is never more open than the user asked for.
     umask = os.umask(0o077)
@@ -213,9 +219,10 @@ def save_model(output_dir: str, params, config, tokenizer, model):
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return
-    write_model_weights(output_dir, model.to_hf_state_dict(host_params))
-    config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
-    config.save_pretrained(output_dir)
-    if model.GENERATES_TEXT:
-        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    with naming_a_full_disk("--output_dir", output_dir):
+        write_model_weights(output_dir, model.to_hf_state_dict(host_params))
+        config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
+        config.save_pretrained(output_dir)
+        if model.GENERATES_TEXT:
+            GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)

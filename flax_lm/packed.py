@@ -438,7 +438,7 @@ def load_packed_corpus(
         if jax.process_index() == 0 and index is None:
             check_writable_directory(directory, "packed_data_dir")
             texts = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
-            check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+            check_tokenizer_encodes(tokenizer, texts, data_args)
             logger.info("Packing %s into %s", " and ".join(texts), directory)
             index = pack_texts(directory, texts, tokenized_rows, tokenizer, block_size, description, data_args)
     if jax.process_count() > 1:

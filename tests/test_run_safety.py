@@ -9,6 +9,7 @@ run, or it stops with one line and leaves the directory as it was.
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
 from test_mlm import run_mlm_flax
 
+import flax_lm.compilation
 import flax_lm.run_dir
 from flax_lm.checkpoints import open_checkpoints
 from flax_lm.checksums import CHECKPOINT_CHECKSUMS, checkpoint_checksum_problem
@@ -334,6 +336,23 @@ def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_
     assert progress["arguments"]["save_steps"] == 3
 
 
+def test_a_disk_without_room_for_a_checkpoint_stops_the_run_in_one_line_before_anything_is_written(
+    model_dir, tmp_path, monkeypatch
+):
+    disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=100_000))
+    output_dir = tmp_path / "full"
+    with pytest.raises(UsageError) as error:
+        run_main(monkeypatch, arguments(model_dir, output_dir))
+    assert re.fullmatch(
+        rf"the disk of {output_dir}/checkpoints has 0\.1 MB free, less than the 0\.\d MB that the training checkpoint "
+        r"and model of step 2 take; nothing of them was written: free some space there, then continue with "
+        r"--resume_from_checkpoint",
+        str(error.value),
+    )
+    assert os.listdir(output_dir / "checkpoints") == [] and not (output_dir / "model.safetensors").exists()
+
+
 def test_a_second_run_in_a_directory_in_use_stops_in_one_line_and_changes_nothing(
     model_dir, complete_run, tmp_path, monkeypatch
 ):
@@ -468,6 +487,34 @@ def test_a_run_that_finds_the_directory_locked_names_the_run_holding_it(tmp_path
     held.release()  # as when the holder ends: the lock is free again, and names its new holder
     lock_output_dir(str(tmp_path)).release()
     assert (tmp_path / OUTPUT_DIR_LOCK).read_text() == f"process {os.getpid()} on {socket.gethostname()}\n"
+
+
+def test_a_compiled_program_swapped_with_another_in_the_cache_is_compiled_again(tmp_path, caplog):
+    """JAX finds an entry by its file's name alone: another program's bytes there failed every run (an AssertionError
+    on the count of outputs) until the cache was cleared."""
+    settings = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    previous = {name: getattr(jax.config, name) for name in settings}
+    try:
+        flax_lm.compilation.use_compilation_cache(str(tmp_path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        compilation_cache.reset_cache()
+        two_outputs, one_output = jax.jit(lambda x: (x + 1, x * 2)), jax.jit(lambda x: x - 1)
+        two_outputs(np.ones(3)), one_output(np.ones(3))
+        first, second = sorted(path for path in tmp_path.iterdir() if path.name.endswith("-cache"))
+        first_bytes = first.read_bytes()
+        first.write_bytes(second.read_bytes())
+        second.write_bytes(first_bytes)
+        jax.clear_caches()
+        compilation_cache.reset_cache()
+        with caplog.at_level(logging.WARNING, logger=flax_lm.compilation.logger.name):
+            plus_one, times_two = two_outputs(np.ones(3))
+            minus_one = one_output(np.ones(3))
+        np.testing.assert_array_equal(np.stack([plus_one, times_two, minus_one]), [[2] * 3, [2] * 3, [0] * 3])
+        assert caplog.text.count("holds the program of another entry; compiling its own again") == 2
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def test_checkpoints_are_set_aside_across_disks_where_checkpoints_is_a_link(tmp_path, monkeypatch):
