@@ -210,7 +210,8 @@ def check_architecture_fits(params, config, model):
 def save_model(output_dir: str, params, config, tokenizer, model):
     """A Hugging Face model directory: config.json naming `model.HF_ARCHITECTURE`, the weights as `model` maps them
     (model.to_hf_state_dict) in model.safetensors, the tokenizer and, for a model that generates text
-    (model.GENERATES_TEXT), its generation config. `model` is the model's module (flax_lm.models.gpt2, for one).
+    (model.GENERATES_TEXT), its generation config (for one that does not, an earlier model's there is removed).
+    `model` is the model's module (flax_lm.models.gpt2, for one).
 
     Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the
     architecture the config names are refused first (check_architecture_fits), by every process, with nothing written.
@@ -225,4 +226,8 @@ def save_model(output_dir: str, params, config, tokenizer, model):
         config.save_pretrained(output_dir)
         if model.GENERATES_TEXT:
             GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+        elif os.path.isfile(
+            os.path.join(output_dir, "generation_config.json")
+        ):  # an earlier model's, in this directory
+            os.remove(os.path.join(output_dir, "generation_config.json"))
         tokenizer.save_pretrained(output_dir)

@@ -249,6 +249,9 @@ REFUSALS = {
         ["--min_lr_rate", "linear or cosine"]),
     "clm-adam-beta2-above-1": ("run_clm_flax", [*CLM, "--adam_beta2", "1.5"], ["--adam_beta2 1.5", "[0, 1)"]),
     "clm-negative-max-grad-norm": ("run_clm_flax", [*CLM, "--max_grad_norm", "-1"], ["--max_grad_norm -1.0"]),
+    "clm-max-steps-of-0": ("run_clm_flax", [*CLM, "--max_steps", "0"], ["--max_steps 0 must be positive, or -1"]),
+    "clm-repeated-mesh-axis": (
+        "run_clm_flax", [*CLM, "--mesh_shape", "data=1,data=1"], ["--mesh_shape data=1,data=1 sizes the data axis"]),
     "clm-negative-max-train-samples": (
         "run_clm_flax", [*CLM, "--max_train_samples", "-5"], ["--max_train_samples -5", "at least 1"]),
     "clm-negative-sample-tokens": ("run_clm_flax", [*CLM, "--sample_tokens", "-1"], ["--sample_tokens"]),
@@ -270,6 +273,12 @@ REFUSALS = {
     "config-zero-layer-norm-epsilon": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "layer_norm_epsilon=0"],
         ["layer_norm_epsilon must be positive"]),
+    "config-activation-no-model-computes": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "activation_function=tanh"],
+        ["activation_function 'tanh' is not an activation the models compute", "gelu_new"]),
+    "config-roberta-activation-no-model-computes": (
+        "create_config", ["--preset", "roberta-tiny", "--output_dir", "{out}", "--set", "hidden_act=gelu_fast"],
+        ["hidden_act 'gelu_fast' is not an activation"]),
     # Flags for another model or of the Hugging Face examples that these scripts do not take
     "clm-roberta-model-type": (
         "run_clm_flax", [*CLM, "--model_type", "roberta"], ["--model_type roberta", "run_mlm_flax.py trains roberta"]),

@@ -316,6 +316,17 @@ def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
     assert len(os.listdir(output_dir / "tensorboard")) == 1
 
 
+def test_overwrite_keeps_a_file_of_the_users_in_the_checkpoints_directory(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    (output_dir / "checkpoints" / "notes.txt").write_text("the user's own file, beside the checkpoints")
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir"))
+    assert "--overwrite_output_dir: kept checkpoints/notes.txt, which no run wrote" in capfd.readouterr().err
+    assert sorted(os.listdir(output_dir / "checkpoints")) == ["2", "4", "6", "notes.txt"]
+    assert_same_weights(output_dir, complete_run)
+
+
 def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_and_keeps_the_link(
     model_dir, complete_run, tmp_path, monkeypatch, capfd
 ):
@@ -423,18 +434,22 @@ def roberta_dir(run_tool, roberta_tokenizer_dir, tmp_path_factory):
     return str(directory)
 
 
+def mlm_arguments(roberta_dir, output_dir, *extra) -> list[str]:
+    return [
+        "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
+        "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
+        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_steps", "2",
+        "--logging_steps", "2", "--fill_mask_top_k", "0", *extra,
+    ]  # fmt: skip
+
+
 def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
     roberta_dir, tmp_path, monkeypatch, capfd
 ):
     output_dir = tmp_path / "mlm"
 
     def run(*extra):
-        monkeypatch.setattr(sys, "argv", [
-            "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
-            "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
-            "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_steps", "2",
-            "--logging_steps", "2", "--fill_mask_top_k", "0", *extra,
-        ])  # fmt: skip
+        monkeypatch.setattr(sys, "argv", mlm_arguments(roberta_dir, output_dir, *extra))
         run_mlm_flax.main()
         return capfd.readouterr().err
 
@@ -459,16 +474,12 @@ def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
     assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4"]
 
 
-def test_a_masked_lm_resumed_in_a_causal_lm_run_is_told_whose_checkpoints_they_are(
+def test_a_masked_lm_in_a_causal_lm_run_is_told_whose_checkpoints_they_are_and_overwrites_all_of_it(
     roberta_dir, complete_run, tmp_path, monkeypatch
 ):
     output_dir = copy_of(complete_run, tmp_path)
     before = snapshot(output_dir)
-    monkeypatch.setattr(sys, "argv", [
-        "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
-        "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
-        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "8", "--resume_from_checkpoint",
-    ])  # fmt: skip
+    monkeypatch.setattr(sys, "argv", mlm_arguments(roberta_dir, output_dir, "--resume_from_checkpoint"))
     with pytest.raises(run_mlm_flax.UsageError) as error:
         run_mlm_flax.main()
     assert str(error.value) == (
@@ -477,6 +488,13 @@ def test_a_masked_lm_resumed_in_a_causal_lm_run_is_told_whose_checkpoints_they_a
         "another --output_dir"
     )
     assert snapshot(output_dir) == before
+
+    # A new run in its place leaves nothing of the causal LM's beside the RoBERTa that would claim to be part of it.
+    monkeypatch.setattr(sys, "argv", mlm_arguments(roberta_dir, output_dir, "--overwrite_output_dir"))
+    run_mlm_flax.main()
+    assert json.loads((output_dir / "config.json").read_text())["architectures"] == ["RobertaForMaskedLM"]
+    assert (output_dir / "run_mlm_flax.py").is_file()
+    assert not (output_dir / "run_clm_flax.py").exists() and not (output_dir / "generation_config.json").exists()
 
 
 def test_a_run_that_finds_the_directory_locked_names_the_run_holding_it(tmp_path):
