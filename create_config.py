@@ -333,6 +333,14 @@ def check_config(config, preset, tokenizer=None):
         value = getattr(config, name, None)
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be positive, not {value}; fix it with --set")
+    from flax_lm.models.common import ACTIVATIONS  # here: JAX, which it imports, takes a second to load
+
+    name = "activation_function" if config.model_type == "gpt2" else "hidden_act"
+    if getattr(config, name) not in ACTIVATIONS:
+        raise UsageError(
+            f"{name} {getattr(config, name)!r} is not an activation the models compute; use one of "
+            f"{', '.join(ACTIVATIONS)}, e.g. --set {name}=gelu_new"
+        )
     if config.hidden_size % config.num_attention_heads != 0:
         raise UsageError(
             f"hidden size {config.hidden_size} is not divisible by the {config.num_attention_heads} attention heads; "

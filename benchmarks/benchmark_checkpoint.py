@@ -3,7 +3,9 @@
 
 The state is GPT-2's (124M parameters by default) with its AdamW moments: about 1.5 GB in float32.
 `save_checkpoint` returns once the arrays are copied off the devices (the part training waits for);
-Orbax writes the files in the background. Both times are reported, and a restore for comparison.
+Orbax writes the files in the background, and takes their checksums before it commits them. Both times are
+reported, a restore (which compares the checksums first) for comparison, and the checksums alone, taken and
+compared, per GB.
 
     python benchmarks/benchmark_checkpoint.py [--preset gpt2|gpt2-medium] [--repeats 3]
 """
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 from transformers import GPT2Config
 
 from flax_lm.checkpoints import open_checkpoints, restore_checkpoint, save_checkpoint
+from flax_lm.checksums import checkpoint_checksum_problem, write_checkpoint_checksums
 from flax_lm.mesh import create_mesh
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
 from flax_lm.train_state import abstract_train_state, create_train_state
@@ -65,9 +68,20 @@ def main():
                     f"({state_bytes / 1e9 / total:.2f} GB/s)"
                 )
         start = time.perf_counter()
-        restored, _, _ = restore_checkpoint("auto", output_dir, abstract_state, ["step"])
+        restored, _, path = restore_checkpoint("auto", output_dir, abstract_state, ["step"])
         jax.block_until_ready(restored)
         print(f"restore: {time.perf_counter() - start:.2f} s")
+        checkpoint_bytes = sum(
+            os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names
+        )
+        for what, checksums in (("taken", write_checkpoint_checksums), ("compared", checkpoint_checksum_problem)):
+            start = time.perf_counter()
+            checksums(path)
+            seconds = time.perf_counter() - start
+            print(
+                f"checksums {what} in {seconds:.2f} s, {seconds / (checkpoint_bytes / 1e9):.3f} s per GB "
+                f"({checkpoint_bytes / 1e9:.2f} GB of files, read from the page cache)"
+            )
 
 
 if __name__ == "__main__":

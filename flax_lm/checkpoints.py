@@ -3,6 +3,7 @@ one restored (into any mesh), and a stop on SIGINT or SIGTERM that saves first."
 
 import logging
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from flax_lm.checksums import checkpoint_checksum_problem, checkpoint_has_checksums, write_checkpoint_checksums
 from flax_lm.errors import UsageError
 from flax_lm.train_state import TrainState
 
@@ -20,16 +22,34 @@ logger = logging.getLogger(__name__)
 def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointManager:
     """OUTPUT_DIR/checkpoints/STEP. Orbax writes each checkpoint into a temporary directory and renames it once
     complete; an unfinished one is deleted when the directory is next opened. Every process writes its own shards
-    into the same directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a bucket)."""
+    into the same directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a bucket).
+
+    Each checkpoint holds the checksums of its files (flax_lm.checksums), which restore_checkpoint compares. Orbax
+    keeps none of the arrays' bytes (its zarr format checks only a shard's index), so they are taken here: once
+    every process's files are written and before the temporary directory is renamed into place, on process 0's
+    thread that finishes the checkpoint in the background, so that a committed checkpoint always has them."""
+    directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
+
+    def write_checksums_before_commit():
+        for entry in os.scandir(directory):
+            if ocp.step.is_tmp_checkpoint(entry.path):  # the checkpoint being finished: one at a time
+                write_checkpoint_checksums(entry.path)
+
     return ocp.CheckpointManager(
-        os.path.abspath(os.path.join(output_dir, "checkpoints")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=save_total_limit, cleanup_tmp_directories=True),
+        directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=save_total_limit,
+            cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=write_checksums_before_commit),
+        ),
     )
 
 
 def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progress_record: dict):
-    """Returns once the arrays are copied off the devices; the files are written while training goes on."""
+    """Returns once the arrays are copied off the devices; the files are written while training goes on. Refused in
+    one line, with nothing written, where the disk has no room for the checkpoint and the model's export after it."""
     step = progress_record["step"]
+    check_room_to_save(checkpoints, state, step)
     started = checkpoints.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record))
     )
@@ -37,6 +57,38 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
         raise UsageError(
             f"cannot save training checkpoint {step}: {checkpoints.directory} already holds checkpoint "
             f"{checkpoints.latest_step()}; pass --overwrite_output_dir to start afresh"
+        )
+
+
+def check_room_to_save(checkpoints: ocp.CheckpointManager, state: TrainState, step: int):
+    """Refuse to save where the disk of the checkpoints (OUTPUT_DIR/checkpoints, or where a link of that name leads)
+    or of the export (OUTPUT_DIR) has less room than they take: the state's bytes (Orbax compresses little of
+    them), and the parameters' for the export. Written into a disk that fills, the checkpoint would fail in its
+    background threads, with a traceback from each."""
+    output_dir = os.path.dirname(str(checkpoints.directory))
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state))
+    params_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(state.params))
+    by_disk = {}  # what is written to each disk: one of its directories, and the bytes
+    for directory, size in ((str(checkpoints.directory), state_bytes), (output_dir, params_bytes)):
+        disk = os.stat(directory).st_dev
+        first_directory, total = by_disk.get(disk, (directory, 0))
+        by_disk[disk] = (first_directory, total + size)
+    short = [(directory, shutil.disk_usage(directory).free, size) for directory, size in by_disk.values()]
+    short = [(directory, free, size) for directory, free, size in short if free < size]
+    # Every process stops, or none: a save waits for all of them.
+    anyone_short = bool(short)
+    if jax.process_count() > 1:
+        anyone_short = bool(np.any(multihost_utils.process_allgather(np.asarray(anyone_short))))
+    advice = "nothing of them was written: free some space there, then continue with --resume_from_checkpoint"
+    if short:
+        directory, free, size = short[0]
+        raise UsageError(
+            f"the disk of {directory} has {free / 1e6:.1f} MB free, less than the {size / 1e6:.1f} MB that the "
+            f"training checkpoint and model of step {step} take; {advice}"
+        )
+    if anyone_short:
+        raise UsageError(
+            f"another process found no room for the training checkpoint and model of step {step}; {advice}"
         )
 
 
@@ -67,6 +119,26 @@ def check_model_code(model_code, progress_record: dict):
             f"{model_code.fingerprint}); resume with the code it was trained with (a model file of your own: "
             "--model_file)"
         )
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files differ from the checksums taken when it was saved."""
+
+
+# The sequence length each training script records in its checkpoints, with what the script trains: a checkpoint that
+# records the other script's was saved by that script (or a copy of it).
+SEQUENCE_LENGTH_KEYS = {"block_size": ("causal", "run_clm_flax.py"), "max_seq_length": ("masked", "run_mlm_flax.py")}
+
+
+def last_intact_checkpoint(checkpoints: ocp.CheckpointManager) -> str | None:
+    """The newest complete checkpoint whose files still match their checksums (or that has none), for a message
+    naming the one to go back to; None where there is none. Waits for the one being written: it may be that one."""
+    checkpoints.wait_until_finished()
+    for step in sorted(checkpoints.all_steps(), reverse=True):
+        path = os.path.join(str(checkpoints.directory), str(step))
+        if os.path.isdir(path) and checkpoint_checksum_problem(path) is None:
+            return path
+    return None
 
 
 def restore_checkpoint(
@@ -107,12 +179,13 @@ def restore_checkpoint(
         for candidate in steps:
             path = os.path.join(directory, str(candidate))
             try:
+                # Process 0 compares the checksums for all: every process reading the whole checkpoint again would
+                # multiply the reads of a shared file system by the process count.
+                if jax.process_index() == 0 and (problem := checkpoint_checksum_problem(path)):
+                    raise DamagedCheckpoint(problem)
                 progress_args = ocp.args.Composite(progress=ocp.args.JsonRestore())
                 progress = manager.restore(candidate, args=progress_args).progress
-                if not isinstance(progress, dict) or any(key not in progress for key in progress_keys):
-                    raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
-                if progress["step"] != candidate:
-                    raise ValueError(f"its progress record is of step {progress['step']}")
+                check_progress_record(path, progress, progress_keys, candidate)
                 if check_progress is not None:
                     check_progress(progress)
                 check_checkpoint_fits(path, manager.item_metadata(candidate)["state"], abstract_state)
@@ -121,20 +194,29 @@ def restore_checkpoint(
                 restored, reason = (manager.restore(candidate, args=args).state, progress, path), None
             except UsageError:
                 raise
+            except DamagedCheckpoint as error:
+                restored, reason = None, f"damaged ({error})"
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for damaged files
-                restored, reason = None, str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+                first_line = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+                restored, reason = None, f"unreadable ({first_line})"
             # Every process takes the same checkpoint, even where only some could not read theirs.
             if jax.process_count() > 1:
                 if not np.all(multihost_utils.process_allgather(np.asarray(restored is not None))):
-                    restored, reason = None, reason or "another process could not read it"
+                    restored, reason = None, reason or "unreadable (another process could not read it)"
             if restored:
+                if not checkpoint_has_checksums(path):
+                    logger.warning(
+                        "The training checkpoint %s has no checksums (it was saved by an earlier version), so its "
+                        "bytes were not checked",
+                        path,
+                    )
                 return restored
             if not newest:
                 raise UsageError(
-                    f"the training checkpoint {path} is unreadable ({reason}); resume from an earlier one, or pass "
+                    f"the training checkpoint {path} is {reason}; resume from an earlier one, or pass "
                     "--resume_from_checkpoint alone for the newest readable one"
                 )
-            logger.warning("skipping the training checkpoint %s: it is unreadable (%s)", path, reason)
+            logger.warning("skipping the training checkpoint %s: it is %s", path, reason)
             unreadable.append((candidate, reason))
     if newest and unreadable:
         # Every process skipped the same checkpoints, so every one stops here.
@@ -148,6 +230,26 @@ def restore_checkpoint(
     if newest:
         return None
     raise UsageError(f"--resume_from_checkpoint: there is no readable training checkpoint in {directory}")
+
+
+def check_progress_record(path: str, progress, progress_keys: list[str], step: int):
+    """Refuse, in one line, the checkpoint of the other training script (a ValueError, which skips the checkpoint as
+    unreadable, for a record that is damaged)."""
+    if not isinstance(progress, dict):
+        raise ValueError("its progress record is not a mapping")
+    ours = [key for key in progress_keys if key in SEQUENCE_LENGTH_KEYS]
+    theirs = [key for key in SEQUENCE_LENGTH_KEYS if key in progress and key not in progress_keys]
+    if ours and theirs and ours[0] not in progress:
+        (our_kind, _), (their_kind, their_script) = SEQUENCE_LENGTH_KEYS[ours[0]], SEQUENCE_LENGTH_KEYS[theirs[0]]
+        raise UsageError(
+            f"the training checkpoint {path} is of a {their_kind} language model, saved by {their_script} or a copy "
+            f"of it, not of this script's {our_kind} one: resume it with the script that saved it, or train into "
+            "another --output_dir"
+        )
+    if any(key not in progress for key in progress_keys):
+        raise ValueError("its progress record lacks one of " + ", ".join(progress_keys))
+    if progress["step"] != step:
+        raise ValueError(f"its progress record is of step {progress['step']}")
 
 
 def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState):

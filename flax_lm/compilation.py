@@ -2,11 +2,17 @@
 on disk so that the next run of the same model, shapes and flags loads them instead of compiling them again; and the
 train step compiled on a thread while the run prepares everything else."""
 
+import contextlib
 import logging
 import os
 import threading
 
 import jax
+import xxhash
+
+# JAX's persistent cache has no public way to wrap its entries (see KeyedEntries): its private module it is.
+from jax._src import compilation_cache as jax_compilation_cache
+from jax._src.compilation_cache_interface import CacheInterface
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,67 @@ def use_compilation_cache(directory: str | None):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS_KEPT)
     if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no limit, and no locks
         jax.config.update("jax_compilation_cache_max_size", CACHE_SIZE_LIMIT_BYTES)
+    keep_entries_keyed()
+
+
+class KeyedEntries(CacheInterface):
+    """JAX's file cache of compiled programs, each entry led by a line naming its key (a hash of the program and the
+    compiler's settings, which names the file) and the checksum of the rest. JAX trusts the file's name alone: an
+    entry swapped with another's or copied over it loads another program, which fails on every run until the cache is
+    cleared (an AssertionError where the outputs differ) or, with the same shapes, computes the other program. An
+    entry whose line names another key or checksum, or that has none (written by JAX alone, or before this), is
+    removed and its program compiled and stored again, as JAX compiles again where it cannot read an entry (but leaves
+    it, to fail again the next time)."""
+
+    MARK = b"flax_lm compiled program"
+
+    def __init__(self, files: CacheInterface):
+        self.files = files
+
+    @property
+    def _path(self):  # JAX's messages name the cache by it
+        return self.files._path
+
+    def header(self, key: str, value: bytes) -> bytes:
+        return b" ".join([self.MARK, key.encode(), xxhash.xxh3_128_hexdigest(value).encode()]) + b"\n"
+
+    def get(self, key: str) -> bytes | None:
+        entry = self.files.get(key)
+        if entry is None:
+            return None
+        header, _, value = entry.partition(b"\n")
+        if header + b"\n" == self.header(key, value):
+            return value
+        path = os.path.join(str(self.files._path), f"{key}-cache")
+        if not header.startswith(self.MARK):
+            logger.info("Compilation cache: compiling %s again, to store it with its key", path)
+        elif header.split()[3:4] != [key.encode()]:
+            logger.warning("Compilation cache: %s holds the program of another entry; compiling its own again", path)
+        else:
+            logger.warning("Compilation cache: %s changed since it was written; compiling it again", path)
+        with contextlib.suppress(FileNotFoundError):  # so that the program compiled now takes its place
+            os.remove(path)
+        return None
+
+    def put(self, key: str, value: bytes):
+        self.files.put(key, self.header(key, value) + value)
+
+
+def keep_entries_keyed():
+    """Make JAX's persistent cache a KeyedEntries, now if it is open and whenever it is opened again."""
+    open_files = jax_compilation_cache.get_file_cache
+    if getattr(open_files, "keyed", False):
+        return
+
+    def open_keyed_files(path):
+        opened = open_files(path)
+        return None if opened is None else (KeyedEntries(opened[0]), opened[1])
+
+    open_keyed_files.keyed = True
+    jax_compilation_cache.get_file_cache = open_keyed_files
+    cache = jax_compilation_cache._cache
+    if cache is not None and not isinstance(cache, KeyedEntries):
+        jax_compilation_cache._cache = KeyedEntries(cache)
 
 
 def compile_in_background(jitted, *abstract_args) -> threading.Thread:

@@ -13,23 +13,27 @@ import numpy as np
 
 from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.mesh import prefetch, process_slice, to_global_batch
-from flax_lm.mixture import Mixture, read_mixture, source_data_arguments
+from flax_lm.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
 from flax_lm.packed import cached_blocks, load_packed_corpus
 from flax_lm.processes import main_process_first
-from flax_lm.texts import check_tokenizer_encodes, load_text_datasets, token_arrays
+from flax_lm.texts import check_tokenizer_encodes, load_text_datasets, token_arrays, warn_of_files_in_both_splits
 
 logger = logging.getLogger(__name__)
 
 
-def hold_out_blocks(blocks: dict, validation_split_percentage: int) -> dict:
+def hold_out_blocks(blocks: dict, validation_split_percentage: int, source: str = "") -> dict:
     """{split: examples} with a validation split: without one, the first validation_split_percentage percent of the
     training examples (blocks: by blocks rather than texts, so that a corpus of one long document can be split too).
-    The one rule of every data route (files, datasets, --packed_data_dir)."""
+    The one rule of every data route (files, datasets, --packed_data_dir). `source`: whose data it is, for the
+    message."""
     if "train" not in blocks or "validation" in blocks:
         return blocks
     train = blocks["train"]
     if len(train) < 2:
-        raise UsageError("the training data makes fewer than 2 examples; there is nothing to hold out for evaluation")
+        raise UsageError(
+            f"the training data{source} makes {len(train)} examples, fewer than 2; there is nothing to hold out for "
+            "evaluation: add text, or give a validation file"
+        )
     validation_size = max(1, len(train) * validation_split_percentage // 100)
     return {"validation": train[:validation_size], "train": train[validation_size:]}
 
@@ -110,7 +114,7 @@ def load_streams(model_args, data_args, training_args, tokenized_rows, tokenizer
     {"validation": the first blocks of the validation stream}, read once so that every evaluation (on every
     process) sees the same blocks."""
     streams = load_text_datasets(model_args, data_args, streaming=True)
-    check_tokenizer_encodes(tokenizer, streams, data_args.text_column_name)
+    check_tokenizer_encodes(tokenizer, streams, data_args)
     train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
     if not training_args.do_eval:
         return {}, train_stream
@@ -137,6 +141,7 @@ def load_data(
         return load_mixture(
             model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, length_argument
         )
+    warn_of_files_in_both_splits(data_args)
     if data_args.packed_data_dir:
         with naming_a_full_disk("--packed_data_dir", data_args.packed_data_dir):
             examples = load_packed_corpus(
@@ -165,7 +170,7 @@ def cached_examples(model_args, data_args, training_args, tokenized_rows, tokeni
     with main_process_first("data prepared"), naming_a_full_disk("--cache_dir", cache_dir):
         evaluation_only = training_args.do_eval and not training_args.do_train
         texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
-        check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+        check_tokenizer_encodes(tokenizer, texts, data_args)
         return {
             split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
             for split, dataset in texts.items()
@@ -175,7 +180,7 @@ def cached_examples(model_args, data_args, training_args, tokenized_rows, tokeni
 def final_examples(examples: dict, data_args, block_size: int, length_argument: str, source: str = "") -> dict:
     """The rows of each split as a run uses them: a validation split held out where there is none, cut to
     --max_train_samples and --max_eval_samples; refused where empty. `source`: whose data it is, for the message."""
-    examples = hold_out_blocks(examples, data_args.validation_split_percentage)
+    examples = hold_out_blocks(examples, data_args.validation_split_percentage, source)
     if data_args.max_train_samples is not None and "train" in examples:
         examples["train"] = examples["train"][: data_args.max_train_samples]
     if data_args.max_eval_samples is not None and "validation" in examples:
@@ -198,10 +203,15 @@ def load_mixture(
     name: rows}}, each source's rows made as those of --train_file and --validation_file are (a source without
     validation files has some of its training rows held out)."""
     train_sources, validation = [], {}
-    for source in read_mixture(data_args.data_mixture):
+    sources = read_mixture(data_args.data_mixture)
+    warn_of_validation_files_trained_on(sources, f"--data_mixture {data_args.data_mixture}")
+    for source in sources:
         source_args = source_data_arguments(data_args, source)
         logger.info("Mixture source %s", source.name)
-        examples = cached_examples(model_args, source_args, training_args, tokenized_rows, tokenizer, block_size)
+        try:
+            examples = cached_examples(model_args, source_args, training_args, tokenized_rows, tokenizer, block_size)
+        except UsageError as error:  # the message names the files; say whose they are
+            raise UsageError(f"--data_mixture {data_args.data_mixture}, source '{source.name}': {error}") from None
         examples = final_examples(examples, source_args, block_size, length_argument, f" of source '{source.name}'")
         if "train" in examples and training_args.do_train:
             train_sources.append((source, examples["train"]))

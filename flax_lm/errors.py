@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import re
 import sys
 
 
@@ -15,12 +16,18 @@ def naming_a_full_disk(flag: str, directory: str):
     --`flag` the user can change), where the error itself names no file."""
     try:
         yield
-    except OSError as error:
-        if error.errno != errno.ENOSPC:
+    except Exception as error:
+        if not is_full_disk(error):
             raise
         raise UsageError(
             f"the disk of {flag} {directory} is full; free some space there or pass another {flag}"
         ) from None
+
+
+def is_full_disk(error: Exception) -> bool:
+    """Whether `error` is a disk that filled up: an OSError, or a library's own error quoting the system's (safetensors
+    and TensorStore, Orbax's storage, raise such)."""
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error)
 
 
 def user_error_message(error: Exception) -> str | None:
@@ -34,8 +41,10 @@ def user_error_message(error: Exception) -> str | None:
             f"{first_line}; without a network (or with HF_HUB_OFFLINE=1) only what is in the cache can be loaded: "
             "pass local files or directories, or run once online"
         )
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        where = f" writing {error.filename}" if error.filename else ""
+    if is_full_disk(error):
+        # A library's error names the file in quotes, if at all.
+        path = getattr(error, "filename", None) or next(iter(re.findall(r'"(/[^"]+)"', str(error))), None)
+        where = f" writing {path}" if path else ""
         return (
             f"the disk is full{where}; free some space, or pass a --cache_dir or --output_dir on a disk that has it "
             "(a run killed by this resumes with --resume_from_checkpoint)"
@@ -49,9 +58,23 @@ def user_error_message(error: Exception) -> str | None:
     return None
 
 
+def without_echoes_of_a_failed_write(report_unraisable):
+    """sys.unraisablehook, but silent for what a checkpoint failing on a full disk leaves behind: the errors of
+    TensorStore's writes still under way, and its callbacks into the asyncio loop that Orbax closed on the failure
+    ("Event loop is closed"), each a traceback that says nothing the command's last line does not."""
+
+    def report(unraisable):
+        error = unraisable.exc_value
+        if not (is_full_disk(error) or (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")):
+            report_unraisable(unraisable)
+
+    return report
+
+
 def run(main):
     """Run a script's main(): a mistake the user can fix ends in one line on stderr and exit status 2, not a
     traceback; any other error (a bug) keeps its traceback."""
+    sys.unraisablehook = without_echoes_of_a_failed_write(sys.unraisablehook)
     try:
         main()
     except Exception as error:

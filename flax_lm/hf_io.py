@@ -2,6 +2,7 @@
 from, and the directory it exports (config.json, model.safetensors, tokenizer), which transformers loads; or, for
 model code not known to compute a transformers architecture, flax_model.safetensors beside the model file."""
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.model_code import FINGERPRINT_KEY, FLAX_WEIGHTS_NAME, MODEL_FILE_KEY, ModelCode, check_model_file_of
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,12 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file
     """The weights file `file_name` in `output_dir`, replaced in one step so that no reader sees it half written."""
     os.makedirs(output_dir, exist_ok=True)
     weights_path = os.path.join(output_dir, file_name)
-    save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+    try:
+        save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+    except BaseException:  # a full disk, say: the part written would only keep the disk full
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{weights_path}.tmp")
+        raise
     # safetensors writes 0600; the other files follow the umask. It can only be read by setting it: to the strictest
     # value, so that a file another thread creates meanwhile is never more open than the user asked for.
     umask = os.umask(0o077)
@@ -236,10 +242,11 @@ def check_architecture_fits(params, config, model):
 
 def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode):
     """A Hugging Face model directory: config.json, the weights, the tokenizer and, for a model that generates text
-    (GENERATES_TEXT), its generation config. Where `model_code` claims its architecture (flax_lm.model_code), the
-    config names it and model.safetensors holds the weights as the module maps them (to_hf_state_dict), for
-    transformers; otherwise flax_model.safetensors holds the Flax parameters, beside a copy of the model file, for
-    the tools of this repository (--model_file), and transformers finds no weights it could load as another model.
+    (GENERATES_TEXT), its generation config (for one that does not, an earlier model's there is removed). Where
+    `model_code` claims its architecture (flax_lm.model_code), the config names it and model.safetensors holds the
+    weights as the module maps them (to_hf_state_dict), for transformers; otherwise flax_model.safetensors holds the
+    Flax parameters, beside a copy of the model file, for the tools of this repository (--model_file), and
+    transformers finds no weights it could load as another model.
 
     Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the
     architecture the config names are refused first (check_architecture_fits), by every process, with nothing written.
@@ -254,24 +261,28 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
     for key in (MODEL_FILE_KEY, FINGERPRINT_KEY):
         if hasattr(config, key):
             delattr(config, key)
-    if model_code.claims_architecture:
-        write_model_weights(output_dir, model.to_hf_state_dict(host_params), "model.safetensors")
-        remove_if_there(os.path.join(output_dir, FLAX_WEIGHTS_NAME))
-        config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
-    else:
-        flat = {"/".join(path): np.asarray(value) for path, value in flatten_dict(host_params).items()}
-        write_model_weights(output_dir, flat, FLAX_WEIGHTS_NAME)
-        # An earlier export's model.safetensors would load in transformers as the architecture it named.
-        remove_if_there(os.path.join(output_dir, "model.safetensors"))
-        model_file = os.path.basename(model_code.own_file or model.__file__)
-        shutil.copyfile(model.__file__, os.path.join(output_dir, model_file))
-        config.architectures = None
-        setattr(config, MODEL_FILE_KEY, model_file)
-        setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
-    config.save_pretrained(output_dir)
-    if model.GENERATES_TEXT:
-        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    generation_config = os.path.join(output_dir, "generation_config.json")
+    with naming_a_full_disk("--output_dir", output_dir):
+        if model_code.claims_architecture:
+            write_model_weights(output_dir, model.to_hf_state_dict(host_params), "model.safetensors")
+            remove_if_there(os.path.join(output_dir, FLAX_WEIGHTS_NAME))
+            config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
+        else:
+            flat = {"/".join(path): np.asarray(value) for path, value in flatten_dict(host_params).items()}
+            write_model_weights(output_dir, flat, FLAX_WEIGHTS_NAME)
+            # An earlier export's model.safetensors would load in transformers as the architecture it named.
+            remove_if_there(os.path.join(output_dir, "model.safetensors"))
+            model_file = os.path.basename(model_code.own_file or model.__file__)
+            shutil.copyfile(model.__file__, os.path.join(output_dir, model_file))
+            config.architectures = None
+            setattr(config, MODEL_FILE_KEY, model_file)
+            setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
+        config.save_pretrained(output_dir)
+        if model.GENERATES_TEXT:
+            GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+        else:
+            remove_if_there(generation_config)  # an earlier model's, in this directory
+        tokenizer.save_pretrained(output_dir)
 
 
 def copy_of(config):

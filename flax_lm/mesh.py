@@ -45,9 +45,13 @@ def create_mesh(mesh_shape: str | None = None) -> jax.sharding.Mesh:
     given = {}
     if mesh_shape:
         try:
-            given = {name.strip(): int(size) for name, size in (part.split("=") for part in mesh_shape.split(","))}
+            pairs = [(name.strip(), int(size)) for name, size in (part.split("=") for part in mesh_shape.split(","))]
         except ValueError:
             raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M,tensor=K") from None
+        given = dict(pairs)
+        if len(given) < len(pairs):
+            repeated = next(name for name, _ in pairs if [other for other, _ in pairs].count(name) > 1)
+            raise UsageError(f"--mesh_shape {mesh_shape} sizes the {repeated} axis twice; give each axis once")
         if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
             raise UsageError(f"--mesh_shape {mesh_shape}: the axes are data, fsdp and tensor, each at least 1")
     others = given.get("fsdp", 1) * given.get("tensor", 1)

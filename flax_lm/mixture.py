@@ -12,7 +12,7 @@ import numpy as np
 import yaml
 
 from flax_lm.errors import UsageError
-from flax_lm.texts import data_file_patterns
+from flax_lm.texts import data_file_paths, data_file_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,33 @@ class Source:
     validation_file: list[str]
 
 
+class MixtureLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but for two things a mixture file must not leave to chance: a key given twice in one
+    mapping is refused (PyYAML keeps the last, so a source named twice would silently be one), and a number in
+    exponent notation without a dot (1e-3, as JSON writes it) is read as the number it is, not as a string (YAML 1.1
+    asks for 1.0e-3)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+MixtureLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
+
+
+class DuplicateKey(Exception):
+    def __init__(self, key, line: int):
+        super().__init__(key, line)
+        self.key, self.line = key, line
+
+
 def read_mixture(path: str) -> list[Source]:
     """The sources of a mixture file (YAML, or JSON, which YAML reads too): a mapping from each source's name to its
     weight, train_file and validation_file. Files and globs are taken relative to the mixture file's directory."""
@@ -37,7 +64,12 @@ def read_mixture(path: str) -> list[Source]:
         raise UsageError(f"{flag} does not exist or is not a file")
     try:
         with open(path, encoding="utf-8") as file:
-            entries = yaml.safe_load(file)
+            entries = yaml.load(file, Loader=MixtureLoader)
+    except DuplicateKey as duplicate:
+        raise UsageError(
+            f"{flag}: line {duplicate.line} gives {duplicate.key!r} a second time in the same mapping; give each "
+            "source, and each of its keys, once"
+        ) from None
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise UsageError(f"{flag} is not YAML or JSON: {' '.join(str(error).split())}") from None
     example = "e.g. 'web: {weight: 3, train_file: web/*.jsonl.gz}'"
@@ -73,6 +105,26 @@ def read_mixture(path: str) -> list[Source]:
     return sources
 
 
+def warn_of_validation_files_trained_on(sources: list[Source], flag: str):
+    """Warn where a source's validation file is a training file of its own or of another source (as
+    warn_of_files_in_both_splits does for --train_file and --validation_file): its evaluation then measures how well
+    the model remembers texts it trained on."""
+    train_files = {source.name: data_file_paths(source.train_file) for source in sources}
+    for source in sources:
+        validation_files = data_file_paths(source.validation_file)
+        for other, files in train_files.items():
+            if shared := sorted(validation_files & files):
+                whose = "its own train_file" if other == source.name else f"a train_file of source '{other}'"
+                logger.warning(
+                    "%s: the validation_file of source '%s' is %s (%s): its evaluation measures how well the model "
+                    "remembers its training texts, not how it does on new text",
+                    flag,
+                    source.name,
+                    whose,
+                    ", ".join(shared),
+                )
+
+
 def source_data_arguments(data_args, source: Source):
     """The data arguments that read one source's files as --train_file and --validation_file would."""
     return dataclasses.replace(
@@ -97,7 +149,8 @@ class Mixture:
 
     def __init__(self, names: list[str], weights: list[float], sources: list, rows_are_tokens: bool = True):
         self.names, self.sources, self.rows_are_tokens = names, sources, rows_are_tokens
-        self.weights = np.asarray(weights, np.float64) / sum(weights)
+        scaled = np.asarray(weights, np.float64) / max(weights)  # weights near the largest float would sum to inf
+        self.weights = scaled / scaled.sum()
         self.bounds = np.cumsum(self.weights)[:-1]
         self.offsets = np.concatenate([[0], np.cumsum([len(rows) for rows in sources])]).astype(np.int64)
         self.orders = {}  # (source, pass): the order of that pass, the few in use kept

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from flax_lm.arguments import check_writable_directory
+from flax_lm.checksums import file_checksum
 from flax_lm.code_fingerprint import code_fingerprint
 from flax_lm.errors import UsageError
 from flax_lm.processes import main_process_first
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 # A packed corpus is a directory of token rows (blocks of grouped texts, or lines padded with the pad token): for
 # each split, .npy shards of shape (rows, block_size) named SPLIT-00000.npy, SPLIT-00001.npy, ..., and an
-# index.json describing them, written last: a directory without index.json is an unfinished one, never read.
+# index.json describing them (with each shard's checksum, compared when a run first opens it), written last: a
+# directory without index.json is an unfinished one, never read.
 # Ids are stored as uint16 when the vocabulary fits (half the disk of int32) and always read as int32.
 PACKED_INDEX_FILE = "index.json"
 
@@ -88,7 +90,8 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
             np.save(written_path, shard[:filled], allow_pickle=False)
             os.remove(shard.filename)
         os.replace(written_path, os.path.join(directory, name))
-        shards.append({"file": name, "num_blocks": filled})
+        checksum = file_checksum(os.path.join(directory, name))
+        shards.append({"file": name, "num_blocks": filled, "checksum": checksum})
 
     for block_array in blocks:
         if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
@@ -186,23 +189,45 @@ class PackedBlocks:
     `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
 
     Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
-    only the blocks it asks for, whatever the size of the corpus.
+    only the blocks it asks for, whatever the size of the corpus. The first time it opens a shard, it compares the
+    shard's checksum with the index's: a shard whose bytes changed on disk since it was packed is never read, and
+    `on_damage(problem)` gives the error that stops the run instead (by default, one naming the directory).
     """
 
     dtype = np.dtype(np.int32)
     ndim = 2
     open_shards = 64
 
-    def __init__(self, directory: str, split_entry: dict, block_size: int, start: int = 0, stop: int | None = None):
+    def __init__(
+        self,
+        directory: str,
+        split_entry: dict,
+        block_size: int,
+        start: int = 0,
+        stop: int | None = None,
+        on_damage=None,
+    ):
         self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
+        self.on_damage = on_damage or (
+            lambda problem: UsageError(f"the packed corpus {directory} is damaged: {problem}")
+        )
         sizes = [shard["num_blocks"] for shard in split_entry["shards"]]
         self.shard_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         total = int(self.shard_starts[-1])
         self.start, self.stop = start, total if stop is None else stop
         self.shard = functools.lru_cache(maxsize=self.open_shards)(self.open_shard)
+        self.checked_shards = set()  # shared by the views of slices, as `shard` is
 
     def open_shard(self, shard_number: int) -> np.ndarray:
-        return np.load(os.path.join(self.directory, self.split_entry["shards"][shard_number]["file"]), mmap_mode="r")
+        shard = self.split_entry["shards"][shard_number]
+        path = os.path.join(self.directory, shard["file"])
+        if (
+            shard_number not in self.checked_shards and "checksum" in shard
+        ):  # a corpus packed before checksums has none
+            if file_checksum(path) != shard["checksum"]:
+                raise self.on_damage(f"{shard['file']} differs from the checksum taken when it was packed")
+            self.checked_shards.add(shard_number)
+        return np.load(path, mmap_mode="r")
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -241,8 +266,13 @@ class PackedBlocks:
         return blocks if dtype is None else blocks.astype(dtype, copy=False)
 
 
-def open_packed_corpus(directory: str, index: dict) -> dict[str, PackedBlocks]:
-    blocks = {split: PackedBlocks(directory, entry, index["block_size"]) for split, entry in index["splits"].items()}
+def open_packed_corpus(directory: str, index: dict, on_damage=None) -> dict[str, PackedBlocks]:
+    """{split: PackedBlocks} of the packed corpus in `directory`; `on_damage(problem)` gives the error that stops the
+    run where a shard's bytes changed on disk (see PackedBlocks)."""
+    blocks = {
+        split: PackedBlocks(directory, entry, index["block_size"], on_damage=on_damage)
+        for split, entry in index["splits"].items()
+    }
     for split, split_blocks in blocks.items():
         logger.info(
             "%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), index["block_size"], directory
@@ -307,6 +337,9 @@ def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: in
     if index is not None and (problem := packed_shards_problem(directory, index)):
         logger.warning("The packed cache %s is damaged (%s); packing it again", directory, problem)
         index = None
+    if index is not None and not all("checksum" in shard for shard in index["splits"][split]["shards"]):
+        logger.info("The packed cache %s was packed before shards had checksums; packing it again", directory)
+        index = None
     if index is not None:
         logger.info("Loading packed %s blocks from cache %s", split, directory)
     else:
@@ -324,7 +357,17 @@ def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: in
             os.rename(temporary_directory, directory)
         except OSError:  # another process finished the same cache first
             shutil.rmtree(temporary_directory, ignore_errors=True)
-    return open_packed_corpus(directory, index)[split]
+
+    def on_damage(problem: str) -> UsageError:
+        # The cache is this program's own: without its index, the next run packs it again.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, PACKED_INDEX_FILE))
+        return UsageError(
+            f"the token cache {directory} is damaged: {problem}; it is packed again from the texts when the command "
+            "runs again (with --resume_from_checkpoint, training goes on from the last checkpoint)"
+        )
+
+    return open_packed_corpus(directory, index, on_damage)[split]
 
 
 def load_packed_corpus(
@@ -349,8 +392,9 @@ def load_packed_corpus(
     description["code_fingerprint"] = code_fingerprint(tokenized_rows)  # as in the token cache's name
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
+    fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
+
     def check(index: dict):
-        fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
         if index["format_version"] != PACKED_FORMAT_VERSION:
             raise UsageError(
                 f"--packed_data_dir {directory} holds a packed corpus of format version "
@@ -394,7 +438,7 @@ def load_packed_corpus(
         if jax.process_index() == 0 and index is None:
             check_writable_directory(directory, "packed_data_dir")
             texts = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
-            check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+            check_tokenizer_encodes(tokenizer, texts, data_args)
             logger.info("Packing %s into %s", " and ".join(texts), directory)
             index = pack_texts(directory, texts, tokenized_rows, tokenizer, block_size, description, data_args)
     if jax.process_count() > 1:
@@ -414,4 +458,14 @@ def load_packed_corpus(
             "makes; add --overwrite_cache to pack it again",
             directory,
         )
-    return open_packed_corpus(directory, index)
+    if not all("checksum" in shard for entry in index["splits"].values() for shard in entry["shards"]):
+        logger.info(
+            "--packed_data_dir %s was packed before shards had checksums, so its bytes are not checked; add "
+            "--overwrite_cache to pack it again with them",
+            directory,
+        )
+
+    def on_damage(problem: str) -> UsageError:
+        return UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
+
+    return open_packed_corpus(directory, index, on_damage)

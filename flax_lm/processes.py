@@ -11,7 +11,7 @@ import numpy as np
 import transformers
 from jax.experimental import multihost_utils
 
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, is_full_disk
 
 
 def on_cloud_tpu_vm() -> bool:
@@ -103,10 +103,21 @@ def setup_logging(is_main_process: bool):
         force=True,  # importing orbax installs absl's handler, which would hide these logs
     )
     logging.getLogger("absl").setLevel(logging.WARNING)
+    logging.getLogger("absl").addFilter(not_a_full_disk)
     datasets.utils.logging.set_verbosity_warning()
+    # Its reader of JSON logs a file it cannot parse, by a row that counts from the start of a block, before it
+    # raises; the command's error names the file and the line (flax_lm.texts.unreadable_data_error).
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     transformers.utils.logging.set_verbosity_warning()
     if not is_main_process:
         datasets.disable_progress_bars()
+
+
+def not_a_full_disk(record: logging.LogRecord) -> bool:
+    """Leave out Orbax's logs of a checkpoint's background threads failing on a full disk, each with its traceback:
+    the command ends with one line saying so (flax_lm.errors)."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (is_full_disk(error or OSError()) or "No space left on device" in record.getMessage())
 
 
 def wait_for_all_processes(name: str):

@@ -120,8 +120,8 @@ PREVIOUS_RUN_RESULTS = [
 ]
 
 
-# How a run names what it writes into each directory of PREVIOUS_RUN_RESULTS: where the user made one a link (to
-# another disk), its target may hold files of theirs too, and only these are the run's to remove.
+# How a run names what it writes into each directory of PREVIOUS_RUN_RESULTS: the directory may hold files of the
+# user's too (where it is a link to another disk, say), and only these are the run's to remove.
 RUN_ENTRY_NAMES = {
     "checkpoints": re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?"),
     "discarded-checkpoints": re.compile(r"\d+(-\d+)?"),
@@ -129,10 +129,16 @@ RUN_ENTRY_NAMES = {
 }
 
 
-def clear_linked_directory(link: str, name: str):
-    """Remove what runs wrote into the directory that `link` (OUTPUT_DIR/`name`) leads to. The link stays: the user
-    made it, to keep the directory on another disk, where other files of theirs may lie beside this run's."""
-    target = os.path.realpath(link)
+# The training scripts, each of which copies itself into its output directory: a copy of the other one there is an
+# earlier run's, and would say that it made the model.
+TRAINING_SCRIPTS = ("run_clm_flax.py", "run_mlm_flax.py")
+
+
+def clear_run_directory(directory: str, name: str) -> list[str]:
+    """Remove what runs wrote into OUTPUT_DIR/`name` (`directory`, or where a link of that name leads; the link
+    stays: the user made it). The directory goes too where nothing else is left in it; the names of the files of the
+    user's kept there are returned."""
+    target = os.path.realpath(directory)
     for entry in os.listdir(target):
         if RUN_ENTRY_NAMES[name].fullmatch(entry):
             path = os.path.join(target, entry)
@@ -140,25 +146,34 @@ def clear_linked_directory(link: str, name: str):
                 shutil.rmtree(path)
             else:
                 os.remove(path)
+    kept = sorted(os.listdir(target))
+    if not kept and not os.path.islink(directory):
+        os.rmdir(directory)
+    return kept
 
 
-def clear_previous_run(output_dir: str):
+def clear_previous_run(output_dir: str, script: str):
     """For --overwrite_output_dir: remove what an earlier run left that would mix with this run's (checkpoints,
-    TensorBoard logs, results). The model files stay, to be overwritten: they may be this run's config or tokenizer."""
-    removed = []
+    TensorBoard logs, results, the other training script's copy). The model files stay, to be overwritten: they may be
+    this run's config or tokenizer. Files of the user's in the run's directories stay."""
+    removed, kept = [], []
     for name in PREVIOUS_RUN_RESULTS:
         path = os.path.join(output_dir, name)
-        if os.path.islink(path) and os.path.isdir(path):
-            clear_linked_directory(path, name)
-            removed.append(f"{name}/ (in {os.path.realpath(path)}, where the link leads)")
-        elif os.path.isdir(path):
-            shutil.rmtree(path)
-            removed.append(f"{name}/")
+        if name in RUN_ENTRY_NAMES and os.path.isdir(path):
+            kept += [os.path.join(name, entry) for entry in clear_run_directory(path, name)]
+            where = f" (in {os.path.realpath(path)}, where the link leads)" if os.path.islink(path) else ""
+            removed.append(f"{name}/{where}")
         elif os.path.exists(path):
             os.remove(path)
             removed.append(name)
+    for name in TRAINING_SCRIPTS:
+        if name != os.path.basename(script) and os.path.isfile(os.path.join(output_dir, name)):
+            os.remove(os.path.join(output_dir, name))
+            removed.append(name)
     if removed:
         logger.warning("--overwrite_output_dir: removed the previous run's %s from %s", ", ".join(removed), output_dir)
+    if kept:
+        logger.warning("--overwrite_output_dir: kept %s, which no run wrote", ", ".join(kept))
 
 
 def set_aside_checkpoints_after(output_dir: str, step: int):
@@ -190,7 +205,7 @@ def prepare_output_dir(training_args, resumed_step: int, code_files: list[str | 
     refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
     if training_args.do_train:
         if training_args.overwrite_output_dir and not resumed_step:
-            clear_previous_run(training_args.output_dir)
+            clear_previous_run(training_args.output_dir, code_files[0])
         set_aside_checkpoints_after(training_args.output_dir, resumed_step)
     os.makedirs(training_args.output_dir, exist_ok=True)
     for code_file in filter(None, code_files):

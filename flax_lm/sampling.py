@@ -14,6 +14,10 @@ from jax.experimental import multihost_utils
 
 from flax_lm.models.common import KeyValueCache
 
+# The smallest normal float32, which decoding computes in: a temperature or top_p below it is flushed to 0 on a CPU
+# (a top_p of 0 kept no token, and the row ended at once) or, at best, is a denormal number of little precision.
+SMALLEST_FLOAT32 = float(np.finfo(np.float32).tiny)
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -34,10 +38,20 @@ class Sampling:
             return f"{prefix}max_new_tokens must be at least 1"
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             return f"{prefix}temperature must be 0 (greedy) or positive"
+        smallest = f"{SMALLEST_FLOAT32:.8g}, the smallest float32 that decoding computes in at full precision"
+        if 0 < self.temperature < SMALLEST_FLOAT32:
+            return (
+                f"{prefix}temperature {self.temperature:g} is below {smallest}; so low a temperature is greedy: pass 0"
+            )
         if not 0 <= self.top_k < 2**31:
             return f"{prefix}top_k must be 0 (all tokens) or positive, below 2**31"
         if not 0 < self.top_p <= 1:
             return f"{prefix}top_p must be in (0, 1]"
+        if self.top_p < SMALLEST_FLOAT32:
+            return (
+                f"{prefix}top_p {self.top_p:g} is below {smallest}; any top_p below the most likely token's "
+                f"probability keeps that token alone: pass {SMALLEST_FLOAT32:.2g} or more"
+            )
         if not 0 <= self.seed < 2**31:
             return f"{prefix}seed must be in [0, 2**31)"
         return None
@@ -91,7 +105,9 @@ def next_tokens(logits, row_keys, temperature, top_k, top_p, do_sample: bool, ca
     if not do_sample:
         return greedy
     drawing = temperature > 0
-    logits = logits / jnp.where(drawing, temperature, 1.0)[:, None]
+    # Less the largest first: at a temperature near 0, the logits themselves over it would overflow to inf, and
+    # every token whose logit is positive would tie with the most likely.
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / jnp.where(drawing, temperature, 1.0)[:, None]
     if candidates:
         logits = cut_to_most_likely(logits, top_k, top_p, candidates)
     # Every row draws over the whole vocabulary in its order, so that its draw is the same in any batch.

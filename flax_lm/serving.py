@@ -23,6 +23,7 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -33,6 +34,10 @@ from flax_lm.sampling import Sampling, shape_bucket
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 1 << 20
+# A request nests a few levels (a list of prompts, stream_options); Python's JSON reader gives up near 1,000.
+MAX_REQUEST_NESTING = 16
+# What nginx answers a client that closed its connection before its request was read; the client never sees it.
+CLIENT_LEFT = 499
 # Connections the operating system holds for the server before it accepts them (uvicorn's default).
 LISTEN_BACKLOG = 2048
 SETTING_TYPES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
@@ -88,20 +93,52 @@ class Limits:
 
 
 async def read_json(request):
-    """The body of `request` as JSON, refusing more than MAX_REQUEST_BYTES (read no further)."""
+    """The body of `request` as JSON, refusing more than MAX_REQUEST_BYTES (read no further), more than
+    MAX_REQUEST_NESTING levels of lists and objects, or a string that is not text (a lone surrogate, which JSON's
+    escapes can write and UTF-8 cannot encode)."""
     too_long = f"the body is longer than {MAX_REQUEST_BYTES} bytes, the most the server takes"
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_REQUEST_BYTES:
         raise RequestError(too_long)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_REQUEST_BYTES:
-            raise RequestError(too_long)
     try:
-        return json.loads(body)
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_REQUEST_BYTES:
+                raise RequestError(too_long)
+    except ClientDisconnect:
+        raise RequestError("the client left before sending the whole body", status=CLIENT_LEFT) from None
+    try:
+        value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"the body is not JSON: {error}") from None
+    except RecursionError:  # nested deeper than Python's reader follows
+        raise RequestError(f"the body nests lists or objects deeper than {MAX_REQUEST_NESTING} levels") from None
+    check_json_value(value)
+    return value
+
+
+def check_json_value(value):
+    """Refuse a JSON value that nests deeper than MAX_REQUEST_NESTING, or holds a string that is not text. Walked
+    without recursion: the value may nest as deep as Python's reader allows."""
+    unchecked = [(value, 1)]
+    while unchecked:
+        item, depth = unchecked.pop()
+        if isinstance(item, (list, dict)) and depth > MAX_REQUEST_NESTING:
+            raise RequestError(f"the body nests lists or objects deeper than {MAX_REQUEST_NESTING} levels")
+        if isinstance(item, dict):
+            unchecked.extend((part, depth + 1) for pair in item.items() for part in pair)
+        elif isinstance(item, list):
+            unchecked.extend((part, depth + 1) for part in item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                surrogate = item[error.start]
+                raise RequestError(
+                    f"the body holds a lone surrogate, \\u{ord(surrogate):04x} (character {error.start + 1} of "
+                    f"{item[:40]!r}), which is not text: send text as UTF-8, or surrogates in pairs"
+                ) from None
 
 
 def number(request: dict, name: str, kind: type, default):
@@ -294,7 +331,8 @@ class ServerMetrics:
 
 
 class CountRequests:
-    """ASGI middleware counting each answer by path (the server's own paths; "other" for the rest) and status."""
+    """ASGI middleware counting each answer by path (the server's own paths; "other" for the rest) and status: an
+    error that escapes the endpoint is counted as the 500 that Starlette then answers (answer_server_error)."""
 
     def __init__(self, app, metrics: ServerMetrics, paths: set[str]):
         self.app, self.metrics, self.paths = app, metrics, paths
@@ -303,13 +341,30 @@ class CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"] if scope["path"] in self.paths else "other"
+        answered = False
 
         async def counting_send(message):
+            nonlocal answered
             if message["type"] == "http.response.start":
+                answered = True
                 self.metrics.requests.labels(path, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not answered:
+                self.metrics.requests.labels(path, "500").inc()
+            raise
+
+
+async def answer_server_error(request, error: Exception) -> JSONResponse:
+    """A request that failed in the server (a bug: uvicorn logs its traceback), answered in the endpoint's error
+    shape rather than as plain text."""
+    message = f"the server failed to answer ({type(error).__name__}); its log has the details"
+    if request.url.path == "/v1/completions":
+        return openai_error(message, "server_error", 500)
+    return JSONResponse({"error": message}, 500)
 
 
 def openai_error(message: str, error_type: str, status: int, param: str | None = None, headers=None) -> JSONResponse:
@@ -471,7 +526,9 @@ def make_app(generator, engine: BatchingEngine, metrics: ServerMetrics, limits: 
 
     routes = Endpoints(generator, engine, metrics, limits).routes()
     counting = Middleware(CountRequests, metrics=metrics, paths={route.path for route in routes})
-    return Starlette(routes=routes, middleware=[counting], lifespan=lifespan)
+    return Starlette(
+        routes=routes, middleware=[counting], exception_handlers={Exception: answer_server_error}, lifespan=lifespan
+    )
 
 
 # ----------------------------------------------------------------------------------------------------

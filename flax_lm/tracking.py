@@ -11,6 +11,7 @@ import time
 import jax
 from tqdm.auto import tqdm
 
+from flax_lm.checkpoints import last_intact_checkpoint
 from flax_lm.errors import UsageError
 from flax_lm.run_dir import TRACKER_RUNS_FILE, write_json
 
@@ -83,11 +84,15 @@ class TrainingLog:
 
     @staticmethod
     def nonfinite_error(step: int, checkpoints) -> UsageError:
-        newest = checkpoints.latest_step()
-        if newest is None:
-            advice = "no training checkpoint was saved yet. Lower --learning_rate and start again"
+        last_good = last_intact_checkpoint(checkpoints)
+        if last_good is None:
+            saved = (
+                "no training checkpoint saved is intact"
+                if checkpoints.all_steps()
+                else "no training checkpoint was saved yet"
+            )
+            advice = f"{saved}. Lower --learning_rate and start again"
         else:
-            last_good = os.path.join(str(checkpoints.directory), str(newest))
             advice = (
                 f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with "
                 "--resume_from_checkpoint"

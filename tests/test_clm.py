@@ -465,7 +465,7 @@ def test_bad_input_exits_with_one_clear_line_and_no_traceback(model_dir, tmp_pat
         (["--text_column_name", "body"], "no column 'body'"),
         (["--block_size", "128"], "exceeds the model's 64 positions"),
         (["--per_device_train_batch_size", "0"], "must be at least 1"),
-        (["--max_steps", "0", "--num_train_epochs", "0"], "no training steps"),
+        (["--max_steps", "-1", "--num_train_epochs", "0"], "no training steps"),
         (["--per_device_train_batch_size", "100000"], "lower --per_device_train_batch_size or --block_size"),
         (["--push_to_hub"], "--push_to_hub is not supported"),
         (["--learning_rte", "1e-3"], "unknown argument --learning_rte"),

@@ -5,6 +5,7 @@ The table runs each command line inside this process (a fresh interpreter per ca
 each); the tests below it run the scripts as commands where the exit status, the log or the files left on disk are
 the point."""
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -13,12 +14,14 @@ import os
 import shutil
 import sys
 import time
+import types
 
 import datasets
 import numpy as np
 import pyarrow
 import pyarrow.parquet
 import pytest
+import safetensors
 import torch
 from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import run_clm_flax, tiny_config
@@ -27,6 +30,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import flax_lm.errors
 import flax_lm.packed
+import flax_lm.processes
 import flax_lm.texts
 
 TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
@@ -104,6 +108,10 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
             file.write(json.dumps({"id": row} if row == NULL_ROW else {"id": row, "text": line}) + "\n")
     with open(data / "texts.jsonl", "w") as file:
         file.writelines(json.dumps({"text": line}) + "\n" for line in lines)
+    # Line 41 broken by a line break inside its string; a copy cut short in the middle of line 101.
+    text_lines = [json.dumps({"text": line}) + "\n" for line in lines]
+    (data / "broken.jsonl").write_text("".join(text_lines[:40] + ['{"text": "cut\n'] + text_lines[41:]))
+    (data / "cut-short.jsonl").write_text("".join(text_lines[:100]) + text_lines[100][:20])
     pyarrow.parquet.write_table(pyarrow.table({"text": list(range(300))}), data / "int.parquet")
     (data / "whitespace.txt").write_text("   \n\t\n \u3000 \n" * 50)
 
@@ -126,6 +134,7 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
         "train": TRAIN_FILE, "texts": data / "texts.jsonl", "null": data / "null.jsonl",
         "missing": data / "missing.jsonl",
         "int": data / "int.parquet", "whitespace": data / "whitespace.txt", "pickled": pickled,
+        "broken": data / "broken.jsonl", "cut_short": data / "cut-short.jsonl",
         "pickle_ran": root / "pickle-ran", "root": root, **{name: root / name for name in bad_weights},
     }  # fmt: skip
 
@@ -179,6 +188,19 @@ REFUSALS = {
     "mlm-int-column": ("run_mlm_flax", [*MLM, "--train_file", "{int}"], ["column 'text'", "int64", "not text"]),
     "tokenizer-int-column": ("train_tokenizer", [*TOKENIZER, "{int}"], ["column 'text'", "int", "not text"]),
     "tokenizer-whitespace-only": ("train_tokenizer", [*TOKENIZER, "{whitespace}"], ["only whitespace"]),
+    # JSON Lines that are not: named by file and line (the reader counts its rows from the start of a block)
+    "clm-broken-json-line": (
+        "run_clm_flax", [*CLM, "--train_file", "{broken}"],
+        ["cannot read the train data: line 41 of", "broken.jsonl is not JSON", "fix or remove that line"]),
+    "clm-broken-json-line-streaming": (
+        "run_clm_flax", [*CLM, "--train_file", "{broken}", "--streaming"],
+        ["cannot read the train data: line 41 of", "broken.jsonl is not JSON"]),
+    "clm-cut-short-validation-file": (
+        "run_clm_flax", [*CLM, "--do_eval", "--validation_file", "{cut_short}"],
+        ["cannot read the validation data: line 101 of", "cut-short.jsonl is not JSON (Unterminated string"]),
+    "mlm-cut-short-validation-file-streaming": (
+        "run_mlm_flax", [*MLM, "--do_eval", "--validation_file", "{cut_short}", "--streaming"],
+        ["cannot read the validation data: line 101 of", "cut-short.jsonl is not JSON"]),
     # Damaged weights
     **{
         f"clm-{name.replace('_', '-')}": (
@@ -227,6 +249,9 @@ REFUSALS = {
         ["--min_lr_rate", "linear or cosine"]),
     "clm-adam-beta2-above-1": ("run_clm_flax", [*CLM, "--adam_beta2", "1.5"], ["--adam_beta2 1.5", "[0, 1)"]),
     "clm-negative-max-grad-norm": ("run_clm_flax", [*CLM, "--max_grad_norm", "-1"], ["--max_grad_norm -1.0"]),
+    "clm-max-steps-of-0": ("run_clm_flax", [*CLM, "--max_steps", "0"], ["--max_steps 0 must be positive, or -1"]),
+    "clm-repeated-mesh-axis": (
+        "run_clm_flax", [*CLM, "--mesh_shape", "data=1,data=1"], ["--mesh_shape data=1,data=1 sizes the data axis"]),
     "clm-negative-max-train-samples": (
         "run_clm_flax", [*CLM, "--max_train_samples", "-5"], ["--max_train_samples -5", "at least 1"]),
     "clm-negative-sample-tokens": ("run_clm_flax", [*CLM, "--sample_tokens", "-1"], ["--sample_tokens"]),
@@ -248,6 +273,12 @@ REFUSALS = {
     "config-zero-layer-norm-epsilon": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "layer_norm_epsilon=0"],
         ["layer_norm_epsilon must be positive"]),
+    "config-activation-no-model-computes": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "activation_function=tanh"],
+        ["activation_function 'tanh' is not an activation the models compute", "gelu_new"]),
+    "config-roberta-activation-no-model-computes": (
+        "create_config", ["--preset", "roberta-tiny", "--output_dir", "{out}", "--set", "hidden_act=gelu_fast"],
+        ["hidden_act 'gelu_fast' is not an activation"]),
     # Flags for another model or of the Hugging Face examples that these scripts do not take
     "clm-roberta-model-type": (
         "run_clm_flax", [*CLM, "--model_type", "roberta"], ["--model_type roberta", "run_mlm_flax.py trains roberta"]),
@@ -305,6 +336,41 @@ def test_bad_input_is_refused_in_one_line(case, paths, tmp_path, monkeypatch):
     for fragment in fragments:
         assert fragment in message, message
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out"), "it wrote output before refusing"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device", "/disk/out/train_results.json"),
+        safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+        ValueError(  # TensorStore's, under Orbax's checkpoint writes
+            'RESOURCE_EXHAUSTED: Error writing local file "/disk/out/checkpoints/4.orbax-checkpoint-tmp/_sharding": '
+            "Failed to write 16800 bytes: No space left on device [os_error_code='28']"
+        ),
+    ],
+    ids=["OSError", "safetensors", "TensorStore"],
+)
+def test_a_full_disk_is_one_line_whichever_library_finds_it(error):
+    message = flax_lm.errors.user_error_message(error)
+    assert message.startswith("the disk is full") and "--resume_from_checkpoint" in message
+    assert ("writing /disk/out/" in message) == ("/disk/out/" in str(error))
+
+
+def test_a_checkpoint_failing_on_a_full_disk_leaves_no_traceback_from_its_threads():
+    """Orbax logs its threads' errors, TensorStore's callbacks find the loop Orbax closed: the last line tells all."""
+    full_disk = ValueError("RESOURCE_EXHAUSTED: Error writing local file: No space left on device")
+    record = logging.LogRecord(
+        "absl", logging.ERROR, "", 0, "Save Finalize thread failed", (), (ValueError, full_disk, None)
+    )
+    assert not flax_lm.processes.not_a_full_disk(record)
+    record.exc_info = (ValueError, ValueError("another failure"), None)
+    assert flax_lm.processes.not_a_full_disk(record)
+
+    reported = []
+    report = flax_lm.errors.without_echoes_of_a_failed_write(reported.append)
+    for error in (RuntimeError("Event loop is closed"), full_disk, RuntimeError("another failure")):
+        report(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None, object=None))
+    assert [str(unraisable.exc_value) for unraisable in reported] == ["another failure"]
 
 
 def test_pickle_is_refused_without_running_it(paths):
@@ -453,6 +519,52 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
     cut_in_half(tmp_path / "packed" / "train-00001.npy")
     with pytest.raises(run_clm_flax.UsageError, match=r"is damaged: train-00001.npy is cut short .*--overwrite_cache"):
         load()
+
+
+def overwrite_bytes_in_the_middle(path):
+    """Bytes changed in place, the file's size kept: ids of 65535, beyond any vocabulary of the tests."""
+    with open(path, "r+b") as file:
+        file.seek(os.path.getsize(path) // 2)
+        file.write(b"\xff" * 64)
+
+
+def test_a_packed_data_dir_shard_whose_bytes_changed_is_refused_when_opened(paths, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
+    data_args = run_clm_flax.DataTrainingArguments(
+        packed_data_dir=str(tmp_path / "packed"), train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000
+    )
+    model_args, rows = run_clm_flax.ModelArguments(), run_clm_flax.tokenized_rows
+    flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")
+    overwrite_bytes_in_the_middle(tmp_path / "packed" / "train-00001.npy")
+    blocks = flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")["train"]
+    blocks[:100]  # a view: no shard is opened
+    first_shard = blocks.split_entry["shards"][0]["num_blocks"]
+    assert np.asarray(blocks[np.arange(first_shard)]).max() < 1000  # the intact shard reads
+    with pytest.raises(
+        run_clm_flax.UsageError,
+        match=r"--packed_data_dir .*packed is damaged: train-00001.npy differs from the checksum taken when it was "
+        r"packed; .*--overwrite_cache",
+    ):
+        blocks[np.array([first_shard])]
+
+
+def test_a_token_cache_shard_whose_bytes_changed_stops_the_run_and_is_packed_again_by_the_next(
+    text_dataset, paths, tmp_path
+):
+    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
+
+    def pack():
+        data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
+        rows = run_clm_flax.tokenized_rows
+        return flax_lm.packed.cached_blocks(
+            text_dataset, "train", rows, tokenizer, 32, str(tmp_path / "packed"), data_args
+        )
+
+    expected = np.asarray(pack())
+    overwrite_bytes_in_the_middle(os.path.join(pack().directory, "train-00000.npy"))
+    with pytest.raises(run_clm_flax.UsageError, match=r"the token cache .* is damaged: train-00000.npy differs"):
+        np.asarray(pack())
+    np.testing.assert_array_equal(np.asarray(pack()), expected)
 
 
 def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, tmp_path, caplog):

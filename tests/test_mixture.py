@@ -3,6 +3,7 @@ processes agree), each source evaluated on its own; and the mixture file's mista
 
 import itertools
 import json
+import logging
 import shutil
 import sys
 
@@ -15,8 +16,9 @@ from test_mlm import run_mlm_flax
 from transformers import RobertaConfig
 
 import flax_lm.mesh
+import flax_lm.mixture
 from flax_lm.errors import UsageError
-from flax_lm.mixture import Mixture, read_mixture
+from flax_lm.mixture import Mixture, read_mixture, warn_of_validation_files_trained_on
 
 # The stated tolerance: at every step, each source has given within this many rows of its weight's share of all the
 # rows drawn so far (measured: at most 4 rows over the first million rows, for 2 to 7 sources of any weights).
@@ -217,6 +219,13 @@ def test_run_mlm_flax_mixes_sources_too(roberta_tokenizer_dir, tmp_path, monkeyp
         ("'english words': {weight: 1, train_file: a.txt}", "source name 'english words' must be letters"),
         ("english: {weight: 1, train_file: a.txt", "is not YAML or JSON"),
         ("[]", "must map each source's name to its weight and files"),
+        # PyYAML keeps the last of two equal keys: the run would train on one source, or with one of two weights
+        ("web: {weight: 1, train_file: a.txt}\nweb: {weight: 1, train_file: b.txt}", "line 2 gives 'web' a second"),
+        ('{"web": {"weight": 1, "train_file": "a.txt"}, "web": {"weight": 2}}', "line 1 gives 'web' a second time"),
+        ("web:\n  weight: 1\n  train_file: a.txt\n  weight: 3", "line 4 gives 'weight' a second time"),
+        ("english: {weight: .inf, train_file: a.txt}", "source 'english' needs a positive weight"),
+        ("english: {weight: .nan, train_file: a.txt}", "source 'english' needs a positive weight"),
+        ("english: {weight: '3', train_file: a.txt}", "source 'english' needs a positive weight"),
     ],
 )
 def test_mistakes_in_the_mixture_file_are_one_line(content, message, tmp_path):
@@ -227,22 +236,58 @@ def test_mistakes_in_the_mixture_file_are_one_line(content, message, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "extra, message",
+    "content", ["a: {weight: 1e-3, train_file: a.txt}", '{"a": {"weight": 1e-3, "train_file": "a.txt"}}']
+)
+def test_a_weight_in_exponent_notation_is_the_number_it_spells_in_yaml_and_json(content, tmp_path):
+    path = tmp_path / "mixture.yaml"
+    path.write_text(content)
+    (source,) = read_mixture(str(path))
+    assert source.weight == 0.001
+
+
+def test_weights_near_the_largest_float_are_shares_that_sum_to_one(tmp_path):
+    path = tmp_path / "mixture.yaml"
+    path.write_text("a: {weight: 1.0e+308, train_file: a.txt}\nb: {weight: 1.0e+308, train_file: b.txt}\n")
+    weights = [source.weight for source in read_mixture(str(path))]
+    mixture = Mixture(["a", "b"], weights, numbered_sources([10, 10]))
+    np.testing.assert_array_equal(mixture.weights, [0.5, 0.5])
+    assert np.bincount(mixture.sources_of_draws(0, 1000)).tolist() == [500, 500]
+
+
+def test_a_validation_file_trained_on_by_another_source_is_warned_of_naming_both(tmp_path, caplog):
+    path = write_mixture(
+        tmp_path, english=SOURCES["english"], copy={"weight": 1, "train_file": "data/en-validation.txt"}
+    )
+    with caplog.at_level(logging.WARNING, logger=flax_lm.mixture.logger.name):
+        warn_of_validation_files_trained_on(read_mixture(path), "--data_mixture mixture.yaml")
+    (warning,) = caplog.messages
+    assert warning.startswith(
+        "--data_mixture mixture.yaml: the validation_file of source 'english' is a train_file of source 'copy' ("
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, other_source, fragments",
     [
-        (["--train_file", "x.txt"], "--data_mixture names the data, so --train_file has no place beside it"),
-        (["--streaming"], "so --streaming has no place beside it"),
-        ([], "data/missing.txt does not exist"),
+        (["--train_file", "x.txt"], None, ["--data_mixture names the data, so --train_file has no place beside it"]),
+        (["--streaming"], None, ["so --streaming has no place beside it"]),
+        ([], "data/missing.txt", ["source 'other': --train_file: /", "data/missing.txt does not exist"]),
+        ([], "data/blank.txt", ["the training data of source 'other' makes 0 examples, fewer than 2"]),
     ],
 )
-def test_mixture_misuse_is_refused_in_one_line(extra, message, model_dir, tmp_path, monkeypatch, capfd):
-    sources = {**SOURCES, "other": {"weight": 1, "train_file": "data/missing.txt"}} if not extra else SOURCES
+def test_mixture_misuse_is_refused_in_one_line(
+    extra, other_source, fragments, model_dir, tmp_path, monkeypatch, capfd
+):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "blank.txt").write_text("\n\n \n\n")
+    sources = {**SOURCES, "other": {"weight": 1, "train_file": other_source}} if other_source else SOURCES
     mixture = write_mixture(tmp_path, **sources)
     monkeypatch.setattr(sys, "argv", clm_arguments(model_dir, tmp_path / "run", mixture, *extra))
     with pytest.raises(SystemExit) as stopped:
         run_clm_flax.run(run_clm_flax.main)
     assert stopped.value.code != 0
     error = capfd.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("error: ") and message in error
+    assert error.startswith("error: ") and all(fragment in error for fragment in fragments), error
 
 
 def test_the_readme_mixture_file_reads_as_it_says(tmp_path):

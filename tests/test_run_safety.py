@@ -9,6 +9,7 @@ run, or it stops with one line and leaves the directory as it was.
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,9 +26,13 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
 from test_mlm import run_mlm_flax
 
+import flax_lm.compilation
 import flax_lm.run_dir
+from flax_lm.checkpoints import open_checkpoints
+from flax_lm.checksums import CHECKPOINT_CHECKSUMS, checkpoint_checksum_problem
 from flax_lm.errors import UsageError
 from flax_lm.run_dir import OUTPUT_DIR_LOCK, lock_output_dir
+from flax_lm.tracking import TrainingLog
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -109,13 +114,25 @@ def snapshot(directory) -> dict:
     }
 
 
-def truncate_largest_data_file(checkpoint):
+def largest_data_file(checkpoint):
     files = [os.path.join(root, name) for root, _, names in os.walk(checkpoint / "state") for name in names]
-    largest = max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
-    os.truncate(largest, os.path.getsize(largest) // 2)
+    return max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
 
 
-# How a checkpoint gets damaged: a disk filling up, a copy cut short, a file system losing a write.
+def truncate_largest_data_file(checkpoint):
+    os.truncate(largest_data_file(checkpoint), os.path.getsize(largest_data_file(checkpoint)) // 2)
+
+
+def overwrite_bytes_of_largest_data_file(checkpoint):
+    """Bytes changed in place, the file's size kept: what Orbax restores without a complaint, as NaN or worse."""
+    path = largest_data_file(checkpoint)
+    with open(path, "r+b") as file:
+        file.seek(os.path.getsize(path) // 2)
+        file.write(b"\xff" * 1000)
+
+
+# How a checkpoint gets damaged: a disk filling up, a copy cut short, a file system losing a write. Each is found
+# by the checkpoint's checksums; these damage checkpoints saved before there were checksums, which Orbax must find.
 DAMAGE = {
     "truncated data file": truncate_largest_data_file,
     "corrupt _METADATA": lambda checkpoint: (checkpoint / "state" / "_METADATA").write_text('{"tree_metadata": {'),
@@ -132,6 +149,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
     model_dir, damage, complete_run, tmp_path, monkeypatch, capfd
 ):
     output_dir = copy_of(complete_run, tmp_path)
+    os.remove(output_dir / "checkpoints" / "6" / CHECKPOINT_CHECKSUMS)  # saved by an earlier version
     DAMAGE[damage](output_dir / "checkpoints" / "6")
     os.remove(output_dir / "model.safetensors")
 
@@ -146,6 +164,34 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
     assert_same_weights(output_dir, complete_run)
 
 
+def test_a_checkpoint_whose_bytes_changed_at_the_same_size_is_found_by_its_checksums_and_skipped(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    overwrite_bytes_of_largest_data_file(output_dir / "checkpoints" / "6")
+    changed = os.path.relpath(largest_data_file(output_dir / "checkpoints" / "6"), output_dir / "checkpoints" / "6")
+
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--resume_from_checkpoint"))
+    log = capfd.readouterr().err
+    assert (
+        f"skipping the training checkpoint {output_dir}/checkpoints/6: it is damaged (its file {changed} differs "
+        "from the checksum taken when it was written)"
+    ) in log
+    assert f"Resumed from {output_dir}/checkpoints/4 at step 4" in log
+    assert "has no checksums" not in log
+    # Nothing of the changed bytes was trained on, and the checkpoint this run saved in its place verifies.
+    assert_same_weights(output_dir, complete_run)
+    assert checkpoint_checksum_problem(str(output_dir / "checkpoints" / "6")) is None
+
+
+def test_a_non_finite_step_names_the_newest_intact_checkpoint_as_the_last_good_one(complete_run, tmp_path):
+    output_dir = copy_of(complete_run, tmp_path)
+    overwrite_bytes_of_largest_data_file(output_dir / "checkpoints" / "6")
+    with open_checkpoints(str(output_dir), 10) as checkpoints:
+        message = str(TrainingLog.nonfinite_error(7, checkpoints))
+    assert f"the last good checkpoint is {output_dir}/checkpoints/4." in message and "checkpoints/6" not in message
+
+
 @pytest.mark.parametrize("damage", ["truncated data file", "corrupt progress JSON"])
 def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(
     model_dir, damage, complete_run, tmp_path, monkeypatch
@@ -155,7 +201,8 @@ def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(
     before = snapshot(output_dir)
     resume = arguments(model_dir, output_dir, "--resume_from_checkpoint", str(output_dir / "checkpoints" / "6"))
     with pytest.raises(
-        run_clm_flax.UsageError, match=r"checkpoints/6 is unreadable \(.*\); resume from an earlier one"
+        run_clm_flax.UsageError,
+        match=r"checkpoints/6 is damaged \(its file .* differs .*\); resume from an earlier one",
     ) as error:
         run_main(monkeypatch, resume)
     assert "\n" not in str(error.value) and "config" not in str(error.value)
@@ -269,6 +316,17 @@ def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
     assert len(os.listdir(output_dir / "tensorboard")) == 1
 
 
+def test_overwrite_keeps_a_file_of_the_users_in_the_checkpoints_directory(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    (output_dir / "checkpoints" / "notes.txt").write_text("the user's own file, beside the checkpoints")
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir"))
+    assert "--overwrite_output_dir: kept checkpoints/notes.txt, which no run wrote" in capfd.readouterr().err
+    assert sorted(os.listdir(output_dir / "checkpoints")) == ["2", "4", "6", "notes.txt"]
+    assert_same_weights(output_dir, complete_run)
+
+
 def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_and_keeps_the_link(
     model_dir, complete_run, tmp_path, monkeypatch, capfd
 ):
@@ -287,6 +345,23 @@ def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_
     assert sorted(os.listdir(other_disk)) == ["3", "6", "notes.txt"]
     progress = json.loads((other_disk / "6" / "progress" / "metadata").read_text())
     assert progress["arguments"]["save_steps"] == 3
+
+
+def test_a_disk_without_room_for_a_checkpoint_stops_the_run_in_one_line_before_anything_is_written(
+    model_dir, tmp_path, monkeypatch
+):
+    disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=100_000))
+    output_dir = tmp_path / "full"
+    with pytest.raises(UsageError) as error:
+        run_main(monkeypatch, arguments(model_dir, output_dir))
+    assert re.fullmatch(
+        rf"the disk of {output_dir}/checkpoints has 0\.1 MB free, less than the 0\.\d MB that the training checkpoint "
+        r"and model of step 2 take; nothing of them was written: free some space there, then continue with "
+        r"--resume_from_checkpoint",
+        str(error.value),
+    )
+    assert os.listdir(output_dir / "checkpoints") == [] and not (output_dir / "model.safetensors").exists()
 
 
 def test_a_second_run_in_a_directory_in_use_stops_in_one_line_and_changes_nothing(
@@ -359,18 +434,22 @@ def roberta_dir(run_tool, roberta_tokenizer_dir, tmp_path_factory):
     return str(directory)
 
 
+def mlm_arguments(roberta_dir, output_dir, *extra) -> list[str]:
+    return [
+        "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
+        "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
+        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_steps", "2",
+        "--logging_steps", "2", "--fill_mask_top_k", "0", *extra,
+    ]  # fmt: skip
+
+
 def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
     roberta_dir, tmp_path, monkeypatch, capfd
 ):
     output_dir = tmp_path / "mlm"
 
     def run(*extra):
-        monkeypatch.setattr(sys, "argv", [
-            "run_mlm_flax.py", "--output_dir", str(output_dir), "--config_name", roberta_dir,
-            "--tokenizer_name", roberta_dir, "--train_file", str(CORPUS / "train.txt"), "--do_train",
-            "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--max_steps", "4", "--save_steps", "2",
-            "--logging_steps", "2", "--fill_mask_top_k", "0", *extra,
-        ])  # fmt: skip
+        monkeypatch.setattr(sys, "argv", mlm_arguments(roberta_dir, output_dir, *extra))
         run_mlm_flax.main()
         return capfd.readouterr().err
 
@@ -395,6 +474,29 @@ def test_masked_lm_runs_one_at_a_time_resume_past_damage_and_stop_when_complete(
     assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4"]
 
 
+def test_a_masked_lm_in_a_causal_lm_run_is_told_whose_checkpoints_they_are_and_overwrites_all_of_it(
+    roberta_dir, complete_run, tmp_path, monkeypatch
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    before = snapshot(output_dir)
+    monkeypatch.setattr(sys, "argv", mlm_arguments(roberta_dir, output_dir, "--resume_from_checkpoint"))
+    with pytest.raises(run_mlm_flax.UsageError) as error:
+        run_mlm_flax.main()
+    assert str(error.value) == (
+        f"the training checkpoint {output_dir}/checkpoints/6 is of a causal language model, saved by run_clm_flax.py "
+        "or a copy of it, not of this script's masked one: resume it with the script that saved it, or train into "
+        "another --output_dir"
+    )
+    assert snapshot(output_dir) == before
+
+    # A new run in its place leaves nothing of the causal LM's beside the RoBERTa that would claim to be part of it.
+    monkeypatch.setattr(sys, "argv", mlm_arguments(roberta_dir, output_dir, "--overwrite_output_dir"))
+    run_mlm_flax.main()
+    assert json.loads((output_dir / "config.json").read_text())["architectures"] == ["RobertaForMaskedLM"]
+    assert (output_dir / "run_mlm_flax.py").is_file()
+    assert not (output_dir / "run_clm_flax.py").exists() and not (output_dir / "generation_config.json").exists()
+
+
 def test_a_run_that_finds_the_directory_locked_names_the_run_holding_it(tmp_path):
     held = lock_output_dir(str(tmp_path))
     holder = rf"\(process {os.getpid()} on {re.escape(socket.gethostname())}\)"
@@ -403,6 +505,34 @@ def test_a_run_that_finds_the_directory_locked_names_the_run_holding_it(tmp_path
     held.release()  # as when the holder ends: the lock is free again, and names its new holder
     lock_output_dir(str(tmp_path)).release()
     assert (tmp_path / OUTPUT_DIR_LOCK).read_text() == f"process {os.getpid()} on {socket.gethostname()}\n"
+
+
+def test_a_compiled_program_swapped_with_another_in_the_cache_is_compiled_again(tmp_path, caplog):
+    """JAX finds an entry by its file's name alone: another program's bytes there failed every run (an AssertionError
+    on the count of outputs) until the cache was cleared."""
+    settings = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    previous = {name: getattr(jax.config, name) for name in settings}
+    try:
+        flax_lm.compilation.use_compilation_cache(str(tmp_path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        compilation_cache.reset_cache()
+        two_outputs, one_output = jax.jit(lambda x: (x + 1, x * 2)), jax.jit(lambda x: x - 1)
+        two_outputs(np.ones(3)), one_output(np.ones(3))
+        first, second = sorted(path for path in tmp_path.iterdir() if path.name.endswith("-cache"))
+        first_bytes = first.read_bytes()
+        first.write_bytes(second.read_bytes())
+        second.write_bytes(first_bytes)
+        jax.clear_caches()
+        compilation_cache.reset_cache()
+        with caplog.at_level(logging.WARNING, logger=flax_lm.compilation.logger.name):
+            plus_one, times_two = two_outputs(np.ones(3))
+            minus_one = one_output(np.ones(3))
+        np.testing.assert_array_equal(np.stack([plus_one, times_two, minus_one]), [[2] * 3, [2] * 3, [0] * 3])
+        assert caplog.text.count("holds the program of another entry; compiling its own again") == 2
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def test_checkpoints_are_set_aside_across_disks_where_checkpoints_is_a_link(tmp_path, monkeypatch):

@@ -4,8 +4,10 @@ exits 0, and the OpenAI client gets completions, streamed or not."""
 
 import contextlib
 import json
+import logging
 import re
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -213,12 +215,22 @@ def test_a_stop_string_ends_the_text_before_it_streamed_or_not(generator, server
         ({"seed": 2**31}, 400, "seed must be in [0, 2**31)"),
         ({"frequency_penalty_typo": 1}, 400, "unknown field 'frequency_penalty_typo'"),
         ({"model": "gpt-4"}, 404, "the model 'gpt-4' is not served here"),
+        # Not text: a surrogate alone (JSON's escapes write it; UTF-8 cannot), in a prompt, a stop or a field's name
+        ({"prompt": "A \ud800"}, 400, "the body holds a lone surrogate, \\ud800 (character 3 of 'A \\ud800')"),
+        ({"prompt": ["A", "\udfff B"]}, 400, "the body holds a lone surrogate, \\udfff"),
+        ({"stop": "\ud800"}, 400, "lone surrogate"),
+        ({"\ud800": 1}, 400, "lone surrogate"),
+        ({"prompt": [[[[[[[[[[[[[[[[["A"]]]]]]]]]]]]]]]]]}, 400, "the body nests lists or objects deeper than 16"),
+        # Below the smallest normal float32, decoding flushes these to 0: top_p 0 kept no token, an empty completion
+        ({"temperature": 1, "top_p": 1e-40}, 400, "top_p 1e-40 is below 1.1754944e-38, the smallest float32"),
+        ({"temperature": 1e-40}, 400, "temperature 1e-40 is below 1.1754944e-38"),
     ],
 )
 def test_bad_completion_requests_are_refused_in_openai_error_shape(generator, server, fields, status, message):
     url, _ = server
     request = {"model": model_id(generator), "prompt": "A", **fields}
-    answer = httpx.post(f"{url}/v1/completions", json=request, timeout=60)
+    # Written as JSON with escapes (httpx's json= writes UTF-8, which has no lone surrogates).
+    answer = httpx.post(f"{url}/v1/completions", content=json.dumps(request), timeout=60)
     assert answer.status_code == status
     error = answer.json()["error"]
     assert message in error["message"] and "\n" not in error["message"] and error["type"]
@@ -226,9 +238,51 @@ def test_bad_completion_requests_are_refused_in_openai_error_shape(generator, se
 
 def test_a_body_over_1_mib_or_not_json_is_refused_with_400(server):
     url, _ = server
-    for body, message in [(b"x" * (serving.MAX_REQUEST_BYTES + 1), "longer than 1048576 bytes"), (b"{", "not JSON")]:
+    nested = b"[" * 100_000 + b"]" * 100_000  # beyond what Python's JSON reader follows
+    for body, message in [
+        (b"x" * (serving.MAX_REQUEST_BYTES + 1), "longer than 1048576 bytes"),
+        (b"{", "not JSON"),
+        (nested, "the body nests lists or objects deeper than 16 levels"),
+    ]:
         answer = httpx.post(f"{url}/v1/completions", content=body, timeout=60)
         assert answer.status_code == 400 and message in answer.json()["error"]["message"]
+
+
+def requests_answered(url: str, path: str, status: int) -> float:
+    metrics = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    requests = next(family for family in metrics if family.name == "flax_lm_requests")
+    labels = {"path": path, "status": str(status)}
+    return sum(sample.value for sample in requests.samples if sample.labels == labels)
+
+
+def test_a_failure_in_the_server_is_a_500_in_openai_error_shape_and_is_counted(generator, server, monkeypatch):
+    url, _ = server
+    before = requests_answered(url, "/v1/completions", 500)
+
+    def failing_encode(*arguments):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(generator, "encode", failing_encode)
+    answer = complete(url, model_id(generator), prompt="A", max_tokens=3)
+    assert answer.status_code == 500
+    assert answer.json()["error"]["type"] == "server_error" and "RuntimeError" in answer.json()["error"]["message"]
+    assert requests_answered(url, "/v1/completions", 500) == before + 1
+
+
+def test_a_client_that_leaves_in_the_middle_of_its_body_is_counted_without_a_traceback(server, caplog):
+    url, _ = server
+    before = requests_answered(url, "/v1/completions", serving.CLIENT_LEFT)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": '
+        )
+        time.sleep(0.2)  # the server has begun reading the body
+    wait_until(lambda: requests_answered(url, "/v1/completions", serving.CLIENT_LEFT) == before + 1)
+    assert "Traceback" not in caplog.text and not [
+        record for record in caplog.records if record.levelno >= logging.ERROR
+    ]
 
 
 def test_health_models_and_metrics_answer(generator, server):
