@@ -3,8 +3,10 @@ server (generate_flax.py --serve under lm-eval's local-completions backend) agre
 scores the same export in PyTorch. The tasks are local ones written here: multiple choice, a perplexity over texts
 longer than the model's 64 positions, and a generative one."""
 
+import importlib.util
 import json
 import re
+import sys
 
 import lm_eval.evaluator
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from conftest import FIXTURES_DIR
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
-from test_clm import run_script, scalars
+from test_clm import run_clm_flax, run_script, scalars
 from test_serve import running_server
 from transformers import AutoTokenizer
 
@@ -223,3 +225,40 @@ def test_a_task_whose_data_cannot_be_read_is_refused_in_one_line(generator, task
     with pytest.raises(UsageError, match="^--eval_tasks broken: cannot load the tasks: .*missing.jsonl") as error:
         HarnessTasks(["broken"], str(tmp_path), None, model)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--do_train", "--eval_tasks", CHOICE], "--eval_tasks are scored at each evaluation: add --do_eval"),
+        (["--eval_tasks_limit", "5"], "--eval_tasks_path and --eval_tasks_limit apply to --eval_tasks; add it or"),
+        (["--eval_tasks", CHOICE, "--eval_tasks_path", "no-such-dir"], "--eval_tasks_path no-such-dir is not a dir"),
+        (["--eval_tasks", CHOICE, "--eval_tasks_limit", "0"], "--eval_tasks_limit 0 must be at least 1"),
+    ],
+)
+def test_bad_task_arguments_are_refused_in_one_line(arguments, message, tiny_gpt2_dir, tmp_path, monkeypatch):
+    train_file = str(FIXTURES_DIR / "en" / "train.txt")
+    command_line = [
+        "--output_dir",
+        str(tmp_path),
+        "--model_name_or_path",
+        str(tiny_gpt2_dir),
+        "--train_file",
+        train_file,
+    ]
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *command_line, *arguments])
+    with pytest.raises(UsageError, match=re.escape(message)):
+        run_clm_flax.main()
+
+
+def test_eval_tasks_without_lm_eval_installed_are_refused_in_one_line(tiny_gpt2_dir, tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *rest: None if name == "lm_eval" else find_spec(name, *rest)
+    )
+    command_line = ["--output_dir", str(tmp_path), "--model_name_or_path", str(tiny_gpt2_dir), "--eval_tasks", CHOICE]
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *command_line])
+    with pytest.raises(
+        UsageError, match="^--eval_tasks needs lm-evaluation-harness, which is not installed: pip install lm_eval$"
+    ):
+        run_clm_flax.main()
