@@ -49,7 +49,6 @@ from flax_lm.arguments import (
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
-    names_data,
     parse_arguments,
     recorded_arguments,
 )
@@ -534,11 +533,9 @@ def main():
     mesh = create_mesh(training_args.mesh_shape)
     check_model_config(config, mesh)
     block_size = choose_block_size(data_args, tokenizer, config)
-    blocks, train_stream = {}, None  # no data: --eval_tasks alone evaluates
-    if names_data(data_args):
-        blocks, train_stream = load_data(
-            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, f"--block_size {block_size}"
-        )
+    blocks, train_stream = load_data(
+        model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, f"--block_size {block_size}"
+    )
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
         return

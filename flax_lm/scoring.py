@@ -2,10 +2,10 @@
 is the model's most likely token there, and the most likely tokens with theirs. One compiled forward pass serves
 lm-evaluation-harness's requests (flax_lm.harness) and the server's logprobs (flax_lm.serving).
 
-The sequences of a call are sorted by length and padded into a few shapes (powers of two in rows and positions), so
-that scoring a task compiles a handful of programs, not one per request. Rows are padded on the right: positions
-stay those of the sequence alone, and what follows a token never changes its score in a causal model. With several
-processes, every process scores the same sequences and gets every score.
+The sequences of a call are sorted by length and padded into a few shapes (in positions, powers of two and halfway
+between them), so that scoring a task compiles a handful of programs, not one per request. Rows are padded on the
+right: positions stay those of the sequence alone, and what follows a token never changes its score in a causal
+model. With several processes, every process scores the same sequences and gets every score.
 """
 
 import dataclasses
@@ -96,15 +96,24 @@ class Scorer:
 
     def batches(self, lengths: list[int]) -> list[tuple[list[int], int, int]]:
         """(indices of the sequences, rows, positions) of each padded batch: the longest sequences first, each batch
-        as many rows as tokens_per_batch allows at the padded length of its longest sequence."""
+        as many rows as tokens_per_batch allows at the padded length of its longest sequence. Sorted so, every batch
+        but the last is full: a call compiles a program per padded length, and one for the last batch."""
         order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
         order = [index for index in order if lengths[index] > 1]  # a single token has nothing to score
-        batches, start = [], 0
+        batches, start, multiple = [], 0, self.row_multiple
         while start < len(order):
-            length = min(shape_bucket(lengths[order[start]] - 1, SHORTEST_LENGTH), self.max_length)
-            capacity = 1 << (self.tokens_per_batch // length).bit_length() - 1  # a power of two
+            length = padded_length(lengths[order[start]] - 1, self.max_length)
+            capacity = max(multiple, self.tokens_per_batch // length // multiple * multiple)
             indices = order[start : start + capacity]
-            rows = self.row_multiple * shape_bucket(math.ceil(len(indices) / self.row_multiple), 1)
+            rows = min(capacity, multiple * shape_bucket(math.ceil(len(indices) / multiple), 1))
             batches.append((indices, rows, length))
             start += len(indices)
         return batches
+
+
+def padded_length(length: int, max_length: int) -> int:
+    """The positions `length` inputs are padded to: the next of 16, 24, 32, 48, 64, 96, 128, ... (powers of two and
+    halfway between them: at most half again as long, in two programs per doubling), at most max_length."""
+    power = shape_bucket(length, SHORTEST_LENGTH)
+    halfway = power * 3 // 4
+    return min(halfway if halfway >= max(length, SHORTEST_LENGTH) else power, max_length)

@@ -8,10 +8,13 @@ import json
 import re
 import sys
 
+import datasets
+import jax
 import lm_eval.evaluator
 import numpy as np
 import pytest
 from conftest import FIXTURES_DIR
+from jax.sharding import NamedSharding, PartitionSpec
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from test_clm import run_clm_flax, run_script, scalars
@@ -20,6 +23,8 @@ from transformers import AutoTokenizer
 
 from flax_lm.errors import UsageError
 from flax_lm.harness import FlaxLM, HarnessTasks, metric_values
+from flax_lm.mesh import BATCH_AXES, create_mesh
+from flax_lm.texts import token_byte_counts
 
 CHOICE, TEXTS, GENERATION, VALIDATION = "tiny_choice", "tiny_texts", "tiny_generation", "tiny_validation"
 TASKS = [CHOICE, TEXTS, GENERATION]
@@ -100,10 +105,15 @@ def write_local_tasks(directory, tokenizer_dir) -> int:
 
 
 @pytest.fixture(scope="module")
-def tasks_dir(tiny_gpt2_dir, tmp_path_factory):
+def local_tasks(tiny_gpt2_dir, tmp_path_factory):
+    """(the directory of the local tasks, the block size that makes each validation document a block)."""
     directory = tmp_path_factory.mktemp("tasks")
-    write_local_tasks(directory, tiny_gpt2_dir)
-    return directory
+    return directory, write_local_tasks(directory, tiny_gpt2_dir)
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(local_tasks):
+    return local_tasks[0]
 
 
 def evaluate(model, tasks_dir, tasks=TASKS, model_args: dict | None = None) -> dict:
@@ -180,17 +190,13 @@ def test_local_completions_against_the_server_score_each_choice_as_the_hf_backen
 
 
 @pytest.fixture(scope="module")
-def evaluation_only(tiny_gpt2_dir, tmp_path_factory):
-    """run_clm_flax.py --do_eval on the tiny GPT-2's export, scoring the choice task on its first 4 documents and the
-    validation task, whose texts are also the validation data of the script's own evaluation."""
-    tasks_dir = tmp_path_factory.mktemp("evaluation-tasks")
-    block_size = write_local_tasks(tasks_dir, tiny_gpt2_dir)
+def evaluation_only(tiny_gpt2_dir, tasks_dir, tmp_path_factory):
+    """run_clm_flax.py --do_eval on the tiny GPT-2's export with no data of its own, scoring the first 4 documents of
+    the choice task."""
     output_dir = tmp_path_factory.mktemp("evaluation-only")
     arguments = [
-        "--output_dir", output_dir, "--model_name_or_path", tiny_gpt2_dir, "--do_eval",
-        "--validation_file", tasks_dir / "validation.jsonl", "--block_size", block_size, "--max_eval_samples", 3,
-        "--eval_tasks", f"{CHOICE},{VALIDATION}", "--eval_tasks_path", tasks_dir, "--eval_tasks_limit", 4,
-        "--sample_tokens", 0, "--report_to", "tensorboard",
+        "--output_dir", output_dir, "--model_name_or_path", tiny_gpt2_dir, "--do_eval", "--eval_tasks", CHOICE,
+        "--eval_tasks_path", tasks_dir, "--eval_tasks_limit", 4, "--sample_tokens", 0, "--report_to", "tensorboard",
     ]  # fmt: skip
     result = run_script(list(map(str, arguments)))
     return output_dir, result
@@ -200,6 +206,7 @@ def test_evaluation_only_scores_an_export_into_the_results_and_trackers(evaluati
     output_dir, result = evaluation_only
     eval_results = json.loads((output_dir / "eval_results.json").read_text())
     all_results = json.loads((output_dir / "all_results.json").read_text())
+    assert eval_results.keys() == {f"eval_{CHOICE}_acc", f"eval_{CHOICE}_acc_norm", "step"}
     first_four = hf_results["samples"][CHOICE][:4]
     for metric in ("acc", "acc_norm"):
         expected = np.mean([sample[metric] for sample in first_four])
@@ -208,13 +215,24 @@ def test_evaluation_only_scores_an_export_into_the_results_and_trackers(evaluati
     assert f"eval tasks: {CHOICE} acc " in result.stdout
 
 
-def test_a_perplexity_task_agrees_with_the_eval_loss_on_the_same_text(evaluation_only):
-    output_dir, _ = evaluation_only
-    eval_results = json.loads((output_dir / "eval_results.json").read_text())
-    assert eval_results["eval_samples"] == 3
-    bits_per_byte = eval_results[f"eval_{VALIDATION}_bits_per_byte"]
-    assert bits_per_byte == pytest.approx(eval_results["eval_bits_per_byte"], rel=1e-5)
-    assert eval_results[f"eval_{VALIDATION}_byte_perplexity"] == pytest.approx(2**bits_per_byte, rel=1e-5)
+def test_a_perplexity_task_agrees_with_the_eval_loss_on_the_same_text(generator, local_tasks):
+    tasks_dir, block_size = local_tasks
+    texts = datasets.load_dataset("json", data_files=str(tasks_dir / "validation.jsonl"), split="train")
+    data_args = run_clm_flax.DataTrainingArguments()
+    blocks = np.concatenate(
+        list(run_clm_flax.tokenized_rows(texts, "validation", generator.tokenizer, block_size, data_args))
+    )
+    assert len(blocks) == 4  # each document after the end-of-text token that the empty one before it wrote
+    token_bytes = token_byte_counts(generator.tokenizer, generator.model.config.vocab_size)
+    eval_step = jax.jit(run_clm_flax.make_eval_step(generator.model, token_bytes))
+    sharding = NamedSharding(create_mesh(), PartitionSpec(BATCH_AXES))
+    eval_results = run_clm_flax.evaluation_results(
+        run_clm_flax.evaluation_sums(eval_step, generator.params, blocks, 4, sharding)
+    )
+    model = FlaxLM(generator.scorer, generator.sampler, generator.tokenizer, batch_size=4)
+    task_results = HarnessTasks([VALIDATION], str(tasks_dir), None, model)(generator.params)[VALIDATION]
+    assert task_results["bits_per_byte"] == pytest.approx(eval_results["bits_per_byte"], rel=1e-5)
+    assert task_results["byte_perplexity"] == pytest.approx(2 ** eval_results["bits_per_byte"], rel=1e-5)
 
 
 def test_a_task_whose_data_cannot_be_read_is_refused_in_one_line(generator, tasks_dir, tmp_path):
