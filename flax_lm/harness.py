@@ -3,29 +3,24 @@ loglikelihood_rolling) and flax_lm.sampling (generate_until), and the tasks a ru
 
 The scores are those of lm-eval's `hf` backend on the exported model in PyTorch: the same encoding of contexts and
 continuations (lm-eval's own, TemplateLM's), the same cut from the left of what is longer than the model's positions,
-the same rolling windows over a text, greedy decoding to the same stop strings. lm-eval is optional: nothing but
---eval_tasks needs it (`pip install lm_eval`).
+the same rolling windows over a text, greedy decoding to the same stop strings. lm-eval is optional: this module
+needs it (`pip install lm_eval`), and run_clm_flax.py imports it only for --eval_tasks.
 """
 
 import logging
 import random
 
+import lm_eval.evaluator
 import numpy as np
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from flax_lm.errors import UsageError
 from flax_lm.processes import main_process_first
 from flax_lm.sampling import DecodingBatch, Sampling
 from flax_lm.scoring import Scorer
-
-try:
-    import lm_eval.evaluator
-    from lm_eval.api.model import TemplateLM
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-except ImportError:  # optional: require_lm_eval refuses what needs it
-    lm_eval = None
-    TemplateLM = object
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +29,6 @@ logger = logging.getLogger(__name__)
 PYTHON_SEED, NUMPY_SEED, FEWSHOT_SEED = 0, 1234, 1234
 # Decoding steps between two looks for the stop strings of generate_until.
 STEPS_PER_LOOK = 8
-
-
-def require_lm_eval():
-    if lm_eval is None:
-        raise UsageError("--eval_tasks needs lm-evaluation-harness, which is not installed: pip install lm_eval")
 
 
 class FlaxLM(TemplateLM):
@@ -185,7 +175,6 @@ class HarnessTasks:
     and their data read here, so that a wrong name or data file is refused before any training."""
 
     def __init__(self, names: list[str], include_path: str | None, limit: int | None, model: FlaxLM):
-        require_lm_eval()
         self.names, self.limit, self.model = names, limit, model
         self.index = task_index(names, include_path)
         with main_process_first("evaluation tasks loaded"):  # process 0 fills the datasets cache
