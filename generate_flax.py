@@ -16,8 +16,9 @@ temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-t
     curl -s localhost:8000/v1/completions -H "Content-Type: application/json" \
         -d '{"model": "gpt2-run", "prompt": "def main(", "max_tokens": 40, "temperature": 0.8, "seed": 1}'
 
-The server (flax_lm/serving.py) speaks the OpenAI completions API, streaming on request, and this script's own
-JSON API; requests that arrive together are decoded together, each by its own settings.
+The server (flax_lm/serving.py) speaks the OpenAI completions API, streaming on request, with "echo" and "logprobs"
+(so that lm-evaluation-harness's local-completions backend scores tasks against it), and this script's own JSON API;
+requests that arrive together are decoded together, each by its own settings.
 
 The models and the sampler are run_clm_flax.py's own (flax_lm.models, flax_lm.sampling): a model trained there
 decodes here exactly as it evaluated.
@@ -42,6 +43,7 @@ from flax_lm.mesh import create_mesh
 from flax_lm.model_code import load_model_code
 from flax_lm.processes import LOG_FORMAT
 from flax_lm.sampling import Sampling, decode_rows, make_sampler
+from flax_lm.scoring import Scorer
 from flax_lm.serving import Limits, listening_socket, serve
 from flax_lm.texts import ids_around_documents
 from flax_lm.train_state import abstract_model_params, parameter_shardings
@@ -256,24 +258,33 @@ def generation_mesh(mesh_shape: str | None):
 
 
 class Generator:
-    """One loaded model answering batches of prompts."""
+    """One loaded model answering batches of prompts, and scoring token sequences (the server's logprobs)."""
 
     def __init__(self, model, params, tokenizer, batch_size: int):
         self.model, self.params, self.tokenizer, self.batch_size = model, params, tokenizer, batch_size
         eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
         self.eos_token_id = eos_token_id
         self.sampler = make_sampler(model, eos_token_id)
+        self.scorer = Scorer(model, batch_size * model.config.max_position_embeddings, model.mesh)
 
-    def encode(self, prompts: list[str], max_new_tokens: int, where: str) -> list[list[int]]:
-        """Token ids of each prompt, starting as the documents the model was trained on do (ids_around_documents:
-        a Llama's BOS first); an empty GPT-2 prompt starts from the end-of-text token. Refuses prompts that leave no
-        room for max_new_tokens within the model's positions (`where` names the prompt for the message)."""
+    def encode(self, prompts: list[str | list[int]], max_new_tokens: int, where: str) -> list[list[int]]:
+        """Token ids of each prompt: a text, started as the documents the model was trained on are
+        (ids_around_documents: a Llama's BOS first; an empty GPT-2 text from the end-of-text token), or token ids
+        already, taken as they are. Refuses prompts that leave no room for max_new_tokens within the model's
+        positions, or hold ids outside its vocabulary (`where` names the prompt for the message)."""
         before_documents, _ = ids_around_documents(self.tokenizer)
-        positions = self.model.config.max_position_embeddings
+        positions, vocab_size = self.model.config.max_position_embeddings, self.model.config.vocab_size
         encoded = []
         for number, prompt in enumerate(prompts, 1):
-            ids = before_documents + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            ids = ids or [self.eos_token_id]
+            if isinstance(prompt, list):
+                if outside := [token_id for token_id in prompt if not 0 <= token_id < vocab_size]:
+                    raise ValueError(
+                        f"{where} {number} holds the token id {outside[0]}, outside the model's {vocab_size} tokens"
+                    )
+                ids = prompt
+            else:
+                ids = before_documents + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                ids = ids or [self.eos_token_id]
             if len(ids) + max_new_tokens > positions:
                 raise ValueError(
                     f"{where} {number} has {len(ids)} tokens, which with max_new_tokens {max_new_tokens} exceeds the "

@@ -27,6 +27,7 @@ optimizer and schedule, the train and eval steps, evaluation with samples, and t
 from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm is installed.
 """
 
+import importlib.util
 import logging
 import math
 import os
@@ -94,6 +95,7 @@ from flax_lm.run_dir import (
     write_train_results,
 )
 from flax_lm.sampling import generate_ids, make_sampler
+from flax_lm.scoring import Scorer
 from flax_lm.texts import ids_around_documents, token_arrays, token_byte_counts
 from flax_lm.tracking import TrainingLog, open_trackers
 from flax_lm.train_state import (
@@ -143,6 +145,22 @@ class TrainingArguments(CommonTrainingArguments):
         },
     )
     sample_tokens: int = field(default=40, metadata={"help": "Tokens sampled after each prompt; 0 for no samples."})
+    eval_tasks: str | None = field(
+        default=None,
+        metadata={
+            "help": "lm-evaluation-harness tasks or groups, comma-separated (hellaswag,arc_easy,lambada_openai), "
+            "scored by the model at every evaluation and at the end (needs `pip install lm_eval`). With --do_eval "
+            "alone they score --model_name_or_path, and no evaluation data is needed."
+        },
+    )
+    eval_tasks_path: str | None = field(
+        default=None,
+        metadata={"help": "A directory of task YAML files of your own, for --eval_tasks (lm-eval's include path)."},
+    )
+    eval_tasks_limit: int | None = field(
+        default=None,
+        metadata={"help": "Score only the first N documents of each task of --eval_tasks: quicker, less exact."},
+    )
 
 
 def check_arguments(model_args, data_args, training_args):
@@ -153,8 +171,18 @@ def check_arguments(model_args, data_args, training_args):
         (data_args, training_args),
         block_size=(lambda value: value is None or value >= 2, "must be at least 2"),
         sample_tokens=(lambda value: value >= 0, "must be 0 (no samples) or more"),
+        eval_tasks_limit=(lambda value: value is None or value >= 1, "must be at least 1"),
     )
-    check_common_arguments(model_args, data_args, training_args)
+    check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
+    if training_args.eval_tasks:
+        if importlib.util.find_spec("lm_eval") is None:
+            raise UsageError("--eval_tasks needs lm-evaluation-harness, which is not installed: pip install lm_eval")
+        if not training_args.do_eval:
+            raise UsageError("--eval_tasks are scored at each evaluation: add --do_eval")
+        if training_args.eval_tasks_path and not os.path.isdir(training_args.eval_tasks_path):
+            raise UsageError(f"--eval_tasks_path {training_args.eval_tasks_path} is not a directory")
+    elif training_args.eval_tasks_path or training_args.eval_tasks_limit:
+        raise UsageError("--eval_tasks_path and --eval_tasks_limit apply to --eval_tasks; add it or leave them out")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -374,8 +402,8 @@ def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int
 
 
 class Evaluation:
-    """Evaluation on the validation blocks, logged with samples from the same prompts each time, so that a
-    reader sees the text get better; the sampler is compiled once."""
+    """Evaluation on the validation blocks and on the lm-evaluation-harness tasks of --eval_tasks, logged with samples
+    from the same prompts each time, so that a reader sees the text get better; the sampler is compiled once."""
 
     # What TensorBoard's HParams tab compares runs by.
     metric_tags = ["eval/loss", "eval/perplexity", "eval/bits_per_byte"]
@@ -387,22 +415,39 @@ class Evaluation:
         # Without gradient checkpointing, which sampling does not need, and decoding one sequence per row.
         sampling_model = setup.model.clone(remat_policy=None, document_separator_id=None)
         self.sampler = make_sampler(sampling_model, tokenizer.eos_token_id)
+        self.tasks = None
+        if training_args.eval_tasks:
+            from flax_lm.harness import FlaxLM, HarnessTasks  # lm-eval is optional: imported only when asked for
+
+            scorer = Scorer(sampling_model, setup.eval_batch_size * setup.sequence_length, sampling_model.mesh)
+            self.tasks = HarnessTasks(
+                training_args.eval_tasks.split(","),
+                training_args.eval_tasks_path,
+                training_args.eval_tasks_limit,
+                FlaxLM(scorer, self.sampler, tokenizer, batch_size=setup.eval_batch_size),
+            )
 
     def __call__(self, params, step: int) -> dict:
-        """The results on the whole evaluation data; with a mixture, those of each source under "sources" too."""
+        """The results on the whole evaluation data (if any); with a mixture, those of each source under "sources" too;
+        with --eval_tasks, {task: {metric: value}} under "tasks"."""
         setup = self.setup
-        results = evaluate_by_source(
-            partial(
-                evaluation_sums,
-                setup.eval_step,
-                params,
-                global_batch_size=setup.eval_batch_size,
-                batch_sharding=setup.batch_sharding,
-            ),
-            self.blocks,
-            evaluation_results,
-        )
-        report_by_source(results, step, self.trackers, ("loss", "perplexity", "bits_per_byte"), describe_results)
+        results = {}
+        if self.blocks is not None:
+            results = evaluate_by_source(
+                partial(
+                    evaluation_sums,
+                    setup.eval_step,
+                    params,
+                    global_batch_size=setup.eval_batch_size,
+                    batch_sharding=setup.batch_sharding,
+                ),
+                self.blocks,
+                evaluation_results,
+            )
+            report_by_source(results, step, self.trackers, ("loss", "perplexity", "bits_per_byte"), describe_results)
+        if self.tasks:
+            results["tasks"] = self.tasks(params)
+            self.tasks.report(results["tasks"], step, self.trackers)
         if self.sample_tokens > 0:
             texts = self.samples(params)
             for text in texts:
@@ -425,16 +470,24 @@ class Evaluation:
             logger.info("The complete run's evaluation is in %s", os.path.join(self.output_dir, "eval_results.json"))
             return
         results = self(params, step)
-        if jax.process_index() == 0:
+        if jax.process_index() > 0:
+            return
+        saved = {}
+        if self.blocks is not None:
             # bits_per_byte and bytes are null where the tokens have no fixed byte count.
             names = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
             saved = {f"eval_{name}": results.get(name) for name in names}
             for source, source_results in results["sources"].items():
                 saved.update({f"eval_{source}_{name}": source_results.get(name) for name in names})
-            saved.update(eval_samples=sum(map(len, evaluation_sets(self.blocks).values())), step=step)
-            write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
+            saved["eval_samples"] = sum(map(len, evaluation_sets(self.blocks).values()))
+        for task, metrics in results.get("tasks", {}).items():
+            saved.update({f"eval_{task}_{metric}": value for metric, value in metrics.items()})
+        write_json(os.path.join(self.output_dir, "eval_results.json"), saved | {"step": step})
+        if self.blocks is not None:
             bits_per_byte = f", {results['bits_per_byte']:.4f} bits per byte" if "bits_per_byte" in results else ""
             print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f}{bits_per_byte})")
+        if self.tasks:
+            print(f"eval tasks: {self.tasks.describe(results['tasks'])}")
 
     def sample_from_export(self, abstract_params):
         """Samples from the exported model, read back: they also show that the saved files hold the trained model."""

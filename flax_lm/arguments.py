@@ -424,10 +424,18 @@ def refuse_unknown_arguments(arguments: list[str]):
         raise UsageError(f"unknown argument {arguments[0]}; see --help for the arguments this script takes")
 
 
-def check_common_arguments(model_args, data_args, training_args):
+def names_data(data_args) -> bool:
+    """Whether the arguments name data to train or evaluate on."""
+    names = ("train_file", "validation_file", "dataset_name", "data_mixture", "packed_data_dir")
+    return any(getattr(data_args, name) for name in names)
+
+
+def check_common_arguments(model_args, data_args, training_args, evaluates_without_data: bool = False):
     """The checks both training scripts make before any work, each refusal one line; fills in the defaults that
     depend on other arguments. Call it after initialize_distributed, which checks the distributed flags before the
-    processes join: the check of --dtype asks JAX for the platform, and JAX must not start before then."""
+    processes join: the check of --dtype asks JAX for the platform, and JAX must not start before then.
+    `evaluates_without_data`: the script evaluates by other means too (run_clm_flax.py's --eval_tasks), so that an
+    evaluation needs no data of its own."""
     training_args.report_to = trackers_to_report(training_args.report_to)
     if not (training_args.do_train or training_args.do_eval or data_args.packed_data_dir):
         # As the Hugging Face Flax examples do: train (given training data) and evaluate.
@@ -438,7 +446,7 @@ def check_common_arguments(model_args, data_args, training_args):
     if data_args.data_mixture:
         check_mixture(data_args, training_args)
     has_data = any(getattr(data_args, name) is not None for name in ("train_file", "dataset_name", "data_mixture"))
-    if not has_data and data_args.validation_file is None and not data_args.packed_data_dir:
+    if not (names_data(data_args) or evaluates_without_data):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")

@@ -35,14 +35,15 @@ class TextPiece:
 
 @dataclass(frozen=True)
 class RowFinished:
-    """The prompt `index` of a request is done: its whole text, its count of new tokens, and why it ended:
-    "eos" (the end-of-text token, not in the text), "stop" (a stop string, cut with what follows it) or
-    "length" (max_new_tokens)."""
+    """The prompt `index` of a request is done: its whole text, its count of new tokens, why it ended ("eos": the
+    end-of-text token, not in the text; "stop": a stop string, cut with what follows it; "length": max_new_tokens),
+    and the ids of the new tokens counted (up to the one that ended the text, the end-of-text token included)."""
 
     index: int
     text: str
     new_tokens: int
     finish_reason: str
+    ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,9 @@ class RowText:
                 for n in range(known + 1, len(self.ids) + 1)
                 if self.stop_position(self.decode(self.ids[:n])) is not None
             )
-            self.result = RowFinished(index, text[:position], used, "stop")
+            self.result = RowFinished(index, text[:position], used, "stop", self.ids[:used])
         elif finished:
-            self.result = RowFinished(index, text, len(self.ids), "eos" if ends_with_eos else "length")
+            self.result = RowFinished(index, text, len(self.ids), "eos" if ends_with_eos else "length", self.ids)
         if self.result is not None:
             return self.result
         # Held back: a character still missing some of its bytes, and an end that may begin a stop string.

@@ -11,6 +11,7 @@ import datasets.distributed
 import jax
 import numpy as np
 
+from flax_lm.arguments import names_data
 from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.mesh import prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
@@ -135,7 +136,10 @@ def load_data(
     """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}, as the
     script's `tokenized_rows(dataset, split, tokenizer, block_size, data_args)` makes them from the texts: blocks, or
     lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
-    holds all rows (memory-mapped) and reads only its rows of each batch."""
+    holds all rows (memory-mapped) and reads only its rows of each batch. Arguments that name no data give no rows
+    (run_clm_flax.py --eval_tasks evaluates without)."""
+    if not names_data(data_args):
+        return {}, None
     train_stream = None
     if data_args.data_mixture:
         return load_mixture(

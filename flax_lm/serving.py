@@ -2,6 +2,10 @@
 events on request; GET /v1/models), the script's own JSON API (POST /), GET /health and Prometheus metrics
 (GET /metrics), in front of flax_lm.batching's engine.
 
+A completion request may give its prompts as texts or token ids, several in one request, and ask for the prompt back
+("echo") and the log-probabilities of the tokens ("logprobs", from flax_lm.scoring), with "max_tokens": 0 for the
+prompt alone: what lm-evaluation-harness's local-completions backend asks to score a task.
+
 The HTTP side is asynchronous (Starlette on uvicorn): a slow client holds only its own connection, and requests
 wait for the decoding thread without holding a thread each. Up to --max_queued_requests wait for a batch; more
 are answered 503 with Retry-After. SIGTERM or SIGINT stops the server accepting connections; the requests it has
@@ -30,6 +34,7 @@ from starlette.routing import Route
 from flax_lm.batching import BatchingEngine, Completion, Failed, RowFinished, TextPiece
 from flax_lm.errors import UsageError
 from flax_lm.sampling import Sampling, shape_bucket
+from flax_lm.scoring import SequenceScores
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +51,10 @@ REQUEST_EXAMPLE = '{"prompt": "Once", "max_new_tokens": 20, "temperature": 0.8, 
 # The completions API's fields this server reads; top_k is not OpenAI's, but vLLM's and llama.cpp's servers take it.
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-    "user",
+    "user", "echo", "logprobs",
 }  # fmt: skip
 # Fields of the completions API this server has no use for, accepted at the value that asks for nothing.
 UNSUPPORTED_COMPLETION_FIELDS = {
-    "echo": (False,),
-    "logprobs": (None,),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0),
@@ -59,6 +62,8 @@ UNSUPPORTED_COMPLETION_FIELDS = {
     "logit_bias": (None, {}),
 }
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
+# The most of the likeliest tokens a completion request may ask to see at each position ("logprobs"), as OpenAI allows.
+MAX_LOGPROBS = 5
 
 
 class RequestError(Exception):
@@ -155,9 +160,19 @@ def number(request: dict, name: str, kind: type, default):
         raise RequestError(f'"{name}" is out of range', name) from None
 
 
-def checked_prompts(prompts, limits: Limits, problem: str, param: str) -> list[str]:
-    """`prompts` if it is a non-empty list of at most batch_size strings; else `problem` refuses the request."""
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(prompt, str) for prompt in prompts):
+def is_token_ids(value) -> bool:
+    """Whether `value` is a prompt given as token ids: a non-empty list of integers."""
+    return isinstance(value, list) and bool(value) and all(type(item) is int for item in value)
+
+
+def checked_prompts(prompts, limits: Limits, problem: str, param: str, token_ids_too: bool = False) -> list:
+    """`prompts` if it is a non-empty list of at most batch_size strings (or, `token_ids_too`, lists of token ids);
+    else `problem` refuses the request."""
+
+    def is_prompt(prompt) -> bool:
+        return isinstance(prompt, str) or (token_ids_too and is_token_ids(prompt))
+
+    if not isinstance(prompts, list) or not prompts or not all(map(is_prompt, prompts)):
         raise RequestError(problem, param)
     if len(prompts) > limits.batch_size:
         raise RequestError(
@@ -198,11 +213,13 @@ def parse_generate_request(request, limits: Limits) -> tuple[list[str], Sampling
 
 @dataclasses.dataclass(frozen=True)
 class CompletionRequest:
-    prompts: list[str]
-    sampling: Sampling
+    prompts: list[str | list[int]]  # texts, or token ids
+    sampling: Sampling  # max_new_tokens 0: nothing is written, the prompts are only echoed or scored
     stop: list[str]
     stream: bool
     include_usage: bool
+    echo: bool  # each choice's text begins with its prompt
+    logprobs: int | None  # show the log-probability of each token and of this many of the most likely there
 
 
 def parse_completion_request(request, model_id: str, limits: Limits) -> CompletionRequest:
@@ -223,8 +240,10 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
         )
     if "prompt" not in request:
         raise RequestError('"prompt" is missing: give a string or a list of strings', "prompt")
-    prompts = [request["prompt"]] if isinstance(request["prompt"], str) else request["prompt"]
-    prompts = checked_prompts(prompts, limits, '"prompt" must be a string or a non-empty list of strings', "prompt")
+    prompt = request["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) or is_token_ids(prompt) else prompt
+    problem = '"prompt" must be a string, a list of token ids, or a non-empty list of strings or of lists of token ids'
+    prompts = checked_prompts(prompts, limits, problem, "prompt", token_ids_too=True)
     if number(request, "n", int, 1) != 1:
         raise RequestError('"n" must be 1: this server writes one completion per prompt', "n")
     defaults = limits.defaults
@@ -235,6 +254,21 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
         top_p=number(request, "top_p", float, defaults.top_p),
         seed=number(request, "seed", int, defaults.seed),
     )
+    # max_tokens 0 writes nothing: the prompts are only echoed or scored. The other settings are checked all the same.
+    if sampling.max_new_tokens < 0:
+        raise RequestError('"max_tokens" must be 0 (the prompt alone, echoed or scored) or more', "max_tokens")
+    checked_sampling(
+        dataclasses.replace(sampling, max_new_tokens=max(sampling.max_new_tokens, 1)), limits, "max_tokens"
+    )
+    echo = request.get("echo") or False
+    if not isinstance(echo, bool):
+        raise RequestError(f'"echo" must be true or false, not {echo!r}', "echo")
+    logprobs = number(request, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestError(
+            f'"logprobs" must be from 0 to {MAX_LOGPROBS}: how many of the most likely tokens to show at each token',
+            "logprobs",
+        )
     stop = request.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(text, str) and text for text in stop):
@@ -243,6 +277,8 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
     options = request.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise RequestError(f'"stream" must be true or false, not {stream!r}', "stream")
+    if stream and (echo or logprobs is not None or sampling.max_new_tokens == 0):
+        raise RequestError('"echo", "logprobs" and "max_tokens": 0 are not supported with "stream": true', "stream")
     if not (
         isinstance(options, dict)
         and set(options) <= {"include_usage"}
@@ -250,7 +286,7 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
         and (stream or not options)
     ):
         raise RequestError('"stream_options" may only be {"include_usage": true} (or false), with "stream": true')
-    return CompletionRequest(prompts, checked_sampling(sampling, limits, "max_tokens"), stop, stream, include_usage)
+    return CompletionRequest(prompts, sampling, stop, stream, include_usage, echo, logprobs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -372,6 +408,35 @@ def openai_error(message: str, error_type: str, status: int, param: str | None =
     return JSONResponse(content, status, headers=headers)
 
 
+def openai_logprobs(tokenizer, ids: list[int], scores: SequenceScores, shown: int, top_n: int) -> dict:
+    """OpenAI's "logprobs" of a choice that shows the tokens ids[shown:]: each token's text, its log-probability given
+    the tokens before it (null for the first of the sequence, which nothing predicts), the top_n most likely tokens
+    there with theirs (and the token itself, as OpenAI adds it), and where its text starts in the choice's text."""
+
+    def text(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for position in range(shown, len(ids)):
+        token = text(ids[position : position + 1])
+        logprobs["tokens"].append(token)
+        logprobs["text_offset"].append(len(text(ids[shown:position])))
+        if position == 0:
+            logprobs["token_logprobs"].append(None)
+            logprobs["top_logprobs"].append(None)
+            continue
+        log_prob = float(scores.log_probs[position - 1])
+        top_ids, top_log_probs = scores.top_ids[position - 1, :top_n], scores.top_log_probs[position - 1, :top_n]
+        # Tokens whose texts are the same (pieces of one character) keep the likeliest's.
+        top = {}
+        for top_id, top_log_prob in zip(top_ids.tolist(), top_log_probs.tolist()):
+            top.setdefault(text([top_id]), top_log_prob)
+        top.setdefault(token, log_prob)
+        logprobs["token_logprobs"].append(log_prob)
+        logprobs["top_logprobs"].append(top)
+    return logprobs
+
+
 def server_sent_event(content) -> str:
     return f"data: {json.dumps(content)}\n\n"
 
@@ -384,17 +449,22 @@ class CompletionAnswer:
         self.head["model"] = model_id
         self.prompt_tokens = prompt_tokens
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         finish_reason = None if finish_reason is None else FINISH_REASONS[finish_reason]
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def usage(self, results: list[RowFinished]) -> dict:
         new_tokens = sum(result.new_tokens for result in results)
         total_tokens = self.prompt_tokens + new_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": new_tokens, "total_tokens": total_tokens}
 
-    def whole(self, results: list[RowFinished]) -> dict:
-        choices = [self.choice(result.index, result.text, result.finish_reason) for result in results]
+    def whole(self, results: list[RowFinished], scored: list[tuple[str, dict | None]] | None = None) -> dict:
+        """The answer; `scored`: each choice's text and logprobs, where "echo" or "logprobs" asked for them."""
+        scored = scored or [(result.text, None) for result in results]
+        choices = [
+            self.choice(result.index, text, result.finish_reason, logprobs)
+            for result, (text, logprobs) in zip(results, scored)
+        ]
         return {**self.head, "choices": choices, "usage": self.usage(results)}
 
     async def server_sent_events(self, submitted: Submitted, include_usage: bool, on_end):
@@ -437,14 +507,15 @@ class Endpoints:
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
 
-    async def submit(
-        self, prompts: list[str], sampling: Sampling, stop: list[str], max_new_tokens_name: str
-    ) -> Submitted:
+    async def encode(self, prompts: list, max_new_tokens: int, max_new_tokens_name: str) -> list[list[int]]:
         try:
             # On a thread: a long prompt holds up no other request.
-            prompt_ids = await asyncio.to_thread(self.generator.encode, prompts, sampling.max_new_tokens, "prompt")
+            return await asyncio.to_thread(self.generator.encode, prompts, max_new_tokens, "prompt")
         except ValueError as error:
             raise RequestError(str(error).replace("max_new_tokens", max_new_tokens_name), "prompt") from None
+
+    async def submit(self, prompts: list, sampling: Sampling, stop: list[str], max_new_tokens_name: str) -> Submitted:
+        prompt_ids = await self.encode(prompts, sampling.max_new_tokens, max_new_tokens_name)
         submitted = Submitted(self.engine, prompt_ids, sampling, stop)
         self.metrics.prompt_tokens.inc(submitted.completion.prompt_tokens)
         return submitted
@@ -484,13 +555,18 @@ class Endpoints:
         start = time.perf_counter()
         try:
             parsed = parse_completion_request(await read_json(request), self.model_id, self.limits)
-            submitted = await self.submit(parsed.prompts, parsed.sampling, parsed.stop, "max_tokens")
+            if parsed.sampling.max_new_tokens:
+                submitted = await self.submit(parsed.prompts, parsed.sampling, parsed.stop, "max_tokens")
+                prompt_ids = submitted.completion.prompt_ids
+            else:  # nothing to write: the engine has no part in it
+                submitted, prompt_ids = None, await self.encode(parsed.prompts, 0, "max_tokens")
+                self.metrics.prompt_tokens.inc(sum(map(len, prompt_ids)))
         except RequestError as error:
             error_type = "not_found_error" if error.status == 404 else "invalid_request_error"
             return openai_error(str(error), error_type, error.status, error.param)
         except Overloaded as error:
             return openai_error(str(error), "overloaded_error", 503, headers={"Retry-After": str(error.retry_after)})
-        answer = CompletionAnswer(self.model_id, submitted.completion.prompt_tokens)
+        answer = CompletionAnswer(self.model_id, sum(map(len, prompt_ids)))
         if parsed.stream:
             events = answer.server_sent_events(
                 submitted, parsed.include_usage, lambda results: self.log_answer("/v1/completions", results, start)
@@ -499,11 +575,36 @@ class Endpoints:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
-            results = await submitted.results()
+            results = (
+                await submitted.results()
+                if submitted
+                else [RowFinished(row, "", 0, "length", []) for row in range(len(prompt_ids))]
+            )
         except RuntimeError as error:
             return openai_error(str(error), "server_error", 500)
+        scored = None
+        if parsed.echo or parsed.logprobs is not None:
+            scored = await asyncio.to_thread(self.scored_choices, prompt_ids, results, parsed.echo, parsed.logprobs)
         self.log_answer("/v1/completions", results, start)
-        return JSONResponse(answer.whole(results))
+        return JSONResponse(answer.whole(results, scored))
+
+    def scored_choices(self, prompt_ids, results: list[RowFinished], echo: bool, logprobs: int | None) -> list:
+        """The text of each choice, its prompt's first with `echo`, and its "logprobs" (None without `logprobs`): of
+        its prompt's tokens with `echo`, and of its new tokens."""
+        tokenizer, scorer = self.generator.tokenizer, self.generator.scorer
+        sequences = [ids + result.ids for ids, result in zip(prompt_ids, results)]
+        scores = None
+        if logprobs is not None:  # always the most tokens a request may see: one compiled program for every request
+            scores = scorer.score(self.generator.params, sequences, top_k=MAX_LOGPROBS)
+        choices = []
+        for row, (ids, result) in enumerate(zip(prompt_ids, results)):
+            text = tokenizer.decode(ids, skip_special_tokens=False) + result.text if echo else result.text
+            shown = 0 if echo else len(ids)
+            row_logprobs = (
+                None if scores is None else openai_logprobs(tokenizer, sequences[row], scores[row], shown, logprobs)
+            )
+            choices.append((text, row_logprobs))
+        return choices
 
     async def models(self, request):
         model = {"id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "flax-lm"}

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, scalars
+from test_harness import write_local_tasks
 from test_resume import losses_per_process
 
 from flax_lm import mesh, processes
@@ -47,7 +48,7 @@ def arguments(model_dir, output_dir, *extra):
         "--train_file", str(CORPUS / "train.txt"), "--validation_file", str(CORPUS / "validation.txt"),
         "--max_eval_samples", "37", "--do_train", "--do_eval", "--block_size", "32",
         "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--learning_rate", "1e-3",
-        "--seed", "0", "--max_steps", str(MAX_STEPS), "--logging_steps", "1", "--eval_steps", "1000",
+        "--seed", "0", "--max_steps", str(MAX_STEPS), "--logging_steps", "1", "--eval_steps", "5",
         "--save_steps", "1000", "--sample_tokens", "0", *extra,
     ]  # fmt: skip
 
@@ -138,8 +139,12 @@ def runs(model_dir, tmp_path_factory):
     logs = {name: tmp_path_factory.mktemp(name) for name in ("single", "stopped", "resumed")}
     caches = {name: tmp_path_factory.mktemp(f"{name}-caches") for name in ("single", "two")}
     single_dir, two_dir = tmp_path_factory.mktemp("single-output"), tmp_path_factory.mktemp("two-output")
+    # lm-eval tasks scored at each evaluation of the finished runs: a multiple-choice one and a perplexity.
+    tasks_dir = tmp_path_factory.mktemp("tasks")
+    write_local_tasks(tasks_dir, model_dir)
+    tasks = ["--eval_tasks", "tiny_choice,tiny_texts", "--eval_tasks_path", str(tasks_dir)]
 
-    single = Processes(arguments(model_dir, single_dir), 1, 8, logs["single"], caches["single"])
+    single = Processes(arguments(model_dir, single_dir, *tasks), 1, 8, logs["single"], caches["single"])
     stopped = Processes(arguments(model_dir, two_dir), 2, 4, logs["stopped"], caches["two"])
     try:
         # Process 0 logs step 1 once both processes have run it, so process 1 is in the training loop.
@@ -148,7 +153,7 @@ def runs(model_dir, tmp_path_factory):
         stopped.wait()
         stopped_checkpoints = os.listdir(two_dir / "checkpoints")
         stopped_losses = losses_per_process(two_dir)[0]
-        resumed_arguments = ["--resume_from_checkpoint", "--sample_tokens", "4", "--mesh_shape", "tensor=8"]
+        resumed_arguments = ["--resume_from_checkpoint", "--sample_tokens", "4", "--mesh_shape", "tensor=8", *tasks]
         resumed = Processes(
             arguments(model_dir, two_dir, *resumed_arguments), 2, 4, logs["resumed"], caches["two"]
         ).wait()
@@ -197,6 +202,18 @@ def test_two_processes_evaluate_the_same_as_one(runs):
     two = json.loads((runs["two_dir"] / "eval_results.json").read_text())
     assert two["eval_tokens"] == single["eval_tokens"] == 37 * 31
     assert two["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+
+
+def test_two_processes_score_the_evaluation_tasks_as_one(runs):
+    single = json.loads((runs["single_dir"] / "eval_results.json").read_text())
+    two = json.loads((runs["two_dir"] / "eval_results.json").read_text())
+    metrics = ["tiny_choice_acc", "tiny_choice_acc_norm", "tiny_texts_word_perplexity", "tiny_texts_bits_per_byte"]
+    assert {f"eval_{metric}" for metric in metrics} <= single.keys()
+    assert [two[f"eval_{metric}"] for metric in metrics] == pytest.approx(
+        [single[f"eval_{metric}"] for metric in metrics], rel=1e-5
+    )
+    # Scored at each evaluation, not only at the end.
+    assert [step for step, _ in scalars(runs["single_dir"], "eval/tiny_choice/acc")] == [5, MAX_STEPS]
 
 
 def test_only_process_0_writes_results_logs_and_the_sample(runs):

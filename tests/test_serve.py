@@ -13,10 +13,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
+import torch
 from conftest import server_process
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import GPT2LMHeadModel
 
 from flax_lm import batching, sampling, serving
 
@@ -201,13 +204,17 @@ def test_a_stop_string_ends_the_text_before_it_streamed_or_not(generator, server
     "fields, status, message",
     [
         ({"n": 2}, 400, '"n" must be 1'),
-        ({"logprobs": 2}, 400, '"logprobs" is not supported'),
-        ({"echo": True}, 400, '"echo" is not supported'),
+        ({"best_of": 2}, 400, '"best_of" is not supported'),
+        ({"logprobs": 6}, 400, '"logprobs" must be from 0 to 5'),
+        ({"echo": 1}, 400, '"echo" must be true or false'),
+        ({"logprobs": 1, "stream": True}, 400, '"logprobs" and "max_tokens": 0 are not supported with "stream": true'),
+        ({"max_tokens": -1}, 400, '"max_tokens" must be 0 (the prompt alone, echoed or scored) or more'),
         ({"max_tokens": 33}, 400, "max_tokens 33 exceeds this server's limit of 32"),
         ({"max_tokens": 30, "prompt": "word " * 40}, 400, "exceeds the model's 64 positions"),
         ({"temperature": -1}, 400, "temperature must be 0 (greedy) or positive"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, '"stop" must be a non-empty string or a list of at most 4'),
-        ({"prompt": [1, 2]}, 400, '"prompt" must be a string or a non-empty list of strings'),
+        ({"prompt": [[1, 2], "A", 3]}, 400, '"prompt" must be a string, a list of token ids, or a non-empty list'),
+        ({"prompt": [1, 10**6]}, 400, "prompt 1 holds the token id 1000000, outside the model's"),
         ({"prompt": ["A"] * 5}, 400, "5 prompts in one request; the server takes at most 4"),
         ({"stream_options": {"include_usage": True}}, 400, '"stream_options" may only be'),
         ({"stream": True, "stream_options": [1]}, 400, '"stream_options" may only be'),
@@ -234,6 +241,64 @@ def test_bad_completion_requests_are_refused_in_openai_error_shape(generator, se
     assert answer.status_code == status
     error = answer.json()["error"]
     assert message in error["message"] and "\n" not in error["message"] and error["type"]
+
+
+def torch_log_probs(model_dir, ids: list[int]) -> np.ndarray:
+    """(len(ids) - 1, vocabulary) log-probabilities of the tiny GPT-2 in PyTorch after each token but the last."""
+    torch_model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return torch.log_softmax(torch_model(torch.tensor([ids[:-1]])).logits[0], dim=-1).numpy()
+
+
+def test_echo_and_logprobs_are_the_model_s_for_the_prompt_and_the_new_tokens(generator, server, tiny_gpt2_dir):
+    url, _ = server
+    tokenizer = generator.tokenizer
+    prompt_ids = tokenizer(PROMPTS[1])["input_ids"]
+    # Two prompts, as the requests below decode them: the same compiled programs.
+    new_ids, _ = sampling.generate_ids(generator.sampler, generator.params, [prompt_ids] * 2, 6)
+    ids = prompt_ids + new_ids
+    expected = torch_log_probs(tiny_gpt2_dir, ids)
+    request = {"prompt": [PROMPTS[1], prompt_ids], "max_tokens": 6, "echo": True, "logprobs": 3}
+    answer = complete(url, model_id(generator), **request).json()
+    assert len(answer["choices"]) == 2 and answer["usage"]["completion_tokens"] == 12
+    for choice in answer["choices"]:  # the prompt as a text and as its token ids
+        logprobs = choice["logprobs"]
+        assert choice["text"] == PROMPTS[1] + tokenizer.decode(new_ids)
+        assert logprobs["tokens"] == [tokenizer.decode([token]) for token in ids]
+        assert logprobs["text_offset"] == [len(tokenizer.decode(ids[:position])) for position in range(len(ids))]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # nothing predicts it
+        np.testing.assert_allclose(
+            logprobs["token_logprobs"][1:], expected[np.arange(len(ids) - 1), ids[1:]], atol=1e-4
+        )
+        for position, top in enumerate(logprobs["top_logprobs"][1:]):
+            most_likely = np.argsort(-expected[position])[:3]
+            expected_top = {tokenizer.decode([token]): expected[position, token] for token in most_likely}
+            expected_top[logprobs["tokens"][position + 1]] = expected[position, ids[position + 1]]
+            assert top == pytest.approx(expected_top, abs=1e-4)
+
+    # Without echo: the new tokens alone, their offsets counted in the new text.
+    answer = complete(url, model_id(generator), prompt=[prompt_ids] * 2, max_tokens=6, logprobs=0).json()
+    choice = answer["choices"][1]
+    assert choice["text"] == tokenizer.decode(new_ids)
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([token]) for token in new_ids]
+    assert choice["logprobs"]["text_offset"][0] == 0
+    expected_new = expected[np.arange(len(prompt_ids) - 1, len(ids) - 1), new_ids]
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], expected_new, atol=1e-4)
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"])  # the token itself, none more likely
+
+
+def test_max_tokens_0_echoes_and_scores_the_prompts_alone(generator, server, tiny_gpt2_dir):
+    url, _ = server
+    prompts = [generator.tokenizer(prompt)["input_ids"] for prompt in PROMPTS[:2]]
+    answer = complete(url, model_id(generator), prompt=prompts, max_tokens=0, echo=True, logprobs=1).json()
+    prompt_tokens = sum(map(len, prompts))
+    assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    for ids, choice in zip(prompts, answer["choices"]):
+        assert choice["text"] == generator.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+        expected = torch_log_probs(tiny_gpt2_dir, ids)[np.arange(len(ids) - 1), ids[1:]]
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:], expected, atol=1e-4)
+    [choice] = complete(url, model_id(generator), prompt="A", max_tokens=0).json()["choices"]
+    assert (choice["text"], choice["logprobs"]) == ("", None)
 
 
 def test_a_body_over_1_mib_or_not_json_is_refused_with_400(server):
