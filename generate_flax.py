@@ -44,7 +44,8 @@ from flax_lm.model_code import load_model_code
 from flax_lm.processes import LOG_FORMAT
 from flax_lm.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.scoring import Scorer
-from flax_lm.serving import Limits, listening_socket, serve
+from flax_lm.server_requests import Limits
+from flax_lm.serving import listening_socket, serve
 from flax_lm.texts import ids_around_documents
 from flax_lm.train_state import abstract_model_params, parameter_shardings
 

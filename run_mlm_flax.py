@@ -35,14 +35,12 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from flax_lm.arguments import (
@@ -54,32 +52,22 @@ from flax_lm.arguments import (
     parse_arguments,
     recorded_arguments,
 )
-from flax_lm.checkpoints import (
-    StopRequest,
-    TrainingProgress,
-    check_model_code,
-    check_resumed_run,
-    committed_checkpoint,
-    open_checkpoints,
-    restore_checkpoint,
-    save_checkpoint,
-)
+from flax_lm.checkpoints import StopRequest, committed_checkpoint, open_checkpoints
 from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
     call_batch_shapes,
     call_batches,
-    count_steps,
     epochs_of_batches,
     load_data,
     stream_position,
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params, save_model
+from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
 from flax_lm.host_random import random_bits, uniform_from_bits
-from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
+from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
-from flax_lm.model_code import FLAX_WEIGHTS_NAME, ModelCode, load_model_code
+from flax_lm.model_code import ModelCode, load_model_code
 from flax_lm.models.roberta import check_tokenizer
 from flax_lm.processes import (
     initialize_distributed,
@@ -91,22 +79,28 @@ from flax_lm.processes import (
 from flax_lm.run_dir import (
     check_output_dir,
     evaluated_step,
-    prepare_output_dir,
+    open_output_dir,
     report_stop,
     write_all_results,
     write_json,
     write_train_results,
 )
+from flax_lm.run_record import TrainingProgress
 from flax_lm.texts import map_in_workers, text_batches, token_arrays
 from flax_lm.tracking import TrainingLog, open_trackers
 from flax_lm.train_state import (
     TrainState,
-    abstract_train_state,
     accumulate_gradients,
     apply_finite_update,
-    create_train_state,
-    repeat_train_step,
-    train_step_compiler_options,
+)
+from flax_lm.training import (
+    ScriptTraining,
+    TrainingSetup,
+    export_complete_run,
+    initial_state,
+    run_description,
+    save_run,
+    set_up_training,
 )
 
 logger = logging.getLogger(__name__)
@@ -583,6 +577,14 @@ def make_train_step(model, optimizer, schedule, seed: int):
     return train_step
 
 
+# What flax_lm's set-up (set_up_training) builds the training from: this script's schedule, optimizer and train step,
+# the sums its train step makes, and the flag of its sequence length.
+# Copied from run_clm_flax.SCRIPT_TRAINING with block_size->max_seq_length
+SCRIPT_TRAINING = ScriptTraining(
+    learning_rate_schedule, create_optimizer, make_train_step, TRAIN_METRIC_SUMS, "max_seq_length"
+)
+
+
 def make_eval_step(model):
     def eval_step(params, batch):
         logits = model.apply(
@@ -759,7 +761,7 @@ def main():
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
     length_flag = f"--max_seq_length {max_seq_length}"  # the blocks leave room for <s> and </s>
-    examples, train_stream = load_data(
+    rows, train_stream = load_data(
         model_args, data_args, training_args, tokenized_rows, tokenizer, max_seq_length - 2, length_flag
     )
     if not (training_args.do_train or training_args.do_eval):
@@ -768,31 +770,29 @@ def main():
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
     model = masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
-    train_examples, eval_step = examples.get("train"), make_eval_step(model)
-    setup = set_up_training(model, model_code, eval_step, training_args, train_examples, max_seq_length)
+    train_rows, eval_step = rows.get("train"), make_eval_step(model)
+    setup = set_up_training(model, model_code, SCRIPT_TRAINING, eval_step, training_args, train_rows, max_seq_length)
     compile_train_steps_ahead(setup, make_batch, training_args)
-    state, progress = initial_state(model_args, training_args, setup)
-    # Process 0 holds the lock on the output directory until this process ends, for all processes.
-    output_dir_lock = on_process_zero(  # noqa: F841
-        lambda: prepare_output_dir(training_args, progress.step, [__file__, model_args.model_file]),
-        f"lock --output_dir {training_args.output_dir}",
-    )
     arguments = recorded_arguments(model_args, data_args, training_args)
+    run = run_description(arguments, config, tokenizer, setup)
+    state, progress = initial_state(model_args, training_args, setup, run)
+    # Process 0 holds the lock on the output directory until this process ends, for all processes.
+    output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
     trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
-    evaluation = Evaluation(setup, examples.get("validation"), make_batch, tokenizer, training_args, trackers)
+    evaluation = Evaluation(setup, rows.get("validation"), make_batch, tokenizer, training_args, trackers)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
         batches = train_batches_from(
-            progress.step, setup, examples.get("train"), train_stream, make_batch, tokenizer, data_args, training_args
+            progress.step, setup, train_stream, make_batch, tokenizer, data_args, training_args
         )
-        save = partial(save_run, setup, config, tokenizer, arguments)
+        save = partial(save_run, setup, config, tokenizer, run)
         log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
-        state, stopped_by = train(state, progress, batches, setup.train_steps, save, evaluation, log, training_args)
+        state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
-        write_train_results(training_args.output_dir, train_metrics(progress.metric_sums), setup, log)
+        write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
         export_complete_run(training_args.output_dir, state.params, config, tokenizer, model_code)
     if training_args.do_eval:
@@ -848,128 +848,14 @@ def masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code: 
     )
 
 
-# Copied from run_clm_flax.TrainingSetup
-@dataclass
-class TrainingSetup:
-    """What training and evaluation need, built once from the arguments and the model."""
-
-    model: nn.Module
-    model_code: ModelCode
-    sequence_length: int
-    train_batch_size: int  # global: over all devices and micro-batches
-    eval_batch_size: int
-    train_examples: Any  # None for a stream
-    steps_per_epoch: int | None
-    total_steps: int
-    batch_sharding: NamedSharding
-    call_batches_sharding: NamedSharding
-    optimizer: optax.GradientTransformation
-    abstract_state: TrainState
-    train_steps: Any  # (state, batches of up to --steps_per_call steps, steps) -> (state, metrics of each step)
-    eval_step: Any
-
-
-# Copied from run_clm_flax.set_up_training with block_size->max_seq_length
-def set_up_training(
-    model, model_code: ModelCode, eval_step, training_args, train_examples, sequence_length: int
-) -> TrainingSetup:
-    logger.info(
-        "%d devices over %d processes (%d here): %s",
-        jax.device_count(),
-        jax.process_count(),
-        jax.local_device_count(),
-        jax.devices(),
-    )
-    mesh = model.mesh
-    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    # (step of a compiled call, micro-batch, row, ...)
-    call_batches_sharding = NamedSharding(mesh, PartitionSpec(None, None, BATCH_AXES))
-    accumulation_steps = training_args.gradient_accumulation_steps
-    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
-    steps_per_epoch, total_steps = count_steps(training_args, train_examples, train_batch_size, "--max_seq_length")
-    schedule = learning_rate_schedule(training_args, total_steps)
-    optimizer = create_optimizer(training_args, schedule)
-    abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
-    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-    logger.info(
-        "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",
-        type(model).__name__,
-        sum(leaf.size for leaf in jax.tree_util.tree_leaves(abstract_state.params)) / 1e6,
-        jnp.dtype(model.param_dtype),
-        jnp.dtype(model.dtype),
-        dict(mesh.shape),
-    )
-    return TrainingSetup(
-        model=model,
-        model_code=model_code,
-        sequence_length=sequence_length,
-        train_batch_size=train_batch_size,
-        eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
-        train_examples=train_examples,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        batch_sharding=batch_sharding,
-        call_batches_sharding=call_batches_sharding,
-        optimizer=optimizer,
-        abstract_state=abstract_state,
-        train_steps=jax.jit(
-            repeat_train_step(
-                make_train_step(model, optimizer, schedule, training_args.seed), training_args.steps_per_call
-            ),
-            in_shardings=(state_shardings, call_batches_sharding, None),
-            out_shardings=(state_shardings, None),
-            donate_argnums=(0,),
-            compiler_options=train_step_compiler_options(),
-        ),
-        eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
-    )
-
-
-# Copied from run_clm_flax.initial_state with block_size->max_seq_length
-def initial_state(model_args, training_args, setup: TrainingSetup) -> tuple[TrainState, "TrainingProgress"]:
-    """The state to start from: with --resume_from_checkpoint the newest (or the named) training checkpoint, if
-    there is one; otherwise new weights, or those of the Hugging Face checkpoint --model_name_or_path."""
-    if training_args.resume_from_checkpoint:
-        record_keys = ["step", "global_batch_size", "max_seq_length"]
-        restored = restore_checkpoint(
-            training_args.resume_from_checkpoint,
-            training_args.output_dir,
-            setup.abstract_state,
-            record_keys,
-            partial(check_model_code, setup.model_code),
-        )
-        if restored:
-            state, record, path = restored
-            logger.info("Resumed from %s at step %d", path, record["step"])
-            check_resumed_run(record, setup, training_args, "max_seq_length")
-            return state, TrainingProgress.from_record(record, TRAIN_METRIC_SUMS)
-        logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
-    dummy_input = jnp.zeros((1, setup.sequence_length), jnp.int32)
-    loaded_params = pretrained_params(model_args, setup)
-    state = create_train_state(
-        setup.model, setup.optimizer, setup.abstract_state, training_args.seed, dummy_input, loaded_params
-    )
-    return state, TrainingProgress.start(TRAIN_METRIC_SUMS)
-
-
-# Copied from run_clm_flax.pretrained_params
-def pretrained_params(model_args, setup: TrainingSetup):
-    """The weights of the Hugging Face checkpoint --model_name_or_path in this model's layout; None without one."""
-    if not model_args.model_name_or_path:
-        return None
-    source = model_args.model_name_or_path
-    params = read_exported_params(source, model_args, setup.model_code, setup.abstract_state.params)
-    logger.info("Loaded weights from %s", model_args.model_name_or_path)
-    return params
-
-
 def train_batches_from(
-    first_step, setup: TrainingSetup, train_examples, train_stream, make_batch, tokenizer, data_args, training_args
+    first_step, setup: TrainingSetup, train_stream, make_batch, tokenizer, data_args, training_args
 ):
     """The global batches of each compiled call after `first_step` (steps_of_calls says how many steps each runs),
-    stacked, and the token count of each step, read ahead on a thread. The data order and the masks are a function of
-    the step, so a resumed run sees the batches the interrupted one would have."""
-    batch_size, max_seq_length = setup.train_batch_size, setup.sequence_length
+    stacked, and the token count of each step, read ahead on a thread: from the training rows, or `train_stream`. The
+    data order and the masks are a function of the step, so a resumed run sees the batches the interrupted one would
+    have."""
+    batch_size, max_seq_length, train_examples = setup.train_batch_size, setup.sequence_length, setup.train_rows
     if isinstance(train_examples, Mixture):
         data = f"on a mixture ({train_examples.describe(setup.total_steps * batch_size)})"
         local_batches = mixture_train_batches(train_examples, make_batch, batch_size, training_args.seed, first_step)
@@ -1015,7 +901,8 @@ def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, trai
     not where batches are padded each to its own length, and so differ in shape."""
     if training_args.do_train and not make_batch.pads_each_batch:
         abstract_batches = abstract_call_batches(setup, make_batch, training_args)
-        compile_in_background(setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call)
+        steps = training_args.steps_per_call
+        compile_in_background(setup.compiled_train_steps, setup.abstract_state, abstract_batches, steps)
 
 
 def abstract_call_batches(setup: TrainingSetup, make_batch: BatchMaker, training_args) -> dict:
@@ -1045,7 +932,9 @@ def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int
 
 
 # Copied from run_clm_flax.train
-def train(state, progress: TrainingProgress, batches, train_steps, save, evaluate, log: TrainingLog, training_args):
+def train(
+    state, progress: TrainingProgress, batches, setup: TrainingSetup, save, evaluate, log: TrainingLog, training_args
+):
     """Train from the step after `progress.step` to the last, in compiled calls of the steps `batches` holds for each
     (steps_of_calls), logging every --logging_steps, saving every --save_steps and at the end, or after the call in
     which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
@@ -1059,7 +948,7 @@ def train(state, progress: TrainingProgress, batches, train_steps, save, evaluat
     ):
         checkpoint_being_written, step = None, progress.step
         for batch, step_tokens in batches:
-            state, metrics = train_steps(state, batch, len(step_tokens))
+            state, metrics = setup.compiled_train_steps(state, batch, len(step_tokens))
             log.steps_done(metrics, step_tokens)
             step += len(step_tokens)
             checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
@@ -1082,36 +971,6 @@ def train(state, progress: TrainingProgress, batches, train_steps, save, evaluat
                 break
         committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
     return state, stop.signal_name if stopping else None
-
-
-# Copied from run_clm_flax.save_run with block_size->max_seq_length
-def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoints, state, progress) -> int:
-    """Save a training checkpoint (written in the background) and export the model. Returns the step saved."""
-    record = progress.record(
-        model_code={"file": setup.model_code.description, "fingerprint": setup.model_code.fingerprint},
-        global_batch_size=setup.train_batch_size,
-        max_seq_length=setup.sequence_length,
-        training_examples=None if setup.train_examples is None else len(setup.train_examples),
-        arguments=arguments,
-    )
-    if setup.steps_per_epoch:
-        record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
-    save_checkpoint(checkpoints, state, record)
-    output_dir = os.path.dirname(str(checkpoints.directory))
-    save_model(output_dir, state.params, config, tokenizer, setup.model_code)
-    logger.info(
-        "step %d: saved the model to %s; writing the training checkpoint in the background", progress.step, output_dir
-    )
-    return progress.step
-
-
-# Copied from run_clm_flax.export_complete_run
-def export_complete_run(output_dir: str, params, config, tokenizer, model_code: ModelCode):
-    """Export the model of a run that is complete, where it is missing: the run was stopped after its last
-    checkpoint was committed but before the export."""
-    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("model.safetensors", FLAX_WEIGHTS_NAME)):
-        save_model(output_dir, params, config, tokenizer, model_code)
-        logger.info("Exported the model of the complete run to %s", output_dir)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from flax_lm.model_code import load_model_code
 from flax_lm.packed import cached_blocks
 from flax_lm.texts import token_arrays
 from flax_lm.train_state import create_train_state
+from flax_lm.training import set_up_training
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_clm_flax  # noqa: E402
@@ -246,12 +247,11 @@ def benchmark_training(settings, arguments) -> dict:
         mesh_shape=arguments.mesh_shape,
     )
     eval_step = run_clm_flax.make_eval_step(model, None)
-    setup = run_clm_flax.set_up_training(
-        model, model_code, eval_step, training_arguments, None, settings["block_size"]
-    )
+    script = run_clm_flax.SCRIPT_TRAINING
+    setup = set_up_training(model, model_code, script, eval_step, training_arguments, None, settings["block_size"])
     dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
-    train_steps = setup.train_steps
+    train_steps = setup.compiled_train_steps
     # The global batches of one compiled call: each step's batch as gradient_accumulation_steps micro-batches.
     tokens = np.random.default_rng(0).integers(
         0,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from flax_lm.mesh import create_mesh
 from flax_lm.model_code import load_model_code
+from flax_lm.training import set_up_training
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import create_config  # noqa: E402
@@ -56,11 +57,12 @@ def step_memory(config, arguments, mesh_shape: str) -> dict:
         steps_per_call=1,
     )
     eval_step = run_clm_flax.make_eval_step(model)
-    setup = run_clm_flax.set_up_training(model, model_code, eval_step, training_arguments, None, arguments.block_size)
+    script = run_clm_flax.SCRIPT_TRAINING
+    setup = set_up_training(model, model_code, script, eval_step, training_arguments, None, arguments.block_size)
     # One step's batch: (steps of the call, micro-batches, rows, positions).
     shape = (1, 1, setup.train_batch_size, arguments.block_size)
     batches = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.call_batches_sharding)}
-    memory = setup.train_steps.lower(setup.abstract_state, batches, 1).compile().memory_analysis()
+    memory = setup.compiled_train_steps.lower(setup.abstract_state, batches, 1).compile().memory_analysis()
     gibibyte = 2**30
     return {
         "state_and_batch": memory.argument_size_in_bytes / gibibyte,

@@ -39,6 +39,7 @@ from flax_lm.model_code import load_model_code
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
 from flax_lm.packed import cached_blocks
 from flax_lm.train_state import create_train_state
+from flax_lm.training import set_up_training
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark_clm import byte_level_bpe, matmul_peak_flops, raw_encoding, stdlib_texts, write_jsonl  # noqa: E402  (same folder)
@@ -132,12 +133,11 @@ def benchmark_training(settings, arguments) -> dict:
     )
     eval_step = run_mlm_flax.make_eval_step(model)
     model_code = load_model_code(config, None, False, "benchmark_mlm.py")
-    setup = run_mlm_flax.set_up_training(
-        model, model_code, eval_step, training_arguments, None, settings["seq_length"]
-    )
+    script = run_mlm_flax.SCRIPT_TRAINING
+    setup = set_up_training(model, model_code, script, eval_step, training_arguments, None, settings["seq_length"])
     dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
-    train_steps = setup.train_steps
+    train_steps = setup.compiled_train_steps
     blocks = random_blocks(settings, settings["batch_size"])
     batch = batch_maker(settings)(blocks, np.arange(len(blocks)), len(blocks), (0,))
     # The batches of one compiled call, (steps_per_call, 1, batch, ...): the same batch for every step, as one

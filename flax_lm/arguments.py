@@ -325,6 +325,17 @@ class CommonTrainingArguments:
             "const": "auto",
         },
     )
+    allow_resume_changes: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "With --resume_from_checkpoint: what this run may change of the run it continues that changes the "
+            "training, which is otherwise refused (the names the refusal gives: flags such as learning_rate, or "
+            "config, tokenizer, training_data, model_code, global_batch_size, mixture_weights; all for any), comma "
+            "separated. Each change is recorded with the step it starts at, in the checkpoints and "
+            "train_results.json.",
+            "action": "extend",
+        },
+    )
     skip_nonfinite_steps: bool = field(
         default=False,
         metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
@@ -462,6 +473,11 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
     if training_args.min_lr_rate and training_args.lr_scheduler_type == "constant":
         raise UsageError("--min_lr_rate sets where a decay ends; use it with --lr_scheduler_type linear or cosine")
+    training_args.allow_resume_changes = [
+        name.strip() for value in training_args.allow_resume_changes or [] for name in value.split(",") if name.strip()
+    ]
+    if training_args.allow_resume_changes and not training_args.resume_from_checkpoint:
+        raise UsageError("--allow_resume_changes names what a resume may change; add --resume_from_checkpoint")
     if training_args.resume_from_checkpoint and not training_args.do_train:
         raise UsageError("--resume_from_checkpoint continues training; add --do_train")
     streaming_training = data_args.streaming and not data_args.packed_data_dir

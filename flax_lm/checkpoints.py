@@ -5,7 +5,6 @@ import logging
 import os
 import shutil
 import signal
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -106,19 +105,6 @@ def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, w
     else:
         logger.warning("step %d: the training checkpoint could not be written to %s", step, path)
     return None
-
-
-def check_model_code(model_code, progress_record: dict):
-    """Refuse to resume a checkpoint that other model code trained (the fingerprint its progress record holds; older
-    checkpoints hold none): its weights would be computed by code they were not trained with."""
-    recorded = progress_record.get("model_code")
-    if recorded is not None and recorded["fingerprint"] != model_code.fingerprint:
-        raise UsageError(
-            f"the checkpoint was trained with other model code ({recorded['file']}, fingerprint "
-            f"{recorded['fingerprint']}) than this run's ({model_code.description}, fingerprint "
-            f"{model_code.fingerprint}); resume with the code it was trained with (a model file of your own: "
-            "--model_file)"
-        )
 
 
 class DamagedCheckpoint(Exception):
@@ -307,81 +293,3 @@ class StopRequest:
             return False
         self.signal_name = self.signal_name or "a signal to another process"
         return True
-
-
-@dataclass
-class TrainingProgress:
-    """How far training has come: the step, and the sums of the train step's metrics (the script's TRAIN_METRIC_SUMS)
-    over every finite step so far. Every training checkpoint records it (as "step" and "train_NAME"), so a resumed run
-    carries on from it."""
-
-    metric_sums: dict[str, float]
-    step: int = 0
-
-    @classmethod
-    def start(cls, metric_names) -> "TrainingProgress":
-        return cls(dict.fromkeys(metric_names, 0.0))
-
-    def add(self, step_metrics: list[dict]):
-        for metrics in step_metrics:
-            for name in self.metric_sums:
-                self.metric_sums[name] += float(metrics[name])
-
-    def record(self, **details) -> dict:
-        return {"step": self.step, **{f"train_{name}": value for name, value in self.metric_sums.items()}, **details}
-
-    @classmethod
-    def from_record(cls, record: dict, metric_names) -> "TrainingProgress":
-        """The progress a checkpoint recorded, for a script that sums `metric_names`: a sum the record lacks (a metric
-        added to the script since) starts at 0, one the script no longer makes is left out; both with a warning."""
-        missing = [name for name in metric_names if f"train_{name}" not in record]
-        if missing:
-            logger.warning(
-                "The checkpoint records no training sum of %s: counted from step %d on, so its average in "
-                "train_results.json covers only the steps after this resume",
-                ", ".join(missing),
-                record["step"],
-            )
-        recorded = [key[len("train_") :] for key in record if key.startswith("train_")]
-        if dropped := [name for name in recorded if name not in metric_names]:
-            logger.warning("The checkpoint's training sums of %s are no longer summed; left out", ", ".join(dropped))
-        return cls({name: float(record.get(f"train_{name}", 0.0)) for name in metric_names}, record["step"])
-
-
-def check_resumed_run(record: dict, setup, training_args, length_name: str):
-    """Warn where the resumed run's batches or training data differ from the checkpoint's (the data order then does
-    too); refuse a checkpoint beyond this run's last step. `setup` is the script's TrainingSetup; `length_name` names
-    the sequence length in the record (block_size, max_seq_length)."""
-    if training_args.overwrite_output_dir:
-        logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
-    if (record["global_batch_size"], record[length_name]) != (setup.train_batch_size, setup.sequence_length):
-        logger.warning(
-            "The checkpoint was trained with global batches of %d x %d tokens, this run uses %d x %d: the data "
-            "order differs from the interrupted run's",
-            record["global_batch_size"],
-            record[length_name],
-            setup.train_batch_size,
-            setup.sequence_length,
-        )
-    training_examples = None if setup.train_examples is None else len(setup.train_examples)
-    # A checkpoint written before the count was recorded has nothing to compare it with.
-    if record.get("training_examples", training_examples) != training_examples:
-        logger.warning(
-            "The checkpoint was trained on %s, this run on %s: the training data changed, so the data order differs "
-            "from the interrupted run's",
-            describe_training_examples(record["training_examples"]),
-            describe_training_examples(training_examples),
-        )
-    if not training_args.do_train:
-        return
-    if record["step"] > setup.total_steps:
-        raise UsageError(
-            f"the checkpoint is at step {record['step']}, after this run's last step {setup.total_steps}; "
-            "raise --max_steps or --num_train_epochs to train further"
-        )
-    if record["step"] == setup.total_steps:
-        logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
-
-
-def describe_training_examples(count: int | None) -> str:
-    return "a stream" if count is None else f"{count} training examples"

@@ -225,14 +225,14 @@ class Mixture:
             for name, weight, rows, count in zip(self.names, self.weights, self.sources, planned)
         )
 
-    def contributions(self, total_rows: int) -> dict:
-        """What each source gave the run's first `total_rows` rows, logged and returned for train_results.json: its
-        tokens where every row is tokens (blocks of packed text; run_mlm_flax.py frames each with <s> and </s>, not
-        counted here), else (padded lines) its rows; and its share."""
-        drawn = self.draws_per_source(total_rows)
+    def contributions(self, total_rows: int, first_row: int = 0) -> dict:
+        """What each source gave the run's rows first_row, ..., total_rows - 1, logged and returned for
+        train_results.json: its tokens where every row is tokens (blocks of packed text; run_mlm_flax.py frames each
+        with <s> and </s>, not counted here), else (padded lines) its rows; and its share."""
+        drawn = self.draws_per_source(total_rows) - self.draws_per_source(first_row)
         unit = "tokens" if self.rows_are_tokens else "rows"
         amounts = drawn * (self.shape[1] if self.rows_are_tokens else 1)
-        shares = drawn / max(total_rows, 1)
+        shares = drawn / max(total_rows - first_row, 1)
         logger.info(
             "The mixture's %s: %s",
             unit,

@@ -49,10 +49,9 @@ def fingerprint(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
-    """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
-    line_by_line), the data it was packed from and a fingerprint of everything in the tokenizer that changes the ids
-    (vocabulary, merges, normalisation, special tokens)."""
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A fingerprint of everything in the tokenizer that changes the ids (vocabulary, merges, normalisation, special
+    tokens), whatever files it was saved in: what a packed corpus and a training checkpoint record of it."""
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
@@ -61,10 +60,16 @@ def packed_description(tokenizer, block_size: int, framing: str, source: dict) -
         "eos_token_id": tokenizer.eos_token_id,
         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
     }
+    return fingerprint(tokenizer_settings)
+
+
+def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
+    """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
+    line_by_line), the data it was packed from and the tokenizer's fingerprint."""
     return {
         "block_size": block_size,
         "framing": framing,
-        "tokenizer_fingerprint": fingerprint(tokenizer_settings),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "source": source,
     }
 

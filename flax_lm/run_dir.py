@@ -2,6 +2,7 @@
 results files, and a copy of the script that ran."""
 
 import filecmp
+import hashlib
 import itertools
 import json
 import logging
@@ -16,7 +17,7 @@ from filelock import FileLock, Timeout
 
 from flax_lm.errors import UsageError
 from flax_lm.mixture import Mixture
-from flax_lm.processes import print_once
+from flax_lm.processes import on_process_zero, print_once
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +110,15 @@ def check_output_dir(training_args):
 TRACKER_RUNS_FILE = "tracker_runs.json"
 
 
+# Where a run keeps the versions of its code that trained it (keep_code_versions).
+CODE_VERSIONS_DIR = "code"
+
+
 PREVIOUS_RUN_RESULTS = [
     "checkpoints",
     "discarded-checkpoints",
     "tensorboard",
+    CODE_VERSIONS_DIR,
     "train_results.json",
     "eval_results.json",
     "all_results.json",
@@ -126,6 +132,7 @@ RUN_ENTRY_NAMES = {
     "checkpoints": re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?"),
     "discarded-checkpoints": re.compile(r"\d+(-\d+)?"),
     "tensorboard": re.compile(r"events\.out\.tfevents\..*"),
+    CODE_VERSIONS_DIR: re.compile(r"[0-9a-f]{12}|versions\.json"),
 }
 
 
@@ -208,11 +215,63 @@ def prepare_output_dir(training_args, resumed_step: int, code_files: list[str | 
             clear_previous_run(training_args.output_dir, code_files[0])
         set_aside_checkpoints_after(training_args.output_dir, resumed_step)
     os.makedirs(training_args.output_dir, exist_ok=True)
-    for code_file in filter(None, code_files):
-        copy = os.path.join(training_args.output_dir, os.path.basename(code_file))
+    keep_code_versions(training_args.output_dir, [path for path in code_files if path], resumed_step)
+    return lock
+
+
+def file_hash(path: str) -> str:
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()[:12]
+
+
+def keep_code_versions(output_dir: str, code_files: list[str], first_step: int):
+    """Copy the `code_files` that run now (the script, a model file of the experiment's own) into OUTPUT_DIR, and keep
+    every version of them that trained the run: where they differ from the version before (a resume with the script
+    edited), each file is kept as OUTPUT_DIR/code/HASH/NAME and code/versions.json lists, for each version, its files'
+    hashes and the step it trained from (the steps after it, up to the next version's)."""
+    versions_path = os.path.join(output_dir, CODE_VERSIONS_DIR, "versions.json")
+    try:
+        with open(versions_path) as file:
+            recorded = json.load(file)
+    except (OSError, ValueError):
+        recorded = []
+    versions = list(recorded)
+    if not versions and first_step:
+        # A run of before the versions were kept: its copies are the version that trained its first steps.
+        earlier = [os.path.join(output_dir, os.path.basename(path)) for path in code_files]
+        if earlier_files := [path for path in earlier if os.path.isfile(path)]:
+            versions.append(code_version(output_dir, earlier_files, 0))
+    current = code_version(output_dir, code_files, first_step)
+    if not versions or versions[-1]["files"] != current["files"]:
+        versions.append(current)
+    if versions != recorded:
+        write_json(versions_path, versions)
+    for code_file in code_files:
+        copy = os.path.join(output_dir, os.path.basename(code_file))
         if not (os.path.isfile(copy) and filecmp.cmp(code_file, copy, shallow=False)):  # a repeat leaves it as it was
             shutil.copyfile(code_file, copy)
-    return lock
+
+
+def code_version(output_dir: str, code_files: list[str], first_step: int) -> dict:
+    """{"from_step": first_step, "files": {name: hash}}, each file kept as OUTPUT_DIR/code/HASH/NAME."""
+    files = {}
+    for path in code_files:
+        name, digest = os.path.basename(path), file_hash(path)
+        kept = os.path.join(output_dir, CODE_VERSIONS_DIR, digest, name)
+        if not os.path.isfile(kept):
+            os.makedirs(os.path.dirname(kept), exist_ok=True)
+            shutil.copyfile(path, kept)
+        files[name] = digest
+    return {"from_step": first_step, "files": files}
+
+
+def open_output_dir(training_args, resumed_step: int, code_files: list[str | None]):
+    """prepare_output_dir, by process 0 for every process: the lock it returns (None on the other processes) must be
+    kept, as process 0 holds the directory as long as it keeps it."""
+    return on_process_zero(
+        lambda: prepare_output_dir(training_args, resumed_step, code_files),
+        f"lock --output_dir {training_args.output_dir}",
+    )
 
 
 # all_results.json names a result as the Hugging Face examples do where it means the same.
@@ -270,23 +329,38 @@ def evaluated_step(output_dir: str) -> int | None:
         return None
 
 
-def write_train_results(output_dir: str, summary: dict, setup, log):
-    """train_results.json: the script's training metrics `summary` over the whole run, what each source of a mixture
-    gave it, and how long it took; `setup` is the script's TrainingSetup, `log` the run's TrainingLog."""
-    if jax.process_index() == 0:
-        train_examples = setup.train_examples
-        if isinstance(train_examples, Mixture):
-            summary = summary | train_examples.contributions(setup.total_steps * setup.train_batch_size)
-        results = {f"train_{name}": value for name, value in summary.items()}
-        results.update(
-            train_samples=None if train_examples is None else len(train_examples),
-            train_steps=setup.total_steps,
-            epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
-            train_runtime_seconds=log.runtime,
-            train_tokens_per_second=log.tokens / log.runtime,
-        )
-        write_json(os.path.join(output_dir, "train_results.json"), results)
-    logger.info("Saved the model to %s", output_dir)
+def write_train_results(output_dir: str, train_metrics, progress, setup, log):
+    """train_results.json: the script's training metrics (`train_metrics` of the summed metrics of `progress`) over
+    the most steps that all their sums cover (from train_metrics_from_step on: the first step, unless a resume added a
+    sum), what each source of a mixture gave the run (since its sources or weights last changed in a resume), the
+    changes resumes allowed, and how long it took; `setup` is the run's TrainingSetup, `log` its TrainingLog."""
+    if jax.process_index() != 0:
+        return
+    summary = progress.summary()
+    results = {f"train_{name}": value for name, value in train_metrics(summary.sums).items()}
+    train_rows = setup.train_rows
+    if isinstance(train_rows, Mixture):
+        changes = [change["step"] for change in progress.resume_changes if change["name"] in MIXTURE_CHANGES]
+        mixture_from_step = max(changes, default=0)
+        batch = setup.train_batch_size
+        contributions = train_rows.contributions(setup.total_steps * batch, mixture_from_step * batch)
+        results.update({f"train_{name}": value for name, value in contributions.items()})
+        if mixture_from_step:
+            results["train_mixture_from_step"] = mixture_from_step
+    results.update(
+        train_metrics_from_step=summary.from_step,
+        train_samples=None if train_rows is None else len(train_rows),
+        train_steps=setup.total_steps,
+        epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
+        train_runtime_seconds=log.runtime,
+        train_tokens_per_second=log.tokens / log.runtime,
+        resume_changes=progress.resume_changes,
+    )
+    write_json(os.path.join(output_dir, "train_results.json"), results)
+
+
+# What a resume may change of a mixture: its sources' rows or its weights (flax_lm.run_record).
+MIXTURE_CHANGES = ("training_data", "mixture_weights")
 
 
 def report_stop(signal_name: str, step: int, output_dir: str, trackers):

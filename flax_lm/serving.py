@@ -27,7 +27,6 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -35,44 +34,21 @@ from flax_lm.batching import BatchingEngine, Completion, Failed, RowFinished, Te
 from flax_lm.errors import UsageError
 from flax_lm.sampling import Sampling, shape_bucket
 from flax_lm.scoring import SequenceScores
+from flax_lm.server_requests import (
+    MAX_LOGPROBS,
+    REQUEST_EXAMPLE,
+    Limits,
+    RequestError,
+    parse_completion_request,
+    parse_generate_request,
+    read_json,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 1 << 20
-# A request nests a few levels (a list of prompts, stream_options); Python's JSON reader gives up near 1,000.
-MAX_REQUEST_NESTING = 16
-# What nginx answers a client that closed its connection before its request was read; the client never sees it.
-CLIENT_LEFT = 499
 # Connections the operating system holds for the server before it accepts them (uvicorn's default).
 LISTEN_BACKLOG = 2048
-SETTING_TYPES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
-REQUEST_FIELDS = {"prompt", "prompts", *SETTING_TYPES}
-REQUEST_EXAMPLE = '{"prompt": "Once", "max_new_tokens": 20, "temperature": 0.8, "top_k": 0, "top_p": 1, "seed": 0}'
-# The completions API's fields this server reads; top_k is not OpenAI's, but vLLM's and llama.cpp's servers take it.
-COMPLETION_FIELDS = {
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-    "user", "echo", "logprobs",
-}  # fmt: skip
-# Fields of the completions API this server has no use for, accepted at the value that asks for nothing.
-UNSUPPORTED_COMPLETION_FIELDS = {
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
-}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
-# The most of the likeliest tokens a completion request may ask to see at each position ("logprobs"), as OpenAI allows.
-MAX_LOGPROBS = 5
-
-
-class RequestError(Exception):
-    """A request the server refuses, with one line that says why: 400 unless `status` says otherwise; `param` is
-    the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
 
 
 class Overloaded(Exception):
@@ -81,212 +57,6 @@ class Overloaded(Exception):
     def __init__(self, retry_after: int, max_queued_requests: int):
         super().__init__(f"the server is busy ({max_queued_requests} requests wait); retry in {retry_after} s")
         self.retry_after = retry_after
-
-
-# ----------------------------------------------------------------------------------------------------
-# Requests: reading and checking them
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What requests may ask, and the settings of what they leave out (the command line's)."""
-
-    defaults: Sampling
-    max_new_tokens_limit: int
-    batch_size: int
-
-
-async def read_json(request):
-    """The body of `request` as JSON, refusing more than MAX_REQUEST_BYTES (read no further), more than
-    MAX_REQUEST_NESTING levels of lists and objects, or a string that is not text (a lone surrogate, which JSON's
-    escapes can write and UTF-8 cannot encode)."""
-    too_long = f"the body is longer than {MAX_REQUEST_BYTES} bytes, the most the server takes"
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_REQUEST_BYTES:
-        raise RequestError(too_long)
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_REQUEST_BYTES:
-                raise RequestError(too_long)
-    except ClientDisconnect:
-        raise RequestError("the client left before sending the whole body", status=CLIENT_LEFT) from None
-    try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the body is not JSON: {error}") from None
-    except RecursionError:  # nested deeper than Python's reader follows
-        raise RequestError(f"the body nests lists or objects deeper than {MAX_REQUEST_NESTING} levels") from None
-    check_json_value(value)
-    return value
-
-
-def check_json_value(value):
-    """Refuse a JSON value that nests deeper than MAX_REQUEST_NESTING, or holds a string that is not text. Walked
-    without recursion: the value may nest as deep as Python's reader allows."""
-    unchecked = [(value, 1)]
-    while unchecked:
-        item, depth = unchecked.pop()
-        if isinstance(item, (list, dict)) and depth > MAX_REQUEST_NESTING:
-            raise RequestError(f"the body nests lists or objects deeper than {MAX_REQUEST_NESTING} levels")
-        if isinstance(item, dict):
-            unchecked.extend((part, depth + 1) for pair in item.items() for part in pair)
-        elif isinstance(item, list):
-            unchecked.extend((part, depth + 1) for part in item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as error:
-                surrogate = item[error.start]
-                raise RequestError(
-                    f"the body holds a lone surrogate, \\u{ord(surrogate):04x} (character {error.start + 1} of "
-                    f"{item[:40]!r}), which is not text: send text as UTF-8, or surrogates in pairs"
-                ) from None
-
-
-def number(request: dict, name: str, kind: type, default):
-    """The field `name` of `request`, an int or float as `kind` says; `default` where it is left out or null."""
-    value = request.get(name)
-    if value is None:
-        return default
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_number or (kind is int and isinstance(value, float) and not value.is_integer()):
-        raise RequestError(f'"{name}" must be {"an integer" if kind is int else "a number"}, not {value!r}', name)
-    try:
-        return kind(value)
-    except OverflowError:  # an integer too large for a float
-        raise RequestError(f'"{name}" is out of range', name) from None
-
-
-def is_token_ids(value) -> bool:
-    """Whether `value` is a prompt given as token ids: a non-empty list of integers."""
-    return isinstance(value, list) and bool(value) and all(type(item) is int for item in value)
-
-
-def checked_prompts(prompts, limits: Limits, problem: str, param: str, token_ids_too: bool = False) -> list:
-    """`prompts` if it is a non-empty list of at most batch_size strings (or, `token_ids_too`, lists of token ids);
-    else `problem` refuses the request."""
-
-    def is_prompt(prompt) -> bool:
-        return isinstance(prompt, str) or (token_ids_too and is_token_ids(prompt))
-
-    if not isinstance(prompts, list) or not prompts or not all(map(is_prompt, prompts)):
-        raise RequestError(problem, param)
-    if len(prompts) > limits.batch_size:
-        raise RequestError(
-            f"{len(prompts)} prompts in one request; the server takes at most {limits.batch_size}", param
-        )
-    return prompts
-
-
-def checked_sampling(sampling: Sampling, limits: Limits, max_new_tokens_name: str) -> Sampling:
-    if problem := sampling.problem(""):
-        raise RequestError(problem.replace("max_new_tokens", max_new_tokens_name))
-    if sampling.max_new_tokens > limits.max_new_tokens_limit:
-        raise RequestError(
-            f"{max_new_tokens_name} {sampling.max_new_tokens} exceeds this server's limit of "
-            f"{limits.max_new_tokens_limit}",
-            max_new_tokens_name,
-        )
-    return sampling
-
-
-def parse_generate_request(request, limits: Limits) -> tuple[list[str], Sampling]:
-    """The prompts and settings of a request to POST /, the command line's settings filling in what it leaves
-    out."""
-    if not isinstance(request, dict):
-        raise RequestError(f"the body must be a JSON object such as {REQUEST_EXAMPLE}")
-    if unknown := sorted(set(request) - REQUEST_FIELDS):
-        raise RequestError(f"unknown field {unknown[0]!r}; the fields are {', '.join(sorted(REQUEST_FIELDS))}")
-    if ("prompt" in request) == ("prompts" in request):
-        raise RequestError('give either "prompt" (a string) or "prompts" (a list of strings)')
-    prompts = [request["prompt"]] if "prompt" in request else request["prompts"]
-    problem = '"prompt" must be a string and "prompts" a non-empty list of strings'
-    prompts = checked_prompts(prompts, limits, problem, "prompts")
-    settings = {
-        name: number(request, name, kind, getattr(limits.defaults, name)) for name, kind in SETTING_TYPES.items()
-    }
-    return prompts, checked_sampling(Sampling(**settings), limits, "max_new_tokens")
-
-
-@dataclasses.dataclass(frozen=True)
-class CompletionRequest:
-    prompts: list[str | list[int]]  # texts, or token ids
-    sampling: Sampling  # max_new_tokens 0: nothing is written, the prompts are only echoed or scored
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-    echo: bool  # each choice's text begins with its prompt
-    logprobs: int | None  # show the log-probability of each token and of this many of the most likely there
-
-
-def parse_completion_request(request, model_id: str, limits: Limits) -> CompletionRequest:
-    """A request to POST /v1/completions, as OpenAI defines it; the command line's settings fill in what it leaves
-    out (max_tokens from --max_new_tokens)."""
-    if not isinstance(request, dict):
-        raise RequestError('the body must be a JSON object such as {"model": "...", "prompt": "Once"}')
-    if unknown := sorted(set(request) - COMPLETION_FIELDS - set(UNSUPPORTED_COMPLETION_FIELDS)):
-        raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
-    for name, accepted in UNSUPPORTED_COMPLETION_FIELDS.items():
-        if name in request and request[name] not in accepted:
-            raise RequestError(f'"{name}" is not supported by this server; leave it out', name)
-    if "model" not in request:
-        raise RequestError(f'"model" is missing; this server serves {model_id!r}', "model")
-    if request["model"] != model_id:
-        raise RequestError(
-            f"the model {request['model']!r} is not served here; this server serves {model_id!r}", "model", 404
-        )
-    if "prompt" not in request:
-        raise RequestError('"prompt" is missing: give a string or a list of strings', "prompt")
-    prompt = request["prompt"]
-    prompts = [prompt] if isinstance(prompt, str) or is_token_ids(prompt) else prompt
-    problem = '"prompt" must be a string, a list of token ids, or a non-empty list of strings or of lists of token ids'
-    prompts = checked_prompts(prompts, limits, problem, "prompt", token_ids_too=True)
-    if number(request, "n", int, 1) != 1:
-        raise RequestError('"n" must be 1: this server writes one completion per prompt', "n")
-    defaults = limits.defaults
-    sampling = Sampling(
-        max_new_tokens=number(request, "max_tokens", int, defaults.max_new_tokens),
-        temperature=number(request, "temperature", float, defaults.temperature),
-        top_k=number(request, "top_k", int, defaults.top_k),
-        top_p=number(request, "top_p", float, defaults.top_p),
-        seed=number(request, "seed", int, defaults.seed),
-    )
-    # max_tokens 0 writes nothing: the prompts are only echoed or scored. The other settings are checked all the same.
-    if sampling.max_new_tokens < 0:
-        raise RequestError('"max_tokens" must be 0 (the prompt alone, echoed or scored) or more', "max_tokens")
-    checked_sampling(
-        dataclasses.replace(sampling, max_new_tokens=max(sampling.max_new_tokens, 1)), limits, "max_tokens"
-    )
-    echo = request.get("echo") or False
-    if not isinstance(echo, bool):
-        raise RequestError(f'"echo" must be true or false, not {echo!r}', "echo")
-    logprobs = number(request, "logprobs", int, None)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise RequestError(
-            f'"logprobs" must be from 0 to {MAX_LOGPROBS}: how many of the most likely tokens to show at each token',
-            "logprobs",
-        )
-    stop = request.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(text, str) and text for text in stop):
-        raise RequestError('"stop" must be a non-empty string or a list of at most 4 of them', "stop")
-    stream = request.get("stream") or False
-    options = request.get("stream_options") or {}
-    if not isinstance(stream, bool):
-        raise RequestError(f'"stream" must be true or false, not {stream!r}', "stream")
-    if stream and (echo or logprobs is not None or sampling.max_new_tokens == 0):
-        raise RequestError('"echo", "logprobs" and "max_tokens": 0 are not supported with "stream": true', "stream")
-    if not (
-        isinstance(options, dict)
-        and set(options) <= {"include_usage"}
-        and isinstance(include_usage := options.get("include_usage", False), bool)
-        and (stream or not options)
-    ):
-        raise RequestError('"stream_options" may only be {"include_usage": true} (or false), with "stream": true')
-    return CompletionRequest(prompts, sampling, stop, stream, include_usage, echo, logprobs)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ class TrainingLog:
 
     def __init__(self, trackers, progress, total_steps: int, train_metrics, skip_nonfinite_steps: bool):
         """`progress`: the TrainingProgress training starts from; `train_metrics(sums)`: the script's metrics of a log
-        line, from the sums of the train step's metrics (progress.metric_sums's names) over the steps it covers."""
+        line, from the sums of the train step's metrics (progress.metric_names) over the steps it covers."""
         self.trackers, self.skip_nonfinite_steps = trackers, skip_nonfinite_steps
         self.first_step, self.total_steps = progress.step, total_steps
-        self.metric_names, self.train_metrics = list(progress.metric_sums), train_metrics
+        self.metric_names, self.train_metrics = progress.metric_names, train_metrics
         self.unread, self.window, self.tokens = [], [], 0
         self.unread_steps_shown = 0  # calls of `unread` whose steps the progress bar counts
 

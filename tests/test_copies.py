@@ -126,7 +126,7 @@ def test_the_mlm_script_keeps_its_loop_as_checked_copies():
     """The loop, the optimizer and the save are what a researcher edits in either script; the MLM script carries
     them as marked copies, so that the check above has something to check."""
     copied = {name for _, name, _, _ in marked_copies(os.path.join(REPO, "run_mlm_flax.py"))}
-    assert {"train", "create_optimizer", "set_up_training", "save_run"} <= copied, sorted(copied)
+    assert {"train", "create_optimizer", "steps_of_calls", "SCRIPT_TRAINING"} <= copied, sorted(copied)
 
 
 def test_marker_must_precede_the_definition_it_names(tmp_path):

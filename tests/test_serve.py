@@ -21,7 +21,7 @@ from conftest import server_process
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2LMHeadModel
 
-from flax_lm import batching, sampling, serving
+from flax_lm import batching, sampling, server_requests, serving
 
 PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
 DEFAULTS = sampling.Sampling(max_new_tokens=8)
@@ -32,7 +32,7 @@ def running_server(generator, max_queued_requests: int = 64):
     """The server, in this process, on a free port of 127.0.0.1: (its URL, the server)."""
     listener = serving.listening_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    limits = serving.Limits(DEFAULTS, max_new_tokens_limit=32, batch_size=generator.batch_size)
+    limits = server_requests.Limits(DEFAULTS, max_new_tokens_limit=32, batch_size=generator.batch_size)
     server = serving.make_server(generator, limits, max_queued_requests)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]})
     thread.start()
@@ -305,7 +305,7 @@ def test_a_body_over_1_mib_or_not_json_is_refused_with_400(server):
     url, _ = server
     nested = b"[" * 100_000 + b"]" * 100_000  # beyond what Python's JSON reader follows
     for body, message in [
-        (b"x" * (serving.MAX_REQUEST_BYTES + 1), "longer than 1048576 bytes"),
+        (b"x" * (server_requests.MAX_REQUEST_BYTES + 1), "longer than 1048576 bytes"),
         (b"{", "not JSON"),
         (nested, "the body nests lists or objects deeper than 16 levels"),
     ]:

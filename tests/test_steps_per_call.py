@@ -18,14 +18,15 @@ from test_scaling import LENGTH, batch, training_parts
 
 import run_clm_flax
 import run_mlm_flax
-from flax_lm.checkpoints import TrainingProgress
 from flax_lm.compilation import compile_in_background
 from flax_lm.errors import UsageError
 from flax_lm.mesh import create_mesh
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
+from flax_lm.run_record import TrainingProgress
 from flax_lm.tracking import TrainingLog
 from flax_lm.train_state import create_train_state, repeat_train_step
+from flax_lm.training import set_up_training
 
 CORPUS = FIXTURES_DIR / "en"
 STEPS = 6
@@ -181,7 +182,8 @@ def clm_training(training_args):
     model = FlaxGPT2LMHeadModel(tiny_config(), mesh=create_mesh())
     blocks = np.random.default_rng(0).integers(0, 512, size=(64, LENGTH), dtype=np.int32)
     eval_step = run_clm_flax.make_eval_step(model, None)
-    setup = run_clm_flax.set_up_training(model, stock_code(model.config), eval_step, training_args, blocks, LENGTH)
+    script = run_clm_flax.SCRIPT_TRAINING
+    setup = set_up_training(model, stock_code(model.config), script, eval_step, training_args, blocks, LENGTH)
     batches = run_clm_flax.train_batches_from(0, setup, blocks, None, None, None, training_args)
     return setup, run_clm_flax.abstract_call_batches(setup, training_args), next(iter(batches))
 
@@ -199,7 +201,8 @@ def mlm_training(training_args):
     )
     blocks = np.random.default_rng(0).integers(5, 50, size=(64, LENGTH - 2), dtype=np.int32)
     eval_step = run_mlm_flax.make_eval_step(model)
-    setup = run_mlm_flax.set_up_training(model, stock_code(model.config), eval_step, training_args, blocks, LENGTH)
+    script = run_mlm_flax.SCRIPT_TRAINING
+    setup = set_up_training(model, stock_code(model.config), script, eval_step, training_args, blocks, LENGTH)
     batches = run_mlm_flax.train_batches_from(
         0, setup, blocks, None, make_batch, None, run_mlm_flax.DataTrainingArguments(), training_args
     )
@@ -220,7 +223,7 @@ def test_the_train_step_compiled_ahead_is_the_program_the_first_call_runs(script
         name: (value.shape, value.dtype, value.sharding) for name, value in first_batches.items()
     }
     compile_in_background(
-        setup.train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call
+        setup.compiled_train_steps, setup.abstract_state, abstract_batches, training_args.steps_per_call
     ).join()
 
     compilations = []
@@ -236,7 +239,7 @@ def test_the_train_step_compiled_ahead_is_the_program_the_first_call_runs(script
         )
         assert compilations  # the listener hears compilations: initialising the state compiles its own program
         compilations.clear()
-        state, metrics = setup.train_steps(state, first_batches, len(step_tokens))
+        state, metrics = setup.compiled_train_steps(state, first_batches, len(step_tokens))
     finally:
         jax.monitoring.unregister_event_duration_listener(count_compilations)
     assert compilations == [] and int(state.step) == len(step_tokens) == 3

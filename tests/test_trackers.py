@@ -16,9 +16,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, PreTrainedTokenizerFast
 
 from flax_lm import tracking
-from flax_lm.checkpoints import TrainingProgress
 from flax_lm.errors import UsageError
 from flax_lm.run_dir import HUGGING_FACE_RESULT_NAMES, write_all_results
+from flax_lm.run_record import MetricSums, TrainingProgress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -48,7 +48,7 @@ def tracker_env(tmp_path, monkeypatch):
 
 def open_trackers(report_to, output_dir, resumed=False, arguments=ARGUMENTS):
     training_args = run_clm_flax.TrainingArguments(output_dir=str(output_dir), report_to=report_to)
-    progress = TrainingProgress({"loss_sum": 0.0}, step=5 if resumed else 0)
+    progress = TrainingProgress([MetricSums(0, {"loss_sum": 0.0})], step=5 if resumed else 0)
     config = SimpleNamespace(to_diff_dict=lambda: MODEL_CONFIG)  # what the trackers read of a transformers config
     return tracking.open_trackers(training_args, progress, arguments, config, METRIC_TAGS)
 

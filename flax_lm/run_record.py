@@ -1,0 +1,253 @@
+"""What a training checkpoint records of the run that wrote it, and what a resumed run must agree with.
+
+Every checkpoint records the run's progress (the step, and the sums of the train step's metrics, each over the steps
+it covers) and a description of the run: its arguments, and fingerprints of what the arguments name but do not hold
+(the model code, the config, the tokenizer, the training rows). A resume compares the description with its own: a
+difference in what changes the training (data, tokenizer, model, loss-relevant flags, optimizer and schedule) is
+refused in one line naming each, unless --allow_resume_changes names them; those are then recorded with the step they
+start at, in every later checkpoint and in train_results.json. What changes nothing of the training (a longer run,
+the logging, evaluation and save intervals, the trackers, the mesh) needs no flag.
+"""
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flax_lm.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MetricSums:
+    """The sums of some of the train step's metrics over the finite steps after `from_step`."""
+
+    from_step: int
+    sums: dict[str, float]
+
+
+@dataclass
+class TrainingProgress:
+    """How far training has come: the step, and the sums of the train step's metrics (the script's
+    TRAIN_METRIC_SUMS). The sums come in windows, each counting from the step it started at: a resumed run whose
+    script sums a metric its checkpoint does not record counts every sum again from the resume in a window of its
+    own, so that a ratio of sums (train_metrics) always covers the steps its parts cover. Every checkpoint records it,
+    with the changes a resume allowed."""
+
+    windows: list[MetricSums]
+    step: int = 0
+    resume_changes: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, metric_names) -> "TrainingProgress":
+        return cls([MetricSums(0, dict.fromkeys(metric_names, 0.0))])
+
+    @property
+    def metric_names(self) -> list[str]:
+        return list(self.windows[-1].sums)
+
+    def add(self, step_metrics: list[dict]):
+        for window in self.windows:
+            for metrics in step_metrics:
+                for name in window.sums:
+                    window.sums[name] += float(metrics[name])
+
+    def summary(self) -> MetricSums:
+        """The sums of every metric over the most steps that all of them cover."""
+        return next(window for window in self.windows if set(window.sums) == set(self.metric_names))
+
+    def record(self, **details) -> dict:
+        windows = [{"from_step": window.from_step, "sums": window.sums} for window in self.windows]
+        return {"step": self.step, "metric_windows": windows, "resume_changes": self.resume_changes, **details}
+
+    @classmethod
+    def from_record(cls, record: dict, metric_names) -> "TrainingProgress":
+        """The progress a checkpoint recorded, for a script that sums `metric_names`: sums the script no longer makes
+        are left out; if it makes one the record lacks (a metric added to the script since), every sum counts again
+        from the checkpoint's step in a window of its own; both with a warning."""
+        step = record["step"]
+        if "metric_windows" in record:
+            windows = [MetricSums(window["from_step"], window["sums"]) for window in record["metric_windows"]]
+        else:  # as checkpoints recorded the sums before they had windows: "train_NAME", from the first step
+            recorded = {key[len("train_") :]: value for key, value in record.items() if key.startswith("train_")}
+            windows = [MetricSums(0, recorded)]
+        dropped = sorted({name for window in windows for name in window.sums} - set(metric_names))
+        if dropped:
+            logger.warning("The checkpoint's training sums of %s are no longer summed; left out", ", ".join(dropped))
+        windows = [
+            MetricSums(w.from_step, {n: float(v) for n, v in w.sums.items() if n in metric_names}) for w in windows
+        ]
+        if not any(set(window.sums) == set(metric_names) for window in windows):
+            missing = sorted(set(metric_names) - set(windows[-1].sums))
+            logger.warning(
+                "The checkpoint records no training sum of %s: every training metric counts from step %d on, so "
+                "train_results.json's averages cover the steps after this resume (train_metrics_from_step)",
+                ", ".join(missing),
+                step,
+            )
+            windows.append(MetricSums(step, dict.fromkeys(metric_names, 0.0)))
+        return cls(windows, step, list(record.get("resume_changes", [])))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run's description, and the comparison of a resume with it
+# ----------------------------------------------------------------------------------------------------
+
+# Arguments that change neither what a run trains on nor how: a resumed run may give them anew. Paths are here where
+# what they name is compared by its content instead (the tokenizer, the config, the data) or not at all (where the
+# output, the caches and the trackers go); the batch per device and the accumulation where the global batch they make
+# is compared instead (the same global batch trains alike on any number of devices); --skip_nonfinite_steps changes
+# only the steps it skips, each of which is logged.
+FREE_ON_RESUME = {
+    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "allow_resume_changes", "do_train", "do_eval",
+    "max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "report_to",
+    "per_device_eval_batch_size", "validation_file", "max_eval_samples", "sample_prompt", "sample_tokens",
+    "eval_tasks", "eval_tasks_path", "eval_tasks_limit", "fill_mask_text", "fill_mask_top_k", "cache_dir",
+    "compilation_cache_dir", "overwrite_cache", "preprocessing_num_workers", "packed_data_dir",
+    "packed_tokens_per_shard", "steps_per_call", "mesh_shape", "gradient_checkpointing", "ignore_data_skip",
+    "model_name_or_path", "config_name", "tokenizer_name", "model_file", "train_file", "dataset_name",
+    "dataset_config_name", "data_mixture", "allow_pickle_weights", "coordinator_address", "num_processes",
+    "process_id", "local_device_ids", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "skip_nonfinite_steps",
+}  # fmt: skip
+
+# The fingerprints a run's description holds beside its arguments, with what they are of, for the messages.
+FINGERPRINTS = {
+    "model_code": "the model code (--model_file)",
+    "config": "the model config (--config_name)",
+    "tokenizer": "the tokenizer (--tokenizer_name)",
+    "training_data": "the training data (--train_file, --dataset_name, --data_mixture)",
+}
+# What else a description holds and a resume compares, with what it is of.
+SETTINGS = {"global_batch_size": "the global batch", "mixture_weights": "the mixture's weights"}
+
+
+def json_fingerprint(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_fingerprint(config) -> str:
+    """Of what the config says of the model: its values but for the file's bookkeeping and the architecture named."""
+    values = config.to_dict()
+    for bookkeeping in ("transformers_version", "_name_or_path", "architectures", "flax_lm_model_file"):
+        values.pop(bookkeeping, None)
+    return json_fingerprint(values)
+
+
+def rows_fingerprint(rows) -> str | None:
+    """Of the training rows: a packed corpus's split by its index entry (its shards' checksums) and the rows taken
+    of it; a mixture by its sources' names, weights and rows; rows in memory by their bytes; None for a stream, whose
+    arguments stand for it."""
+    if rows is None:
+        return None
+    if hasattr(rows, "sources"):  # a Mixture
+        return json_fingerprint(
+            [
+                [name, float(weight), rows_fingerprint(source)]
+                for name, weight, source in zip(rows.names, rows.weights, rows.sources)
+            ]
+        )
+    if hasattr(rows, "split_entry"):  # PackedBlocks
+        return json_fingerprint([rows.split_entry, rows.block_size, rows.start, rows.stop])
+    return hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()[:16]
+
+
+def describe_run(
+    arguments: dict, config, tokenizer_fingerprint: str, model_code, train_rows, global_batch_size
+) -> dict:
+    """What each checkpoint records of the run, and a resume compares with its own."""
+    return {
+        "arguments": arguments,
+        "model_code": {"file": model_code.description, "fingerprint": model_code.fingerprint},
+        "config": config_fingerprint(config),
+        "tokenizer": tokenizer_fingerprint,
+        "training_data": rows_fingerprint(train_rows),
+        "global_batch_size": global_batch_size,
+        "mixture_weights": dict(zip(train_rows.names, map(float, train_rows.weights)))
+        if hasattr(train_rows, "names")
+        else None,
+    }
+
+
+def check_model_code(model_code, progress_record: dict):
+    """Refuse to resume a checkpoint that other model code trained (the fingerprint its record holds; checkpoints
+    written before it was recorded hold none): its weights would be computed by code they were not trained with. Asked
+    before the checkpoint's arrays are compared with the model's, whose shapes other code may change."""
+    recorded = progress_record.get("run", progress_record).get("model_code")
+    if recorded is not None and recorded["fingerprint"] != model_code.fingerprint:
+        raise UsageError(
+            f"the checkpoint was trained with other model code ({recorded['file']}, fingerprint "
+            f"{recorded['fingerprint']}) than this run's ({model_code.description}, fingerprint "
+            f"{model_code.fingerprint}); resume with the code it was trained with (a model file of your own: "
+            "--model_file)"
+        )
+
+
+def run_differences(recorded: dict, current: dict) -> dict[str, tuple]:
+    """{name: (recorded, current)} of what differs between two run descriptions and changes the training: arguments
+    outside FREE_ON_RESUME, and the fingerprints. What the record does not hold (an argument added to the script
+    since, a fingerprint older checkpoints lack) is not compared."""
+    differences = {}
+    recorded_arguments = recorded.get("arguments", {})
+    for name, value in current["arguments"].items():
+        if name in FREE_ON_RESUME or name not in recorded_arguments:
+            continue
+        if json.dumps(recorded_arguments[name], default=str) != json.dumps(value, default=str):
+            differences[name] = (recorded_arguments[name], value)
+    for name in (*FINGERPRINTS, *SETTINGS):
+        before, now = recorded.get(name), current.get(name)
+        if name == "model_code":
+            before, now = before and before["fingerprint"], now["fingerprint"]
+        if before is not None and now is not None and before != now:
+            differences[name] = (before, now)
+    return differences
+
+
+def describe_difference(name: str, values: tuple) -> str:
+    recorded, current = values
+    if name in FINGERPRINTS:
+        return f"{FINGERPRINTS[name]}: fingerprint {recorded} there, {current} here"
+    if name in SETTINGS:
+        return f"{SETTINGS[name]}: {recorded} there, {current} here"
+    return f"--{name} {recorded} there, {current} here"
+
+
+def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allowed: list[str], setup, training_args):
+    """Compare the run a checkpoint recorded with this one (`run`: describe_run's). A difference that changes the
+    training is refused in one line naming each, unless `allowed` (--allow_resume_changes) names it (or is "all");
+    an allowed one is logged and added to `progress.resume_changes` with the step it starts at. Refuses a checkpoint
+    beyond this run's last step."""
+    if training_args.overwrite_output_dir:
+        logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
+    # Checkpoints written before the run was described record its arguments and global batch beside the progress.
+    recorded = record.get("run") or {
+        "arguments": record.get("arguments", {}),
+        "global_batch_size": record.get("global_batch_size"),
+    }
+    differences = run_differences(recorded, run)
+    refused = {name: values for name, values in differences.items() if name not in allowed and "all" not in allowed}
+    if refused:
+        names = ", ".join(refused)
+        raise UsageError(
+            f"the resumed run differs from the checkpoint's in what it trains: "
+            f"{'; '.join(describe_difference(name, values) for name, values in refused.items())}; resume with what it "
+            f"was trained with, or pass --allow_resume_changes {names} to train on with the change (recorded with "
+            f"step {record['step']})"
+        )
+    for name, values in differences.items():
+        logger.warning(
+            "Resumed with a change allowed from step %d: %s", record["step"], describe_difference(name, values)
+        )
+        progress.resume_changes.append({"step": record["step"], "name": name, "from": values[0], "to": values[1]})
+    if not training_args.do_train:
+        return
+    if record["step"] > setup.total_steps:
+        raise UsageError(
+            f"the checkpoint is at step {record['step']}, after this run's last step {setup.total_steps}; "
+            "raise --max_steps or --num_train_epochs to train further"
+        )
+    if record["step"] == setup.total_steps:
+        logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)

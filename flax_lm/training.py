@@ -1,0 +1,198 @@
+"""Setting up training, the same for both scripts: the batches' shapes and shardings, the optimizer and the compiled
+train and eval steps (set_up_training, from the script's own functions in ScriptTraining), the state a run starts from
+(new weights, a model's, or a checkpoint's after comparing its run with this one), and the saves (a checkpoint and the
+exported model)."""
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flax_lm.checkpoints import restore_checkpoint, save_checkpoint
+from flax_lm.data import count_steps
+from flax_lm.hf_io import read_exported_params, save_model
+from flax_lm.mesh import BATCH_AXES
+from flax_lm.model_code import FLAX_WEIGHTS_NAME, ModelCode
+from flax_lm.packed import tokenizer_fingerprint
+from flax_lm.run_record import TrainingProgress, check_model_code, check_resumed_run, describe_run
+from flax_lm.train_state import (
+    TrainState,
+    abstract_train_state,
+    create_train_state,
+    repeat_train_step,
+    train_step_compiler_options,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScriptTraining:
+    """What a training script gives the set-up beside its model: its own schedule, optimizer and train step, the sums
+    its train step makes, and the name of its sequence length (the flag, and the key checkpoints record it under)."""
+
+    learning_rate_schedule: Callable  # (training_args, total_steps) -> optax.Schedule
+    create_optimizer: Callable  # (training_args, schedule) -> optax.GradientTransformation
+    make_train_step: Callable  # (model, optimizer, schedule, seed) -> train_step(state, batch) -> (state, metrics)
+    metric_sums: tuple[str, ...]  # the train step's metrics that are summed over steps (TRAIN_METRIC_SUMS)
+    length_name: str  # block_size, max_seq_length
+
+
+@dataclass
+class TrainingSetup:
+    """What training and evaluation need, built once from the arguments, the model and the script's functions."""
+
+    model: nn.Module
+    model_code: ModelCode
+    script: ScriptTraining
+    sequence_length: int
+    train_batch_size: int  # global: over all devices and micro-batches
+    eval_batch_size: int
+    train_rows: Any  # None for a stream
+    steps_per_epoch: int | None
+    total_steps: int
+    batch_sharding: NamedSharding
+    call_batches_sharding: NamedSharding
+    optimizer: optax.GradientTransformation
+    abstract_state: TrainState
+    # (state, batches of up to --steps_per_call steps, the steps to run) -> (state, the metrics of each step)
+    compiled_train_steps: Any
+    eval_step: Any
+
+
+def set_up_training(
+    model, model_code: ModelCode, script: ScriptTraining, eval_step, training_args, train_rows, sequence_length: int
+) -> TrainingSetup:
+    logger.info(
+        "%d devices over %d processes (%d here): %s",
+        jax.device_count(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.devices(),
+    )
+    mesh = model.mesh
+    batch_sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    # (step of a compiled call, micro-batch, row, ...)
+    call_batches_sharding = NamedSharding(mesh, PartitionSpec(None, None, BATCH_AXES))
+    accumulation_steps = training_args.gradient_accumulation_steps
+    train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
+    steps_per_epoch, total_steps = count_steps(training_args, train_rows, train_batch_size, f"--{script.length_name}")
+    schedule = script.learning_rate_schedule(training_args, total_steps)
+    optimizer = script.create_optimizer(training_args, schedule)
+    abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
+    state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+    logger.info(
+        "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",
+        type(model).__name__,
+        sum(leaf.size for leaf in jax.tree_util.tree_leaves(abstract_state.params)) / 1e6,
+        jnp.dtype(model.param_dtype),
+        jnp.dtype(model.dtype),
+        dict(mesh.shape),
+    )
+    train_step = script.make_train_step(model, optimizer, schedule, training_args.seed)
+    return TrainingSetup(
+        model=model,
+        model_code=model_code,
+        script=script,
+        sequence_length=sequence_length,
+        train_batch_size=train_batch_size,
+        eval_batch_size=training_args.per_device_eval_batch_size * jax.device_count(),
+        train_rows=train_rows,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        batch_sharding=batch_sharding,
+        call_batches_sharding=call_batches_sharding,
+        optimizer=optimizer,
+        abstract_state=abstract_state,
+        compiled_train_steps=jax.jit(
+            repeat_train_step(train_step, training_args.steps_per_call),
+            in_shardings=(state_shardings, call_batches_sharding, None),
+            out_shardings=(state_shardings, None),
+            donate_argnums=(0,),
+            compiler_options=train_step_compiler_options(),
+        ),
+        eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
+    )
+
+
+def run_description(arguments: dict, config, tokenizer, setup: TrainingSetup) -> dict:
+    """What each checkpoint of the run records of it, and a resume compares with its own (flax_lm.run_record)."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    return describe_run(arguments, config, fingerprint, setup.model_code, setup.train_rows, setup.train_batch_size)
+
+
+def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) -> tuple[TrainState, TrainingProgress]:
+    """The state to start from: with --resume_from_checkpoint the newest (or the named) training checkpoint, if
+    there is one, whose run agrees with this one (`run`: run_description's); otherwise new weights, or those of the
+    model --model_name_or_path."""
+    metric_sums = setup.script.metric_sums
+    if training_args.resume_from_checkpoint:
+        restored = restore_checkpoint(
+            training_args.resume_from_checkpoint,
+            training_args.output_dir,
+            setup.abstract_state,
+            ["step", "global_batch_size", setup.script.length_name],
+            partial(check_model_code, setup.model_code),
+        )
+        if restored:
+            state, record, path = restored
+            logger.info("Resumed from %s at step %d", path, record["step"])
+            progress = TrainingProgress.from_record(record, metric_sums)
+            allowed = training_args.allow_resume_changes or []
+            check_resumed_run(record, run, progress, allowed, setup, training_args)
+            return state, progress
+        logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
+    dummy_input = jnp.zeros((1, setup.sequence_length), jnp.int32)
+    loaded_params = pretrained_params(model_args, setup)
+    state = create_train_state(
+        setup.model, setup.optimizer, setup.abstract_state, training_args.seed, dummy_input, loaded_params
+    )
+    return state, TrainingProgress.start(metric_sums)
+
+
+def pretrained_params(model_args, setup: TrainingSetup):
+    """The weights of the model --model_name_or_path in this model's layout; None without one."""
+    if not model_args.model_name_or_path:
+        return None
+    source = model_args.model_name_or_path
+    params = read_exported_params(source, model_args, setup.model_code, setup.abstract_state.params)
+    logger.info("Loaded weights from %s", source)
+    return params
+
+
+def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, state, progress) -> int:
+    """Save a training checkpoint (written in the background; its record holds the progress and `run`, what a
+    resume compares) and export the model. Returns the step saved."""
+    record = progress.record(
+        run=run,
+        global_batch_size=setup.train_batch_size,
+        training_examples=None if setup.train_rows is None else len(setup.train_rows),
+        **{setup.script.length_name: setup.sequence_length},
+    )
+    if setup.steps_per_epoch:
+        record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
+    save_checkpoint(checkpoints, state, record)
+    output_dir = os.path.dirname(str(checkpoints.directory))
+    save_model(output_dir, state.params, config, tokenizer, setup.model_code)
+    logger.info(
+        "step %d: exported the model to %s; writing the training checkpoint in the background",
+        progress.step,
+        output_dir,
+    )
+    return progress.step
+
+
+def export_complete_run(output_dir: str, params, config, tokenizer, model_code: ModelCode):
+    """Export the model of a run that is complete, where it is missing: the run was stopped after its last
+    checkpoint was committed but before the export."""
+    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("model.safetensors", FLAX_WEIGHTS_NAME)):
+        save_model(output_dir, params, config, tokenizer, model_code)
+        logger.info("Exported the model of the complete run to %s", output_dir)
