@@ -54,10 +54,12 @@ from flax_lm.arguments import (
 from flax_lm.checkpoints import StopRequest, committed_checkpoint, open_checkpoints
 from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
+    TextsToRows,
     call_batch_shapes,
     call_batches,
     epochs_of_batches,
     load_data,
+    only_packing,
     stream_position,
     streaming_train_batches,
 )
@@ -85,7 +87,7 @@ from flax_lm.run_dir import (
 from flax_lm.run_record import TrainingProgress
 from flax_lm.sampling import generate_ids, make_sampler
 from flax_lm.scoring import Scorer
-from flax_lm.texts import ids_around_documents, token_arrays, token_byte_counts
+from flax_lm.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
 from flax_lm.tracking import TrainingLog, open_trackers
 from flax_lm.train_state import (
     TrainState,
@@ -182,6 +184,18 @@ def check_arguments(model_args, data_args, training_args):
 # ----------------------------------------------------------------------------------------------------
 # Data: texts become blocks of tokens (flax_lm.data reads the texts from files or a stream, and keeps the blocks)
 # ----------------------------------------------------------------------------------------------------
+
+
+def read_texts(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
+    """The texts of each split, {"train": ..., "validation": ...}: `datasets` datasets (or streams) of one document a
+    row, in --text_column_name. Every data route reads them here (the token cache, --packed_data_dir, --streaming,
+    each source of --data_mixture). To train on another source, return its texts instead; the SQLite database that
+    --dataset_name names, say (README: "Another source of texts"):
+        connection = sqlite3.connect(data_args.dataset_name)
+        texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}
+        return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else texts
+    """
+    return load_text_datasets(model_args, data_args, streaming, evaluation_only)
 
 
 def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
@@ -524,11 +538,9 @@ def main():
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, True, "run_clm_flax.py", mesh)
     block_size = choose_block_size(data_args, tokenizer, config)
-    rows, train_stream = load_data(
-        model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, f"--block_size {block_size}"
-    )
-    if not (training_args.do_train or training_args.do_eval):
-        print_once(f"packed data: {data_args.packed_data_dir}")
+    texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, block_size, "--block_size")
+    rows, train_stream = load_data(model_args, data_args, training_args, texts_to_rows)
+    if only_packing(data_args, training_args):
         return
 
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
@@ -540,7 +552,7 @@ def main():
     arguments = recorded_arguments(model_args, data_args, training_args)
     run = run_description(arguments, config, tokenizer, setup)
     state, progress = initial_state(model_args, training_args, setup, run)
-    # Process 0 holds the lock on the output directory until this process ends, for all processes.
+    # The lock on the output directory, held by process 0 for all processes until this one ends.
     output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
     trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
     evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, trackers)

@@ -55,10 +55,12 @@ from flax_lm.arguments import (
 from flax_lm.checkpoints import StopRequest, committed_checkpoint, open_checkpoints
 from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
+    TextsToRows,
     call_batch_shapes,
     call_batches,
     epochs_of_batches,
     load_data,
+    only_packing,
     stream_position,
     streaming_train_batches,
 )
@@ -86,7 +88,7 @@ from flax_lm.run_dir import (
     write_train_results,
 )
 from flax_lm.run_record import TrainingProgress
-from flax_lm.texts import map_in_workers, text_batches, token_arrays
+from flax_lm.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
 from flax_lm.tracking import TrainingLog, open_trackers
 from flax_lm.train_state import (
     TrainState,
@@ -208,6 +210,19 @@ def check_arguments(model_args, data_args, training_args):
 
 # Grouped, texts are joined with </s> and cut into blocks of max_seq_length - 2 tokens, framed as <s> block </s>:
 # as RoBERTa's pretraining data, full sentences across document boundaries, with a separator between documents.
+
+
+# Copied from run_clm_flax.read_texts
+def read_texts(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
+    """The texts of each split, {"train": ..., "validation": ...}: `datasets` datasets (or streams) of one document a
+    row, in --text_column_name. Every data route reads them here (the token cache, --packed_data_dir, --streaming,
+    each source of --data_mixture). To train on another source, return its texts instead; the SQLite database that
+    --dataset_name names, say (README: "Another source of texts"):
+        connection = sqlite3.connect(data_args.dataset_name)
+        texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}
+        return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else texts
+    """
+    return load_text_datasets(model_args, data_args, streaming, evaluation_only)
 
 
 # Copied from run_clm_flax.pack_blocks
@@ -760,12 +775,10 @@ def main():
     model_code = load_model_code(config, model_args.model_file, False, "run_mlm_flax.py", mesh)
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
-    length_flag = f"--max_seq_length {max_seq_length}"  # the blocks leave room for <s> and </s>
-    rows, train_stream = load_data(
-        model_args, data_args, training_args, tokenized_rows, tokenizer, max_seq_length - 2, length_flag
-    )
-    if not (training_args.do_train or training_args.do_eval):
-        print_once(f"packed data: {data_args.packed_data_dir}")
+    # Rows of max_seq_length - 2 tokens, which <s> and </s> frame.
+    texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, max_seq_length - 2, "--max_seq_length")
+    rows, train_stream = load_data(model_args, data_args, training_args, texts_to_rows)
+    if only_packing(data_args, training_args):
         return
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
@@ -776,7 +789,7 @@ def main():
     arguments = recorded_arguments(model_args, data_args, training_args)
     run = run_description(arguments, config, tokenizer, setup)
     state, progress = initial_state(model_args, training_args, setup, run)
-    # Process 0 holds the lock on the output directory until this process ends, for all processes.
+    # The lock on the output directory, held by process 0 for all processes until this one ends.
     output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
     trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
     evaluation = Evaluation(setup, rows.get("validation"), make_batch, tokenizer, training_args, trackers)

@@ -3,7 +3,8 @@ through the token cache, --packed_data_dir, or a stream packed while training), 
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
@@ -16,8 +17,8 @@ from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.mesh import prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
 from flax_lm.packed import cached_blocks, load_packed_corpus
-from flax_lm.processes import main_process_first
-from flax_lm.texts import check_tokenizer_encodes, load_text_datasets, token_arrays, warn_of_files_in_both_splits
+from flax_lm.processes import main_process_first, print_once
+from flax_lm.texts import check_tokenizer_encodes, token_arrays, warn_of_files_in_both_splits
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +111,28 @@ def first_blocks(row_arrays: Iterable[np.ndarray], block_size: int, count: int |
     return np.concatenate(blocks)[:count]
 
 
-def load_streams(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int) -> tuple[dict, Any]:
+@dataclass(frozen=True)
+class TextsToRows:
+    """How a script's texts become its rows, carried together through every data route (files and datasets through
+    the token cache, --packed_data_dir, a stream, a mixture's sources): its reader of texts, its rows function, the
+    tokenizer, the row length, and the flag that sets it (for messages)."""
+
+    read_texts: Callable  # (model_args, data_args, streaming=False, evaluation_only=False) -> {split: dataset}
+    tokenized_rows: Callable  # (dataset, split, tokenizer, row_length, data_args) -> arrays of rows
+    tokenizer: Any
+    row_length: int
+    length_flag: str  # the flag that sets the length: --block_size
+
+    def rows_of(self, dataset, split: str, data_args):
+        return self.tokenized_rows(dataset, split, self.tokenizer, self.row_length, data_args)
+
+
+def load_streams(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> tuple[dict, Any]:
     """For --streaming without --packed_data_dir: the training stream, tokenized and packed while training, and
-    {"validation": the first blocks of the validation stream}, read once so that every evaluation (on every
-    process) sees the same blocks."""
-    streams = load_text_datasets(model_args, data_args, streaming=True)
-    check_tokenizer_encodes(tokenizer, streams, data_args)
+    {"validation": the first rows of the validation stream}, read once so that every evaluation (on every process)
+    sees the same rows."""
+    streams = texts_to_rows.read_texts(model_args, data_args, streaming=True)
+    check_tokenizer_encodes(texts_to_rows.tokenizer, streams, data_args)
     train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
     if not training_args.do_eval:
         return {}, train_stream
@@ -124,85 +141,82 @@ def load_streams(model_args, data_args, training_args, tokenized_rows, tokenizer
             "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
             "length to hold a percentage out from"
         )
-    rows = tokenized_rows(streams["validation"], "validation", tokenizer, block_size, data_args)
-    validation = first_blocks(rows, block_size, data_args.max_eval_samples)
-    logger.info("validation: the first %d blocks of the stream", len(validation))
+    row_arrays = texts_to_rows.rows_of(streams["validation"], "validation", data_args)
+    validation = first_blocks(row_arrays, texts_to_rows.row_length, data_args.max_eval_samples)
+    logger.info("validation: the first %d rows of the stream", len(validation))
     return {"validation": validation}, train_stream
 
 
-def load_data(
-    model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
-) -> tuple[dict, Any]:
-    """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}, as the
-    script's `tokenized_rows(dataset, split, tokenizer, block_size, data_args)` makes them from the texts: blocks, or
-    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
-    holds all rows (memory-mapped) and reads only its rows of each batch. Arguments that name no data give no rows
-    (run_clm_flax.py --eval_tasks evaluates without)."""
+def load_data(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> tuple[dict, Any]:
+    """The rows of each split, {split: array-like (rows, row_length)}, as the script's texts_to_rows makes them from
+    its texts: blocks, or lines with run_mlm_flax.py --line_by_line; with --streaming the training rows come from a
+    stream, returned beside them. Every process holds all rows (memory-mapped) and reads only its rows of each batch.
+    Arguments that name no data give no rows (run_clm_flax.py --eval_tasks evaluates without)."""
     if not names_data(data_args):
         return {}, None
     train_stream = None
     if data_args.data_mixture:
-        return load_mixture(
-            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, length_argument
-        )
+        return load_mixture(model_args, data_args, training_args, texts_to_rows)
     warn_of_files_in_both_splits(data_args)
     if data_args.packed_data_dir:
         with naming_a_full_disk("--packed_data_dir", data_args.packed_data_dir):
-            examples = load_packed_corpus(
-                model_args, data_args, tokenized_rows, tokenizer, block_size, length_argument
-            )
+            rows = load_packed_corpus(model_args, data_args, texts_to_rows)
         if not (training_args.do_train or training_args.do_eval):
-            return examples, None
+            return rows, None
     elif data_args.streaming:
-        examples, train_stream = load_streams(
-            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size
-        )
+        rows, train_stream = load_streams(model_args, data_args, training_args, texts_to_rows)
     else:
-        examples = cached_examples(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size)
-    examples = final_examples(examples, data_args, block_size, length_argument)
-    if training_args.do_train and "train" not in examples and train_stream is None:
+        rows = cached_rows(model_args, data_args, training_args, texts_to_rows)
+    rows = final_rows(rows, data_args, texts_to_rows)
+    if training_args.do_train and "train" not in rows and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in examples:
+    if training_args.do_eval and "validation" not in rows:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    return examples, train_stream
+    return rows, train_stream
 
 
-def cached_examples(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int) -> dict:
+def cached_rows(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> dict:
     """The rows of each split of the data files or dataset, from the token cache (packed there first if missing)."""
     # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
     cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
     with main_process_first("data prepared"), naming_a_full_disk("--cache_dir", cache_dir):
         evaluation_only = training_args.do_eval and not training_args.do_train
-        texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
-        check_tokenizer_encodes(tokenizer, texts, data_args)
+        texts = texts_to_rows.read_texts(model_args, data_args, evaluation_only=evaluation_only)
+        check_tokenizer_encodes(texts_to_rows.tokenizer, texts, data_args)
         return {
-            split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
+            split: cached_blocks(
+                dataset,
+                split,
+                texts_to_rows.tokenized_rows,
+                texts_to_rows.tokenizer,
+                texts_to_rows.row_length,
+                cache_dir,
+                data_args,
+            )
             for split, dataset in texts.items()
         }
 
 
-def final_examples(examples: dict, data_args, block_size: int, length_argument: str, source: str = "") -> dict:
+def final_rows(rows: dict, data_args, texts_to_rows: TextsToRows, source: str = "") -> dict:
     """The rows of each split as a run uses them: a validation split held out where there is none, cut to
     --max_train_samples and --max_eval_samples; refused where empty. `source`: whose data it is, for the message."""
-    examples = hold_out_blocks(examples, data_args.validation_split_percentage, source)
-    if data_args.max_train_samples is not None and "train" in examples:
-        examples["train"] = examples["train"][: data_args.max_train_samples]
-    if data_args.max_eval_samples is not None and "validation" in examples:
-        examples["validation"] = examples["validation"][: data_args.max_eval_samples]
-    for split, rows in examples.items():
-        if len(rows) == 0:
+    rows = hold_out_blocks(rows, data_args.validation_split_percentage, source)
+    if data_args.max_train_samples is not None and "train" in rows:
+        rows["train"] = rows["train"][: data_args.max_train_samples]
+    if data_args.max_eval_samples is not None and "validation" in rows:
+        rows["validation"] = rows["validation"][: data_args.max_eval_samples]
+    for split, split_rows in rows.items():
+        if len(split_rows) == 0:
             raise UsageError(
                 f"the {split} data{source} has no non-empty lines"
                 if data_args.framing == "line_by_line"
-                else f"the {split} data{source} has fewer tokens than one block of {block_size} ({length_argument}); "
-                "add text or lower it"
+                else f"the {split} data{source} has fewer tokens than one block of {texts_to_rows.row_length}, which "
+                f"{texts_to_rows.length_flag} sets; add text or lower it"
             )
-    return examples
+    return rows
 
 
-def load_mixture(
-    model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
-) -> tuple[dict, None]:
+def load_mixture(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> tuple[dict, None]:
     """The data of --data_mixture: {"train": a Mixture of the sources with training files, "validation": {source
     name: rows}}, each source's rows made as those of --train_file and --validation_file are (a source without
     validation files has some of its training rows held out)."""
@@ -213,33 +227,41 @@ def load_mixture(
         source_args = source_data_arguments(data_args, source)
         logger.info("Mixture source %s", source.name)
         try:
-            examples = cached_examples(model_args, source_args, training_args, tokenized_rows, tokenizer, block_size)
+            rows = cached_rows(model_args, source_args, training_args, texts_to_rows)
         except UsageError as error:  # the message names the files; say whose they are
             raise UsageError(f"--data_mixture {data_args.data_mixture}, source '{source.name}': {error}") from None
-        examples = final_examples(examples, source_args, block_size, length_argument, f" of source '{source.name}'")
-        if "train" in examples and training_args.do_train:
-            train_sources.append((source, examples["train"]))
-        if "validation" in examples:
-            validation[source.name] = examples["validation"]
-    examples = {"validation": validation} if training_args.do_eval else {}
+        rows = final_rows(rows, source_args, texts_to_rows, f" of source '{source.name}'")
+        if "train" in rows and training_args.do_train:
+            train_sources.append((source, rows["train"]))
+        if "validation" in rows:
+            validation[source.name] = rows["validation"]
+    mixture_rows = {"validation": validation} if training_args.do_eval else {}
     if train_sources:
         names, weights = [source.name for source, _ in train_sources], [source.weight for source, _ in train_sources]
         rows_are_tokens = data_args.framing != "line_by_line"
-        examples["train"] = Mixture(names, weights, [rows for _, rows in train_sources], rows_are_tokens)
-    return examples, None
+        mixture_rows["train"] = Mixture(names, weights, [rows for _, rows in train_sources], rows_are_tokens)
+    return mixture_rows, None
 
 
-def count_steps(training_args, train_examples, train_batch_size: int, length_flag: str) -> tuple[int | None, int]:
+def only_packing(data_args, training_args) -> bool:
+    """Whether the run only packs its data (--packed_data_dir, with neither --do_train nor --do_eval): said once."""
+    if training_args.do_train or training_args.do_eval:
+        return False
+    print_once(f"packed data: {data_args.packed_data_dir}")
+    return True
+
+
+def count_steps(training_args, train_rows, train_batch_size: int, length_flag: str) -> tuple[int | None, int]:
     """Steps per epoch (None without training data of known length) and the run's last step; `length_flag` sets the
     sequence length (--block_size), for the message where the data is too small."""
     if not training_args.do_train:
         return None, 1
-    if train_examples is None:  # a stream
+    if train_rows is None:  # a stream
         return None, training_args.max_steps
-    steps_per_epoch = len(train_examples) // train_batch_size
+    steps_per_epoch = len(train_rows) // train_batch_size
     if steps_per_epoch == 0:
         raise UsageError(
-            f"the training data makes {len(train_examples)} sequences, fewer than one global batch of "
+            f"the training data makes {len(train_rows)} sequences, fewer than one global batch of "
             f"{train_batch_size}; add data or lower --per_device_train_batch_size or {length_flag}"
         )
     if training_args.max_steps > 0:

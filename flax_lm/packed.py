@@ -22,7 +22,7 @@ from flax_lm.checksums import file_checksum
 from flax_lm.code_fingerprint import code_fingerprint
 from flax_lm.errors import UsageError
 from flax_lm.processes import main_process_first
-from flax_lm.texts import check_tokenizer_encodes, data_file_patterns, load_text_datasets
+from flax_lm.texts import check_tokenizer_encodes, data_file_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -375,14 +375,14 @@ def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: in
     return open_packed_corpus(directory, index, on_damage)[split]
 
 
-def load_packed_corpus(
-    model_args, data_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
-) -> dict:
+def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
     """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
-    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the data arguments read as
-    they are or, with --streaming, as a stream. A directory packed with another tokenizer, block size (set by
-    `length_argument`, as the user gave it) or source is refused, never reused; one packed by other code (its
-    fingerprint of `tokenized_rows` differs) is used with a warning."""
+    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the texts `texts_to_rows` (the
+    script's flax_lm.data.TextsToRows) reads, as they are or, with --streaming, as a stream. A directory packed with
+    another tokenizer, row length or source is refused, never reused; one packed by other code (its fingerprint of
+    the script's tokenized_rows differs) is used with a warning."""
+    tokenized_rows, tokenizer = texts_to_rows.tokenized_rows, texts_to_rows.tokenizer
+    block_size, length_flag = texts_to_rows.row_length, texts_to_rows.length_flag
     directory = data_args.packed_data_dir
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
@@ -408,7 +408,7 @@ def load_packed_corpus(
         if index["block_size"] != block_size:
             raise UsageError(
                 f"--packed_data_dir {directory} holds blocks of {index['block_size']} tokens, not the {block_size} "
-                f"of {length_argument}; {fix}"
+                f"that {length_flag} sets; {fix}"
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
@@ -442,7 +442,7 @@ def load_packed_corpus(
     with main_process_first("packed corpus written"):
         if jax.process_index() == 0 and index is None:
             check_writable_directory(directory, "packed_data_dir")
-            texts = load_text_datasets(model_args, data_args, streaming=data_args.streaming)
+            texts = texts_to_rows.read_texts(model_args, data_args, streaming=data_args.streaming)
             check_tokenizer_encodes(tokenizer, texts, data_args)
             logger.info("Packing %s into %s", " and ".join(texts), directory)
             index = pack_texts(directory, texts, tokenized_rows, tokenizer, block_size, description, data_args)

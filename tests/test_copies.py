@@ -243,7 +243,7 @@ SCRIPT_SHARES_WITH_LIBRARY_CEILING = 10
 # One concern per module: a module past this has grown a second one.
 LIBRARY_MODULE_LINES_CEILING = 700
 # main() reads as the table of contents of its script: each step one call.
-MAIN_LINES_CEILING = 61
+MAIN_LINES_CEILING = 60
 
 
 def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded():

@@ -64,12 +64,14 @@ def data_arguments(packed_dir, **overrides):
 def pack(packed_dir, tokenizer, block_size=32, **overrides):
     arguments = data_arguments(packed_dir, **overrides)
     return flax_lm.packed.load_packed_corpus(
-        run_clm_flax.ModelArguments(),
-        arguments,
-        run_clm_flax.tokenized_rows,
-        tokenizer,
-        block_size,
-        f"--block_size {block_size}",
+        run_clm_flax.ModelArguments(), arguments, texts_to_rows(tokenizer, block_size)
+    )
+
+
+def texts_to_rows(tokenizer, block_size: int = 32) -> flax_lm.data.TextsToRows:
+    """run_clm_flax.py's way from texts to rows, as its main() makes it."""
+    return flax_lm.data.TextsToRows(
+        run_clm_flax.read_texts, run_clm_flax.tokenized_rows, tokenizer, block_size, "--block_size"
     )
 
 
@@ -174,7 +176,7 @@ def test_packed_data_dir_of_another_block_size_tokenizer_or_data_is_refused(
     forbid_tokenizing(monkeypatch)
     with pytest.raises(
         run_clm_flax.UsageError,
-        match="holds blocks of 32 tokens, not the 16 of --block_size 16; use another --packed_data_dir",
+        match="holds blocks of 32 tokens, not the 16 that --block_size sets; use another --packed_data_dir",
     ):
         pack(tmp_path / "packed", tokenizer, block_size=16)
     with pytest.raises(run_clm_flax.UsageError, match="was packed with another tokenizer"):
@@ -232,7 +234,7 @@ def test_process_zero_failing_to_pack_still_releases_the_waiting_processes(token
     def fail(*arguments, **options):
         raise run_clm_flax.UsageError("cannot read the data files")
 
-    monkeypatch.setattr(flax_lm.packed, "load_text_datasets", fail)
+    monkeypatch.setattr(run_clm_flax, "read_texts", fail)
     with pytest.raises(run_clm_flax.UsageError, match="cannot read the data files"):
         pack(tmp_path / "packed", tokenizer)
     assert barriers == ["packed corpus written"]
@@ -303,8 +305,7 @@ def load_data(tmp_path, tokenizer, do_train=True, do_eval=True, **data_overrides
     settings = {"train_file": str(CORPUS / "train.txt"), "text_sample_by": "document", **data_overrides}
     data_args = run_clm_flax.DataTrainingArguments(**settings)
     training_args = run_clm_flax.TrainingArguments(str(tmp_path / "out"), do_train=do_train, do_eval=do_eval)
-    rows = run_clm_flax.tokenized_rows
-    return flax_lm.data.load_data(model_args, data_args, training_args, rows, tokenizer, 32, "--block_size 32")[0]
+    return flax_lm.data.load_data(model_args, data_args, training_args, texts_to_rows(tokenizer))[0]
 
 
 def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_format(tokenizer, tmp_path, monkeypatch):

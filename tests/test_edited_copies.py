@@ -11,6 +11,7 @@ import json
 import linecache
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 
@@ -168,6 +169,36 @@ def test_a_copy_of_the_script_under_another_name_reuses_the_token_cache(model_di
         assert result.returncode == 0, result.stderr[-3000:]
     assert "Loading packed train blocks from cache" in result.stderr
     assert len(packed_corpora(cache_dir)) == 1
+
+
+def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, environment, tmp_path):
+    """The README's SQLite source, in read_texts alone: every route then reads the table (here the token cache)."""
+    database = tmp_path / "corpus.db"
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE documents (text TEXT)")
+        paragraphs = (CORPUS / "train.txt").read_text().split("\n\n")
+        connection.executemany("INSERT INTO documents VALUES (?)", [(f"Zebra table {p}",) for p in paragraphs])
+    sql_source = {
+        "    return load_text_datasets(model_args, data_args, streaming, evaluation_only)\n": (
+            "    connection = sqlite3.connect(data_args.dataset_name)\n"
+            '    texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}\n'
+            "    return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else "
+            "texts\n"
+        ),
+        "import logging\n": "import logging\nimport sqlite3\n\nimport datasets\n",
+    }
+    script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "sql_source.py", sql_source)
+    cache_dir = tmp_path / "cache"
+    arguments = [*training_arguments(model_dir, tmp_path / "output", "--do_train", "--max_steps", "1"),
+                 "--cache_dir", cache_dir]  # fmt: skip
+    arguments.remove("--train_file")
+    arguments.remove(CORPUS / "train.txt")
+    arguments += ["--dataset_name", database]
+    result = run_copy(script, environment, *arguments)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (corpus,) = packed_corpora(cache_dir)
+    text = AutoTokenizer.from_pretrained(model_dir).decode(train_blocks(cache_dir / corpus).reshape(-1))
+    assert text.count("Zebra table") >= len(paragraphs) // 2
 
 
 def module_copy(module, name: str, replacements: dict):

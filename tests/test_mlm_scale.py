@@ -372,7 +372,7 @@ def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokeni
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir))
     with pytest.raises(
         UsageError,
-        match=r"holds blocks of 30 tokens, not the 62 of --max_seq_length 64; use another --packed_data_dir",
+        match=r"holds blocks of 30 tokens, not the 62 that --max_seq_length sets; use another --packed_data_dir",
     ):
         load_packed_corpus(
             run_mlm_flax.ModelArguments(), data_args, run_mlm_flax.tokenized_rows, tokenizer, 62, "--max_seq_length 64"
