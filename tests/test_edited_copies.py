@@ -288,7 +288,9 @@ def test_packed_data_dir_that_records_no_code_fingerprint_loads_without_a_warnin
 # Checkpoints: a metric sum added or dropped since they were written, and checkpoints none of which can be read
 # ----------------------------------------------------------------------------------------------------
 
-# One more sum of the train step, shown in the log line and train_results.json: the sequences trained on.
+# One more sum of the train step, the sequences trained on, and a metric of the log line and train_results.json that
+# divides another sum by it: the tokens predicted per sequence (block_size - 1, whatever the steps its sums cover, as
+# long as both cover the same).
 SEQUENCE_COUNT = {
     'TRAIN_METRIC_SUMS = ("loss_sum", "token_count")': (
         'TRAIN_METRIC_SUMS = ("loss_sum", "token_count", "sequence_count")'
@@ -298,7 +300,8 @@ SEQUENCE_COUNT = {
         "        return loss_sum, sums | {'sequence_count': jnp.float32(input_ids.shape[0])}\n"
     ),
     '    return {"loss": sums["loss_sum"] / max(sums["token_count"], 1.0)}': (
-        '    return {"loss": sums["loss_sum"] / max(sums["token_count"], 1.0), "sequences": sums["sequence_count"]}'
+        '    return {"loss": sums["loss_sum"] / max(sums["token_count"], 1.0), '
+        '"tokens_per_sequence": sums["token_count"] / max(sums["sequence_count"], 1.0)}'
     ),
 }
 
@@ -337,18 +340,24 @@ def resumed_with_sequence_count(model_dir, environment, scripts, two_step_run, t
     return output_dir, result
 
 
-def test_a_checkpoint_without_a_metric_sum_added_since_resumes_from_its_step(resumed_with_sequence_count):
+def test_a_metric_added_since_the_checkpoint_is_a_ratio_of_sums_over_the_same_steps(resumed_with_sequence_count):
     output_dir, result = resumed_with_sequence_count
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Resumed from {output_dir}/checkpoints/2 at step 2" in result.stderr
-    assert "The checkpoint records no training sum of sequence_count: counted from step 2 on" in result.stderr
+    assert "The checkpoint records no training sum of sequence_count: every training metric counts from step 2" in (
+        result.stderr
+    )
     assert not (output_dir / "discarded-checkpoints").exists()
     record = progress_record(output_dir / "checkpoints" / "4")
-    # The sums the checkpoint had go on from it; the added one counts the two steps since the resume.
-    assert record["train_token_count"] == 4 * tokens_per_step(record)
-    assert record["train_sequence_count"] == 2 * record["global_batch_size"]
+    # The sums the checkpoint had go on from the first step; every sum counts again from the resume beside them.
+    whole_run, since_resume = record["metric_windows"]
+    assert whole_run["from_step"] == 0 and whole_run["sums"]["token_count"] == 4 * tokens_per_step(record)
+    assert since_resume["from_step"] == 2 and since_resume["sums"]["token_count"] == 2 * tokens_per_step(record)
+    assert since_resume["sums"]["sequence_count"] == 2 * record["global_batch_size"]
     train_results = json.loads((output_dir / "train_results.json").read_text())
-    assert train_results["train_sequences"] == 2 * record["global_batch_size"]
+    # Counted over steps 3 and 4 both: not twice the value, as tokens over four steps by sequences over two would be.
+    assert train_results["train_tokens_per_sequence"] == record["block_size"] - 1
+    assert train_results["train_metrics_from_step"] == 2
 
 
 def test_a_checkpoint_with_a_metric_sum_dropped_since_resumes_from_its_step(
@@ -356,7 +365,7 @@ def test_a_checkpoint_with_a_metric_sum_dropped_since_resumes_from_its_step(
 ):
     output_dir = tmp_path / "run"
     shutil.copytree(resumed_with_sequence_count[0], output_dir)
-    assert "train_sequence_count" in progress_record(output_dir / "checkpoints" / "4")
+    assert "sequence_count" in progress_record(output_dir / "checkpoints" / "4")["metric_windows"][1]["sums"]
     arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "6", "--save_steps", "1")
     result = run_copy(scripts[0], environment, *arguments, "--resume_from_checkpoint")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -364,8 +373,10 @@ def test_a_checkpoint_with_a_metric_sum_dropped_since_resumes_from_its_step(
     assert "The checkpoint's training sums of sequence_count are no longer summed; left out" in result.stderr
     assert not (output_dir / "discarded-checkpoints").exists()
     record = progress_record(output_dir / "checkpoints" / "6")
-    assert "train_sequence_count" not in record
-    assert record["train_token_count"] == 6 * tokens_per_step(record)
+    assert all("sequence_count" not in window["sums"] for window in record["metric_windows"])
+    assert record["metric_windows"][0]["sums"]["token_count"] == 6 * tokens_per_step(record)
+    train_results = json.loads((output_dir / "train_results.json").read_text())
+    assert train_results["train_metrics_from_step"] == 0
 
 
 def test_checkpoints_none_of_which_can_be_read_stop_the_resume_and_stay_as_they_are(

@@ -1,0 +1,139 @@
+"""A resume compares the run it continues with its own: what changes the training (the data, the tokenizer, the
+model, the loss-relevant flags, the optimizer and schedule) is refused in one line naming each difference, unless
+--allow_resume_changes names it, which records it; what does not (a longer run, the intervals, the trackers) goes on
+without a word. The run directory keeps every version of the code that trained it."""
+
+import json
+import shutil
+
+import pytest
+from conftest import FIXTURES_DIR, REPO_DIR
+from test_clm import model_dir_with_config
+from test_edited_copies import edited_copy, progress_record, run_copy, snapshot, training_arguments
+
+CORPUS = FIXTURES_DIR / "en"
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
+    return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("resume-checks-model"), n_layer=1)
+
+
+@pytest.fixture(scope="module")
+def environment(tmp_path_factory):
+    from test_edited_copies import OFFLINE_ENV
+
+    return {
+        **OFFLINE_ENV,
+        "HF_HOME": str(tmp_path_factory.mktemp("hf-home")),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compilation-cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    return edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path_factory.mktemp("script") / "run_clm_flax.py")
+
+
+@pytest.fixture(scope="module")
+def two_step_run(model_dir, environment, script, tmp_path_factory):
+    """Two steps of the unedited script, checkpoints at 1 and 2."""
+    output_dir = tmp_path_factory.mktemp("two-steps") / "run"
+    arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "2", "--save_steps", "1")
+    result = run_copy(script, environment, *arguments, "--learning_rate", "1e-3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+def resume(two_step_run, tmp_path, model_dir, environment, script, *extra, max_steps="3"):
+    output_dir = tmp_path / "run"
+    shutil.copytree(two_step_run, output_dir)
+    arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", max_steps, "--save_steps", "1")
+    arguments = [*arguments, "--learning_rate", "1e-3", "--resume_from_checkpoint", *extra]
+    return output_dir, run_copy(script, environment, *arguments)
+
+
+def other_tokenizer_dir(model_dir, directory):
+    """The model directory with a tokenizer of the same vocabulary size whose ids differ: two merges swapped."""
+    shutil.copytree(model_dir, directory)
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return directory
+
+
+CHANGES = {
+    "learning rate": (["--learning_rate", "5e-2"], "--learning_rate 0.001 there, 0.05 here"),
+    "weight decay": (["--weight_decay", "0.1"], "--weight_decay 0.0 there, 0.1 here"),
+    "document attention": (["--document_attention"], "--document_attention False there, True here"),
+    "seed": (["--seed", "7"], "--seed 0 there, 7 here"),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_resume_that_changes_the_training_is_refused_naming_the_difference(
+    change, two_step_run, model_dir, environment, script, tmp_path
+):
+    extra, difference = CHANGES[change]
+    before = snapshot(two_step_run)
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: the resumed run differs from the checkpoint's in what it trains: ")
+    assert difference in last_line and "--allow_resume_changes" in last_line, last_line
+    assert "Traceback" not in result.stderr
+    assert snapshot(output_dir) == before
+
+
+def test_a_tokenizer_of_the_same_size_with_other_ids_is_refused(
+    two_step_run, model_dir, environment, script, tmp_path
+):
+    swapped = other_tokenizer_dir(model_dir, tmp_path / "swapped-tokenizer")
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, "--tokenizer_name", swapped)
+    assert result.returncode == 2
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "the tokenizer (--tokenizer_name): fingerprint" in last_line
+    assert "the training data" in last_line  # its blocks are other ids too
+
+
+def test_an_allowed_change_trains_on_and_is_recorded_with_its_step(
+    two_step_run, model_dir, environment, script, tmp_path
+):
+    output_dir, result = resume(
+        two_step_run, tmp_path, model_dir, environment, script, "--learning_rate", "5e-2",
+        "--allow_resume_changes", "learning_rate",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resumed with a change allowed from step 2: --learning_rate 0.001 there, 0.05 here" in result.stderr
+    change = {"step": 2, "name": "learning_rate", "from": 0.001, "to": 0.05}
+    assert progress_record(output_dir / "checkpoints" / "3")["resume_changes"] == [change]
+    assert json.loads((output_dir / "train_results.json").read_text())["resume_changes"] == [change]
+
+
+def test_what_changes_nothing_of_the_training_needs_no_flag(two_step_run, model_dir, environment, script, tmp_path):
+    extra = ["--logging_steps", "2", "--save_total_limit", "5", "--report_to", "none", "--steps_per_call", "2"]
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra, max_steps="4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert progress_record(output_dir / "checkpoints" / "4")["resume_changes"] == []
+
+
+def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trained_from(
+    two_step_run, model_dir, environment, tmp_path
+):
+    (tmp_path / "edited").mkdir()
+    edited = edited_copy(
+        REPO_DIR / "run_clm_flax.py",
+        tmp_path / "edited" / "run_clm_flax.py",
+        {"logger = logging.getLogger(__name__)\n": "logger = logging.getLogger(__name__)  # edited\n"},
+    )
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, edited)
+    assert result.returncode == 0, result.stderr[-3000:]
+    versions = json.loads((output_dir / "code" / "versions.json").read_text())
+    assert [version["from_step"] for version in versions] == [0, 2]
+    first, second = (version["files"]["run_clm_flax.py"] for version in versions)
+    assert "# edited" not in (output_dir / "code" / first / "run_clm_flax.py").read_text()
+    assert "# edited" in (output_dir / "code" / second / "run_clm_flax.py").read_text()
+    assert (output_dir / "run_clm_flax.py").read_text() == open(edited).read()
