@@ -23,6 +23,10 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
+import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transformers from warning about it on import
+
+# isort: split
+
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, GPT2Config, LlamaConfig, RobertaConfig
 

@@ -31,6 +31,10 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transformers from warning about it on import
+
+# isort: split
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

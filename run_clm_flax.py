@@ -51,7 +51,7 @@ from flax_lm.arguments import (
     parse_arguments,
     recorded_arguments,
 )
-from flax_lm.checkpoints import StopRequest, committed_checkpoint, open_checkpoints
+from flax_lm.checkpoints import StopRequest, checkpoint_still_written, open_checkpoints
 from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
     TextsToRows,
@@ -64,9 +64,10 @@ from flax_lm.data import (
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
+from flax_lm.evaluation import evaluate_by_source, evaluation_sets, report_by_source
 from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
 from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
+from flax_lm.mixture import Mixture
 from flax_lm.model_code import ModelCode, load_model_code
 from flax_lm.processes import (
     initialize_distributed,
@@ -694,25 +695,25 @@ def train(
             state, metrics = setup.compiled_train_steps(state, batch, len(step_tokens))
             log.steps_done(metrics, step_tokens)
             step += len(step_tokens)
-            checkpoint_being_written = committed_checkpoint(checkpoints, checkpoint_being_written)
+            checkpoint_being_written = checkpoint_still_written(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
             is_log_step = step % training_args.logging_steps == 0 or is_last
             stopping = stop.requested(check_other_processes=is_log_step)
             is_save_step = step % training_args.save_steps == 0 or is_last or stopping
             if is_log_step or is_save_step:
-                log.read(step, progress, checkpoints)
+                log.add_steps_to_progress(step, progress, checkpoints)
             if is_log_step or stopping:
                 log.write(step)
             if is_save_step:  # before the evaluation: an evaluation that fails must not lose the steps before it
                 # The save would wait for the checkpoint still being written: announce it first.
-                committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+                checkpoint_still_written(checkpoints, checkpoint_being_written, wait=True)
                 progress.step = step
                 checkpoint_being_written = save(checkpoints, state, progress)
             if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
                 evaluate(state.params, step)
             if stopping:
                 break
-        committed_checkpoint(checkpoints, checkpoint_being_written, wait=True)
+        checkpoint_still_written(checkpoints, checkpoint_being_written, wait=True)
     return state, stop.signal_name if stopping else None
 
 

@@ -23,6 +23,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transformers from warning about it on import
+
+# isort: split
+
 import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenizer

@@ -91,7 +91,7 @@ def check_room_to_save(checkpoints: ocp.CheckpointManager, state: TrainState, st
         )
 
 
-def committed_checkpoint(checkpoints: ocp.CheckpointManager, step: int | None, wait: bool = False) -> int | None:
+def checkpoint_still_written(checkpoints: ocp.CheckpointManager, step: int | None, wait: bool = False) -> int | None:
     """Log when the checkpoint of `step` is complete on disk (a kill after the message loses nothing before it).
     Returns the step still being written, None once none is. Orbax has no hook for this: its
     post_finalization_callback runs before the checkpoint is renamed into place."""

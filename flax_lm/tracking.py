@@ -61,26 +61,35 @@ class TrainingLog:
             self.progress_bar.update(len(step_tokens))
             self.unread_steps_shown += 1
 
-    def read(self, step: int, progress, checkpoints):
-        """Wait for the steps not yet read and add the finite ones to `progress`: checked here, before each save, no
-        non-finite step goes unnoticed into a checkpoint. Such a step's update was never applied; it stops the run,
-        or is logged and skipped with --skip_nonfinite_steps."""
+    def add_steps_to_progress(self, step: int, progress, checkpoints):
+        """Wait for the steps not yet read (the last of them `step`), and add the finite ones to `progress` and to
+        the next log line. Done before each save, so that no non-finite step goes unnoticed into a checkpoint."""
+        finite = self.finite_steps(self.fetch_unread(), step, checkpoints)
+        progress.add(finite)
+        self.window += finite
+
+    def fetch_unread(self) -> list[dict]:
+        """The metrics (and tokens) of each step not yet read, fetched from the devices."""
         fetched = [
             {**{name: values[index] for name, values in metrics.items()}, "tokens": tokens}
             for metrics, step_tokens in jax.device_get(self.unread)
             for index, tokens in enumerate(step_tokens)
         ]
         self.show_finished_steps(all_finished=True)
+        self.unread, self.unread_steps_shown = [], 0
+        return fetched
+
+    def finite_steps(self, fetched: list[dict], step: int, checkpoints) -> list[dict]:
+        """The steps of `fetched` (the last of them `step`) whose loss and gradient norm are finite. Another step's
+        update was never applied; it stops the run (nonfinite_error), or is logged and skipped with
+        --skip_nonfinite_steps."""
         first_step = step - len(fetched) + 1
         bad_steps = [first_step + index for index, metrics in enumerate(fetched) if not metrics["finite"]]
         if bad_steps and not self.skip_nonfinite_steps:
             raise self.nonfinite_error(bad_steps[0], checkpoints)
         for bad_step in bad_steps:
             logger.warning("step %d: the loss or gradient norm is not finite; the update was skipped", bad_step)
-        finite = [metrics for metrics in fetched if metrics["finite"]]
-        progress.add(finite)
-        self.window += finite
-        self.unread, self.unread_steps_shown = [], 0
+        return [metrics for metrics in fetched if metrics["finite"]]
 
     @staticmethod
     def nonfinite_error(step: int, checkpoints) -> UsageError:

@@ -4,11 +4,13 @@ as one line, and the log format the four scripts share. All in this process, bef
 import errno
 import json
 import re
+import subprocess
 import sys
 
 import pytest
+from conftest import REPO_DIR
 from safetensors import SafetensorError
-from test_clm import run_clm_flax
+from test_clm import OFFLINE_ENV, run_clm_flax
 from test_hostile_inputs import SCRIPTS
 
 from flax_lm import errors, processes
@@ -191,3 +193,20 @@ def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_toke
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO __main__: From the tokenizer in .*", log_line)
     assert SCRIPTS["create_config"].LOG_FORMAT == processes.LOG_FORMAT == SCRIPTS["train_tokenizer"].LOG_FORMAT
     assert run_clm_flax.setup_logging is processes.setup_logging is SCRIPTS["run_mlm_flax"].setup_logging
+
+
+@pytest.mark.parametrize(
+    "script", ["run_clm_flax.py", "run_mlm_flax.py", "generate_flax.py", "create_config.py", "train_tokenizer.py"]
+)
+def test_no_tool_warns_that_pytorch_is_missing_where_it_is(script):
+    """transformers warns on import where PyTorch is missing; the tools need it only to compare with PyTorch or read a
+    pickle, and a newcomer reads the warning as an error. Here PyTorch is made missing for the process."""
+    runner = (
+        "import runpy, sys; sys.modules['torch'] = None; "
+        f"sys.argv = [{script!r}, '--help']; runpy.run_path({script!r}, run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", runner], cwd=REPO_DIR, capture_output=True, text=True, timeout=120, env=OFFLINE_ENV
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "PyTorch was not found" not in result.stderr

@@ -201,6 +201,27 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
     assert text.count("Zebra table") >= len(paragraphs) // 2
 
 
+def test_masking_that_chooses_more_than_the_room_for_predictions_is_refused_not_cut(monkeypatch):
+    """Whole-word masking chooses every token of a word: more than mask_tokens' cap, in some rows. Cut to the room,
+    the rest would be corrupted in the input and never predicted; the batch is refused instead."""
+    import run_mlm_flax
+
+    def whole_words(input_ids, special_tokens_mask, mask_token_id, *arguments, **keywords):
+        chosen = ~special_tokens_mask
+        chosen[:, ::2] = False  # half of every row: far more than 15% and its five standard deviations
+        masked = np.where(chosen, mask_token_id, input_ids)
+        return masked, input_ids.copy(), chosen.astype(np.float32)
+
+    monkeypatch.setattr(run_mlm_flax, "mask_tokens", whole_words)
+    make_batch = run_mlm_flax.BatchMaker(
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, mask_token_id=4, special_token_ids=(0, 1, 2, 4),
+        random_token_count=100, mlm_probability=0.15, max_seq_length=64,
+    )  # fmt: skip
+    rows = np.random.default_rng(0).integers(5, 100, size=(4, 62))
+    with pytest.raises(UsageError, match=r"the masking chose 31 positions of a row of 64 tokens, more than the 24"):
+        make_batch(rows, np.arange(4), 4, (0,))
+
+
 def module_copy(module, name: str, replacements: dict):
     """A copy of the flax_lm `module` as the module flax_lm.NAME, its source edited by `replacements`."""
     text = open(module.__file__).read()

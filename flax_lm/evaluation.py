@@ -1,0 +1,35 @@
+"""The evaluation of a run's validation rows, reported: the whole data's results and, with --data_mixture, each
+source's, in the log and the trackers (the script's eval step makes the sums, its functions turn them into
+results and words)."""
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def evaluation_sets(validation) -> dict:
+    """{name: rows} of the evaluation data: each source of a mixture by its name, or the one set named ""."""
+    return validation if isinstance(validation, dict) else {"": validation}
+
+
+def summed(sums: list[dict]) -> dict:
+    """The sums of several evaluations (dicts of the same names) added: those of the whole data."""
+    return {name: sum(part[name] for part in sums) for name in sums[0]}
+
+
+def evaluate_by_source(sums_of, validation, results_of) -> dict:
+    """The results of the whole evaluation data, with a mixture's each source's under "sources" ({} otherwise):
+    `sums_of(rows)` evaluates one set into sums, `results_of(sums)` turns sums into results."""
+    sums = {name: sums_of(rows) for name, rows in evaluation_sets(validation).items()}
+    results = results_of(summed(list(sums.values())))
+    results["sources"] = {name: results_of(part) for name, part in sums.items() if name}
+    return results
+
+
+def report_by_source(results: dict, step: int, trackers, metric_names: tuple, describe):
+    """The log line (`describe(results)`: the metrics in words) and tracker scalars of an evaluation, whole and of
+    each source."""
+    for name, part in [("", results), *results["sources"].items()]:
+        logger.info("step %d: eval%s %s", step, f" of {name}" if name else "", describe(part))
+        prefix = f"eval/{name}/" if name else "eval/"
+        trackers.scalars({prefix + key: part[key] for key in metric_names if key in part}, step)
