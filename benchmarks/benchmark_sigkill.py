@@ -177,7 +177,7 @@ def main():
         step_times[arguments.max_steps + 1] = reference.end_time
         step_gaps = {step: step_times[step + 1] - step_times[step] for step in range(1, arguments.max_steps + 1)}
         plan = kill_plan(arguments, step_gaps, random.Random(arguments.seed))
-        saved, committed = reference.step_times("saved the model"), reference.step_times("training checkpoint")
+        saved, committed = reference.step_times("exported the model"), reference.step_times("training checkpoint")
         # How long a checkpoint stays in flight bounds the steps a kill can lose beyond one save interval.
         commit_lags = [committed[step] - saved[step] for step in saved if step in committed]
         print(
@@ -204,7 +204,7 @@ def main():
             steps_done = last_number(r"step (\d+): loss", log, 0)
             committed = last_number(r"step (\d+): training checkpoint committed", log, 0)
             # The newest save started: steps done after it were done while it was being written.
-            newest_save = last_number(r"step (\d+): saved the model", log, 0)
+            newest_save = last_number(r"step (\d+): exported the model", log, 0)
             resumed = Run(command(model_dir, output_dir, arguments), environment)
             if resumed.finish() != 0:
                 sys.exit(f"trial {trial}: the resumed run failed:\n{resumed.log()[-3000:]}")

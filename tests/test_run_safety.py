@@ -244,7 +244,7 @@ def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missin
     evaluate = ["--do_eval", "--validation_file", str(CORPUS / "validation.txt"), "--resume_from_checkpoint"]
     run_main(monkeypatch, arguments(model_dir, output_dir, *evaluate))
     log = capfd.readouterr().err
-    assert "The run is complete (step 6 of 6)" in log and "saved the model" not in log
+    assert "The run is complete (step 6 of 6)" in log and "exported the model" not in log
     assert_same_weights(output_dir, complete_run)
     assert (output_dir / "run_clm_flax.py").read_bytes() == (REPO_DIR / "run_clm_flax.py").read_bytes()
     assert json.loads((output_dir / "eval_results.json").read_text())["step"] == 6
