@@ -69,6 +69,7 @@ from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
 from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture
 from flax_lm.model_code import ModelCode, load_model_code
+from flax_lm.models import model_types
 from flax_lm.processes import (
     initialize_distributed,
     on_process_zero,
@@ -163,7 +164,11 @@ class TrainingArguments(CommonTrainingArguments):
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
     arguments (after initialize_distributed: see check_common_arguments)."""
-    model_args.model_type = model_args.model_type or "gpt2"
+    if model_args.model_type not in (None, *model_types(generates_text=True)):
+        raise UsageError(
+            f"--model_type {model_args.model_type} is not supported; this script trains "
+            f"{' and '.join(model_types(generates_text=True))} (run_mlm_flax.py trains roberta)"
+        )
     check_numeric_arguments(
         (data_args, training_args),
         block_size=(lambda value: value is None or value >= 2, "must be at least 2"),
@@ -535,7 +540,7 @@ def main():
     setup_logging(is_main_process=jax.process_index() == 0)
     on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
 
-    config, tokenizer = load_config_and_tokenizer(model_args)
+    config, tokenizer = load_config_and_tokenizer(model_args, "gpt2")
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, True, "run_clm_flax.py", mesh)
     block_size = choose_block_size(data_args, tokenizer, config)

@@ -71,6 +71,7 @@ from flax_lm.host_random import random_bits, uniform_from_bits
 from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture
 from flax_lm.model_code import ModelCode, load_model_code
+from flax_lm.models import model_types
 from flax_lm.models.roberta import check_tokenizer
 from flax_lm.processes import (
     initialize_distributed,
@@ -170,11 +171,10 @@ class TrainingArguments(CommonTrainingArguments):
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
     arguments (after initialize_distributed: see check_common_arguments)."""
-    model_args.model_type = model_args.model_type or "roberta"
-    if model_args.model_type != "roberta":
+    if model_args.model_type not in (None, *model_types(generates_text=False)):
         raise UsageError(
-            f"--model_type {model_args.model_type} is not supported; this script trains roberta (run_clm_flax.py "
-            "trains gpt2)"
+            f"--model_type {model_args.model_type} is not supported; this script trains "
+            f"{' and '.join(model_types(generates_text=False))} (run_clm_flax.py trains gpt2 and llama)"
         )
     check_numeric_arguments(
         (data_args, training_args),
@@ -777,7 +777,7 @@ def main():
     setup_logging(is_main_process=jax.process_index() == 0)
     on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
 
-    config, tokenizer = load_config_and_tokenizer(model_args)
+    config, tokenizer = load_config_and_tokenizer(model_args, "roberta")
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, False, "run_mlm_flax.py", mesh)
     check_model_and_tokenizer(config, tokenizer, training_args)

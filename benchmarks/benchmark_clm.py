@@ -68,6 +68,7 @@ def parse_arguments():
         "--model_type", choices=["gpt2", "llama"], default="gpt2", help="the model of the preset's shape"
     )
     parser.add_argument("--key_value_heads", type=int, help="llama: key/value heads (default: as many as heads)")
+    parser.add_argument("--intermediate_size", type=int, help="llama: the MLP's width (default: 8/3 of the width)")
     for name in ("layers", "width", "heads", "vocab_size", "block_size", "batch_size"):
         parser.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset's compute dtype")
@@ -212,7 +213,8 @@ def model_config(settings, arguments):
         vocab_size=settings["vocab_size"], max_position_embeddings=settings["block_size"],
         hidden_size=settings["width"], num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
         num_key_value_heads=arguments.key_value_heads or settings["heads"],
-        intermediate_size=math.ceil(8 * settings["width"] / 3 / 64) * 64, tie_word_embeddings=True, bos_token_id=0,
+        intermediate_size=arguments.intermediate_size or math.ceil(8 * settings["width"] / 3 / 64) * 64,
+        tie_word_embeddings=True, bos_token_id=0,
         eos_token_id=0,
     )  # fmt: skip
 

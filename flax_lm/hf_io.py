@@ -41,7 +41,10 @@ def check_local_model_directory(flag: str, name_or_path: str):
         )
 
 
-def load_config_and_tokenizer(model_args):
+def load_config_and_tokenizer(model_args, default_model_type: str):
+    """The config (of --config_name or --model_name_or_path; without either the default one of --model_type, else of
+    `default_model_type`) and the fast tokenizer, checked against each other."""
+
     def load(loader, name, flag):
         try:
             return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
@@ -50,10 +53,17 @@ def load_config_and_tokenizer(model_args):
 
     if model_args.config_name or model_args.model_name_or_path:
         config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
-        config = load(AutoConfig, model_args.config_name or model_args.model_name_or_path, config_flag)
+        config_source = model_args.config_name or model_args.model_name_or_path
+        config = load(AutoConfig, config_source, config_flag)
+        if model_args.model_type and model_args.model_type != config.model_type:
+            raise UsageError(
+                f"--model_type {model_args.model_type} contradicts {config_flag} {config_source}, a "
+                f"{config.model_type} model: the config chooses the model; leave --model_type out"
+            )
     else:
-        logger.warning("No --config_name: training a %s with the default configuration", model_args.model_type)
-        config = transformers.CONFIG_MAPPING[model_args.model_type]()
+        model_type = model_args.model_type or default_model_type
+        logger.warning("No --config_name: training a %s with the default configuration", model_type)
+        config = transformers.CONFIG_MAPPING[model_type]()
 
     tokenizer_flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
@@ -117,6 +127,8 @@ def load_safetensors(path: str) -> dict[str, np.ndarray]:
     tensor's dtype, shape and byte range, then the bytes."""
     with open(path, "rb") as file:
         (header_size,) = struct.unpack("<Q", file.read(8))
+        if header_size > os.path.getsize(path) - 8:
+            raise SafetensorError(f"its header claims {header_size} bytes, more than the file holds")
         header = json.loads(file.read(header_size))
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
     tensors = {}

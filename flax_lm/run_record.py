@@ -228,6 +228,9 @@ def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allow
         "global_batch_size": record.get("global_batch_size"),
     }
     differences = run_differences(recorded, run)
+    if record["step"] == setup.total_steps and training_args.do_train:
+        logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
+        return  # what differs changes no step
     refused = {name: values for name, values in differences.items() if name not in allowed and "all" not in allowed}
     if refused:
         names = ", ".join(refused)
@@ -249,5 +252,3 @@ def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allow
             f"the checkpoint is at step {record['step']}, after this run's last step {setup.total_steps}; "
             "raise --max_steps or --num_train_epochs to train further"
         )
-    if record["step"] == setup.total_steps:
-        logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)

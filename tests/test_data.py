@@ -76,10 +76,13 @@ def texts_to_rows(tokenizer, block_size: int = 32) -> flax_lm.data.TextsToRows:
 
 
 def forbid_tokenizing(monkeypatch):
+    """Make packing the texts into a corpus (the cache or --packed_data_dir) fail. Not by replacing a function on the
+    way from texts to tokens: the cache's key follows that code, so it would miss the cache."""
+
     def tokenizing(*arguments, **keywords):
         raise AssertionError("the texts were tokenized again")
 
-    monkeypatch.setattr(run_clm_flax, "token_arrays", tokenizing)
+    monkeypatch.setattr(flax_lm.packed, "pack_texts", tokenizing)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -359,9 +362,9 @@ def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenize
         read.append(flag)
         return real_resolve(pattern, flag)
 
-    def token_arrays(dataset, tokenizer, text_column, num_workers=None, split="train"):
+    def token_arrays(dataset, tokenizer, text_column, num_workers=None, split="train", around=None):
         tokenized.append(split)
-        return real_token_arrays(dataset, tokenizer, text_column, num_workers, split)
+        return real_token_arrays(dataset, tokenizer, text_column, num_workers, split, around)
 
     monkeypatch.setattr(flax_lm.texts, "resolve_data_files", resolve)
     monkeypatch.setattr(run_clm_flax, "token_arrays", token_arrays)

@@ -42,7 +42,7 @@ def recipe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def recipe_tokenizer(recipe_dir):
     model_arguments = run_clm_flax.ModelArguments(tokenizer_name=recipe_dir, config_name=recipe_dir)
-    return run_clm_flax.load_config_and_tokenizer(model_arguments)[1]
+    return run_clm_flax.load_config_and_tokenizer(model_arguments, "gpt2")[1]
 
 
 def load(tmp_path, **data_arguments):
@@ -185,7 +185,7 @@ def test_a_tokenizer_whose_text_ids_exceed_the_vocabulary_is_still_refused(recip
     tiny_config(vocab_size=900, eos_token_id=2).save_pretrained(directory)
     model_arguments = run_clm_flax.ModelArguments(tokenizer_name=str(directory), config_name=str(directory))
     with pytest.raises(run_clm_flax.UsageError, match="tokenizer has 1001 tokens but the config's vocab_size is 900"):
-        run_clm_flax.load_config_and_tokenizer(model_arguments)
+        run_clm_flax.load_config_and_tokenizer(model_arguments, "gpt2")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -278,8 +278,10 @@ def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, re
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
-    rows = run_mlm_flax.tokenized_rows
-    examples, _ = flax_lm.data.load_data(model_args, data_args, training_args, rows, recipe_tokenizer, 16, "")
+    texts_to_rows = flax_lm.data.TextsToRows(
+        run_mlm_flax.read_texts, run_mlm_flax.tokenized_rows, recipe_tokenizer, 16, "--max_seq_length"
+    )
+    examples, _ = flax_lm.data.load_data(model_args, data_args, training_args, texts_to_rows)
     if line_by_line:  # 2 of 40 lines, the first ones, each a row of 16 tokens: cut short, or padded
         assert (len(examples["validation"]), len(examples["train"])) == (2, 38)
         for row, line in ((examples["validation"][0], lines[0]), (examples["train"][0], lines[2])):

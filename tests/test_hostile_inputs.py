@@ -32,6 +32,7 @@ import flax_lm.errors
 import flax_lm.packed
 import flax_lm.processes
 import flax_lm.texts
+from flax_lm.hf_io import read_safetensors_checkpoint
 
 TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
 NULL_ROW = 57  # the row of the JSON-lines files below whose text is null (or absent): row 58 counted from 1
@@ -377,7 +378,7 @@ def test_pickle_is_refused_without_running_it(paths):
     # The table checks the message; this checks that the call pickled in the file was never made.
     module = run_clm_flax
     with pytest.raises(module.UsageError):
-        module.read_safetensors_checkpoint(str(paths["pickled"]), module.ModelArguments(allow_pickle_weights=True))
+        read_safetensors_checkpoint(str(paths["pickled"]), module.ModelArguments(allow_pickle_weights=True))
     assert not paths["pickle_ran"].exists()
 
 
@@ -507,13 +508,19 @@ def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, 
     assert "is damaged (train-00001.npy is cut short" in caplog.text
 
 
+def clm_rows(tokenizer) -> flax_lm.data.TextsToRows:
+    """run_clm_flax.py's way from texts to blocks of 32 tokens."""
+    return flax_lm.data.TextsToRows(
+        run_clm_flax.read_texts, run_clm_flax.tokenized_rows, tokenizer, 32, "--block_size"
+    )
+
+
 def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
 
     def load(**settings):
         data_args = run_clm_flax.DataTrainingArguments(packed_data_dir=str(tmp_path / "packed"), **settings)
-        model_args, rows = run_clm_flax.ModelArguments(), run_clm_flax.tokenized_rows
-        return flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")
+        return flax_lm.packed.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, clm_rows(tokenizer))
 
     load(train_file=str(TRAIN_FILE), text_sample_by="document", packed_tokens_per_shard=4000)
     cut_in_half(tmp_path / "packed" / "train-00001.npy")
@@ -533,10 +540,10 @@ def test_a_packed_data_dir_shard_whose_bytes_changed_is_refused_when_opened(path
     data_args = run_clm_flax.DataTrainingArguments(
         packed_data_dir=str(tmp_path / "packed"), train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000
     )
-    model_args, rows = run_clm_flax.ModelArguments(), run_clm_flax.tokenized_rows
-    flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")
+    model_args, rows = run_clm_flax.ModelArguments(), clm_rows(tokenizer)
+    flax_lm.packed.load_packed_corpus(model_args, data_args, rows)
     overwrite_bytes_in_the_middle(tmp_path / "packed" / "train-00001.npy")
-    blocks = flax_lm.packed.load_packed_corpus(model_args, data_args, rows, tokenizer, 32, "")["train"]
+    blocks = flax_lm.packed.load_packed_corpus(model_args, data_args, rows)["train"]
     blocks[:100]  # a view: no shard is opened
     first_shard = blocks.split_entry["shards"][0]["num_blocks"]
     assert np.asarray(blocks[np.arange(first_shard)]).max() < 1000  # the intact shard reads

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from flax_lm.models import roberta
 from flax_lm.models.common import segments_and_positions
-from flax_lm.train_state import abstract_model_params
+from flax_lm.train_state import abstract_model_params, abstract_train_state, create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_mlm_flax  # noqa: E402
@@ -457,8 +457,8 @@ def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16_through_a_step():
     schedule = run_mlm_flax.learning_rate_schedule(training_args, total_steps=10)
     optimizer = run_mlm_flax.create_optimizer(training_args, schedule)
     dummy_input = jnp.ones((1, 12), jnp.int32)
-    abstract_state = run_mlm_flax.abstract_train_state(model, optimizer, run_mlm_flax.create_mesh(), dummy_input)
-    state = run_mlm_flax.create_train_state(model, optimizer, abstract_state, 0, dummy_input)
+    abstract_state = abstract_train_state(model, optimizer, run_mlm_flax.create_mesh(), dummy_input)
+    state = create_train_state(model, optimizer, abstract_state, 0, dummy_input)
     input_ids, attention_mask = example_batch(padded=False)
     rows = np.concatenate([input_ids, input_ids[:1]])  # 4 rows, split into micro-batches
     batch = {

@@ -21,7 +21,7 @@ from test_distributed import Processes
 from test_mlm import run_mlm_flax, scalars
 from transformers import AutoTokenizer, RobertaConfig
 
-from flax_lm.data import load_data, streaming_train_batches
+from flax_lm.data import TextsToRows, load_data, streaming_train_batches
 from flax_lm.errors import UsageError
 from flax_lm.packed import load_packed_corpus, open_packed_corpus
 
@@ -334,9 +334,7 @@ def test_line_by_line_rows_of_the_token_cache_and_of_a_packed_data_dir_are_the_s
             streaming=streaming,
         )
         run_mlm_flax.check_arguments(model_args, data_args, training_args)
-        examples[route], _ = load_data(
-            model_args, data_args, training_args, run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, ""
-        )
+        examples[route], _ = load_data(model_args, data_args, training_args, mlm_rows(tokenizer, SEQUENCE_LENGTH - 2))
     for split in ("train", "validation"):
         for route in ("packed", "packed from a stream"):
             np.testing.assert_array_equal(np.asarray(examples[route][split]), np.asarray(examples["cache"][split]))
@@ -345,6 +343,11 @@ def test_line_by_line_rows_of_the_token_cache_and_of_a_packed_data_dir_are_the_s
     held_out = np.asarray(examples["packed"]["validation"][0])  # the first line, padded with <pad>
     np.testing.assert_array_equal(held_out[: len(tokens)], tokens)
     assert (held_out[len(tokens) :] == tokenizer.pad_token_id).all()
+
+
+def mlm_rows(tokenizer, row_length: int) -> TextsToRows:
+    """run_mlm_flax.py's way from texts to rows of `row_length` tokens."""
+    return TextsToRows(run_mlm_flax.read_texts, run_mlm_flax.tokenized_rows, tokenizer, row_length, "--max_seq_length")
 
 
 @pytest.mark.parametrize("line_by_line", [True, False], ids=["grouped-read-as-lines", "lines-read-as-grouped"])
@@ -357,15 +360,11 @@ def test_a_packed_data_dir_of_the_other_framing_is_refused(line_by_line, packed_
             line_by_line=True,
             text_sample_by="line",
         )
-        load_packed_corpus(
-            run_mlm_flax.ModelArguments(), lines_args, run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, ""
-        )
+        load_packed_corpus(run_mlm_flax.ModelArguments(), lines_args, mlm_rows(tokenizer, SEQUENCE_LENGTH - 2))
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir), line_by_line=line_by_line)
     recorded, expected = ("grouped", "line_by_line") if line_by_line else ("line_by_line", "grouped")
     with pytest.raises(UsageError, match=rf"holds {recorded} rows, not {expected} ones; use another"):
-        load_packed_corpus(
-            run_mlm_flax.ModelArguments(), data_args, run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, ""
-        )
+        load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, mlm_rows(tokenizer, SEQUENCE_LENGTH - 2))
 
 
 def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokenizer):
@@ -374,9 +373,7 @@ def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokeni
         UsageError,
         match=r"holds blocks of 30 tokens, not the 62 that --max_seq_length sets; use another --packed_data_dir",
     ):
-        load_packed_corpus(
-            run_mlm_flax.ModelArguments(), data_args, run_mlm_flax.tokenized_rows, tokenizer, 62, "--max_seq_length 64"
-        )
+        load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, mlm_rows(tokenizer, 62))
 
 
 # ----------------------------------------------------------------------------------------------------

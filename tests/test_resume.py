@@ -17,6 +17,8 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, run_script, tiny_config
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from flax_lm.checkpoints import restore_checkpoint
+
 CORPUS = FIXTURES_DIR / "en"
 SECRET = "hf_SECRET_TOKEN_never_to_be_written"
 
@@ -97,7 +99,7 @@ def test_checkpoints_hold_the_newest_few_and_the_token_is_never_written(uninterr
         os.listdir(output_dir / "checkpoints"), key=int
     ) == ["24", "32", "40"]
     progress = json.loads((output_dir / "checkpoints" / "40" / "progress" / "metadata").read_text())
-    assert progress["step"] == 40 and progress["epoch"] * 0 == 0 and "token" not in progress["arguments"]
+    assert progress["step"] == 40 and progress["epoch"] * 0 == 0 and "token" not in progress["run"]["arguments"]
     assert SECRET not in result.stdout + result.stderr
     for directory, _, files in os.walk(output_dir):
         for name in files:
@@ -233,7 +235,7 @@ def test_resume_from_a_location_without_a_complete_checkpoint_is_refused(locatio
     (tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp").mkdir(parents=True)
     with pytest.raises(run_clm_flax.UsageError) as error:
         # The state is never read: each location is refused before any checkpoint is opened.
-        run_clm_flax.restore_checkpoint(str(tmp_path / location), str(tmp_path), None, ["step"])
+        restore_checkpoint(str(tmp_path / location), str(tmp_path), None, ["step"])
     assert str(error.value) == "--resume_from_checkpoint: " + message.format(tmp_path=tmp_path)
 
 

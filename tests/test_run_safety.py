@@ -258,25 +258,24 @@ def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missin
     assert all(name.startswith("tensorboard") for name in changed), changed
 
 
-def test_a_resume_on_training_data_of_another_size_says_so_in_one_warning(
+def test_a_resume_on_other_training_data_is_refused_unless_allowed_and_then_recorded(
     model_dir, complete_run, tmp_path, monkeypatch, capfd
 ):
     output_dir = copy_of(complete_run, tmp_path)
-    recorded = json.loads((output_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
     lines = (CORPUS / "train.txt").read_text().splitlines(keepends=True)
     first_half = tmp_path / "first-half.txt"
     first_half.write_text("".join(lines[: len(lines) // 2]))
     resume = arguments(model_dir, output_dir, "--max_steps", "8", "--resume_from_checkpoint")
     resume[resume.index(str(CORPUS / "train.txt"))] = str(first_half)
 
-    run_main(monkeypatch, resume)
+    with pytest.raises(UsageError, match=r"differs from the checkpoint's in what it trains: the training data"):
+        run_main(monkeypatch, resume)
+    run_main(monkeypatch, [*resume, "--allow_resume_changes", "training_data"])
     log = capfd.readouterr().err
-    warnings = [line for line in log.splitlines() if "the training data changed" in line]
-    assert len(warnings) == 1
-    counts = re.search(r"trained on (\d+) training examples, this run on (\d+) training examples: ", warnings[0])
-    assert counts and int(counts[1]) == recorded.get("training_examples") > int(counts[2]) > 0
-    assert warnings[0].endswith("the training data changed, so the data order differs from the interrupted run's")
+    assert "Resumed with a change allowed from step 6: the training data" in log
     assert "step 8: training checkpoint committed" in log
+    (change,) = json.loads((output_dir / "train_results.json").read_text())["resume_changes"]
+    assert change["step"] == 6 and change["name"] == "training_data"
 
     run_main(monkeypatch, resume)  # its own checkpoint, on the data it was trained on
     assert "the training data changed" not in capfd.readouterr().err
@@ -309,10 +308,13 @@ def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
     output_dir = copy_of(complete_run, tmp_path)
     run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir", "--save_steps", "3"))
     log = capfd.readouterr().err
-    assert "--overwrite_output_dir: removed the previous run's checkpoints/, tensorboard/, train_results.json" in log
+    assert (
+        "--overwrite_output_dir: removed the previous run's checkpoints/, tensorboard/, code/, train_results.json"
+        in log
+    )
     assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["3", "6"]
     progress = json.loads((output_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
-    assert progress["arguments"]["save_steps"] == 3
+    assert progress["run"]["arguments"]["save_steps"] == 3
     assert len(os.listdir(output_dir / "tensorboard")) == 1
 
 
@@ -344,7 +346,7 @@ def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_
     assert os.readlink(output_dir / "checkpoints") == str(other_disk)
     assert sorted(os.listdir(other_disk)) == ["3", "6", "notes.txt"]
     progress = json.loads((other_disk / "6" / "progress" / "metadata").read_text())
-    assert progress["arguments"]["save_steps"] == 3
+    assert progress["run"]["arguments"]["save_steps"] == 3
 
 
 def test_a_disk_without_room_for_a_checkpoint_stops_the_run_in_one_line_before_anything_is_written(

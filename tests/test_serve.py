@@ -336,7 +336,7 @@ def test_a_failure_in_the_server_is_a_500_in_openai_error_shape_and_is_counted(g
 
 def test_a_client_that_leaves_in_the_middle_of_its_body_is_counted_without_a_traceback(server, caplog):
     url, _ = server
-    before = requests_answered(url, "/v1/completions", serving.CLIENT_LEFT)
+    before = requests_answered(url, "/v1/completions", server_requests.CLIENT_LEFT)
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as client:
         client.sendall(
@@ -344,7 +344,7 @@ def test_a_client_that_leaves_in_the_middle_of_its_body_is_counted_without_a_tra
             b'Content-Length: 1000\r\n\r\n{"model": '
         )
         time.sleep(0.2)  # the server has begun reading the body
-    wait_until(lambda: requests_answered(url, "/v1/completions", serving.CLIENT_LEFT) == before + 1)
+    wait_until(lambda: requests_answered(url, "/v1/completions", server_requests.CLIENT_LEFT) == before + 1)
     assert "Traceback" not in caplog.text and not [
         record for record in caplog.records if record.levelno >= logging.ERROR
     ]
