@@ -126,21 +126,29 @@ def load_streams(model_args, data_args, training_args, tokenized_rows, tokenizer
 
 
 def load_data(
-    model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
+    model_args,
+    data_args,
+    training_args,
+    tokenized_rows,
+    tokenizer,
+    block_size: int,
+    length_argument: str,
+    example_rows=None,
 ) -> tuple[dict, Any]:
     """Rows of block_size tokens (`length_argument` sets it, as the user gave it), {split: array-like}, as the
     script's `tokenized_rows(dataset, split, tokenizer, block_size, data_args)` makes them from the texts: blocks, or
-    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Every process
-    holds all rows (memory-mapped) and reads only its rows of each batch."""
+    lines with run_mlm_flax.py --line_by_line; with --streaming the training blocks come from a stream. Data of
+    examples (prompt/completion, conversations: flax_lm.examples) are made into rows by `example_rows`, of the same
+    arguments. Every process holds all rows (memory-mapped) and reads only its rows of each batch."""
     train_stream = None
     if data_args.data_mixture:
         return load_mixture(
-            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, length_argument
+            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, length_argument, example_rows
         )
     if data_args.packed_data_dir:
         with naming_a_full_disk("--packed_data_dir", data_args.packed_data_dir):
             examples = load_packed_corpus(
-                model_args, data_args, tokenized_rows, tokenizer, block_size, length_argument
+                model_args, data_args, tokenized_rows, tokenizer, block_size, length_argument, example_rows
             )
         if not (training_args.do_train or training_args.do_eval):
             return examples, None
@@ -149,7 +157,9 @@ def load_data(
             model_args, data_args, training_args, tokenized_rows, tokenizer, block_size
         )
     else:
-        examples = cached_examples(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size)
+        examples = cached_examples(
+            model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, example_rows
+        )
     examples = final_examples(examples, data_args, block_size, length_argument)
     if training_args.do_train and "train" not in examples and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
@@ -158,7 +168,9 @@ def load_data(
     return examples, train_stream
 
 
-def cached_examples(model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int) -> dict:
+def cached_examples(
+    model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int, example_rows=None
+) -> dict:
     """The rows of each split of the data files or dataset, from the token cache (packed there first if missing)."""
     # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
     cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
@@ -166,8 +178,9 @@ def cached_examples(model_args, data_args, training_args, tokenized_rows, tokeni
         evaluation_only = training_args.do_eval and not training_args.do_train
         texts = load_text_datasets(model_args, data_args, evaluation_only=evaluation_only)
         check_tokenizer_encodes(tokenizer, texts, data_args.text_column_name)
+        row_function = example_rows if data_args.example_format else tokenized_rows
         return {
-            split: cached_blocks(dataset, split, tokenized_rows, tokenizer, block_size, cache_dir, data_args)
+            split: cached_blocks(dataset, split, row_function, tokenizer, block_size, cache_dir, data_args)
             for split, dataset in texts.items()
         }
 
@@ -181,6 +194,10 @@ def final_examples(examples: dict, data_args, block_size: int, length_argument: 
     if data_args.max_eval_samples is not None and "validation" in examples:
         examples["validation"] = examples["validation"][: data_args.max_eval_samples]
     for split, rows in examples.items():
+        if len(rows) == 0 and data_args.example_format:
+            raise UsageError(
+                f"the {split} data{source} hold no example to train on (the log says which were left out)"
+            )
         if len(rows) == 0:
             raise UsageError(
                 f"the {split} data{source} has no non-empty lines"
@@ -192,7 +209,14 @@ def final_examples(examples: dict, data_args, block_size: int, length_argument: 
 
 
 def load_mixture(
-    model_args, data_args, training_args, tokenized_rows, tokenizer, block_size: int, length_argument: str
+    model_args,
+    data_args,
+    training_args,
+    tokenized_rows,
+    tokenizer,
+    block_size: int,
+    length_argument: str,
+    example_rows,
 ) -> tuple[dict, None]:
     """The data of --data_mixture: {"train": a Mixture of the sources with training files, "validation": {source
     name: rows}}, each source's rows made as those of --train_file and --validation_file are (a source without
@@ -201,7 +225,9 @@ def load_mixture(
     for source in read_mixture(data_args.data_mixture):
         source_args = source_data_arguments(data_args, source)
         logger.info("Mixture source %s", source.name)
-        examples = cached_examples(model_args, source_args, training_args, tokenized_rows, tokenizer, block_size)
+        examples = cached_examples(
+            model_args, source_args, training_args, tokenized_rows, tokenizer, block_size, example_rows
+        )
         examples = final_examples(examples, source_args, block_size, length_argument, f" of source '{source.name}'")
         if "train" in examples and training_args.do_train:
             train_sources.append((source, examples["train"]))
@@ -210,7 +236,8 @@ def load_mixture(
     examples = {"validation": validation} if training_args.do_eval else {}
     if train_sources:
         names, weights = [source.name for source, _ in train_sources], [source.weight for source, _ in train_sources]
-        rows_are_tokens = data_args.framing != "line_by_line"
+        # Padded lines, and examples (padded, or packed with room to spare), are rows rather than tokens.
+        rows_are_tokens = data_args.framing != "line_by_line" and not source_args.example_format
         examples["train"] = Mixture(names, weights, [rows for _, rows in train_sources], rows_are_tokens)
     return examples, None
 

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from flax_lm.chat import stop_token_ids
 from flax_lm.errors import UsageError
 from flax_lm.model_code import FINGERPRINT_KEY, FLAX_WEIGHTS_NAME, MODEL_FILE_KEY, ModelCode, check_model_file_of
 
@@ -270,7 +271,11 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
         setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
     config.save_pretrained(output_dir)
     if model.GENERATES_TEXT:
-        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+        generation_config = GenerationConfig.from_model_config(config)
+        # Where the tokenizer's chat template ends a turn with a token of its own, generation stops there too.
+        if len(stop_ids := stop_token_ids(tokenizer, config.eos_token_id)) > 1:
+            generation_config.eos_token_id = stop_ids
+        generation_config.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
 
 

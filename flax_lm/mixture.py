@@ -91,12 +91,18 @@ GOLDEN_FRACTION = (math.sqrt(5) - 1) / 2
 
 class Mixture:
     """The training rows of several sources, indexed as one (rows, width) array-like (the sources one after the
-    other), and the rows a run draws from them by weight. Each source is read pass after pass, every pass in an
-    order of its own fixed by the seed, however often the other sources repeat. Which rows a global batch holds
-    depends only on the step, the seed and the sources, so a resumed run and every process agree on them."""
+    other; (rows, 2, width) for examples' token ids and loss weights), and the rows a run draws from them by weight.
+    Each source is read pass after pass, every pass in an order of its own fixed by the seed, however often the other
+    sources repeat. Which rows a global batch holds depends only on the step, the seed and the sources, so a resumed
+    run and every process agree on them."""
 
     def __init__(self, names: list[str], weights: list[float], sources: list, rows_are_tokens: bool = True):
         self.names, self.sources, self.rows_are_tokens = names, sources, rows_are_tokens
+        if len({rows.shape[1:] for rows in sources}) > 1:
+            raise UsageError(
+                "the sources of the mixture are of different kinds (plain text and examples, or examples of different "
+                "lengths); give each mixture sources of one kind"
+            )
         self.weights = np.asarray(weights, np.float64) / sum(weights)
         self.bounds = np.cumsum(self.weights)[:-1]
         self.offsets = np.concatenate([[0], np.cumsum([len(rows) for rows in sources])]).astype(np.int64)
@@ -106,14 +112,14 @@ class Mixture:
         return int(self.offsets[-1])
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self), self.sources[0].shape[1])
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.sources[0].shape[1:])
 
     def __getitem__(self, index):
         """The rows at an integer index or an array of them, read from their sources."""
         positions = np.atleast_1d(np.asarray(index, np.int64))
         source_numbers = np.searchsorted(self.offsets, positions, side="right") - 1
-        rows = np.empty((len(positions), self.shape[1]), np.int32)
+        rows = np.empty((len(positions), *self.shape[1:]), np.int32)
         for source in np.unique(source_numbers):
             chosen = source_numbers == source
             rows[chosen] = np.asarray(self.sources[source][positions[chosen] - self.offsets[source]])
@@ -178,7 +184,7 @@ class Mixture:
         counted here), else (padded lines) its rows; and its share."""
         drawn = self.draws_per_source(total_rows)
         unit = "tokens" if self.rows_are_tokens else "rows"
-        amounts = drawn * (self.shape[1] if self.rows_are_tokens else 1)
+        amounts = drawn * (self.shape[-1] if self.rows_are_tokens else 1)
         shares = drawn / max(total_rows, 1)
         logger.info(
             "The mixture's %s: %s",

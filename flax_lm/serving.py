@@ -1,6 +1,6 @@
-"""generate_flax.py's HTTP server: the OpenAI completions API (POST /v1/completions, streamed as server-sent
-events on request; GET /v1/models), the script's own JSON API (POST /), GET /health and Prometheus metrics
-(GET /metrics), in front of flax_lm.batching's engine.
+"""generate_flax.py's HTTP server: the OpenAI completions and chat completions APIs (POST /v1/completions and
+/v1/chat/completions, streamed as server-sent events on request; GET /v1/models), the script's own JSON API (POST /),
+GET /health and Prometheus metrics (GET /metrics), in front of flax_lm.batching's engine.
 
 The HTTP side is asynchronous (Starlette on uvicorn): a slow client holds only its own connection, and requests
 wait for the decoding thread without holding a thread each. Up to --max_queued_requests wait for a batch; more
@@ -54,6 +54,22 @@ UNSUPPORTED_COMPLETION_FIELDS = {
     "logit_bias": (None, {}),
 }
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
+# The chat completions API's fields this server reads (max_tokens is the older name of max_completion_tokens), and
+# those it has no use for, accepted at the value that asks for nothing.
+CHAT_FIELDS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "stream", "stream_options", "n", "user",
+}  # fmt: skip
+UNSUPPORTED_CHAT_FIELDS = {
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class RequestError(Exception):
@@ -171,19 +187,8 @@ class CompletionRequest:
 def parse_completion_request(request, model_id: str, limits: Limits) -> CompletionRequest:
     """A request to POST /v1/completions, as OpenAI defines it; the command line's settings fill in what it leaves
     out (max_tokens from --max_new_tokens)."""
-    if not isinstance(request, dict):
-        raise RequestError('the body must be a JSON object such as {"model": "...", "prompt": "Once"}')
-    if unknown := sorted(set(request) - COMPLETION_FIELDS - set(UNSUPPORTED_COMPLETION_FIELDS)):
-        raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
-    for name, accepted in UNSUPPORTED_COMPLETION_FIELDS.items():
-        if name in request and request[name] not in accepted:
-            raise RequestError(f'"{name}" is not supported by this server; leave it out', name)
-    if "model" not in request:
-        raise RequestError(f'"model" is missing; this server serves {model_id!r}', "model")
-    if request["model"] != model_id:
-        raise RequestError(
-            f"the model {request['model']!r} is not served here; this server serves {model_id!r}", "model", 404
-        )
+    example = '{"model": "...", "prompt": "Once"}'
+    check_openai_fields(request, model_id, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, example)
     if "prompt" not in request:
         raise RequestError('"prompt" is missing: give a string or a list of strings', "prompt")
     prompts = [request["prompt"]] if isinstance(request["prompt"], str) else request["prompt"]
@@ -198,10 +203,40 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
         top_p=number(request, "top_p", float, defaults.top_p),
         seed=number(request, "seed", int, defaults.seed),
     )
+    stop = stop_strings(request)
+    stream, include_usage = stream_settings(request)
+    return CompletionRequest(prompts, checked_sampling(sampling, limits, "max_tokens"), stop, stream, include_usage)
+
+
+def check_openai_fields(request, model_id: str, fields: set, unsupported: dict, example: str):
+    """Refuse a request to an OpenAI API that is not an object, has a field the API does not define (`fields`: those
+    read; `unsupported`: those accepted only at the values that ask for nothing) or names another model."""
+    if not isinstance(request, dict):
+        raise RequestError(f"the body must be a JSON object such as {example}")
+    if unknown := sorted(set(request) - fields - set(unsupported)):
+        raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
+    for name, accepted in unsupported.items():
+        if name in request and request[name] not in accepted:
+            raise RequestError(f'"{name}" is not supported by this server; leave it out', name)
+    if "model" not in request:
+        raise RequestError(f'"model" is missing; this server serves {model_id!r}', "model")
+    if request["model"] != model_id:
+        raise RequestError(
+            f"the model {request['model']!r} is not served here; this server serves {model_id!r}", "model", 404
+        )
+
+
+def stop_strings(request: dict) -> list[str]:
+    """The "stop" field of a request to the OpenAI APIs: up to 4 strings."""
     stop = request.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(text, str) and text for text in stop):
         raise RequestError('"stop" must be a non-empty string or a list of at most 4 of them', "stop")
+    return stop
+
+
+def stream_settings(request: dict) -> tuple[bool, bool]:
+    """Whether a request to the OpenAI APIs asks for server-sent events, and for a last one of usage."""
     stream = request.get("stream") or False
     options = request.get("stream_options") or {}
     if not isinstance(stream, bool):
@@ -213,7 +248,42 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
         and (stream or not options)
     ):
         raise RequestError('"stream_options" may only be {"include_usage": true} (or false), with "stream": true')
-    return CompletionRequest(prompts, checked_sampling(sampling, limits, "max_tokens"), stop, stream, include_usage)
+    return stream, include_usage
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    messages: list
+    sampling: Sampling
+    max_tokens_name: str  # the field the request gave, max_completion_tokens or max_tokens
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat_request(request, model_id: str, limits: Limits) -> ChatRequest:
+    """A request to POST /v1/chat/completions, as OpenAI defines it: a conversation ("messages"), answered with the
+    assistant's next turn; the command line's settings fill in what it leaves out (max_completion_tokens, or
+    max_tokens, from --max_new_tokens). The conversation is checked when it is rendered."""
+    example = '{"model": "...", "messages": [{"role": "user", "content": "Hi"}]}'
+    check_openai_fields(request, model_id, CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS, example)
+    if "messages" not in request:
+        raise RequestError('"messages" is missing: give the conversation, a list of messages', "messages")
+    if number(request, "n", int, 1) != 1:
+        raise RequestError('"n" must be 1: this server writes one reply per conversation', "n")
+    defaults = limits.defaults
+    max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
+    sampling = Sampling(
+        max_new_tokens=number(request, max_tokens_name, int, defaults.max_new_tokens),
+        temperature=number(request, "temperature", float, defaults.temperature),
+        top_k=number(request, "top_k", int, defaults.top_k),
+        top_p=number(request, "top_p", float, defaults.top_p),
+        seed=number(request, "seed", int, defaults.seed),
+    )
+    stop = stop_strings(request)
+    stream, include_usage = stream_settings(request)
+    sampling = checked_sampling(sampling, limits, max_tokens_name)
+    return ChatRequest(request["messages"], sampling, max_tokens_name, stop, stream, include_usage)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,6 +435,56 @@ class CompletionAnswer:
         yield "data: [DONE]\n\n"
 
 
+class ChatAnswer(CompletionAnswer):
+    """The parts of an answer of POST /v1/chat/completions, in OpenAI's shape: the assistant's reply as one message,
+    or streamed as chunks of it (the first with its role, then its text as it comes, the last with why it ended)."""
+
+    def __init__(self, model_id: str, prompt_tokens: int):
+        super().__init__(model_id, prompt_tokens)
+        self.head.update(id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion")
+
+    def whole(self, results: list[RowFinished]) -> dict:
+        (result,) = results
+        message = {"role": "assistant", "content": result.text}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS[result.finish_reason],
+        }
+        return {**self.head, "choices": [choice], "usage": self.usage(results)}
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> str:
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        return server_sent_event({**self.head, "object": "chat.completion.chunk", "choices": choices})
+
+    async def server_sent_events(self, submitted: Submitted, include_usage: bool, on_end):
+        """The reply as server-sent events, each piece of text as it comes, then `data: [DONE]`; `on_end(results)`
+        once it is done."""
+        yield self.chunk({"role": "assistant", "content": ""})
+        sent = 0  # characters of the reply sent
+        async for event in submitted.each_event():
+            if isinstance(event, Failed):
+                yield server_sent_event({"error": {"message": event.message, "type": "server_error"}})
+                break
+            if isinstance(event, TextPiece):
+                sent += len(event.text)
+                yield self.chunk({"content": event.text})
+            else:
+                result = event
+                if rest := event.text[sent:]:
+                    yield self.chunk({"content": rest})
+                yield self.chunk({}, FINISH_REASONS[event.finish_reason])
+        else:
+            if include_usage:
+                usage = self.usage([result])
+                yield server_sent_event(
+                    {**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+                )
+            on_end([result])
+        yield "data: [DONE]\n\n"
+
+
 class Endpoints:
     """What the server answers on each path."""
 
@@ -377,19 +497,23 @@ class Endpoints:
             Route("/", self.usage, methods=["GET"]),
             Route("/", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
 
     async def submit(
-        self, prompts: list[str], sampling: Sampling, stop: list[str], max_new_tokens_name: str
+        self, prompts: list, sampling: Sampling, stop: list[str], max_new_tokens_name: str, conversations=False
     ) -> Submitted:
+        """Hands the prompts (or, with `conversations`, conversations to reply to) to the engine."""
+        encode = self.generator.encode_conversations if conversations else self.generator.encode
+        where, param = ("conversation", "messages") if conversations else ("prompt", "prompt")
         try:
             # On a thread: a long prompt holds up no other request.
-            prompt_ids = await asyncio.to_thread(self.generator.encode, prompts, sampling.max_new_tokens, "prompt")
+            prompt_ids = await asyncio.to_thread(encode, prompts, sampling.max_new_tokens, where)
         except ValueError as error:
-            raise RequestError(str(error).replace("max_new_tokens", max_new_tokens_name), "prompt") from None
+            raise RequestError(str(error).replace("max_new_tokens", max_new_tokens_name), param) from None
         submitted = Submitted(self.engine, prompt_ids, sampling, stop)
         self.metrics.prompt_tokens.inc(submitted.completion.prompt_tokens)
         return submitted
@@ -448,6 +572,33 @@ class Endpoints:
         except RuntimeError as error:
             return openai_error(str(error), "server_error", 500)
         self.log_answer("/v1/completions", results, start)
+        return JSONResponse(answer.whole(results))
+
+    async def chat_completions(self, request):
+        start = time.perf_counter()
+        try:
+            parsed = parse_chat_request(await read_json(request), self.model_id, self.limits)
+            sampling, stop = parsed.sampling, parsed.stop
+            submitted = await self.submit([parsed.messages], sampling, stop, parsed.max_tokens_name, True)
+        except RequestError as error:
+            error_type = "not_found_error" if error.status == 404 else "invalid_request_error"
+            return openai_error(str(error), error_type, error.status, error.param)
+        except Overloaded as error:
+            return openai_error(str(error), "overloaded_error", 503, headers={"Retry-After": str(error.retry_after)})
+        answer = ChatAnswer(self.model_id, submitted.completion.prompt_tokens)
+        if parsed.stream:
+            events = answer.server_sent_events(
+                submitted,
+                parsed.include_usage,
+                lambda results: self.log_answer("/v1/chat/completions", results, start),
+            )
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            results = await submitted.results()
+        except RuntimeError as error:
+            return openai_error(str(error), "server_error", 500)
+        self.log_answer("/v1/chat/completions", results, start)
         return JSONResponse(answer.whole(results))
 
     async def models(self, request):
