@@ -55,6 +55,7 @@ from flax_lm.arguments import (
     parse_arguments,
     recorded_arguments,
 )
+from flax_lm.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.checkpoints import (
     StopRequest,
     TrainingProgress,
@@ -465,14 +466,22 @@ def evaluation_results(totals: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------
 
 
-def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int):
+def sample_texts(
+    sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int, chat: bool = False
+):
     """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely. A prompt
     starts as the documents trained on do (ids_around_documents; an empty one of GPT-2 from the end-of-text token),
-    and a long one keeps its last tokens (at most `max_length` positions in all). The texts are decoded without
-    special tokens: a reader sees text only."""
+    or with `chat` (a model fine-tuned on conversations) is a user's turn that the chat template renders; a long one
+    keeps its last tokens (at most `max_length` positions in all). The texts are decoded without special tokens: a
+    reader sees text only."""
     num_tokens = min(num_tokens, max_length - 1)
     before_documents, _ = ids_around_documents(tokenizer)
-    encoded = [before_documents + tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    encoded = [
+        conversation_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+        if chat
+        else before_documents + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        for prompt in prompts
+    ]
     prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
     new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
     return [tokenizer.decode(ids + new, skip_special_tokens=True) for ids, new in zip(prompt_ids, new_ids)]
@@ -485,13 +494,16 @@ class Evaluation:
     # What TensorBoard's HParams tab compares runs by.
     metric_tags = ["eval/loss", "eval/perplexity", "eval/bits_per_byte"]
 
-    def __init__(self, setup: "TrainingSetup", blocks, tokenizer, training_args, trackers):
+    def __init__(self, setup: "TrainingSetup", blocks, tokenizer, training_args, trackers, chat: bool = False):
         self.setup, self.blocks, self.tokenizer, self.trackers = setup, blocks, tokenizer, trackers
         self.output_dir, self.seed = training_args.output_dir, training_args.seed
         self.prompts, self.sample_tokens = training_args.sample_prompt or [""], training_args.sample_tokens
+        self.chat = chat  # prompts are a user's turns
+        # A reply ends at the end of its turn, where the chat template has one.
+        self.stop_token_ids = stop_token_ids(tokenizer, tokenizer.eos_token_id)
         # Without gradient checkpointing, which sampling does not need, and decoding one sequence per row.
         sampling_model = setup.model.clone(remat_policy=None, document_separator_id=None)
-        self.sampler = make_sampler(sampling_model, tokenizer.eos_token_id)
+        self.sampler = make_sampler(sampling_model, self.stop_token_ids)
 
     def __call__(self, params, step: int) -> dict:
         """The results on the whole evaluation data; with a mixture, those of each source under "sources" too."""
@@ -519,8 +531,9 @@ class Evaluation:
 
     def samples(self, params, sampler=None) -> list[str]:
         max_length = self.setup.model.config.max_position_embeddings
+        sampler = sampler or self.sampler
         return sample_texts(
-            sampler or self.sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed
+            sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed, self.chat
         )
 
     def final(self, params, step: int, reuse_saved: bool):
@@ -549,7 +562,7 @@ class Evaluation:
         sampler = self.sampler
         if jax.process_count() > 1:  # process 0 alone, so on its own device, not on a mesh the others would share
             model = self.setup.model.clone(remat_policy=None, document_separator_id=None, mesh=None)
-            sampler = make_sampler(model, self.tokenizer.eos_token_id)
+            sampler = make_sampler(model, self.stop_token_ids)
         for text in self.samples(exported, sampler):
             print(f"sample from {self.output_dir}: {text!r}")
 
@@ -575,15 +588,9 @@ def main():
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, True, "run_clm_flax.py", mesh)
     block_size = choose_block_size(data_args, tokenizer, config)
+    length_argument = f"--block_size {block_size}"
     blocks, train_stream = load_data(
-        model_args,
-        data_args,
-        training_args,
-        tokenized_rows,
-        tokenizer,
-        block_size,
-        f"--block_size {block_size}",
-        example_rows,
+        model_args, data_args, training_args, tokenized_rows, tokenizer, block_size, length_argument, example_rows
     )
     if not (training_args.do_train or training_args.do_eval):
         print_once(f"packed data: {data_args.packed_data_dir}")
@@ -601,7 +608,7 @@ def main():
     )
     arguments = recorded_arguments(model_args, data_args, training_args)
     trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
-    evaluation = Evaluation(setup, blocks.get("validation"), tokenizer, training_args, trackers)
+    evaluation = Evaluation(setup, blocks.get("validation"), tokenizer, training_args, trackers, data_args.chat)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:

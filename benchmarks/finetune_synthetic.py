@@ -131,7 +131,16 @@ def main():
     else:
         settings = ["max_position_embeddings=64"]
     preset = f"{arguments.model_type}-tiny"
-    run(os.path.join(REPO, "create_config.py"), "--preset", preset, "--tokenizer_dir", model_dir, "--set", *settings)
+    run(
+        os.path.join(REPO, "create_config.py"),
+        "--preset",
+        preset,
+        "--tokenizer_dir",
+        model_dir,
+        "--overwrite",
+        "--set",
+        *settings,
+    )
     chat = arguments.format == "conversations"
     mask_flag = "--assistant_only_loss" if chat else "--completion_only_loss"
     print(f"{arguments.model_type}-tiny, {arguments.format}, {arguments.steps} steps of {arguments.batch_size}")

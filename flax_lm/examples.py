@@ -84,6 +84,11 @@ class ExampleArguments:
     )
 
     @property
+    def chat(self) -> bool:
+        """Whether the data are conversations (rendered by the chat template), once they are read."""
+        return self.example_format in (CONVERSATIONS, CONVERSATIONAL_PROMPT_COMPLETION)
+
+    @property
     def framing(self) -> str:
         """How the rows were made, recorded in a packed corpus (see flax_lm.packed): plain text grouped into blocks,
         or examples with the settings that change their rows and the code that encodes them."""
