@@ -27,6 +27,7 @@ from flax_lm.hf_io import save_model
 from flax_lm.models import stock_module
 from flax_lm.packed import cached_blocks, load_packed_corpus
 from flax_lm.sampling import Sampling
+from flax_lm.train_state import abstract_model_params
 
 USER_TURN = {"role": "user", "content": "Hi"}
 WORDS = ["apple", "river", "stone", "cloud", "garden", "window", "candle", "forest", "letter", "mirror", "bridge"]
@@ -412,9 +413,7 @@ def turn_ending_dir(chat_gpt2_dir, tmp_path_factory):
     state_dict["transformer.ln_f.weight"][:] = 0
     state_dict["transformer.ln_f.bias"][:] = state_dict["transformer.wte.weight"][end_of_turn]
     module = stock_module("gpt2")
-    abstract = generate_flax.abstract_model_params(
-        module.MODEL_CLASS(config), torch.zeros(1, 8, dtype=torch.int32).numpy()
-    )
+    abstract = abstract_model_params(module.MODEL_CLASS(config), np.zeros((1, 8), np.int32))
     directory = tmp_path_factory.mktemp("turn-ending")
     save_model(str(directory), module.from_hf_state_dict(state_dict, abstract), config, tokenizer, stock_code(config))
     return directory
