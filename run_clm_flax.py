@@ -77,7 +77,7 @@ from flax_lm.data import (
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
-from flax_lm.examples import Example, ExampleArguments, encoded_examples
+from flax_lm.examples import Example, ExampleArguments, RowCounts, encoded_examples
 from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params, save_model
 from flax_lm.mesh import BATCH_AXES, create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture, evaluate_by_source, evaluation_sets, report_by_source
@@ -211,14 +211,13 @@ OPEN_ROWS = 8
 def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
     """The rows of a packed corpus made from one split of examples (flax_lm.examples: prompt/completion pairs or
     conversations), arrays (count, 2, block_size) of token ids and their loss weights (loss_weights): one example per
-    row, padded with weight 0, or with --packing as many whole examples as fit, each its own document (--document
+    row, padded with weight 0, or with --packing as many whole examples as fit, each its own document (document
     attention: its first token starts it). An example longer than a row is left out and counted, never cut. The token
     cache is keyed by this function's code (and that of what it calls here), so an edit re-tokenizes."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     separator_id = (ids_around_documents(tokenizer)[0] or [tokenizer.eos_token_id])[0]
-    open_rows, finished = [], []  # rows as [length, [(ids, weights), ...]]
-    counts = {"examples": 0, "rows": 0, "tokens": 0, "trained": 0}
-    too_long = []  # (length, row of the data)
+    counts = RowCounts()
+    open_rows, finished = [], []  # rows being filled, and filled: [length, [(ids, weights), ...]]
 
     def stacked(rows) -> np.ndarray:
         stack = np.zeros((len(rows), 2, block_size), np.int32)
@@ -226,28 +225,24 @@ def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> 
         for number, (_, parts) in enumerate(rows):
             ids, weights = np.concatenate([part[0] for part in parts]), np.concatenate([part[1] for part in parts])
             stack[number, 0, : len(ids)], stack[number, 1, : len(ids)] = ids, weights
-        counts["rows"] += len(rows)
+        counts.rows += len(rows)
         return stack
 
     for example in encoded_examples(dataset, split, tokenizer, data_args):
         if len(example.ids) > block_size:
-            too_long.append((len(example.ids), example.row))
+            counts.too_long.append((len(example.ids), example.row))
             continue
         if (data_args.packing or data_args.document_attention) and separator_id in example.ids[1:-1].tolist():
-            separator = tokenizer.convert_ids_to_tokens(separator_id)
             raise UsageError(
-                f"the {split} example of row {example.row} holds the token {separator} inside it, where document "
-                "attention would start a new document; drop --packing"
+                f"the {split} example of row {example.row} holds the token "
+                f"{tokenizer.convert_ids_to_tokens(separator_id)} inside it, where document attention would start a "
+                "new document; drop --packing"
             )
         weights = loss_weights(example, data_args)
-        counts["examples"] += 1
-        counts["tokens"] += len(example.ids)
-        counts["trained"] += int(weights.sum())
+        counts.add(example.ids, weights)
         fitting = [row for row in open_rows if row[0] + len(example.ids) <= block_size] if data_args.packing else []
-        if fitting:
-            row = fitting[0]
-        else:
-            row = [0, []]
+        row = fitting[0] if fitting else [0, []]
+        if not fitting:
             open_rows.append(row)
         row[0] += len(example.ids)
         row[1].append((example.ids, weights))
@@ -258,28 +253,7 @@ def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> 
             finished = []
     if finished or open_rows:
         yield stacked(finished + open_rows)
-    if too_long:
-        longest, first_row = max(too_long)[0], min(row for _, row in too_long)
-        logger.warning(
-            "%s: left out %d examples longer than --block_size %d (the longest %d tokens, the first at row %d); raise "
-            "--block_size to keep them",
-            split,
-            len(too_long),
-            block_size,
-            longest,
-            first_row,
-        )
-    if counts["rows"]:
-        logger.info(
-            "%s: %d examples in %d rows of %d tokens (%.0f%% of the positions filled), %d tokens trained on%s",
-            split,
-            counts["examples"],
-            counts["rows"],
-            block_size,
-            100 * counts["tokens"] / (counts["rows"] * block_size),
-            counts["trained"],
-            "" if data_args.packing else "; --packing would put several examples in a row",
-        )
+    counts.log(split, block_size, data_args.packing)
 
 
 def batch_of(rows: np.ndarray) -> dict:

@@ -411,3 +411,45 @@ def encoded_examples(dataset, split: str, tokenizer, data_args):
         logger.warning(
             "%s: left out %d examples %s, the first at row %d of %s", split, count, reason, first_row, encoder.where
         )
+
+
+@dataclass
+class RowCounts:
+    """What the rows of one split hold, for the log: the examples in them, their tokens and the tokens trained on,
+    and (length, row of the data) of each example left out as longer than a row."""
+
+    examples: int = 0
+    rows: int = 0
+    tokens: int = 0
+    trained: int = 0
+    too_long: list = field(default_factory=list)
+
+    def add(self, ids: np.ndarray, weights: np.ndarray):
+        self.examples, self.tokens, self.trained = (
+            self.examples + 1,
+            self.tokens + len(ids),
+            self.trained + int(weights.sum()),
+        )
+
+    def log(self, split: str, block_size: int, packing: bool):
+        if self.too_long:
+            logger.warning(
+                "%s: left out %d examples longer than --block_size %d (the longest %d tokens, the first at row %d); "
+                "raise --block_size to keep them",
+                split,
+                len(self.too_long),
+                block_size,
+                max(self.too_long)[0],
+                min(row for _, row in self.too_long),
+            )
+        if self.rows:
+            logger.info(
+                "%s: %d examples in %d rows of %d tokens (%.0f%% of the positions filled), %d tokens trained on%s",
+                split,
+                self.examples,
+                self.rows,
+                block_size,
+                100 * self.tokens / (self.rows * block_size),
+                self.trained,
+                "" if packing else "; --packing would put several examples in a row",
+            )
