@@ -215,7 +215,8 @@ def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> 
     attention: its first token starts it). An example longer than a row is left out and counted, never cut. The token
     cache is keyed by this function's code (and that of what it calls here), so an edit re-tokenizes."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    separator_id = (ids_around_documents(tokenizer)[0] or [tokenizer.eos_token_id])[0]
+    before_documents, _ = ids_around_documents(tokenizer)
+    separator_id = (before_documents or [tokenizer.eos_token_id])[0]  # as causal_lm_model's
     counts = RowCounts()
     open_rows, finished = [], []  # rows being filled, and filled: [length, [(ids, weights), ...]]
 
@@ -232,11 +233,15 @@ def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> 
         if len(example.ids) > block_size:
             counts.too_long.append((len(example.ids), example.row))
             continue
-        if (data_args.packing or data_args.document_attention) and separator_id in example.ids[1:-1].tolist():
+        # Document attention starts a document at each separator: an example's own may only be where its starts
+        # (a Llama's BOS, first) or ends (GPT-2's end-of-text token, last).
+        inside = example.ids[1:] if before_documents else example.ids[1:-1]
+        starts_apart = example.ids[0] == separator_id or not before_documents
+        if (data_args.packing or data_args.document_attention) and (separator_id in inside or not starts_apart):
             raise UsageError(
-                f"the {split} example of row {example.row} holds the token "
-                f"{tokenizer.convert_ids_to_tokens(separator_id)} inside it, where document attention would start a "
-                "new document; drop --packing"
+                f"the {split} example of row {example.row} does not hold the token "
+                f"{tokenizer.convert_ids_to_tokens(separator_id)} where alone it would start a document (first, "
+                "for a tokenizer that begins texts with it; nowhere inside), as --packing needs; drop --packing"
             )
         weights = loss_weights(example, data_args)
         counts.add(example.ids, weights)

@@ -7,12 +7,13 @@ Hugging Face TRL, told apart by the columns of the data:
     {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}     conversations
 
 Data with the text column (--text_column_name) are plain text, trained on as before, unless --prompt_column or
---completion_column is given. Each example is encoded into its token ids, framed as a document of plain text is
-(flax_lm.texts.ids_around_documents: a Llama tokenizer's BOS before it, the end-of-text token after it, where the
-chat template has not put them already), with two masks: the tokens of the completion, and those the assistant wrote
-(from the chat template's {% generation %} markers). run_clm_flax.py's example_rows turns them into rows of token ids
-and loss weights. Rows that cannot be examples are refused in one line naming the file and row; examples with
-nothing to learn from (an empty completion, a conversation without an assistant turn) are left out and counted.
+--completion_column is given. Each example is encoded into its token ids, a prompt and its completion framed as a
+document of plain text is (flax_lm.texts.ids_around_documents: a Llama tokenizer's BOS before it, the end-of-text
+token after it), a conversation as the chat template renders it followed by the end-of-text token, with two masks:
+the tokens of the completion, and those the assistant wrote (from the chat template's {% generation %} markers).
+run_clm_flax.py's example_rows turns them into rows of token ids and loss weights. Rows that cannot be examples are
+refused in one line naming the file and row; examples with nothing to learn from (an empty completion, a conversation
+without an assistant turn) are left out and counted.
 """
 
 import hashlib
@@ -223,9 +224,8 @@ class LeftOut:
 
 
 def framed(ids: list[int], masks: list[list[bool] | None], around: tuple[list[int], list[int]], in_after: list[bool]):
-    """`ids` between the ids `around` them (before, after), each side left out where the ids already have it (a chat
-    template that starts with the beginning-of-text token), with each mask extended over them: False before, and
-    after as `in_after` (one value per mask) says."""
+    """`ids` between the ids `around` them (before, after), each side left out where the ids already have it, with
+    each mask extended over them: False before, and after as `in_after` (one value per mask) says."""
     before, after = around
     before = [] if ids[: len(before)] == before else before
     after = [] if after and ids[-len(after) :] == after else after
@@ -272,6 +272,12 @@ class ExampleEncoder:
             return self.conversational_prompt_completion(*values, row)
         return self.conversation(values[0], row)
 
+    @property
+    def after_conversations(self) -> tuple[list[int], list[int]]:
+        """A conversation is framed as the chat template renders it, which is what the model is given when it
+        replies (a template without the beginning-of-text token gets none), followed by the end-of-text token."""
+        return [], self.around[1]
+
     def text_ids(self, text: str) -> list[int]:
         return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -316,7 +322,7 @@ class ExampleEncoder:
             )
         in_completion = [position >= len(prompt_ids) for position in range(len(whole["input_ids"]))]
         masks = [in_completion, whole.get("assistant_masks")]
-        ids, (completion_mask, assistant) = framed(whole["input_ids"], masks, self.around, [True, False])
+        ids, (completion_mask, assistant) = framed(whole["input_ids"], masks, self.after_conversations, [True, False])
         return Example(ids, completion_mask, assistant, row)
 
     def conversation(self, messages, row: int) -> Example | LeftOut:
@@ -325,7 +331,8 @@ class ExampleEncoder:
         if self.assistant_mask and not any(message["role"] == "assistant" for message in messages):
             return LeftOut("without an assistant turn", row)
         rendered = self.rendered(messages, row, assistant_mask=self.assistant_mask)
-        ids, (assistant,) = framed(rendered["input_ids"], [rendered.get("assistant_masks")], self.around, [False])
+        masks = [rendered.get("assistant_masks")]
+        ids, (assistant,) = framed(rendered["input_ids"], masks, self.after_conversations, [False])
         return Example(ids, None, assistant, row)
 
 

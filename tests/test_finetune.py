@@ -6,6 +6,7 @@ generate_flax.py and the server's /v1/chat/completions."""
 import json
 import logging
 import os
+import re
 
 import datasets
 import httpx
@@ -568,3 +569,14 @@ def test_train_tokenizer_writes_a_chat_template_that_marks_the_assistants_tokens
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
         "error: --chat_template is for"
     )
+
+
+def test_packing_refuses_conversations_that_would_not_start_a_document_of_their_own(chat_tokenizer_dirs, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dirs["llama"])
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE.replace("{{- bos_token -}}", "")  # no <|begin_of_text|> first
+    data_file = write_rows(tmp_path / "data.jsonl", [data_row(CONVERSATIONS, number) for number in range(3)])
+    with pytest.raises(UsageError, match=re.escape("does not hold the token <|begin_of_text|> where alone it")):
+        rows_of(data_file, tokenizer, tmp_path / "cache", packing=True)
+    # One per row, each is as the template renders it: no <|begin_of_text|> is added.
+    rows = rows_of(data_file, tokenizer, tmp_path / "cache")
+    assert (rows[:, 0, 0] == tokenizer.convert_tokens_to_ids("<|im_start|>")).all()
