@@ -10,7 +10,7 @@ answers --test_prompts prompts that no training example holds, greedily, and the
 exactly. The answers are decoded twice, by generate_flax.py's Generator and by transformers' generate on the export
 (the chat template applied by apply_chat_template), and both accuracies are printed.
 
-    python benchmarks/finetune_synthetic.py [--model_type gpt2] [--format conversations] [--steps 600] [--packing]
+    python benchmarks/finetune_synthetic.py [--model_type gpt2] [--format conversations] [--steps 300] [--packing]
 """
 
 import argparse
@@ -112,7 +112,7 @@ def main():
     parser.add_argument("--digits", type=int, default=5)
     parser.add_argument("--train_examples", type=int, default=20000)
     parser.add_argument("--test_prompts", type=int, default=500)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=3e-3)
     parser.add_argument("--packing", action="store_true")

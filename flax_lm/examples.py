@@ -100,10 +100,10 @@ class ExampleArguments:
         `example_format` (None for plain text); refuses splits of different formats, or options that do not apply."""
         formats = {split: format_of(dataset, split, self) for split, dataset in texts.items()}
         if len(set(formats.values())) > 1:
-            described = " and ".join(
-                f"the {split} data {FORMAT_NAMES.get(kind, 'plain text')}" for split, kind in formats.items()
+            described = " but ".join(
+                f"the {split} data are {FORMAT_NAMES.get(kind, 'plain text')}" for split, kind in formats.items()
             )
-            raise UsageError(f"{described}: give every split in one format")
+            raise UsageError(f"{described}; give every split in one format")
         example_format = next(iter(formats.values()), None)
         if example_format is None and self.packing:
             raise UsageError(

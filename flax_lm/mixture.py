@@ -100,8 +100,8 @@ class Mixture:
         self.names, self.sources, self.rows_are_tokens = names, sources, rows_are_tokens
         if len({rows.shape[1:] for rows in sources}) > 1:
             raise UsageError(
-                "the sources of the mixture are of different kinds (plain text and examples, or examples of different "
-                "lengths); give each mixture sources of one kind"
+                "the sources of the mixture are of two kinds, plain text and examples (prompt/completion pairs or "
+                "conversations); give a mixture sources of one kind"
             )
         self.weights = np.asarray(weights, np.float64) / sum(weights)
         self.bounds = np.cumsum(self.weights)[:-1]
