@@ -31,8 +31,9 @@ def conversation():
 for name, count in (("train", 20000), ("validation", 500)):
     with open(os.path.join(sys.argv[1], f"chat-{name}.jsonl"), "w") as file:
         file.writelines(json.dumps({"messages": conversation()}) + "\n" for _ in range(count))
-with open(os.path.join(sys.argv[1], "chat-text.txt"), "w") as file:  # the tokenizer's training text
-    file.writelines(message["content"] + "\n" for _ in range(2000) for message in conversation())
+with open(os.path.join(sys.argv[1], "chat-text.txt"), "w") as file:  # the tokenizer's text: roles and contents
+    for _ in range(2000):
+        file.writelines(message["role"] + "\n" + message["content"] + "\n" for message in conversation())
 print(f"conversations: 20000 to train on, 500 to evaluate on -> {sys.argv[1]}/chat-*.jsonl")
 PYTHON
     model_dir=$work_dir/gpt2-chat

@@ -58,8 +58,8 @@ def write_data(work_dir: str, arguments) -> tuple[str, str, list[tuple[str, str]
         paths.append(os.path.join(work_dir, f"{name}.jsonl"))
         with open(paths[-1], "w") as file:
             file.writelines(json.dumps(row(prompt, answer)) + "\n" for prompt, answer in part)
-    with open(os.path.join(work_dir, "tokenizer-text.txt"), "w") as file:
-        file.writelines(f"{prompt}\n{answer}\n" for prompt, answer in pairs[:5000])
+    with open(os.path.join(work_dir, "tokenizer-text.txt"), "w") as file:  # with the roles the template writes
+        file.writelines(f"user\n{prompt}\nassistant\n{answer}\n" for prompt, answer in pairs[:5000])
     return paths[0], paths[1], list(test.items())
 
 
@@ -115,7 +115,9 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=3e-3)
+    parser.add_argument("--block_size", type=int, default=64, help="also the model's positions")
     parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--losses", nargs="+", choices=["answers", "every_token"], default=["answers", "every_token"])
     arguments = parser.parse_args()
     os.makedirs(arguments.work_dir, exist_ok=True)
     train_file, validation_file, test = write_data(arguments.work_dir, arguments)
@@ -123,13 +125,13 @@ def main():
     run(
         os.path.join(REPO, "train_tokenizer.py"),
         "--train_file", os.path.join(arguments.work_dir, "tokenizer-text.txt"),
-        "--model_type", arguments.model_type, "--vocab_size", 320, "--model_max_length", 64,
+        "--model_type", arguments.model_type, "--vocab_size", 320, "--model_max_length", arguments.block_size,
         "--chat_template", "--output_dir", model_dir, "--overwrite",
     )  # fmt: skip
     if arguments.model_type == "gpt2":
-        settings = ["n_positions=64", "resid_pdrop=0.0", "embd_pdrop=0.0", "attn_pdrop=0.0"]
+        settings = [f"n_positions={arguments.block_size}", "resid_pdrop=0.0", "embd_pdrop=0.0", "attn_pdrop=0.0"]
     else:
-        settings = ["max_position_embeddings=64"]
+        settings = [f"max_position_embeddings={arguments.block_size}"]
     preset = f"{arguments.model_type}-tiny"
     run(
         os.path.join(REPO, "create_config.py"),
@@ -143,16 +145,20 @@ def main():
     )
     chat = arguments.format == "conversations"
     mask_flag = "--assistant_only_loss" if chat else "--completion_only_loss"
-    print(f"{arguments.model_type}-tiny, {arguments.format}, {arguments.steps} steps of {arguments.batch_size}")
+    rows = "packed" if arguments.packing else "one example per row"
+    print(
+        f"{arguments.model_type}-tiny, {arguments.format}, {arguments.steps} steps of {arguments.batch_size} rows of "
+        f"{arguments.block_size} tokens, {rows}"
+    )
     print("| loss on | eval loss (answers) | accuracy, generate_flax.py | accuracy, transformers | train time |")
     print("| --- | --- | --- | --- | --- |")
-    for masked in (True, False):
+    for masked in [loss == "answers" for loss in arguments.losses]:
         output_dir = os.path.join(arguments.work_dir, f"trained-{'masked' if masked else 'unmasked'}")
         start = time.perf_counter()
         run(
             os.path.join(REPO, "run_clm_flax.py"), "--output_dir", output_dir, "--overwrite_output_dir",
             "--config_name", model_dir, "--tokenizer_name", model_dir, "--train_file", train_file,
-            "--validation_file", validation_file, "--do_train", "--block_size", 64,
+            "--validation_file", validation_file, "--do_train", "--block_size", arguments.block_size,
             "--per_device_train_batch_size", arguments.batch_size, "--per_device_eval_batch_size", 64,
             "--learning_rate", arguments.learning_rate, "--warmup_steps", arguments.steps // 10,
             "--lr_scheduler_type", "cosine", "--max_steps", arguments.steps, "--logging_steps", 100,
@@ -165,7 +171,7 @@ def main():
         run(
             os.path.join(REPO, "run_clm_flax.py"), "--output_dir", evaluation_dir, "--overwrite_output_dir",
             "--model_name_or_path", output_dir, "--validation_file", validation_file, "--do_eval",
-            "--block_size", 64, "--per_device_eval_batch_size", 64, "--sample_tokens", 0,
+            "--block_size", arguments.block_size, "--per_device_eval_batch_size", 64, "--sample_tokens", 0,
         )  # fmt: skip
         with open(os.path.join(evaluation_dir, "eval_results.json")) as file:
             eval_loss = json.load(file)["eval_loss"]

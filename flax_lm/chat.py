@@ -34,7 +34,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
-# The fields of a message this code reads; a row's other fields (a name, tool calls) go to the template as they are.
+# A conversation as the messages say it should be: each message's role and content are checked, its other fields (a
+# name, tool calls) go to the template as they are.
 MESSAGE_EXAMPLE = '[{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]'
 
 
