@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
+from flax_lm.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.errors import UsageError, run
 from flax_lm.hf_io import check_local_model_directory, read_exported_params
 from flax_lm.mesh import create_mesh
@@ -142,6 +143,15 @@ class GenerationArguments:
         default=False,
         metadata={"help": "Print one JSON line per prompt (prompt, text, token counts) instead of the texts."},
     )
+    chat: bool = field(
+        default=False,
+        metadata={
+            "help": "Converse with a chat model (one with a chat template, such as run_clm_flax.py fine-tunes on "
+            "conversations): each prompt is a user's turn and the output is the assistant's reply, which ends at its "
+            "end of turn. A --prompt_file ending in .jsonl holds a conversation per line instead: a JSON list of "
+            'messages such as [{"role": "user", "content": "Hi"}], or an object with one under "messages".'
+        },
+    )
 
 
 @dataclass
@@ -191,6 +201,8 @@ def check_arguments(generation_args, server_args):
     if server_args.serve:
         if generation_args.prompt or generation_args.prompt_file:
             raise UsageError("--serve takes its prompts from HTTP requests; leave out --prompt and --prompt_file")
+        if generation_args.chat:
+            raise UsageError("--serve answers conversations on POST /v1/chat/completions as it is; leave out --chat")
         if not 0 <= server_args.port < 65536:
             raise UsageError(f"--port {server_args.port} is not a port number; use 1 to 65535, or 0 for any free one")
         if server_args.max_new_tokens_limit < generation_args.max_new_tokens:
@@ -218,6 +230,25 @@ def read_prompts(generation_args) -> list[str]:
     if not prompts:
         raise UsageError("the prompts are empty: write one prompt per line")
     return prompts
+
+
+def read_conversations(generation_args) -> list:
+    """With --chat: each prompt as a conversation of one user's turn, or the conversations of a .jsonl --prompt_file
+    (checked when they are rendered)."""
+    prompts = read_prompts(generation_args)
+    if not (generation_args.prompt_file or "").endswith(".jsonl"):
+        return [[{"role": "user", "content": prompt}] for prompt in prompts]
+    conversations = []
+    for number, line in enumerate(prompts, 1):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(
+                f"conversation {number} of --prompt_file {generation_args.prompt_file} is not JSON ({error}); write "
+                'one conversation per line, such as [{"role": "user", "content": "Hi"}]'
+            ) from None
+        conversations.append(value.get("messages") if isinstance(value, dict) else value)
+    return conversations
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -263,13 +294,16 @@ def generation_mesh(mesh_shape: str | None):
 
 
 class Generator:
-    """One loaded model answering batches of prompts, and scoring token sequences (the server's logprobs)."""
+    """One loaded model answering batches of prompts, or of conversations with a chat model, and scoring token
+    sequences (the server's logprobs)."""
 
     def __init__(self, model, params, tokenizer, batch_size: int):
         self.model, self.params, self.tokenizer, self.batch_size = model, params, tokenizer, batch_size
         eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
         self.eos_token_id = eos_token_id
-        self.sampler = make_sampler(model, eos_token_id)
+        # A chat model's replies end at its end of turn, as its export's generation_config.json says to transformers.
+        self.stop_token_ids = stop_token_ids(tokenizer, eos_token_id)
+        self.sampler = make_sampler(model, self.stop_token_ids)
         self.scorer = Scorer(model, batch_size * model.config.max_position_embeddings, model.mesh)
 
     def encode(self, prompts: list[str | list[int]], max_new_tokens: int, where: str) -> list[list[int]]:
@@ -278,7 +312,7 @@ class Generator:
         already, taken as they are. Refuses prompts that leave no room for max_new_tokens within the model's
         positions, or hold ids outside its vocabulary (`where` names the prompt for the message)."""
         before_documents, _ = ids_around_documents(self.tokenizer)
-        positions, vocab_size = self.model.config.max_position_embeddings, self.model.config.vocab_size
+        vocab_size = self.model.config.vocab_size
         encoded = []
         for number, prompt in enumerate(prompts, 1):
             if isinstance(prompt, list):
@@ -286,28 +320,50 @@ class Generator:
                     raise ValueError(
                         f"{where} {number} holds the token id {outside[0]}, outside the model's {vocab_size} tokens"
                     )
-                ids = prompt
+                encoded.append(prompt)
             else:
                 ids = before_documents + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                ids = ids or [self.eos_token_id]
+                encoded.append(ids or [self.eos_token_id])
+        return self.fitting(encoded, max_new_tokens, where)
+
+    def encode_conversations(self, conversations: list, max_new_tokens: int, where: str) -> list[list[int]]:
+        """Token ids that ask for the assistant's turn after each conversation (a list of messages with a role and
+        content), rendered by the tokenizer's chat template (flax_lm.chat); refused as encode refuses prompts, and
+        where the model has no chat template or a conversation is not one."""
+        encoded = []
+        for number, messages in enumerate(conversations, 1):
+            try:
+                encoded.append(conversation_prompt_ids(self.tokenizer, messages))
+            except ValueError as error:
+                raise ValueError(f"{where} {number} {error}") from None
+        return self.fitting(encoded, max_new_tokens, where)
+
+    def fitting(self, encoded: list[list[int]], max_new_tokens: int, where: str) -> list[list[int]]:
+        positions = self.model.config.max_position_embeddings
+        for number, ids in enumerate(encoded, 1):
             if len(ids) + max_new_tokens > positions:
                 raise ValueError(
                     f"{where} {number} has {len(ids)} tokens, which with max_new_tokens {max_new_tokens} exceeds the "
                     f"model's {positions} positions; shorten it or lower max_new_tokens"
                 )
-            encoded.append(ids)
         return encoded
 
     def generate(self, prompts: list[str], sampling: Sampling, where: str = "prompt") -> list[dict]:
         """For each prompt: its continuation, the count of prompt and new tokens, and why it stopped. A prompt's
         draws depend on the seed and its place in the list, not on the other prompts."""
-        prompt_ids = self.encode(prompts, sampling.max_new_tokens, where)
+        return self.continuations(self.encode(prompts, sampling.max_new_tokens, where), sampling)
+
+    def reply(self, conversations: list, sampling: Sampling, where: str = "conversation") -> list[dict]:
+        """For each conversation: the assistant's reply (up to its end of turn), as generate gives continuations."""
+        return self.continuations(self.encode_conversations(conversations, sampling.max_new_tokens, where), sampling)
+
+    def continuations(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[dict]:
         results = []
         for first in range(0, len(prompt_ids), self.batch_size):
             batch = prompt_ids[first : first + self.batch_size]
             samplings = [replace(sampling, prompt_index=first + row) for row in range(len(batch))]
             for ids, new in zip(batch, decode_rows(self.sampler, self.params, batch, samplings)):
-                stopped = bool(new) and new[-1] == self.eos_token_id
+                stopped = bool(new) and new[-1] in self.stop_token_ids
                 results.append(
                     {
                         "text": self.tokenizer.decode(new[:-1] if stopped else new, skip_special_tokens=False),
@@ -332,7 +388,10 @@ def main():
     # JAX logs at INFO each accelerator backend it fails to find (libtpu on every GPU or CPU machine).
     logging.getLogger("jax").setLevel(logging.WARNING)
     transformers.utils.logging.set_verbosity_error()
-    prompts = None if server_args.serve else read_prompts(generation_args)
+    if server_args.serve:
+        prompts = None
+    else:
+        prompts = read_conversations(generation_args) if generation_args.chat else read_prompts(generation_args)
     # Taken before the model loads, so that an address in use is said at once.
     listener = listening_socket(server_args.host, server_args.port) if server_args.serve else None
 
@@ -354,8 +413,14 @@ def main():
         return
 
     start = time.perf_counter()
+    where = "--prompt" if generation_args.prompt else "line"
     try:
-        results = generator.generate(prompts, sampling, where="--prompt" if generation_args.prompt else "line")
+        if generation_args.chat:
+            results = generator.reply(
+                prompts, sampling, where="conversation" if generation_args.prompt_file else where
+            )
+        else:
+            results = generator.generate(prompts, sampling, where=where)
     except ValueError as error:
         raise UsageError(str(error)) from None
     new_tokens = sum(result["new_tokens"] for result in results)
@@ -365,7 +430,9 @@ def main():
     )
     for prompt, result in zip(prompts, results):
         if generation_args.json_output:
-            print(json.dumps({"prompt": prompt, **result}))
+            print(json.dumps({"messages" if generation_args.chat else "prompt": prompt, **result}))
+        elif generation_args.chat:
+            print(result["text"], end="\n\n")  # the reply
         else:
             print(prompt + result["text"], end="\n\n")
 

@@ -7,14 +7,51 @@
 #   2. write a config sized for a CPU        (create_config.py)
 #   3. train, evaluate and export the model  (run_clm_flax.py for GPT-2 and Llama, run_mlm_flax.py for RoBERTa)
 #   4. generate text with the trained model  (generate_flax.py)
-# Usage: ./quickstart.sh [clm|llama|mlm] [WORK_DIR]   (default: clm, a GPT-2; quickstart/)
+# `chat` fine-tunes a GPT-2 on conversations instead: a synthetic task (sorting digits), a tokenizer with a chat
+# template, the loss on the assistant's turns, and replies to new conversations.
+# Usage: ./quickstart.sh [clm|llama|mlm|chat] [WORK_DIR]   (default: clm, a GPT-2; quickstart/)
 set -euo pipefail
 cd "$(dirname "$0")"
 task=${1:-clm}
 work_dir=${2:-quickstart}
 corpus=$work_dir/python-stdlib.jsonl
-case "$task" in clm|llama|mlm) ;; *) echo "error: the first argument is clm, llama or mlm, not '$task'" >&2; exit 2 ;; esac
+case "$task" in clm|llama|mlm|chat) ;; *) echo "error: the first argument is clm, llama, mlm or chat, not '$task'" >&2; exit 2 ;; esac
 mkdir -p "$work_dir"
+
+if [ "$task" = chat ]; then
+    # To use your own conversations, skip this and point --train_file below at a JSON Lines file of rows such as
+    # {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}.
+    python3 - "$work_dir" <<'PYTHON'
+import json, os, random, sys
+rng = random.Random(0)
+def conversation():
+    digits = [rng.randrange(10) for _ in range(5)]
+    return [{"role": "user", "content": "sort: " + " ".join(map(str, digits))},
+            {"role": "assistant", "content": " ".join(map(str, sorted(digits)))}]
+for name, count in (("train", 20000), ("validation", 500)):
+    with open(os.path.join(sys.argv[1], f"chat-{name}.jsonl"), "w") as file:
+        file.writelines(json.dumps({"messages": conversation()}) + "\n" for _ in range(count))
+with open(os.path.join(sys.argv[1], "chat-text.txt"), "w") as file:  # the tokenizer's text: roles and contents
+    for _ in range(2000):
+        file.writelines(message["role"] + "\n" + message["content"] + "\n" for message in conversation())
+print(f"conversations: 20000 to train on, 500 to evaluate on -> {sys.argv[1]}/chat-*.jsonl")
+PYTHON
+    model_dir=$work_dir/gpt2-chat
+    ./train_tokenizer.py --train_file "$work_dir/chat-text.txt" --model_type gpt2 --vocab_size 320 \
+        --model_max_length 64 --chat_template --output_dir "$model_dir" --overwrite
+    ./create_config.py --preset gpt2-tiny --tokenizer_dir "$model_dir" \
+        --set n_positions=64 resid_pdrop=0.0 embd_pdrop=0.0 attn_pdrop=0.0 --overwrite
+    ./run_clm_flax.py --output_dir "$work_dir/gpt2-chat-trained" --overwrite_output_dir \
+        --config_name "$model_dir" --tokenizer_name "$model_dir" \
+        --train_file "$work_dir/chat-train.jsonl" --validation_file "$work_dir/chat-validation.jsonl" \
+        --do_train --do_eval --block_size 64 --per_device_train_batch_size 32 --per_device_eval_batch_size 64 \
+        --learning_rate 3e-3 --warmup_steps 30 --lr_scheduler_type cosine --max_steps 300 \
+        --logging_steps 50 --eval_steps 150 --save_steps 300 --sample_prompt "sort: 7 3 9 1 4" --sample_tokens 12
+    # The fine-tuned model replies to conversations it has not seen, each reply ending at its end of turn.
+    ./generate_flax.py --model_name_or_path "$work_dir/gpt2-chat-trained" --chat \
+        --prompt "sort: 8 2 6 2 0" --prompt "sort: 9 4 1 7 3" --max_new_tokens 16
+    exit 0
+fi
 
 # To use your own data, skip this and point --train_file below at your .txt/.jsonl/.csv/.parquet files.
 python3 - "$corpus" <<'PYTHON'

@@ -8,7 +8,10 @@ lists them), or --model_file gives one of the experiment's own. Documents (a who
 --text_sample_by says otherwise; one row of other formats) are tokenized, each framed as the tokenizer frames a text
 (a Llama tokenizer's BOS first) and ended by the end-of-text token, joined and packed into blocks of `--block_size`
 tokens.
-Evaluation reports loss, perplexity and bits per byte.
+Prompt/completion pairs and conversations (the dataset formats of Hugging Face TRL, told apart by their columns: see
+flax_lm/examples.py) are fine-tuned on instead, one example per row or packed, with the loss on the completions or
+the assistant's turns; conversations are rendered with the tokenizer's chat template.
+Evaluation reports loss, perplexity and bits per byte (over the tokens the loss covers).
 Each global batch is split over every device of every process with `jax.jit` over a device mesh.
 On several hosts every host runs the same command (see initialize_distributed for how the processes
 find each other) and process 0 writes the outputs.
@@ -51,6 +54,7 @@ from flax_lm.arguments import (
     parse_arguments,
     recorded_arguments,
 )
+from flax_lm.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.checkpoints import StopRequest, checkpoint_still_written, open_checkpoints
 from flax_lm.compilation import compile_in_background
 from flax_lm.data import (
@@ -65,6 +69,7 @@ from flax_lm.data import (
 )
 from flax_lm.errors import UsageError, run
 from flax_lm.evaluation import evaluate_by_source, evaluation_sets, report_by_source
+from flax_lm.examples import Example, ExampleArguments, RowCounts, encoded_examples
 from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
 from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture
@@ -115,7 +120,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DataTrainingArguments(DataArguments):
+class DataTrainingArguments(ExampleArguments, DataArguments):
     block_size: int | None = field(
         default=None,
         metadata={
@@ -228,6 +233,83 @@ def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -
     return pack_blocks(tokens, block_size)
 
 
+def loss_weights(example: Example, data_args) -> np.ndarray:
+    """The loss weight of each token of an example, float32: 1 for the tokens the loss covers, the completion's (the
+    end-of-text token after it included) with --completion_only_loss and the assistant's (its end of turn included)
+    with --assistant_only_loss, 0 for the others. The first token weighs 0: nothing in its example comes before it."""
+    weights = np.ones(len(example.ids), np.float32)
+    if data_args.completion_only_loss and example.completion is not None:
+        weights *= example.completion
+    if data_args.assistant_only_loss and example.assistant is not None:
+        weights *= example.assistant
+    weights[0] = 0.0
+    return weights
+
+
+# With --packing, an example goes into the first of this many rows being filled that has room for it.
+OPEN_ROWS = 8
+
+
+def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+    """The rows of a packed corpus made from one split of examples (flax_lm.examples: prompt/completion pairs or
+    conversations), arrays (count, 2, block_size) of token ids and their loss weights (loss_weights): one example per
+    row, padded with weight 0, or with --packing as many whole examples as fit, each its own document (document
+    attention: its first token starts it). An example longer than a row is left out and counted, never cut. The token
+    cache is keyed by this function's code (and that of what it calls here), so an edit re-tokenizes."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    before_documents, _ = ids_around_documents(tokenizer)
+    separator_id = (before_documents or [tokenizer.eos_token_id])[0]  # as causal_lm_model's
+    counts = RowCounts()
+    open_rows, finished = [], []  # rows being filled, and filled: [length, [(ids, weights), ...]]
+
+    def stacked(rows) -> np.ndarray:
+        stack = np.zeros((len(rows), 2, block_size), np.int32)
+        stack[:, 0] = pad_id
+        for number, (_, parts) in enumerate(rows):
+            ids, weights = np.concatenate([part[0] for part in parts]), np.concatenate([part[1] for part in parts])
+            stack[number, 0, : len(ids)], stack[number, 1, : len(ids)] = ids, weights
+        counts.rows += len(rows)
+        return stack
+
+    for example in encoded_examples(dataset, split, tokenizer, data_args):
+        if len(example.ids) > block_size:
+            counts.too_long.append((len(example.ids), example.row))
+            continue
+        # Document attention starts a document at each separator: an example's own may only be where its starts
+        # (a Llama's BOS, first) or ends (GPT-2's end-of-text token, last).
+        inside = example.ids[1:] if before_documents else example.ids[1:-1]
+        starts_apart = example.ids[0] == separator_id or not before_documents
+        if (data_args.packing or data_args.document_attention) and (separator_id in inside or not starts_apart):
+            raise UsageError(
+                f"the {split} example of row {example.row} does not hold the token "
+                f"{tokenizer.convert_ids_to_tokens(separator_id)} where alone it would start a document (first, "
+                "for a tokenizer that begins texts with it; nowhere inside), as --packing needs; drop --packing"
+            )
+        weights = loss_weights(example, data_args)
+        counts.add(example.ids, weights)
+        fitting = [row for row in open_rows if row[0] + len(example.ids) <= block_size] if data_args.packing else []
+        row = fitting[0] if fitting else [0, []]
+        if not fitting:
+            open_rows.append(row)
+        row[0] += len(example.ids)
+        row[1].append((example.ids, weights))
+        if not data_args.packing or len(open_rows) > OPEN_ROWS:
+            finished.append(open_rows.pop(0))
+        if len(finished) >= 1024:
+            yield stacked(finished)
+            finished = []
+    if finished or open_rows:
+        yield stacked(finished + open_rows)
+    counts.log(split, block_size, data_args.packing)
+
+
+def batch_of(rows: np.ndarray) -> dict:
+    """Rows as the steps take them: {"input_ids"} of text blocks, or of examples also their "weights" (float32)."""
+    if rows.ndim == 2:
+        return {"input_ids": np.asarray(rows, dtype=np.int32)}
+    return {"input_ids": np.asarray(rows[:, 0], dtype=np.int32), "weights": rows[:, 1].astype(np.float32)}
+
+
 def train_batches(
     blocks: np.ndarray, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
 ) -> Iterator[dict]:
@@ -242,15 +324,17 @@ def train_batches(
         # Sorted (for reading the memory-mapped blocks in order) before the split, so that the global batch,
         # row for row, does not depend on the number of processes.
         batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])[rows]
-        yield {"input_ids": np.asarray(blocks[batch_indices], dtype=np.int32)}
+        yield batch_of(blocks[batch_indices])
 
 
 def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
-    """Every block once, in order; the last batch is padded with zero-weight rows so none is dropped."""
+    """Every block once, in order, with its tokens' loss weights (1, or those of examples); the last batch is padded
+    with zero-weight rows so none is dropped."""
     rows = process_slice(global_batch_size)
     for start in range(0, len(blocks), global_batch_size):
-        input_ids = np.asarray(blocks[start : start + global_batch_size], dtype=np.int32)
-        weights = np.ones(input_ids.shape, dtype=np.float32)
+        batch = batch_of(np.asarray(blocks[start : start + global_batch_size]))
+        input_ids = batch["input_ids"]
+        weights = batch.get("weights", np.ones(input_ids.shape, dtype=np.float32))
         padding = global_batch_size - len(input_ids)
         if padding:
             input_ids = np.pad(input_ids, ((0, padding), (0, 0)))
@@ -334,7 +418,8 @@ def make_train_step(model, optimizer, schedule, seed: int):
     def loss_and_sums(params, micro_batch, dropout_rng):
         input_ids = micro_batch["input_ids"]
         logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
-        loss_sum, token_count = causal_lm_loss_sums(logits, input_ids, jnp.ones(input_ids.shape, jnp.float32))
+        weights = micro_batch.get("weights", jnp.ones(input_ids.shape, jnp.float32))  # examples carry their own
+        loss_sum, token_count = causal_lm_loss_sums(logits, input_ids, weights)
         return loss_sum, {"loss_sum": loss_sum, "token_count": token_count}
 
     def train_step(state: TrainState, batch):
@@ -409,14 +494,22 @@ def evaluation_results(totals: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------
 
 
-def sample_texts(sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int):
+def sample_texts(
+    sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int, chat: bool = False
+):
     """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely. A prompt
     starts as the documents trained on do (ids_around_documents; an empty one of GPT-2 from the end-of-text token),
-    and a long one keeps its last tokens (at most `max_length` positions in all). The texts are decoded without
-    special tokens: a reader sees text only."""
+    or with `chat` (a model fine-tuned on conversations) is a user's turn that the chat template renders; a long one
+    keeps its last tokens (at most `max_length` positions in all). The texts are decoded without special tokens: a
+    reader sees text only."""
     num_tokens = min(num_tokens, max_length - 1)
     before_documents, _ = ids_around_documents(tokenizer)
-    encoded = [before_documents + tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    encoded = [
+        conversation_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+        if chat
+        else before_documents + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        for prompt in prompts
+    ]
     prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
     new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
     return [tokenizer.decode(ids + new, skip_special_tokens=True) for ids, new in zip(prompt_ids, new_ids)]
@@ -429,13 +522,16 @@ class Evaluation:
     # What TensorBoard's HParams tab compares runs by.
     metric_tags = ["eval/loss", "eval/perplexity", "eval/bits_per_byte"]
 
-    def __init__(self, setup: "TrainingSetup", blocks, tokenizer, training_args, trackers):
+    def __init__(self, setup: "TrainingSetup", blocks, tokenizer, training_args, trackers, chat: bool = False):
         self.setup, self.blocks, self.tokenizer, self.trackers = setup, blocks, tokenizer, trackers
         self.output_dir, self.seed = training_args.output_dir, training_args.seed
         self.prompts, self.sample_tokens = training_args.sample_prompt or [""], training_args.sample_tokens
+        self.chat = chat  # prompts are a user's turns
+        # A reply ends at the end of its turn, where the chat template has one.
+        self.stop_token_ids = stop_token_ids(tokenizer, tokenizer.eos_token_id)
         # Without gradient checkpointing, which sampling does not need, and decoding one sequence per row.
         sampling_model = setup.model.clone(remat_policy=None, document_separator_id=None)
-        self.sampler = make_sampler(sampling_model, tokenizer.eos_token_id)
+        self.sampler = make_sampler(sampling_model, self.stop_token_ids)
         self.tasks = None
         if training_args.eval_tasks:
             from flax_lm.harness import FlaxLM, HarnessTasks  # lm-eval is optional: imported only when asked for
@@ -480,8 +576,9 @@ class Evaluation:
 
     def samples(self, params, sampler=None) -> list[str]:
         max_length = self.setup.model.config.max_position_embeddings
+        sampler = sampler or self.sampler
         return sample_texts(
-            sampler or self.sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed
+            sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed, self.chat
         )
 
     def final(self, params, step: int, reuse_saved: bool):
@@ -518,7 +615,7 @@ class Evaluation:
         sampler = self.sampler
         if jax.process_count() > 1:  # process 0 alone, so on its own device, not on a mesh the others would share
             model = self.setup.model.clone(remat_policy=None, document_separator_id=None, mesh=None)
-            sampler = make_sampler(model, self.tokenizer.eos_token_id)
+            sampler = make_sampler(model, self.stop_token_ids)
         for text in self.samples(exported, sampler):
             print(f"sample from {self.output_dir}: {text!r}")
 
@@ -544,7 +641,7 @@ def main():
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, True, "run_clm_flax.py", mesh)
     block_size = choose_block_size(data_args, tokenizer, config)
-    texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, block_size, "--block_size")
+    texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, block_size, "--block_size", example_rows)
     rows, train_stream = load_data(model_args, data_args, training_args, texts_to_rows)
     if only_packing(data_args, training_args):
         return
@@ -561,7 +658,7 @@ def main():
     # The lock on the output directory, held by process 0 for all processes until this one ends.
     output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
     trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
-    evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, trackers)
+    evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, trackers, data_args.chat)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
@@ -600,7 +697,8 @@ def causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code: 
     (GPT-2, whose documents have no BOS)."""
     dtypes = jnp.dtype(model_args.dtype), jnp.dtype(model_args.param_dtype)
     before_documents, _ = ids_around_documents(tokenizer)
-    separator_id = (before_documents or [tokenizer.eos_token_id])[0] if data_args.document_attention else None
+    documents_apart = data_args.document_attention or data_args.packing  # packed examples are documents too
+    separator_id = (before_documents or [tokenizer.eos_token_id])[0] if documents_apart else None
     return model_code.module.MODEL_CLASS(
         config, *dtypes, model_args.gradient_checkpointing, mesh, document_separator_id=separator_id
     )
@@ -615,7 +713,7 @@ def train_batches_from(first_step, setup: TrainingSetup, train_stream, tokenizer
         data = f"on a mixture ({train_blocks.describe(setup.total_steps * batch_size)})"
         rows = process_slice(batch_size)
         global_batches = train_blocks.global_batches(batch_size, training_args.seed, first_step)
-        local_batches = ({"input_ids": train_blocks[indices[rows]]} for indices in global_batches)
+        local_batches = (batch_of(train_blocks[indices[rows]]) for indices in global_batches)
     elif train_stream is None:
         data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_blocks)} blocks)"
         batches_of_epoch = partial(train_batches, train_blocks, batch_size, training_args.seed)
@@ -645,7 +743,10 @@ def train_batches_from(first_step, setup: TrainingSetup, train_stream, tokenizer
     )
     accumulation_steps = training_args.gradient_accumulation_steps
     micro_batches = (
-        ({"input_ids": batch["input_ids"].reshape(accumulation_steps, -1, block_size)}, batch_size * block_size)
+        (
+            {name: values.reshape(accumulation_steps, -1, block_size) for name, values in batch.items()},
+            batch_size * block_size,
+        )
         for batch in local_batches
     )
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
@@ -662,7 +763,10 @@ def compile_train_steps_ahead(setup: TrainingSetup, training_args):
 
 def abstract_call_batches(setup: TrainingSetup, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them."""
-    global_batch = {"input_ids": jax.ShapeDtypeStruct((setup.train_batch_size, setup.sequence_length), jnp.int32)}
+    shape = (setup.train_batch_size, setup.sequence_length)
+    global_batch = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    if setup.train_examples is not None and len(setup.train_examples.shape) == 3:  # examples' rows: their weights
+        global_batch["weights"] = jax.ShapeDtypeStruct(shape, jnp.float32)
     accumulation_steps, steps_per_call = training_args.gradient_accumulation_steps, training_args.steps_per_call
     return call_batch_shapes(global_batch, accumulation_steps, steps_per_call, setup.call_batches_sharding)
 

@@ -31,6 +31,7 @@ import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenizer
 
+from flax_lm.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from flax_lm.errors import UsageError, run
 from flax_lm.processes import LOG_FORMAT
 from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
@@ -63,7 +64,14 @@ DEFAULT_MODEL_MAX_LENGTH = {"gpt2": 1024, "llama": 2048, "roberta": 512}
 BYTE_ALPHABET_SIZE = len(pre_tokenizers.ByteLevel.alphabet())
 
 # Files the tokenizer writes, plus files older tokenizer formats wrote; replaced or removed with --overwrite.
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+]
 
 
 @dataclass
@@ -150,6 +158,14 @@ class TokenizerArguments:
     )
     extra_special_tokens: list[str] | None = field(
         default=None, metadata={"help": "More special tokens, never split, with ids after the preset's."}
+    )
+    chat_template: bool = field(
+        default=False,
+        metadata={
+            "help": "Give the tokenizer a chat template (ChatML's <|im_start|>ROLE ... <|im_end|>, its two special "
+            "tokens added after the others, the assistant's turns marked for return_assistant_tokens_mask), so that "
+            "run_clm_flax.py trains on conversations and transformers' apply_chat_template renders them (gpt2, llama)."
+        },
     )
     overwrite: bool = field(default=False, metadata={"help": "Replace a tokenizer already saved in --output_dir."})
 
@@ -427,6 +443,10 @@ def main():
 
     roles = special_tokens_by_role(tokenizer_args)
     extra_special_tokens = tokenizer_args.extra_special_tokens or []
+    if tokenizer_args.chat_template:
+        if tokenizer_args.model_type == "roberta":
+            raise UsageError("--chat_template is for the causal LMs that converse (gpt2, llama), not roberta")
+        extra_special_tokens = list(dict.fromkeys(extra_special_tokens + CHAT_SPECIAL_TOKENS))
     special_tokens = list(dict.fromkeys(list(roles.values()) + extra_special_tokens))
     minimum_vocab_size = BYTE_ALPHABET_SIZE + len(special_tokens)
     if tokenizer_args.vocab_size < minimum_vocab_size:
@@ -516,6 +536,8 @@ def main():
     fast_tokenizer = wrap_for_transformers(
         tokenizer, tokenizer_args.model_type, roles, extra_special_tokens, model_max_length
     )
+    if tokenizer_args.chat_template:
+        fast_tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     written = save_tokenizer(fast_tokenizer, tokenizer_args.output_dir)
     logger.info("Wrote %s", ", ".join(written))
 
@@ -527,6 +549,9 @@ def main():
     print(f"sample: {sample!r}")
     print(f"tokens: {fast_tokenizer.convert_ids_to_tokens(encoding['input_ids'])}")
     print(f"ids: {encoding['input_ids']}")
+    if tokenizer_args.chat_template:
+        conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        print(f"chat template (ChatML): {fast_tokenizer.apply_chat_template(conversation, tokenize=False)!r}")
 
 
 if __name__ == "__main__":

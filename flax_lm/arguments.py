@@ -209,8 +209,19 @@ class DataArguments:
         },
     )
     # How texts become the rows of a packed corpus, recorded in it so that one is never read as the other: "grouped"
-    # (texts joined and cut into blocks), or "line_by_line" (a row per line, run_mlm_flax.py --line_by_line).
+    # (texts joined and cut into blocks), or "line_by_line" (a row per line, run_mlm_flax.py --line_by_line); or
+    # examples, whose format is told from the data's columns once they are read (flax_lm.examples).
     framing = "grouped"
+    example_format = None  # plain text; the format of examples (run_clm_flax.py) once their data are read
+
+    def resolve_example_format(self, texts: dict, streaming: bool) -> str | None:
+        """The format of the data just read, if they are examples rather than plain text (flax_lm.examples)."""
+        return None
+
+    def adopt_framing(self, recorded: str) -> bool:
+        """Whether the rows a packed corpus records as made with the framing `recorded` are those these arguments
+        make (flax_lm.examples: of data whose format is known from the record alone)."""
+        return recorded == self.framing
 
 
 @dataclass

@@ -36,8 +36,9 @@ class TextPiece:
 @dataclass(frozen=True)
 class RowFinished:
     """The prompt `index` of a request is done: its whole text, its count of new tokens, why it ended ("eos": the
-    end-of-text token, not in the text; "stop": a stop string, cut with what follows it; "length": max_new_tokens),
-    and the ids of the new tokens counted (up to the one that ended the text, the end-of-text token included)."""
+    end-of-text token or a chat model's end of turn, not in the text; "stop": a stop string, cut with what follows it;
+    "length": max_new_tokens), and the ids of the new tokens counted (up to the one that ended the text, the token
+    that ended it included)."""
 
     index: int
     text: str
@@ -73,8 +74,8 @@ class Completion:
 class RowText:
     """The text of one row as its tokens come: what may be sent so far, and where a stop string ends it."""
 
-    def __init__(self, tokenizer, eos_token_id: int | None, stop: list[str]):
-        self.tokenizer, self.eos_token_id, self.stop = tokenizer, eos_token_id, stop
+    def __init__(self, tokenizer, stop_token_ids: list[int], stop: list[str]):
+        self.tokenizer, self.stop_token_ids, self.stop = tokenizer, stop_token_ids, stop
         self.ids: list[int] = []
         self.sent = 0  # characters handed out
         self.result: RowFinished | None = None
@@ -98,7 +99,7 @@ class RowText:
         the text that is now safe to send, or the row's end."""
         known = len(self.ids)
         self.ids += new_ids
-        ends_with_eos = finished and bool(self.ids) and self.ids[-1] == self.eos_token_id
+        ends_with_eos = finished and bool(self.ids) and self.ids[-1] in self.stop_token_ids
         text = self.decode(self.ids[:-1] if ends_with_eos else self.ids)
         if (position := self.stop_position(text)) is not None:
             # Counted up to the token that completed the stop string, as if decoding had stopped there.
@@ -200,7 +201,7 @@ class BatchingEngine:
     def decode(self, batch: list[Completion]):
         generator = self.generator
         rows = [(completion, index) for completion in batch for index in range(len(completion.prompt_ids))]
-        texts = [RowText(generator.tokenizer, generator.eos_token_id, completion.stop) for completion, _ in rows]
+        texts = [RowText(generator.tokenizer, generator.stop_token_ids, completion.stop) for completion, _ in rows]
         decoding = DecodingBatch(
             generator.sampler,
             generator.params,

@@ -123,8 +123,16 @@ class TextsToRows:
     row_length: int
     length_flag: str  # the flag that sets the length: --block_size
 
+    # (dataset, split, tokenizer, row_length, data_args) -> arrays of rows of examples (prompt/completion pairs,
+    # conversations: flax_lm.examples): what run_clm_flax.py trains on where the data are examples; None elsewhere.
+    example_rows: Callable | None = None
+
+    def row_function(self, data_args) -> Callable:
+        """The script's function that makes rows of the data the arguments name: of examples, or of texts."""
+        return self.example_rows if getattr(data_args, "example_format", None) else self.tokenized_rows
+
     def rows_of(self, dataset, split: str, data_args):
-        return self.tokenized_rows(dataset, split, self.tokenizer, self.row_length, data_args)
+        return self.row_function(data_args)(dataset, split, self.tokenizer, self.row_length, data_args)
 
 
 def load_streams(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> tuple[dict, Any]:
@@ -187,7 +195,7 @@ def cached_rows(model_args, data_args, training_args, texts_to_rows: TextsToRows
             split: cached_blocks(
                 dataset,
                 split,
-                texts_to_rows.tokenized_rows,
+                texts_to_rows.row_function(data_args),
                 texts_to_rows.tokenizer,
                 texts_to_rows.row_length,
                 cache_dir,
@@ -206,6 +214,10 @@ def final_rows(rows: dict, data_args, texts_to_rows: TextsToRows, source: str = 
     if data_args.max_eval_samples is not None and "validation" in rows:
         rows["validation"] = rows["validation"][: data_args.max_eval_samples]
     for split, split_rows in rows.items():
+        if len(split_rows) == 0 and data_args.example_format:
+            raise UsageError(
+                f"the {split} data{source} hold no example to train on (the log says which were left out)"
+            )
         if len(split_rows) == 0:
             raise UsageError(
                 f"the {split} data{source} has no non-empty lines"
@@ -238,7 +250,8 @@ def load_mixture(model_args, data_args, training_args, texts_to_rows: TextsToRow
     mixture_rows = {"validation": validation} if training_args.do_eval else {}
     if train_sources:
         names, weights = [source.name for source, _ in train_sources], [source.weight for source, _ in train_sources]
-        rows_are_tokens = data_args.framing != "line_by_line"
+        # Padded lines, and examples (padded, or packed with room to spare), are rows rather than tokens.
+        rows_are_tokens = data_args.framing != "line_by_line" and not source_args.example_format
         mixture_rows["train"] = Mixture(names, weights, [rows for _, rows in train_sources], rows_are_tokens)
     return mixture_rows, None
 

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from flax_lm.chat import stop_token_ids
 from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.model_code import FINGERPRINT_KEY, FLAX_WEIGHTS_NAME, MODEL_FILE_KEY, ModelCode, check_model_file_of
 
@@ -273,7 +274,6 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
     for key in (MODEL_FILE_KEY, FINGERPRINT_KEY):
         if hasattr(config, key):
             delattr(config, key)
-    generation_config = os.path.join(output_dir, "generation_config.json")
     with naming_a_full_disk("--output_dir", output_dir):
         if model_code.claims_architecture:
             write_model_weights(output_dir, model.to_hf_state_dict(host_params), "model.safetensors")
@@ -291,9 +291,13 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
             setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
         config.save_pretrained(output_dir)
         if model.GENERATES_TEXT:
-            GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+            generation_config = GenerationConfig.from_model_config(config)
+            # Where the tokenizer's chat template ends a turn with a token of its own, generation stops there too.
+            if len(stop_ids := stop_token_ids(tokenizer, config.eos_token_id)) > 1:
+                generation_config.eos_token_id = stop_ids
+            generation_config.save_pretrained(output_dir)
         else:
-            remove_if_there(generation_config)  # an earlier model's, in this directory
+            remove_if_there(os.path.join(output_dir, "generation_config.json"))  # an earlier model's, here
         tokenizer.save_pretrained(output_dir)
 
 

@@ -143,12 +143,18 @@ GOLDEN_FRACTION = (math.sqrt(5) - 1) / 2
 
 class Mixture:
     """The training rows of several sources, indexed as one (rows, width) array-like (the sources one after the
-    other), and the rows a run draws from them by weight. Each source is read pass after pass, every pass in an
-    order of its own fixed by the seed, however often the other sources repeat. Which rows a global batch holds
-    depends only on the step, the seed and the sources, so a resumed run and every process agree on them."""
+    other; (rows, 2, width) for examples' token ids and loss weights), and the rows a run draws from them by weight.
+    Each source is read pass after pass, every pass in an order of its own fixed by the seed, however often the other
+    sources repeat. Which rows a global batch holds depends only on the step, the seed and the sources, so a resumed
+    run and every process agree on them."""
 
     def __init__(self, names: list[str], weights: list[float], sources: list, rows_are_tokens: bool = True):
         self.names, self.sources, self.rows_are_tokens = names, sources, rows_are_tokens
+        if len({rows.shape[1:] for rows in sources}) > 1:
+            raise UsageError(
+                "the sources of the mixture are of two kinds, plain text and examples (prompt/completion pairs or "
+                "conversations); give a mixture sources of one kind"
+            )
         scaled = np.asarray(weights, np.float64) / max(weights)  # weights near the largest float would sum to inf
         self.weights = scaled / scaled.sum()
         self.bounds = np.cumsum(self.weights)[:-1]
@@ -159,14 +165,14 @@ class Mixture:
         return int(self.offsets[-1])
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self), self.sources[0].shape[1])
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.sources[0].shape[1:])
 
     def __getitem__(self, index):
         """The rows at an integer index or an array of them, read from their sources."""
         positions = np.atleast_1d(np.asarray(index, np.int64))
         source_numbers = np.searchsorted(self.offsets, positions, side="right") - 1
-        rows = np.empty((len(positions), self.shape[1]), np.int32)
+        rows = np.empty((len(positions), *self.shape[1:]), np.int32)
         for source in np.unique(source_numbers):
             chosen = source_numbers == source
             rows[chosen] = np.asarray(self.sources[source][positions[chosen] - self.offsets[source]])
@@ -231,7 +237,7 @@ class Mixture:
         with <s> and </s>, not counted here), else (padded lines) its rows; and its share."""
         drawn = self.draws_per_source(total_rows) - self.draws_per_source(first_row)
         unit = "tokens" if self.rows_are_tokens else "rows"
-        amounts = drawn * (self.shape[1] if self.rows_are_tokens else 1)
+        amounts = drawn * (self.shape[-1] if self.rows_are_tokens else 1)
         shares = drawn / max(total_rows - first_row, 1)
         logger.info(
             "The mixture's %s: %s",

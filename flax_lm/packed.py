@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from flax_lm.arguments import check_writable_directory
+from flax_lm.chat import chat_template_of
 from flax_lm.checksums import file_checksum
 from flax_lm.code_fingerprint import code_fingerprint
 from flax_lm.errors import UsageError
@@ -51,7 +52,8 @@ def fingerprint(value) -> str:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A fingerprint of everything in the tokenizer that changes the ids (vocabulary, merges, normalisation, special
-    tokens), whatever files it was saved in: what a packed corpus and a training checkpoint record of it."""
+    tokens, the chat template conversations are rendered with), whatever files it was saved in: what a packed corpus
+    and a training checkpoint record of it."""
     settings = json.loads(tokenizer.backend_tokenizer.to_str())
     for transient in ("truncation", "padding"):  # set by calls to the transformers wrapper, not part of the ids
         settings.pop(transient, None)
@@ -60,12 +62,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "eos_token_id": tokenizer.eos_token_id,
         "encode_special_tokens": tokenizer.backend_tokenizer.encode_special_tokens,
     }
+    if (chat_template := chat_template_of(tokenizer)) is not None:  # absent, the fingerprint is as it always was
+        tokenizer_settings["chat_template"] = chat_template
     return fingerprint(tokenizer_settings)
 
 
 def packed_description(tokenizer, block_size: int, framing: str, source: dict) -> dict:
     """What a packed corpus holds, recorded in its index: the block size, how texts became rows (grouped, or
-    line_by_line), the data it was packed from and the tokenizer's fingerprint."""
+    line_by_line, or examples), the data it was packed from and the tokenizer's fingerprint."""
     return {
         "block_size": block_size,
         "framing": framing,
@@ -75,7 +79,8 @@ def packed_description(tokenizer, block_size: int, framing: str, source: dict) -
 
 
 def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
-    """Write the block arrays of one split as shards of `blocks_per_shard` blocks (the last one may be
+    """Write the block arrays of one split (count, block_size), or (count, ..., block_size) for rows of several
+    arrays (examples: token ids and loss weights), as shards of `blocks_per_shard` blocks (the last one may be
     shorter) and return the split's entry of the index.
 
     Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
@@ -83,7 +88,7 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
     """
     dtype = np.dtype(dtype)
     largest = np.iinfo(dtype).max
-    shards, shard, filled, num_blocks = [], None, 0, 0
+    shards, shard, filled, num_blocks, row_shape = [], None, 0, 0, None
 
     def finish_shard():
         name = f"{split}-{len(shards):05d}.npy"
@@ -109,9 +114,9 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
                     os.path.join(directory, f"{name}.{os.getpid()}.tmp.npy"),
                     mode="w+",
                     dtype=dtype,
-                    shape=(blocks_per_shard, block_array.shape[1]),
+                    shape=(blocks_per_shard, *block_array.shape[1:]),
                 )
-                filled = 0
+                filled, row_shape = 0, list(block_array.shape[1:])
             count = min(blocks_per_shard - filled, len(block_array) - start)
             shard[filled : filled + count] = block_array[start : start + count]
             filled, start, num_blocks = filled + count, start + count, num_blocks + count
@@ -121,7 +126,10 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
     if shard is not None:
         finish_shard()
         del shard
-    return {"num_blocks": num_blocks, "shards": shards}
+    entry = {"num_blocks": num_blocks, "shards": shards}
+    if row_shape is not None and len(row_shape) > 1:  # rows of one array of block_size need no record
+        entry["row_shape"] = row_shape
+    return entry
 
 
 def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
@@ -183,15 +191,21 @@ def packed_shards_problem(directory: str, index: dict) -> str | None:
                 shape = np.load(os.path.join(directory, shard["file"]), mmap_mode="r").shape
             except (OSError, ValueError, EOFError) as error:
                 return f"{shard['file']} is cut short or unreadable ({error})"
-            expected = (shard["num_blocks"], index["block_size"])
+            expected = (shard["num_blocks"], *row_shape_of(entry, index))
             if shape != expected:
                 return f"{shard['file']} holds an array of shape {shape}, not the {expected} the index lists"
     return None
 
 
+def row_shape_of(split_entry: dict, index: dict) -> tuple[int, ...]:
+    """The shape of one row of a split: (block_size,), or as recorded for rows of several arrays."""
+    return tuple(split_entry.get("row_shape", [index["block_size"]]))
+
+
 class PackedBlocks:
-    """The blocks of one split of a packed corpus, indexed like a (num_blocks, block_size) int32 array:
-    `len`, an integer, a slice (a view, nothing read), or an array of indices (those blocks, read).
+    """The blocks of one split of a packed corpus, indexed like a (num_blocks, *row_shape) int32 array (row_shape:
+    (block_size,), or (2, block_size) for examples' token ids and loss weights): `len`, an integer, a slice (a view,
+    nothing read), or an array of indices (those blocks, read).
 
     Shards are memory-mapped when first needed (the most recent few kept open), so a process reads
     only the blocks it asks for, whatever the size of the corpus. The first time it opens a shard, it compares the
@@ -200,19 +214,19 @@ class PackedBlocks:
     """
 
     dtype = np.dtype(np.int32)
-    ndim = 2
     open_shards = 64
 
     def __init__(
         self,
         directory: str,
         split_entry: dict,
-        block_size: int,
+        row_shape: tuple,
         start: int = 0,
         stop: int | None = None,
         on_damage=None,
     ):
-        self.directory, self.split_entry, self.block_size = directory, split_entry, block_size
+        self.directory, self.split_entry, self.row_shape = directory, split_entry, row_shape
+        self.ndim = 1 + len(row_shape)
         self.on_damage = on_damage or (
             lambda problem: UsageError(f"the packed corpus {directory} is damaged: {problem}")
         )
@@ -238,8 +252,8 @@ class PackedBlocks:
         return self.stop - self.start
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self), self.block_size)
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.row_shape)
 
     def __getitem__(self, index):
         if isinstance(index, slice) and index.step in (None, 1):
@@ -259,7 +273,7 @@ class PackedBlocks:
 
     def read(self, positions: np.ndarray) -> np.ndarray:
         """The blocks at these positions of the whole split, in the order given."""
-        blocks = np.empty((*positions.shape, self.block_size), dtype=np.int32)
+        blocks = np.empty((*positions.shape, *self.row_shape), dtype=np.int32)
         shard_numbers = np.searchsorted(self.shard_starts, positions, side="right") - 1
         for shard_number in np.unique(shard_numbers):
             chosen = shard_numbers == shard_number
@@ -275,7 +289,7 @@ def open_packed_corpus(directory: str, index: dict, on_damage=None) -> dict[str,
     """{split: PackedBlocks} of the packed corpus in `directory`; `on_damage(problem)` gives the error that stops the
     run where a shard's bytes changed on disk (see PackedBlocks)."""
     blocks = {
-        split: PackedBlocks(directory, entry, index["block_size"], on_damage=on_damage)
+        split: PackedBlocks(directory, entry, row_shape_of(entry, index), on_damage=on_damage)
         for split, entry in index["splits"].items()
     }
     for split, split_blocks in blocks.items():
@@ -412,7 +426,7 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
-        if (framing := index.get("framing", "grouped")) != data_args.framing:  # corpora before lines were grouped
+        if not data_args.adopt_framing(framing := index.get("framing", "grouped")):  # corpora before lines: grouped
             raise UsageError(
                 f"--packed_data_dir {directory} holds {framing} rows, not {data_args.framing} ones; {fix}"
             )
@@ -445,7 +459,9 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
             texts = texts_to_rows.read_texts(model_args, data_args, streaming=data_args.streaming)
             check_tokenizer_encodes(tokenizer, texts, data_args)
             logger.info("Packing %s into %s", " and ".join(texts), directory)
-            index = pack_texts(directory, texts, tokenized_rows, tokenizer, block_size, description, data_args)
+            row_function = texts_to_rows.row_function(data_args)  # known once the data are read
+            description.update(framing=data_args.framing, code_fingerprint=code_fingerprint(row_function))
+            index = pack_texts(directory, texts, row_function, tokenizer, block_size, description, data_args)
     if jax.process_count() > 1:
         index = read_packed_index(directory)
         if index is None:
@@ -456,10 +472,12 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
         check(index)
     # Told, not refused: the rows may well be the same (an edit of a comment or of the script's name changes the
     # fingerprint too), and packing a large corpus again is costly. A corpus packed before it was recorded has none.
-    if index.get("code_fingerprint", description["code_fingerprint"]) != description["code_fingerprint"]:
+    fingerprint_here = code_fingerprint(texts_to_rows.row_function(data_args))
+    if index.get("code_fingerprint", fingerprint_here) != fingerprint_here:
         logger.warning(
-            "--packed_data_dir %s was packed by other code than this script's tokenized_rows (another script, or the "
-            "function or one of the script's functions it calls since edited): its rows may not be those this script "
+            "--packed_data_dir %s was packed by other code than this script's tokenized_rows (example_rows for "
+            "examples; another script, or the function or one of the script's functions it calls since edited): its "
+            "rows may not be those this script "
             "makes; add --overwrite_cache to pack it again",
             directory,
         )

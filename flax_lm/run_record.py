@@ -151,7 +151,7 @@ def rows_fingerprint(rows) -> str | None:
             ]
         )
     if hasattr(rows, "split_entry"):  # PackedBlocks
-        return json_fingerprint([rows.split_entry, rows.block_size, rows.start, rows.stop])
+        return json_fingerprint([rows.split_entry, list(rows.row_shape), rows.start, rows.stop])
     return hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()[:16]
 
 

@@ -153,9 +153,14 @@ class Sampler:
     vocab_size: int
 
 
-def make_sampler(model, eos_token_id: int | None) -> Sampler:
-    eos = -1 if eos_token_id is None else eos_token_id
-    pad = max(eos, 0)  # what finished rows write
+def make_sampler(model, eos_token_id: int | list[int] | None) -> Sampler:
+    """The decoding of `model`, each row ending at the end-of-text token `eos_token_id`, or at the first of several
+    (a chat model's end of turn among them: flax_lm.chat.stop_token_ids)."""
+    stop_ids = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
+    pad = max(stop_ids[0], 0) if stop_ids else 0  # what finished rows write
+
+    def ends(token):
+        return jnp.isin(token, jnp.asarray(stop_ids or [-1], jnp.int32))
 
     def choose(settings: RowSettings, step, logits, do_sample: bool, candidates: int):
         def row_key(seed, prompt_index):
@@ -181,7 +186,7 @@ def make_sampler(model, eos_token_id: int | None) -> Sampler:
             last_token=token,
             tokens=jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(token),
             counts=counts,
-            finished=(token == eos) | (counts >= settings.max_new_tokens),
+            finished=ends(token) | (counts >= settings.max_new_tokens),
             step=jnp.ones((), jnp.int32),
         )
 
@@ -203,7 +208,7 @@ def make_sampler(model, eos_token_id: int | None) -> Sampler:
                 last_token=token,
                 tokens=state.tokens.at[:, state.step].set(token),
                 counts=counts,
-                finished=state.finished | (token == eos) | (counts >= state.settings.max_new_tokens),
+                finished=state.finished | ends(token) | (counts >= state.settings.max_new_tokens),
                 step=state.step + 1,
             )
 

@@ -34,6 +34,24 @@ UNSUPPORTED_COMPLETION_FIELDS = {
 MAX_LOGPROBS = 5
 
 
+# The chat completions API's fields this server reads (max_tokens is the older name of max_completion_tokens), and
+# those it has no use for, accepted at the value that asks for nothing.
+CHAT_FIELDS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "stream", "stream_options", "n", "user",
+}  # fmt: skip
+UNSUPPORTED_CHAT_FIELDS = {
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
 class RequestError(Exception):
     """A request the server refuses, with one line that says why: 400 unless `status` says otherwise; `param` is
     the field at fault."""
@@ -180,19 +198,8 @@ class CompletionRequest:
 def parse_completion_request(request, model_id: str, limits: Limits) -> CompletionRequest:
     """A request to POST /v1/completions, as OpenAI defines it; the command line's settings fill in what it leaves
     out (max_tokens from --max_new_tokens)."""
-    if not isinstance(request, dict):
-        raise RequestError('the body must be a JSON object such as {"model": "...", "prompt": "Once"}')
-    if unknown := sorted(set(request) - COMPLETION_FIELDS - set(UNSUPPORTED_COMPLETION_FIELDS)):
-        raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
-    for name, accepted in UNSUPPORTED_COMPLETION_FIELDS.items():
-        if name in request and request[name] not in accepted:
-            raise RequestError(f'"{name}" is not supported by this server; leave it out', name)
-    if "model" not in request:
-        raise RequestError(f'"model" is missing; this server serves {model_id!r}', "model")
-    if request["model"] != model_id:
-        raise RequestError(
-            f"the model {request['model']!r} is not served here; this server serves {model_id!r}", "model", 404
-        )
+    example = '{"model": "...", "prompt": "Once"}'
+    check_openai_fields(request, model_id, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, example)
     if "prompt" not in request:
         raise RequestError('"prompt" is missing: give a string or a list of strings', "prompt")
     prompt = request["prompt"]
@@ -224,16 +231,46 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
             f'"logprobs" must be from 0 to {MAX_LOGPROBS}: how many of the most likely tokens to show at each token',
             "logprobs",
         )
+    stop = stop_strings(request)
+    stream, include_usage = stream_settings(request)
+    if stream and (echo or logprobs is not None or sampling.max_new_tokens == 0):
+        raise RequestError('"echo", "logprobs" and "max_tokens": 0 are not supported with "stream": true', "stream")
+    return CompletionRequest(prompts, sampling, stop, stream, include_usage, echo, logprobs)
+
+
+def check_openai_fields(request, model_id: str, fields: set, unsupported: dict, example: str):
+    """Refuse a request to an OpenAI API that is not an object, has a field the API does not define (`fields`: those
+    read; `unsupported`: those accepted only at the values that ask for nothing) or names another model."""
+    if not isinstance(request, dict):
+        raise RequestError(f"the body must be a JSON object such as {example}")
+    if unknown := sorted(set(request) - fields - set(unsupported)):
+        raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
+    for name, accepted in unsupported.items():
+        if name in request and request[name] not in accepted:
+            raise RequestError(f'"{name}" is not supported by this server; leave it out', name)
+    if "model" not in request:
+        raise RequestError(f'"model" is missing; this server serves {model_id!r}', "model")
+    if request["model"] != model_id:
+        raise RequestError(
+            f"the model {request['model']!r} is not served here; this server serves {model_id!r}", "model", 404
+        )
+
+
+def stop_strings(request: dict) -> list[str]:
+    """The "stop" field of a request to the OpenAI APIs: up to 4 strings."""
     stop = request.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(text, str) and text for text in stop):
         raise RequestError('"stop" must be a non-empty string or a list of at most 4 of them', "stop")
+    return stop
+
+
+def stream_settings(request: dict) -> tuple[bool, bool]:
+    """Whether a request to the OpenAI APIs asks for server-sent events, and for a last one of usage."""
     stream = request.get("stream") or False
     options = request.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise RequestError(f'"stream" must be true or false, not {stream!r}', "stream")
-    if stream and (echo or logprobs is not None or sampling.max_new_tokens == 0):
-        raise RequestError('"echo", "logprobs" and "max_tokens": 0 are not supported with "stream": true', "stream")
     if not (
         isinstance(options, dict)
         and set(options) <= {"include_usage"}
@@ -241,4 +278,39 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
         and (stream or not options)
     ):
         raise RequestError('"stream_options" may only be {"include_usage": true} (or false), with "stream": true')
-    return CompletionRequest(prompts, sampling, stop, stream, include_usage, echo, logprobs)
+    return stream, include_usage
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    messages: list
+    sampling: Sampling
+    max_tokens_name: str  # the field the request gave, max_completion_tokens or max_tokens
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat_request(request, model_id: str, limits: Limits) -> ChatRequest:
+    """A request to POST /v1/chat/completions, as OpenAI defines it: a conversation ("messages"), answered with the
+    assistant's next turn; the command line's settings fill in what it leaves out (max_completion_tokens, or
+    max_tokens, from --max_new_tokens). The conversation is checked when it is rendered."""
+    example = '{"model": "...", "messages": [{"role": "user", "content": "Hi"}]}'
+    check_openai_fields(request, model_id, CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS, example)
+    if "messages" not in request:
+        raise RequestError('"messages" is missing: give the conversation, a list of messages', "messages")
+    if number(request, "n", int, 1) != 1:
+        raise RequestError('"n" must be 1: this server writes one reply per conversation', "n")
+    defaults = limits.defaults
+    max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
+    sampling = Sampling(
+        max_new_tokens=number(request, max_tokens_name, int, defaults.max_new_tokens),
+        temperature=number(request, "temperature", float, defaults.temperature),
+        top_k=number(request, "top_k", int, defaults.top_k),
+        top_p=number(request, "top_p", float, defaults.top_p),
+        seed=number(request, "seed", int, defaults.seed),
+    )
+    stop = stop_strings(request)
+    stream, include_usage = stream_settings(request)
+    sampling = checked_sampling(sampling, limits, max_tokens_name)
+    return ChatRequest(request["messages"], sampling, max_tokens_name, stop, stream, include_usage)

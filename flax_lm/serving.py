@@ -1,6 +1,6 @@
-"""generate_flax.py's HTTP server: the OpenAI completions API (POST /v1/completions, streamed as server-sent
-events on request; GET /v1/models), the script's own JSON API (POST /), GET /health and Prometheus metrics
-(GET /metrics), in front of flax_lm.batching's engine.
+"""generate_flax.py's HTTP server: the OpenAI completions and chat completions APIs (POST /v1/completions and
+/v1/chat/completions, streamed as server-sent events on request; GET /v1/models), the script's own JSON API (POST /),
+GET /health and Prometheus metrics (GET /metrics), in front of flax_lm.batching's engine.
 
 A completion request may give its prompts as texts or token ids, several in one request, and ask for the prompt back
 ("echo") and the log-probabilities of the tokens ("logprobs", from flax_lm.scoring), with "max_tokens": 0 for the
@@ -39,6 +39,7 @@ from flax_lm.server_requests import (
     REQUEST_EXAMPLE,
     Limits,
     RequestError,
+    parse_chat_request,
     parse_completion_request,
     parse_generate_request,
     read_json,
@@ -260,6 +261,56 @@ class CompletionAnswer:
         yield "data: [DONE]\n\n"
 
 
+class ChatAnswer(CompletionAnswer):
+    """The parts of an answer of POST /v1/chat/completions, in OpenAI's shape: the assistant's reply as one message,
+    or streamed as chunks of it (the first with its role, then its text as it comes, the last with why it ended)."""
+
+    def __init__(self, model_id: str, prompt_tokens: int):
+        super().__init__(model_id, prompt_tokens)
+        self.head.update(id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion")
+
+    def whole(self, results: list[RowFinished]) -> dict:
+        (result,) = results
+        message = {"role": "assistant", "content": result.text}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS[result.finish_reason],
+        }
+        return {**self.head, "choices": [choice], "usage": self.usage(results)}
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> str:
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        return server_sent_event({**self.head, "object": "chat.completion.chunk", "choices": choices})
+
+    async def server_sent_events(self, submitted: Submitted, include_usage: bool, on_end):
+        """The reply as server-sent events, each piece of text as it comes, then `data: [DONE]`; `on_end(results)`
+        once it is done."""
+        yield self.chunk({"role": "assistant", "content": ""})
+        sent = 0  # characters of the reply sent
+        async for event in submitted.each_event():
+            if isinstance(event, Failed):
+                yield server_sent_event({"error": {"message": event.message, "type": "server_error"}})
+                break
+            if isinstance(event, TextPiece):
+                sent += len(event.text)
+                yield self.chunk({"content": event.text})
+            else:
+                result = event
+                if rest := event.text[sent:]:
+                    yield self.chunk({"content": rest})
+                yield self.chunk({}, FINISH_REASONS[event.finish_reason])
+        else:
+            if include_usage:
+                usage = self.usage([result])
+                yield server_sent_event(
+                    {**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+                )
+            on_end([result])
+        yield "data: [DONE]\n\n"
+
+
 class Endpoints:
     """What the server answers on each path."""
 
@@ -272,20 +323,29 @@ class Endpoints:
             Route("/", self.usage, methods=["GET"]),
             Route("/", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
 
-    async def encode(self, prompts: list, max_new_tokens: int, max_new_tokens_name: str) -> list[list[int]]:
+    async def encode(
+        self, prompts: list, max_new_tokens: int, max_new_tokens_name: str, conversations: bool = False
+    ) -> list[list[int]]:
+        """Token ids of the prompts (or, with `conversations`, of conversations to reply to)."""
+        encode = self.generator.encode_conversations if conversations else self.generator.encode
+        where, param = ("conversation", "messages") if conversations else ("prompt", "prompt")
         try:
             # On a thread: a long prompt holds up no other request.
-            return await asyncio.to_thread(self.generator.encode, prompts, max_new_tokens, "prompt")
+            return await asyncio.to_thread(encode, prompts, max_new_tokens, where)
         except ValueError as error:
-            raise RequestError(str(error).replace("max_new_tokens", max_new_tokens_name), "prompt") from None
+            raise RequestError(str(error).replace("max_new_tokens", max_new_tokens_name), param) from None
 
-    async def submit(self, prompts: list, sampling: Sampling, stop: list[str], max_new_tokens_name: str) -> Submitted:
-        prompt_ids = await self.encode(prompts, sampling.max_new_tokens, max_new_tokens_name)
+    async def submit(
+        self, prompts: list, sampling: Sampling, stop: list[str], max_new_tokens_name: str, conversations=False
+    ) -> Submitted:
+        """Hands the prompts (or, with `conversations`, conversations to reply to) to the engine."""
+        prompt_ids = await self.encode(prompts, sampling.max_new_tokens, max_new_tokens_name, conversations)
         submitted = Submitted(self.engine, prompt_ids, sampling, stop)
         self.metrics.prompt_tokens.inc(submitted.completion.prompt_tokens)
         return submitted
@@ -375,6 +435,33 @@ class Endpoints:
             )
             choices.append((text, row_logprobs))
         return choices
+
+    async def chat_completions(self, request):
+        start = time.perf_counter()
+        try:
+            parsed = parse_chat_request(await read_json(request), self.model_id, self.limits)
+            sampling, stop = parsed.sampling, parsed.stop
+            submitted = await self.submit([parsed.messages], sampling, stop, parsed.max_tokens_name, True)
+        except RequestError as error:
+            error_type = "not_found_error" if error.status == 404 else "invalid_request_error"
+            return openai_error(str(error), error_type, error.status, error.param)
+        except Overloaded as error:
+            return openai_error(str(error), "overloaded_error", 503, headers={"Retry-After": str(error.retry_after)})
+        answer = ChatAnswer(self.model_id, submitted.completion.prompt_tokens)
+        if parsed.stream:
+            events = answer.server_sent_events(
+                submitted,
+                parsed.include_usage,
+                lambda results: self.log_answer("/v1/chat/completions", results, start),
+            )
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            results = await submitted.results()
+        except RuntimeError as error:
+            return openai_error(str(error), "server_error", 500)
+        self.log_answer("/v1/chat/completions", results, start)
+        return JSONResponse(answer.whole(results))
 
     async def models(self, request):
         model = {"id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "flax-lm"}

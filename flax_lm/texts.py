@@ -191,13 +191,17 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
         raw = {"train": raw}
     used = ("validation",) if evaluation_only and "validation" in raw else ("train", "validation")
     raw = {split: dataset for split, dataset in raw.items() if split in used}
+    # Examples (prompt/completion, conversations) are checked row by row as they are encoded (flax_lm.examples).
+    examples = data_args.resolve_example_format(raw, streaming) is not None
     for split, dataset in raw.items():
         columns = dataset.column_names  # None for a stream whose columns are only known once read
-        if columns is not None and data_args.text_column_name not in columns:
+        if not examples and columns is not None and data_args.text_column_name not in columns:
             raise UsageError(
                 f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
                 "pass --text_column_name"
             )
+    if examples:
+        return raw
     return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
 
 

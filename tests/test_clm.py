@@ -53,12 +53,13 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 
 def model_dir_with_config(tokenizer_dir, directory, model_type="gpt2", **overrides) -> str:
     """`directory` holding a copy of the 1000-token test tokenizer `tokenizer_dir` and a tiny config of its
-    vocabulary and 64 positions (tiny_config for gpt2, tiny_llama_config for llama; with `overrides`)."""
+    vocabulary and 64 positions (tiny_config for gpt2, tiny_llama_config for llama), changed by `overrides` (a larger
+    vocab_size for a tokenizer with tokens added, more positions)."""
     shutil.copytree(tokenizer_dir, directory, dirs_exist_ok=True)
     if model_type == "llama":
-        tiny_llama_config(vocab_size=1000, **overrides).save_pretrained(directory)
+        tiny_llama_config(**{"vocab_size": 1000, **overrides}).save_pretrained(directory)
     else:
-        tiny_config(vocab_size=1000, n_positions=64, **overrides).save_pretrained(directory)
+        tiny_config(**{"vocab_size": 1000, "n_positions": 64, **overrides}).save_pretrained(directory)
     return str(directory)
 
 

@@ -126,7 +126,7 @@ def packed_corpora(cache_dir) -> set[str]:
 
 def train_blocks(directory) -> np.ndarray:
     index = read_packed_index(str(directory))
-    return np.asarray(PackedBlocks(str(directory), index["splits"]["train"], index["block_size"]))
+    return np.asarray(PackedBlocks(str(directory), index["splits"]["train"], (index["block_size"],)))
 
 
 def test_token_cache_is_reused_by_the_same_code_and_packed_again_after_an_edit_of_pack_blocks(
