@@ -765,7 +765,7 @@ def abstract_call_batches(setup: TrainingSetup, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them."""
     shape = (setup.train_batch_size, setup.sequence_length)
     global_batch = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32)}
-    if setup.train_examples is not None and len(setup.train_examples.shape) == 3:  # examples' rows: their weights
+    if setup.train_rows is not None and len(setup.train_rows.shape) == 3:  # examples' rows: their weights
         global_batch["weights"] = jax.ShapeDtypeStruct(shape, jnp.float32)
     accumulation_steps, steps_per_call = training_args.gradient_accumulation_steps, training_args.steps_per_call
     return call_batch_shapes(global_batch, accumulation_steps, steps_per_call, setup.call_batches_sharding)

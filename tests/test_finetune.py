@@ -22,6 +22,7 @@ from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoToken
 import generate_flax
 import run_clm_flax
 from flax_lm.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
+from flax_lm.data import TextsToRows
 from flax_lm.errors import UsageError
 from flax_lm.examples import CONVERSATIONAL_PROMPT_COMPLETION, CONVERSATIONS, PROMPT_COMPLETION, format_of
 from flax_lm.hf_io import save_model
@@ -347,15 +348,15 @@ def test_a_packed_data_dir_of_examples_is_used_alone_and_refused_with_other_loss
 
     def load(**settings):
         data_args = example_data_arguments(packed_data_dir=packed, **settings)
-        blocks = load_packed_corpus(
-            model_args,
-            data_args,
+        texts_to_rows = TextsToRows(
+            run_clm_flax.read_texts,
             run_clm_flax.tokenized_rows,
             tokenizer,
             64,
-            "--block_size 64",
-            run_clm_flax.example_rows,
+            "--block_size",
+            example_rows=run_clm_flax.example_rows,
         )
+        blocks = load_packed_corpus(model_args, data_args, texts_to_rows)
         return np.asarray(blocks["train"])
 
     packed_rows = load(train_file=[data_file])
