@@ -478,6 +478,11 @@ def describe_results(results: dict) -> str:
     return f"loss {results['loss']:.4f}, perplexity {results['perplexity']:.2f}{bits_per_byte}"
 
 
+# What each evaluation reports (the log, the trackers, eval_results.json), of what evaluation_results returns: a new
+# metric is a sum in make_eval_step, its ratio in evaluation_results, and its name here.
+EVAL_METRICS = ("loss", "perplexity", "bits_per_byte")
+
+
 def evaluation_results(totals: dict) -> dict:
     """Loss and perplexity, averaged exactly over predicted tokens, and bits per byte (the summed loss in bits over
     the UTF-8 bytes of the predicted text) where the step counts bytes."""
@@ -519,8 +524,7 @@ class Evaluation:
     """Evaluation on the validation blocks and on the lm-evaluation-harness tasks of --eval_tasks, logged with samples
     from the same prompts each time, so that a reader sees the text get better; the sampler is compiled once."""
 
-    # What TensorBoard's HParams tab compares runs by.
-    metric_tags = ["eval/loss", "eval/perplexity", "eval/bits_per_byte"]
+    metric_tags = [f"eval/{name}" for name in EVAL_METRICS]  # what TensorBoard's HParams tab compares runs by
 
     def __init__(self, setup: "TrainingSetup", blocks, tokenizer, training_args, trackers, chat: bool = False):
         self.setup, self.blocks, self.tokenizer, self.trackers = setup, blocks, tokenizer, trackers
@@ -561,7 +565,7 @@ class Evaluation:
                 self.blocks,
                 evaluation_results,
             )
-            report_by_source(results, step, self.trackers, ("loss", "perplexity", "bits_per_byte"), describe_results)
+            report_by_source(results, step, self.trackers, EVAL_METRICS, describe_results)
         if self.tasks:
             results["tasks"] = self.tasks(params)
             self.tasks.report(results["tasks"], step, self.trackers)
@@ -593,7 +597,7 @@ class Evaluation:
         saved = {}
         if self.blocks is not None:
             # bits_per_byte and bytes are null where the tokens have no fixed byte count.
-            names = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
+            names = (*EVAL_METRICS, "tokens", "bytes")
             saved = {f"eval_{name}": results.get(name) for name in names}
             for source, source_results in results["sources"].items():
                 saved.update({f"eval_{source}_{name}": source_results.get(name) for name in names})

@@ -640,6 +640,11 @@ def describe_results(results: dict) -> str:
     )
 
 
+# What each evaluation reports (the log, the trackers, eval_results.json), of what evaluation_results returns: a new
+# metric is a sum in make_eval_step, its ratio in evaluation_results, and its name here.
+EVAL_METRICS = ("loss", "perplexity", "accuracy")
+
+
 def evaluation_results(totals: dict) -> dict:
     """Loss, perplexity and accuracy, averaged exactly over masked tokens."""
     masked_tokens = totals["weight_sum"]
@@ -692,7 +697,7 @@ class Evaluation:
     """Evaluation on the validation examples, masked the same way each time; and, at the end of training, what the
     exported model predicts for a masked text."""
 
-    metric_tags = ["eval/loss", "eval/perplexity", "eval/accuracy"]  # what TensorBoard's HParams tab compares runs by
+    metric_tags = [f"eval/{name}" for name in EVAL_METRICS]  # what TensorBoard's HParams tab compares runs by
 
     def __init__(self, setup: "TrainingSetup", examples, make_batch, tokenizer, training_args, trackers):
         self.setup, self.examples, self.make_batch = setup, examples, make_batch
@@ -716,7 +721,7 @@ class Evaluation:
             self.examples,
             evaluation_results,
         )
-        report_by_source(results, step, self.trackers, ("loss", "perplexity", "accuracy"), describe_results)
+        report_by_source(results, step, self.trackers, EVAL_METRICS, describe_results)
         return results
 
     def final(self, params, step: int, reuse_saved: bool):
@@ -727,7 +732,7 @@ class Evaluation:
             return
         results = self(params, step)
         if jax.process_index() == 0:
-            names = ("loss", "perplexity", "accuracy", "masked_tokens")
+            names = (*EVAL_METRICS, "masked_tokens")
             saved = {f"eval_{name}": results[name] for name in names}
             for source, source_results in results["sources"].items():
                 saved.update({f"eval_{source}_{name}": source_results[name] for name in names})

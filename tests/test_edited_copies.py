@@ -172,7 +172,8 @@ def test_a_copy_of_the_script_under_another_name_reuses_the_token_cache(model_di
 
 
 def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, environment, tmp_path):
-    """The README's SQLite source, in read_texts alone: every route then reads the table (here the token cache)."""
+    """The README's SQLite source, in read_texts alone: every route then reads the table (here the token cache),
+    keyed by the table's rows, so that the cache is reused until the table changes."""
     database = tmp_path / "corpus.db"
     with sqlite3.connect(database) as connection:
         connection.execute("CREATE TABLE documents (text TEXT)")
@@ -181,7 +182,9 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
     sql_source = {
         "    return load_text_datasets(model_args, data_args, streaming, evaluation_only)\n": (
             "    connection = sqlite3.connect(data_args.dataset_name)\n"
-            '    texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}\n'
+            '    rows = connection.execute("SELECT text FROM documents ORDER BY rowid").fetchall()\n'
+            "    connection.close()\n"
+            '    texts = {"train": datasets.Dataset.from_dict({"text": [text for (text,) in rows]})}\n'
             "    return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else "
             "texts\n"
         ),
@@ -199,6 +202,20 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
     (corpus,) = packed_corpora(cache_dir)
     text = AutoTokenizer.from_pretrained(model_dir).decode(train_blocks(cache_dir / corpus).reshape(-1))
     assert text.count("Zebra table") >= len(paragraphs) // 2
+
+    spec = importlib.util.spec_from_file_location("sql_source", script)
+    sql_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sql_script)
+    data_args = sql_script.DataTrainingArguments(dataset_name=str(database))
+
+    def table_fingerprint():
+        return sql_script.read_texts(sql_script.ModelArguments(), data_args)["train"]._fingerprint
+
+    unchanged = table_fingerprint()
+    assert table_fingerprint() == unchanged  # the next run finds the cache
+    with sqlite3.connect(database) as connection:
+        connection.execute("UPDATE documents SET text = 'Edited' WHERE rowid = 1")
+    assert table_fingerprint() != unchanged  # an edited table is packed again
 
 
 def test_masking_that_chooses_more_than_the_room_for_predictions_is_refused_not_cut(monkeypatch):
