@@ -27,7 +27,14 @@ import numpy as np
 from flax_lm import chat
 from flax_lm.chat import chat_template_of, conversation_problem, marks_assistant_tokens, render_conversation
 from flax_lm.errors import UsageError
-from flax_lm.texts import TEXTS_PER_BATCH, ids_around_documents, map_in_workers, text_source
+from flax_lm.texts import (
+    DATA_READ_ERRORS,
+    TEXTS_PER_BATCH,
+    ids_around_documents,
+    map_in_workers,
+    text_source,
+    unreadable_data_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +79,7 @@ class ExampleArguments:
         default=True,
         metadata={
             "help": "For conversations: the loss covers the assistant's turns only (the tokens the chat template "
-            "marks with {% generation %}); false trains on every token of the conversation."
+            "marks with {%% generation %%}); false trains on every token of the conversation."
         },
     )
     packing: bool = field(
@@ -98,7 +105,12 @@ class ExampleArguments:
     def resolve_example_format(self, texts: dict, streaming: bool) -> str | None:
         """The format of the data just read ({split: dataset or stream}), told apart by their columns, kept in
         `example_format` (None for plain text); refuses splits of different formats, or options that do not apply."""
-        formats = {split: format_of(dataset, split, self) for split, dataset in texts.items()}
+        formats = {}
+        for split, dataset in texts.items():
+            try:  # a stream's first rows are read here
+                formats[split] = format_of(dataset, split, self)
+            except DATA_READ_ERRORS as error:
+                raise unreadable_data_error(error, split, self) from None
         if len(set(formats.values())) > 1:
             described = " but ".join(
                 f"the {split} data are {FORMAT_NAMES.get(kind, 'plain text')}" for split, kind in formats.items()
@@ -348,7 +360,7 @@ def numbered_batches(dataset, columns: tuple[str, ...], split: str):
             batch = next(batches)
         except StopIteration:
             return
-        except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError) as error:
+        except DATA_READ_ERRORS as error:
             cause = error.__cause__ or error
             raise UsageError(
                 f"cannot read the {split} data ({type(cause).__name__}: {cause}); check its format and encoding"

@@ -99,8 +99,8 @@ class TrainingProgress:
 # Arguments that change neither what a run trains on nor how: a resumed run may give them anew. Paths are here where
 # what they name is compared by its content instead (the tokenizer, the config, the data) or not at all (where the
 # output, the caches and the trackers go); the batch per device and the accumulation where the global batch they make
-# is compared instead (the same global batch trains alike on any number of devices); --skip_nonfinite_steps changes
-# only the steps it skips, each of which is logged.
+# is compared instead (the same global batch trains alike on any number of devices); --model_type where the config it
+# chooses is compared instead; --skip_nonfinite_steps changes only the steps it skips, each of which is logged.
 FREE_ON_RESUME = {
     "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "allow_resume_changes", "do_train", "do_eval",
     "max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "report_to",
@@ -108,7 +108,7 @@ FREE_ON_RESUME = {
     "eval_tasks", "eval_tasks_path", "eval_tasks_limit", "fill_mask_text", "fill_mask_top_k", "cache_dir",
     "compilation_cache_dir", "overwrite_cache", "preprocessing_num_workers", "packed_data_dir",
     "packed_tokens_per_shard", "steps_per_call", "mesh_shape", "gradient_checkpointing", "ignore_data_skip",
-    "model_name_or_path", "config_name", "tokenizer_name", "model_file", "train_file", "dataset_name",
+    "model_name_or_path", "model_type", "config_name", "tokenizer_name", "model_file", "train_file", "dataset_name",
     "dataset_config_name", "data_mixture", "allow_pickle_weights", "coordinator_address", "num_processes",
     "process_id", "local_device_ids", "per_device_train_batch_size", "gradient_accumulation_steps",
     "skip_nonfinite_steps",
