@@ -50,6 +50,7 @@ from flax_lm.arguments import (
     CommonTrainingArguments,
     DataArguments,
     ModelArguments,
+    check_choices,
     check_common_arguments,
     check_numeric_arguments,
     parse_arguments,
@@ -210,6 +211,7 @@ def check_arguments(model_args, data_args, training_args):
                 "add --pad_to_max_length, or leave out --steps_per_call"
             )
         training_args.steps_per_call = 1
+    check_optimizer_arguments(training_args)
     check_common_arguments(model_args, data_args, training_args)
 
 
@@ -513,6 +515,8 @@ def train_metrics(sums: dict) -> dict:
 
 # Copied from run_clm_flax.learning_rate_schedule
 def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
+    """A linear warm-up from 0 to --learning_rate, then the schedule of LEARNING_RATE_SCHEDULES that
+    --lr_scheduler_type names."""
     warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
     if training_args.do_train and warmup_steps > total_steps:
         raise UsageError(
@@ -520,15 +524,59 @@ def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
             "never reach --learning_rate; pass fewer --warmup_steps, or --warmup_ratio"
         )
     warmup_steps = min(warmup_steps, total_steps)  # an evaluation alone has no steps
-    peak, floor_rate = training_args.learning_rate, training_args.min_lr_rate
-    decay_steps = max(total_steps - warmup_steps, 1)
-    decay = {
-        "linear": optax.linear_schedule(peak, peak * floor_rate, decay_steps),
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=floor_rate),
-        "constant": optax.constant_schedule(peak),
-    }[training_args.lr_scheduler_type]
-    warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
-    return optax.join_schedules([warmup, decay], [warmup_steps])
+    after_warmup = LEARNING_RATE_SCHEDULES[training_args.lr_scheduler_type](training_args, warmup_steps, total_steps)
+    warmup = optax.linear_schedule(0.0, training_args.learning_rate, max(warmup_steps, 1))
+    return optax.join_schedules([warmup, after_warmup], [warmup_steps])
+
+
+# Copied from run_clm_flax.decay_to_the_end
+def decay_to_the_end(shape: str):
+    """The schedule after warm-up that decays from the peak to --min_lr_rate of it over all the remaining steps."""
+
+    def schedule(training_args, warmup_steps: int, total_steps: int) -> optax.Schedule:
+        peak = training_args.learning_rate
+        return DECAY_SHAPES[shape](peak, peak * training_args.min_lr_rate, max(total_steps - warmup_steps, 1))
+
+    return schedule
+
+
+# Copied from run_clm_flax.warmup_stable_decay
+def warmup_stable_decay(training_args, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """The peak, held until the last --lr_decay_ratio of the run's steps, which decay to --min_lr_rate of it in the
+    shape --lr_decay_shape names. The decay is placed by the run's last step alone: a checkpoint of the stable phase
+    resumed with another --max_steps decays at the end of the new budget."""
+    peak = training_args.learning_rate
+    decay_steps = round(training_args.lr_decay_ratio * total_steps)
+    stable_steps = total_steps - warmup_steps - decay_steps
+    if training_args.do_train and stable_steps < 0:
+        raise UsageError(
+            f"the warm-up ({warmup_steps} steps) and the decay (--lr_decay_ratio {training_args.lr_decay_ratio}: "
+            f"{decay_steps} steps) are longer than the run's {total_steps} steps; shorten one of them"
+        )
+    decay = DECAY_SHAPES[training_args.lr_decay_shape](peak, peak * training_args.min_lr_rate, max(decay_steps, 1))
+    return optax.join_schedules([optax.constant_schedule(peak), decay], [max(stable_steps, 0)])
+
+
+# What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
+# its step 0 is the first step after the warm-up. Add an entry here and the flag takes it.
+# Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
+LEARNING_RATE_SCHEDULES = {
+    "linear": decay_to_the_end("linear"),
+    "cosine": decay_to_the_end("cosine"),
+    "constant": lambda training_args, *_: optax.constant_schedule(training_args.learning_rate),
+    "warmup_stable_decay": warmup_stable_decay,
+}
+
+# What --lr_decay_shape names: a decay from (peak, floor, steps), at `floor` from `steps` on. 1-sqrt falls fast at
+# the end, which Hägele et al. (2024, arXiv:2405.18392) found better than linear for the decay of warmup_stable_decay.
+# Copied from run_clm_flax.DECAY_SHAPES
+DECAY_SHAPES = {
+    "linear": lambda peak, floor, steps: optax.linear_schedule(peak, floor, steps),
+    "cosine": lambda peak, floor, steps: optax.cosine_decay_schedule(peak, steps, alpha=floor / peak),
+    "1-sqrt": lambda peak, floor, steps: (
+        lambda step: floor + (peak - floor) * (1 - jnp.sqrt(jnp.clip(step / steps, 0.0, 1.0)))
+    ),
+}
 
 
 # Copied from run_clm_flax.decay_mask
@@ -537,19 +585,75 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
 
 
+# Copied from run_clm_flax.is_hidden_matrix
+def is_hidden_matrix(path, param) -> bool:
+    """Whether --optim muon trains this parameter with Muon: a 2-D kernel of the blocks (the attention and MLP
+    projections). The embeddings, the output layer and head (lm_head), norms and biases are AdamW's. Decided by name
+    and shape, so a matrix added to a block goes to Muon as well; a new head named other than lm_head must be
+    named here to stay with AdamW."""
+    names = [entry.key for entry in path]
+    return names[-1] == "kernel" and param.ndim == 2 and "lm_head" not in names
+
+
+# Copied from run_clm_flax.muon_with_adamw
+def muon_with_adamw(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """optax's Muon for the hidden matrices (is_hidden_matrix), at --muon_learning_rate, and AdamW as --optim adamw
+    for every other parameter, at --learning_rate: both in the shape of `schedule`."""
+    muon_scale = training_args.muon_learning_rate / training_args.learning_rate
+    # optax.contrib.muon sends what is not 2-D to an Adam of its own; given only 2-D matrices, that Adam holds
+    # nothing but a step count.
+    muon = optax.contrib.muon(
+        lambda step: schedule(step) * muon_scale,
+        beta=training_args.muon_momentum,
+        weight_decay=training_args.weight_decay,
+    )
+    return optax.partition(
+        {"muon": muon, "adamw": OPTIMIZERS["adamw"](training_args, schedule)},
+        lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, param: "muon" if is_hidden_matrix(path, param) else "adamw", params
+        ),
+    )
+
+
+# What --optim names: the optimizer from (training_args, schedule). Add an entry here and the flag takes it.
+# Copied from run_clm_flax.OPTIMIZERS
+OPTIMIZERS = {
+    "adamw": lambda training_args, schedule: optax.adamw(
+        schedule,
+        b1=training_args.adam_beta1,
+        b2=training_args.adam_beta2,
+        eps=training_args.adam_epsilon,
+        weight_decay=training_args.weight_decay,
+        mask=decay_mask,
+    ),
+    "muon": muon_with_adamw,
+    "lion": lambda training_args, schedule: optax.lion(
+        schedule,
+        b1=training_args.adam_beta1,
+        b2=training_args.adam_beta2,
+        weight_decay=training_args.weight_decay,
+        mask=decay_mask,
+    ),
+    "adafactor": lambda training_args, schedule: optax.adafactor(
+        schedule, weight_decay_rate=training_args.weight_decay or None, weight_decay_mask=decay_mask
+    ),
+}
+
+
+# Copied from run_clm_flax.check_optimizer_arguments
+def check_optimizer_arguments(training_args):
+    """Refuse, before any work, an optimizer, schedule or decay shape that the tables above do not name, and a floor
+    for a schedule that does not decay."""
+    check_choices(
+        training_args, optim=OPTIMIZERS, lr_scheduler_type=LEARNING_RATE_SCHEDULES, lr_decay_shape=DECAY_SHAPES
+    )
+    if training_args.min_lr_rate and training_args.lr_scheduler_type == "constant":
+        raise UsageError("--min_lr_rate sets where a decay ends; use it with a --lr_scheduler_type that decays")
+
+
 # Copied from run_clm_flax.create_optimizer
 def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
-    if training_args.adafactor:
-        optimizer = optax.adafactor(learning_rate=schedule)
-    else:
-        optimizer = optax.adamw(
-            learning_rate=schedule,
-            b1=training_args.adam_beta1,
-            b2=training_args.adam_beta2,
-            eps=training_args.adam_epsilon,
-            weight_decay=training_args.weight_decay,
-            mask=decay_mask,
-        )
+    optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
     if training_args.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
     return optimizer
@@ -865,6 +969,7 @@ class TrainingSetup:
     total_steps: int
     batch_sharding: NamedSharding
     call_batches_sharding: NamedSharding
+    learning_rate_schedule: optax.Schedule
     optimizer: optax.GradientTransformation
     abstract_state: TrainState
     train_steps: Any  # (state, batches of up to --steps_per_call steps, steps) -> (state, metrics of each step)
@@ -910,6 +1015,7 @@ def set_up_training(model, eval_step, training_args, train_examples, sequence_le
         total_steps=total_steps,
         batch_sharding=batch_sharding,
         call_batches_sharding=call_batches_sharding,
+        learning_rate_schedule=schedule,
         optimizer=optimizer,
         abstract_state=abstract_state,
         train_steps=jax.jit(
@@ -1086,6 +1192,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, arguments: dict, checkpoin
         global_batch_size=setup.train_batch_size,
         max_seq_length=setup.sequence_length,
         training_examples=None if setup.train_examples is None else len(setup.train_examples),
+        learning_rate=float(setup.learning_rate_schedule(progress.step - 1)),  # that of the step just trained
         arguments=arguments,
     )
     if setup.steps_per_epoch:

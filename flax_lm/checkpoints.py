@@ -2,6 +2,7 @@
 one restored (into any mesh), and a stop on SIGINT or SIGTERM that saves first."""
 
 import logging
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -232,8 +233,8 @@ class TrainingProgress:
 
 def check_resumed_run(record: dict, setup, training_args, length_name: str):
     """Warn where the resumed run's batches or training data differ from the checkpoint's (the data order then does
-    too); refuse a checkpoint beyond this run's last step. `setup` is the script's TrainingSetup; `length_name` names
-    the sequence length in the record (block_size, max_seq_length)."""
+    too), or its learning rate at the checkpoint's step; refuse a checkpoint beyond this run's last step. `setup` is
+    the script's TrainingSetup; `length_name` names the sequence length in the record (block_size, max_seq_length)."""
     if training_args.overwrite_output_dir:
         logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
     if (record["global_batch_size"], record[length_name]) != (setup.train_batch_size, setup.sequence_length):
@@ -256,6 +257,19 @@ def check_resumed_run(record: dict, setup, training_args, length_name: str):
         )
     if not training_args.do_train:
         return
+    # A checkpoint of warmup_stable_decay's stable phase resumed with another --max_steps trains on at the peak, with
+    # the decay at the end of the new run: the steps before it are those the new run would have trained. Elsewhere,
+    # another --max_steps changes the rate of the step resumed. A checkpoint that records no rate is not compared.
+    resumed_rate, scheduled_rate = record.get("learning_rate"), float(setup.learning_rate_schedule(record["step"] - 1))
+    if resumed_rate is not None and not math.isclose(resumed_rate, scheduled_rate, rel_tol=1e-5):
+        logger.warning(
+            "The checkpoint's step %d trained at learning rate %.6g, this run's schedule has %.6g there: the learning "
+            "rate jumps at the resume (another --learning_rate or schedule, or another --max_steps outside the stable "
+            "phase of warmup_stable_decay)",
+            record["step"],
+            resumed_rate,
+            scheduled_rate,
+        )
     if record["step"] > setup.total_steps:
         raise UsageError(
             f"the checkpoint is at step {record['step']}, after this run's last step {setup.total_steps}; "
