@@ -45,6 +45,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from flax_lm import optimizers
 from flax_lm.arguments import (
     CommonTrainingArguments,
     DataArguments,
@@ -68,13 +69,13 @@ from flax_lm.data import (
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
-from flax_lm.evaluation import evaluate_by_source, evaluation_sets, report_by_source
+from flax_lm.evaluation import evaluate_by_source, report_by_source, saved_results
 from flax_lm.examples import Example, ExampleArguments, RowCounts, encoded_examples
 from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
 from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture
 from flax_lm.model_code import ModelCode, load_model_code
-from flax_lm.models import model_types
+from flax_lm.models import check_model_type
 from flax_lm.processes import (
     initialize_distributed,
     on_process_zero,
@@ -169,17 +170,14 @@ class TrainingArguments(CommonTrainingArguments):
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
     arguments (after initialize_distributed: see check_common_arguments)."""
-    if model_args.model_type not in (None, *model_types(generates_text=True)):
-        raise UsageError(
-            f"--model_type {model_args.model_type} is not supported; this script trains "
-            f"{' and '.join(model_types(generates_text=True))} (run_mlm_flax.py trains roberta)"
-        )
+    check_model_type(model_args.model_type, generates_text=True)
     check_numeric_arguments(
         (data_args, training_args),
         block_size=(lambda value: value is None or value >= 2, "must be at least 2"),
         sample_tokens=(lambda value: value >= 0, "must be 0 (no samples) or more"),
         eval_tasks_limit=(lambda value: value is None or value >= 1, "must be at least 1"),
     )
+    optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
     if training_args.eval_tasks:
         if importlib.util.find_spec("lm_eval") is None:
@@ -372,22 +370,21 @@ def train_metrics(sums: dict) -> dict:
 
 
 def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
-    warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
-    if training_args.do_train and warmup_steps > total_steps:
-        raise UsageError(
-            f"--warmup_steps {warmup_steps} is longer than the run's {total_steps} steps, so the learning rate would "
-            "never reach --learning_rate; pass fewer --warmup_steps, or --warmup_ratio"
-        )
-    warmup_steps = min(warmup_steps, total_steps)  # an evaluation alone has no steps
-    peak, floor_rate = training_args.learning_rate, training_args.min_lr_rate
-    decay_steps = max(total_steps - warmup_steps, 1)
-    decay = {
-        "linear": optax.linear_schedule(peak, peak * floor_rate, decay_steps),
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=floor_rate),
-        "constant": optax.constant_schedule(peak),
-    }[training_args.lr_scheduler_type]
-    warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
-    return optax.join_schedules([warmup, decay], [warmup_steps])
+    """A linear warm-up from 0 to --learning_rate, then the schedule of LEARNING_RATE_SCHEDULES that
+    --lr_scheduler_type names."""
+    schedule_after_warmup = LEARNING_RATE_SCHEDULES[training_args.lr_scheduler_type]
+    return optimizers.after_linear_warmup(schedule_after_warmup, training_args, total_steps)
+
+
+# What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
+# its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
+# --min_lr_rate of the peak, in a shape of flax_lm.optimizers.DECAY_SHAPES (warmup_stable_decay: --lr_decay_shape).
+LEARNING_RATE_SCHEDULES = {
+    "linear": optimizers.decay_to_the_end("linear"),
+    "cosine": optimizers.decay_to_the_end("cosine"),
+    "constant": lambda training_args, *_: optax.constant_schedule(training_args.learning_rate),
+    "warmup_stable_decay": optimizers.warmup_stable_decay,
+}
 
 
 def decay_mask(params):
@@ -395,18 +392,28 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
 
 
+def is_hidden_matrix(path, param) -> bool:
+    """Whether --optim muon trains this parameter with Muon: a 2-D kernel of the blocks (the attention and MLP
+    projections). The embeddings, the output layer and head (lm_head), norms and biases are AdamW's. Decided by name
+    and shape, so a matrix added to a block goes to Muon as well; a new head named other than lm_head must be
+    named here to stay with AdamW."""
+    names = [entry.key for entry in path]
+    return names[-1] == "kernel" and param.ndim == 2 and "lm_head" not in names
+
+
+# What --optim names: the optimizer from (training_args, schedule). Add an entry here and the flag takes it.
+OPTIMIZERS = {
+    "adamw": lambda training_args, schedule: optimizers.adamw(training_args, schedule, decay_mask),
+    "muon": lambda training_args, schedule: optimizers.muon_with_adamw(
+        training_args, schedule, optimizers.adamw(training_args, schedule, decay_mask), is_hidden_matrix
+    ),
+    "lion": lambda training_args, schedule: optimizers.lion(training_args, schedule, decay_mask),
+    "adafactor": lambda training_args, schedule: optimizers.adafactor(training_args, schedule, decay_mask),
+}
+
+
 def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
-    if training_args.adafactor:
-        optimizer = optax.adafactor(learning_rate=schedule)
-    else:
-        optimizer = optax.adamw(
-            learning_rate=schedule,
-            b1=training_args.adam_beta1,
-            b2=training_args.adam_beta2,
-            eps=training_args.adam_epsilon,
-            weight_decay=training_args.weight_decay,
-            mask=decay_mask,
-        )
+    optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
     if training_args.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
     return optimizer
@@ -598,10 +605,7 @@ class Evaluation:
         if self.blocks is not None:
             # bits_per_byte and bytes are null where the tokens have no fixed byte count.
             names = (*EVAL_METRICS, "tokens", "bytes")
-            saved = {f"eval_{name}": results.get(name) for name in names}
-            for source, source_results in results["sources"].items():
-                saved.update({f"eval_{source}_{name}": source_results.get(name) for name in names})
-            saved["eval_samples"] = sum(map(len, evaluation_sets(self.blocks).values()))
+            saved = saved_results(results, names, self.blocks)
         for task, metrics in results.get("tasks", {}).items():
             saved.update({f"eval_{task}_{metric}": value for metric, value in metrics.items()})
         write_json(os.path.join(self.output_dir, "eval_results.json"), saved | {"step": step})
@@ -745,16 +749,10 @@ def train_batches_from(first_step, setup: TrainingSetup, train_stream, tokenizer
         batch_size,
         block_size,
     )
-    accumulation_steps = training_args.gradient_accumulation_steps
-    micro_batches = (
-        (
-            {name: values.reshape(accumulation_steps, -1, block_size) for name, values in batch.items()},
-            batch_size * block_size,
-        )
-        for batch in local_batches
-    )
+    batches_and_tokens = ((batch, batch_size * block_size) for batch in local_batches)
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
-    return call_batches(micro_batches, calls, training_args.steps_per_call, setup.call_batches_sharding)
+    accumulation_steps, sharding = training_args.gradient_accumulation_steps, setup.call_batches_sharding
+    return call_batches(batches_and_tokens, accumulation_steps, calls, training_args.steps_per_call, sharding)
 
 
 def compile_train_steps_ahead(setup: TrainingSetup, training_args):

@@ -2,27 +2,27 @@
 """Pretrain a RoBERTa masked language model with JAX/Flax.
 
 Trains from scratch (a config and a tokenizer, for example from create_config.py --preset roberta-tiny and
-train_tokenizer.py --model_type roberta) or continues from a Hugging Face RoBERTa checkpoint, on text from
-local files (txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name.
-Examples are grouped (the default: texts joined with the separator </s> and cut into blocks framed as
-`<s> ... </s>` of exactly --max_seq_length tokens) or, with --line_by_line, one per non-empty line (or text),
-framed the same way, truncated and padded per batch.
+train_tokenizer.py --model_type roberta) or continues from a Hugging Face RoBERTa checkpoint, on text from local files
+(txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name. Examples are
+grouped (the default: texts joined with the separator </s> and cut into blocks framed as `<s> ... </s>` of exactly
+--max_seq_length tokens) or, with --line_by_line, one per non-empty line (or text), framed the same way, truncated and
+padded per batch.
 
 Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special token or
-padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random token and 10%
-stay as they are. The loss and the accuracy count the chosen tokens only. On several hosts every host runs the same
-command, each makes and masks only its own rows of every batch, and process 0 writes the outputs.
+padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random token and 10% stay
+as they are. The loss and the accuracy count the chosen tokens only. On several hosts every host runs the same command,
+each makes and masks only its own rows of every batch, and process 0 writes the outputs.
 
-The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors, tokenizer files)
-that `AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch.
+The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors, tokenizer files) that
+`AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch.
 
     ./run_mlm_flax.py --output_dir roberta-run --config_name my-model --tokenizer_name my-model \
         --train_file "data/*.txt" --do_train --do_eval --max_seq_length 128
 
 A single .json file holding the arguments works too: `./run_mlm_flax.py args.json`.
 
-This file holds what an experiment changes, in reading order: its arguments, how texts become examples and how they
-are masked, the loss, the optimizer and schedule, the train and eval steps, evaluation and fill-mask, and the loop in
+This file holds what an experiment changes, in reading order: its arguments, how texts become examples and how they are
+masked, the loss, the optimizer and schedule, the train and eval steps, evaluation and fill-mask, and the loop in
 main(). The model (flax_lm/models/roberta.py, or --model_file) and what every run shares (checkpoints, trackers, data
 storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm
 is installed.
@@ -43,6 +43,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from flax_lm import optimizers
 from flax_lm.arguments import (
     CommonTrainingArguments,
     DataArguments,
@@ -65,13 +66,13 @@ from flax_lm.data import (
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
-from flax_lm.evaluation import evaluate_by_source, evaluation_sets, report_by_source
+from flax_lm.evaluation import evaluate_by_source, evaluation_sets, report_by_source, saved_results
 from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
 from flax_lm.host_random import random_bits, uniform_from_bits
 from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.mixture import Mixture
 from flax_lm.model_code import ModelCode, load_model_code
-from flax_lm.models import model_types
+from flax_lm.models import check_model_type
 from flax_lm.models.roberta import check_tokenizer
 from flax_lm.processes import (
     initialize_distributed,
@@ -171,11 +172,7 @@ class TrainingArguments(CommonTrainingArguments):
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
     arguments (after initialize_distributed: see check_common_arguments)."""
-    if model_args.model_type not in (None, *model_types(generates_text=False)):
-        raise UsageError(
-            f"--model_type {model_args.model_type} is not supported; this script trains "
-            f"{' and '.join(model_types(generates_text=False))} (run_clm_flax.py trains gpt2 and llama)"
-        )
+    check_model_type(model_args.model_type, generates_text=False)
     check_numeric_arguments(
         (data_args, training_args),
         max_seq_length=(lambda value: value is None or value >= 3, "must be at least 3: <s>, one token and </s>"),
@@ -202,15 +199,13 @@ def check_arguments(model_args, data_args, training_args):
                 "add --pad_to_max_length, or leave out --steps_per_call"
             )
         training_args.steps_per_call = 1
+    optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Data: texts become blocks or lines of tokens, framed as <s> ... </s> and masked on the host
 # ----------------------------------------------------------------------------------------------------
-
-# Grouped, texts are joined with </s> and cut into blocks of max_seq_length - 2 tokens, framed as <s> block </s>:
-# as RoBERTa's pretraining data, full sentences across document boundaries, with a separator between documents.
 
 
 # Copied from run_clm_flax.read_texts
@@ -524,22 +519,22 @@ def train_metrics(sums: dict) -> dict:
 
 # Copied from run_clm_flax.learning_rate_schedule
 def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
-    warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
-    if training_args.do_train and warmup_steps > total_steps:
-        raise UsageError(
-            f"--warmup_steps {warmup_steps} is longer than the run's {total_steps} steps, so the learning rate would "
-            "never reach --learning_rate; pass fewer --warmup_steps, or --warmup_ratio"
-        )
-    warmup_steps = min(warmup_steps, total_steps)  # an evaluation alone has no steps
-    peak, floor_rate = training_args.learning_rate, training_args.min_lr_rate
-    decay_steps = max(total_steps - warmup_steps, 1)
-    decay = {
-        "linear": optax.linear_schedule(peak, peak * floor_rate, decay_steps),
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=floor_rate),
-        "constant": optax.constant_schedule(peak),
-    }[training_args.lr_scheduler_type]
-    warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
-    return optax.join_schedules([warmup, decay], [warmup_steps])
+    """A linear warm-up from 0 to --learning_rate, then the schedule of LEARNING_RATE_SCHEDULES that
+    --lr_scheduler_type names."""
+    schedule_after_warmup = LEARNING_RATE_SCHEDULES[training_args.lr_scheduler_type]
+    return optimizers.after_linear_warmup(schedule_after_warmup, training_args, total_steps)
+
+
+# What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
+# its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
+# --min_lr_rate of the peak, in a shape of flax_lm.optimizers.DECAY_SHAPES (warmup_stable_decay: --lr_decay_shape).
+# Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
+LEARNING_RATE_SCHEDULES = {
+    "linear": optimizers.decay_to_the_end("linear"),
+    "cosine": optimizers.decay_to_the_end("cosine"),
+    "constant": lambda training_args, *_: optax.constant_schedule(training_args.learning_rate),
+    "warmup_stable_decay": optimizers.warmup_stable_decay,
+}
 
 
 # Copied from run_clm_flax.decay_mask
@@ -548,19 +543,31 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
 
 
+# Copied from run_clm_flax.is_hidden_matrix
+def is_hidden_matrix(path, param) -> bool:
+    """Whether --optim muon trains this parameter with Muon: a 2-D kernel of the blocks (the attention and MLP
+    projections). The embeddings, the output layer and head (lm_head), norms and biases are AdamW's. Decided by name
+    and shape, so a matrix added to a block goes to Muon as well; a new head named other than lm_head must be
+    named here to stay with AdamW."""
+    names = [entry.key for entry in path]
+    return names[-1] == "kernel" and param.ndim == 2 and "lm_head" not in names
+
+
+# What --optim names: the optimizer from (training_args, schedule). Add an entry here and the flag takes it.
+# Copied from run_clm_flax.OPTIMIZERS
+OPTIMIZERS = {
+    "adamw": lambda training_args, schedule: optimizers.adamw(training_args, schedule, decay_mask),
+    "muon": lambda training_args, schedule: optimizers.muon_with_adamw(
+        training_args, schedule, optimizers.adamw(training_args, schedule, decay_mask), is_hidden_matrix
+    ),
+    "lion": lambda training_args, schedule: optimizers.lion(training_args, schedule, decay_mask),
+    "adafactor": lambda training_args, schedule: optimizers.adafactor(training_args, schedule, decay_mask),
+}
+
+
 # Copied from run_clm_flax.create_optimizer
 def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
-    if training_args.adafactor:
-        optimizer = optax.adafactor(learning_rate=schedule)
-    else:
-        optimizer = optax.adamw(
-            learning_rate=schedule,
-            b1=training_args.adam_beta1,
-            b2=training_args.adam_beta2,
-            eps=training_args.adam_epsilon,
-            weight_decay=training_args.weight_decay,
-            mask=decay_mask,
-        )
+    optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
     if training_args.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
     return optimizer
@@ -732,16 +739,9 @@ class Evaluation:
             return
         results = self(params, step)
         if jax.process_index() == 0:
-            names = (*EVAL_METRICS, "masked_tokens")
-            saved = {f"eval_{name}": results[name] for name in names}
-            for source, source_results in results["sources"].items():
-                saved.update({f"eval_{source}_{name}": source_results[name] for name in names})
-            saved.update(eval_samples=sum(map(len, evaluation_sets(self.examples).values())), step=step)
+            saved = saved_results(results, (*EVAL_METRICS, "masked_tokens"), self.examples) | {"step": step}
             write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
-            print(
-                f"eval accuracy: {results['accuracy']:.4f}, perplexity: {results['perplexity']:.2f} "
-                f"(loss {results['loss']:.4f}, {results['masked_tokens']} masked tokens)"
-            )
+            print(f"eval: {describe_results(results)}")
 
     def fill_mask_with_export(self):
         """What the exported model, read back, predicts for --fill_mask_text (or a validation text with a word
@@ -912,13 +912,9 @@ def train_batches_from(
         max_seq_length,
         " at most (padded per batch)" if data_args.line_by_line else "",
     )
-    accumulation_steps = training_args.gradient_accumulation_steps
-    micro_batches = (
-        ({name: values.reshape(accumulation_steps, -1, *values.shape[1:]) for name, values in batch.items()}, tokens)
-        for batch, tokens in local_batches
-    )
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
-    return call_batches(micro_batches, calls, training_args.steps_per_call, setup.call_batches_sharding)
+    accumulation_steps, sharding = training_args.gradient_accumulation_steps, setup.call_batches_sharding
+    return call_batches(local_batches, accumulation_steps, calls, training_args.steps_per_call, sharding)
 
 
 def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, training_args):

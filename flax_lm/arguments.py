@@ -265,14 +265,33 @@ class CommonTrainingArguments:
             "and the vocabulary over tensor (Megatron-style tensor parallelism). Default: data=all devices."
         },
     )
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate."})
-    weight_decay: float = field(
-        default=0.0, metadata={"help": "AdamW weight decay; biases and LayerNorm parameters are never decayed."}
+    optim: str = field(
+        default="adamw",
+        metadata={
+            "help": "The optimizer, one of the script's OPTIMIZERS: adamw; muon (Muon for the 2-D kernels of the "
+            "blocks, AdamW for embeddings, output layer, norms and biases); lion; adafactor."
+        },
     )
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    learning_rate: float = field(
+        default=5e-5, metadata={"help": "Peak learning rate (with --optim muon, that of the AdamW parameters)."}
+    )
+    muon_learning_rate: float = field(
+        default=0.02,
+        metadata={"help": "With --optim muon: the peak learning rate of the matrices Muon trains (same schedule)."},
+    )
+    muon_momentum: float = field(default=0.95, metadata={"help": "With --optim muon: Muon's momentum."})
+    weight_decay: float = field(
+        default=0.0,
+        metadata={
+            "help": "Decoupled weight decay (times the learning rate) of AdamW, Muon, Lion and Adafactor; biases "
+            "and LayerNorm parameters are never decayed."
+        },
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW's beta1, and Lion's."})
+    adam_beta2: float = field(
+        default=0.999, metadata={"help": "AdamW's beta2, and Lion's (which usually takes 0.99)."}
+    )
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    adafactor: bool = field(default=False, metadata={"help": "Use Adafactor instead of AdamW."})
     num_train_epochs: float = field(default=3.0, metadata={"help": "Passes over the training data."})
     max_steps: int = field(
         default=-1, metadata={"help": "Steps to train; when positive, overrides --num_train_epochs."}
@@ -284,15 +303,27 @@ class CommonTrainingArguments:
     lr_scheduler_type: str = field(
         default="linear",
         metadata={
-            "help": "Decay after warm-up: linear or cosine (both to --min_lr_rate of the peak), or constant.",
-            "choices": ["linear", "cosine", "constant"],
+            "help": "The learning rate after warm-up, one of the script's LEARNING_RATE_SCHEDULES: linear or cosine "
+            "(decays to --min_lr_rate of the peak), constant, or warmup_stable_decay (the peak, then a decay over "
+            "the last --lr_decay_ratio of the steps)."
+        },
+    )
+    lr_decay_ratio: float = field(
+        default=0.2,
+        metadata={"help": "With warmup_stable_decay: the decay's share of all the run's steps, at its end."},
+    )
+    lr_decay_shape: str = field(
+        default="linear",
+        metadata={
+            "help": "With warmup_stable_decay: the decay's shape, one of the script's DECAY_SHAPES: linear, cosine "
+            "or 1-sqrt."
         },
     )
     min_lr_rate: float = field(
         default=0.0,
         metadata={
-            "help": "Where the linear and cosine decays end, as a fraction of --learning_rate: 0.1 ends at a tenth "
-            "of it (nanoGPT's min_lr); 0 decays to 0."
+            "help": "Where a decay ends, as a fraction of the peak learning rate: 0.1 ends at a tenth of it "
+            "(nanoGPT's min_lr); 0 decays to 0."
         },
     )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip gradients to this global norm; 0: no clipping."})
@@ -403,6 +434,7 @@ UNSUPPORTED_FLAGS = {
     "hub_token": "upload --output_dir after training with `hf upload`, which takes the token of `hf auth login`",
     "use_fast_tokenizer": "the tokenizer is always the fast (tokenizers-backed) one; leave the flag out",
     "remat_policy": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing dots_saveable",
+    "adafactor": "pass --optim adafactor",
 }
 
 
@@ -482,8 +514,6 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
         )
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
-    if training_args.min_lr_rate and training_args.lr_scheduler_type == "constant":
-        raise UsageError("--min_lr_rate sets where a decay ends; use it with --lr_scheduler_type linear or cosine")
     training_args.allow_resume_changes = [
         name.strip() for value in training_args.allow_resume_changes or [] for name in value.split(",") if name.strip()
     ]
@@ -572,6 +602,9 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         "adam_beta1": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.9"),
         "adam_beta2": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.999"),
         "adam_epsilon": (lambda value: value >= 0, "must be 0 or more, such as 1e-8"),
+        "muon_learning_rate": (lambda value: value > 0, "must be positive, such as 0.02"),
+        "muon_momentum": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.95"),
+        "lr_decay_ratio": (lambda value: 0 <= value <= 1, "must be in [0, 1], such as 0.2"),
         "max_grad_norm": (lambda value: value >= 0, "must be 0 (no clipping) or more"),
         "num_train_epochs": at_least_0,
         "max_steps": (
@@ -594,6 +627,15 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         value = next(getattr(group, name) for group in argument_groups if hasattr(group, name))
         if not in_range(value) or (isinstance(value, float) and not math.isfinite(value)):
             raise UsageError(f"--{name} {value} {requirement}")
+
+
+def check_choices(argument_group, **tables):
+    """Refuse a flag whose value is not a key of its table: the script's own (OPTIMIZERS, LEARNING_RATE_SCHEDULES),
+    so that a name added to the table of a copied script is taken by the flag at once."""
+    for flag, table in tables.items():
+        value = getattr(argument_group, flag)
+        if value not in table:
+            raise UsageError(f"--{flag} {value} is not one of {', '.join(table)}")
 
 
 def check_writable_directory(path: str, flag: str):

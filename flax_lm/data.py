@@ -307,18 +307,29 @@ def stream_position(first_step: int, global_batch_size: int, training_args) -> t
     return first_step, training_args.seed
 
 
-def call_batches(batches_and_tokens: Iterator[tuple[dict, int]], calls: Iterable[int], steps_per_call: int, sharding):
-    """The global batches of each compiled call (`calls`: how many steps each runs), stacked into arrays of
-    (steps_per_call, ...) split by `sharding`, with the token count of each step; read ahead on a thread. Past a
-    call's last step the arrays hold copies of its last batch, which the call never reads, so that every call has the
-    same shapes and runs the same compiled code."""
+def call_batches(
+    batches_and_tokens: Iterator[tuple[dict, int]],
+    accumulation_steps: int,
+    calls: Iterable[int],
+    steps_per_call: int,
+    sharding,
+):
+    """The global batches of each compiled call (`calls`: how many steps each runs), each split into
+    `accumulation_steps` micro-batches and stacked into arrays of (steps_per_call, micro-batch, rows, ...) split by
+    `sharding`, with the token count of each step; read ahead on a thread. Past a call's last step the arrays hold
+    copies of its last batch, which the call never reads, so that every call has the same shapes and runs the same
+    compiled code."""
 
     def stacked():
         for steps in calls:
             batches, tokens = zip(*itertools.islice(batches_and_tokens, steps))
             filled = batches + (batches[-1],) * (steps_per_call - steps)
             stacked = {name: np.stack([batch[name] for batch in filled]) for name in batches[0]}
-            yield to_global_batch(stacked, sharding), list(tokens)
+            micro_batches = {
+                name: values.reshape(steps_per_call, accumulation_steps, -1, *values.shape[2:])
+                for name, values in stacked.items()
+            }
+            yield to_global_batch(micro_batches, sharding), list(tokens)
 
     return prefetch(stacked())
 

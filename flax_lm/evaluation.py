@@ -33,3 +33,12 @@ def report_by_source(results: dict, step: int, trackers, metric_names: tuple, de
         logger.info("step %d: eval%s %s", step, f" of {name}" if name else "", describe(part))
         prefix = f"eval/{name}/" if name else "eval/"
         trackers.scalars({prefix + key: part[key] for key in metric_names if key in part}, step)
+
+
+def saved_results(results: dict, names: tuple, validation) -> dict:
+    """What eval_results.json holds of an evaluation: eval_NAME of the whole data and eval_SOURCE_NAME of each source
+    (null where a result is missing), and eval_samples, the rows evaluated."""
+    saved = {f"eval_{name}": results.get(name) for name in names}
+    for source, source_results in results["sources"].items():
+        saved.update({f"eval_{source}_{name}": source_results.get(name) for name in names})
+    return saved | {"eval_samples": sum(map(len, evaluation_sets(validation).values()))}

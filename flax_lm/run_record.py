@@ -12,6 +12,7 @@ the logging, evaluation and save intervals, the trackers, the mesh) needs no fla
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -251,4 +252,17 @@ def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allow
         raise UsageError(
             f"the checkpoint is at step {record['step']}, after this run's last step {setup.total_steps}; "
             "raise --max_steps or --num_train_epochs to train further"
+        )
+    # A checkpoint of warmup_stable_decay's stable phase resumed with another --max_steps trains on at the peak, its
+    # decay at the end of the new run. Elsewhere another --max_steps, or an allowed change of the schedule, changes the
+    # rate of the step resumed. A checkpoint that records no rate is not compared.
+    resumed_rate, scheduled_rate = record.get("learning_rate"), float(setup.learning_rate_schedule(record["step"] - 1))
+    if resumed_rate is not None and not math.isclose(resumed_rate, scheduled_rate, rel_tol=1e-5):
+        logger.warning(
+            "The checkpoint's step %d trained at learning rate %.6g, this run's schedule has %.6g there: the learning "
+            "rate jumps at the resume (another --max_steps outside the stable phase of warmup_stable_decay, or an "
+            "allowed change of the schedule)",
+            record["step"],
+            resumed_rate,
+            scheduled_rate,
         )

@@ -39,15 +39,19 @@ def abstract_train_state(model, optimizer, mesh, dummy_input) -> TrainState:
     abstract_params = nn.meta.unbox(boxed_params)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
-    # Optimizer state that mirrors a parameter (Adam's moments) is sharded like it; the rest (step counts,
-    # Adafactor's factored statistics, whose shapes differ) is replicated.
+    # Optimizer state that mirrors a parameter (Adam's moments, Muon's and Lion's momentum) is sharded like it; the
+    # rest (step counts, Adafactor's factored statistics, whose shapes differ) is replicated. Where the parameters are
+    # split into groups (optax.partition), a group's state holds a MaskedNode, no array, for each of the others.
     opt_state_shardings = optax.tree_utils.tree_map_params(
         optimizer,
-        lambda leaf, param, sharding: sharding if leaf.shape == param.shape else replicated,
+        lambda leaf, param, sharding: (
+            leaf if isinstance(leaf, optax.MaskedNode) else (sharding if leaf.shape == param.shape else replicated)
+        ),
         abstract_opt_state,
         abstract_params,
         param_shardings,
         transform_non_params=lambda _: replicated,
+        is_leaf=lambda leaf: isinstance(leaf, optax.MaskedNode),
     )
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_state_shardings)
     shapes = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt_state)

@@ -61,6 +61,7 @@ class TrainingSetup:
     total_steps: int
     batch_sharding: NamedSharding
     call_batches_sharding: NamedSharding
+    learning_rate_schedule: optax.Schedule
     optimizer: optax.GradientTransformation
     abstract_state: TrainState
     # (state, batches of up to --steps_per_call steps, the steps to run) -> (state, the metrics of each step)
@@ -110,6 +111,7 @@ def set_up_training(
         total_steps=total_steps,
         batch_sharding=batch_sharding,
         call_batches_sharding=call_batches_sharding,
+        learning_rate_schedule=schedule,
         optimizer=optimizer,
         abstract_state=abstract_state,
         compiled_train_steps=jax.jit(
@@ -175,6 +177,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
         run=run,
         global_batch_size=setup.train_batch_size,
         training_examples=None if setup.train_rows is None else len(setup.train_rows),
+        learning_rate=float(setup.learning_rate_schedule(progress.step - 1)),  # that of the step just trained
         **{setup.script.length_name: setup.sequence_length},
     )
     if setup.steps_per_epoch:

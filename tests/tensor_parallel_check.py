@@ -26,6 +26,7 @@ from flax_lm.models.roberta import FlaxRobertaForMaskedLM  # noqa: E402
 from flax_lm.train_state import abstract_train_state, create_train_state  # noqa: E402
 
 STEPS, MICRO_BATCHES, ROWS, LENGTH, VOCAB = 3, 2, 16, 16, 512
+OPTIMIZERS, OPTIMIZER_MESH = ("muon", "lion", "adafactor"), "data=2,fsdp=2,tensor=2"
 # Dropout on everywhere: the meshes agree only if every device draws the masks one device would.
 GPT2 = transformers.GPT2Config(
     vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=8, bos_token_id=0, eos_token_id=0
@@ -61,10 +62,13 @@ def batches(script):
         }
 
 
-def train(script, model_class, config, mesh):
-    """(losses, final parameters on the host, the share of each parameter the first device holds)."""
+def train(script, model_class, config, mesh, optim="adamw"):
+    """(losses, final parameters on the host, the share of each parameter the first device holds, the share of the
+    optimizer state's bytes it holds)."""
     model = model_class(config, remat_policy="nothing_saveable", mesh=mesh)
-    args = script.TrainingArguments(output_dir="unused", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=1e-3)
+    args = script.TrainingArguments(
+        output_dir="unused", optim=optim, learning_rate=1e-2, weight_decay=0.1, adam_epsilon=1e-3
+    )
     schedule = script.learning_rate_schedule(args, 10)
     optimizer = script.create_optimizer(args, schedule)
     dummy = jnp.zeros((1, LENGTH), jnp.int32)
@@ -83,12 +87,38 @@ def train(script, model_class, config, mesh):
         "/".join(path): next(s.data.size for s in leaf.addressable_shards if s.device == first_device) / leaf.size
         for path, leaf in flatten_dict(state.params).items()
     }
+    state_leaves = jax.tree_util.tree_leaves(state.opt_state)
+    state_bytes_here = sum(
+        s.data.nbytes for leaf in state_leaves for s in leaf.addressable_shards if s.device == first_device
+    )
+    state_share = state_bytes_here / sum(leaf.nbytes for leaf in state_leaves)
     losses = []
     for batch in batches(script):
         state, metrics = step(state, jax.device_put(batch, batch_sharding))
         count = metrics["token_count"] if "token_count" in metrics else metrics["weight_sum"]
         losses.append(float(metrics["loss_sum"] / count))
-    return losses, jax.tree_util.tree_map(np.asarray, state.params), shares
+    return losses, jax.tree_util.tree_map(np.asarray, state.params), shares, state_share
+
+
+def without_key_bias(params) -> dict:
+    """The parameters but the keys' bias: its gradient is zero but for rounding (the softmax over the keys ignores a
+    shift shared by all), which Lion's sign and Adafactor's normalisation make into steps of full size that differ
+    with the order of the sums, from one device to a mesh."""
+    keys = slice(GPT2.n_embd, 2 * GPT2.n_embd)
+    return {
+        path: np.delete(value, keys) if path.endswith("attn/c_attn/bias") else value
+        for path, value in flatten_dict(params, sep="/").items()
+    }
+
+
+def results_of(losses, params, shares, state_share, reference_params) -> dict:
+    differences = jax.tree_util.tree_map(lambda a, b: float(np.max(np.abs(a - b))), params, reference_params)
+    return {
+        "losses": losses,
+        "largest_weight_difference": max(jax.tree_util.tree_leaves(differences)),
+        "shares": shares,
+        "state_share": state_share,
+    }
 
 
 def main():
@@ -99,16 +129,19 @@ def main():
         ("llama", run_clm_flax, FlaxLlamaForCausalLM, LLAMA),
         ("mlm", run_mlm_flax, FlaxRobertaForMaskedLM, ROBERTA),
     ):
-        reference_losses, reference_params, _ = train(script, model_class, config, one_device)
+        reference_losses, reference_params, *_ = train(script, model_class, config, one_device)
         results[name] = {"one device": {"losses": reference_losses}}
         for mesh_shape in sys.argv[1:]:
-            losses, params, shares = train(script, model_class, config, create_mesh(mesh_shape))
-            differences = jax.tree_util.tree_map(lambda a, b: float(np.max(np.abs(a - b))), params, reference_params)
-            results[name][mesh_shape] = {
-                "losses": losses,
-                "largest_weight_difference": max(jax.tree_util.tree_leaves(differences)),
-                "shares": shares,
-            }
+            trained = train(script, model_class, config, create_mesh(mesh_shape))
+            results[name][mesh_shape] = results_of(*trained, reference_params)
+    # The other optimizers of --optim, on the mesh of all three axes.
+    for optim in OPTIMIZERS:
+        reference_losses, reference_params, *_ = train(run_clm_flax, FlaxGPT2LMHeadModel, GPT2, one_device, optim)
+        losses, params, *shares = train(run_clm_flax, FlaxGPT2LMHeadModel, GPT2, create_mesh(OPTIMIZER_MESH), optim)
+        results[f"clm {optim}"] = {
+            "one device": {"losses": reference_losses},
+            OPTIMIZER_MESH: results_of(losses, without_key_bias(params), *shares, without_key_bias(reference_params)),
+        }
     print(json.dumps(results))
 
 

@@ -1,8 +1,8 @@
 """A training script copied and edited, as a researcher does: what the edit changes must never give a silently wrong
 result or lose the run. The token cache follows the code that makes the rows; a checkpoint resumes in a copy that
-sums another metric; checkpoints that exist but cannot be read stop the run and stay; and an experiment's own model
-file is kept with its run, needed to resume it, and exported as a transformers architecture only where it computes
-one.
+sums another metric; checkpoints that exist but cannot be read stop the run and stay; a schedule added to the copy's
+table is taken by its flag; and an experiment's own model file is kept with its run, needed to resume it, and
+exported as a transformers architecture only where it computes one.
 
 Each case runs a copy of run_clm_flax.py, edited by exact replacements, in a fresh process, as a user runs it."""
 
@@ -440,6 +440,31 @@ def test_checkpoints_none_of_which_can_be_read_stop_the_resume_and_stay_as_they_
     )
     assert "Traceback" not in result.stderr
     assert snapshot(output_dir) == before
+
+
+# ----------------------------------------------------------------------------------------------------
+# The schedules (and optimizers) a copy adds to its own table
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_a_schedule_added_to_a_copy_s_table_is_taken_by_its_flag(model_dir, tmp_path, monkeypatch):
+    """LEARNING_RATE_SCHEDULES is the script's, and --lr_scheduler_type takes what it names: no edit of flax_lm."""
+    table_end = '    "warmup_stable_decay": optimizers.warmup_stable_decay,\n}\n'
+    added = '    "inverse_sqrt": lambda args, *_: lambda step: args.learning_rate / jnp.sqrt(step + 1.0),\n'
+    script = edited_copy(
+        REPO_DIR / "run_clm_flax.py", tmp_path / "inverse_sqrt.py", {table_end: table_end[:-2] + added + "}\n"}
+    )
+    specification = importlib.util.spec_from_file_location("inverse_sqrt", script)
+    copy = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(copy)
+    arguments = training_arguments(model_dir, tmp_path / "run", "--lr_scheduler_type", "inverse_sqrt")
+    monkeypatch.setattr(sys, "argv", [script, *map(str, arguments), "--learning_rate", "1e-2"])
+    model_args, data_args, training_args, _ = copy.parse_arguments(
+        copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments
+    )
+    copy.check_arguments(model_args, data_args, training_args)
+    schedule = copy.learning_rate_schedule(training_args, total_steps=4)
+    np.testing.assert_allclose([schedule(step) for step in range(4)], 1e-2 / np.sqrt([1, 2, 3, 4]), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------

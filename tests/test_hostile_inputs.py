@@ -247,7 +247,19 @@ REFUSALS = {
     "clm-min-lr-rate-of-1": ("run_clm_flax", [*CLM, "--min_lr_rate", "1"], ["--min_lr_rate 1.0", "[0, 1)"]),
     "clm-min-lr-rate-without-a-decay": (
         "run_clm_flax", [*CLM, "--lr_scheduler_type", "constant", "--min_lr_rate", "0.1"],
-        ["--min_lr_rate", "linear or cosine"]),
+        ["--min_lr_rate", "a --lr_scheduler_type that decays"]),
+    "clm-unknown-optimizer": (
+        "run_clm_flax", [*CLM, "--optim", "sgd"], ["--optim sgd is not one of adamw, muon, lion, adafactor"]),
+    "mlm-unknown-schedule": (
+        "run_mlm_flax", [*MLM, "--lr_scheduler_type", "inverse_sqrt"],
+        ["--lr_scheduler_type inverse_sqrt is not one of linear, cosine, constant, warmup_stable_decay"]),
+    "clm-unknown-decay-shape": (
+        "run_clm_flax", [*CLM, "--lr_decay_shape", "step"], ["--lr_decay_shape step", "linear, cosine, 1-sqrt"]),
+    "clm-decay-ratio-above-1": ("run_clm_flax", [*CLM, "--lr_decay_ratio", "1.5"], ["--lr_decay_ratio 1.5"]),
+    "clm-warmup-and-decay-longer-than-the-run": (
+        "run_clm_flax",
+        [*CLM, "--lr_scheduler_type", "warmup_stable_decay", "--warmup_steps", "1", "--lr_decay_ratio", "1"],
+        ["warm-up (1 steps)", "decay (--lr_decay_ratio 1.0: 2 steps)", "longer than the run's 2 steps"]),
     "clm-adam-beta2-above-1": ("run_clm_flax", [*CLM, "--adam_beta2", "1.5"], ["--adam_beta2 1.5", "[0, 1)"]),
     "clm-negative-max-grad-norm": ("run_clm_flax", [*CLM, "--max_grad_norm", "-1"], ["--max_grad_norm -1.0"]),
     "clm-max-steps-of-0": ("run_clm_flax", [*CLM, "--max_steps", "0"], ["--max_steps 0 must be positive, or -1"]),
@@ -287,6 +299,7 @@ REFUSALS = {
         "run_mlm_flax", [*MLM, "--model_type", "gpt2"], ["--model_type gpt2", "run_clm_flax.py trains gpt2"]),
     "clm-hub-model-id": ("run_clm_flax", [*CLM, "--hub_model_id", "me/model"], ["--hub_model_id", "hf upload"]),
     "mlm-hub-token": ("run_mlm_flax", [*MLM, "--hub_token=hf_abc"], ["--hub_token", "hf auth login"]),
+    "mlm-adafactor": ("run_mlm_flax", [*MLM, "--adafactor"], ["--adafactor is not supported", "--optim adafactor"]),
     "clm-use-fast-tokenizer": (
         "run_clm_flax", [*CLM, "--use_fast_tokenizer", "False"], ["--use_fast_tokenizer", "always the fast"]),
     "mlm-remat-policy": (

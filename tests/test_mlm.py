@@ -370,7 +370,7 @@ def test_hf_example_command_line_writes_every_expected_file(trained_run):
     assert train_results["epochs"] == 3 and steps_per_epoch == int(steps_per_epoch) > 10
     assert train_results["train_tokens_per_second"] > 0
     assert json.loads((output_dir / "config.json").read_text())["architectures"] == ["RobertaForMaskedLM"]
-    assert "eval accuracy:" in result.stdout and "tensorboard --logdir" in result.stdout
+    assert "eval: loss" in result.stdout and "tensorboard --logdir" in result.stdout
     assert "fill-mask with" in result.stdout
 
 

@@ -164,8 +164,8 @@ def test_only_process_0_prints_and_writes_logs_but_every_process_checkpoints(run
     two_dir, two = runs["two_dir"], runs["two"]
     assert os.listdir(two_dir / "checkpoints") == [str(MAX_STEPS)]
     assert len(os.listdir(two_dir / "tensorboard")) == 1
-    assert "eval accuracy" in two.stdout(0) and "tensorboard --logdir" in two.stdout(0)
-    assert "eval accuracy" not in two.stdout(1) and "tensorboard" not in two.stdout(1), "process 1 printed"
+    assert "eval: loss" in two.stdout(0) and "tensorboard --logdir" in two.stdout(0)
+    assert "eval: loss" not in two.stdout(1) and "tensorboard" not in two.stdout(1), "process 1 printed"
     assert "INFO" not in two.stderr(1), "process 1 logs only errors"
 
 

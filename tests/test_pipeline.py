@@ -1,11 +1,13 @@
 """The quickstart in miniature: tokenizer, config and training chained through the command-line tools, for each
 causal model type."""
 
+import importlib.util
 import json
+import shlex
 import shutil
 
 import pytest
-from conftest import FIXTURES_DIR
+from conftest import FIXTURES_DIR, REPO_DIR
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -41,3 +43,32 @@ def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, test
     )
     text = generator("The gardener", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("The gardener") and len(text) > len("The gardener")
+
+
+def quickstart_commands() -> dict[str, list[str]]:
+    """The arguments quickstart.sh gives each tool in its clm branch, continuation lines joined."""
+    text = (REPO_DIR / "quickstart.sh").read_text().replace("\\\n", " ")
+    clm_branch = text.split('if [ "$task" = clm ]; then')[1].split("\nelse")[0]
+    commands = [shlex.split(line, comments=True) for line in clm_branch.splitlines()]
+    return {command[0].removeprefix("./"): command[1:] for command in commands if command}
+
+
+def test_quickstart_runs_the_recommended_recipe_of_the_time_to_quality_benchmark():
+    specification = importlib.util.spec_from_file_location(
+        "benchmark_time_to_quality", REPO_DIR / "benchmarks" / "benchmark_time_to_quality.py"
+    )
+    benchmark = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(benchmark)
+    recipe, commands = benchmark.RECIPES["recommended"], quickstart_commands()
+
+    def value_of(tool: str, flag: str):
+        arguments = commands[tool]
+        return arguments[arguments.index(flag) + 1]
+
+    assert value_of("train_tokenizer.py", "--vocab_size") == str(recipe.vocab_size)
+    assert value_of("train_tokenizer.py", "--model_max_length") == str(recipe.positions)
+    assert value_of("create_config.py", "--preset") == recipe.preset
+    config = commands["create_config.py"]
+    assert set(recipe.config) <= set(config[config.index("--set") + 1 :])
+    flags = dict(zip(recipe.training[::2], recipe.training[1::2]))
+    assert {flag: value_of("run_clm_flax.py", flag) for flag in flags} == flags

@@ -74,7 +74,7 @@ def kill_when(process, condition, what: str):
     pytest.fail(f"the run ended before {what}: {process.stderr.read()[-2000:]}")
 
 
-def assert_same_as_uninterrupted(output_dir, uninterrupted_dir):
+def assert_same_as_uninterrupted(output_dir, uninterrupted_dir, last_step=40):
     final = load_file(os.path.join(output_dir, "model.safetensors"))
     expected = load_file(os.path.join(uninterrupted_dir, "model.safetensors"))
     assert final.keys() == expected.keys()
@@ -82,7 +82,7 @@ def assert_same_as_uninterrupted(output_dir, uninterrupted_dir):
         np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
     uninterrupted_losses = losses_per_process(uninterrupted_dir)[0]
     resumed_losses = losses_per_process(output_dir)[-1]
-    assert resumed_losses and max(resumed_losses) == 40
+    assert resumed_losses and max(resumed_losses) == last_step
     assert resumed_losses == {step: uninterrupted_losses[step] for step in resumed_losses}
 
 
@@ -136,6 +136,37 @@ def test_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(model
     assert "Resumed from" in result.stderr
     for name in unfinished:
         assert not (checkpoints / name).exists(), "the unfinished checkpoint should have been cleaned up"
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "lion", "adafactor"])
+def test_each_optimizer_resumes_to_the_same_weights_and_losses(optimizer, model_dir, tmp_path, monkeypatch):
+    """Its state (Muon's and Lion's momentum, Adafactor's factored second moments: the model is wide enough to factor
+    its matrices) is checkpointed and restored exactly, as AdamW's is in the tests above."""
+    short_run = ["--optim", optimizer, "--learning_rate", "3e-4", "--max_steps", "12", "--save_steps", "6"]
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    run_main(monkeypatch, arguments(model_dir, uninterrupted, *short_run))
+    shutil.copytree(uninterrupted / "checkpoints" / "6", resumed / "checkpoints" / "6")
+    run_main(monkeypatch, arguments(model_dir, resumed, *short_run, "--resume_from_checkpoint"))
+    assert_same_as_uninterrupted(resumed, uninterrupted, last_step=12)
+
+
+def test_a_stable_phase_checkpoint_branched_to_a_shorter_budget_ends_as_a_run_of_that_budget(
+    model_dir, tmp_path, monkeypatch, capfd
+):
+    """warmup_stable_decay: a 12-step run's checkpoint 6, at the peak, resumed into another directory with --max_steps
+    8, decays over the new run's last steps and ends with the weights of a run of 8 steps from the start; the longer
+    run's checkpoints stay as they were."""
+    schedule = ["--lr_scheduler_type", "warmup_stable_decay", "--lr_decay_ratio", "0.25", "--warmup_steps", "2"]
+    longer, branch, shorter = tmp_path / "longer", tmp_path / "branch", tmp_path / "shorter"
+    run_main(monkeypatch, arguments(model_dir, longer, *schedule, "--max_steps", "12", "--save_steps", "6"))
+    run_main(monkeypatch, arguments(model_dir, shorter, *schedule, "--max_steps", "8"))
+    stable_checkpoint = str(longer / "checkpoints" / "6")
+    run_main(monkeypatch, arguments(
+        model_dir, branch, *schedule, "--max_steps", "8", "--resume_from_checkpoint", stable_checkpoint
+    ))  # fmt: skip
+    assert "jumps" not in capfd.readouterr().err
+    assert_same_as_uninterrupted(branch, shorter, last_step=8)
+    assert sorted(os.listdir(longer / "checkpoints"), key=int) == ["6", "12"]
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(model_dir, tmp_path):
@@ -214,7 +245,7 @@ def test_checkpoint_of_another_model_shape_is_refused(model_dir, uninterrupted_r
 def test_checkpoint_of_another_optimizer_is_refused(model_dir, uninterrupted_run, tmp_path, monkeypatch):
     output_dir = tmp_path / "other-optimizer"
     shutil.copytree(uninterrupted_run[0] / "checkpoints", output_dir / "checkpoints")
-    resume = arguments(model_dir, output_dir, "--adafactor", "--max_steps", "50", "--resume_from_checkpoint")
+    resume = arguments(model_dir, output_dir, "--optim", "adafactor", "--max_steps", "50", "--resume_from_checkpoint")
     with pytest.raises(
         run_clm_flax.UsageError,
         match=r"does not fit this model \(optimizer state array .*\); resume with the optimizer settings it was",

@@ -34,7 +34,8 @@ def devices_env(count: int) -> dict:
 @pytest.fixture(scope="module")
 def mesh_results():
     """tests/tensor_parallel_check.py's results: CLM (GPT-2 with dropout, and Llama) and MLM steps with remat and 2
-    micro-batches, on one device and on each mesh of MESH_SHAPES over 8 devices."""
+    micro-batches, on one device and on each mesh of MESH_SHAPES over 8 devices; and CLM steps with each other --optim
+    on one device and on data=2,fsdp=2,tensor=2."""
     result = subprocess.run(
         [sys.executable, str(REPO_DIR / "tests" / "tensor_parallel_check.py"), *MESH_SHAPES],
         capture_output=True,
@@ -52,6 +53,19 @@ def test_every_mix_of_data_fsdp_and_tensor_trains_as_one_device(mesh_results, sc
     one_device, mesh = mesh_results[script]["one device"], mesh_results[script][mesh_shape]
     np.testing.assert_allclose(mesh["losses"], one_device["losses"], rtol=1e-5)
     assert mesh["largest_weight_difference"] < 1e-5
+
+
+@pytest.mark.parametrize("optim", ["muon", "lion", "adafactor"])
+def test_each_optimizer_trains_on_a_mesh_as_on_one_device_with_its_state_split_like_the_parameters(
+    mesh_results, optim
+):
+    results = mesh_results[f"clm {optim}"]
+    one_device, mesh = results["one device"], results["data=2,fsdp=2,tensor=2"]
+    np.testing.assert_allclose(mesh["losses"], one_device["losses"], rtol=1e-5)
+    assert mesh["largest_weight_difference"] < 1e-5  # but the keys' bias: see tensor_parallel_check.without_key_bias
+    # Split over fsdp and tensor, four ways, as AdamW's is: a replicated state would leave each device all of it.
+    adamw_share = mesh_results["clm"]["data=2,fsdp=2,tensor=2"]["state_share"]
+    assert mesh["state_share"] == pytest.approx(adamw_share, abs=0.02) and adamw_share < 0.3
 
 
 @pytest.mark.parametrize("script", ["clm", "llama", "mlm"])

@@ -52,6 +52,17 @@ def model_types(generates_text: bool) -> list[str]:
     return [name for name in MODEL_MODULES if stock_module(name).GENERATES_TEXT == generates_text]
 
 
+def check_model_type(model_type: str | None, generates_text: bool):
+    """Refuse a --model_type the script does not train: run_clm_flax.py trains the models that generate text,
+    run_mlm_flax.py the others."""
+    if model_type not in (None, *model_types(generates_text)):
+        these, others = " and ".join(model_types(generates_text)), " and ".join(model_types(not generates_text))
+        other_script = "run_mlm_flax.py" if generates_text else "run_clm_flax.py"
+        raise UsageError(
+            f"--model_type {model_type} is not supported; this script trains {these} ({other_script} trains {others})"
+        )
+
+
 def stock_module(model_type: str) -> ModuleType:
     return importlib.import_module(MODEL_MODULES[model_type])
 
