@@ -46,11 +46,25 @@ def test_tools_chain_into_a_trained_model_that_transformers_loads(run_tool, test
 
 
 def quickstart_commands() -> dict[str, list[str]]:
-    """The arguments quickstart.sh gives each tool in its clm branch, continuation lines joined."""
+    """The arguments quickstart.sh gives each tool for GPT-2 (its clm task), continuation lines joined and the
+    branch's shell variables ($model_type, $shape) filled in."""
     text = (REPO_DIR / "quickstart.sh").read_text().replace("\\\n", " ")
-    clm_branch = text.split('if [ "$task" = clm ]; then')[1].split("\nelse")[0]
-    commands = [shlex.split(line, comments=True) for line in clm_branch.splitlines()]
-    return {command[0].removeprefix("./"): command[1:] for command in commands if command}
+    causal_branch = text.split('if [ "$task" != mlm ]; then')[1].split("\nelse\n")[0]
+    settings_line = next(line for line in causal_branch.splitlines() if 'if [ "$task" = clm ]; then' in line)
+    settings = dict(
+        word.split("=", 1) for word in shlex.split(settings_line.split("then", 1)[1].split(";")[0]) if "=" in word
+    )
+    commands = {}
+    for line in causal_branch.splitlines():
+        command = shlex.split(line.replace("$model_type", settings["model_type"]), comments=True)
+        if command and command[0].startswith("./"):
+            expanded = [
+                word
+                for argument in command
+                for word in (shlex.split(settings["shape"]) if argument == "$shape" else [argument])
+            ]
+            commands[expanded[0].removeprefix("./")] = expanded[1:]
+    return commands
 
 
 def test_quickstart_runs_the_recommended_recipe_of_the_time_to_quality_benchmark():
