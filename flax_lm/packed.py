@@ -412,6 +412,8 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
+    if not has_source:  # packing needs the texts
+        fix += " from --train_file or --dataset_name"
 
     def check(index: dict):
         if index["format_version"] != PACKED_FORMAT_VERSION:
