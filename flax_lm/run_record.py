@@ -234,7 +234,7 @@ def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allow
         return  # what differs changes no step
     refused = {name: values for name, values in differences.items() if name not in allowed and "all" not in allowed}
     if refused:
-        names = ", ".join(refused)
+        names = ",".join(refused)
         raise UsageError(
             f"the resumed run differs from the checkpoint's in what it trains: "
             f"{'; '.join(describe_difference(name, values) for name, values in refused.items())}; resume with what it "
