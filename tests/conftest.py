@@ -13,22 +13,13 @@ from pathlib import Path
 
 import pytest
 
-# Compiling is most of a tiny model's run: XLA skips LLVM's optimisations, which change no result, here and in every
-# process a test starts (with_xla_flags adds a test's own flags to these).
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-
-from flax_lm.model_code import ModelCode, load_model_code  # noqa: E402
-from flax_lm.models import stock_module  # noqa: E402
+from flax_lm.model_code import ModelCode, load_model_code
+from flax_lm.models import stock_module
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = REPO_DIR / "tests" / "fixtures"
 # The multilingual corpus (English, Norwegian, Turkish, Korean) plus about 110 KB of English prose.
 TOKENIZER_TRAINING_FILES = sorted((FIXTURES_DIR / "corpus").glob("*.txt")) + [FIXTURES_DIR / "en" / "train.txt"]
-
-
-def with_xla_flags(*flags: str) -> str:
-    """XLA_FLAGS for a process of its own: the tests' flags and `flags`."""
-    return " ".join([os.environ["XLA_FLAGS"], *flags])
 
 
 def stock_code(config) -> ModelCode:

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from conftest import stock_code, with_xla_flags
+from conftest import stock_code
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -414,7 +414,7 @@ def test_eight_devices_give_the_losses_of_one_device(model_dir, tmp_path):
         "0",
     ]
     run_script(training_arguments(model_dir, tmp_path / "one", *common, "--per_device_train_batch_size", "8"))
-    eight_devices_env = {**OFFLINE_ENV, "XLA_FLAGS": with_xla_flags("--xla_force_host_platform_device_count=8")}
+    eight_devices_env = {**OFFLINE_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     result = run_script(
         training_arguments(model_dir, tmp_path / "eight", *common, "--per_device_train_batch_size", "1"),
         env=eight_devices_env,

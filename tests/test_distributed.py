@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FIXTURES_DIR, REPO_DIR, with_xla_flags
+from conftest import FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, scalars
 from test_harness import write_local_tasks
@@ -64,7 +64,9 @@ def environment(devices_per_process: int, hf_home, compilation_cache) -> dict:
     # compiles alike), and the resumed run finds the stopped run's programs in the cache.
     return {
         **OFFLINE_ENV, "HF_HOME": str(hf_home), "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": with_xla_flags(f"--xla_force_host_platform_device_count={devices_per_process}"),
+        "XLA_FLAGS": (
+            f"--xla_force_host_platform_device_count={devices_per_process} --xla_backend_optimization_level=0"
+        ),
         "JAX_COMPILATION_CACHE_DIR": str(compilation_cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }  # fmt: skip
 

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import stock_code, with_xla_flags
+from conftest import stock_code
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_script
 from test_serve import running_server
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
@@ -189,7 +189,7 @@ RUNS = {
         "gpt2",
         PROMPT_COMPLETION,
         ["--mesh_shape", "data=2,fsdp=2,tensor=2", "--per_device_train_batch_size", "1"],
-        {**OFFLINE_ENV, "XLA_FLAGS": with_xla_flags("--xla_force_host_platform_device_count=8")},
+        {**OFFLINE_ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
     ),
     # A pretrained Llama fine-tuned on conversations packed into rows, through --packed_data_dir.
     "llama-conversations-packed": ("llama", CONVERSATIONS, ["--packing", "--per_device_train_batch_size", "4"], None),

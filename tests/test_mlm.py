@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import stock_code, with_xla_flags
+from conftest import stock_code
 from safetensors.numpy import load_file
 from transformers import (
     AutoModelForMaskedLM,
@@ -492,7 +492,7 @@ def test_eight_devices_sharing_the_parameters_give_the_losses_of_one_device_accu
     """Training and evaluation on 8 devices of 1 sequence each, with the parameters and optimizer state split
     over 4 of them (FSDP), equal 1 device summing the gradients of 2 micro-batches of 4 sequences."""
     one_device_dir, _ = one_device_run
-    monkeypatch.setenv("XLA_FLAGS", with_xla_flags("--xla_force_host_platform_device_count=8"))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     result = run_mlm(
         run_tool,
         [
