@@ -12,6 +12,7 @@ import jax
 from tqdm.auto import tqdm
 
 from flax_lm.checkpoints import last_intact_checkpoint
+from flax_lm.checksums import checkpoint_has_checksums
 from flax_lm.errors import UsageError
 from flax_lm.run_dir import TRACKER_RUNS_FILE, write_json
 
@@ -101,6 +102,11 @@ class TrainingLog:
                 else "no training checkpoint was saved yet"
             )
             advice = f"{saved}. Lower --learning_rate and start again"
+        elif not checkpoint_has_checksums(last_good):  # saved by an earlier version: its bytes cannot be checked
+            advice = (
+                f"the newest checkpoint is {last_good}, saved without checksums, so it may be damaged (then take an "
+                "earlier one). Lower --learning_rate and continue with --resume_from_checkpoint"
+            )
         else:
             advice = (
                 f"the last good checkpoint is {last_good}. Lower --learning_rate and continue with "

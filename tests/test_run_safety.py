@@ -192,6 +192,16 @@ def test_a_non_finite_step_names_the_newest_intact_checkpoint_as_the_last_good_o
     assert f"the last good checkpoint is {output_dir}/checkpoints/4." in message and "checkpoints/6" not in message
 
 
+def test_a_non_finite_step_after_a_checkpoint_without_checksums_does_not_call_it_good(complete_run, tmp_path):
+    """A checkpoint saved before checkpoints had checksums cannot be checked: named, but not as good."""
+    output_dir = copy_of(complete_run, tmp_path)
+    os.remove(output_dir / "checkpoints" / "6" / CHECKPOINT_CHECKSUMS)
+    with open_checkpoints(str(output_dir), 10) as checkpoints:
+        message = str(TrainingLog.nonfinite_error(7, checkpoints))
+    assert f"the newest checkpoint is {output_dir}/checkpoints/6, saved without checksums" in message
+    assert "last good" not in message
+
+
 @pytest.mark.parametrize("damage", ["truncated data file", "corrupt progress JSON"])
 def test_a_damaged_checkpoint_asked_for_by_path_is_refused_in_one_line(
     model_dir, damage, complete_run, tmp_path, monkeypatch
