@@ -29,7 +29,7 @@ from flax_lm.chat import chat_template_of, conversation_problem, marks_assistant
 from flax_lm.errors import UsageError
 from flax_lm.texts import (
     DATA_READ_ERRORS,
-    TEXTS_PER_BATCH,
+    column_batches,
     ids_around_documents,
     map_in_workers,
     text_source,
@@ -351,23 +351,8 @@ class ExampleEncoder:
 def numbered_batches(dataset, columns: tuple[str, ...], split: str):
     """(the row number of its first row, counted from 1; its rows as tuples of the columns' values), a batch of
     TEXTS_PER_BATCH rows at a time."""
-    if isinstance(dataset, datasets.Dataset):
-        dataset = dataset.select_columns(list(columns))  # the other columns are not even read
-    batches = dataset.iter(batch_size=TEXTS_PER_BATCH)
     first_row = 1
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except DATA_READ_ERRORS as error:
-            cause = error.__cause__ or error
-            raise UsageError(
-                f"cannot read the {split} data ({type(cause).__name__}: {cause}); check its format and encoding"
-            ) from None
-        missing = [column for column in columns if column not in batch]
-        if missing:
-            raise UsageError(f"the {split} data has no column '{missing[0]}' (it has: {', '.join(batch)})")
+    for batch in column_batches(dataset, columns, split):
         rows = list(zip(*(batch[column] for column in columns)))
         yield first_row, rows
         first_row += len(rows)

@@ -410,14 +410,16 @@ def without_byte_order_marks(texts: list, where: str) -> list:
     return [text[1:] if isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) else text for text in texts]
 
 
-def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
-    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order (byte-order marks dropped)."""
+def column_batches(dataset, columns, split: str, column_flag: str | None = None) -> Iterator[dict]:
+    """The rows of a dataset or a stream, TEXTS_PER_BATCH at a time, in order, as {column: values}: of `columns` only
+    where a dataset can leave the others unread. A file the reader cannot parse, or a missing column (with the flag
+    that names it, `column_flag`), ends the command in one line."""
     if isinstance(dataset, datasets.Dataset):
-        dataset = dataset.select_columns(text_column)  # the other columns are not even read
-    texts = dataset.iter(batch_size=TEXTS_PER_BATCH)
+        dataset = dataset.select_columns(list(columns))  # the other columns are not even read
+    batches = dataset.iter(batch_size=TEXTS_PER_BATCH)
     while True:
         try:
-            batch = next(texts)
+            batch = next(batches)
         except StopIteration:
             return
         except DATA_READ_ERRORS as error:
@@ -425,13 +427,18 @@ def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
             # Arrow counts its row from the start of the block it was reading, which no user could find.
             message = re.sub(r"\s*in row \d+$", "", str(cause))
             raise UsageError(
-                f"cannot read the {split} stream ({type(cause).__name__}: {message}); check the format and encoding "
+                f"cannot read the {split} data ({type(cause).__name__}: {message}); check the format and encoding "
                 "of its files"
             ) from None
-        if text_column not in batch:
-            raise UsageError(
-                f"the {split} data has no column '{text_column}' (it has: {', '.join(batch)}); pass --text_column_name"
-            )
+        if missing := [column for column in columns if column not in batch]:
+            fix = f"; pass {column_flag}" if column_flag else ""
+            raise UsageError(f"the {split} data has no column '{missing[0]}' (it has: {', '.join(batch)}){fix}")
+        yield batch
+
+
+def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
+    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order (byte-order marks dropped)."""
+    for batch in column_batches(dataset, [text_column], split, "--text_column_name"):
         yield without_byte_order_marks(batch[text_column], split)
 
 

@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 import types
+from functools import partial
 
 import datasets
 import numpy as np
@@ -503,16 +504,15 @@ def cut_in_half(path):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
+def pack_token_cache(text_dataset, tokenizer, directory):
+    """The token cache of the texts in blocks of 32 tokens, in shards of 4,000 tokens: several shards."""
+    data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
+    rows = run_clm_flax.tokenized_rows
+    return flax_lm.packed.cached_blocks(text_dataset, "train", rows, tokenizer, 32, str(directory), data_args)
+
+
 def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, tmp_path, caplog):
-    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
-
-    def pack():
-        data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
-        rows = run_clm_flax.tokenized_rows
-        return flax_lm.packed.cached_blocks(
-            text_dataset, "train", rows, tokenizer, 32, str(tmp_path / "packed"), data_args
-        )
-
+    pack = partial(pack_token_cache, text_dataset, AutoTokenizer.from_pretrained(paths["gpt2"]), tmp_path / "packed")
     expected = np.asarray(pack())
     shard = os.path.join(pack().directory, "train-00001.npy")
     cut_in_half(shard)
@@ -571,15 +571,7 @@ def test_a_packed_data_dir_shard_whose_bytes_changed_is_refused_when_opened(path
 def test_a_token_cache_shard_whose_bytes_changed_stops_the_run_and_is_packed_again_by_the_next(
     text_dataset, paths, tmp_path
 ):
-    tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
-
-    def pack():
-        data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
-        rows = run_clm_flax.tokenized_rows
-        return flax_lm.packed.cached_blocks(
-            text_dataset, "train", rows, tokenizer, 32, str(tmp_path / "packed"), data_args
-        )
-
+    pack = partial(pack_token_cache, text_dataset, AutoTokenizer.from_pretrained(paths["gpt2"]), tmp_path / "packed")
     expected = np.asarray(pack())
     overwrite_bytes_in_the_middle(os.path.join(pack().directory, "train-00000.npy"))
     with pytest.raises(run_clm_flax.UsageError, match=r"the token cache .* is damaged: train-00000.npy differs"):
