@@ -30,10 +30,10 @@ import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transfor
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, GPT2Config, LlamaConfig, RobertaConfig
 
+from flax_lm.command_line.tool_arguments import check_writable_output_dir, parse_arguments
+from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, run
 from flax_lm.models import stock_module
-from flax_lm.processes import LOG_FORMAT
-from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
 

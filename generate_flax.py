@@ -16,12 +16,12 @@ temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-t
     curl -s localhost:8000/v1/completions -H "Content-Type: application/json" \
         -d '{"model": "gpt2-run", "prompt": "def main(", "max_tokens": 40, "temperature": 0.8, "seed": 1}'
 
-The server (flax_lm/serving.py) speaks the OpenAI completions API, streaming on request, with "echo" and "logprobs"
+The server (flax_lm/server/app.py) speaks the OpenAI completions API, streaming on request, with "echo" and "logprobs"
 (so that lm-evaluation-harness's local-completions backend scores tasks against it), and this script's own JSON API;
 requests that arrive together are decoded together, each by its own settings.
 
-The models and the sampler are run_clm_flax.py's own (flax_lm.models, flax_lm.sampling): a model trained there
-decodes here exactly as it evaluated.
+The models and the sampler are run_clm_flax.py's own (flax_lm.models, flax_lm.generation.sampling): a model trained
+there decodes here exactly as it evaluated.
 """
 
 import json
@@ -41,18 +41,18 @@ import jax.numpy as jnp
 import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
-from flax_lm.chat import conversation_prompt_ids, stop_token_ids
+from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
+from flax_lm.data.texts import ids_around_documents
+from flax_lm.devices.mesh import create_mesh
+from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import check_local_model_directory, read_exported_params
-from flax_lm.mesh import create_mesh
-from flax_lm.model_code import load_model_code
-from flax_lm.processes import LOG_FORMAT
-from flax_lm.sampling import Sampling, decode_rows, make_sampler
-from flax_lm.scoring import Scorer
-from flax_lm.server_requests import Limits
-from flax_lm.serving import listening_socket, serve
-from flax_lm.texts import ids_around_documents
-from flax_lm.train_state import abstract_model_params, parameter_shardings
+from flax_lm.evaluation.scoring import Scorer
+from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
+from flax_lm.models.huggingface import check_local_model_directory, read_exported_params
+from flax_lm.models.model_code import load_model_code
+from flax_lm.server.app import listening_socket, serve
+from flax_lm.server.requests import Limits
+from flax_lm.training.train_state import abstract_model_params, parameter_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ class Generator:
 
     def encode_conversations(self, conversations: list, max_new_tokens: int, where: str) -> list[list[int]]:
         """Token ids that ask for the assistant's turn after each conversation (a list of messages with a role and
-        content), rendered by the tokenizer's chat template (flax_lm.chat); refused as encode refuses prompts, and
+        content), rendered by the tokenizer's chat template (flax_lm.data.chat); refused as encode refuses prompts, and
         where the model has no chat template or a conversation is not one."""
         encoded = []
         for number, messages in enumerate(conversations, 1):

@@ -3,18 +3,16 @@
 
 Trains from scratch (a config and a tokenizer, for example from create_config.py and train_tokenizer.py) or continues
 from a Hugging Face checkpoint, on text from local files (txt, json/jsonl, csv, parquet; globs allowed), a local
-dataset directory or a `datasets` hub name. The config's model_type chooses the model (flax_lm/models/__init__.py
-lists them), or --model_file gives one of the experiment's own. Documents (a whole .txt file as written, unless
---text_sample_by says otherwise; one row of other formats) are tokenized, each framed as the tokenizer frames a text
-(a Llama tokenizer's BOS first) and ended by the end-of-text token, joined and packed into blocks of `--block_size`
-tokens.
-Prompt/completion pairs and conversations (the dataset formats of Hugging Face TRL, told apart by their columns: see
-flax_lm/examples.py) are fine-tuned on instead, one example per row or packed, with the loss on the completions or
-the assistant's turns; conversations are rendered with the tokenizer's chat template.
-Evaluation reports loss, perplexity and bits per byte (over the tokens the loss covers).
-Each global batch is split over every device of every process with `jax.jit` over a device mesh.
-On several hosts every host runs the same command (see initialize_distributed for how the processes
-find each other) and process 0 writes the outputs.
+dataset directory or a `datasets` hub name. The config's model_type chooses the model (flax_lm/models/__init__.py lists
+them), or --model_file gives one of the experiment's own. Documents (a whole .txt file as written, unless
+--text_sample_by says otherwise; one row of other formats) are tokenized, each framed as the tokenizer frames a text (a
+Llama tokenizer's BOS first) and ended by the end-of-text token, joined and packed into blocks of `--block_size`
+tokens. Prompt/completion pairs and conversations (the dataset formats of Hugging Face TRL, told apart by their
+columns: see flax_lm/data/finetune_examples.py) are fine-tuned on instead, one example per row or packed, with the loss
+on the completions or the assistant's turns; conversations are rendered with the tokenizer's chat template. Evaluation
+reports loss, perplexity and bits per byte (over the tokens the loss covers). Each global batch is split over every
+device of every process with `jax.jit` over a device mesh. On several hosts every host runs the same command (see
+initialize_distributed for how the processes find each other) and process 0 writes the outputs.
 
 The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors,
 tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch.
@@ -45,8 +43,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from flax_lm import optimizers
-from flax_lm.arguments import (
+from flax_lm.command_line.arguments import (
     CommonTrainingArguments,
     DataArguments,
     ModelArguments,
@@ -55,10 +52,9 @@ from flax_lm.arguments import (
     parse_arguments,
     recorded_arguments,
 )
-from flax_lm.chat import conversation_prompt_ids, stop_token_ids
-from flax_lm.checkpoints import StopRequest, checkpoint_still_written, open_checkpoints
-from flax_lm.compilation import compile_in_background
-from flax_lm.data import (
+from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
+from flax_lm.data.finetune_examples import Example, ExampleArguments, RowCounts, encoded_examples
+from flax_lm.data.loading import (
     TextsToRows,
     call_batch_shapes,
     call_batches,
@@ -68,22 +64,25 @@ from flax_lm.data import (
     stream_position,
     streaming_train_batches,
 )
-from flax_lm.errors import UsageError, run
-from flax_lm.evaluation import evaluate_by_source, report_by_source, saved_results
-from flax_lm.examples import Example, ExampleArguments, RowCounts, encoded_examples
-from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
-from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.mixture import Mixture
-from flax_lm.model_code import ModelCode, load_model_code
-from flax_lm.models import check_model_type
-from flax_lm.processes import (
+from flax_lm.data.mixture import Mixture
+from flax_lm.data.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
+from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
+from flax_lm.devices.processes import (
     initialize_distributed,
     on_process_zero,
     print_once,
     setup_logging,
     wait_for_all_processes,
 )
-from flax_lm.run_dir import (
+from flax_lm.errors import UsageError, run
+from flax_lm.evaluation.scoring import Scorer
+from flax_lm.evaluation.validation import evaluate_by_source, report_by_source, saved_results
+from flax_lm.generation.sampling import generate_ids, make_sampler
+from flax_lm.models import check_model_type
+from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
+from flax_lm.models.model_code import ModelCode, load_model_code
+from flax_lm.run.checkpoints import StopRequest, checkpoint_still_written, open_checkpoints
+from flax_lm.run.output_dir import (
     check_output_dir,
     evaluated_step,
     open_output_dir,
@@ -92,17 +91,11 @@ from flax_lm.run_dir import (
     write_json,
     write_train_results,
 )
-from flax_lm.run_record import TrainingProgress
-from flax_lm.sampling import generate_ids, make_sampler
-from flax_lm.scoring import Scorer
-from flax_lm.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
-from flax_lm.tracking import TrainingLog, open_trackers
-from flax_lm.train_state import (
-    TrainState,
-    accumulate_gradients,
-    apply_finite_update,
-)
-from flax_lm.training import (
+from flax_lm.run.record import TrainingProgress
+from flax_lm.run.tracking import TrainingLog, open_trackers
+from flax_lm.training import optimizers
+from flax_lm.training.compilation import compile_in_background
+from flax_lm.training.setup import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
@@ -111,12 +104,17 @@ from flax_lm.training import (
     save_run,
     set_up_training,
 )
+from flax_lm.training.train_state import (
+    TrainState,
+    accumulate_gradients,
+    apply_finite_update,
+)
 
 logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Arguments: this script's own, beside those of flax_lm.arguments that both scripts take
+# Arguments: this script's own, beside those of flax_lm.command_line.arguments that both scripts take
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -190,8 +188,8 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("--eval_tasks_path and --eval_tasks_limit apply to --eval_tasks; add it or leave them out")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Data: texts become blocks of tokens (flax_lm.data reads the texts from files or a stream, and keeps the blocks)
+# ---------------------------------------------------------------------------------------------------- Data: texts
+# become blocks of tokens (flax_lm.data.loading reads the texts from files or a stream, and keeps the blocks)
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -249,11 +247,11 @@ OPEN_ROWS = 8
 
 
 def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
-    """The rows of a packed corpus made from one split of examples (flax_lm.examples: prompt/completion pairs or
-    conversations), arrays (count, 2, block_size) of token ids and their loss weights (loss_weights): one example per
-    row, padded with weight 0, or with --packing as many whole examples as fit, each its own document (document
-    attention: its first token starts it). An example longer than a row is left out and counted, never cut. The token
-    cache is keyed by this function's code (and that of what it calls here), so an edit re-tokenizes."""
+    """The rows of a packed corpus made from one split of examples (flax_lm.data.finetune_examples: prompt/completion
+    pairs or conversations), arrays (count, 2, block_size) of token ids and their loss weights (loss_weights): one
+    example per row, padded with weight 0, or with --packing as many whole examples as fit, each its own document
+    (document attention: its first token starts it). An example longer than a row is left out and counted, never cut.
+    The token cache is keyed by this function's code (and that of what it calls here), so an edit re-tokenizes."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     before_documents, _ = ids_around_documents(tokenizer)
     separator_id = (before_documents or [tokenizer.eos_token_id])[0]  # as causal_lm_model's
@@ -378,7 +376,8 @@ def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
 
 # What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
 # its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
-# --min_lr_rate of the peak, in a shape of flax_lm.optimizers.DECAY_SHAPES (warmup_stable_decay: --lr_decay_shape).
+# --min_lr_rate of the peak, in a shape of flax_lm.training.optimizers.DECAY_SHAPES (warmup_stable_decay:
+# --lr_decay_shape).
 LEARNING_RATE_SCHEDULES = {
     "linear": optimizers.decay_to_the_end("linear"),
     "cosine": optimizers.decay_to_the_end("cosine"),
@@ -545,7 +544,10 @@ class Evaluation:
         self.sampler = make_sampler(sampling_model, self.stop_token_ids)
         self.tasks = None
         if training_args.eval_tasks:
-            from flax_lm.harness import FlaxLM, HarnessTasks  # lm-eval is optional: imported only when asked for
+            from flax_lm.evaluation.harness import (
+                FlaxLM,
+                HarnessTasks,
+            )  # lm-eval is optional: imported only when asked for
 
             scorer = Scorer(sampling_model, setup.eval_batch_size * setup.sequence_length, sampling_model.mesh)
             self.tasks = HarnessTasks(

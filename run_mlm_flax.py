@@ -43,8 +43,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from flax_lm import optimizers
-from flax_lm.arguments import (
+from flax_lm.command_line.arguments import (
     CommonTrainingArguments,
     DataArguments,
     ModelArguments,
@@ -53,9 +52,8 @@ from flax_lm.arguments import (
     parse_arguments,
     recorded_arguments,
 )
-from flax_lm.checkpoints import StopRequest, checkpoint_still_written, open_checkpoints
-from flax_lm.compilation import compile_in_background
-from flax_lm.data import (
+from flax_lm.data.host_random import random_bits, uniform_from_bits
+from flax_lm.data.loading import (
     TextsToRows,
     call_batch_shapes,
     call_batches,
@@ -65,23 +63,24 @@ from flax_lm.data import (
     stream_position,
     streaming_train_batches,
 )
-from flax_lm.errors import UsageError, run
-from flax_lm.evaluation import evaluate_by_source, evaluation_sets, report_by_source, saved_results
-from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
-from flax_lm.host_random import random_bits, uniform_from_bits
-from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.mixture import Mixture
-from flax_lm.model_code import ModelCode, load_model_code
-from flax_lm.models import check_model_type
-from flax_lm.models.roberta import check_tokenizer
-from flax_lm.processes import (
+from flax_lm.data.mixture import Mixture
+from flax_lm.data.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
+from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
+from flax_lm.devices.processes import (
     initialize_distributed,
     on_process_zero,
     print_once,
     setup_logging,
     wait_for_all_processes,
 )
-from flax_lm.run_dir import (
+from flax_lm.errors import UsageError, run
+from flax_lm.evaluation.validation import evaluate_by_source, evaluation_sets, report_by_source, saved_results
+from flax_lm.models import check_model_type
+from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
+from flax_lm.models.model_code import ModelCode, load_model_code
+from flax_lm.models.roberta import check_tokenizer
+from flax_lm.run.checkpoints import StopRequest, checkpoint_still_written, open_checkpoints
+from flax_lm.run.output_dir import (
     check_output_dir,
     evaluated_step,
     open_output_dir,
@@ -90,15 +89,11 @@ from flax_lm.run_dir import (
     write_json,
     write_train_results,
 )
-from flax_lm.run_record import TrainingProgress
-from flax_lm.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
-from flax_lm.tracking import TrainingLog, open_trackers
-from flax_lm.train_state import (
-    TrainState,
-    accumulate_gradients,
-    apply_finite_update,
-)
-from flax_lm.training import (
+from flax_lm.run.record import TrainingProgress
+from flax_lm.run.tracking import TrainingLog, open_trackers
+from flax_lm.training import optimizers
+from flax_lm.training.compilation import compile_in_background
+from flax_lm.training.setup import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
@@ -107,12 +102,17 @@ from flax_lm.training import (
     save_run,
     set_up_training,
 )
+from flax_lm.training.train_state import (
+    TrainState,
+    accumulate_gradients,
+    apply_finite_update,
+)
 
 logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Arguments: this script's own, beside those of flax_lm.arguments that both scripts take
+# Arguments: this script's own, beside those of flax_lm.command_line.arguments that both scripts take
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -527,8 +527,8 @@ def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
 
 # What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
 # its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
-# --min_lr_rate of the peak, in a shape of flax_lm.optimizers.DECAY_SHAPES (warmup_stable_decay: --lr_decay_shape).
-# Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
+# --min_lr_rate of the peak, in a shape of flax_lm.training.optimizers.DECAY_SHAPES (warmup_stable_decay:
+# --lr_decay_shape). Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
 LEARNING_RATE_SCHEDULES = {
     "linear": optimizers.decay_to_the_end("linear"),
     "cosine": optimizers.decay_to_the_end("cosine"),

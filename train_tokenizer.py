@@ -31,11 +31,11 @@ import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenizer
 
-from flax_lm.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
+from flax_lm.command_line.tool_arguments import check_writable_output_dir, parse_arguments
+from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
+from flax_lm.data.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
+from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, run
-from flax_lm.processes import LOG_FORMAT
-from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
-from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
 

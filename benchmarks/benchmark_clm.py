@@ -39,13 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from transformers import GPT2Config, LlamaConfig
 
-from flax_lm.arguments import default_steps_per_call
-from flax_lm.mesh import create_mesh
-from flax_lm.model_code import load_model_code
-from flax_lm.packed import cached_blocks
-from flax_lm.texts import token_arrays
-from flax_lm.train_state import create_train_state
-from flax_lm.training import set_up_training
+from flax_lm.command_line.arguments import default_steps_per_call
+from flax_lm.data.packed import cached_blocks
+from flax_lm.data.texts import token_arrays
+from flax_lm.devices.mesh import create_mesh
+from flax_lm.models.model_code import load_model_code
+from flax_lm.training.setup import set_up_training
+from flax_lm.training.train_state import create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_clm_flax  # noqa: E402

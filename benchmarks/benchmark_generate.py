@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tokens per second of generate_flax.py's decoding (the sampler of flax_lm.sampling) beside transformers'
+"""Tokens per second of generate_flax.py's decoding (the sampler of flax_lm.generation.sampling) beside transformers'
 PyTorch `generate`, in the same run; or, with --serving, of generate_flax.py --serve under concurrent clients.
 
 Both decode greedily with a key/value cache, from the same random GPT-2 (124M parameters by default) and the
@@ -34,9 +34,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from flax_lm import sampling
+from flax_lm.generation import sampling
 from flax_lm.models import gpt2
-from flax_lm.train_state import abstract_model_params
+from flax_lm.training.train_state import abstract_model_params
 
 GENERATE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate_flax.py")
 

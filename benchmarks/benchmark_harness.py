@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Requests per second of lm-evaluation-harness's loglikelihood requests scored by the JAX model as
-run_clm_flax.py --eval_tasks scores them (flax_lm.harness over flax_lm.scoring), beside lm-eval's hf backend on the
-same weights in PyTorch, in the same run; and how far apart their log-likelihoods are.
+run_clm_flax.py --eval_tasks scores them (flax_lm.evaluation.harness over flax_lm.evaluation.scoring), beside lm-eval's
+hf backend on the same weights in PyTorch, in the same run; and how far apart their log-likelihoods are.
 
 The requests have HellaSwag's shape: --documents contexts of 40 to 100 tokens, each with 4 endings of 10 to 40
 tokens (random ids, from a fixed seed), given to both as token ids, so that tokenizing costs neither anything. The
@@ -24,11 +24,11 @@ from lm_eval.models.huggingface import HFLM
 from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from flax_lm.harness import FlaxLM
+from flax_lm.evaluation.harness import FlaxLM
+from flax_lm.evaluation.scoring import Scorer
+from flax_lm.generation.sampling import make_sampler
 from flax_lm.models import gpt2
-from flax_lm.sampling import make_sampler
-from flax_lm.scoring import Scorer
-from flax_lm.train_state import abstract_model_params
+from flax_lm.training.train_state import abstract_model_params
 
 PRESETS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257),

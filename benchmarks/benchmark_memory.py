@@ -19,9 +19,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from flax_lm.mesh import create_mesh
-from flax_lm.model_code import load_model_code
-from flax_lm.training import set_up_training
+from flax_lm.devices.mesh import create_mesh
+from flax_lm.models.model_code import load_model_code
+from flax_lm.training.setup import set_up_training
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import create_config  # noqa: E402

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import generate_flax  # noqa: E402
-from flax_lm.sampling import Sampling  # noqa: E402
+from flax_lm.generation.sampling import Sampling  # noqa: E402
 
 
 def task(rng: random.Random, digits: int) -> tuple[str, str]:

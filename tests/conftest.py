@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flax_lm.model_code import ModelCode, load_model_code
 from flax_lm.models import stock_module
+from flax_lm.models.model_code import ModelCode, load_model_code
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = REPO_DIR / "tests" / "fixtures"

@@ -19,11 +19,11 @@ from flax.traverse_util import flatten_dict
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run_clm_flax  # noqa: E402
 import run_mlm_flax  # noqa: E402
-from flax_lm.mesh import BATCH_AXES, MESH_AXES, create_mesh  # noqa: E402
+from flax_lm.devices.mesh import BATCH_AXES, MESH_AXES, create_mesh  # noqa: E402
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel  # noqa: E402
 from flax_lm.models.llama import FlaxLlamaForCausalLM  # noqa: E402
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM  # noqa: E402
-from flax_lm.train_state import abstract_train_state, create_train_state  # noqa: E402
+from flax_lm.training.train_state import abstract_train_state, create_train_state  # noqa: E402
 
 STEPS, MICRO_BATCHES, ROWS, LENGTH, VOCAB = 3, 2, 16, 16, 512
 OPTIMIZERS, OPTIMIZER_MESH = ("muon", "lion", "adafactor"), "data=2,fsdp=2,tensor=2"

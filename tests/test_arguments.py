@@ -13,7 +13,8 @@ from safetensors import SafetensorError
 from test_clm import OFFLINE_ENV, run_clm_flax
 from test_hostile_inputs import SCRIPTS
 
-from flax_lm import errors, processes
+from flax_lm import errors
+from flax_lm.devices import processes
 
 TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
 

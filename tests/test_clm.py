@@ -24,10 +24,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from flax_lm.hf_io import save_model
+from flax_lm.data.packed import cached_blocks
 from flax_lm.models import gpt2, stock_module
-from flax_lm.packed import cached_blocks
-from flax_lm.train_state import abstract_model_params
+from flax_lm.models.huggingface import save_model
+from flax_lm.training.train_state import abstract_model_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -249,7 +249,7 @@ def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_
     expected = np.array(expected[: len(expected) // 16 * 16]).reshape(-1, 16)
     np.testing.assert_array_equal(blocks, expected)
 
-    caplog.set_level("INFO", logger="flax_lm.packed")
+    caplog.set_level("INFO", logger="flax_lm.data.packed")
     cached = pack(16)
     assert "Loading packed train blocks from cache" in caplog.text, "the second call should read the cached blocks"
     np.testing.assert_array_equal(cached, expected)

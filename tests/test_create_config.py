@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
 
-from flax_lm import tool_arguments
+from flax_lm.command_line import tool_arguments
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 
@@ -251,7 +251,8 @@ def test_a_json_arguments_file_with_a_value_of_the_wrong_type_is_refused(monkeyp
 
 
 def test_arguments_are_parsed_by_the_one_definition_train_tokenizer_uses():
-    """create_config.py and train_tokenizer.py share their argument parsing: flax_lm.tool_arguments, not a copy."""
+    """create_config.py and train_tokenizer.py share their argument parsing: flax_lm.command_line.tool_arguments, not
+    a copy."""
     spec = importlib.util.spec_from_file_location("train_tokenizer", REPO_DIR / "train_tokenizer.py")
     train_tokenizer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_tokenizer)

@@ -17,10 +17,10 @@ from conftest import FIXTURES_DIR
 from test_clm import model_dir_with_config, run_clm_flax, scalars
 from transformers import AutoTokenizer
 
-import flax_lm.data
-import flax_lm.packed
-import flax_lm.processes
-import flax_lm.texts
+import flax_lm.data.loading
+import flax_lm.data.packed
+import flax_lm.data.texts
+import flax_lm.devices.processes
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -63,14 +63,14 @@ def data_arguments(packed_dir, **overrides):
 
 def pack(packed_dir, tokenizer, block_size=32, **overrides):
     arguments = data_arguments(packed_dir, **overrides)
-    return flax_lm.packed.load_packed_corpus(
+    return flax_lm.data.packed.load_packed_corpus(
         run_clm_flax.ModelArguments(), arguments, texts_to_rows(tokenizer, block_size)
     )
 
 
-def texts_to_rows(tokenizer, block_size: int = 32) -> flax_lm.data.TextsToRows:
+def texts_to_rows(tokenizer, block_size: int = 32) -> flax_lm.data.loading.TextsToRows:
     """run_clm_flax.py's way from texts to rows, as its main() makes it."""
-    return flax_lm.data.TextsToRows(
+    return flax_lm.data.loading.TextsToRows(
         run_clm_flax.read_texts, run_clm_flax.tokenized_rows, tokenizer, block_size, "--block_size"
     )
 
@@ -82,7 +82,7 @@ def forbid_tokenizing(monkeypatch):
     def tokenizing(*arguments, **keywords):
         raise AssertionError("the texts were tokenized again")
 
-    monkeypatch.setattr(flax_lm.packed, "pack_texts", tokenizing)
+    monkeypatch.setattr(flax_lm.data.packed, "pack_texts", tokenizing)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_packed_shards_hold_the_blocks_of_the_in_memory_packing(streaming, token
     blocks = pack(tmp_path / "packed", tokenizer, streaming=streaming)
     expected = expected_blocks(tokenizer, train_texts(), 32)
     np.testing.assert_array_equal(np.asarray(blocks["train"]), expected)
-    held_out = flax_lm.data.hold_out_blocks(blocks, 5)
+    held_out = flax_lm.data.loading.hold_out_blocks(blocks, 5)
     validation_size = len(expected) * 5 // 100  # held out from the start of the packed training blocks
     np.testing.assert_array_equal(np.asarray(held_out["validation"]), expected[:validation_size])
     np.testing.assert_array_equal(np.asarray(held_out["train"]), expected[validation_size:])
@@ -110,7 +110,7 @@ def test_packed_shards_hold_the_blocks_of_the_in_memory_packing(streaming, token
 def test_packed_blocks_index_like_an_array_across_shards(tokenizer, tmp_path):
     train = pack(tmp_path / "packed", tokenizer)["train"]
     expected = np.asarray(train)
-    assert isinstance(train, flax_lm.packed.PackedBlocks) and train.shape == expected.shape
+    assert isinstance(train, flax_lm.data.packed.PackedBlocks) and train.shape == expected.shape
     indices = np.array([0, 61, 62, 63, 300, len(train) - 1, 5])  # on both sides of shard boundaries, unsorted
     np.testing.assert_array_equal(train[indices], expected[indices])
     assert train[indices].dtype == np.int32
@@ -161,7 +161,7 @@ def test_unfinished_packed_directory_is_rewritten_not_reused(tokenizer, tmp_path
         pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
     written = os.listdir(packed_dir)
     assert "index.json" not in written and any(name.startswith("train-") for name in written)
-    assert flax_lm.packed.read_packed_index(str(packed_dir)) is None
+    assert flax_lm.data.packed.read_packed_index(str(packed_dir)) is None
 
     monkeypatch.setattr(run_clm_flax, "pack_blocks", real_pack_blocks)
     blocks = pack(packed_dir, tokenizer, packed_tokens_per_shard=200)
@@ -204,7 +204,7 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
 
     tracemalloc.start()
     try:
-        index = flax_lm.packed.write_packed_corpus(
+        index = flax_lm.data.packed.write_packed_corpus(
             str(tmp_path),
             {"train": run_clm_flax.pack_blocks(token_chunks(), block_size)},
             {"block_size": block_size},
@@ -216,7 +216,7 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
         tracemalloc.stop()
     assert peak < 1_000_000, f"{peak} bytes held while writing a corpus of {num_chunks * chunk_tokens * 4} bytes"
     assert len(index["splits"]["train"]["shards"]) == num_chunks and len(os.listdir(tmp_path)) == num_chunks + 1
-    blocks = flax_lm.packed.open_packed_corpus(str(tmp_path), index)["train"]
+    blocks = flax_lm.data.packed.open_packed_corpus(str(tmp_path), index)["train"]
     np.testing.assert_array_equal(
         blocks[[0, 12345, len(blocks) - 1]][:, 0], np.array([0, 12345, len(blocks) - 1]) * 64 % 50000
     )
@@ -225,12 +225,12 @@ def test_shard_writer_holds_one_batch_in_memory_whatever_the_corpus_size(tmp_pat
 def test_ids_that_do_not_fit_the_shard_dtype_are_refused(tmp_path):
     too_large = [np.array([[1, 2], [70000, 3]], dtype=np.int32)]
     with pytest.raises(ValueError, match="outside the range of uint16"):
-        flax_lm.packed.write_packed_split(too_large, str(tmp_path), "train", np.uint16, blocks_per_shard=4)
+        flax_lm.data.packed.write_packed_split(too_large, str(tmp_path), "train", np.uint16, blocks_per_shard=4)
 
 
 def test_process_zero_failing_to_pack_still_releases_the_waiting_processes(tokenizer, tmp_path, monkeypatch):
     barriers = []
-    monkeypatch.setattr(flax_lm.processes.multihost_utils, "sync_global_devices", barriers.append)
+    monkeypatch.setattr(flax_lm.devices.processes.multihost_utils, "sync_global_devices", barriers.append)
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 0)
 
@@ -245,7 +245,7 @@ def test_process_zero_failing_to_pack_still_releases_the_waiting_processes(token
 
 def test_only_process_zero_writes_the_packed_corpus(tokenizer, tmp_path, monkeypatch):
     barriers = []
-    monkeypatch.setattr(flax_lm.processes.multihost_utils, "sync_global_devices", barriers.append)
+    monkeypatch.setattr(flax_lm.devices.processes.multihost_utils, "sync_global_devices", barriers.append)
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
     with pytest.raises(
@@ -308,7 +308,7 @@ def load_data(tmp_path, tokenizer, do_train=True, do_eval=True, **data_overrides
     settings = {"train_file": str(CORPUS / "train.txt"), "text_sample_by": "document", **data_overrides}
     data_args = run_clm_flax.DataTrainingArguments(**settings)
     training_args = run_clm_flax.TrainingArguments(str(tmp_path / "out"), do_train=do_train, do_eval=do_eval)
-    return flax_lm.data.load_data(model_args, data_args, training_args, texts_to_rows(tokenizer))[0]
+    return flax_lm.data.loading.load_data(model_args, data_args, training_args, texts_to_rows(tokenizer))[0]
 
 
 def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_format(tokenizer, tmp_path, monkeypatch):
@@ -327,7 +327,7 @@ def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_forma
 
     # The cache is a packed corpus, sharded as --packed_tokens_per_shard says, that --packed_data_dir reads as it is.
     (cache,) = [path for path in (tmp_path / "cache").iterdir() if path.name.startswith("packed-")]
-    index = flax_lm.packed.read_packed_index(str(cache))
+    index = flax_lm.data.packed.read_packed_index(str(cache))
     assert index["blocks_per_shard"] == 2000 // 32 and len(index["splits"]["train"]["shards"]) > 10
     forbid_tokenizing(monkeypatch)
     as_packed_data_dir = pack(cache, tokenizer, train_file=None)
@@ -356,7 +356,7 @@ def test_a_save_to_disk_directory_is_never_written_into_and_cache_dir_holds_the_
 
 def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenizer, tmp_path, monkeypatch):
     read, tokenized = [], []
-    real_resolve, real_token_arrays = flax_lm.texts.resolve_data_files, run_clm_flax.token_arrays
+    real_resolve, real_token_arrays = flax_lm.data.texts.resolve_data_files, run_clm_flax.token_arrays
 
     def resolve(pattern, flag):
         read.append(flag)
@@ -366,7 +366,7 @@ def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenize
         tokenized.append(split)
         return real_token_arrays(dataset, tokenizer, text_column, num_workers, split, around)
 
-    monkeypatch.setattr(flax_lm.texts, "resolve_data_files", resolve)
+    monkeypatch.setattr(flax_lm.data.texts, "resolve_data_files", resolve)
     monkeypatch.setattr(run_clm_flax, "token_arrays", token_arrays)
     blocks = load_data(tmp_path, tokenizer, do_train=False, validation_file=str(CORPUS / "validation.txt"))
     assert list(blocks) == ["validation"] and read == ["validation_file"] and tokenized == ["validation"]
@@ -386,15 +386,15 @@ def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenize
 
 def test_tokenizing_in_worker_processes_gives_the_same_tokens_without_forking_jax(tokenizer, tmp_path, monkeypatch):
     run_clm_flax.jax.devices()  # JAX's runtime and its threads are up, as in a run
-    monkeypatch.setattr(flax_lm.texts, "TEXTS_PER_BATCH", 40)
+    monkeypatch.setattr(flax_lm.data.texts, "TEXTS_PER_BATCH", 40)
     dataset = datasets.load_dataset(
         "text", data_files=str(CORPUS / "train.txt"), split="train", cache_dir=str(tmp_path / "cache")
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        in_workers = list(flax_lm.texts.token_arrays(dataset, tokenizer, "text", num_workers=2))
+        in_workers = list(flax_lm.data.texts.token_arrays(dataset, tokenizer, "text", num_workers=2))
     assert not [warning for warning in caught if "fork" in str(warning.message)], "a process was forked"
-    here = list(flax_lm.texts.token_arrays(dataset, tokenizer, "text"))
+    here = list(flax_lm.data.texts.token_arrays(dataset, tokenizer, "text"))
     assert len(in_workers) == len(here) == 8
     np.testing.assert_array_equal(np.concatenate(in_workers), np.concatenate(here))
 
@@ -404,7 +404,9 @@ def test_an_unknown_dataset_config_is_named_in_the_message(tmp_path):
     (tmp_path / "data" / "texts.jsonl").write_text('{"text": "a text"}\n')
     arguments = run_clm_flax.DataTrainingArguments(dataset_name=str(tmp_path / "data"), dataset_config_name="wiki")
     with pytest.raises(run_clm_flax.UsageError) as refusal:
-        flax_lm.texts.load_text_datasets(run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache")), arguments)
+        flax_lm.data.texts.load_text_datasets(
+            run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache")), arguments
+        )
     message = str(refusal.value)
     assert "--dataset_config_name wiki" in message and "'wiki' not found" in message and "default" in message
     assert "format and encoding" not in message and "\n" not in message
@@ -472,7 +474,7 @@ def test_each_process_reads_its_own_share_of_the_stream(num_files, num_processes
     shares = []
     for process_index in range(num_processes):
         monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda index=process_index: index)
-        shares.append([example["text"] for example in flax_lm.data.stream_share(stream)])
+        shares.append([example["text"] for example in flax_lm.data.loading.stream_share(stream)])
     assert all(len(share) >= len(lines) // num_processes - 1 for share in shares), "the shares are unbalanced"
     assert sorted(itertools.chain.from_iterable(shares)) == sorted(lines), "the shares overlap or miss texts"
 
@@ -483,7 +485,7 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_batch=0, seed=0):
-        return flax_lm.data.streaming_train_batches(
+        return flax_lm.data.loading.streaming_train_batches(
             stream, tokenizer, "text", run_clm_flax.pack_blocks, 32, 16, seed, 100, first_batch
         )
 
@@ -501,15 +503,17 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
 
 def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_stream(tokenizer):
     arguments = data_arguments(None, train_file=None, validation_file=str(CORPUS / "validation.txt"))
-    stream = flax_lm.texts.load_text_datasets(run_clm_flax.ModelArguments(), arguments, streaming=True)["validation"]
+    stream = flax_lm.data.texts.load_text_datasets(run_clm_flax.ModelArguments(), arguments, streaming=True)[
+        "validation"
+    ]
     texts = [(CORPUS / "validation.txt").read_text()]  # one document: the file as written
     expected = expected_blocks(tokenizer, texts, 32)
 
     def rows():
         return run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, arguments)
 
-    np.testing.assert_array_equal(flax_lm.data.first_blocks(rows(), 32, 50), expected[:50])
-    np.testing.assert_array_equal(flax_lm.data.first_blocks(rows(), 32, None), expected)
+    np.testing.assert_array_equal(flax_lm.data.loading.first_blocks(rows(), 32, 50), expected[:50])
+    np.testing.assert_array_equal(flax_lm.data.loading.first_blocks(rows(), 32, None), expected)
 
 
 def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
@@ -518,7 +522,7 @@ def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
     stream = datasets.load_dataset("json", data_files=str(data_file), split="train", streaming=True)
     with pytest.raises(run_clm_flax.UsageError, match="no column 'text' .*pass --text_column_name"):
         rows = run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, run_clm_flax.DataTrainingArguments())
-        flax_lm.data.first_blocks(rows, 32, None)
+        flax_lm.data.loading.first_blocks(rows, 32, None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -577,19 +581,19 @@ def test_compressed_files_give_the_blocks_of_the_uncompressed_ones(streaming, to
 def test_a_compressed_file_of_no_known_format_is_one_clear_line(name, message, tmp_path):
     path = tmp_path / name
     path.write_bytes(b"not empty")
-    with pytest.raises(flax_lm.texts.UsageError, match=message):
-        flax_lm.texts.resolve_data_files(str(path), "train_file")
+    with pytest.raises(flax_lm.data.texts.UsageError, match=message):
+        flax_lm.data.texts.resolve_data_files(str(path), "train_file")
 
 
 def test_a_zstandard_file_without_the_package_names_the_package(tmp_path, monkeypatch):
     path = tmp_path / "corpus.jsonl.zst"
     path.write_bytes(b"not empty")
-    find_spec = flax_lm.texts.importlib.util.find_spec
+    find_spec = flax_lm.data.texts.importlib.util.find_spec
     monkeypatch.setattr(
-        flax_lm.texts.importlib.util, "find_spec", lambda name: None if name == "zstandard" else find_spec(name)
+        flax_lm.data.texts.importlib.util, "find_spec", lambda name: None if name == "zstandard" else find_spec(name)
     )
-    with pytest.raises(flax_lm.texts.UsageError, match="needs the zstandard package: pip install zstandard"):
-        flax_lm.texts.resolve_data_files(str(path), "train_file")
+    with pytest.raises(flax_lm.data.texts.UsageError, match="needs the zstandard package: pip install zstandard"):
+        flax_lm.data.texts.resolve_data_files(str(path), "train_file")
 
 
 def test_train_files_of_several_formats_are_all_read_each_format_by_its_own_builder(tokenizer, tmp_path):
@@ -615,7 +619,7 @@ def test_a_byte_order_mark_is_dropped_with_a_note(tokenizer, tmp_path, caplog):
     expected = np.asarray(pack(tmp_path / "packed-plain", tokenizer, train_file=str(tmp_path / "plain.txt"))["train"])
     assert tokenizer("\ufeff")["input_ids"], "the mark would be trained on as a token"
     for name in ("marked.txt", "marked.txt.gz"):
-        with caplog.at_level("INFO", logger="flax_lm.texts"):
+        with caplog.at_level("INFO", logger="flax_lm.data.texts"):
             blocks = pack(tmp_path / f"packed-{name}", tokenizer, train_file=str(tmp_path / name))["train"]
         np.testing.assert_array_equal(np.asarray(blocks), expected, err_msg=name)
         assert "train: dropped the byte-order mark (U+FEFF) at the start of 1 text(s)" in caplog.text

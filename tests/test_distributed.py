@@ -24,8 +24,8 @@ from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, scalars
 from test_harness import write_local_tasks
 from test_resume import losses_per_process
 
-from flax_lm import mesh, processes
-from flax_lm.arguments import DistributedArguments
+from flax_lm.command_line.arguments import DistributedArguments
+from flax_lm.devices import mesh, processes
 from flax_lm.errors import UsageError
 
 CORPUS = FIXTURES_DIR / "en"

@@ -14,8 +14,8 @@ from test_clm import run_clm_flax, scalars, tiny_config
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
-import flax_lm.data
-import flax_lm.texts
+import flax_lm.data.loading
+import flax_lm.data.texts
 
 CORPUS = FIXTURES_DIR / "en"
 BLOCK_SIZE = 64
@@ -49,7 +49,7 @@ def load(tmp_path, **data_arguments):
     model_arguments = run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
     # A whole .txt file is one text unless --text_sample_by says otherwise, as check_arguments sets it.
     data_arguments = run_clm_flax.DataTrainingArguments(**{"text_sample_by": "document", **data_arguments})
-    return flax_lm.texts.load_text_datasets(model_arguments, data_arguments)
+    return flax_lm.data.texts.load_text_datasets(model_arguments, data_arguments)
 
 
 def write_text_files(tmp_path):
@@ -138,22 +138,22 @@ def test_dropping_line_breaks_is_refused_unless_reading_lines(tmp_path):
 
 def test_long_texts_encoded_in_pieces_give_the_tokens_of_the_whole_text(recipe_tokenizer, monkeypatch):
     backend = recipe_tokenizer.backend_tokenizer
-    assert flax_lm.texts.cuts_at_line_starts_keep_the_tokens(backend)
-    monkeypatch.setattr(flax_lm.texts, "TEXT_PIECE_CHARACTERS", 300)
-    monkeypatch.setattr(flax_lm.texts, "TEXT_PIECES_AT_ONCE", 3)
+    assert flax_lm.data.texts.cuts_at_line_starts_keep_the_tokens(backend)
+    monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", 300)
+    monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECES_AT_ONCE", 3)
     paths = [*TOKENIZER_TRAINING_FILES, CORPUS / "validation.txt"]
     texts = [path.read_text() for path in paths if path.suffix == ".txt"]
     texts.append("code:\n    indented line\n\n\nend\n" * 200)  # line starts after blank and indented lines
     whole = [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
-    assert flax_lm.texts.encode_texts(backend, texts, cut_long_texts=True) == whole
-    assert len(flax_lm.texts.LINE_START.findall(texts[-1])) > 100
+    assert flax_lm.data.texts.encode_texts(backend, texts, cut_long_texts=True) == whole
+    assert len(flax_lm.data.texts.LINE_START.findall(texts[-1])) > 100
 
 
 def test_a_text_of_one_long_line_is_encoded_in_bounded_pieces_with_the_tokens_of_the_whole(
     recipe_tokenizer, monkeypatch
 ):
     backend = recipe_tokenizer.backend_tokenizer
-    monkeypatch.setattr(flax_lm.texts, "TEXT_PIECE_CHARACTERS", 300)
+    monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", 300)
     words = (CORPUS / "train.txt").read_text().split()
     # One line, no line break: words after one space, after several, after punctuation and tabs.
     line = " ".join(words[:3000]) + "  double  spaced,\tand tabbed. " + "x" * 1000 + " end"
@@ -165,7 +165,7 @@ def test_a_text_of_one_long_line_is_encoded_in_bounded_pieces_with_the_tokens_of
             pieces.extend(texts)
             return encode_batch(texts, add_special_tokens=add_special_tokens)
 
-    [ids] = flax_lm.texts.encode_texts(Recording(), [line], cut_long_texts=True)
+    [ids] = flax_lm.data.texts.encode_texts(Recording(), [line], cut_long_texts=True)
     assert ids == backend.encode(line, add_special_tokens=False).ids
     assert "".join(pieces) == line and len(pieces) > 40
     # Each piece at most two lengths, but where no space comes for that long (the 1000 x's): up to the next word.
@@ -263,7 +263,7 @@ def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
     assert data_args.text_sample_by == sample_by
-    assert len(flax_lm.texts.load_text_datasets(model_args, data_args)["train"]) == num_texts
+    assert len(flax_lm.data.texts.load_text_datasets(model_args, data_args)["train"]) == num_texts
 
 
 @pytest.mark.parametrize("line_by_line", [True, False], ids=["lines", "blocks"])
@@ -278,10 +278,10 @@ def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, re
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
-    texts_to_rows = flax_lm.data.TextsToRows(
+    texts_to_rows = flax_lm.data.loading.TextsToRows(
         run_mlm_flax.read_texts, run_mlm_flax.tokenized_rows, recipe_tokenizer, 16, "--max_seq_length"
     )
-    examples, _ = flax_lm.data.load_data(model_args, data_args, training_args, texts_to_rows)
+    examples, _ = flax_lm.data.loading.load_data(model_args, data_args, training_args, texts_to_rows)
     if line_by_line:  # 2 of 40 lines, the first ones, each a row of 16 tokens: cut short, or padded
         assert (len(examples["validation"]), len(examples["train"])) == (2, 38)
         for row, line in ((examples["validation"][0], lines[0]), (examples["train"][0], lines[2])):

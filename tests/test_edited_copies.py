@@ -35,12 +35,12 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
-from flax_lm.code_fingerprint import code_fingerprint
+from flax_lm.data.cache_key import function_code_fingerprint
+from flax_lm.data.packed import PackedBlocks, read_packed_index
 from flax_lm.errors import UsageError
-from flax_lm.hf_io import save_model
 from flax_lm.models import gpt2, import_model_file, llama, roberta
-from flax_lm.packed import PackedBlocks, read_packed_index
-from flax_lm.train_state import abstract_model_params
+from flax_lm.models.huggingface import save_model
+from flax_lm.training.train_state import abstract_model_params
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -255,21 +255,21 @@ def module_copy(module, name: str, replacements: dict):
 
 
 def test_the_token_cache_key_covers_the_package_code_that_makes_tokens_and_nothing_else(monkeypatch):
-    import flax_lm.texts
+    import flax_lm.data.texts
 
-    key = code_fingerprint(run_clm_flax.tokenized_rows)
-    unedited = module_copy(flax_lm.texts, "texts_copy", {})
+    key = function_code_fingerprint(run_clm_flax.tokenized_rows)
+    unedited = module_copy(flax_lm.data.texts, "texts_copy", {})
     monkeypatch.setattr(run_clm_flax, "token_arrays", unedited.token_arrays)
-    assert code_fingerprint(run_clm_flax.tokenized_rows) == key
-    # An edit of flax_lm.texts that changes the tokens changes the key; one of code that makes no tokens does not.
+    assert function_code_fingerprint(run_clm_flax.tokenized_rows) == key
+    # An edit of flax_lm.data.texts that changes the tokens changes the key; one of code that makes no tokens does not.
     edits = {
         "tokens": {"token_lists = [before + ids + after for ids": "token_lists = [before + ids[::-1] + after for ids"},
         "no tokens": {'raise UsageError(f"--{flag} {pattern} matches no file")': 'raise UsageError("no file")'},
     }
     for edit, replacements in edits.items():
-        edited = module_copy(flax_lm.texts, f"texts_{edit.replace(' ', '_')}", replacements)
+        edited = module_copy(flax_lm.data.texts, f"texts_{edit.replace(' ', '_')}", replacements)
         monkeypatch.setattr(run_clm_flax, "token_arrays", edited.token_arrays)
-        assert (code_fingerprint(run_clm_flax.tokenized_rows) != key) == (edit == "tokens"), edit
+        assert (function_code_fingerprint(run_clm_flax.tokenized_rows) != key) == (edit == "tokens"), edit
 
 
 @pytest.fixture(scope="module")

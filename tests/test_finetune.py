@@ -1,7 +1,7 @@
-"""Fine-tuning on prompts and conversations (flax_lm/examples.py, flax_lm/chat.py, run_clm_flax.py's example_rows):
-the tokens trained on are the completions' and the assistant's, as transformers computes them from outside; the
-eval loss is PyTorch's loss of the export on those tokens; bad rows are refused or counted; chat generation in
-generate_flax.py and the server's /v1/chat/completions."""
+"""Fine-tuning on prompts and conversations (flax_lm/data/finetune_examples.py, flax_lm/data/chat.py, run_clm_flax.py's
+example_rows): the tokens trained on are the completions' and the assistant's, as transformers computes them from
+outside; the eval loss is PyTorch's loss of the export on those tokens; bad rows are refused or counted; chat
+generation in generate_flax.py and the server's /v1/chat/completions."""
 
 import json
 import logging
@@ -21,15 +21,20 @@ from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoToken
 
 import generate_flax
 import run_clm_flax
-from flax_lm.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
-from flax_lm.data import TextsToRows
+from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
+from flax_lm.data.finetune_examples import (
+    CONVERSATIONAL_PROMPT_COMPLETION,
+    CONVERSATIONS,
+    PROMPT_COMPLETION,
+    format_of,
+)
+from flax_lm.data.loading import TextsToRows
+from flax_lm.data.packed import cached_blocks, load_packed_corpus
 from flax_lm.errors import UsageError
-from flax_lm.examples import CONVERSATIONAL_PROMPT_COMPLETION, CONVERSATIONS, PROMPT_COMPLETION, format_of
-from flax_lm.hf_io import save_model
+from flax_lm.generation.sampling import Sampling
 from flax_lm.models import stock_module
-from flax_lm.packed import cached_blocks, load_packed_corpus
-from flax_lm.sampling import Sampling
-from flax_lm.train_state import abstract_model_params
+from flax_lm.models.huggingface import save_model
+from flax_lm.training.train_state import abstract_model_params
 
 USER_TURN = {"role": "user", "content": "Hi"}
 WORDS = ["apple", "river", "stone", "cloud", "garden", "window", "candle", "forest", "letter", "mirror", "bridge"]

@@ -1,5 +1,5 @@
-"""generate_flax.py and the cached sampler of flax_lm.sampling it decodes with: transformers' greedy ids, cached
-logits equal to a full recompute, seeded sampling, stopping at the end-of-text token, the command line and the
+"""generate_flax.py and the cached sampler of flax_lm.generation.sampling it decodes with: transformers' greedy ids,
+cached logits equal to a full recompute, seeded sampling, stopping at the end-of-text token, the command line and the
 server."""
 
 import io
@@ -19,8 +19,8 @@ import torch
 from conftest import REPO_DIR, server_process
 from transformers import GPT2LMHeadModel
 
-from flax_lm import sampling
 from flax_lm.errors import UsageError
+from flax_lm.generation import sampling
 
 sys.path.insert(0, str(REPO_DIR))
 import generate_flax  # noqa: E402

@@ -1,7 +1,7 @@
-"""lm-evaluation-harness tasks scored by the JAX model (flax_lm.harness, run_clm_flax.py --eval_tasks) and through the
-server (generate_flax.py --serve under lm-eval's local-completions backend) agree with lm-eval's hf backend, which
-scores the same export in PyTorch. The tasks are local ones written here: multiple choice, a perplexity over texts
-longer than the model's 64 positions, and a generative one."""
+"""lm-evaluation-harness tasks scored by the JAX model (flax_lm.evaluation.harness, run_clm_flax.py --eval_tasks) and
+through the server (generate_flax.py --serve under lm-eval's local-completions backend) agree with lm-eval's hf
+backend, which scores the same export in PyTorch. The tasks are local ones written here: multiple choice, a perplexity
+over texts longer than the model's 64 positions, and a generative one."""
 
 import importlib.util
 import json
@@ -21,10 +21,10 @@ from test_clm import run_clm_flax, run_script, scalars
 from test_serve import running_server
 from transformers import AutoTokenizer
 
+from flax_lm.data.texts import token_byte_counts
+from flax_lm.devices.mesh import BATCH_AXES, create_mesh
 from flax_lm.errors import UsageError
-from flax_lm.harness import FlaxLM, HarnessTasks, metric_values
-from flax_lm.mesh import BATCH_AXES, create_mesh
-from flax_lm.texts import token_byte_counts
+from flax_lm.evaluation.harness import FlaxLM, HarnessTasks, metric_values
 
 CHOICE, TEXTS, GENERATION, VALIDATION = "tiny_choice", "tiny_texts", "tiny_generation", "tiny_validation"
 TASKS = [CHOICE, TEXTS, GENERATION]

@@ -29,11 +29,11 @@ from test_clm import run_clm_flax, tiny_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, GPT2LMHeadModel, PreTrainedTokenizerFast, RobertaConfig
 
+import flax_lm.data.packed
+import flax_lm.data.texts
+import flax_lm.devices.processes
 import flax_lm.errors
-import flax_lm.packed
-import flax_lm.processes
-import flax_lm.texts
-from flax_lm.hf_io import read_safetensors_checkpoint
+from flax_lm.models.huggingface import read_safetensors_checkpoint
 
 TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
 NULL_ROW = 57  # the row of the JSON-lines files below whose text is null (or absent): row 58 counted from 1
@@ -377,9 +377,9 @@ def test_a_checkpoint_failing_on_a_full_disk_leaves_no_traceback_from_its_thread
     record = logging.LogRecord(
         "absl", logging.ERROR, "", 0, "Save Finalize thread failed", (), (ValueError, full_disk, None)
     )
-    assert not flax_lm.processes.not_a_full_disk(record)
+    assert not flax_lm.devices.processes.not_a_full_disk(record)
     record.exc_info = (ValueError, ValueError("another failure"), None)
-    assert flax_lm.processes.not_a_full_disk(record)
+    assert flax_lm.devices.processes.not_a_full_disk(record)
 
     reported = []
     report = flax_lm.errors.without_echoes_of_a_failed_write(reported.append)
@@ -470,8 +470,10 @@ def test_the_exported_weights_have_the_mode_of_the_other_files(run_skipping_rows
 def test_skip_missing_texts_leaves_out_the_rows_without_text(script, streaming, paths, tmp_path, caplog):
     module = SCRIPTS[script]
     data_args = module.DataTrainingArguments(train_file=str(paths["null"]), skip_missing_texts=True)
-    with caplog.at_level(logging.WARNING, logger=flax_lm.texts.logger.name):
-        splits = flax_lm.texts.load_text_datasets(module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming)
+    with caplog.at_level(logging.WARNING, logger=flax_lm.data.texts.logger.name):
+        splits = flax_lm.data.texts.load_text_datasets(
+            module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming
+        )
         train = splits["train"]
         texts = [text for batch in train.iter(batch_size=100) for text in batch["text"]]
     expected = [json.loads(line)["text"] for line in paths["null"].read_text().splitlines()]
@@ -508,7 +510,7 @@ def pack_token_cache(text_dataset, tokenizer, directory):
     """The token cache of the texts in blocks of 32 tokens, in shards of 4,000 tokens: several shards."""
     data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
     rows = run_clm_flax.tokenized_rows
-    return flax_lm.packed.cached_blocks(text_dataset, "train", rows, tokenizer, 32, str(directory), data_args)
+    return flax_lm.data.packed.cached_blocks(text_dataset, "train", rows, tokenizer, 32, str(directory), data_args)
 
 
 def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, tmp_path, caplog):
@@ -516,14 +518,14 @@ def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, 
     expected = np.asarray(pack())
     shard = os.path.join(pack().directory, "train-00001.npy")
     cut_in_half(shard)
-    with caplog.at_level(logging.WARNING, logger=flax_lm.packed.logger.name):
+    with caplog.at_level(logging.WARNING, logger=flax_lm.data.packed.logger.name):
         np.testing.assert_array_equal(np.asarray(pack()), expected)
     assert "is damaged (train-00001.npy is cut short" in caplog.text
 
 
-def clm_rows(tokenizer) -> flax_lm.data.TextsToRows:
+def clm_rows(tokenizer) -> flax_lm.data.loading.TextsToRows:
     """run_clm_flax.py's way from texts to blocks of 32 tokens."""
-    return flax_lm.data.TextsToRows(
+    return flax_lm.data.loading.TextsToRows(
         run_clm_flax.read_texts, run_clm_flax.tokenized_rows, tokenizer, 32, "--block_size"
     )
 
@@ -533,7 +535,7 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
 
     def load(**settings):
         data_args = run_clm_flax.DataTrainingArguments(packed_data_dir=str(tmp_path / "packed"), **settings)
-        return flax_lm.packed.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, clm_rows(tokenizer))
+        return flax_lm.data.packed.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, clm_rows(tokenizer))
 
     load(train_file=str(TRAIN_FILE), text_sample_by="document", packed_tokens_per_shard=4000)
     cut_in_half(tmp_path / "packed" / "train-00001.npy")
@@ -554,9 +556,9 @@ def test_a_packed_data_dir_shard_whose_bytes_changed_is_refused_when_opened(path
         packed_data_dir=str(tmp_path / "packed"), train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000
     )
     model_args, rows = run_clm_flax.ModelArguments(), clm_rows(tokenizer)
-    flax_lm.packed.load_packed_corpus(model_args, data_args, rows)
+    flax_lm.data.packed.load_packed_corpus(model_args, data_args, rows)
     overwrite_bytes_in_the_middle(tmp_path / "packed" / "train-00001.npy")
-    blocks = flax_lm.packed.load_packed_corpus(model_args, data_args, rows)["train"]
+    blocks = flax_lm.data.packed.load_packed_corpus(model_args, data_args, rows)["train"]
     blocks[:100]  # a view: no shard is opened
     first_shard = blocks.split_entry["shards"][0]["num_blocks"]
     assert np.asarray(blocks[np.arange(first_shard)]).max() < 1000  # the intact shard reads
@@ -586,13 +588,13 @@ def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, tmp_path
 
     def tokenize():
         data_args = mlm.DataTrainingArguments(line_by_line=True)
-        return flax_lm.packed.cached_blocks(
+        return flax_lm.data.packed.cached_blocks(
             text_dataset, "train", mlm.tokenized_rows, tokenizer, 30, cache_dir, data_args
         )
 
     expected = np.asarray(tokenize())
     cut_in_half(os.path.join(tokenize().directory, "train-00000.npy"))
-    with caplog.at_level(logging.WARNING, logger=flax_lm.packed.logger.name):
+    with caplog.at_level(logging.WARNING, logger=flax_lm.data.packed.logger.name):
         np.testing.assert_array_equal(np.asarray(tokenize()), expected)
     assert "is damaged (train-00000.npy is cut short" in caplog.text
 
@@ -615,7 +617,7 @@ def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset,
         os.utime(path, (an_hour_ago, an_hour_ago))
     tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
     data_args = run_clm_flax.DataTrainingArguments()
-    flax_lm.packed.cached_blocks(
+    flax_lm.data.packed.cached_blocks(
         text_dataset, "train", run_clm_flax.tokenized_rows, tokenizer, 32, cache_dir, data_args
     )
     assert not any(os.path.exists(path) for path in stale)

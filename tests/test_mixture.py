@@ -15,10 +15,10 @@ from test_clm import model_dir_with_config, run_clm_flax, scalars
 from test_mlm import run_mlm_flax
 from transformers import RobertaConfig
 
-import flax_lm.mesh
-import flax_lm.mixture
+import flax_lm.data.mixture
+import flax_lm.devices.mesh
+from flax_lm.data.mixture import Mixture, read_mixture, warn_of_validation_files_trained_on
 from flax_lm.errors import UsageError
-from flax_lm.mixture import Mixture, read_mixture, warn_of_validation_files_trained_on
 
 # The stated tolerance: at every step, each source has given within this many rows of its weight's share of all the
 # rows drawn so far (measured: at most 4 rows over the first million rows, for 2 to 7 sources of any weights).
@@ -83,8 +83,8 @@ def test_processes_each_take_their_rows_of_the_same_global_batch(monkeypatch):
     mixture = Mixture(["a", "b"], [3, 1], [np.arange(5, 45).reshape(10, 4), np.arange(45, 85).reshape(10, 4)])
 
     def batches(process_index, process_count):
-        monkeypatch.setattr(flax_lm.mesh.jax, "process_index", lambda: process_index)
-        monkeypatch.setattr(flax_lm.mesh.jax, "process_count", lambda: process_count)
+        monkeypatch.setattr(flax_lm.devices.mesh.jax, "process_index", lambda: process_index)
+        monkeypatch.setattr(flax_lm.devices.mesh.jax, "process_count", lambda: process_count)
         generator = run_mlm_flax.mixture_train_batches(mixture, make_batch, 8, 0, 3)
         return [batch for batch, _ in itertools.islice(generator, 4)]
 
@@ -258,7 +258,7 @@ def test_a_validation_file_trained_on_by_another_source_is_warned_of_naming_both
     path = write_mixture(
         tmp_path, english=SOURCES["english"], copy={"weight": 1, "train_file": "data/en-validation.txt"}
     )
-    with caplog.at_level(logging.WARNING, logger=flax_lm.mixture.logger.name):
+    with caplog.at_level(logging.WARNING, logger=flax_lm.data.mixture.logger.name):
         warn_of_validation_files_trained_on(read_mixture(path), "--data_mixture mixture.yaml")
     (warning,) = caplog.messages
     assert warning.startswith(

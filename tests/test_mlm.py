@@ -31,10 +31,10 @@ from transformers import (
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import run_mlm_flax  # noqa: E402
-from flax_lm.arguments import ModelArguments, parse_arguments  # noqa: E402
+from flax_lm.command_line.arguments import ModelArguments, parse_arguments  # noqa: E402
+from flax_lm.data.packed import cached_blocks  # noqa: E402
 from flax_lm.models import roberta  # noqa: E402
-from flax_lm.packed import cached_blocks  # noqa: E402
-from flax_lm.train_state import abstract_model_params  # noqa: E402
+from flax_lm.training.train_state import abstract_model_params  # noqa: E402
 
 TRAIN_FILE = os.path.join(REPO, "tests", "fixtures", "en", "train.txt")
 VALIDATION_FILE = os.path.join(REPO, "tests", "fixtures", "en", "validation.txt")

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from flax_lm.models import roberta
 from flax_lm.models.common import segments_and_positions
-from flax_lm.train_state import abstract_model_params, abstract_train_state, create_train_state
+from flax_lm.training.train_state import abstract_model_params, abstract_train_state, create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run_mlm_flax  # noqa: E402

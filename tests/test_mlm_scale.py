@@ -21,9 +21,9 @@ from test_distributed import Processes
 from test_mlm import run_mlm_flax, scalars
 from transformers import AutoTokenizer, RobertaConfig
 
-from flax_lm.data import TextsToRows, load_data, streaming_train_batches
+from flax_lm.data.loading import TextsToRows, load_data, streaming_train_batches
+from flax_lm.data.packed import load_packed_corpus, open_packed_corpus
 from flax_lm.errors import UsageError
-from flax_lm.packed import load_packed_corpus, open_packed_corpus
 
 CORPUS = FIXTURES_DIR / "en"
 SEQUENCE_LENGTH = 32

@@ -25,12 +25,11 @@ from test_clm import OFFLINE_ENV, tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from flax_lm import model_code
-from flax_lm.hf_io import save_model
-from flax_lm.models import import_model_file, llama, stock_module
-from flax_lm.sampling import generate_ids, make_sampler
-from flax_lm.texts import ids_around_documents
-from flax_lm.train_state import abstract_model_params
+from flax_lm.data.texts import ids_around_documents
+from flax_lm.generation.sampling import generate_ids, make_sampler
+from flax_lm.models import import_model_file, llama, model_code, stock_module
+from flax_lm.models.huggingface import save_model
+from flax_lm.training.train_state import abstract_model_params
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -141,10 +140,10 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
 def test_the_verified_fingerprints_are_those_of_the_stock_modules(model_type):
     """An export of a stock module names its transformers architecture without a probe because the parity tests
     compare that code: a change to the module (or to common.py) must be compared again, then its fingerprint set."""
-    fingerprint = model_code.code_fingerprint(stock_module(model_type))
+    fingerprint = model_code.module_code_fingerprint(stock_module(model_type))
     assert model_code.VERIFIED_FINGERPRINTS[model_type] == fingerprint, (
         f"flax_lm/models/{model_type}.py or common.py changed: once its parity tests pass, set "
-        f'VERIFIED_FINGERPRINTS["{model_type}"] = "{fingerprint}" in flax_lm/model_code.py'
+        f'VERIFIED_FINGERPRINTS["{model_type}"] = "{fingerprint}" in flax_lm/models/model_code.py'
     )
 
 
@@ -181,7 +180,7 @@ def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path):
         tmp_path, "other.py", {"scale = 1 / math.sqrt(head_dim)": "scale = 0.5 / math.sqrt(head_dim)"}
     )
     claims_same, reason_same = model_code.architecture_claim(
-        same, config, model_code.code_fingerprint(same), "same.py"
+        same, config, model_code.module_code_fingerprint(same), "same.py"
     )
     claims_other, reason_other = model_code.architecture_claim(other, config, "x", "other.py")
     assert claims_same, reason_same

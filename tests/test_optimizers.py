@@ -19,8 +19,8 @@ from transformers.optimization import get_wsd_schedule
 import run_clm_flax
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
-from flax_lm.run_record import TrainingProgress, check_resumed_run
-from flax_lm.train_state import abstract_model_params
+from flax_lm.run.record import TrainingProgress, check_resumed_run
+from flax_lm.training.train_state import abstract_model_params
 
 PEAK, MUON_PEAK, WEIGHT_DECAY, TOTAL_STEPS = 1e-2, 5e-2, 0.1, 8
 # A tiny parameter tree named as the models name theirs: a block's matrix and bias, a norm, an embedding, an

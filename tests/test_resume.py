@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, run_script, tiny_config
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from flax_lm.checkpoints import restore_checkpoint
+from flax_lm.run.checkpoints import restore_checkpoint
 
 CORPUS = FIXTURES_DIR / "en"
 SECRET = "hf_SECRET_TOKEN_never_to_be_written"

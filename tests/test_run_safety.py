@@ -26,13 +26,13 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
 from test_mlm import run_mlm_flax
 
-import flax_lm.compilation
-import flax_lm.run_dir
-from flax_lm.checkpoints import open_checkpoints
-from flax_lm.checksums import CHECKPOINT_CHECKSUMS, checkpoint_checksum_problem
+import flax_lm.run.output_dir
+import flax_lm.training.compilation
 from flax_lm.errors import UsageError
-from flax_lm.run_dir import OUTPUT_DIR_LOCK, lock_output_dir
-from flax_lm.tracking import TrainingLog
+from flax_lm.run.checkpoints import open_checkpoints
+from flax_lm.run.checksums import CHECKPOINT_CHECKSUMS, checkpoint_checksum_problem
+from flax_lm.run.output_dir import OUTPUT_DIR_LOCK, lock_output_dir
+from flax_lm.run.tracking import TrainingLog
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -525,7 +525,7 @@ def test_a_compiled_program_swapped_with_another_in_the_cache_is_compiled_again(
     settings = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     previous = {name: getattr(jax.config, name) for name in settings}
     try:
-        flax_lm.compilation.use_compilation_cache(str(tmp_path))
+        flax_lm.training.compilation.use_compilation_cache(str(tmp_path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         compilation_cache.reset_cache()
         two_outputs, one_output = jax.jit(lambda x: (x + 1, x * 2)), jax.jit(lambda x: x - 1)
@@ -536,7 +536,7 @@ def test_a_compiled_program_swapped_with_another_in_the_cache_is_compiled_again(
         second.write_bytes(first_bytes)
         jax.clear_caches()
         compilation_cache.reset_cache()
-        with caplog.at_level(logging.WARNING, logger=flax_lm.compilation.logger.name):
+        with caplog.at_level(logging.WARNING, logger=flax_lm.training.compilation.logger.name):
             plus_one, times_two = two_outputs(np.ones(3))
             minus_one = one_output(np.ones(3))
         np.testing.assert_array_equal(np.stack([plus_one, times_two, minus_one]), [[2] * 3, [2] * 3, [0] * 3])
@@ -558,6 +558,6 @@ def test_checkpoints_are_set_aside_across_disks_where_checkpoints_is_a_link(tmp_
         raise OSError(errno.EXDEV, "Invalid cross-device link", str(source))
 
     monkeypatch.setattr(os, "rename", rename_within_one_disk_only)
-    flax_lm.run_dir.set_aside_checkpoints_after(str(tmp_path / "run"), 4)
+    flax_lm.run.output_dir.set_aside_checkpoints_after(str(tmp_path / "run"), 4)
     assert os.listdir(checkpoints) == ["4"]
     assert (tmp_path / "run" / "discarded-checkpoints" / "6" / "state").read_text() == "6"

@@ -12,11 +12,11 @@ import pytest
 from conftest import REPO_DIR
 from test_clm import run_clm_flax, tiny_config
 
+from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
-from flax_lm.mesh import create_mesh
 from flax_lm.models import stock_module
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
-from flax_lm.train_state import abstract_train_state, create_train_state, train_step_compiler_options
+from flax_lm.training.train_state import abstract_train_state, create_train_state, train_step_compiler_options
 
 LENGTH = 16
 
@@ -135,9 +135,9 @@ FSDP_CHECK = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     sys.path.insert(0, {repo!r})
     import run_clm_flax as r
-    from flax_lm.mesh import BATCH_AXES, create_mesh
+    from flax_lm.devices.mesh import BATCH_AXES, create_mesh
     from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
-    from flax_lm.train_state import abstract_train_state, create_train_state
+    from flax_lm.training.train_state import abstract_train_state, create_train_state
     from transformers import GPT2Config
 
     config = GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)

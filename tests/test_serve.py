@@ -1,5 +1,5 @@
-"""generate_flax.py --serve (flax_lm/serving.py and flax_lm/batching.py): requests that arrive together share a
-batch and get what they would get alone, a full queue answers 503, SIGTERM answers the requests in flight and
+"""generate_flax.py --serve (flax_lm/server/app.py and flax_lm/server/request_queue.py): requests that arrive together
+share a batch and get what they would get alone, a full queue answers 503, SIGTERM answers the requests in flight and
 exits 0, and the OpenAI client gets completions, streamed or not."""
 
 import contextlib
@@ -21,7 +21,10 @@ from conftest import server_process
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2LMHeadModel
 
-from flax_lm import batching, sampling, server_requests, serving
+from flax_lm.generation import sampling
+from flax_lm.server import app as serving
+from flax_lm.server import request_queue as batching
+from flax_lm.server import requests as server_requests
 
 PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
 DEFAULTS = sampling.Sampling(max_new_tokens=8)

@@ -18,15 +18,15 @@ from test_scaling import LENGTH, batch, training_parts
 
 import run_clm_flax
 import run_mlm_flax
-from flax_lm.compilation import compile_in_background
+from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
-from flax_lm.mesh import create_mesh
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
-from flax_lm.run_record import TrainingProgress
-from flax_lm.tracking import TrainingLog
-from flax_lm.train_state import create_train_state, repeat_train_step
-from flax_lm.training import set_up_training
+from flax_lm.run.record import TrainingProgress
+from flax_lm.run.tracking import TrainingLog
+from flax_lm.training.compilation import compile_in_background
+from flax_lm.training.setup import set_up_training
+from flax_lm.training.train_state import create_train_state, repeat_train_step
 
 CORPUS = FIXTURES_DIR / "en"
 STEPS = 6

@@ -15,10 +15,10 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, PreTrainedTokenizerFast
 
-from flax_lm import tracking
 from flax_lm.errors import UsageError
-from flax_lm.run_dir import HUGGING_FACE_RESULT_NAMES, write_all_results
-from flax_lm.run_record import MetricSums, TrainingProgress
+from flax_lm.run import tracking
+from flax_lm.run.output_dir import HUGGING_FACE_RESULT_NAMES, write_all_results
+from flax_lm.run.record import MetricSums, TrainingProgress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import trainers
 from transformers import AutoTokenizer
 
-import flax_lm.texts
+import flax_lm.data.texts
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 CORPUS_DIR = FIXTURES_DIR / "corpus"
@@ -336,7 +336,7 @@ def test_a_text_of_one_long_line_is_read_in_pieces_that_train_the_same_tokenizer
     )
 
     def trained(piece_characters):
-        monkeypatch.setattr(flax_lm.texts, "TEXT_PIECE_CHARACTERS", piece_characters)
+        monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", piece_characters)
         counts = train_tokenizer.ReadCounts()
         batches = list(train_tokenizer.text_batches(sources, counts))
         tokenizer = train_tokenizer.new_byte_level_bpe()

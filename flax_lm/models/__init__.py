@@ -15,7 +15,10 @@ MODEL_MODULES below is the one table of them. A model module defines one model a
 
 To give one experiment a model of its own, copy a module beside the script (`cp flax_lm/models/gpt2.py my_gpt2.py`),
 edit the copy and pass it to every tool with `--model_file my_gpt2.py`: flax_lm and every other run stay as they are.
-See flax_lm/model_code.py for what a run records of the code and what its exports may claim.
+See flax_lm/models/model_code.py for what a run records of the code and what its exports may claim.
+
+Beside the models: huggingface.py reads and writes Hugging Face model directories (config, tokenizer, safetensors
+weights, sharded or not), and model_code.py says which code computes a run's model and what its exports may claim.
 """
 
 import importlib

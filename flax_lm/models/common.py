@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_lm.mesh import LOGICAL_AXIS_RULES
+from flax_lm.devices.mesh import LOGICAL_AXIS_RULES
 
 ACTIVATIONS = {
     "gelu": partial(jax.nn.gelu, approximate=False),
@@ -104,10 +104,10 @@ def cached_attention(query, key, value, scale: float, cache: KeyValueCache, laye
 
 
 def constrain(x, mesh: jax.sharding.Mesh | None, logical_axes: tuple):
-    """`x` laid out over `mesh` by the logical names of its axes (flax_lm.mesh.LOGICAL_AXIS_RULES; None: whole on
-    every device); `x` as it is without a mesh. The models pin their activations so: left to itself, XLA may
-    choose to replicate an activation that a tensor-parallel layer means to split. An axis that its mesh axes do not
-    divide stays whole (a decoding step's one position, a batch of one prompt)."""
+    """`x` laid out over `mesh` by the logical names of its axes (flax_lm.devices.mesh.LOGICAL_AXIS_RULES; None: whole
+    on every device); `x` as it is without a mesh. The models pin their activations so: left to itself, XLA may choose
+    to replicate an activation that a tensor-parallel layer means to split. An axis that its mesh axes do not divide
+    stays whole (a decoding step's one position, a batch of one prompt)."""
     if mesh is None:
         return x
     rules = dict(LOGICAL_AXIS_RULES)

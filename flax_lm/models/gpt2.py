@@ -1,5 +1,5 @@
 """GPT-2 in Flax, with parameter names and layouts one-to-one with the Hugging Face PyTorch checkpoint
-(GPT2LMHeadModel), and a key/value cache for decoding (flax_lm.sampling decodes with it).
+(GPT2LMHeadModel), and a key/value cache for decoding (flax_lm.generation.sampling decodes with it).
 
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
@@ -14,8 +14,8 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import GPT2Config
 
+from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
-from flax_lm.mesh import check_tensor_split
 from flax_lm.models.common import (
     ACTIVATIONS,
     KeyValueCache,

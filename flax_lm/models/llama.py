@@ -1,6 +1,6 @@
 """The Llama family in Flax: RMSNorm, rotary positions, a SwiGLU MLP and grouped-query attention, with parameter
 names and layouts one-to-one with transformers' LlamaForCausalLM (so Llama 2 and 3 checkpoints, and models saved in
-their layout, load), and a key/value cache for decoding (flax_lm.sampling decodes with it).
+their layout, load), and a key/value cache for decoding (flax_lm.generation.sampling decodes with it).
 
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
@@ -15,8 +15,8 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from transformers import LlamaConfig
 
+from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
-from flax_lm.mesh import check_tensor_split
 from flax_lm.models.common import (
     ACTIVATIONS,
     KeyValueCache,

@@ -10,8 +10,8 @@ import numpy as np
 import transformers
 from flax import traverse_util
 
+from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
-from flax_lm.mesh import check_tensor_split
 from flax_lm.models.common import (
     ACTIVATIONS,
     RowsDense,

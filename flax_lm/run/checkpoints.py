@@ -11,9 +11,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from flax_lm.checksums import checkpoint_checksum_problem, checkpoint_has_checksums, write_checkpoint_checksums
 from flax_lm.errors import UsageError
-from flax_lm.train_state import TrainState
+from flax_lm.run.checksums import checkpoint_checksum_problem, checkpoint_has_checksums, write_checkpoint_checksums
+from flax_lm.training.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
     complete; an unfinished one is deleted when the directory is next opened. Every process writes its own shards
     into the same directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a bucket).
 
-    Each checkpoint holds the checksums of its files (flax_lm.checksums), which restore_checkpoint compares. Orbax
+    Each checkpoint holds the checksums of its files (flax_lm.run.checksums), which restore_checkpoint compares. Orbax
     keeps none of the arrays' bytes (its zarr format checks only a shard's index), so they are taken here: once
     every process's files are written and before the temporary directory is renamed into place, on process 0's
     thread that finishes the checkpoint in the background, so that a committed checkpoint always has them."""

@@ -15,9 +15,9 @@ import jax
 import orbax.checkpoint as ocp
 from filelock import FileLock, Timeout
 
+from flax_lm.data.mixture import Mixture
+from flax_lm.devices.processes import on_process_zero, print_once
 from flax_lm.errors import UsageError
-from flax_lm.mixture import Mixture
-from flax_lm.processes import on_process_zero, print_once
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +359,7 @@ def write_train_results(output_dir: str, train_metrics, progress, setup, log):
     write_json(os.path.join(output_dir, "train_results.json"), results)
 
 
-# What a resume may change of a mixture: its sources' rows or its weights (flax_lm.run_record).
+# What a resume may change of a mixture: its sources' rows or its weights (flax_lm.run.record).
 MIXTURE_CHANGES = ("training_data", "mixture_weights")
 
 

@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field, fields
 import jax
 from transformers import HfArgumentParser
 
-from flax_lm.compilation import use_compilation_cache
+from flax_lm.data.mixture import read_mixture
+from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
-from flax_lm.hf_io import check_local_model_directory
-from flax_lm.mesh import create_mesh
-from flax_lm.mixture import read_mixture
-from flax_lm.tracking import trackers_to_report
+from flax_lm.models.huggingface import check_local_model_directory
+from flax_lm.run.tracking import trackers_to_report
+from flax_lm.training.compilation import use_compilation_cache
 
 
 @dataclass
@@ -210,17 +210,18 @@ class DataArguments:
     )
     # How texts become the rows of a packed corpus, recorded in it so that one is never read as the other: "grouped"
     # (texts joined and cut into blocks), or "line_by_line" (a row per line, run_mlm_flax.py --line_by_line); or
-    # examples, whose format is told from the data's columns once they are read (flax_lm.examples).
+    # examples, whose format is told from the data's columns once they are read (flax_lm.data.finetune_examples).
     framing = "grouped"
     example_format = None  # plain text; the format of examples (run_clm_flax.py) once their data are read
 
     def resolve_example_format(self, texts: dict, streaming: bool) -> str | None:
-        """The format of the data just read, if they are examples rather than plain text (flax_lm.examples)."""
+        """The format of the data just read, if they are examples rather than plain text
+        (flax_lm.data.finetune_examples)."""
         return None
 
     def adopt_framing(self, recorded: str) -> bool:
         """Whether the rows a packed corpus records as made with the framing `recorded` are those these arguments
-        make (flax_lm.examples: of data whose format is known from the record alone)."""
+        make (flax_lm.data.finetune_examples: of data whose format is known from the record alone)."""
         return recorded == self.framing
 
 

@@ -1,10 +1,10 @@
 """generate_flax.py's HTTP server: the OpenAI completions and chat completions APIs (POST /v1/completions and
 /v1/chat/completions, streamed as server-sent events on request; GET /v1/models), the script's own JSON API (POST /),
-GET /health and Prometheus metrics (GET /metrics), in front of flax_lm.batching's engine.
+GET /health and Prometheus metrics (GET /metrics), in front of flax_lm.server.request_queue's engine.
 
 A completion request may give its prompts as texts or token ids, several in one request, and ask for the prompt back
-("echo") and the log-probabilities of the tokens ("logprobs", from flax_lm.scoring), with "max_tokens": 0 for the
-prompt alone: what lm-evaluation-harness's local-completions backend asks to score a task.
+("echo") and the log-probabilities of the tokens ("logprobs", from flax_lm.evaluation.scoring), with "max_tokens": 0
+for the prompt alone: what lm-evaluation-harness's local-completions backend asks to score a task.
 
 The HTTP side is asynchronous (Starlette on uvicorn): a slow client holds only its own connection, and requests
 wait for the decoding thread without holding a thread each. Up to --max_queued_requests wait for a batch; more
@@ -30,11 +30,11 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from flax_lm.batching import BatchingEngine, Completion, Failed, RowFinished, TextPiece
 from flax_lm.errors import UsageError
-from flax_lm.sampling import Sampling, shape_bucket
-from flax_lm.scoring import SequenceScores
-from flax_lm.server_requests import (
+from flax_lm.evaluation.scoring import SequenceScores
+from flax_lm.generation.sampling import Sampling, shape_bucket
+from flax_lm.server.request_queue import BatchingEngine, Completion, Failed, RowFinished, TextPiece
+from flax_lm.server.requests import (
     MAX_LOGPROBS,
     REQUEST_EXAMPLE,
     Limits,

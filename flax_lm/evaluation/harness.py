@@ -1,5 +1,6 @@
-"""lm-evaluation-harness tasks scored by the JAX model: lm-eval's model interface over flax_lm.scoring (loglikelihood,
-loglikelihood_rolling) and flax_lm.sampling (generate_until), and the tasks a run scores at each evaluation.
+"""lm-evaluation-harness tasks scored by the JAX model: lm-eval's model interface over flax_lm.evaluation.scoring
+(loglikelihood, loglikelihood_rolling) and flax_lm.generation.sampling (generate_until), and the tasks a run scores at
+each evaluation.
 
 The scores are those of lm-eval's `hf` backend on the exported model in PyTorch: the same encoding of contexts and
 continuations (lm-eval's own, TemplateLM's), the same cut from the left of what is longer than the model's positions,
@@ -17,10 +18,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError
-from flax_lm.processes import main_process_first
-from flax_lm.sampling import DecodingBatch, Sampling
-from flax_lm.scoring import Scorer
+from flax_lm.evaluation.scoring import Scorer
+from flax_lm.generation.sampling import DecodingBatch, Sampling
 
 logger = logging.getLogger(__name__)
 

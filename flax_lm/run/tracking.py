@@ -11,10 +11,10 @@ import time
 import jax
 from tqdm.auto import tqdm
 
-from flax_lm.checkpoints import last_intact_checkpoint
-from flax_lm.checksums import checkpoint_has_checksums
 from flax_lm.errors import UsageError
-from flax_lm.run_dir import TRACKER_RUNS_FILE, write_json
+from flax_lm.run.checkpoints import last_intact_checkpoint
+from flax_lm.run.checksums import checkpoint_has_checksums
+from flax_lm.run.output_dir import TRACKER_RUNS_FILE, write_json
 
 logger = logging.getLogger(__name__)
 

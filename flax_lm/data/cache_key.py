@@ -29,7 +29,7 @@ def referenced_names(code: types.CodeType) -> set[str]:
 CONSTANT_TYPES = (bool, int, float, str, bytes, tuple, frozenset)
 
 
-def code_fingerprint(function) -> str:
+def function_code_fingerprint(function) -> str:
     """sha256 of the source of `function` and of the own code it reaches (is_own_code) through the names it reads:
     the functions and classes it calls or passes on, those of modules it reads attributes of (`texts.token_arrays`),
     and the plain constants (numbers, strings, tuples) among those names."""

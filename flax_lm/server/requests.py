@@ -7,7 +7,7 @@ import json
 
 from starlette.requests import ClientDisconnect
 
-from flax_lm.sampling import Sampling
+from flax_lm.generation.sampling import Sampling
 
 MAX_REQUEST_BYTES = 1 << 20
 # A request nests a few levels (a list of prompts, stream_options); Python's JSON reader gives up near 1,000.

@@ -12,13 +12,13 @@ import datasets.distributed
 import jax
 import numpy as np
 
-from flax_lm.arguments import names_data
+from flax_lm.command_line.arguments import names_data
+from flax_lm.data.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
+from flax_lm.data.packed import cached_blocks, load_packed_corpus
+from flax_lm.data.texts import check_tokenizer_encodes, token_arrays, warn_of_files_in_both_splits
+from flax_lm.devices.mesh import prefetch, process_slice, to_global_batch
+from flax_lm.devices.processes import main_process_first, print_once
 from flax_lm.errors import UsageError, naming_a_full_disk
-from flax_lm.mesh import prefetch, process_slice, to_global_batch
-from flax_lm.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
-from flax_lm.packed import cached_blocks, load_packed_corpus
-from flax_lm.processes import main_process_first, print_once
-from flax_lm.texts import check_tokenizer_encodes, token_arrays, warn_of_files_in_both_splits
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def streaming_train_batches(
 ) -> Iterator[dict]:
     """This process's rows of each global batch, tokenized and grouped into blocks on the fly from its share of
     the stream by the script's `pack_blocks(token_arrays, block_size)`, each document between the ids `around` it (see
-    flax_lm.texts.token_arrays), without end: pass after pass over the share, each shuffled differently.
+    flax_lm.data.texts.token_arrays), without end: pass after pass over the share, each shuffled differently.
 
     The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
     files is shuffled). The batches depend only on the data, these arguments and the process count, so a
@@ -124,7 +124,8 @@ class TextsToRows:
     length_flag: str  # the flag that sets the length: --block_size
 
     # (dataset, split, tokenizer, row_length, data_args) -> arrays of rows of examples (prompt/completion pairs,
-    # conversations: flax_lm.examples): what run_clm_flax.py trains on where the data are examples; None elsewhere.
+    # conversations: flax_lm.data.finetune_examples): what run_clm_flax.py trains on where the data are examples; None
+    # elsewhere.
     example_rows: Callable | None = None
 
     def row_function(self, data_args) -> Callable:

@@ -191,7 +191,8 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
         raw = {"train": raw}
     used = ("validation",) if evaluation_only and "validation" in raw else ("train", "validation")
     raw = {split: dataset for split, dataset in raw.items() if split in used}
-    # Examples (prompt/completion, conversations) are checked row by row as they are encoded (flax_lm.examples).
+    # Examples (prompt/completion, conversations) are checked row by row as they are encoded
+    # (flax_lm.data.finetune_examples).
     examples = data_args.resolve_example_format(raw, streaming) is not None
     for split, dataset in raw.items():
         columns = dataset.column_names  # None for a stream whose columns are only known once read

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_lm.mesh import LOGICAL_AXIS_RULES
+from flax_lm.devices.mesh import LOGICAL_AXIS_RULES
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -28,7 +28,8 @@ def abstract_model_params(model, dummy_input, unbox: bool = True):
 
 
 def parameter_shardings(boxed_params, mesh):
-    """Where each parameter lives on `mesh`, by the logical axis names it carries (flax_lm.mesh.LOGICAL_AXIS_RULES)."""
+    """Where each parameter lives on `mesh`, by the logical axis names it carries
+    (flax_lm.devices.mesh.LOGICAL_AXIS_RULES)."""
     return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, LOGICAL_AXIS_RULES)
 
 

@@ -20,9 +20,15 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from flax_lm.chat import stop_token_ids
+from flax_lm.data.chat import stop_token_ids
 from flax_lm.errors import UsageError, naming_a_full_disk
-from flax_lm.model_code import FINGERPRINT_KEY, FLAX_WEIGHTS_NAME, MODEL_FILE_KEY, ModelCode, check_model_file_of
+from flax_lm.models.model_code import (
+    FINGERPRINT_KEY,
+    FLAX_WEIGHTS_NAME,
+    MODEL_FILE_KEY,
+    ModelCode,
+    check_model_file_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -256,9 +262,9 @@ def check_architecture_fits(params, config, model):
 def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode):
     """A Hugging Face model directory: config.json, the weights, the tokenizer and, for a model that generates text
     (GENERATES_TEXT), its generation config (for one that does not, an earlier model's there is removed). Where
-    `model_code` claims its architecture (flax_lm.model_code), the config names it and model.safetensors holds the
-    weights as the module maps them (to_hf_state_dict), for transformers; otherwise flax_model.safetensors holds the
-    Flax parameters, beside a copy of the model file, for the tools of this repository (--model_file), and
+    `model_code` claims its architecture (flax_lm.models.model_code), the config names it and model.safetensors holds
+    the weights as the module maps them (to_hf_state_dict), for transformers; otherwise flax_model.safetensors holds
+    the Flax parameters, beside a copy of the model file, for the tools of this repository (--model_file), and
     transformers finds no weights it could load as another model.
 
     Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the

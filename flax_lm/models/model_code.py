@@ -28,13 +28,21 @@ from flax_lm.models import model_module
 
 logger = logging.getLogger(__name__)
 
-# model_type -> code_fingerprint of its stock module, as tests/test_models.py compares it with transformers. A change
-# to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
+# model_type -> module_code_fingerprint of its stock module, as tests/test_models.py compares it with transformers. A
+# change to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gpt2": "9235ed61450115e6",
-    "llama": "e66a74462a8dd3d2",
-    "roberta": "695c5ddd82d1a2e0",
+    "gpt2": "f4c1809768c3a4de",
+    "llama": "e9720d2550e22f93",
+    "roberta": "2294ce76ceca1522",
+}
+# Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
+# version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
+# subpackages, which changed the models' import lines and nothing they compute.)
+EARLIER_VERIFIED_FINGERPRINTS = {
+    "gpt2": {"9235ed61450115e6"},
+    "llama": {"e66a74462a8dd3d2"},
+    "roberta": {"695c5ddd82d1a2e0"},
 }
 
 # Layers of the model the probe compares, of the run's config otherwise: enough for every kind of layer to meet
@@ -50,9 +58,9 @@ FINGERPRINT_KEY = "flax_lm_model_fingerprint"
 FLAX_WEIGHTS_NAME = "flax_model.safetensors"
 
 
-def code_fingerprint(module: ModuleType) -> str:
+def module_code_fingerprint(module: ModuleType) -> str:
     """sha256 of the model module's file and of flax_lm/models/common.py, which the modules build on."""
-    common = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "common.py")
+    common = os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")
     digest = hashlib.sha256()
     for path in (module.__file__, common):
         with open(path, "rb") as file:
@@ -74,13 +82,25 @@ class ModelCode:
     def description(self) -> str:
         return self.own_file or f"flax_lm/models/{self.module.MODEL_TYPE}.py"
 
+    def computes_as(self, recorded_fingerprint: str) -> bool:
+        """Whether code with `recorded_fingerprint` computed the model as this code does: the same code, or an
+        earlier verified version of the stock module this run uses unedited."""
+        if recorded_fingerprint == self.fingerprint:
+            return True
+        model_type = self.module.MODEL_TYPE
+        return (
+            self.own_file is None
+            and VERIFIED_FINGERPRINTS.get(model_type) == self.fingerprint
+            and recorded_fingerprint in EARLIER_VERIFIED_FINGERPRINTS.get(model_type, ())
+        )
+
 
 def load_model_code(config, model_file: str | None, generates_text: bool, tool: str, mesh=None) -> ModelCode:
     """The code of `config`'s model for `tool`: the module of --model_file or of config.model_type, its config checked
     (against the tensor axis of `mesh` too), its fingerprint, and whether exports may name its architecture."""
     module = model_module(config.model_type, model_file, generates_text, tool)
     module.check_model_config(config, mesh)
-    fingerprint = code_fingerprint(module)
+    fingerprint = module_code_fingerprint(module)
     claims, reason = architecture_claim(module, config, fingerprint, model_file)
     code = ModelCode(module, model_file, fingerprint, claims, reason)
     if model_file or not claims:

@@ -1,6 +1,6 @@
 """Log-probabilities of token sequences under a causal language model: of each token given those before it, whether it
 is the model's most likely token there, and the most likely tokens with theirs. One compiled forward pass serves
-lm-evaluation-harness's requests (flax_lm.harness) and the server's logprobs (flax_lm.serving).
+lm-evaluation-harness's requests (flax_lm.evaluation.harness) and the server's logprobs (flax_lm.server.app).
 
 The sequences of a call are sorted by length and padded into a few shapes (in positions, powers of two and halfway
 between them), so that scoring a task compiles a handful of programs, not one per request. Rows are padded on the
@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from flax_lm.sampling import on_host, shape_bucket
+from flax_lm.generation.sampling import on_host, shape_bucket
 
 # The shortest padded length: shorter sequences share one program.
 SHORTEST_LENGTH = 16

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flax_lm.arguments import check_choices
+from flax_lm.command_line.arguments import check_choices
 from flax_lm.errors import UsageError
 
 # What --lr_decay_shape names: a decay from (peak, floor, steps), at `floor` from `steps` on. 1-sqrt falls fast at

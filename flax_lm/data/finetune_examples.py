@@ -8,7 +8,7 @@ Hugging Face TRL, told apart by the columns of the data:
 
 Data with the text column (--text_column_name) are plain text, trained on as before, unless --prompt_column or
 --completion_column is given. Each example is encoded into its token ids, a prompt and its completion framed as a
-document of plain text is (flax_lm.texts.ids_around_documents: a Llama tokenizer's BOS before it, the end-of-text
+document of plain text is (flax_lm.data.texts.ids_around_documents: a Llama tokenizer's BOS before it, the end-of-text
 token after it), a conversation as the chat template renders it followed by the end-of-text token, with two masks:
 the tokens of the completion, and those the assistant wrote (from the chat template's {% generation %} markers).
 run_clm_flax.py's example_rows turns them into rows of token ids and loss weights. Rows that cannot be examples are
@@ -24,10 +24,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from flax_lm import chat
-from flax_lm.chat import chat_template_of, conversation_problem, marks_assistant_tokens, render_conversation
-from flax_lm.errors import UsageError
-from flax_lm.texts import (
+from flax_lm.data import chat
+from flax_lm.data.chat import chat_template_of, conversation_problem, marks_assistant_tokens, render_conversation
+from flax_lm.data.texts import (
     DATA_READ_ERRORS,
     column_batches,
     ids_around_documents,
@@ -35,6 +34,7 @@ from flax_lm.texts import (
     text_source,
     unreadable_data_error,
 )
+from flax_lm.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ class ExampleArguments:
 
     @property
     def framing(self) -> str:
-        """How the rows were made, recorded in a packed corpus (see flax_lm.packed): plain text grouped into blocks,
-        or examples with the settings that change their rows and the code that encodes them."""
+        """How the rows were made, recorded in a packed corpus (see flax_lm.data.packed): plain text grouped into
+        blocks, or examples with the settings that change their rows and the code that encodes them."""
         return example_framing(self.example_format, self)
 
     def resolve_example_format(self, texts: dict, streaming: bool) -> str | None:

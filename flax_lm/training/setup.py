@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_lm.checkpoints import restore_checkpoint, save_checkpoint
-from flax_lm.data import count_steps
-from flax_lm.hf_io import read_exported_params, save_model
-from flax_lm.mesh import BATCH_AXES
-from flax_lm.model_code import FLAX_WEIGHTS_NAME, ModelCode
-from flax_lm.packed import tokenizer_fingerprint
-from flax_lm.run_record import TrainingProgress, check_model_code, check_resumed_run, describe_run
-from flax_lm.train_state import (
+from flax_lm.data.loading import count_steps
+from flax_lm.data.packed import tokenizer_fingerprint
+from flax_lm.devices.mesh import BATCH_AXES
+from flax_lm.models.huggingface import read_exported_params, save_model
+from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
+from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
+from flax_lm.run.record import TrainingProgress, check_model_code, check_resumed_run, describe_run
+from flax_lm.training.train_state import (
     TrainState,
     abstract_train_state,
     create_train_state,
@@ -126,7 +126,7 @@ def set_up_training(
 
 
 def run_description(arguments: dict, config, tokenizer, setup: TrainingSetup) -> dict:
-    """What each checkpoint of the run records of it, and a resume compares with its own (flax_lm.run_record)."""
+    """What each checkpoint of the run records of it, and a resume compares with its own (flax_lm.run.record)."""
     fingerprint = tokenizer_fingerprint(tokenizer)
     return describe_run(arguments, config, fingerprint, setup.model_code, setup.train_rows, setup.train_batch_size)
 

@@ -106,7 +106,7 @@ def setup_logging(is_main_process: bool):
     logging.getLogger("absl").addFilter(not_a_full_disk)
     datasets.utils.logging.set_verbosity_warning()
     # Its reader of JSON logs a file it cannot parse, by a row that counts from the start of a block, before it
-    # raises; the command's error names the file and the line (flax_lm.texts.unreadable_data_error).
+    # raises; the command's error names the file and the line (flax_lm.data.texts.unreadable_data_error).
     logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     transformers.utils.logging.set_verbosity_warning()
     if not is_main_process:

@@ -155,7 +155,7 @@ class Sampler:
 
 def make_sampler(model, eos_token_id: int | list[int] | None) -> Sampler:
     """The decoding of `model`, each row ending at the end-of-text token `eos_token_id`, or at the first of several
-    (a chat model's end of turn among them: flax_lm.chat.stop_token_ids)."""
+    (a chat model's end of turn among them: flax_lm.data.chat.stop_token_ids)."""
     stop_ids = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
     pad = max(stop_ids[0], 0) if stop_ids else 0  # what finished rows write
 

@@ -17,13 +17,13 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from flax_lm.arguments import check_writable_directory
-from flax_lm.chat import chat_template_of
-from flax_lm.checksums import file_checksum
-from flax_lm.code_fingerprint import code_fingerprint
+from flax_lm.command_line.arguments import check_writable_directory
+from flax_lm.data.cache_key import function_code_fingerprint
+from flax_lm.data.chat import chat_template_of
+from flax_lm.data.texts import check_tokenizer_encodes, data_file_patterns
+from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError
-from flax_lm.processes import main_process_first
-from flax_lm.texts import check_tokenizer_encodes, data_file_patterns
+from flax_lm.run.checksums import file_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -343,11 +343,11 @@ def pack_texts(
 def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: int, cache_dir: str, data_args):
     """The rows of one split (PackedBlocks), from the packed corpus that caches them in `cache_dir` under a
     fingerprint of the texts, the tokenizer, the row length and the code that makes the rows (`tokenized_rows` and
-    the functions of the script and of flax_lm it calls: code_fingerprint): packed there first when it is
+    the functions of the script and of flax_lm it calls: function_code_fingerprint): packed there first when it is
     missing, damaged or --overwrite_cache is given. Written under a name of this process's own and renamed when
     complete, so that processes sharing the cache never read or write each other's unfinished files."""
     source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name}
-    source.update(split=split, code_fingerprint=code_fingerprint(tokenized_rows))
+    source.update(split=split, code_fingerprint=function_code_fingerprint(tokenized_rows))
     description = packed_description(tokenizer, block_size, data_args.framing, source)
     directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
     os.makedirs(cache_dir, exist_ok=True)
@@ -392,8 +392,8 @@ def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: in
 def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
     """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
     corpus (or --overwrite_cache), by process 0 alone while the others wait, from the texts `texts_to_rows` (the
-    script's flax_lm.data.TextsToRows) reads, as they are or, with --streaming, as a stream. A directory packed with
-    another tokenizer, row length or source is refused, never reused; one packed by other code (its fingerprint of
+    script's flax_lm.data.loading.TextsToRows) reads, as they are or, with --streaming, as a stream. A directory packed
+    with another tokenizer, row length or source is refused, never reused; one packed by other code (its fingerprint of
     the script's tokenized_rows differs) is used with a warning."""
     tokenized_rows, tokenizer = texts_to_rows.tokenized_rows, texts_to_rows.tokenizer
     block_size, length_flag = texts_to_rows.row_length, texts_to_rows.length_flag
@@ -408,7 +408,7 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
     if source["dataset_name"] is not None and os.path.isdir(source["dataset_name"]):
         source["dataset_name"] = os.path.abspath(source["dataset_name"])
     description = packed_description(tokenizer, block_size, data_args.framing, source)
-    description["code_fingerprint"] = code_fingerprint(tokenized_rows)  # as in the token cache's name
+    description["code_fingerprint"] = function_code_fingerprint(tokenized_rows)  # as in the token cache's name
     has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
 
     fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
@@ -462,7 +462,7 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
             check_tokenizer_encodes(tokenizer, texts, data_args)
             logger.info("Packing %s into %s", " and ".join(texts), directory)
             row_function = texts_to_rows.row_function(data_args)  # known once the data are read
-            description.update(framing=data_args.framing, code_fingerprint=code_fingerprint(row_function))
+            description.update(framing=data_args.framing, code_fingerprint=function_code_fingerprint(row_function))
             index = pack_texts(directory, texts, row_function, tokenizer, block_size, description, data_args)
     if jax.process_count() > 1:
         index = read_packed_index(directory)
@@ -474,7 +474,7 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
         check(index)
     # Told, not refused: the rows may well be the same (an edit of a comment or of the script's name changes the
     # fingerprint too), and packing a large corpus again is costly. A corpus packed before it was recorded has none.
-    fingerprint_here = code_fingerprint(texts_to_rows.row_function(data_args))
+    fingerprint_here = function_code_fingerprint(texts_to_rows.row_function(data_args))
     if index.get("code_fingerprint", fingerprint_here) != fingerprint_here:
         logger.warning(
             "--packed_data_dir %s was packed by other code than this script's tokenized_rows (example_rows for "

@@ -2,7 +2,7 @@
 in shared batches, reporting each row's text as its tokens come.
 
 Requests that arrive while a batch decodes wait for the next one, which takes as many of them, in order of
-arrival, as fit in `batch_size` rows. Each row keeps its own Sampling (flax_lm.sampling), so its text is the
+arrival, as fit in `batch_size` rows. Each row keeps its own Sampling (flax_lm.generation.sampling), so its text is the
 one it would get decoded alone. The batch decodes STEPS_PER_CHUNK steps at a time: between chunks the thread
 hands each row's new text on (to a streaming client) and ends the rows that met a stop string or whose client
 left.
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flax_lm.sampling import DecodingBatch, Sampling
+from flax_lm.generation.sampling import DecodingBatch, Sampling
 
 logger = logging.getLogger(__name__)
 

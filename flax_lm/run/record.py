@@ -178,7 +178,7 @@ def check_model_code(model_code, progress_record: dict):
     written before it was recorded hold none): its weights would be computed by code they were not trained with. Asked
     before the checkpoint's arrays are compared with the model's, whose shapes other code may change."""
     recorded = progress_record.get("run", progress_record).get("model_code")
-    if recorded is not None and recorded["fingerprint"] != model_code.fingerprint:
+    if recorded is not None and not model_code.computes_as(recorded["fingerprint"]):
         raise UsageError(
             f"the checkpoint was trained with other model code ({recorded['file']}, fingerprint "
             f"{recorded['fingerprint']}) than this run's ({model_code.description}, fingerprint "
@@ -229,6 +229,13 @@ def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allow
         "global_batch_size": record.get("global_batch_size"),
     }
     differences = run_differences(recorded, run)
+    if "model_code" in differences and setup.model_code.computes_as(differences["model_code"][0]):
+        logger.info(
+            "The checkpoint's model code (fingerprint %s) is an earlier verified version of %s (fingerprint %s)",
+            differences.pop("model_code")[0],
+            setup.model_code.description,
+            setup.model_code.fingerprint,
+        )
     if record["step"] == setup.total_steps and training_args.do_train:
         logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
         return  # what differs changes no step

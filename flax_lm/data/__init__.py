@@ -1,0 +1,17 @@
+"""From texts to the token rows a train step reads, in the order the layers are met:
+
+texts.py              reading text files, datasets and streams, and encoding them into token ids
+finetune_examples.py  prompt/completion pairs and conversations in TRL's formats, with their loss weights
+chat.py               chat templates: rendering a conversation, the tokens that end a turn
+cache_key.py          the fingerprint of the code that turns texts into tokens, which keys the token cache
+packed.py             packed corpora on disk (the token cache and --packed_data_dir), read by memory maps
+mixture.py            several sources mixed by weight (--data_mixture)
+loading.py            a run's rows for each split from whichever route the arguments name, and their order
+host_random.py        counter-based random numbers for the choices made per row (MLM's masks)
+"""
+
+
+def __getattr__(name):
+    from flax_lm import moved_from_subpackage
+
+    return moved_from_subpackage("data", name)

@@ -1,0 +1,2 @@
+"""Generating text with a causal model: decoding over a key/value cache, each row with its own settings
+(sampling.py). generate_flax.py, the server and the samples shown during training decode through it."""
