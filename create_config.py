@@ -30,7 +30,8 @@ import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transfor
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoTokenizer, GPT2Config, LlamaConfig, RobertaConfig
 
-from flax_lm.command_line.tool_arguments import check_writable_output_dir, parse_arguments
+from flax_lm.command_line.directories import check_writable_directory
+from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, run
 from flax_lm.models import stock_module
@@ -454,7 +455,7 @@ def main():
         raise UsageError("no output directory: pass --tokenizer_dir (config.json goes next to it) or --output_dir")
     if os.path.exists(os.path.join(output_dir, "config.json")) and not args.overwrite:
         raise UsageError(f"{output_dir} already has a config.json; pass --overwrite to replace it")
-    check_writable_output_dir(output_dir)
+    check_writable_directory(output_dir, "output_dir")
 
     # Values: the preset, then what the tokenizer needs, then the user's changes -------------------------------------
     values = dict(preset_values)

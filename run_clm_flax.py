@@ -49,7 +49,6 @@ from flax_lm.command_line.arguments import (
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
-    parse_arguments,
     recorded_arguments,
 )
 from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
@@ -60,7 +59,6 @@ from flax_lm.data.loading import (
     call_batches,
     epochs_of_batches,
     load_data,
-    only_packing,
     stream_position,
     streaming_train_batches,
 )
@@ -68,11 +66,7 @@ from flax_lm.data.mixture import Mixture
 from flax_lm.data.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import (
-    initialize_distributed,
-    on_process_zero,
     print_once,
-    setup_logging,
-    wait_for_all_processes,
 )
 from flax_lm.errors import UsageError, run
 from flax_lm.evaluation.scoring import Scorer
@@ -81,13 +75,11 @@ from flax_lm.generation.sampling import generate_ids, make_sampler
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
-from flax_lm.run.checkpoints import StopRequest, checkpoint_still_written, open_checkpoints
+from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
 from flax_lm.run.output_dir import (
-    check_output_dir,
     evaluated_step,
     open_output_dir,
     report_stop,
-    write_all_results,
     write_json,
     write_train_results,
 )
@@ -99,10 +91,12 @@ from flax_lm.training.setup import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
+    finish_run,
     initial_state,
     run_description,
     save_run,
     set_up_training,
+    start_run,
 )
 from flax_lm.training.train_state import (
     TrainState,
@@ -636,16 +630,8 @@ class Evaluation:
 
 
 def main():
-    model_args, data_args, training_args, distributed_args = parse_arguments(
-        ModelArguments, DataTrainingArguments, TrainingArguments
-    )
-    initialize_distributed(distributed_args)
-    check_arguments(model_args, data_args, training_args)
-    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also sets up
-    # the processes' collectives, which they must reach within 30 s of each other: right after joining, they do.
-    wait_for_all_processes("arguments checked")
-    setup_logging(is_main_process=jax.process_index() == 0)
-    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
+    argument_types = (ModelArguments, DataTrainingArguments, TrainingArguments)
+    model_args, data_args, training_args = start_run(argument_types, check_arguments)
 
     config, tokenizer = load_config_and_tokenizer(model_args, "gpt2")
     mesh = create_mesh(training_args.mesh_shape)
@@ -653,7 +639,8 @@ def main():
     block_size = choose_block_size(data_args, tokenizer, config)
     texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, block_size, "--block_size", example_rows)
     rows, train_stream = load_data(model_args, data_args, training_args, texts_to_rows)
-    if only_packing(data_args, training_args):
+    if not (training_args.do_train or training_args.do_eval):  # --packed_data_dir alone: the data is packed
+        print_once(f"packed data: {data_args.packed_data_dir}")
         return
 
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
@@ -682,15 +669,14 @@ def main():
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
         export_complete_run(training_args.output_dir, state.params, config, tokenizer, model_code)
-    if training_args.do_eval:
-        evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not train_now)
-    if jax.process_index() == 0:
-        trackers.results(write_all_results(training_args.output_dir), int(state.step))
-    trackers.close()
-    if train_now:
-        evaluation.sample_from_export(setup.abstract_state.params)
-    if training_args.do_train and "tensorboard" in training_args.report_to:
-        print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+    finish_run(
+        training_args,
+        evaluation,
+        trackers,
+        state,
+        train_now,
+        partial(evaluation.sample_from_export, setup.abstract_state.params),
+    )
 
 
 def choose_block_size(data_args, tokenizer, config) -> int:
@@ -808,7 +794,7 @@ def train(
             state, metrics = setup.compiled_train_steps(state, batch, len(step_tokens))
             log.steps_done(metrics, step_tokens)
             step += len(step_tokens)
-            checkpoint_being_written = checkpoint_still_written(checkpoints, checkpoint_being_written)
+            checkpoint_being_written = log_when_committed(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
             is_log_step = step % training_args.logging_steps == 0 or is_last
             stopping = stop.requested(check_other_processes=is_log_step)
@@ -819,14 +805,14 @@ def train(
                 log.write(step)
             if is_save_step:  # before the evaluation: an evaluation that fails must not lose the steps before it
                 # The save would wait for the checkpoint still being written: announce it first.
-                checkpoint_still_written(checkpoints, checkpoint_being_written, wait=True)
+                wait_until_committed(checkpoints, checkpoint_being_written)
                 progress.step = step
                 checkpoint_being_written = save(checkpoints, state, progress)
             if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
                 evaluate(state.params, step)
             if stopping:
                 break
-        checkpoint_still_written(checkpoints, checkpoint_being_written, wait=True)
+        wait_until_committed(checkpoints, checkpoint_being_written)
     return state, stop.signal_name if stopping else None
 
 

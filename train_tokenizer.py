@@ -31,7 +31,8 @@ import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenizer
 
-from flax_lm.command_line.tool_arguments import check_writable_output_dir, parse_arguments
+from flax_lm.command_line.directories import check_writable_directory
+from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
 from flax_lm.devices.processes import LOG_FORMAT
@@ -205,7 +206,7 @@ def check_output_dir(output_dir, overwrite):
             f"--output_dir {output_dir} already holds a tokenizer ({existing[0]}); pass --overwrite to replace it "
             "or choose another directory"
         )
-    check_writable_output_dir(output_dir)
+    check_writable_directory(output_dir, "output_dir")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

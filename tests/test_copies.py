@@ -302,7 +302,7 @@ def test_each_model_class_is_defined_once():
 
 
 def test_a_library_function_pasted_into_a_script_is_counted(tmp_path):
-    library_module = os.path.join(REPO, "flax_lm", "checkpoints.py")
+    library_module = os.path.join(REPO, "flax_lm", "run", "checkpoints.py")
     definitions = top_level_definitions(library_module).values()
     _, _, text = max(definitions, key=lambda definition: len(definition[2]))
     script = tmp_path / "script.py"

@@ -229,9 +229,11 @@ REFUSALS = {
         "run_clm_flax", [*CLM, "--packed_data_dir", UNWRITABLE],
         ["--packed_data_dir", UNWRITABLE, "cannot be written"]),
     "tokenizer-unwritable-output-dir": (
-        "train_tokenizer", [*TOKENIZER, "{train}", "--output_dir", UNWRITABLE], ["cannot write to --output_dir"]),
+        "train_tokenizer", [*TOKENIZER, "{train}", "--output_dir", UNWRITABLE],
+        ["--output_dir", UNWRITABLE, "cannot be written"]),
     "config-unwritable-output-dir": (
-        "create_config", ["--preset", "gpt2-tiny", "--output_dir", UNWRITABLE], ["cannot write to --output_dir"]),
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", UNWRITABLE],
+        ["--output_dir", UNWRITABLE, "cannot be written"]),
     # Numbers out of range
     "clm-negative-learning-rate": (
         "run_clm_flax", [*CLM, "--learning_rate", "-1"], ["--learning_rate -1.0", "positive"]),

@@ -6,14 +6,13 @@ DataArguments and CommonTrainingArguments.
 
 import json
 import math
-import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 
 import jax
 from transformers import HfArgumentParser
 
+from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.data.mixture import read_mixture
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
@@ -637,19 +636,3 @@ def check_choices(argument_group, **tables):
         value = getattr(argument_group, flag)
         if value not in table:
             raise UsageError(f"--{flag} {value} is not one of {', '.join(table)}")
-
-
-def check_writable_directory(path: str, flag: str):
-    """Refuse a directory that cannot be created or written into, before any work rather than at the first save."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"--{flag} {path}: {existing} is a file; pass a directory")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as error:
-        raise UsageError(
-            f"--{flag} {path} cannot be written ({error.strerror} in {existing}); pass a directory you can write to"
-        ) from None

@@ -3,9 +3,7 @@ checked as the command line would check it; and the output directory they write 
 
 import dataclasses
 import json
-import os
 import sys
-import tempfile
 import types
 import typing
 
@@ -74,20 +72,3 @@ def value_has_type(value, annotation):
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, annotation)
-
-
-def check_writable_output_dir(output_dir: str):
-    """Refuse an --output_dir that is a file, or that cannot be created and written into, so that no work is wasted.
-    Writing a file is the test: os.access says yes to root on a read-only filesystem."""
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UsageError(f"--output_dir {output_dir} is a file; pass a directory")
-    ancestor = os.path.abspath(output_dir)  # the nearest directory that exists
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"--output_dir {output_dir}: {ancestor} is a file; pass a directory")
-    try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
-    except OSError as error:
-        raise UsageError(f"cannot write to --output_dir {output_dir}: {error.strerror} in {ancestor}") from None

@@ -17,7 +17,7 @@ from flax_lm.data.mixture import Mixture, read_mixture, source_data_arguments, w
 from flax_lm.data.packed import cached_blocks, load_packed_corpus
 from flax_lm.data.texts import check_tokenizer_encodes, token_arrays, warn_of_files_in_both_splits
 from flax_lm.devices.mesh import prefetch, process_slice, to_global_batch
-from flax_lm.devices.processes import main_process_first, print_once
+from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, naming_a_full_disk
 
 logger = logging.getLogger(__name__)
@@ -255,14 +255,6 @@ def load_mixture(model_args, data_args, training_args, texts_to_rows: TextsToRow
         rows_are_tokens = data_args.framing != "line_by_line" and not source_args.example_format
         mixture_rows["train"] = Mixture(names, weights, [rows for _, rows in train_sources], rows_are_tokens)
     return mixture_rows, None
-
-
-def only_packing(data_args, training_args) -> bool:
-    """Whether the run only packs its data (--packed_data_dir, with neither --do_train nor --do_eval): said once."""
-    if training_args.do_train or training_args.do_eval:
-        return False
-    print_once(f"packed data: {data_args.packed_data_dir}")
-    return True
 
 
 def count_steps(training_args, train_rows, train_batch_size: int, length_flag: str) -> tuple[int | None, int]:

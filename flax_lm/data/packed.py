@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from flax_lm.command_line.arguments import check_writable_directory
+from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.chat import chat_template_of
 from flax_lm.data.texts import check_tokenizer_encodes, data_file_patterns

@@ -91,12 +91,10 @@ def check_room_to_save(checkpoints: ocp.CheckpointManager, state: TrainState, st
         )
 
 
-def checkpoint_still_written(checkpoints: ocp.CheckpointManager, step: int | None, wait: bool = False) -> int | None:
-    """Log when the checkpoint of `step` is complete on disk (a kill after the message loses nothing before it).
-    Returns the step still being written, None once none is. Orbax has no hook for this: its
+def log_when_committed(checkpoints: ocp.CheckpointManager, step: int | None) -> int | None:
+    """Log that the checkpoint of `step` is complete on disk (a kill after the message loses nothing before it), if
+    it is by now. Returns the step still being written, None once none is. Orbax has no hook for this: its
     post_finalization_callback runs before the checkpoint is renamed into place."""
-    if wait:
-        checkpoints.wait_until_finished()
     if step is None or checkpoints.is_saving_in_progress():
         return step
     path = os.path.join(str(checkpoints.directory), str(step))
@@ -105,6 +103,12 @@ def checkpoint_still_written(checkpoints: ocp.CheckpointManager, step: int | Non
     else:
         logger.warning("step %d: the training checkpoint could not be written to %s", step, path)
     return None
+
+
+def wait_until_committed(checkpoints: ocp.CheckpointManager, step: int | None):
+    """Wait for the checkpoint being written in the background, and log it committed (log_when_committed)."""
+    checkpoints.wait_until_finished()
+    log_when_committed(checkpoints, step)
 
 
 class DamagedCheckpoint(Exception):

@@ -16,12 +16,21 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flax_lm.command_line.arguments import parse_arguments
 from flax_lm.data.loading import count_steps
 from flax_lm.data.packed import tokenizer_fingerprint
 from flax_lm.devices.mesh import BATCH_AXES
+from flax_lm.devices.processes import (
+    initialize_distributed,
+    on_process_zero,
+    print_once,
+    setup_logging,
+    wait_for_all_processes,
+)
 from flax_lm.models.huggingface import read_exported_params, save_model
 from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
+from flax_lm.run.output_dir import check_output_dir, write_all_results
 from flax_lm.run.record import TrainingProgress, check_model_code, check_resumed_run, describe_run
 from flax_lm.training.train_state import (
     TrainState,
@@ -32,6 +41,36 @@ from flax_lm.training.train_state import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def start_run(argument_types: tuple, check_arguments: Callable) -> tuple:
+    """The script's arguments (of `argument_types`: model, data, training), parsed and checked by the script's
+    `check_arguments` on every process, once the processes of the run have joined; then the log, and --output_dir
+    checked by process 0 before anything is written into it."""
+    model_args, data_args, training_args, distributed_args = parse_arguments(*argument_types)
+    initialize_distributed(distributed_args)
+    check_arguments(model_args, data_args, training_args)
+    # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also sets up
+    # the processes' collectives, which they must reach within 30 s of each other: right after joining, they do.
+    wait_for_all_processes("arguments checked")
+    setup_logging(is_main_process=jax.process_index() == 0)
+    on_process_zero(lambda: check_output_dir(training_args), f"use --output_dir {training_args.output_dir}")
+    return model_args, data_args, training_args
+
+
+def finish_run(training_args, evaluation, trackers, state, trained_now: bool, show_export: Callable):
+    """After training (or instead of it): the final evaluation (that of the last save where nothing was trained
+    since), every result in all_results.json and the trackers, then `show_export` (the script's look at what the
+    exported model does) after a run that trained."""
+    if training_args.do_eval:
+        evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not trained_now)
+    if jax.process_index() == 0:
+        trackers.results(write_all_results(training_args.output_dir), int(state.step))
+    trackers.close()
+    if trained_now:
+        show_export()
+    if training_args.do_train and "tensorboard" in training_args.report_to:
+        print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
 
 
 @dataclass(frozen=True)
