@@ -206,7 +206,10 @@ class RobertaSelfAttention(RobertaModule):
         query, key, value = project("query"), project("key"), project("value")
         no_dropout = deterministic or config.attention_probs_dropout_prob == 0
         if no_dropout and use_cudnn_attention(query.dtype):
-            # The mask becomes an additive bias of the fused kernel.
+            # The mask becomes an additive bias of the fused kernel, which takes one of (query length, key length)
+            # only: a padding mask (batch, 1, 1, seq) is spread over the queries.
+            if mask is not None:
+                mask = jnp.broadcast_to(mask, (batch, 1, seq, seq))
             out = jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="cudnn")
         else:
             dropout = nn.Dropout(config.attention_probs_dropout_prob, deterministic=no_dropout)
