@@ -7,6 +7,7 @@ tests/fresh_environment_check.py proves the other half, that the declared depend
 import ast
 import functools
 import importlib.metadata
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -105,3 +106,18 @@ def test_the_package_and_scripts_import_only_declared_dependencies(path):
 def test_the_benchmarks_import_only_declared_dependencies(path):
     found = undeclared_imports(path, pyproject_requirements() | test_requirements())
     assert not found, "; ".join(found) + ": add it to pyproject.toml or requirements-test.txt"
+
+
+def test_the_fresh_environment_check_refuses_an_environment_with_the_test_requirements(monkeypatch):
+    """It proves something only where requirements.txt alone was installed: here, among the test requirements, it
+    stops in one line saying where to run it, before any check."""
+    spec = importlib.util.spec_from_file_location(
+        "fresh_environment_check", REPO_DIR / "tests" / "fresh_environment_check.py"
+    )
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(sys, "argv", ["fresh_environment_check.py"])
+    with pytest.raises(SystemExit) as stopped:
+        check.main()
+    message = str(stopped.value.code)
+    assert message.startswith("error: pytest, torch installed here") and "requirements.txt alone" in message, message
