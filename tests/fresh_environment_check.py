@@ -36,12 +36,12 @@ TEST_ONLY_MODULES = ("pytest", "torch")
 QUICKSTART_MODES = ("clm", "llama", "mlm", "chat")
 # The directory each mode trains into, and a final eval result that shows the model learned: the bits per byte of the
 # causal models (untrained, about 3.4 over their 4,096 tokens; the quickstart ends near 1.9), the loss of the masked
-# one (untrained, about 9 nats, the logarithm of its 8,192 tokens) and of the chat model (untrained, about 5.8; it
-# ends near 0.02).
+# one (untrained, about 9 nats, the logarithm of its 8,192 tokens; it ends near 6.6) and of the chat model (untrained,
+# about 5.8; it ends near 0.02).
 QUICKSTART_RUNS = {
     "clm": ("gpt2-tiny-trained", "eval_bits_per_byte", 2.5),
     "llama": ("llama-tiny-trained", "eval_bits_per_byte", 2.5),
-    "mlm": ("roberta-tiny-trained", "eval_loss", 7.0),
+    "mlm": ("roberta-tiny-trained", "eval_loss", 7.5),
     "chat": ("gpt2-chat-trained", "eval_loss", 0.5),
 }
 
