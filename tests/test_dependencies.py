@@ -37,12 +37,9 @@ def pyproject_requirements() -> set[str]:
     return {requirement_name(requirement) for requirement in project["dependencies"] + extras}
 
 
-def test_requirements() -> set[str]:
+def requirements_of_the_tests() -> set[str]:
     lines = (REPO_DIR / "requirements-test.txt").read_text().splitlines()
     return {requirement_name(line) for line in lines if line.strip() and not line.lstrip().startswith(("#", "-"))}
-
-
-test_requirements.__test__ = False  # a helper named like a test, not one
 
 
 def third_party_imports(path: Path) -> set[str]:
@@ -104,7 +101,7 @@ def test_the_package_and_scripts_import_only_declared_dependencies(path):
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda path: str(path.relative_to(REPO_DIR)))
 def test_the_benchmarks_import_only_declared_dependencies(path):
-    found = undeclared_imports(path, pyproject_requirements() | test_requirements())
+    found = undeclared_imports(path, pyproject_requirements() | requirements_of_the_tests())
     assert not found, "; ".join(found) + ": add it to pyproject.toml or requirements-test.txt"
 
 
