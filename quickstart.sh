@@ -66,7 +66,7 @@ PYTHON
 
 if [ "$task" != mlm ]; then
     # GPT-2 (clm) or Llama (llama): the same commands, the model type chosen by the tokenizer and config presets, and
-    # the README's recommended small recipe: 4096 tokens, Muon for the matrices and AdamW for the rest, the learning
+    # the recommended small recipe of docs/pretraining-clm.md: 4096 tokens, Muon for the matrices and AdamW for the rest, the learning
     # rate warmed up, held and decayed over the last fifth of the steps (GPT-2 also 64 wide).
     if [ "$task" = clm ]; then model_type=gpt2 shape="--set n_embd=64 resid_pdrop=0.0 embd_pdrop=0.0 attn_pdrop=0.0"
     else model_type=llama shape=""; fi

@@ -207,7 +207,7 @@ def read_texts(model_args, data_args, streaming: bool = False, evaluation_only: 
     """The texts of each split, {"train": ..., "validation": ...}: `datasets` datasets (or streams) of one document a
     row, in --text_column_name. Every data route reads them here (the token cache, --packed_data_dir, --streaming,
     each source of --data_mixture). To train on another source, return its texts instead; the SQLite database that
-    --dataset_name names, say (README: "Another source of texts"):
+    --dataset_name names, say (docs/pretraining-clm.md: "Another source of texts"):
         connection = sqlite3.connect(data_args.dataset_name)
         texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}
         return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else texts

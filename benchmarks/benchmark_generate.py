@@ -27,16 +27,22 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import jax
 import numpy as np
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from flax_lm.generation import sampling
 from flax_lm.models import gpt2
 from flax_lm.training.train_state import abstract_model_params
+
+try:  # test requirements (pip install -r requirements-test.txt): without them the benchmark only answers --help
+    import httpx
+    import torch
+except ModuleNotFoundError as missing:
+    missing_requirement = missing.name
+else:
+    missing_requirement = None
 
 GENERATE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate_flax.py")
 
@@ -65,6 +71,11 @@ def main():
     parser.add_argument("--requests_per_client", type=int, default=4, help="with --serving: timed requests of each")
     parser.add_argument("--serving_batch_size", type=int, default=32, help="with --serving: the batched server's")
     arguments = parser.parse_args()
+    if missing_requirement:
+        parser.error(
+            f"{missing_requirement} is not installed: this benchmark needs the test requirements "
+            "(pip install -r requirements-test.txt)"
+        )
     if arguments.serving:
         if not arguments.model_name_or_path:
             parser.error("--serving needs --model_name_or_path, the GPT-2 directory to serve")

@@ -19,16 +19,23 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
-from lm_eval.models.huggingface import HFLM
 from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from flax_lm.evaluation.harness import FlaxLM
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.generation.sampling import make_sampler
 from flax_lm.models import gpt2
 from flax_lm.training.train_state import abstract_model_params
+
+try:  # test requirements (pip install -r requirements-test.txt): without them the benchmark only answers --help
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from flax_lm.evaluation.harness import FlaxLM
+except ModuleNotFoundError as missing:
+    missing_requirement = missing.name
+else:
+    missing_requirement = None
 
 PRESETS = {
     "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257),
@@ -60,6 +67,11 @@ def main():
     parser.add_argument("--tokens_per_batch", type=int, default=8 * 1024)
     parser.add_argument("--hf_batch_size", type=int, default=32)
     arguments = parser.parse_args()
+    if missing_requirement:
+        parser.error(
+            f"{missing_requirement} is not installed: this benchmark needs the test requirements "
+            "(pip install -r requirements-test.txt)"
+        )
 
     config = GPT2Config(bos_token_id=0, eos_token_id=0, **PRESETS[arguments.preset])
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ eval_results.json; the tokens from the global batch and block size its checkpoin
     python benchmarks/benchmark_time_to_quality.py --train_file train.jsonl --validation_file valid.jsonl \\
         --target_bits_per_byte 2.0 [--recipe recommended|baseline] [-- more run_clm_flax.py flags]
 
-`--recipe recommended` (the default) is the README's recommended small recipe, which quickstart.sh runs;
+`--recipe recommended` (the default) is the recommended small recipe (docs/pretraining-clm.md), quickstart.sh's;
 `--recipe baseline` the recipe quickstart.sh ran before it: GPT-2 tiny, AdamW, a cosine decay. Flags after `--` go
 to run_clm_flax.py after the recipe's own (the last of a flag given twice counts), to try a change of recipe.
 """
@@ -54,7 +54,7 @@ RECIPES = {
         "--learning_rate 2e-3 --warmup_steps 30 --lr_scheduler_type cosine --weight_decay 0.01 --adam_beta2 0.98 "
         "--max_steps 300".split(),
     ),
-    # The README's recommended small recipe (and quickstart.sh's), chosen with this benchmark: see the README.
+    # The recommended small recipe (and quickstart.sh's), chosen with this benchmark: see docs/measurements.md.
     "recommended": Recipe(
         vocab_size=4096,
         positions=256,

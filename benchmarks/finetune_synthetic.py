@@ -21,8 +21,14 @@ import subprocess
 import sys
 import time
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+try:  # a test requirement (pip install -r requirements-test.txt): without it the benchmark only answers --help
+    import torch
+except ModuleNotFoundError as missing:
+    missing_requirement = missing.name
+else:
+    missing_requirement = None
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -119,6 +125,11 @@ def main():
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--losses", nargs="+", choices=["answers", "every_token"], default=["answers", "every_token"])
     arguments = parser.parse_args()
+    if missing_requirement:
+        parser.error(
+            f"{missing_requirement} is not installed: this benchmark needs the test requirements "
+            "(pip install -r requirements-test.txt)"
+        )
     os.makedirs(arguments.work_dir, exist_ok=True)
     train_file, validation_file, test = write_data(arguments.work_dir, arguments)
     model_dir = os.path.join(arguments.work_dir, f"{arguments.model_type}-model")

@@ -147,7 +147,7 @@ def test_parameter_count_of_gpt2_small_is_the_published_124m():
 
 @pytest.fixture(scope="module")
 def refusals(run_tool, gpt2_tokenizer_dir, tmp_path_factory):
-    """The refused settings named in the README, each run as a user runs it, side by side (most of each run is Python
+    """The refused settings its page names, each run as a user runs it, side by side (most of each run is Python
     starting up). Returns the scratch directory they ran in and their CompletedProcess by name.
     """
     scratch = tmp_path_factory.mktemp("refusals")

@@ -1,5 +1,5 @@
 """What run_clm_flax.py trains on: .txt files as written (one document each, unless --text_sample_by says
-otherwise), each split read with its own format, the model's own end-of-text token (the README's tokenizer
+otherwise), each split read with its own format, the model's own end-of-text token (the documented tokenizer
 recipe), and bits per byte; checked against the exported model scored in PyTorch on the raw validation text."""
 
 import json
@@ -23,7 +23,7 @@ BLOCK_SIZE = 64
 
 @pytest.fixture(scope="module")
 def recipe_dir(tmp_path_factory):
-    """The README recipe: a ByteLevelBPETokenizer with <s> <pad> </s> <unk> <mask>, saved as tokenizer.json
+    """The documented recipe: a ByteLevelBPETokenizer with <s> <pad> </s> <unk> <mask>, saved as tokenizer.json
     beside a GPT-2 config of the same vocab_size whose eos_token_id is 2 (</s>)."""
     directory = tmp_path_factory.mktemp("recipe")
     tokenizer = ByteLevelBPETokenizer()

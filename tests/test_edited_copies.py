@@ -172,7 +172,7 @@ def test_a_copy_of_the_script_under_another_name_reuses_the_token_cache(model_di
 
 
 def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, environment, tmp_path):
-    """The README's SQLite source, in read_texts alone: every route then reads the table (here the token cache),
+    """The documented SQLite source, in read_texts alone: every route then reads the table (here the token cache),
     keyed by the table's rows, so that the cache is reused until the table changes."""
     database = tmp_path / "corpus.db"
     with sqlite3.connect(database) as connection:

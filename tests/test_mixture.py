@@ -290,9 +290,9 @@ def test_mixture_misuse_is_refused_in_one_line(
     assert error.startswith("error: ") and all(fragment in error for fragment in fragments), error
 
 
-def test_the_readme_mixture_file_reads_as_it_says(tmp_path):
-    readme = (REPO_DIR / "README.md").read_text()
-    example = next(block for block in readme.split("```yaml\n")[1:] if block.startswith("# mixture.yaml"))
+def test_the_documented_mixture_file_reads_as_it_says(tmp_path):
+    page = (REPO_DIR / "docs" / "pretraining-clm.md").read_text()
+    example = next(block for block in page.split("```yaml\n")[1:] if block.startswith("# mixture.yaml"))
     example = example.split("```")[0]
     path = tmp_path / "mixture.yaml"
     path.write_text(example)
