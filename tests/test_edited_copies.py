@@ -35,6 +35,7 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
+from flax_lm.command_line.arguments import parse_arguments
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.packed import PackedBlocks, read_packed_index
 from flax_lm.errors import UsageError
@@ -459,7 +460,7 @@ def test_a_schedule_added_to_a_copy_s_table_is_taken_by_its_flag(model_dir, tmp_
     specification.loader.exec_module(copy)
     arguments = training_arguments(model_dir, tmp_path / "run", "--lr_scheduler_type", "inverse_sqrt")
     monkeypatch.setattr(sys, "argv", [script, *map(str, arguments), "--learning_rate", "1e-2"])
-    model_args, data_args, training_args, _ = copy.parse_arguments(
+    model_args, data_args, training_args, _ = parse_arguments(
         copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments
     )
     copy.check_arguments(model_args, data_args, training_args)
