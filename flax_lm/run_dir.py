@@ -338,7 +338,8 @@ def code_version(output_dir: str, code_files: list[str], first_step: int) -> dic
         name, digest = os.path.basename(path), file_hash(path)
         kept = os.path.join(output_dir, CODE_VERSIONS_DIR, digest, name)
         if not os.path.isfile(kept):
-            record_run_files(output_dir, [f"{CODE_VERSIONS_DIR}/", f"{CODE_VERSIONS_DIR}/{digest}"])
+            made_folder = not os.path.isdir(os.path.join(output_dir, CODE_VERSIONS_DIR))
+            record_run_files(output_dir, [f"{CODE_VERSIONS_DIR}/"] * made_folder + [f"{CODE_VERSIONS_DIR}/{digest}"])
             os.makedirs(os.path.dirname(kept), exist_ok=True)
             shutil.copyfile(path, kept)
         files[name] = digest
