@@ -344,6 +344,14 @@ def read_exported_params(source: str, model_args, model_code: ModelCode, abstrac
     (from_hf_state_dict)."""
     flax_weights = os.path.join(source, FLAX_WEIGHTS_NAME)
     if os.path.isdir(source) and os.path.isfile(flax_weights):
+        # transformers, which knows no flax_model.safetensors, would load the other: two loaders, two models.
+        if others := [
+            name for name in (SAFETENSORS_WEIGHTS, SAFETENSORS_INDEX) if os.path.isfile(os.path.join(source, name))
+        ]:
+            raise UsageError(
+                f"{source} holds both {FLAX_WEIGHTS_NAME} and {others[0]}, which transformers would load instead; "
+                "remove the one that is not the model"
+            )
         directory_config = AutoConfig.from_pretrained(source)
         if getattr(directory_config, MODEL_FILE_KEY, None) is None:
             raise UsageError(f"{source} holds {FLAX_WEIGHTS_NAME} but its config.json names no model file")

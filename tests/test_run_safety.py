@@ -32,7 +32,7 @@ import flax_lm.run_dir
 from flax_lm.checkpoints import open_checkpoints
 from flax_lm.checksums import CHECKPOINT_CHECKSUMS, SAVED_WITH_CHECKSUMS, checkpoint_checksum_problem
 from flax_lm.errors import UsageError
-from flax_lm.hf_io import read_safetensors_checkpoint
+from flax_lm.hf_io import read_exported_params, read_safetensors_checkpoint
 from flax_lm.run_dir import OUTPUT_DIR_LOCK, lock_output_dir
 from flax_lm.run_files import RUN_FILES
 from flax_lm.tracking import TrainingLog
@@ -492,6 +492,16 @@ def test_the_loader_reads_model_safetensors_before_an_index_beside_it_as_transfo
     weight_map = {"weight": "model-00001-of-00001.safetensors"}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     np.testing.assert_array_equal(read_safetensors_checkpoint(str(tmp_path), None)["weight"], np.ones(2))
+
+
+def test_a_directory_with_an_export_of_own_code_and_weights_for_transformers_is_refused(tmp_path):
+    """transformers would load model.safetensors, this project's tools flax_model.safetensors: two models."""
+    save_file({"weight": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    save_file({"weight": np.zeros(2, np.float32)}, str(tmp_path / "flax_model.safetensors"))
+    with pytest.raises(
+        UsageError, match="holds both flax_model.safetensors and model.safetensors, which transformers"
+    ):
+        read_exported_params(str(tmp_path), None, None, None)
 
 
 def test_a_file_of_the_users_in_the_way_of_a_code_copy_is_moved_aside_and_said(tmp_path, caplog):
