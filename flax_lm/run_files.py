@@ -32,7 +32,7 @@ def run_files(output_dir: str) -> set[str]:
         pass
     raise UsageError(
         f"{os.path.join(output_dir, RUN_FILES)}, the record of what runs wrote there, is unreadable; restore it, or "
-        "delete it to have runs of an earlier version's files recognised by their content"
+        "delete it (runs' files are then recognised by their content, as in a directory of an earlier version)"
     )
 
 

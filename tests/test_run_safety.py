@@ -34,7 +34,7 @@ from flax_lm.checksums import CHECKPOINT_CHECKSUMS, SAVED_WITH_CHECKSUMS, checkp
 from flax_lm.errors import UsageError
 from flax_lm.hf_io import read_exported_params, read_safetensors_checkpoint
 from flax_lm.run_dir import OUTPUT_DIR_LOCK, lock_output_dir
-from flax_lm.run_files import RUN_FILES
+from flax_lm.run_files import RUN_FILES, run_files
 from flax_lm.tracking import TrainingLog
 
 CORPUS = FIXTURES_DIR / "en"
@@ -400,6 +400,14 @@ def test_overwrite_removes_what_runs_wrote_and_keeps_the_users_files_anywhere(
     assert progress["run"]["arguments"]["save_steps"] == 3
     recorded = json.loads((output_dir / RUN_FILES).read_text())["paths"]
     assert not [path for path in recorded if path in USER_FILES or path.startswith(("checkpoints/mine", "code/0"))]
+
+
+def test_an_unreadable_record_of_the_runs_files_is_refused_in_one_line_not_guessed_around(tmp_path):
+    (tmp_path / RUN_FILES).write_text('{"paths": ["checkpoints/2"')  # cut short
+    with pytest.raises(
+        UsageError, match=r"run_files.json, the record of what runs wrote there, is unreadable; restore"
+    ):
+        run_files(str(tmp_path))
 
 
 def test_overwrite_refuses_a_folder_of_the_users_named_as_a_step_and_changes_nothing(
