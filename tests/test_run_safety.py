@@ -16,22 +16,25 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from jax.experimental.compilation_cache import compilation_cache
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax
 from test_mlm import run_mlm_flax
 
 import flax_lm.run.output_dir
 import flax_lm.training.compilation
 from flax_lm.errors import UsageError
+from flax_lm.models.huggingface import read_exported_params, read_safetensors_checkpoint
 from flax_lm.run.checkpoints import open_checkpoints
-from flax_lm.run.checksums import CHECKPOINT_CHECKSUMS, checkpoint_checksum_problem
+from flax_lm.run.checksums import CHECKPOINT_CHECKSUMS, SAVED_WITH_CHECKSUMS, checkpoint_checksum_problem
 from flax_lm.run.output_dir import OUTPUT_DIR_LOCK, lock_output_dir
+from flax_lm.run.run_files import RUN_FILES, run_files
 from flax_lm.run.tracking import TrainingLog
 
 CORPUS = FIXTURES_DIR / "en"
@@ -131,6 +134,14 @@ def overwrite_bytes_of_largest_data_file(checkpoint):
         file.write(b"\xff" * 1000)
 
 
+def as_saved_before_checksums(checkpoint):
+    """A checkpoint as versions of before checksums saved it: no checksums.json, and no word of one in its record."""
+    os.remove(checkpoint / CHECKPOINT_CHECKSUMS)
+    record = json.loads((checkpoint / "progress" / "metadata").read_text())
+    del record[SAVED_WITH_CHECKSUMS]
+    (checkpoint / "progress" / "metadata").write_text(json.dumps(record))
+
+
 # How a checkpoint gets damaged: a disk filling up, a copy cut short, a file system losing a write. Each is found
 # by the checkpoint's checksums; these damage checkpoints saved before there were checksums, which Orbax must find.
 DAMAGE = {
@@ -149,7 +160,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
     model_dir, damage, complete_run, tmp_path, monkeypatch, capfd
 ):
     output_dir = copy_of(complete_run, tmp_path)
-    os.remove(output_dir / "checkpoints" / "6" / CHECKPOINT_CHECKSUMS)  # saved by an earlier version
+    as_saved_before_checksums(output_dir / "checkpoints" / "6")
     DAMAGE[damage](output_dir / "checkpoints" / "6")
     os.remove(output_dir / "model.safetensors")
 
@@ -164,18 +175,41 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(
     assert_same_weights(output_dir, complete_run)
 
 
+def remove_checksum_of(checkpoint, relative_path):
+    checksums = json.loads((checkpoint / CHECKPOINT_CHECKSUMS).read_text())
+    del checksums[relative_path]
+    (checkpoint / CHECKPOINT_CHECKSUMS).write_text(json.dumps(checksums))
+
+
+# What is done to the checksums of a checkpoint whose bytes were changed, and the damage the resume must name.
+CHECKSUMS_TAMPERING = {
+    "left as they are": (lambda checkpoint, changed: None, "its file {changed} differs from the checksum taken"),
+    "checksums.json deleted": (
+        lambda checkpoint, changed: os.remove(checkpoint / CHECKPOINT_CHECKSUMS),
+        "its checksums.json is missing, though its progress record says it was saved with one",
+    ),
+    "the changed file's checksum taken out": (
+        remove_checksum_of,
+        "its file {changed} is not in its checksums.json (the list was edited or cut short",
+    ),
+}
+
+
+@pytest.mark.parametrize("tampering", CHECKSUMS_TAMPERING)
 def test_a_checkpoint_whose_bytes_changed_at_the_same_size_is_found_by_its_checksums_and_skipped(
-    model_dir, complete_run, tmp_path, monkeypatch, capfd
+    model_dir, tampering, complete_run, tmp_path, monkeypatch, capfd
 ):
+    """Also where its checksums were deleted or edited: its record says it was saved with them."""
     output_dir = copy_of(complete_run, tmp_path)
     overwrite_bytes_of_largest_data_file(output_dir / "checkpoints" / "6")
     changed = os.path.relpath(largest_data_file(output_dir / "checkpoints" / "6"), output_dir / "checkpoints" / "6")
+    tamper, reason = CHECKSUMS_TAMPERING[tampering]
+    tamper(output_dir / "checkpoints" / "6", changed)
 
     run_main(monkeypatch, arguments(model_dir, output_dir, "--resume_from_checkpoint"))
     log = capfd.readouterr().err
     assert (
-        f"skipping the training checkpoint {output_dir}/checkpoints/6: it is damaged (its file {changed} differs "
-        "from the checksum taken when it was written)"
+        f"skipping the training checkpoint {output_dir}/checkpoints/6: it is damaged ({reason.format(changed=changed)}"
     ) in log
     assert f"Resumed from {output_dir}/checkpoints/4 at step 4" in log
     assert "has no checksums" not in log
@@ -195,7 +229,7 @@ def test_a_non_finite_step_names_the_newest_intact_checkpoint_as_the_last_good_o
 def test_a_non_finite_step_after_a_checkpoint_without_checksums_does_not_call_it_good(complete_run, tmp_path):
     """A checkpoint saved before checkpoints had checksums cannot be checked: named, but not as good."""
     output_dir = copy_of(complete_run, tmp_path)
-    os.remove(output_dir / "checkpoints" / "6" / CHECKPOINT_CHECKSUMS)
+    as_saved_before_checksums(output_dir / "checkpoints" / "6")
     with open_checkpoints(str(output_dir), 10) as checkpoints:
         message = str(TrainingLog.nonfinite_error(7, checkpoints))
     assert f"the newest checkpoint is {output_dir}/checkpoints/6, saved without checksums" in message
@@ -265,7 +299,8 @@ def test_resume_of_a_complete_run_exits_cleanly_and_only_fills_in_what_is_missin
     changed = {
         name for name in set(before) | set(snapshot(output_dir)) if before.get(name) != snapshot(output_dir).get(name)
     }
-    assert all(name.startswith("tensorboard") for name in changed), changed
+    # Only the logs: the new event file, and the record of it as the run's.
+    assert all(name.startswith("tensorboard") or name == RUN_FILES for name in changed), changed
 
 
 def test_a_resume_on_other_training_data_is_refused_unless_allowed_and_then_recorded(
@@ -328,15 +363,115 @@ def test_overwrite_removes_the_previous_runs_checkpoints_and_logs_which(
     assert len(os.listdir(output_dir / "tensorboard")) == 1
 
 
-def test_overwrite_keeps_a_file_of_the_users_in_the_checkpoints_directory(
-    model_dir, complete_run, tmp_path, monkeypatch, capfd
+# Files of the user's put into a complete run's directory, beside and inside the run's own folders.
+USER_FILES = {
+    "checkpoints/notes.txt": "the user's notes, beside the checkpoints",
+    "checkpoints/mine/important.bin": "a folder of the user's in checkpoints/",
+    "tensorboard/notes.txt": "the user's notes, beside the logs",
+    "code/0123456789ab/experiment.py": "# not the code of any run: its hash is not its folder's name",
+    "run_mlm_flax.py": "# the user's own masked-LM script, which no run here copied",
+    "notes.md": "the user's notes on the run",
+}
+
+
+@pytest.mark.parametrize("record", ["run_files.json", "none (a directory of an earlier version)"])
+def test_overwrite_removes_what_runs_wrote_and_keeps_the_users_files_anywhere(
+    model_dir, record, complete_run, tmp_path, monkeypatch, capfd
 ):
     output_dir = copy_of(complete_run, tmp_path)
-    (output_dir / "checkpoints" / "notes.txt").write_text("the user's own file, beside the checkpoints")
-    run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir"))
-    assert "--overwrite_output_dir: kept checkpoints/notes.txt, which no run wrote" in capfd.readouterr().err
-    assert sorted(os.listdir(output_dir / "checkpoints")) == ["2", "4", "6", "notes.txt"]
-    assert_same_weights(output_dir, complete_run)
+    if record != "run_files.json":
+        os.remove(output_dir / RUN_FILES)  # what is a run's is recognised by its content
+    for path, text in USER_FILES.items():
+        (output_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (output_dir / path).write_text(text)
+
+    run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir", "--save_steps", "3"))
+    log = capfd.readouterr().err
+    assert "--overwrite_output_dir: removed the previous run's checkpoints/, tensorboard/, code/" in log
+    assert (
+        "--overwrite_output_dir: kept checkpoints/mine, checkpoints/notes.txt, code/0123456789ab, "
+        "tensorboard/notes.txt, run_mlm_flax.py, which no run wrote"
+    ) in log
+    for path, text in USER_FILES.items():
+        assert (output_dir / path).read_text() == text, path
+    assert sorted(os.listdir(output_dir / "checkpoints")) == ["3", "6", "mine", "notes.txt"]
+    assert len(os.listdir(output_dir / "tensorboard")) == 2  # the new run's events, the user's notes
+    progress = json.loads((output_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
+    assert progress["run"]["arguments"]["save_steps"] == 3
+    recorded = json.loads((output_dir / RUN_FILES).read_text())["paths"]
+    assert not [path for path in recorded if path in USER_FILES or path.startswith(("checkpoints/mine", "code/0"))]
+
+
+def test_an_unreadable_record_of_the_runs_files_is_refused_in_one_line_not_guessed_around(tmp_path):
+    (tmp_path / RUN_FILES).write_text('{"paths": ["checkpoints/2"')  # cut short
+    with pytest.raises(
+        UsageError, match=r"run_files.json, the record of what runs wrote there, is unreadable; restore"
+    ):
+        run_files(str(tmp_path))
+
+
+def test_overwrite_refuses_a_folder_of_the_users_named_as_a_step_and_changes_nothing(
+    model_dir, complete_run, tmp_path, monkeypatch
+):
+    output_dir = copy_of(complete_run, tmp_path)
+    (output_dir / "checkpoints" / "99").mkdir()
+    (output_dir / "checkpoints" / "99" / "important.bin").write_bytes(b"the user's")
+    before = snapshot(output_dir)
+    with pytest.raises(UsageError) as error:
+        run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir"))
+    assert str(error.value) == (
+        f"--overwrite_output_dir: {output_dir}/checkpoints/99 was not written by a run of this directory, and Orbax "
+        "would take it for the training checkpoint of its step; move it out of checkpoints/ (or rename it) and run "
+        "again"
+    )
+    assert snapshot(output_dir) == before
+
+
+def shard(model_dir, shard_count: int) -> dict:
+    """Split MODEL_DIR/model.safetensors into transformers' shards and index, as large models are published; returns
+    the tensors."""
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for number in range(shard_count):
+        shard_name = f"model-{number + 1:05d}-of-{shard_count:05d}.safetensors"
+        part = names[number::shard_count]
+        save_file({name: tensors[name] for name in part}, str(model_dir / shard_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard_name))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    os.remove(model_dir / "model.safetensors")
+    return tensors
+
+
+def test_continuing_a_sharded_model_in_place_leaves_one_model_that_every_loader_reads(
+    model_dir, complete_run, tmp_path, monkeypatch, capfd
+):
+    """--model_name_or_path D --output_dir D: the export replaces the shards and their index, which no loader (this
+    project's or transformers') may read afterwards as the model."""
+    in_place = tmp_path / "model"
+    shutil.copytree(
+        complete_run,
+        in_place,
+        ignore=shutil.ignore_patterns("checkpoints", "tensorboard", "code", "*.py", "*_results.json", RUN_FILES),
+    )
+    started_from = shard(in_place, 3)
+
+    run_main(
+        monkeypatch,
+        arguments(
+            model_dir, in_place, "--model_name_or_path", str(in_place), "--overwrite_output_dir", "--max_steps", "2"
+        ),
+    )
+    assert (
+        "removed model-00001-of-00003.safetensors, model-00002-of-00003.safetensors, "
+        "model-00003-of-00003.safetensors, model.safetensors.index.json"
+    ) in capfd.readouterr().err
+    assert not [name for name in os.listdir(in_place) if name.startswith("model") and name != "model.safetensors"]
+    trained = load_file(str(in_place / "model.safetensors"))
+    read_back = read_safetensors_checkpoint(str(in_place), None)
+    assert any(not np.array_equal(trained[name], started_from[name]) for name in trained)
+    for name in trained:
+        np.testing.assert_array_equal(read_back[name], trained[name], err_msg=name)
 
 
 def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_and_keeps_the_link(
@@ -357,6 +492,53 @@ def test_overwrite_through_a_link_to_another_disk_empties_the_checkpoints_there_
     assert sorted(os.listdir(other_disk)) == ["3", "6", "notes.txt"]
     progress = json.loads((other_disk / "6" / "progress" / "metadata").read_text())
     assert progress["run"]["arguments"]["save_steps"] == 3
+
+
+def test_the_loader_reads_model_safetensors_before_an_index_beside_it_as_transformers_does(tmp_path):
+    save_file({"weight": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    save_file({"weight": np.zeros(2, np.float32)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    weight_map = {"weight": "model-00001-of-00001.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    np.testing.assert_array_equal(read_safetensors_checkpoint(str(tmp_path), None)["weight"], np.ones(2))
+
+
+def test_a_directory_with_an_export_of_own_code_and_weights_for_transformers_is_refused(tmp_path):
+    """transformers would load model.safetensors, this project's tools flax_model.safetensors: two models."""
+    save_file({"weight": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    save_file({"weight": np.zeros(2, np.float32)}, str(tmp_path / "flax_model.safetensors"))
+    with pytest.raises(
+        UsageError, match="holds both flax_model.safetensors and model.safetensors, which transformers"
+    ):
+        read_exported_params(str(tmp_path), None, None, None)
+
+
+def test_a_file_of_the_users_in_the_way_of_a_code_copy_is_moved_aside_and_said(tmp_path, caplog):
+    """The script's and the model file's copies, where the output directory holds a file of that name that is no
+    version of the run's code: the user's own, or the run's copy edited since."""
+    output_dir, experiment = tmp_path / "run", tmp_path / "experiment"
+    output_dir.mkdir()
+    experiment.mkdir()
+    (experiment / "same.py").write_text("# the experiment's model file\n")
+    (output_dir / "same.py").write_text("# the user's own file of the same name\n")
+    code_files = [str(REPO_DIR / "run_clm_flax.py"), str(experiment / "same.py")]
+    new_run = types.SimpleNamespace(
+        output_dir=str(output_dir), do_train=True, overwrite_output_dir=True, resume_from_checkpoint=None
+    )
+    with caplog.at_level(logging.WARNING):
+        flax_lm.run.output_dir.prepare_output_dir(new_run, 0, code_files).release()
+    assert f"moved your same.py in {output_dir} to same.py.kept" in caplog.text
+    assert (output_dir / "same.py.kept").read_text() == "# the user's own file of the same name\n"
+    assert (output_dir / "same.py").read_text() == "# the experiment's model file\n"
+
+    # The run's copy of the script, edited by the user after the run: a new run in the directory keeps the edit.
+    (output_dir / "run_clm_flax.py").write_text("# the user's edit of the copy\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        flax_lm.run.output_dir.prepare_output_dir(new_run, 0, code_files).release()
+    assert f"moved your run_clm_flax.py in {output_dir} to run_clm_flax.py.kept" in caplog.text
+    assert (output_dir / "run_clm_flax.py.kept").read_text() == "# the user's edit of the copy\n"
+    assert (output_dir / "run_clm_flax.py").read_bytes() == (REPO_DIR / "run_clm_flax.py").read_bytes()
+    assert (output_dir / "same.py.kept").is_file() and not (output_dir / "same.py.kept-2").exists()
 
 
 def test_a_disk_without_room_for_a_checkpoint_stops_the_run_in_one_line_before_anything_is_written(

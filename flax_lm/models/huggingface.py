@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import struct
 
@@ -149,6 +150,14 @@ def load_safetensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+SAFETENSORS_WEIGHTS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_WEIGHTS = "pytorch_model.bin"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+# How transformers names the shards of sharded weights (model-00001-of-00003.safetensors).
+SHARD_NAME = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
+
+
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
     import huggingface_hub
@@ -174,8 +183,10 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             reason = str(error).splitlines()[0]
             raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
 
-    index_name = "model.safetensors.index.json"
-    if (index_path := fetch(index_name)) is not None:
+    # In transformers' order (modeling_utils' checkpoint files): model.safetensors before an index beside it.
+    if (path := fetch(SAFETENSORS_WEIGHTS)) is not None:
+        return read(path)
+    if (index_path := fetch(SAFETENSORS_INDEX)) is not None:
         try:
             with open(index_path) as index_file:
                 shard_names = sorted(set(json.load(index_file)["weight_map"].values()))
@@ -184,11 +195,9 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
         state_dict = {}
         for shard_name in shard_names:
             if (shard_path := fetch(shard_name)) is None:
-                raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {index_name} names")
+                raise UsageError(f"{name_or_path} has no {shard_name}, a shard its {SAFETENSORS_INDEX} names")
             state_dict.update(read(shard_path))
         return state_dict
-    if (path := fetch("model.safetensors")) is not None:
-        return read(path)
     if (pickle_path := fetch("pytorch_model.bin")) is None:
         raise UsageError(f"{name_or_path} has no model.safetensors")
     if not model_args.allow_pickle_weights:
@@ -282,14 +291,14 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
             delattr(config, key)
     with naming_a_full_disk("--output_dir", output_dir):
         if model_code.claims_architecture:
-            write_model_weights(output_dir, model.to_hf_state_dict(host_params), "model.safetensors")
-            remove_if_there(os.path.join(output_dir, FLAX_WEIGHTS_NAME))
+            write_model_weights(output_dir, model.to_hf_state_dict(host_params), SAFETENSORS_WEIGHTS)
+            remove_replaced_weights(output_dir, SAFETENSORS_WEIGHTS)
             config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
         else:
             flat = {"/".join(path): np.asarray(value) for path, value in flatten_dict(host_params).items()}
             write_model_weights(output_dir, flat, FLAX_WEIGHTS_NAME)
-            # An earlier export's model.safetensors would load in transformers as the architecture it named.
-            remove_if_there(os.path.join(output_dir, "model.safetensors"))
+            # Weights for transformers there would load as the architecture the earlier config named.
+            remove_replaced_weights(output_dir, FLAX_WEIGHTS_NAME)
             model_file = os.path.basename(model_code.own_file or model.__file__)
             shutil.copyfile(model.__file__, os.path.join(output_dir, model_file))
             config.architectures = None
@@ -307,6 +316,25 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
         tokenizer.save_pretrained(output_dir)
 
 
+def remove_replaced_weights(output_dir: str, written: str):
+    """Remove every weights file in `output_dir` but `written`, the one just exported: the other format's, and the
+    model that a run continuing in place (--model_name_or_path and --output_dir the same) started from: sharded
+    safetensors (the index and the shards it names), pytorch_model.bin, its index and shards. Left there, they would
+    be a second model in the directory, which a loader with another order than transformers' would read."""
+    names = {SAFETENSORS_WEIGHTS, FLAX_WEIGHTS_NAME, SAFETENSORS_INDEX, PICKLE_WEIGHTS, PICKLE_INDEX}
+    names.update(name for name in os.listdir(output_dir) if SHARD_NAME.fullmatch(name))
+    for index_name in (SAFETENSORS_INDEX, PICKLE_INDEX):
+        with contextlib.suppress(OSError, ValueError, KeyError, AttributeError, TypeError):
+            with open(os.path.join(output_dir, index_name)) as index_file:
+                shard_names = set(json.load(index_file)["weight_map"].values())
+            names.update(name for name in shard_names if isinstance(name, str) and os.path.basename(name) == name)
+    removed = sorted(name for name in names - {written} if os.path.isfile(os.path.join(output_dir, name)))
+    for name in removed:
+        os.remove(os.path.join(output_dir, name))
+    if removed:
+        logger.warning("removed %s from %s: the exported %s replaces them", ", ".join(removed), output_dir, written)
+
+
 def copy_of(config):
     return config.__class__.from_dict(config.to_dict())
 
@@ -322,6 +350,14 @@ def read_exported_params(source: str, model_args, model_code: ModelCode, abstrac
     (from_hf_state_dict)."""
     flax_weights = os.path.join(source, FLAX_WEIGHTS_NAME)
     if os.path.isdir(source) and os.path.isfile(flax_weights):
+        # transformers, which knows no flax_model.safetensors, would load the other: two loaders, two models.
+        if others := [
+            name for name in (SAFETENSORS_WEIGHTS, SAFETENSORS_INDEX) if os.path.isfile(os.path.join(source, name))
+        ]:
+            raise UsageError(
+                f"{source} holds both {FLAX_WEIGHTS_NAME} and {others[0]}, which transformers would load instead; "
+                "remove the one that is not the model"
+            )
         directory_config = AutoConfig.from_pretrained(source)
         if getattr(directory_config, MODEL_FILE_KEY, None) is None:
             raise UsageError(f"{source} holds {FLAX_WEIGHTS_NAME} but its config.json names no model file")

@@ -12,7 +12,14 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from flax_lm.errors import UsageError
-from flax_lm.run.checksums import checkpoint_checksum_problem, checkpoint_has_checksums, write_checkpoint_checksums
+from flax_lm.run.checksums import (
+    CHECKPOINT_CHECKSUMS,
+    SAVED_WITH_CHECKSUMS,
+    checkpoint_checksum_problem,
+    checkpoint_has_checksums,
+    write_checkpoint_checksums,
+)
+from flax_lm.run.run_files import record_run_files
 from flax_lm.training.train_state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -28,6 +35,8 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
     every process's files are written and before the temporary directory is renamed into place, on process 0's
     thread that finishes the checkpoint in the background, so that a committed checkpoint always has them."""
     directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
+    if jax.process_index() == 0 and not os.path.isdir(directory):
+        record_run_files(output_dir, ["checkpoints/"])
 
     def write_checksums_before_commit():
         for entry in os.scandir(directory):
@@ -49,6 +58,8 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
     one line, with nothing written, where the disk has no room for the checkpoint and the model's export after it."""
     step = progress_record["step"]
     check_room_to_save(checkpoints, state, step)
+    # Said in the record, so that a checkpoint whose checksums were removed is not taken for an unchecked one.
+    progress_record = {**progress_record, SAVED_WITH_CHECKSUMS: CHECKPOINT_CHECKSUMS}
     started = checkpoints.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress_record))
     )
@@ -57,6 +68,8 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
             f"cannot save training checkpoint {step}: {checkpoints.directory} already holds checkpoint "
             f"{checkpoints.latest_step()}; pass --overwrite_output_dir to start afresh"
         )
+    if jax.process_index() == 0:  # recorded before the background commit puts the checkpoint in place
+        record_run_files(os.path.dirname(str(checkpoints.directory)), [f"checkpoints/{step}"])
 
 
 def check_room_to_save(checkpoints: ocp.CheckpointManager, state: TrainState, step: int):

@@ -34,39 +34,63 @@ def write_checkpoint_checksums(directory: str):
     """Write CHECKPOINT_CHECKSUMS into the checkpoint `directory`: the checksum of every file of its items (the
     subdirectories: the state, the progress record). The files Orbax keeps beside them, its step metadata and commit
     marker, it rewrites as it commits the checkpoint, after this; they hold no part of the state."""
-    checksums = {}
-    items = [entry.path for entry in os.scandir(directory) if entry.is_dir()]
-    for item in items:
-        for root, _, names in os.walk(item):
-            for name in names:
-                path = os.path.join(root, name)
-                checksums[os.path.relpath(path, directory)] = file_checksum(path)
+    checksums = {path: file_checksum(os.path.join(directory, path)) for path in item_files(directory)}
     temporary_path = os.path.join(directory, f"{CHECKPOINT_CHECKSUMS}.tmp")
     with open(temporary_path, "w") as file:
         json.dump(dict(sorted(checksums.items())), file, indent=0)
     os.replace(temporary_path, os.path.join(directory, CHECKPOINT_CHECKSUMS))
 
 
+# The progress record of a training checkpoint (Orbax's JSON item "progress") and its key that says the checkpoint
+# was saved with CHECKPOINT_CHECKSUMS: without the list, such a checkpoint cannot be told from a damaged one.
+PROGRESS_RECORD = os.path.join("progress", "metadata")
+SAVED_WITH_CHECKSUMS = "checksums"
+
+
+def item_files(directory: str) -> list[str]:
+    """The files of the checkpoint `directory`'s items (its subdirectories), by their paths there."""
+    files = []
+    for item in (entry.path for entry in os.scandir(directory) if entry.is_dir()):
+        for root, _, names in os.walk(item):
+            files += [os.path.relpath(os.path.join(root, name), directory) for name in names]
+    return files
+
+
 def checkpoint_checksum_problem(directory: str) -> str | None:
-    """What differs in `directory` from its CHECKPOINT_CHECKSUMS, in words: the first file missing or whose bytes
-    changed. None where every file listed is as written, or where there is no list (a checkpoint written before
-    checksums were kept; checkpoint_has_checksums tells)."""
+    """What differs in `directory` from its CHECKPOINT_CHECKSUMS, in words: the list missing where the progress record
+    says the checkpoint was saved with one, a file missing, a file of an item that the list leaves out, or the first
+    file whose bytes changed. None where every file is as written, or where there is no list and the record does not
+    promise one (a checkpoint written before checksums were kept; checkpoint_has_checksums tells)."""
     try:
         with open(os.path.join(directory, CHECKPOINT_CHECKSUMS)) as file:
             checksums = json.load(file)
     except FileNotFoundError:
+        if saved_with_checksums(directory):
+            return f"its {CHECKPOINT_CHECKSUMS} is missing, though its progress record says it was saved with one"
         return None
     except (OSError, ValueError) as error:
         return f"its {CHECKPOINT_CHECKSUMS} is unreadable ({error})"
     if not isinstance(checksums, dict):
         return f"its {CHECKPOINT_CHECKSUMS} is not a mapping of files to checksums"
+    if missing := [path for path in checksums if not os.path.isfile(os.path.join(directory, path))]:
+        return f"its file {missing[0]} is missing"
+    # A list with a file taken out would leave that file unchecked.
+    if unlisted := sorted(set(item_files(directory)) - set(checksums)):
+        return f"its file {unlisted[0]} is not in its {CHECKPOINT_CHECKSUMS} (the list was edited or cut short)"
     for relative_path, expected in checksums.items():
-        path = os.path.join(directory, relative_path)
-        if not os.path.isfile(path):
-            return f"its file {relative_path} is missing"
-        if file_checksum(path) != expected:
+        if file_checksum(os.path.join(directory, relative_path)) != expected:
             return f"its file {relative_path} differs from the checksum taken when it was written"
     return None
+
+
+def saved_with_checksums(directory: str) -> bool:
+    """Whether the progress record of the checkpoint `directory` says it was saved with CHECKPOINT_CHECKSUMS (False
+    where the record cannot be read: restoring it finds that)."""
+    try:
+        with open(os.path.join(directory, PROGRESS_RECORD)) as file:
+            return bool(json.load(file).get(SAVED_WITH_CHECKSUMS))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def checkpoint_has_checksums(directory: str) -> bool:

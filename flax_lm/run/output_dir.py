@@ -2,12 +2,10 @@
 results files, and a copy of the script that ran."""
 
 import filecmp
-import hashlib
 import itertools
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 
@@ -18,6 +16,7 @@ from filelock import FileLock, Timeout
 from flax_lm.data.mixture import Mixture
 from flax_lm.devices.processes import on_process_zero, print_once
 from flax_lm.errors import UsageError
+from flax_lm.run.run_files import file_hash, forget_run_files, record_run_files, run_files
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +95,18 @@ def refuse_earlier_run(training_args):
 
 
 def check_output_dir(training_args):
-    """Before any work, and writing nothing: refuse an output directory that another run holds (its lock is probed), or
-    one with an earlier run's files that these flags do not allow training into."""
+    """Before any work, and writing nothing: refuse an output directory that another run holds (its lock is probed),
+    one with an earlier run's files that these flags do not allow training into, or one that --overwrite_output_dir
+    could not clear for a new run (refuse_user_steps)."""
     lock_path = os.path.join(training_args.output_dir, OUTPUT_DIR_LOCK)
     if os.path.isfile(lock_path):
         probe = take_lock(lock_path, training_args.output_dir)  # taken and let go at once
         if probe is not None:
             probe.release()
     refuse_earlier_run(training_args)
+    starts_afresh = training_args.overwrite_output_dir and not training_args.resume_from_checkpoint
+    if training_args.do_train and starts_afresh and os.path.isdir(training_args.output_dir):
+        refuse_user_steps(training_args.output_dir, run_files(training_args.output_dir))
 
 
 # Where a run keeps the ids of its W&B and MLflow runs, to report into them again when it is resumed.
@@ -114,73 +117,126 @@ TRACKER_RUNS_FILE = "tracker_runs.json"
 CODE_VERSIONS_DIR = "code"
 
 
-PREVIOUS_RUN_RESULTS = [
-    "checkpoints",
-    "discarded-checkpoints",
-    "tensorboard",
-    CODE_VERSIONS_DIR,
-    "train_results.json",
-    "eval_results.json",
-    "all_results.json",
-    TRACKER_RUNS_FILE,
-]
+# The results files a run writes (beside its export, config and tokenizer, which a new run writes over, and the
+# script's copy): claimed for the run when it starts, so that a user's file of the same name is moved aside first.
+RESULTS_FILES = ("train_results.json", "eval_results.json", "all_results.json", TRACKER_RUNS_FILE)
 
 
-# How a run names what it writes into each directory of PREVIOUS_RUN_RESULTS: the directory may hold files of the
-# user's too (where it is a link to another disk, say), and only these are the run's to remove.
-RUN_ENTRY_NAMES = {
-    "checkpoints": re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?"),
-    "discarded-checkpoints": re.compile(r"\d+(-\d+)?"),
-    "tensorboard": re.compile(r"events\.out\.tfevents\..*"),
-    CODE_VERSIONS_DIR: re.compile(r"[0-9a-f]{12}|versions\.json"),
-}
+# How the log names what --overwrite_output_dir removed: the run's folders first, as they are listed.
+REMOVED_ORDER = ("checkpoints", "discarded-checkpoints", "tensorboard", CODE_VERSIONS_DIR, *RESULTS_FILES)
 
 
-# The training scripts, each of which copies itself into its output directory: a copy of the other one there is an
-# earlier run's, and would say that it made the model.
+def refuse_user_steps(output_dir: str, recorded: set[str]):
+    """Refuse a folder in OUTPUT_DIR/checkpoints that no run recorded writing but that is named as a step is: Orbax
+    would take it for the newest checkpoint and refuse every save before its step (or delete it, as an old one)."""
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    names = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
+    if foreign := sorted(name for name in names if name.isdigit() and f"checkpoints/{name}" not in recorded):
+        raise UsageError(
+            f"--overwrite_output_dir: {os.path.join(checkpoints, foreign[0])} was not written by a run of this "
+            "directory, and Orbax would take it for the training checkpoint of its step; move it out of "
+            "checkpoints/ (or rename it) and run again"
+        )
+
+
+def clear_previous_run(output_dir: str, code_files: list[str]):
+    """For --overwrite_output_dir: remove what earlier runs recorded writing (flax_lm.run.run_files: checkpoints,
+    TensorBoard logs, code versions and copies, results) and nothing else: the user's files, in the run's folders too,
+    stay, and a folder of the run's goes only once it is empty. The export (config, weights, tokenizer) stays, to be
+    written over: it may be the model or tokenizer this run starts from. The script a run runs from its copy in the
+    directory stays too."""
+    recorded = run_files(output_dir)
+    refuse_user_steps(output_dir, recorded)
+    running = {os.path.realpath(path) for path in code_files}
+    # A copy of code that the user edited since the run made it: its bytes are no version the run kept.
+    versions = code_versions(output_dir)
+    for name in sorted(path for path in recorded if "/" not in path and path.endswith(".py")):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path) and os.path.realpath(path) not in running:
+            if not any(files.get(name) == file_hash(path) for files in versions):
+                move_aside(
+                    output_dir, name, "you edited it after the run copied it there, and a new run copies its own"
+                )
+                recorded.discard(name)
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    checkpoint_entries = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
+    removed, gone = set(), set()
+    for path in sorted(path for path in recorded if not path.endswith("/")):
+        full_path = os.path.join(output_dir, path)
+        if os.path.realpath(full_path) in running:
+            continue
+        # With a recorded checkpoint, Orbax's unfinished copy of it: checkpoints/STEP.orbax-checkpoint-tmp-TIME.
+        targets = [full_path] + [
+            os.path.join(checkpoints, entry)
+            for entry in checkpoint_entries
+            if path.startswith("checkpoints/") and entry.startswith(f"{path.split('/')[1]}.orbax-checkpoint-tmp")
+        ]
+        gone.add(path)
+        for target in targets:
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+                removed.add(path)
+            elif os.path.lexists(target):
+                os.remove(target)
+                removed.add(path)
+    kept = []
+    for folder in sorted(path for path in recorded if path.endswith("/")):
+        full_path = os.path.join(output_dir, folder)
+        if left := sorted(os.listdir(full_path)) if os.path.isdir(full_path) else []:
+            kept += [folder + name for name in left if folder + name not in recorded - gone]
+            continue
+        if os.path.isdir(full_path) and not os.path.islink(full_path):
+            os.rmdir(full_path)
+            removed.add(folder)
+        gone.add(folder)
+    forget_run_files(output_dir, gone)
+    # Files named as runs name theirs that no run recorded writing: the user's, or an earlier version's not recognised.
+    kept += [
+        name
+        for name in (*RESULTS_FILES, *TRAINING_SCRIPTS)
+        if name not in recorded and os.path.isfile(os.path.join(output_dir, name))
+    ]
+    named = []
+    for name in sorted({path.split("/")[0] for path in removed}, key=removal_order):
+        full_path = os.path.join(output_dir, name)
+        if not any(path.startswith(f"{name}/") for path in recorded):
+            named.append(name)
+        elif os.path.islink(full_path):
+            named.append(f"{name}/ (in {os.path.realpath(full_path)}, where the link leads)")
+        else:
+            named.append(f"{name}/")
+    if named:
+        logger.warning("--overwrite_output_dir: removed the previous run's %s from %s", ", ".join(named), output_dir)
+    if kept:
+        logger.warning("--overwrite_output_dir: kept %s, which no run wrote", ", ".join(kept))
+
+
+def removal_order(name: str) -> tuple:
+    return (REMOVED_ORDER.index(name), "") if name in REMOVED_ORDER else (len(REMOVED_ORDER), name)
+
+
+# The training scripts, whose copies an output directory holds: one there that no run recorded is the user's.
 TRAINING_SCRIPTS = ("run_clm_flax.py", "run_mlm_flax.py")
 
 
-def clear_run_directory(directory: str, name: str) -> list[str]:
-    """Remove what runs wrote into OUTPUT_DIR/`name` (`directory`, or where a link of that name leads; the link
-    stays: the user made it). The directory goes too where nothing else is left in it; the names of the files of the
-    user's kept there are returned."""
-    target = os.path.realpath(directory)
-    for entry in os.listdir(target):
-        if RUN_ENTRY_NAMES[name].fullmatch(entry):
-            path = os.path.join(target, entry)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-    kept = sorted(os.listdir(target))
-    if not kept and not os.path.islink(directory):
-        os.rmdir(directory)
-    return kept
+def move_aside(output_dir: str, name: str, why: str):
+    """Move the user's file OUTPUT_DIR/`name`, in the way of the run's file of that name, to NAME.kept (-2, -3, ...:
+    never over another)."""
+    target = f"{name}.kept"
+    copies = itertools.count(2)
+    while os.path.lexists(os.path.join(output_dir, target)):
+        target = f"{name}.kept-{next(copies)}"
+    os.rename(os.path.join(output_dir, name), os.path.join(output_dir, target))
+    logger.warning("moved your %s in %s to %s: %s", name, output_dir, target, why)
 
 
-def clear_previous_run(output_dir: str, script: str):
-    """For --overwrite_output_dir: remove what an earlier run left that would mix with this run's (checkpoints,
-    TensorBoard logs, results, the other training script's copy). The model files stay, to be overwritten: they may be
-    this run's config or tokenizer. Files of the user's in the run's directories stay."""
-    removed, kept = [], []
-    for name in PREVIOUS_RUN_RESULTS:
-        path = os.path.join(output_dir, name)
-        if name in RUN_ENTRY_NAMES and os.path.isdir(path):
-            kept += [os.path.join(name, entry) for entry in clear_run_directory(path, name)]
-            where = f" (in {os.path.realpath(path)}, where the link leads)" if os.path.islink(path) else ""
-            removed.append(f"{name}/{where}")
-        elif os.path.exists(path):
-            os.remove(path)
-            removed.append(name)
-    for name in TRAINING_SCRIPTS:
-        if name != os.path.basename(script) and os.path.isfile(os.path.join(output_dir, name)):
-            os.remove(os.path.join(output_dir, name))
-            removed.append(name)
-    if removed:
-        logger.warning("--overwrite_output_dir: removed the previous run's %s from %s", ", ".join(removed), output_dir)
-    if kept:
-        logger.warning("--overwrite_output_dir: kept %s, which no run wrote", ", ".join(kept))
+def claim_results_files(output_dir: str):
+    """Record the results files as the run's, moving aside a file of the user's of the same name first."""
+    recorded = run_files(output_dir)
+    for name in RESULTS_FILES:
+        if name not in recorded and os.path.lexists(os.path.join(output_dir, name)):
+            move_aside(output_dir, name, "the run writes its results there")
+    record_run_files(output_dir, RESULTS_FILES)
 
 
 def set_aside_checkpoints_after(output_dir: str, step: int):
@@ -191,15 +247,22 @@ def set_aside_checkpoints_after(output_dir: str, step: int):
     later = sorted(int(name) for name in names if name.isdigit() and int(name) > step)
     if not later:
         return
+    recorded = run_files(output_dir)
     discarded = os.path.join(output_dir, "discarded-checkpoints")
-    os.makedirs(discarded, exist_ok=True)
+    if not os.path.isdir(discarded):
+        record_run_files(output_dir, ["discarded-checkpoints/"])
+        os.makedirs(discarded)
     for later_step in later:
         target = os.path.join(discarded, str(later_step))
         copies = itertools.count(2)
         while os.path.exists(target):
             target = os.path.join(discarded, f"{later_step}-{next(copies)}")
+        # A folder of the user's named as a step is moved too (Orbax would take it for one), but stays theirs.
+        if f"checkpoints/{later_step}" in recorded:
+            record_run_files(output_dir, [f"discarded-checkpoints/{os.path.basename(target)}"])
         # Copied, then removed, where checkpoints/ is a link to another disk, which a rename cannot cross.
         shutil.move(os.path.join(directory, str(later_step)), target)
+    forget_run_files(output_dir, [f"checkpoints/{later_step}" for later_step in later])
     logger.warning("moved the training checkpoints of steps %s to %s", ", ".join(map(str, later)), discarded)
 
 
@@ -207,28 +270,36 @@ def prepare_output_dir(training_args, resumed_step: int, code_files: list[str | 
     """Lock the output directory for this run (the lock is returned: it lasts as long as the object), clear or set
     aside what an earlier run left that this one would mix with its own, and copy the `code_files` that run (the
     script, a model file of the experiment's own; None for none) into it, so that the directory says which code made
-    it."""
+    it. What the run writes there is recorded (flax_lm.run.run_files); a file of the user's in the way of one of the
+    run's is moved aside, and said."""
+    code_files = [path for path in code_files if path]
     lock = lock_output_dir(training_args.output_dir)
     refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
     if training_args.do_train:
         if training_args.overwrite_output_dir and not resumed_step:
-            clear_previous_run(training_args.output_dir, code_files[0])
+            clear_previous_run(training_args.output_dir, code_files)
         set_aside_checkpoints_after(training_args.output_dir, resumed_step)
     os.makedirs(training_args.output_dir, exist_ok=True)
-    keep_code_versions(training_args.output_dir, [path for path in code_files if path], resumed_step)
+    claim_results_files(training_args.output_dir)
+    keep_code_versions(training_args.output_dir, code_files, resumed_step)
     return lock
 
 
-def file_hash(path: str) -> str:
-    with open(path, "rb") as file:
-        return hashlib.sha256(file.read()).hexdigest()[:12]
+def code_versions(output_dir: str) -> list[dict]:
+    """The files ({name: hash}) of each version of the code that trained the run in OUTPUT_DIR (keep_code_versions)."""
+    try:
+        with open(os.path.join(output_dir, CODE_VERSIONS_DIR, "versions.json")) as file:
+            return [version["files"] for version in json.load(file)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def keep_code_versions(output_dir: str, code_files: list[str], first_step: int):
     """Copy the `code_files` that run now (the script, a model file of the experiment's own) into OUTPUT_DIR, and keep
     every version of them that trained the run: where they differ from the version before (a resume with the script
     edited), each file is kept as OUTPUT_DIR/code/HASH/NAME and code/versions.json lists, for each version, its files'
-    hashes and the step it trained from (the steps after it, up to the next version's)."""
+    hashes and the step it trained from (the steps after it, up to the next version's). A file there of the name of a
+    copy, whose bytes are no version's, is the user's: it is moved aside."""
     versions_path = os.path.join(output_dir, CODE_VERSIONS_DIR, "versions.json")
     try:
         with open(versions_path) as file:
@@ -245,11 +316,19 @@ def keep_code_versions(output_dir: str, code_files: list[str], first_step: int):
     if not versions or versions[-1]["files"] != current["files"]:
         versions.append(current)
     if versions != recorded:
+        record_run_files(output_dir, [f"{CODE_VERSIONS_DIR}/versions.json"])
         write_json(versions_path, versions)
     for code_file in code_files:
-        copy = os.path.join(output_dir, os.path.basename(code_file))
-        if not (os.path.isfile(copy) and filecmp.cmp(code_file, copy, shallow=False)):  # a repeat leaves it as it was
-            shutil.copyfile(code_file, copy)
+        name = os.path.basename(code_file)
+        copy = os.path.join(output_dir, name)
+        if os.path.isfile(copy) and (os.path.samefile(code_file, copy) or filecmp.cmp(code_file, copy, shallow=False)):
+            continue  # a repeat leaves it as it was
+        if os.path.lexists(copy) and not (
+            os.path.isfile(copy) and os.path.isfile(os.path.join(output_dir, CODE_VERSIONS_DIR, file_hash(copy), name))
+        ):
+            move_aside(output_dir, name, f"the run keeps the copy of the {name} it runs there")
+        record_run_files(output_dir, [name])
+        shutil.copyfile(code_file, copy)
 
 
 def code_version(output_dir: str, code_files: list[str], first_step: int) -> dict:
@@ -259,6 +338,8 @@ def code_version(output_dir: str, code_files: list[str], first_step: int) -> dic
         name, digest = os.path.basename(path), file_hash(path)
         kept = os.path.join(output_dir, CODE_VERSIONS_DIR, digest, name)
         if not os.path.isfile(kept):
+            made_folder = not os.path.isdir(os.path.join(output_dir, CODE_VERSIONS_DIR))
+            record_run_files(output_dir, [f"{CODE_VERSIONS_DIR}/"] * made_folder + [f"{CODE_VERSIONS_DIR}/{digest}"])
             os.makedirs(os.path.dirname(kept), exist_ok=True)
             shutil.copyfile(path, kept)
         files[name] = digest

@@ -15,6 +15,7 @@ from flax_lm.errors import UsageError
 from flax_lm.run.checkpoints import last_intact_checkpoint
 from flax_lm.run.checksums import checkpoint_has_checksums
 from flax_lm.run.output_dir import TRACKER_RUNS_FILE, write_json
+from flax_lm.run.run_files import record_run_files
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,13 @@ class TensorBoardWriter:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._event_pb2, self._summary_pb2, self._text_pb = event_pb2, summary_pb2, text_pb
-        self._writer = EventFileWriter(os.path.join(output_dir, "tensorboard"))
+        logs = os.path.join(output_dir, "tensorboard")
+        made_logs = not os.path.isdir(logs)
+        earlier_logs = set() if made_logs else set(os.listdir(logs))
+        self._writer = EventFileWriter(logs)
+        # The event file just created (named by the time, host and process) is the run's, and the folder if it made it.
+        written = [f"tensorboard/{name}" for name in sorted(set(os.listdir(logs)) - earlier_logs)]
+        record_run_files(output_dir, written + (["tensorboard/"] if made_logs else []))
         self.text("arguments", markdown_table(arguments, "argument"))
         config_json = json.dumps(model_config, indent=2, sort_keys=True)
         self.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
