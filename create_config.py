@@ -477,7 +477,7 @@ def main():
             )
         values["vocab_size"] = round_up(values["vocab_size"], args.pad_vocab_to_multiple_of)
     # The model class the config is written for, so that pipeline() and the Auto classes pick the right head.
-    values["architectures"] = [stock_module(model_type).HF_ARCHITECTURE]
+    values["architectures"] = [stock_module(model_type).HF_ARCHITECTURES[model_type]]
     values.update(overrides)
 
     # Config ---------------------------------------------------------------------------------------------------------

@@ -28,13 +28,15 @@ from flax_lm.models import model_module
 
 logger = logging.getLogger(__name__)
 
-# model_type -> code_fingerprint of its stock module, as tests/test_models.py compares it with transformers. A change
+# module name -> code_fingerprint of the stock module, as tests/test_models.py compares it with transformers. A change
 # to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gpt2": "9235ed61450115e6",
-    "llama": "e66a74462a8dd3d2",
-    "roberta": "695c5ddd82d1a2e0",
+    "gemma": "09deff46082e5e1d",
+    "gpt2": "dedf5457ff732c6a",
+    "llama": "1a3964bc33f94e70",
+    "olmo2": "a07f3a7603333018",
+    "roberta": "4a552a87e02eb855",
 }
 
 # Layers of the model the probe compares, of the run's config otherwise: enough for every kind of layer to meet
@@ -48,6 +50,11 @@ MODEL_FILE_KEY = "flax_lm_model_file"
 FINGERPRINT_KEY = "flax_lm_model_fingerprint"
 # The weights of such an export, under the Flax parameter paths joined by "/".
 FLAX_WEIGHTS_NAME = "flax_model.safetensors"
+
+
+def module_name(module: ModuleType) -> str:
+    """'llama' for flax_lm.models.llama: the name VERIFIED_FINGERPRINTS keys it by."""
+    return module.__name__.rsplit(".", 1)[-1]
 
 
 def code_fingerprint(module: ModuleType) -> str:
@@ -72,7 +79,7 @@ class ModelCode:
 
     @property
     def description(self) -> str:
-        return self.own_file or f"flax_lm/models/{self.module.MODEL_TYPE}.py"
+        return self.own_file or f"flax_lm/models/{module_name(self.module)}.py"
 
 
 def load_model_code(config, model_file: str | None, generates_text: bool, tool: str, mesh=None) -> ModelCode:
@@ -90,8 +97,8 @@ def load_model_code(config, model_file: str | None, generates_text: bool, tool: 
 
 
 def architecture_claim(module, config, fingerprint: str, model_file: str | None) -> tuple[bool, str]:
-    architecture = module.HF_ARCHITECTURE
-    if not model_file and VERIFIED_FINGERPRINTS.get(module.MODEL_TYPE) == fingerprint:
+    architecture = module.HF_ARCHITECTURES[config.model_type]
+    if not model_file and VERIFIED_FINGERPRINTS.get(module_name(module)) == fingerprint:
         return True, f"the code the parity tests compare with transformers' {architecture}"
     try:
         import torch  # noqa: F401
@@ -121,6 +128,8 @@ def probe_difference(module, config, hf_class) -> float | str:
 
     probe_config = copy.deepcopy(config)
     probe_config.num_hidden_layers = min(config.num_hidden_layers, PROBE_LAYERS)
+    if getattr(probe_config, "layer_types", None) is not None:
+        probe_config.layer_types = probe_config.layer_types[:PROBE_LAYERS]
     model = module.MODEL_CLASS(probe_config)
     length = min(16, probe_config.max_position_embeddings)
     ids = np.random.default_rng(0).integers(3, probe_config.vocab_size, (2, length)).astype(np.int32)
