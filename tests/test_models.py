@@ -85,21 +85,41 @@ FAMILY_SHAPES = dict(
 )  # fmt: skip
 FAMILY_CONFIGS = {
     "qwen2": lambda **overrides: Qwen2Config(
-        **{**FAMILY_SHAPES, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
-           "tie_word_embeddings": True, **overrides}
+        **{
+            **FAMILY_SHAPES,
+            "use_sliding_window": True,
+            "sliding_window": 5,
+            "max_window_layers": 1,
+            "tie_word_embeddings": True,
+            **overrides,
+        }
     ),  # fmt: skip
     "qwen3": lambda **overrides: Qwen3Config(**{**FAMILY_SHAPES, "head_dim": 24, **overrides}),
     "mistral": lambda **overrides: MistralConfig(**{**FAMILY_SHAPES, "sliding_window": 6, **overrides}),
     "gemma2": lambda **overrides: Gemma2Config(
-        **{**FAMILY_SHAPES, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 5,
-           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, **overrides}
+        **{
+            **FAMILY_SHAPES,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 5,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            **overrides,
+        }
     ),  # fmt: skip
     "gemma3_text": lambda **overrides: Gemma3TextConfig(
-        **{**FAMILY_SHAPES, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 5,
-           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                               "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
-           **overrides}
+        **{
+            **FAMILY_SHAPES,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            },
+            **overrides,
+        }
     ),  # fmt: skip
     "olmo2": lambda **overrides: Olmo2Config(**{**FAMILY_SHAPES, **overrides}),
 }
@@ -328,3 +348,61 @@ def test_a_sharded_bfloat16_llama_checkpoint_is_evaluated_as_pytorch_does_and_tr
     assert np.isfinite(trained["train_loss"])
     torch_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"))
     assert type(torch_model).__name__ == "LlamaForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def run_clm_in_process():
+    sys.path.insert(0, str(REPO_DIR))
+    import run_clm_flax
+
+    def run(monkeypatch, *arguments):
+        monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *map(str, arguments)])
+        run_clm_flax.main()
+
+    return run
+
+
+@pytest.mark.parametrize("model_type", FAMILY_CONFIGS)
+def test_a_sharded_bfloat16_checkpoint_of_each_family_decodes_trains_and_exports_as_transformers_computes(
+    model_type, llama_tokenizer_dir, run_clm_in_process, tmp_path, monkeypatch
+):
+    """A checkpoint as the family's are published (bfloat16, sharded, beside a tokenizer) loads by its config alone:
+    generate_flax.py decodes it greedily as PyTorch's generate does; run_clm_flax.py trains on it and exports the
+    family's architecture, which transformers loads with no tensor missing or unexpected and scores as the script
+    reported."""
+    import generate_flax
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_tokenizer_dir)
+    config = FAMILY_CONFIGS[model_type](
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, max_position_embeddings=64,
+    )  # fmt: skip
+    checkpoint = tmp_path / "checkpoint"
+    random_torch_model(hf_class_of(config), config).to(torch.bfloat16).save_pretrained(
+        checkpoint, max_shard_size="100KB"
+    )
+    tokenizer.save_pretrained(checkpoint)
+    assert len([name for name in os.listdir(checkpoint) if name.startswith("model-000")]) > 1
+
+    model, params, _ = generate_flax.load_model(generate_flax.ModelArguments(str(checkpoint)))
+    prompt = tokenizer("The history of", add_special_tokens=True)["input_ids"]
+    [decoded] = generate_ids(make_sampler(model, config.eos_token_id), params, [prompt], max_new_tokens=10)
+    torch_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                        eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id)  # fmt: skip
+    assert decoded == expected[0, len(prompt) :].tolist()
+
+    output_dir = tmp_path / "trained"
+    run_clm_in_process(
+        monkeypatch, "--model_name_or_path", checkpoint, "--output_dir", output_dir, "--do_train", "--do_eval",
+        "--train_file", CORPUS / "train.txt", "--validation_file", CORPUS / "validation.txt", "--block_size", 32,
+        "--max_steps", 2, "--learning_rate", 1e-3, "--per_device_train_batch_size", 4,
+        "--per_device_eval_batch_size", 4, "--sample_tokens", 0,
+    )  # fmt: skip
+    reported = json.loads((output_dir / "eval_results.json").read_text())["eval_loss"]
+    exported, loading_info = AutoModelForCausalLM.from_pretrained(output_dir, output_loading_info=True)
+    assert type(exported) is hf_class_of(config)
+    assert not any(loading_info.values()), loading_info
+    scored = pytorch_block_loss(str(output_dir), (CORPUS / "validation.txt").read_text(), 32)
+    assert abs(reported - scored) < 1e-3, (reported, scored)
