@@ -228,9 +228,9 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file
 def check_architecture_fits(params, config, model):
     """Refuse, in one line, parameters that do not map onto the architecture an export of them names
     (`model.HF_ARCHITECTURES[config.model_type]` in config.json): transformers would load such weights with some of
-    them dropped or initialised at random, and no error. `params` may be abstract (shapes only); `model` is the model's module,
-    whose hf_shapes lays them out as its to_hf_state_dict does and whose hf_architecture_shapes lists the
-    architecture's tensors for `config`."""
+    them dropped or initialised at random, and no error. `params` may be abstract (shapes only); `model` is the
+    model's module, whose hf_shapes lays them out as its to_hf_state_dict does and whose hf_architecture_shapes lists
+    the architecture's tensors for `config`."""
     exported, expected = model.hf_shapes(params), model.hf_architecture_shapes(config)
     architecture = model.HF_ARCHITECTURES[config.model_type]
     problems = [

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 VERIFIED_FINGERPRINTS = {
     "gemma": "09deff46082e5e1d",
     "gpt2": "dedf5457ff732c6a",
-    "llama": "1a3964bc33f94e70",
+    "llama": "a567eee9bffd1250",
     "olmo2": "a07f3a7603333018",
     "roberta": "4a552a87e02eb855",
 }

@@ -18,8 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    GPT2Config,
     Gemma2Config,
+    GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     MistralConfig,

@@ -389,8 +389,10 @@ def test_a_sharded_bfloat16_checkpoint_of_each_family_decodes_trains_and_exports
     [decoded] = generate_ids(make_sampler(model, config.eos_token_id), params, [prompt], max_new_tokens=10)
     torch_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = torch_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                        eos_token_id=config.eos_token_id, pad_token_id=config.eos_token_id)  # fmt: skip
+        expected = torch_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=config.eos_token_id,
+            pad_token_id=config.eos_token_id,
+        )  # fmt: skip
     assert decoded == expected[0, len(prompt) :].tolist()
 
     output_dir = tmp_path / "trained"

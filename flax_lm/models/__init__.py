@@ -105,8 +105,9 @@ def model_module(model_type: str, model_file: str | None, generates_text: bool, 
         module = import_model_file(model_file)
         if model_type not in module.HF_ARCHITECTURES:
             raise UsageError(
-                f"--model_file {model_file} computes model type {' and '.join(module.HF_ARCHITECTURES)} but the config "
-                f"is of model type '{model_type}'; pass a config of that type, or a copy of the module of '{model_type}'"
+                f"--model_file {model_file} computes model type {' and '.join(module.HF_ARCHITECTURES)} but the "
+                f"config is of model type '{model_type}'; pass a config of that type, or a copy of the module of "
+                f"'{model_type}'"
             )
         if module.GENERATES_TEXT != generates_text:
             raise UsageError(f"{tool} cannot run --model_file {model_file}: it is not a {kind} LM")

@@ -1,8 +1,9 @@
 """The Llama family in Flax: RMSNorm, rotary positions, a SwiGLU MLP and grouped-query attention, with parameter
-names and layouts one-to-one with transformers' LlamaForCausalLM, and the families that are configurations of its block:
-Qwen 2 (biases on the query, key and value projections), Qwen 3 (RMSNorm of each query and key head, a head_dim apart
-from the width) and Mistral (sliding-window attention); Qwen's sliding-window layers too. Checkpoints of each load, and
-exports name the family's own transformers class. A key/value cache decodes (flax_lm.sampling decodes with it).
+names and layouts one-to-one with transformers' LlamaForCausalLM, and the families that are configurations of its
+block: Qwen 2 (biases on the query, key and value projections), Qwen 3 (RMSNorm of each query and key head, a
+head_dim apart from the width) and Mistral (sliding-window attention); Qwen's sliding-window layers too. Checkpoints of
+each load, and exports name the family's own transformers class. A key/value cache decodes (flax_lm.sampling decodes
+with it).
 
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
