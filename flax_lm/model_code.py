@@ -32,11 +32,11 @@ logger = logging.getLogger(__name__)
 # to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gemma": "09deff46082e5e1d",
-    "gpt2": "dedf5457ff732c6a",
-    "llama": "a567eee9bffd1250",
-    "olmo2": "a07f3a7603333018",
-    "roberta": "4a552a87e02eb855",
+    "gemma": "afbb8820e8c7b7c1",
+    "gpt2": "238a3743783733a8",
+    "llama": "a565a2090e94fe2b",
+    "olmo2": "4a3c5e465bfbadf3",
+    "roberta": "b4e350869b3e7c3f",
 }
 
 # Layers of the model the probe compares, of the run's config otherwise: enough for every kind of layer to meet

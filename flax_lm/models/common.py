@@ -592,10 +592,11 @@ def hf_shapes(params) -> dict[str, tuple[int, ...]]:
 
 
 def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
-    """The inverse of to_hf_state_dict, shaped like `abstract_params` (from jax.eval_shape of init), in their dtypes;
-    the checkpoint's tensors may be of any float dtype (bfloat16, as most checkpoints are published). Each tensor is
-    read (from a memory-mapped file, see flax_lm.hf_io.load_safetensors) and converted on its own, so the host holds
-    one converted copy of the weights, not a second."""
+    """The inverse of to_hf_state_dict, shaped like `abstract_params` (from jax.eval_shape of init), in their dtypes
+    and placed as they are laid out (their sharding; without one, on the default device); the checkpoint's tensors
+    may be of any float dtype (bfloat16, as most checkpoints are published). Each tensor is read (from a
+    memory-mapped file, see flax_lm.hf_io.load_safetensors), converted and placed on its own, so that the host never
+    holds a converted copy of all the weights beside the placed one."""
     params, used = {}, set()
     for path, expected in flatten_dict(abstract_params).items():
         name = hf_name(path)
@@ -609,7 +610,7 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
                 f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
                 "pass the config the checkpoint was trained with"
             )
-        params[path] = np.asarray(value, dtype=expected.dtype)
+        params[path] = jax.device_put(np.asarray(value, dtype=expected.dtype), getattr(expected, "sharding", None))
         used.add(name)
     # The rotary frequencies some checkpoints carry are computed from the config here; a tied lm_head is the embedding.
     ignored = [
