@@ -32,11 +32,11 @@ logger = logging.getLogger(__name__)
 # to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gemma": "afbb8820e8c7b7c1",
-    "gpt2": "238a3743783733a8",
-    "llama": "a565a2090e94fe2b",
-    "olmo2": "4a3c5e465bfbadf3",
-    "roberta": "b4e350869b3e7c3f",
+    "gemma": "a661dbb4ca191c49",
+    "gpt2": "33d58bb178264802",
+    "llama": "09e5026e49cc3416",
+    "olmo2": "48ffb18c4422962e",
+    "roberta": "aa46e077e5331ba7",
 }
 
 # Layers of the model the probe compares, of the run's config otherwise: enough for every kind of layer to meet

@@ -192,6 +192,8 @@ def test_the_sliding_window_is_computed_not_ignored():
         ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0)), "rope_type 'yarn'"),
         ("olmo2", dict(attention_dropout=0.1), "attention_dropout 0.1 is not implemented"),
         ("gemma2", dict(layer_types=["chunked_attention"] * 3), "layer_types 'chunked_attention'"),
+        ("olmo2", dict(sliding_window=4), "sliding_window is not part of olmo2"),
+        ("qwen3", dict(final_logit_softcapping=30.0), "final_logit_softcapping is not part of qwen3"),
     ],
 )
 def test_a_family_feature_the_module_does_not_compute_is_refused(model_type, overrides, message):

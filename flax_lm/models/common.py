@@ -317,6 +317,17 @@ def layer_windows(config) -> list:
     return [window if layer_type == "sliding_attention" else None for layer_type in layer_types]
 
 
+def refuse_foreign_keys(config, keys: tuple, architecture: str):
+    """Refuse config keys that the decoders here would compute but `architecture` ignores (a sliding window on a
+    Llama, soft-capping on a Qwen): an export would name a class that computes another model."""
+    for key in keys:
+        if getattr(config, key, None) is not None:
+            raise UsageError(
+                f"{key} is not part of {architecture}, which ignores it; remove it from the config, or use the "
+                "model_type whose class has it (mistral or qwen2/qwen3 for sliding windows, gemma2 for soft-capping)"
+            )
+
+
 def check_decoder_config(config, module_file: str, mesh=None, activation_key: str = "hidden_act"):
     """Refuse what the decoders of common.py do not compute (attention dropout, a key/value head count that does not
     divide the heads, unknown layer types or activations), or what `mesh`'s tensor axis cannot split."""

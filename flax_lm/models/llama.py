@@ -27,6 +27,7 @@ from flax_lm.models.common import (
     hf_shapes,
     layer_windows,
     linear_shapes,
+    refuse_foreign_keys,
     rope_parameters,
     rotary_frequencies,
     rotate,
@@ -69,6 +70,9 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     of `mesh` cannot split."""
     if config.model_type not in HF_ARCHITECTURES:
         raise UsageError(f"flax_lm/models/llama.py was given a config of model type '{config.model_type}'")
+    # What the model type's transformers class does not read, which the decoder would compute all the same.
+    foreign = {"llama": ("sliding_window", "layer_types"), "mistral": ("layer_types",)}.get(config.model_type, ())
+    refuse_foreign_keys(config, (*foreign, "attn_logit_softcapping", "final_logit_softcapping"), config.model_type)
     check_decoder_config(config, "flax_lm/models/llama.py", mesh)
     check_rope(rope_parameters(config), "flax_lm/models/llama.py")
     if getattr(config, "pretraining_tp", 1) not in (None, 1):

@@ -22,8 +22,8 @@ from flax_lm.models.common import (
     from_hf_state_dict,
     head_dim_of,
     hf_shapes,
-    layer_windows,
     linear_shapes,
+    refuse_foreign_keys,
     rope_parameters,
     rotary_frequencies,
     rotate,
@@ -45,12 +45,11 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     of `mesh` cannot split."""
     if config.model_type not in HF_ARCHITECTURES:
         raise UsageError(f"flax_lm/models/olmo2.py was given a config of model type '{config.model_type}'")
+    # What Olmo2ForCausalLM does not read, which the decoder would compute all the same.
+    foreign = ("sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping")
+    refuse_foreign_keys(config, foreign, "olmo2")
     check_decoder_config(config, "flax_lm/models/olmo2.py", mesh)
     check_rope(rope_parameters(config), "flax_lm/models/olmo2.py")
-    if any(window is not None for window in layer_windows(config)):
-        raise UsageError(
-            "sliding_window is not part of OLMo 2 (Olmo2ForCausalLM ignores it); remove it from the config"
-        )
 
 
 class Olmo2Part(DecoderPart):
