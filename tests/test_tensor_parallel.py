@@ -40,7 +40,7 @@ def mesh_results():
         [sys.executable, str(REPO_DIR / "tests" / "tensor_parallel_check.py"), *MESH_SHAPES],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         env=devices_env(8),
     )
     assert result.returncode == 0, result.stderr[-3000:]
