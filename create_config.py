@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write the config.json of a GPT-2, Llama or RoBERTa model from a preset size, with your changes.
+"""Write the config.json of a GPT-2, Llama (SmolLM), Qwen 3, Gemma 3, OLMo 2 or RoBERTa model from a preset size,
+with your changes.
 
 The presets are stored here, so no network is needed. Given a tokenizer directory, the vocabulary size and the
 special-token ids are taken from the tokenizer, and config.json is written next to it, so that one directory holds
@@ -28,7 +29,15 @@ import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transfor
 # isort: split
 
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoTokenizer, GPT2Config, LlamaConfig, RobertaConfig
+from transformers import (
+    AutoTokenizer,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    Olmo2Config,
+    Qwen3Config,
+    RobertaConfig,
+)
 
 from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.command_line.tool_arguments import parse_arguments
@@ -132,6 +141,50 @@ LLAMA_PRESETS = {
     },
 }
 
+# The small open models that continued pretraining starts from, with their published shapes: Qwen/Qwen3-0.6B,
+# google/gemma-3-270m, allenai/OLMo-2-0425-1B and HuggingFaceTB/SmolLM-135M (a Llama) on the Hugging Face Hub, their
+# vocabularies and special ids unless a tokenizer gives others; and tiny sizes of our own of each that train on a CPU.
+FAMILY_PRESETS = {
+    "qwen3-0.6b": ("qwen3", {
+        "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 3072, "max_position_embeddings": 40960, "vocab_size": 151936,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
+    }),
+    "gemma3-270m": ("gemma3_text", {
+        "num_hidden_layers": 18, "hidden_size": 640, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "intermediate_size": 2048, "max_position_embeddings": 32768, "vocab_size": 262144,
+        "sliding_window": 512, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    }),
+    "olmo2-1b": ("olmo2", {
+        "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "intermediate_size": 8192, "max_position_embeddings": 4096, "vocab_size": 100352,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": 100257, "pad_token_id": 100277,
+    }),
+    "smollm-135m": ("llama", {
+        "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "intermediate_size": 1536, "max_position_embeddings": 2048, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+    }),
+    "qwen3-tiny": ("qwen3", {
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "intermediate_size": 384, "max_position_embeddings": 256, "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    }),
+    "gemma3-tiny": ("gemma3_text", {
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 64, "intermediate_size": 384, "max_position_embeddings": 256, "vocab_size": 262144,
+        "sliding_window": 64, "query_pre_attn_scalar": 64, "layer_types": ["sliding_attention", "full_attention"],
+    }),
+    "olmo2-tiny": ("olmo2", {
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "intermediate_size": 384, "max_position_embeddings": 256, "vocab_size": 100352,
+        "tie_word_embeddings": True,
+    }),
+}  # fmt: skip
+
 # RoBERTa sizes as published with the RoBERTa paper (Liu et al., 2019) and the FacebookAI/roberta-base and
 # roberta-large configurations on the Hugging Face Hub. RoBERTa numbers positions from pad_token_id + 1, so
 # max_position_embeddings 514 leaves room for 512 tokens.
@@ -182,9 +235,17 @@ ROBERTA_PRESETS = {
 PRESETS = {
     **{name: ("gpt2", values) for name, values in GPT2_PRESETS.items()},
     **{name: ("llama", values) for name, values in LLAMA_PRESETS.items()},
+    **FAMILY_PRESETS,
     **{name: ("roberta", values) for name, values in ROBERTA_PRESETS.items()},
 }
-CONFIG_CLASSES = {"gpt2": GPT2Config, "llama": LlamaConfig, "roberta": RobertaConfig}
+CONFIG_CLASSES = {
+    "gpt2": GPT2Config,
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,
+    "gemma3_text": Gemma3TextConfig,
+    "olmo2": Olmo2Config,
+    "roberta": RobertaConfig,
+}
 # Keys of config.json that describe the file rather than the model.
 BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}
 # Files that make a directory a tokenizer directory.
@@ -340,13 +401,14 @@ def check_config(config, preset, tokenizer=None):
             raise UsageError(f"{name} must be positive, not {value}; fix it with --set")
     from flax_lm.models.common import ACTIVATIONS  # here: JAX, which it imports, takes a second to load
 
-    name = "activation_function" if config.model_type == "gpt2" else "hidden_act"
+    name = {"gpt2": "activation_function", "gemma3_text": "hidden_activation"}.get(config.model_type, "hidden_act")
     if getattr(config, name) not in ACTIVATIONS:
         raise UsageError(
             f"{name} {getattr(config, name)!r} is not an activation the models compute; use one of "
             f"{', '.join(ACTIVATIONS)}, e.g. --set {name}=gelu_new"
         )
-    if config.hidden_size % config.num_attention_heads != 0:
+    # Qwen 3's and Gemma's heads have a width of their own (head_dim); the others' divide the hidden size.
+    if config.model_type not in ("qwen3", "gemma3_text") and config.hidden_size % config.num_attention_heads != 0:
         raise UsageError(
             f"hidden size {config.hidden_size} is not divisible by the {config.num_attention_heads} attention heads; "
             "change one of them with --set"
@@ -391,7 +453,8 @@ def check_config(config, preset, tokenizer=None):
 
 
 def count_parameters(config):
-    """Parameters of GPT2LMHeadModel, LlamaForCausalLM or RobertaForMaskedLM built from this config, counted from
+    """Parameters of the transformers model (GPT2LMHeadModel, LlamaForCausalLM, ..., RobertaForMaskedLM) built from
+    this config, counted from
     the sizes.
 
     The output layer shares its weights with the token embeddings unless tie_word_embeddings is false.
@@ -406,16 +469,9 @@ def count_parameters(config):
         block = layer_norm + attention + layer_norm + mlp
         output_layer = 0 if config.tie_word_embeddings else vocab * hidden
         return embeddings + layers * block + layer_norm + output_layer
-    if config.model_type == "llama":
-        heads_width = config.num_attention_heads * config.head_dim
-        key_value_width = config.num_key_value_heads * config.head_dim
-        inner, bias = config.intermediate_size, config.attention_bias
-        attention = hidden * (heads_width + 2 * key_value_width) + heads_width * hidden
-        attention += (heads_width + 2 * key_value_width + hidden) if bias else 0
-        mlp = 3 * hidden * inner + ((2 * inner + hidden) if config.mlp_bias else 0)
-        block = attention + mlp + 2 * hidden  # and two RMSNorm weights
-        output_layer = 0 if config.tie_word_embeddings else vocab * hidden
-        return vocab * hidden + layers * block + hidden + output_layer
+    if config.model_type != "roberta":  # the rotary decoders: the tensors their module exports
+        shapes = stock_module(config.model_type).hf_architecture_shapes(config)
+        return sum(math.prod(shape) for shape in shapes.values())
     inner = config.intermediate_size
     embeddings = (vocab + config.max_position_embeddings + config.type_vocab_size) * hidden + layer_norm
     attention = 4 * (hidden * hidden + hidden) + layer_norm  # q, k, v, output, then layer norm
@@ -478,7 +534,7 @@ def main():
             )
         values["vocab_size"] = round_up(values["vocab_size"], args.pad_vocab_to_multiple_of)
     # The model class the config is written for, so that pipeline() and the Auto classes pick the right head.
-    values["architectures"] = [stock_module(model_type).HF_ARCHITECTURE]
+    values["architectures"] = [stock_module(model_type).HF_ARCHITECTURES[model_type]]
     values.update(overrides)
 
     # Config ---------------------------------------------------------------------------------------------------------

@@ -273,7 +273,14 @@ def load_model(model_args):
     dtype = jnp.dtype(model_args.dtype)
     model = model_code.module.MODEL_CLASS(config, dtype=dtype, param_dtype=dtype, mesh=mesh)
     boxed_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32), unbox=False)
-    params = read_exported_params(source, model_args, model_code, nn.meta.unbox(boxed_params))
+    abstract_params = nn.meta.unbox(boxed_params)
+    if mesh is not None:  # each tensor is read straight into its shards, never whole on one device
+        abstract_params = jax.tree_util.tree_map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            abstract_params,
+            parameter_shardings(boxed_params, mesh),
+        )
+    params = read_exported_params(source, model_args, model_code, abstract_params)
     if mesh is None:
         return model, jax.device_put(params), tokenizer
     return model, jax.device_put(params, parameter_shardings(boxed_params, mesh)), tokenizer

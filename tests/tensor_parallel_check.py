@@ -1,5 +1,5 @@
-"""Train a tiny GPT-2 and a tiny Llama (the CLM script's step) and a tiny RoBERTa (the MLM script's step) a few steps
-on one device and on meshes of 8 devices, and print, as one JSON line, each mesh's losses, its largest weight
+"""Train a tiny GPT-2, Llama, Gemma 3 and OLMo 2 (the CLM script's step) and a tiny RoBERTa (the MLM script's step) a
+few steps on one device and on meshes of 8 devices, and print, as one JSON line, each mesh's losses, its largest weight
 difference from one device, and how much of each parameter one device holds.
 
 Run by tests/test_tensor_parallel.py in a process of its own with 8 forced CPU devices:
@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run_clm_flax  # noqa: E402
 import run_mlm_flax  # noqa: E402
 from flax_lm.devices.mesh import BATCH_AXES, MESH_AXES, create_mesh  # noqa: E402
+from flax_lm.models.gemma import FlaxGemmaForCausalLM  # noqa: E402
 from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel  # noqa: E402
 from flax_lm.models.llama import FlaxLlamaForCausalLM  # noqa: E402
+from flax_lm.models.olmo2 import FlaxOlmo2ForCausalLM  # noqa: E402
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM  # noqa: E402
 from flax_lm.training.train_state import abstract_train_state, create_train_state  # noqa: E402
 
@@ -36,6 +38,17 @@ LLAMA = transformers.LlamaConfig(
     vocab_size=VOCAB, max_position_embeddings=LENGTH, hidden_size=64, num_hidden_layers=2, num_attention_heads=16,
     num_key_value_heads=8, intermediate_size=128, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
 )  # fmt: skip
+# The same heads in the other decoders: Gemma 3 with a sliding window and soft-capped attention besides its
+# normalized heads, OLMo 2 with its norm over all the heads of a projection (split over the tensor axis).
+DECODER_SHAPES = dict(
+    vocab_size=VOCAB, max_position_embeddings=LENGTH, hidden_size=64, num_hidden_layers=2, num_attention_heads=16,
+    num_key_value_heads=8, intermediate_size=128, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+GEMMA = transformers.Gemma3TextConfig(
+    **DECODER_SHAPES, head_dim=8, query_pre_attn_scalar=8, sliding_window=6, attn_logit_softcapping=5.0,
+    layer_types=["sliding_attention", "full_attention"],
+)  # fmt: skip
+OLMO2 = transformers.Olmo2Config(**DECODER_SHAPES)
 ROBERTA = transformers.RobertaConfig(
     vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
     max_position_embeddings=LENGTH + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
@@ -127,6 +140,8 @@ def main():
     for name, script, model_class, config in (
         ("clm", run_clm_flax, FlaxGPT2LMHeadModel, GPT2),
         ("llama", run_clm_flax, FlaxLlamaForCausalLM, LLAMA),
+        ("gemma", run_clm_flax, FlaxGemmaForCausalLM, GEMMA),
+        ("olmo2", run_clm_flax, FlaxOlmo2ForCausalLM, OLMO2),
         ("mlm", run_mlm_flax, FlaxRobertaForMaskedLM, ROBERTA),
     ):
         reference_losses, reference_params, *_ = train(script, model_class, config, one_device)

@@ -18,9 +18,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
+    MistralConfig,
     PreTrainedTokenizerFast,
 )
 
@@ -180,9 +182,22 @@ def per_token_losses(model, params, input_ids, deterministic=True, rngs=None):
 
 # Each model type's documents as run_clm_flax.py frames them (ids_around_documents), and the token that starts a
 # document for --document_attention: GPT-2's text EOS, the EOS starting the next; Llama's BOS text EOS, at its BOS.
+TINY_DECODER_SHAPES = dict(
+    vocab_size=512, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, intermediate_size=64, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+
+
+# Mistral and Gemma 2 with sliding windows shorter than a document: the window slides within each document.
+def bos_framing(config):
+    return [config.bos_token_id], [config.eos_token_id], config.bos_token_id
+
+
 DOCUMENT_FRAMING = {
     "gpt2": (tiny_config, lambda config: ([], [config.eos_token_id], config.eos_token_id)),
-    "llama": (tiny_llama_config, lambda config: ([config.bos_token_id], [config.eos_token_id], config.bos_token_id)),
+    "llama": (tiny_llama_config, bos_framing),
+    "mistral": (lambda: MistralConfig(**TINY_DECODER_SHAPES, sliding_window=6), bos_framing),
+    "gemma2": (lambda: Gemma2Config(**TINY_DECODER_SHAPES, head_dim=16, sliding_window=6), bos_framing),
 }
 
 

@@ -8,7 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
 
 from flax_lm.command_line import tool_arguments
 
@@ -124,14 +132,34 @@ def test_preset_and_overrides_from_a_json_arguments_file_without_a_tokenizer(run
         ("gpt2-tiny", {"vocab_size": 1000, "tie_word_embeddings": False, "n_inner": 300}),
         ("roberta-tiny", {"vocab_size": 1000}),
         ("roberta-tiny", {"vocab_size": 1000, "tie_word_embeddings": False, "type_vocab_size": 2}),
+        ("qwen3-tiny", {"vocab_size": 1000}),
+        ("gemma3-tiny", {"vocab_size": 1000}),
+        ("olmo2-tiny", {"vocab_size": 1000, "tie_word_embeddings": False}),
     ],
 )
 def test_parameter_count_matches_the_pytorch_model(preset, overrides):
     model_type, preset_values = create_config.PRESETS[preset]
     config = create_config.CONFIG_CLASSES[model_type](**{**preset_values, **overrides})
-    model_class = GPT2LMHeadModel if model_type == "gpt2" else RobertaForMaskedLM
+    model_class = {"gpt2": GPT2LMHeadModel, "roberta": RobertaForMaskedLM}.get(model_type, AutoModelForCausalLM)
+    model = model_class.from_config(config) if model_class is AutoModelForCausalLM else model_class(config)
 
-    assert create_config.count_parameters(config) == torch_parameter_count(model_class(config))
+    assert create_config.count_parameters(config) == torch_parameter_count(model)
+
+
+# The parameter counts of the published models the family presets take their shapes from (their model cards: 0.6B,
+# 268M, 1.48B, 134.5M).
+PUBLISHED_PARAMETERS = {"qwen3-0.6b": 596_049_920, "gemma3-270m": 268_098_176, "olmo2-1b": 1_484_916_736,
+                        "smollm-135m": 134_515_008}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", create_config.FAMILY_PRESETS)
+def test_each_family_preset_is_a_config_its_module_computes(preset):
+    model_type, preset_values = create_config.PRESETS[preset]
+    config = create_config.CONFIG_CLASSES[model_type](**preset_values)
+    create_config.check_config(config, preset)
+    assert config.model_type == model_type
+    if preset in PUBLISHED_PARAMETERS:
+        assert create_config.count_parameters(config) == PUBLISHED_PARAMETERS[preset]
 
 
 def test_parameter_count_of_gpt2_small_is_the_published_124m():

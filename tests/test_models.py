@@ -1,17 +1,20 @@
 """The models of flax_lm/models against transformers' PyTorch models, and what an export may claim of them.
 
-Llama's logits equal LlamaForCausalLM's for every variant of its layout (document attention: tests/test_clm.py, for
-GPT-2 and Llama); greedy decoding with the key/value cache
-equals PyTorch's generate for each causal model; the stock modules are the code these comparisons verified (their
-fingerprints); the probe that decides whether other code may name an architecture tells an equal computation from an
-edited one; and a sharded bfloat16 Hugging Face Llama checkpoint is evaluated as PyTorch evaluates it, then trained on.
+Llama's logits equal LlamaForCausalLM's for every variant of its layout, and each family's (Qwen 2 and 3, Mistral,
+Gemma 2 and 3, OLMo 2) its transformers class's, sliding windows and soft-capping included (document attention:
+tests/test_clm.py); greedy decoding with the key/value cache equals PyTorch's generate for each causal model; the stock
+modules are the code these comparisons verified (their fingerprints); the probe that decides whether other code may
+name an architecture tells an equal computation from an edited one; and a sharded bfloat16 Hugging Face checkpoint of
+each family is evaluated as PyTorch evaluates it, trained on, exported and scored by transformers as the script did.
 """
 
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from functools import partial
 
 import flax.linen as nn
 import jax
@@ -23,7 +26,17 @@ import transformers
 from conftest import FIXTURES_DIR, REPO_DIR, stock_code
 from test_clm import OFFLINE_ENV, tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from flax_lm.data.texts import ids_around_documents
 from flax_lm.generation.sampling import generate_ids, make_sampler
@@ -63,6 +76,58 @@ def llama_config(**overrides):
     )
 
 
+# Tiny configs of the families that share Llama's interface, each with what sets it apart switched on, and windows
+# shorter than the tests' sequences so that they matter.
+FAMILY_SHAPES = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+)  # fmt: skip
+FAMILY_CONFIGS = {
+    "qwen2": lambda **overrides: Qwen2Config(
+        **{
+            **FAMILY_SHAPES,
+            "use_sliding_window": True,
+            "sliding_window": 5,
+            "max_window_layers": 1,
+            "tie_word_embeddings": True,
+            **overrides,
+        }
+    ),  # fmt: skip
+    "qwen3": lambda **overrides: Qwen3Config(**{**FAMILY_SHAPES, "head_dim": 24, **overrides}),
+    "mistral": lambda **overrides: MistralConfig(**{**FAMILY_SHAPES, "sliding_window": 6, **overrides}),
+    "gemma2": lambda **overrides: Gemma2Config(
+        **{
+            **FAMILY_SHAPES,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 5,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            **overrides,
+        }
+    ),  # fmt: skip
+    "gemma3_text": lambda **overrides: Gemma3TextConfig(
+        **{
+            **FAMILY_SHAPES,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            },
+            **overrides,
+        }
+    ),  # fmt: skip
+    "olmo2": lambda **overrides: Olmo2Config(**{**FAMILY_SHAPES, **overrides}),
+}
+
+
+def hf_class_of(config):
+    return getattr(transformers, stock_module(config.model_type).HF_ARCHITECTURES[config.model_type])
+
+
 def random_torch_model(hf_class, config):
     """A PyTorch model of `config` whose every parameter is random: norms and biases too, so a wrong mapping shows."""
     torch.manual_seed(0)
@@ -94,6 +159,50 @@ def test_llama_logits_equal_pytorch_llama(variant):
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("model_type", FAMILY_CONFIGS)
+def test_each_family_computes_the_logits_of_its_transformers_class(model_type):
+    config = FAMILY_CONFIGS[model_type]()
+    config._attn_implementation = "eager"  # the reference: soft-capping and windows written out
+    torch_model = random_torch_model(hf_class_of(config), config)
+    model, params = flax_params_of(stock_module(model_type), config, torch_model)
+    input_ids = np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 24))
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(input_ids)).logits.numpy()
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
+    assert np.abs(expected).max() > 1
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_the_sliding_window_is_computed_not_ignored():
+    """Mistral's window of 6 over 24 tokens: the same weights with the window switched off compute other logits."""
+    config = FAMILY_CONFIGS["mistral"]()
+    model, params = flax_params_of(llama, config, random_torch_model(hf_class_of(config), config))
+    unwindowed = llama.MODEL_CLASS(FAMILY_CONFIGS["mistral"](sliding_window=None))
+    input_ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, size=(1, 24)))
+    windowed, full = (np.asarray(m.apply({"params": params}, input_ids)) for m in (model, unwindowed))
+    np.testing.assert_allclose(windowed[:, :6], full[:, :6], atol=1e-5)
+    assert np.abs(windowed[:, 6:] - full[:, 6:]).max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, message",
+    [
+        ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention is not implemented"),
+        ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0)), "rope_type 'yarn'"),
+        ("olmo2", dict(attention_dropout=0.1), "attention_dropout 0.1 is not implemented"),
+        ("gemma2", dict(layer_types=["chunked_attention"] * 3), "layer_types 'chunked_attention'"),
+        ("olmo2", dict(sliding_window=4), "sliding_window is not part of olmo2"),
+        ("qwen3", dict(final_logit_softcapping=30.0), "final_logit_softcapping is not part of qwen3"),
+    ],
+)
+def test_a_family_feature_the_module_does_not_compute_is_refused(model_type, overrides, message):
+    config = FAMILY_CONFIGS[model_type]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with pytest.raises(model_code.UsageError, match=message):
+        stock_module(model_type).check_model_config(config)
+
+
 def test_llama_export_loads_in_transformers_with_the_same_logits(llama_tokenizer_dir, tmp_path):
     config = llama_config(vocab_size=1000, num_key_value_heads=2)
     model = llama.FlaxLlamaForCausalLM(config)
@@ -113,6 +222,7 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(llama_tokenizer
 CAUSAL_MODELS = {
     "gpt2": lambda: tiny_config(n_embd=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=7),
     "llama": lambda: llama_config(num_key_value_heads=2, eos_token_id=7),
+    **{model_type: partial(make_config, eos_token_id=7) for model_type, make_config in FAMILY_CONFIGS.items()},
 }
 
 
@@ -122,7 +232,7 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
     token or 12 new tokens: each row's tokens are those PyTorch's generate gives the prompt alone."""
     module = stock_module(model_type)
     config = CAUSAL_MODELS[model_type]()
-    torch_model = random_torch_model(getattr(transformers, module.HF_ARCHITECTURE), config)
+    torch_model = random_torch_model(hf_class_of(config), config)
     model, params = flax_params_of(module, config, torch_model)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(8, config.vocab_size, size=length).tolist() for length in (3, 9, 5)]
@@ -136,14 +246,14 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
         assert new == expected
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama", "roberta"])
-def test_the_verified_fingerprints_are_those_of_the_stock_modules(model_type):
+@pytest.mark.parametrize("name", ["gemma", "gpt2", "llama", "olmo2", "roberta"])
+def test_the_verified_fingerprints_are_those_of_the_stock_modules(name):
     """An export of a stock module names its transformers architecture without a probe because the parity tests
     compare that code: a change to the module (or to common.py) must be compared again, then its fingerprint set."""
-    fingerprint = model_code.module_code_fingerprint(stock_module(model_type))
-    assert model_code.VERIFIED_FINGERPRINTS[model_type] == fingerprint, (
-        f"flax_lm/models/{model_type}.py or common.py changed: once its parity tests pass, set "
-        f'VERIFIED_FINGERPRINTS["{model_type}"] = "{fingerprint}" in flax_lm/models/model_code.py'
+    fingerprint = model_code.module_code_fingerprint(importlib.import_module(f"flax_lm.models.{name}"))
+    assert model_code.VERIFIED_FINGERPRINTS[name] == fingerprint, (
+        f"flax_lm/models/{name}.py or common.py changed: once its parity tests pass, set "
+        f'VERIFIED_FINGERPRINTS["{name}"] = "{fingerprint}" in flax_lm/models/model_code.py'
     )
 
 
@@ -151,15 +261,16 @@ PROBE_CONFIGS = {
     "gpt2": lambda: tiny_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "llama": lambda: llama_config(num_key_value_heads=2),
     "roberta": lambda: tiny_roberta_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "gemma2": FAMILY_CONFIGS["gemma2"],
+    "olmo2": FAMILY_CONFIGS["olmo2"],
 }
 
 
 @pytest.mark.parametrize("model_type", PROBE_CONFIGS)
 def test_the_probe_finds_each_stock_module_equal_to_its_architecture(model_type):
     module = stock_module(model_type)
-    difference = model_code.probe_difference(
-        module, PROBE_CONFIGS[model_type](), getattr(transformers, module.HF_ARCHITECTURE)
-    )
+    config = PROBE_CONFIGS[model_type]()
+    difference = model_code.probe_difference(module, config, hf_class_of(config))
     assert difference <= model_code.PROBE_TOLERANCE
 
 
@@ -238,3 +349,63 @@ def test_a_sharded_bfloat16_llama_checkpoint_is_evaluated_as_pytorch_does_and_tr
     assert np.isfinite(trained["train_loss"])
     torch_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"))
     assert type(torch_model).__name__ == "LlamaForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def run_clm_in_process():
+    sys.path.insert(0, str(REPO_DIR))
+    import run_clm_flax
+
+    def run(monkeypatch, *arguments):
+        monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *map(str, arguments)])
+        run_clm_flax.main()
+
+    return run
+
+
+@pytest.mark.parametrize("model_type", FAMILY_CONFIGS)
+def test_a_sharded_bfloat16_checkpoint_of_each_family_decodes_trains_and_exports_as_transformers_computes(
+    model_type, llama_tokenizer_dir, run_clm_in_process, tmp_path, monkeypatch
+):
+    """A checkpoint as the family's are published (bfloat16, sharded, beside a tokenizer) loads by its config alone:
+    generate_flax.py decodes it greedily as PyTorch's generate does; run_clm_flax.py trains on it and exports the
+    family's architecture, which transformers loads with no tensor missing or unexpected and scores as the script
+    reported."""
+    import generate_flax
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_tokenizer_dir)
+    config = FAMILY_CONFIGS[model_type](
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, max_position_embeddings=64,
+    )  # fmt: skip
+    checkpoint = tmp_path / "checkpoint"
+    random_torch_model(hf_class_of(config), config).to(torch.bfloat16).save_pretrained(
+        checkpoint, max_shard_size="100KB"
+    )
+    tokenizer.save_pretrained(checkpoint)
+    assert len([name for name in os.listdir(checkpoint) if name.startswith("model-000")]) > 1
+
+    model, params, _ = generate_flax.load_model(generate_flax.ModelArguments(str(checkpoint)))
+    prompt = tokenizer("The history of", add_special_tokens=True)["input_ids"]
+    [decoded] = generate_ids(make_sampler(model, config.eos_token_id), params, [prompt], max_new_tokens=10)
+    torch_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch_model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=config.eos_token_id,
+            pad_token_id=config.eos_token_id,
+        )  # fmt: skip
+    assert decoded == expected[0, len(prompt) :].tolist()
+
+    output_dir = tmp_path / "trained"
+    run_clm_in_process(
+        monkeypatch, "--model_name_or_path", checkpoint, "--output_dir", output_dir, "--do_train", "--do_eval",
+        "--train_file", CORPUS / "train.txt", "--validation_file", CORPUS / "validation.txt", "--block_size", 32,
+        "--max_steps", 2, "--learning_rate", 1e-3, "--per_device_train_batch_size", 4,
+        "--per_device_eval_batch_size", 4, "--sample_tokens", 0,
+    )  # fmt: skip
+    reported = json.loads((output_dir / "eval_results.json").read_text())["eval_loss"]
+    exported, loading_info = AutoModelForCausalLM.from_pretrained(output_dir, output_loading_info=True)
+    assert type(exported) is hf_class_of(config)
+    assert not any(loading_info.values()), loading_info
+    scored = pytorch_block_loss(str(output_dir), (CORPUS / "validation.txt").read_text(), 32)
+    assert abs(reported - scored) < 1e-3, (reported, scored)

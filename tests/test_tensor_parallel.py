@@ -40,14 +40,14 @@ def mesh_results():
         [sys.executable, str(REPO_DIR / "tests" / "tensor_parallel_check.py"), *MESH_SHAPES],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         env=devices_env(8),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("script", ["clm", "llama", "mlm"])
+@pytest.mark.parametrize("script", ["clm", "llama", "gemma", "olmo2", "mlm"])
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES)
 def test_every_mix_of_data_fsdp_and_tensor_trains_as_one_device(mesh_results, script, mesh_shape):
     one_device, mesh = mesh_results[script]["one device"], mesh_results[script][mesh_shape]
@@ -68,20 +68,23 @@ def test_each_optimizer_trains_on_a_mesh_as_on_one_device_with_its_state_split_l
     assert mesh["state_share"] == pytest.approx(adamw_share, abs=0.02) and adamw_share < 0.3
 
 
-@pytest.mark.parametrize("script", ["clm", "llama", "mlm"])
+# The matrices every decoder of common.py splits (Llama's, Gemma's, OLMo 2's).
+LLAMA_SPLIT = (
+    "q_proj/kernel", "k_proj/kernel", "v_proj/kernel", "o_proj/kernel", "gate_proj/kernel", "up_proj/kernel",
+    "down_proj/kernel", "embed_tokens/embedding",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("script", ["clm", "llama", "gemma", "olmo2", "mlm"])
 def test_a_tensor_axis_of_eight_leaves_each_device_an_eighth_of_every_split_matrix(mesh_results, script):
     shares = mesh_results[script]["tensor=8"]["shares"]
     split = {
         "clm": ("attn/c_attn/kernel", "attn/c_proj/kernel", "mlp/c_fc/kernel", "mlp/c_proj/kernel", "wte/embedding"),
-        "llama": (
-            "q_proj/kernel", "k_proj/kernel", "v_proj/kernel", "o_proj/kernel", "gate_proj/kernel", "up_proj/kernel",
-            "down_proj/kernel", "embed_tokens/embedding",
-        ),
         "mlm": (
             "self/query/kernel", "self/key/kernel", "self/value/kernel", "attention/output/dense/kernel",
             "intermediate/dense/kernel", "layer_0/output/dense/kernel", "word_embeddings/embedding",
         ),
-    }[script]  # fmt: skip
+    }.get(script, LLAMA_SPLIT)  # fmt: skip
     matrices = {name: share for name, share in shares.items() if name.endswith(split)}
     assert len(matrices) >= len(split)
     assert set(matrices.values()) == {1 / 8}, matrices

@@ -1,9 +1,10 @@
 """The models, one module each, chosen by the `model_type` of a Hugging Face config.
 
-MODEL_MODULES below is the one table of them. A model module defines one model and what the tools need of it:
+MODEL_MODULES below is the one table of them; several model types may share a module where one is a configuration of
+another's block (Qwen 2 and 3, Mistral: of Llama's). A model module defines one model and what the tools need of it:
 
-    MODEL_TYPE              the config.model_type it computes
-    HF_ARCHITECTURE         the transformers class whose checkpoint layout its parameters map onto
+    HF_ARCHITECTURES        the config.model_type values it computes -> the transformers class of each, whose
+                            checkpoint layout its parameters map onto
     GENERATES_TEXT          a causal LM (run_clm_flax.py, generate_flax.py), or not (run_mlm_flax.py)
     MODEL_CLASS             the flax.linen model: MODEL_CLASS(config, dtype, param_dtype, remat_policy, mesh, ...)
                             returning float32 logits; a causal LM also decodes with a key/value cache (empty_cache)
@@ -33,13 +34,18 @@ from flax_lm.errors import UsageError
 MODEL_MODULES = {
     "gpt2": "flax_lm.models.gpt2",
     "llama": "flax_lm.models.llama",
+    "mistral": "flax_lm.models.llama",
+    "qwen2": "flax_lm.models.llama",
+    "qwen3": "flax_lm.models.llama",
+    "gemma2": "flax_lm.models.gemma",
+    "gemma3_text": "flax_lm.models.gemma",
+    "olmo2": "flax_lm.models.olmo2",
     "roberta": "flax_lm.models.roberta",
 }
 
 # What a module must define, for the tools to train, export and decode its model.
 MODULE_INTERFACE = (
-    "MODEL_TYPE",
-    "HF_ARCHITECTURE",
+    "HF_ARCHITECTURES",
     "GENERATES_TEXT",
     "MODEL_CLASS",
     "check_model_config",
@@ -100,10 +106,11 @@ def model_module(model_type: str, model_file: str | None, generates_text: bool, 
     kind = "causal" if generates_text else "masked"
     if model_file:
         module = import_model_file(model_file)
-        if module.MODEL_TYPE != model_type:
+        if model_type not in module.HF_ARCHITECTURES:
             raise UsageError(
-                f"--model_file {model_file} computes model type '{module.MODEL_TYPE}' but the config is of model type "
-                f"'{model_type}'; pass a config of that type, or a copy of the module of '{model_type}'"
+                f"--model_file {model_file} computes model type {' and '.join(module.HF_ARCHITECTURES)} but the "
+                f"config is of model type '{model_type}'; pass a config of that type, or a copy of the module of "
+                f"'{model_type}'"
             )
         if module.GENERATES_TEXT != generates_text:
             raise UsageError(f"{tool} cannot run --model_file {model_file}: it is not a {kind} LM")

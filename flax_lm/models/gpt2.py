@@ -31,10 +31,9 @@ from flax_lm.models.common import (
 
 logger = logging.getLogger(__name__)
 
-# The config.model_type this module computes.
-MODEL_TYPE = "gpt2"
-# The transformers class whose checkpoint layout the parameters map onto, named in an exported config.json.
-HF_ARCHITECTURE = "GPT2LMHeadModel"
+# The config.model_type this module computes -> the transformers class whose checkpoint layout the parameters map
+# onto, named in an exported config.json.
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel"}
 # A causal LM: its exported directory carries a generation_config.json, as transformers writes for one.
 GENERATES_TEXT = True
 

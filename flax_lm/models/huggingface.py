@@ -242,12 +242,12 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file
 
 def check_architecture_fits(params, config, model):
     """Refuse, in one line, parameters that do not map onto the architecture an export of them names
-    (`model.HF_ARCHITECTURE` in config.json): transformers would load such weights with some of them dropped or
-    initialised at random, and no error. `params` may be abstract (shapes only); `model` is the model's module,
-    whose hf_shapes lays them out as its to_hf_state_dict does and whose hf_architecture_shapes lists the
-    architecture's tensors for `config`."""
+    (`model.HF_ARCHITECTURES[config.model_type]` in config.json): transformers would load such weights with some of
+    them dropped or initialised at random, and no error. `params` may be abstract (shapes only); `model` is the
+    model's module, whose hf_shapes lays them out as its to_hf_state_dict does and whose hf_architecture_shapes lists
+    the architecture's tensors for `config`."""
     exported, expected = model.hf_shapes(params), model.hf_architecture_shapes(config)
-    architecture = model.HF_ARCHITECTURE
+    architecture = model.HF_ARCHITECTURES[config.model_type]
     problems = [
         f"the parameter {name} {shape} is not part of {architecture}"
         if name not in expected
@@ -264,7 +264,7 @@ def check_architecture_fits(params, config, model):
         raise UsageError(
             f"the model no longer maps onto {architecture}, which its export names in config.json: {problems[0]}; "
             f"map the model onto it in to_hf_state_dict and hf_shapes of {model.__name__}, or name there an "
-            "architecture the model fits (HF_ARCHITECTURE, and its tensors in hf_architecture_shapes)"
+            "architecture the model fits (HF_ARCHITECTURES, and its tensors in hf_architecture_shapes)"
         )
 
 
@@ -293,7 +293,8 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
         if model_code.claims_architecture:
             write_model_weights(output_dir, model.to_hf_state_dict(host_params), SAFETENSORS_WEIGHTS)
             remove_replaced_weights(output_dir, SAFETENSORS_WEIGHTS)
-            config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
+            # What AutoModelFor... and pipeline(...) build.
+            config.architectures = [model.HF_ARCHITECTURES[config.model_type]]
         else:
             flat = {"/".join(path): np.asarray(value) for path, value in flatten_dict(host_params).items()}
             write_model_weights(output_dir, flat, FLAX_WEIGHTS_NAME)

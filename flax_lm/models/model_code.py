@@ -28,17 +28,20 @@ from flax_lm.models import model_module
 
 logger = logging.getLogger(__name__)
 
-# model_type -> module_code_fingerprint of its stock module, as tests/test_models.py compares it with transformers. A
+# module name -> module_code_fingerprint of the stock module, as tests/test_models.py compares it with transformers. A
 # change to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gpt2": "b7b25f5929af8faa",
-    "llama": "5aef99830dd7c16b",
-    "roberta": "30393ba37f9cb39e",
+    "gemma": "08f9763f65c026c0",
+    "gpt2": "37d74b0550392686",
+    "llama": "503e53ad0738fa05",
+    "olmo2": "b0877faf3731d06d",
+    "roberta": "fdebdf944a44cb5c",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
-# subpackages, which changed the models' import lines and nothing they compute.)
+# subpackages, which changed the models' import lines, and added model families, which left what the earlier configs
+# compute as it was: the parity tests compare both with transformers.)
 EARLIER_VERIFIED_FINGERPRINTS = {
     "gpt2": {"9235ed61450115e6"},
     "llama": {"e66a74462a8dd3d2"},
@@ -56,6 +59,11 @@ MODEL_FILE_KEY = "flax_lm_model_file"
 FINGERPRINT_KEY = "flax_lm_model_fingerprint"
 # The weights of such an export, under the Flax parameter paths joined by "/".
 FLAX_WEIGHTS_NAME = "flax_model.safetensors"
+
+
+def module_name(module: ModuleType) -> str:
+    """'llama' for flax_lm.models.llama: the name VERIFIED_FINGERPRINTS keys it by."""
+    return module.__name__.rsplit(".", 1)[-1]
 
 
 def module_code_fingerprint(module: ModuleType) -> str:
@@ -80,18 +88,18 @@ class ModelCode:
 
     @property
     def description(self) -> str:
-        return self.own_file or f"flax_lm/models/{self.module.MODEL_TYPE}.py"
+        return self.own_file or f"flax_lm/models/{module_name(self.module)}.py"
 
     def computes_as(self, recorded_fingerprint: str) -> bool:
         """Whether code with `recorded_fingerprint` computed the model as this code does: the same code, or an
         earlier verified version of the stock module this run uses unedited."""
         if recorded_fingerprint == self.fingerprint:
             return True
-        model_type = self.module.MODEL_TYPE
+        name = module_name(self.module)
         return (
             self.own_file is None
-            and VERIFIED_FINGERPRINTS.get(model_type) == self.fingerprint
-            and recorded_fingerprint in EARLIER_VERIFIED_FINGERPRINTS.get(model_type, ())
+            and VERIFIED_FINGERPRINTS.get(name) == self.fingerprint
+            and recorded_fingerprint in EARLIER_VERIFIED_FINGERPRINTS.get(name, ())
         )
 
 
@@ -110,8 +118,8 @@ def load_model_code(config, model_file: str | None, generates_text: bool, tool: 
 
 
 def architecture_claim(module, config, fingerprint: str, model_file: str | None) -> tuple[bool, str]:
-    architecture = module.HF_ARCHITECTURE
-    if not model_file and VERIFIED_FINGERPRINTS.get(module.MODEL_TYPE) == fingerprint:
+    architecture = module.HF_ARCHITECTURES[config.model_type]
+    if not model_file and VERIFIED_FINGERPRINTS.get(module_name(module)) == fingerprint:
         return True, f"the code the parity tests compare with transformers' {architecture}"
     try:
         import torch  # noqa: F401
@@ -141,6 +149,8 @@ def probe_difference(module, config, hf_class) -> float | str:
 
     probe_config = copy.deepcopy(config)
     probe_config.num_hidden_layers = min(config.num_hidden_layers, PROBE_LAYERS)
+    if getattr(probe_config, "layer_types", None) is not None:
+        probe_config.layer_types = probe_config.layer_types[:PROBE_LAYERS]
     model = module.MODEL_CLASS(probe_config)
     length = min(16, probe_config.max_position_embeddings)
     ids = np.random.default_rng(0).integers(3, probe_config.vocab_size, (2, length)).astype(np.int32)

@@ -25,10 +25,9 @@ from flax_lm.models.common import (
 
 logger = logging.getLogger(__name__)
 
-# The config.model_type this module computes.
-MODEL_TYPE = "roberta"
-# The transformers class whose checkpoint layout the parameters map onto, named in an exported config.json.
-HF_ARCHITECTURE = "RobertaForMaskedLM"
+# The config.model_type this module computes -> the transformers class whose checkpoint layout the parameters map
+# onto, named in an exported config.json.
+HF_ARCHITECTURES = {"roberta": "RobertaForMaskedLM"}
 # A masked LM: its exported directory has no generation config.
 GENERATES_TEXT = False
 
