@@ -35,6 +35,7 @@ from flax_lm.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from flax_lm.errors import UsageError, run
 from flax_lm.processes import LOG_FORMAT
 from flax_lm.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
+from flax_lm.tokenizer_files import save_tokenizer_files
 from flax_lm.tool_arguments import check_writable_output_dir, parse_arguments
 
 logger = logging.getLogger(__name__)
@@ -406,7 +407,7 @@ def save_tokenizer(fast_tokenizer, output_dir):
     os.makedirs(parent, exist_ok=True)
     staging_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}-", dir=parent)
     try:
-        fast_tokenizer.save_pretrained(staging_dir)
+        save_tokenizer_files(fast_tokenizer, staging_dir)
         os.makedirs(output_dir, exist_ok=True)
         written = sorted(os.listdir(staging_dir))
         for name in written:

@@ -20,9 +20,10 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from flax_lm.chat import stop_token_ids
+from flax_lm.chat import stop_token_ids, training_chat_template
 from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.model_code import FINGERPRINT_KEY, FLAX_WEIGHTS_NAME, MODEL_FILE_KEY, ModelCode, check_model_file_of
+from flax_lm.tokenizer_files import save_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if isinstance(tokenizer.chat_template, str):
+        tokenizer.chat_template = training_chat_template(tokenizer.chat_template)
     backend = tokenizer.backend_tokenizer
     if backend.get_vocab_size(with_added_tokens=False) == 0:
         raise UsageError(
@@ -298,7 +301,7 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
             generation_config.save_pretrained(output_dir)
         else:
             remove_if_there(os.path.join(output_dir, "generation_config.json"))  # an earlier model's, here
-        tokenizer.save_pretrained(output_dir)
+        save_tokenizer_files(tokenizer, output_dir)
 
 
 def copy_of(config):
