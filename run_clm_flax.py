@@ -679,7 +679,9 @@ def main():
             return
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
-        export_complete_run(training_args.output_dir, state.params, config, tokenizer, model_code)
+        export_complete_run(
+            training_args.output_dir, state.params, config, tokenizer, model_code, training_args.max_shard_size
+        )
     if training_args.do_eval:
         evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not train_now)
     if jax.process_index() == 0:

@@ -16,7 +16,7 @@ from transformers import HfArgumentParser
 
 from flax_lm.compilation import use_compilation_cache
 from flax_lm.errors import UsageError
-from flax_lm.hf_io import check_local_model_directory
+from flax_lm.hf_io import check_local_model_directory, shard_size_in_bytes
 from flax_lm.mesh import create_mesh
 from flax_lm.mixture import read_mixture
 from flax_lm.tracking import trackers_to_report
@@ -51,6 +51,13 @@ class ModelArguments:
     )
     config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A chat template (a Jinja file, or a tokenizer directory whose chat_template.jinja it takes) to "
+            "render the conversations with, in place of the tokenizer's; the export carries it."
+        },
+    )
     cache_dir: str | None = field(
         default=None, metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."}
     )
@@ -354,6 +361,13 @@ class CommonTrainingArguments:
         },
     )
     save_steps: int = field(default=500, metadata={"help": "Steps between saves of a checkpoint and the model."})
+    max_shard_size: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split the exported model.safetensors into shards of at most this size (5GB, 500MB, or bytes), "
+            "with their index model.safetensors.index.json, as save_pretrained does; default: one file."
+        },
+    )
     save_total_limit: int = field(
         default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
     )
@@ -383,6 +397,10 @@ class CommonTrainingArguments:
         metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
     )
     eval_steps: int | None = field(default=None, metadata={"help": "Evaluate this often; default: --logging_steps."})
+    run_name: str | None = field(
+        default=None,
+        metadata={"help": "The run's name in W&B and MLflow; default: the name of --output_dir."},
+    )
     seed: int = field(
         default=42,
         metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
@@ -429,37 +447,113 @@ class DistributedArguments:
 
 # Flags of the Hugging Face examples that these scripts do not take, and what to do instead.
 UNSUPPORTED_FLAGS = {
-    "push_to_hub": "upload --output_dir after training, e.g. with `hf upload`",
-    "hub_model_id": "upload --output_dir after training, e.g. with `hf upload MODEL_ID OUTPUT_DIR`",
-    "hub_token": "upload --output_dir after training with `hf upload`, which takes the token of `hf auth login`",
+    "push_to_hub": "upload the model after training with `hf upload` as docs/exporting.md shows (its files alone)",
+    "hub_model_id": "upload the model after training with `hf upload MODEL_ID OUTPUT_DIR` as docs/exporting.md shows",
+    "hub_token": "upload the model after training with `hf upload`, which takes the token of `hf auth login`",
     "use_fast_tokenizer": "the tokenizer is always the fast (tokenizers-backed) one; leave the flag out",
     "remat_policy": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing dots_saveable",
     "adafactor": "pass --optim adafactor",
+    "torch_compile": "the steps are compiled by XLA always (jax.jit); leave the flag out",
+    "fp16": "pass --dtype float16 (or --bf16, the same as --dtype bfloat16)",
+    "tf32": "matrix products run at the precision of --dtype; leave the flag out",
+    "deepspeed": "spread the model over the devices with --mesh_shape (data, FSDP and tensor parallel)",
+    "fsdp": "shard the parameters over the devices with --mesh_shape, e.g. --mesh_shape 1,8,1",
+    "dataloader_num_workers": "batches are assembled ahead of the step in a thread of their own; tokenizing in "
+    "processes is --preprocessing_num_workers",
+    "gradient_checkpointing_kwargs": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing "
+    "dots_saveable",
 }
+
+# Trainer's and TRL's names for flags these scripts take under another name: each is taken as the first of the
+# script's flags that it lists (--max_length is run_clm_flax.py's --block_size, run_mlm_flax.py's --max_seq_length).
+FLAG_ALIASES = {
+    "max_length": ["block_size", "max_seq_length"],
+    "max_seq_length": ["block_size"],
+    "dataset_text_field": ["text_column_name"],
+    "dataset_num_proc": ["preprocessing_num_workers"],
+}
+# Trainer's --bf16 (compute in bfloat16, the parameters kept in float32) is --dtype bfloat16.
+SWITCH_ALIASES = {"bf16": ("dtype", "bfloat16")}
+# Trainer's names of learning rate schedules ours compute: the cosine decays to --min_lr_rate (cosine_with_min_lr's
+# min_lr_rate), and every schedule starts with the warm-up (constant_with_warmup).
+LEARNING_RATE_SCHEDULE_ALIASES = {"cosine_with_min_lr": "cosine", "constant_with_warmup": "constant"}
+TRUE_WORDS, FALSE_WORDS = {"true", "yes", "1"}, {"false", "no", "0"}
+
+
+def with_flags_renamed(arguments: list[str], known: set[str]) -> list[str]:
+    """The command line with Trainer's and TRL's names of our flags (FLAG_ALIASES, SWITCH_ALIASES) replaced by ours."""
+    renamed, position = [], 0
+    while position < len(arguments):
+        argument = arguments[position]
+        position += 1
+        name, equals, value = argument[2:].partition("=") if argument.startswith("--") else ("", "", "")
+        if name in SWITCH_ALIASES and name not in known:
+            if not equals and position < len(arguments) and arguments[position].lower() in TRUE_WORDS | FALSE_WORDS:
+                value, equals = arguments[position], "="
+                position += 1
+            if not equals or value.lower() in TRUE_WORDS:
+                flag, flag_value = SWITCH_ALIASES[name]
+                renamed += [f"--{flag}", flag_value]
+            elif value.lower() not in FALSE_WORDS:
+                raise UsageError(f"--{name} takes true or false, not {value}")
+            continue
+        if name in FLAG_ALIASES and name not in known:
+            target = next((flag for flag in FLAG_ALIASES[name] if flag in known), None)
+            if target is not None:
+                argument = f"--{target}{equals}{value}"
+        renamed.append(argument)
+    return renamed
+
+
+def with_keys_renamed(values: dict, known: set[str]) -> dict:
+    """An arguments file's values with Trainer's and TRL's names of our flags replaced by ours."""
+    renamed = {}
+    for name, value in values.items():
+        if name in SWITCH_ALIASES and name not in known:
+            if not isinstance(value, bool):
+                raise UsageError(f"'{name}' takes true or false, not {value!r}")
+            if value:
+                flag, flag_value = SWITCH_ALIASES[name]
+                renamed[flag] = flag_value
+            continue
+        targets = [flag for flag in FLAG_ALIASES.get(name, []) if flag in known] if name not in known else []
+        renamed[targets[0] if targets else name] = value
+    return renamed
+
+
+def with_alias_values(parsed: tuple) -> tuple:
+    for arguments in parsed:
+        schedule = getattr(arguments, "lr_scheduler_type", None)
+        if schedule in LEARNING_RATE_SCHEDULE_ALIASES:
+            arguments.lr_scheduler_type = LEARNING_RATE_SCHEDULE_ALIASES[schedule]
+    return parsed
 
 
 def parse_arguments(model_arguments, data_arguments, training_arguments) -> tuple:
     """The command line (or a single .json file of arguments) as the script's three argument dataclasses and
-    DistributedArguments."""
+    DistributedArguments. Trainer's and TRL's names for our flags are taken as ours (FLAG_ALIASES)."""
     parser = HfArgumentParser((model_arguments, data_arguments, training_arguments, DistributedArguments))
+    known = {item.name for group in parser.dataclass_types for item in fields(group)}
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         try:
             with open(sys.argv[1]) as file:
                 values = json.load(file)
             if not isinstance(values, dict):
                 raise ValueError("it must hold one JSON object of argument names and values")
-            known = {item.name for group in parser.dataclass_types for item in fields(group)}
+            values = with_keys_renamed(values, known)
             refuse_unknown_arguments([f"--{name}" for name in values if name not in known])
             # One file where the command line takes several ("train_file": "data.txt"), as the flag given once.
             for name in ("train_file", "validation_file"):
                 if isinstance(values.get(name), str):
                     values[name] = [values[name]]
-            return parser.parse_dict(values)
+            return with_alias_values(parser.parse_dict(values))
         except (OSError, TypeError, ValueError) as error:
             raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
-    *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    *arguments, unknown = parser.parse_args_into_dataclasses(
+        args=with_flags_renamed(sys.argv[1:], known), return_remaining_strings=True
+    )
     refuse_unknown_arguments(unknown)
-    return tuple(arguments)
+    return with_alias_values(tuple(arguments))
 
 
 def recorded_arguments(*argument_groups) -> dict:
@@ -512,6 +606,14 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
             f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
             f"{data_args.text_sample_by} the text is read as written, line breaks included"
         )
+    if training_args.max_shard_size is not None:
+        try:
+            shard_size_in_bytes(training_args.max_shard_size)
+        except ValueError:
+            raise UsageError(
+                f"--max_shard_size {training_args.max_shard_size} is not a size; pass one such as 5GB, 500MB or a "
+                "number of bytes"
+            ) from None
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
     training_args.allow_resume_changes = [

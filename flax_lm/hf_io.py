@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import struct
 
@@ -15,6 +16,8 @@ import ml_dtypes
 import numpy as np
 import transformers
 from flax.traverse_util import flatten_dict, unflatten_dict
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.serialization._base import parse_size_to_int
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
@@ -23,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from flax_lm.chat import stop_token_ids, training_chat_template
 from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.model_code import FINGERPRINT_KEY, FLAX_WEIGHTS_NAME, MODEL_FILE_KEY, ModelCode, check_model_file_of
-from flax_lm.tokenizer_files import save_tokenizer_files
+from flax_lm.tokenizer_files import CHAT_TEMPLATE_FILE, save_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if model_args.chat_template_path:
+        tokenizer.chat_template = read_chat_template(model_args.chat_template_path)
     if isinstance(tokenizer.chat_template, str):
         tokenizer.chat_template = training_chat_template(tokenizer.chat_template)
     backend = tokenizer.backend_tokenizer
@@ -117,6 +122,20 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
     return config, tokenizer
 
 
+def read_chat_template(path: str) -> str:
+    """The template of --chat_template_path: a Jinja file, or a tokenizer directory's chat_template.jinja."""
+    file_path = os.path.join(path, CHAT_TEMPLATE_FILE) if os.path.isdir(path) else path
+    try:
+        with open(file_path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise UsageError(
+            f"cannot read --chat_template_path {path} ({file_path}: {reason}); pass a Jinja file or a tokenizer "
+            "directory holding chat_template.jinja"
+        ) from None
+
+
 # safetensors dtype names -> numpy dtypes; bfloat16 (how Llama checkpoints are saved) through ml_dtypes, which
 # safetensors' own numpy reader does not use.
 SAFETENSORS_DTYPES = {
@@ -146,6 +165,12 @@ def load_safetensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+# The shards save_pretrained writes, model-00001-of-00003.safetensors, ..., which its index names.
+SAFETENSORS_SHARD_PATTERN = "model{suffix}.safetensors"
+SAFETENSORS_SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
     """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
     import huggingface_hub
@@ -171,7 +196,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             reason = str(error).splitlines()[0]
             raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
 
-    index_name = "model.safetensors.index.json"
+    index_name = SAFETENSORS_INDEX_NAME
     if (index_path := fetch(index_name)) is not None:
         try:
             with open(index_path) as index_file:
@@ -228,6 +253,44 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file
     os.replace(f"{weights_path}.tmp", weights_path)
 
 
+def shard_size_in_bytes(size: str) -> int:
+    """--max_shard_size in bytes: a number of bytes, or one with a unit as save_pretrained takes it (5GB, 500MB).
+    ValueError for anything else."""
+    size_in_bytes = int(size) if size.isdigit() else parse_size_to_int(size)
+    if size_in_bytes <= 0:
+        raise ValueError(f"{size} is not a positive size")
+    return size_in_bytes
+
+
+def write_transformers_weights(output_dir: str, state_dict: dict[str, np.ndarray], max_shard_size: str | None):
+    """model.safetensors or, for weights larger than `max_shard_size` ("5GB", "500MB", a number of bytes), shards of
+    at most that size with their index (model.safetensors.index.json), laid out and named as save_pretrained lays them
+    out. The other layout, an earlier export's, is removed after the new one is written; the index last, so that a
+    reader finds either layout whole or the index naming shards that are all there."""
+    split = split_state_dict_into_shards_factory(
+        state_dict,
+        get_storage_size=lambda tensor: tensor.nbytes,
+        filename_pattern=SAFETENSORS_SHARD_PATTERN,
+        max_shard_size=shard_size_in_bytes(max_shard_size)
+        if max_shard_size
+        else sum(t.nbytes for t in state_dict.values()),
+    )
+    index_path = os.path.join(output_dir, SAFETENSORS_INDEX_NAME)
+    for file_name, tensor_names in split.filename_to_tensors.items():
+        write_model_weights(output_dir, {name: state_dict[name] for name in tensor_names}, file_name)
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        with open(f"{index_path}.tmp", "w") as file:
+            json.dump(index, file, indent=2, sort_keys=True)
+        os.replace(f"{index_path}.tmp", index_path)
+        remove_if_there(os.path.join(output_dir, "model.safetensors"))
+    else:
+        remove_if_there(index_path)
+    for name in os.listdir(output_dir):
+        if SAFETENSORS_SHARD_NAME.fullmatch(name) and name not in split.filename_to_tensors:
+            os.remove(os.path.join(output_dir, name))
+
+
 def check_architecture_fits(params, config, model):
     """Refuse, in one line, parameters that do not map onto the architecture an export of them names
     (`model.HF_ARCHITECTURE` in config.json): transformers would load such weights with some of them dropped or
@@ -256,13 +319,14 @@ def check_architecture_fits(params, config, model):
         )
 
 
-def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode):
+def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode, max_shard_size: str | None = None):
     """A Hugging Face model directory: config.json, the weights, the tokenizer and, for a model that generates text
     (GENERATES_TEXT), its generation config (for one that does not, an earlier model's there is removed). Where
     `model_code` claims its architecture (flax_lm.model_code), the config names it and model.safetensors holds the
     weights as the module maps them (to_hf_state_dict), for transformers; otherwise flax_model.safetensors holds the
     Flax parameters, beside a copy of the model file, for the tools of this repository (--model_file), and
-    transformers finds no weights it could load as another model.
+    transformers finds no weights it could load as another model. With `max_shard_size`, model.safetensors is split
+    into shards of at most that size, with their index (write_transformers_weights).
 
     Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the
     architecture the config names are refused first (check_architecture_fits), by every process, with nothing written.
@@ -279,14 +343,16 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
             delattr(config, key)
     with naming_a_full_disk("--output_dir", output_dir):
         if model_code.claims_architecture:
-            write_model_weights(output_dir, model.to_hf_state_dict(host_params), "model.safetensors")
+            write_transformers_weights(output_dir, model.to_hf_state_dict(host_params), max_shard_size)
             remove_if_there(os.path.join(output_dir, FLAX_WEIGHTS_NAME))
             config.architectures = [model.HF_ARCHITECTURE]  # what AutoModelFor... and pipeline(...) build
         else:
             flat = {"/".join(path): np.asarray(value) for path, value in flatten_dict(host_params).items()}
             write_model_weights(output_dir, flat, FLAX_WEIGHTS_NAME)
             # An earlier export's model.safetensors would load in transformers as the architecture it named.
-            remove_if_there(os.path.join(output_dir, "model.safetensors"))
+            for name in os.listdir(output_dir):
+                if name in ("model.safetensors", SAFETENSORS_INDEX_NAME) or SAFETENSORS_SHARD_NAME.fullmatch(name):
+                    os.remove(os.path.join(output_dir, name))
             model_file = os.path.basename(model_code.own_file or model.__file__)
             shutil.copyfile(model.__file__, os.path.join(output_dir, model_file))
             config.architectures = None

@@ -338,7 +338,7 @@ def open_trackers(training_args, progress, arguments: dict, config, metric_tags:
             trackers.append(TensorBoardWriter(output_dir, arguments, model_config, metric_tags))
             continue
         tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
-        name = os.path.basename(os.path.abspath(output_dir))
+        name = training_args.run_name or os.path.basename(os.path.abspath(output_dir))
         trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
         if trackers[-1].run_id != run_ids.get(tracker):
             run_ids[tracker] = trackers[-1].run_id
@@ -352,7 +352,7 @@ NOT_HYPERPARAMETERS = set(
     "output_dir overwrite_output_dir do_train do_eval cache_dir overwrite_cache preprocessing_num_workers "
     "packed_data_dir packed_tokens_per_shard allow_pickle_weights mesh_shape per_device_eval_batch_size "
     "logging_steps eval_steps save_steps save_total_limit resume_from_checkpoint report_to sample_prompt "
-    "sample_tokens fill_mask_text fill_mask_top_k".split()
+    "sample_tokens fill_mask_text fill_mask_top_k run_name chat_template_path".split()
 )
 
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_lm.checkpoints import restore_checkpoint, save_checkpoint
 from flax_lm.data import count_steps
-from flax_lm.hf_io import read_exported_params, save_model
+from flax_lm.hf_io import SAFETENSORS_INDEX_NAME, read_exported_params, save_model
 from flax_lm.mesh import BATCH_AXES
 from flax_lm.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.packed import tokenizer_fingerprint
@@ -67,6 +67,7 @@ class TrainingSetup:
     # (state, batches of up to --steps_per_call steps, the steps to run) -> (state, the metrics of each step)
     compiled_train_steps: Any
     eval_step: Any
+    max_shard_size: str | None  # --max_shard_size of the exports
 
 
 def set_up_training(
@@ -122,6 +123,7 @@ def set_up_training(
             compiler_options=train_step_compiler_options(),
         ),
         eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
+        max_shard_size=training_args.max_shard_size,
     )
 
 
@@ -184,7 +186,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
-    save_model(output_dir, state.params, config, tokenizer, setup.model_code)
+    save_model(output_dir, state.params, config, tokenizer, setup.model_code, setup.max_shard_size)
     logger.info(
         "step %d: exported the model to %s; writing the training checkpoint in the background",
         progress.step,
@@ -193,9 +195,12 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
     return progress.step
 
 
-def export_complete_run(output_dir: str, params, config, tokenizer, model_code: ModelCode):
+def export_complete_run(
+    output_dir: str, params, config, tokenizer, model_code: ModelCode, max_shard_size: str | None = None
+):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""
-    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("model.safetensors", FLAX_WEIGHTS_NAME)):
-        save_model(output_dir, params, config, tokenizer, model_code)
+    weights = ("model.safetensors", SAFETENSORS_INDEX_NAME, FLAX_WEIGHTS_NAME)
+    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in weights):
+        save_model(output_dir, params, config, tokenizer, model_code, max_shard_size)
         logger.info("Exported the model of the complete run to %s", output_dir)

@@ -165,7 +165,12 @@ def transformers_4_python():
         if not made.exists():
             shutil.rmtree(environment, ignore_errors=True)
             torch_version = torch.__version__.split("+")[0]
-            packages = [f"transformers=={TRANSFORMERS_4_VERSION}", "tokenizers", "safetensors", f"torch=={torch_version}"]
+            packages = [
+                f"transformers=={TRANSFORMERS_4_VERSION}",
+                "tokenizers",
+                "safetensors",
+                f"torch=={torch_version}",
+            ]
             for command in [
                 [sys.executable, "-m", "venv", str(environment)],
                 [str(environment / "bin" / "python"), "-m", "pip", "install", "--quiet", *packages],

@@ -18,16 +18,17 @@ from test_models import flax_params_of, random_torch_model
 from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
 
+from flax_lm.arguments import ModelArguments
 from flax_lm.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, marks_assistant_tokens
 from flax_lm.hf_io import load_config_and_tokenizer, save_model
 from flax_lm.models import stock_module
-from flax_lm.arguments import ModelArguments
 
 TEXTS = [
     "The cat sat on the mat.",
     "  Leading spaces, trailing spaces  \nand a second line\twith a tab",
     "Ünïcödé, 한국어 and emoji 🙂 survive",
-    "Special tokens written in text: <|endoftext|> <|im_start|>user <s> </s> <mask> <|begin_of_text|> <|end_of_text|> <|im_end|> <unk> <pad>",
+    "Special tokens written in text: <|endoftext|> <|im_start|>user <s> </s> <mask> <|begin_of_text|> "
+    "<|end_of_text|> <|im_end|> <unk> <pad>",
 ]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -52,7 +53,11 @@ def export_dirs(gpt2_tokenizer_dir, llama_tokenizer_dir, roberta_tokenizer_dir, 
     directory = tmp_path_factory.mktemp("exports")
     exports = {
         "gpt2": (tiny_config(vocab_size=1000), GPT2LMHeadModel, AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)),
-        "llama": (tiny_llama_config(vocab_size=1000), LlamaForCausalLM, AutoTokenizer.from_pretrained(llama_tokenizer_dir)),
+        "llama": (
+            tiny_llama_config(vocab_size=1000),
+            LlamaForCausalLM,
+            AutoTokenizer.from_pretrained(llama_tokenizer_dir),
+        ),
         "roberta": (
             tiny_roberta_config(vocab_size=1000, pad_token_id=1, bos_token_id=0, eos_token_id=2),
             RobertaForMaskedLM,
@@ -153,7 +158,9 @@ def test_training_from_an_export_uses_the_template_with_its_markers(export_dirs)
     assert marks_assistant_tokens(tokenizer.chat_template)
 
 
-def test_train_tokenizer_writes_what_transformers_4_reads(gpt2_tokenizer_dir, run_tool, tmp_path, transformers_4_python):
+def test_train_tokenizer_writes_what_transformers_4_reads(
+    gpt2_tokenizer_dir, run_tool, tmp_path, transformers_4_python
+):
     output_dir = tmp_path / "chat-tokenizer"
     result = run_tool(
         "train_tokenizer.py", "--train_file", REPO_DIR / "tests" / "fixtures" / "en" / "train.txt",
@@ -162,7 +169,8 @@ def test_train_tokenizer_writes_what_transformers_4_reads(gpt2_tokenizer_dir, ru
     assert result.returncode == 0, result.stderr
     read = (
         "import json, sys; from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]); "
-        "print(json.dumps([t(sys.argv[2])['input_ids'], t.apply_chat_template(json.loads(sys.argv[3]), tokenize=False)]))"
+        "conversation = json.loads(sys.argv[3]); "
+        "print(json.dumps([t(sys.argv[2])['input_ids'], t.apply_chat_template(conversation, tokenize=False)]))"
     )
     result = subprocess.run(
         [str(transformers_4_python), "-c", read, str(output_dir), TEXTS[3], json.dumps(CONVERSATION)],
