@@ -99,6 +99,7 @@ def test_trainer_names_in_a_json_arguments_file_mean_ours(tmp_path, monkeypatch)
         (["--deepspeed", "ds.json"], "--deepspeed is not supported: spread the model over the devices with --mesh"),
         (["--dataloader_num_workers", "4"], "--dataloader_num_workers is not supported: batches are assembled"),
         (["--bf16=maybe"], "--bf16 takes true or false, not maybe"),
+        (["--max_shard_size", "lots"], "--max_shard_size lots is not a size; pass one such as 5GB, 500MB"),
     ],
 )
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)

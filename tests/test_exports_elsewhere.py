@@ -11,15 +11,17 @@ import minijinja
 import numpy as np
 import pytest
 import read_with_transformers
+import torch
 from conftest import REPO_DIR, stock_code
 from test_clm import tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
 from test_models import flax_params_of, random_torch_model
 from tokenizers import AddedToken, Tokenizer
-from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
 
 from flax_lm.arguments import ModelArguments
 from flax_lm.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, marks_assistant_tokens
+from flax_lm.errors import UsageError
 from flax_lm.hf_io import load_config_and_tokenizer, save_model
 from flax_lm.models import stock_module
 
@@ -181,3 +183,44 @@ def test_train_tokenizer_writes_what_transformers_4_reads(
     expected = [tokenizer(TEXTS[3])["input_ids"], tokenizer.apply_chat_template(CONVERSATION, tokenize=False)]
     assert json.loads(result.stdout) == expected
     assert "<|im_start|>" in expected[1]
+
+
+def test_a_sharded_export_replaces_a_single_file_and_back_and_loads_as_save_pretrained_writes_it(
+    export_dirs, tmp_path
+):
+    config = tiny_llama_config(vocab_size=1000)
+    torch_model = random_torch_model(LlamaForCausalLM, config)
+    _, params = flax_params_of(stock_module("llama"), config, torch_model)
+    tokenizer = AutoTokenizer.from_pretrained(export_dirs["llama"])
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    save_model(str(ours), params, config, tokenizer, stock_code(config))
+    save_model(str(ours), params, config, tokenizer, stock_code(config), max_shard_size="40KB")
+    torch_model.save_pretrained(theirs, max_shard_size="40KB")
+    names = sorted(path.name for path in ours.glob("model*"))
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+    assert names == sorted(path.name for path in theirs.glob("model*"))
+    index, their_index = (json.loads((path / "model.safetensors.index.json").read_text()) for path in (ours, theirs))
+    assert sorted(index["weight_map"]) == sorted(their_index["weight_map"])
+    assert index["metadata"]["total_size"] == their_index["metadata"]["total_size"]
+    loaded, loading_info = AutoModelForCausalLM.from_pretrained(ours, output_loading_info=True)
+    assert not any(loading_info.values()), loading_info
+    input_ids = torch.tensor([[1, 5, 9, 300, 999]])
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(input_ids).logits.numpy(), torch_model(input_ids).logits.numpy(), atol=1e-5)
+    save_model(str(ours), params, config, tokenizer, stock_code(config))
+    assert sorted(path.name for path in ours.glob("model*")) == ["model.safetensors"]
+
+
+def test_chat_template_path_trains_with_a_template_file_and_the_export_carries_it(export_dirs, tmp_path):
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(
+        "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    )
+    arguments = ModelArguments(model_name_or_path=export_dirs["chat"], chat_template_path=str(template_file))
+    _, tokenizer = load_config_and_tokenizer(arguments, "llama")
+    assert tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=False) == "system: Be brief.\nuser: Hi there\n"
+    arguments.chat_template_path = export_dirs["chat"]  # a tokenizer directory: its chat_template.jinja
+    assert load_config_and_tokenizer(arguments, "llama")[1].chat_template == DEFAULT_CHAT_TEMPLATE
+    arguments.chat_template_path = str(tmp_path / "missing.jinja")
+    with pytest.raises(UsageError, match="^cannot read --chat_template_path .*missing.jinja.*pass a Jinja file"):
+        load_config_and_tokenizer(arguments, "llama")
