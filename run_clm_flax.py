@@ -69,7 +69,7 @@ from flax_lm.data import (
     streaming_train_batches,
 )
 from flax_lm.errors import UsageError, run
-from flax_lm.evaluation import evaluate_by_source, report_by_source, saved_results
+from flax_lm.evaluation import evaluate_by_source, evaluate_on_start, report_by_source, saved_results
 from flax_lm.examples import Example, ExampleArguments, RowCounts, encoded_examples
 from flax_lm.hf_io import load_config_and_tokenizer, read_exported_params
 from flax_lm.mesh import create_mesh, prefetch, process_slice, to_global_batch
@@ -96,7 +96,7 @@ from flax_lm.run_record import TrainingProgress
 from flax_lm.sampling import generate_ids, make_sampler
 from flax_lm.scoring import Scorer
 from flax_lm.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
-from flax_lm.tracking import TrainingLog, open_trackers
+from flax_lm.tracking import TrainingLog, logs_at_step, open_trackers, tensorboard_dir
 from flax_lm.train_state import (
     TrainState,
     accumulate_gradients,
@@ -679,9 +679,7 @@ def main():
             return
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
-        export_complete_run(
-            training_args.output_dir, state.params, config, tokenizer, model_code, training_args.max_shard_size
-        )
+        export_complete_run(training_args, state.params, config, tokenizer, model_code)
     if training_args.do_eval:
         evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not train_now)
     if jax.process_index() == 0:
@@ -690,7 +688,7 @@ def main():
     if train_now:
         evaluation.sample_from_export(setup.abstract_state.params)
     if training_args.do_train and "tensorboard" in training_args.report_to:
-        print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+        print_once(f"TensorBoard: tensorboard --logdir {tensorboard_dir(training_args)}")
 
 
 def choose_block_size(data_args, tokenizer, config) -> int:
@@ -781,7 +779,7 @@ def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int
     intervals = [training_args.logging_steps, training_args.save_steps]
     if training_args.do_eval:
         intervals.append(training_args.eval_steps or training_args.logging_steps)
-    calls, step = [], first_step
+    calls, step = ([1], 1) if training_args.logging_first_step and first_step == 0 else ([], first_step)
     while step < total_steps:
         call_end = min([total_steps, step + training_args.steps_per_call] + [(step // n + 1) * n for n in intervals])
         calls.append(call_end - step)
@@ -797,6 +795,7 @@ def train(
     which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
     Returns the state and the signal that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
+    evaluate_on_start(evaluate, state.params, progress, training_args)
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
         open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
@@ -810,7 +809,7 @@ def train(
             step += len(step_tokens)
             checkpoint_being_written = checkpoint_still_written(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
-            is_log_step = step % training_args.logging_steps == 0 or is_last
+            is_log_step = logs_at_step(step, is_last, training_args)
             stopping = stop.requested(check_other_processes=is_log_step)
             is_save_step = step % training_args.save_steps == 0 or is_last or stopping
             if is_log_step or is_save_step:

@@ -20,6 +20,7 @@ from flax_lm.hf_io import check_local_model_directory, shard_size_in_bytes
 from flax_lm.mesh import create_mesh
 from flax_lm.mixture import read_mixture
 from flax_lm.tracking import trackers_to_report
+from flax_lm.trainer_flags import refuse_unknown_arguments, with_alias_values, with_flags_renamed, with_keys_renamed
 
 
 @dataclass
@@ -397,6 +398,31 @@ class CommonTrainingArguments:
         metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
     )
     eval_steps: int | None = field(default=None, metadata={"help": "Evaluate this often; default: --logging_steps."})
+    eval_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": "When to evaluate while training (with --do_eval): every --eval_steps (steps), at the end of "
+            "each epoch (epoch), or only after training (no).",
+            "choices": ["steps", "epoch", "no"],
+        },
+    )
+    save_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": "When to save a checkpoint and export the model: every --save_steps (steps), at the end of each "
+            "epoch (epoch), or only at the end of training (no; the export needs that one).",
+            "choices": ["steps", "epoch", "no"],
+        },
+    )
+    eval_on_start: bool = field(
+        default=False, metadata={"help": "With --do_eval, evaluate the model before the first step (at step 0)."}
+    )
+    logging_first_step: bool = field(
+        default=False, metadata={"help": "Log the first step as well as every --logging_steps."}
+    )
+    logging_dir: str | None = field(
+        default=None, metadata={"help": "Where TensorBoard's event files go; default: OUTPUT_DIR/tensorboard."}
+    )
     run_name: str | None = field(
         default=None,
         metadata={"help": "The run's name in W&B and MLflow; default: the name of --output_dir."},
@@ -445,90 +471,6 @@ class DistributedArguments:
     )
 
 
-# Flags of the Hugging Face examples that these scripts do not take, and what to do instead.
-UNSUPPORTED_FLAGS = {
-    "push_to_hub": "upload the model after training with `hf upload` as docs/exporting.md shows (its files alone)",
-    "hub_model_id": "upload the model after training with `hf upload MODEL_ID OUTPUT_DIR` as docs/exporting.md shows",
-    "hub_token": "upload the model after training with `hf upload`, which takes the token of `hf auth login`",
-    "use_fast_tokenizer": "the tokenizer is always the fast (tokenizers-backed) one; leave the flag out",
-    "remat_policy": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing dots_saveable",
-    "adafactor": "pass --optim adafactor",
-    "torch_compile": "the steps are compiled by XLA always (jax.jit); leave the flag out",
-    "fp16": "pass --dtype float16 (or --bf16, the same as --dtype bfloat16)",
-    "tf32": "matrix products run at the precision of --dtype; leave the flag out",
-    "deepspeed": "spread the model over the devices with --mesh_shape (data, FSDP and tensor parallel)",
-    "fsdp": "shard the parameters over the devices with --mesh_shape, e.g. --mesh_shape 1,8,1",
-    "dataloader_num_workers": "batches are assembled ahead of the step in a thread of their own; tokenizing in "
-    "processes is --preprocessing_num_workers",
-    "gradient_checkpointing_kwargs": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing "
-    "dots_saveable",
-}
-
-# Trainer's and TRL's names for flags these scripts take under another name: each is taken as the first of the
-# script's flags that it lists (--max_length is run_clm_flax.py's --block_size, run_mlm_flax.py's --max_seq_length).
-FLAG_ALIASES = {
-    "max_length": ["block_size", "max_seq_length"],
-    "max_seq_length": ["block_size"],
-    "dataset_text_field": ["text_column_name"],
-    "dataset_num_proc": ["preprocessing_num_workers"],
-}
-# Trainer's --bf16 (compute in bfloat16, the parameters kept in float32) is --dtype bfloat16.
-SWITCH_ALIASES = {"bf16": ("dtype", "bfloat16")}
-# Trainer's names of learning rate schedules ours compute: the cosine decays to --min_lr_rate (cosine_with_min_lr's
-# min_lr_rate), and every schedule starts with the warm-up (constant_with_warmup).
-LEARNING_RATE_SCHEDULE_ALIASES = {"cosine_with_min_lr": "cosine", "constant_with_warmup": "constant"}
-TRUE_WORDS, FALSE_WORDS = {"true", "yes", "1"}, {"false", "no", "0"}
-
-
-def with_flags_renamed(arguments: list[str], known: set[str]) -> list[str]:
-    """The command line with Trainer's and TRL's names of our flags (FLAG_ALIASES, SWITCH_ALIASES) replaced by ours."""
-    renamed, position = [], 0
-    while position < len(arguments):
-        argument = arguments[position]
-        position += 1
-        name, equals, value = argument[2:].partition("=") if argument.startswith("--") else ("", "", "")
-        if name in SWITCH_ALIASES and name not in known:
-            if not equals and position < len(arguments) and arguments[position].lower() in TRUE_WORDS | FALSE_WORDS:
-                value, equals = arguments[position], "="
-                position += 1
-            if not equals or value.lower() in TRUE_WORDS:
-                flag, flag_value = SWITCH_ALIASES[name]
-                renamed += [f"--{flag}", flag_value]
-            elif value.lower() not in FALSE_WORDS:
-                raise UsageError(f"--{name} takes true or false, not {value}")
-            continue
-        if name in FLAG_ALIASES and name not in known:
-            target = next((flag for flag in FLAG_ALIASES[name] if flag in known), None)
-            if target is not None:
-                argument = f"--{target}{equals}{value}"
-        renamed.append(argument)
-    return renamed
-
-
-def with_keys_renamed(values: dict, known: set[str]) -> dict:
-    """An arguments file's values with Trainer's and TRL's names of our flags replaced by ours."""
-    renamed = {}
-    for name, value in values.items():
-        if name in SWITCH_ALIASES and name not in known:
-            if not isinstance(value, bool):
-                raise UsageError(f"'{name}' takes true or false, not {value!r}")
-            if value:
-                flag, flag_value = SWITCH_ALIASES[name]
-                renamed[flag] = flag_value
-            continue
-        targets = [flag for flag in FLAG_ALIASES.get(name, []) if flag in known] if name not in known else []
-        renamed[targets[0] if targets else name] = value
-    return renamed
-
-
-def with_alias_values(parsed: tuple) -> tuple:
-    for arguments in parsed:
-        schedule = getattr(arguments, "lr_scheduler_type", None)
-        if schedule in LEARNING_RATE_SCHEDULE_ALIASES:
-            arguments.lr_scheduler_type = LEARNING_RATE_SCHEDULE_ALIASES[schedule]
-    return parsed
-
-
 def parse_arguments(model_arguments, data_arguments, training_arguments) -> tuple:
     """The command line (or a single .json file of arguments) as the script's three argument dataclasses and
     DistributedArguments. Trainer's and TRL's names for our flags are taken as ours (FLAG_ALIASES)."""
@@ -561,15 +503,6 @@ def recorded_arguments(*argument_groups) -> dict:
     arguments = {name: value for group in argument_groups for name, value in asdict(group).items()}
     del arguments["token"]
     return arguments
-
-
-def refuse_unknown_arguments(arguments: list[str]):
-    for argument in arguments:
-        name = argument.split("=")[0].lstrip("-").replace("-", "_")
-        if name in UNSUPPORTED_FLAGS:
-            raise UsageError(f"--{name} is not supported: {UNSUPPORTED_FLAGS[name]}")
-    if arguments:
-        raise UsageError(f"unknown argument {arguments[0]}; see --help for the arguments this script takes")
 
 
 def names_data(data_args) -> bool:
@@ -606,6 +539,14 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
             f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
             f"{data_args.text_sample_by} the text is read as written, line breaks included"
         )
+    for flag in ("eval_strategy", "save_strategy"):  # a JSON file of arguments skips argparse's choices
+        if getattr(training_args, flag) not in ("steps", "epoch", "no"):
+            raise UsageError(f"--{flag} {getattr(training_args, flag)} is not one of steps, epoch, no")
+        if getattr(training_args, flag) == "epoch" and data_args.streaming and not data_args.packed_data_dir:
+            raise UsageError(
+                f"--{flag} epoch needs the length of an epoch, which a --streaming run does not know; pass --{flag} "
+                f"steps with --{flag.split('_')[0]}_steps"
+            )
     if training_args.max_shard_size is not None:
         try:
             shard_size_in_bytes(training_args.max_shard_size)

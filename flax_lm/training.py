@@ -30,6 +30,7 @@ from flax_lm.train_state import (
     repeat_train_step,
     train_step_compiler_options,
 )
+from flax_lm.trainer_flags import apply_strategies
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def set_up_training(
     accumulation_steps = training_args.gradient_accumulation_steps
     train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
     steps_per_epoch, total_steps = count_steps(training_args, train_rows, train_batch_size, f"--{script.length_name}")
+    apply_strategies(training_args, steps_per_epoch, total_steps)
     schedule = script.learning_rate_schedule(training_args, total_steps)
     optimizer = script.create_optimizer(training_args, schedule)
     abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
@@ -195,12 +197,10 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
     return progress.step
 
 
-def export_complete_run(
-    output_dir: str, params, config, tokenizer, model_code: ModelCode, max_shard_size: str | None = None
-):
+def export_complete_run(training_args, params, config, tokenizer, model_code: ModelCode):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""
-    weights = ("model.safetensors", SAFETENSORS_INDEX_NAME, FLAX_WEIGHTS_NAME)
+    output_dir, weights = training_args.output_dir, ("model.safetensors", SAFETENSORS_INDEX_NAME, FLAX_WEIGHTS_NAME)
     if not any(os.path.isfile(os.path.join(output_dir, name)) for name in weights):
-        save_model(output_dir, params, config, tokenizer, model_code, max_shard_size)
+        save_model(output_dir, params, config, tokenizer, model_code, training_args.max_shard_size)
         logger.info("Exported the model of the complete run to %s", output_dir)
