@@ -165,6 +165,19 @@ class TrainingArguments(CommonTrainingArguments):
         default=None,
         metadata={"help": "Score only the first N documents of each task of --eval_tasks: quicker, less exact."},
     )
+    apply_chat_template: bool = field(
+        default=False,
+        metadata={"help": "Prompt --eval_tasks as conversations in the tokenizer's chat template (lm-eval's flag)."},
+    )
+    fewshot_as_multiturn: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Each few-shot example of --eval_tasks a chat turn of its own (lm-eval's flag); default: as "
+            "--apply_chat_template, as in lm-eval.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
 
 
 def check_arguments(model_args, data_args, training_args):
@@ -186,8 +199,15 @@ def check_arguments(model_args, data_args, training_args):
             raise UsageError("--eval_tasks are scored at each evaluation: add --do_eval")
         if training_args.eval_tasks_path and not os.path.isdir(training_args.eval_tasks_path):
             raise UsageError(f"--eval_tasks_path {training_args.eval_tasks_path} is not a directory")
-    elif training_args.eval_tasks_path or training_args.eval_tasks_limit:
-        raise UsageError("--eval_tasks_path and --eval_tasks_limit apply to --eval_tasks; add it or leave them out")
+    elif training_args.eval_tasks_path or training_args.eval_tasks_limit or training_args.apply_chat_template:
+        raise UsageError(
+            "--eval_tasks_path, --eval_tasks_limit and --apply_chat_template apply to --eval_tasks; add it or leave "
+            "them out"
+        )
+    if training_args.fewshot_as_multiturn and not training_args.apply_chat_template:
+        raise UsageError("--fewshot_as_multiturn makes the few-shot examples chat turns: add --apply_chat_template")
+    if training_args.fewshot_as_multiturn is None:
+        training_args.fewshot_as_multiturn = training_args.apply_chat_template
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -553,6 +573,8 @@ class Evaluation:
                 training_args.eval_tasks_path,
                 training_args.eval_tasks_limit,
                 FlaxLM(scorer, self.sampler, tokenizer, batch_size=setup.eval_batch_size),
+                training_args.apply_chat_template,
+                training_args.fewshot_as_multiturn,
             )
 
     def __call__(self, params, step: int) -> dict:
