@@ -164,8 +164,8 @@ class TokenizerArguments:
         default=False,
         metadata={
             "help": "Give the tokenizer a chat template (ChatML's <|im_start|>ROLE ... <|im_end|>, its two special "
-            "tokens added after the others, the assistant's turns marked for return_assistant_tokens_mask), so that "
-            "run_clm_flax.py trains on conversations and transformers' apply_chat_template renders them (gpt2, llama)."
+            "tokens added after the others), so that run_clm_flax.py trains on conversations (with the assistant's "
+            "turns marked for the loss) and transformers, Jinja2 and minijinja engines render them (gpt2, llama)."
         },
     )
     overwrite: bool = field(default=False, metadata={"help": "Replace a tokenizer already saved in --output_dir."})

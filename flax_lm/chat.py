@@ -7,7 +7,9 @@ tokenizer's beginning-of-text token (GPT-2's <|endoftext|>, Llama's <|begin_of_t
 number of roles, the layout of Qwen's and SmolLM's chat models, which inference servers (vLLM, llama.cpp) recognise.
 The assistant's content and its <|im_end|> are inside `{% generation %}` markers, so that
 apply_chat_template(..., return_assistant_tokens_mask=True) says which tokens the assistant wrote: those the loss
-covers, and <|im_end|> among them, so that the model learns to end its turn.
+covers, and <|im_end|> among them, so that the model learns to end its turn. Those markers only transformers parses:
+the files written for other tools carry the template without them (exported_chat_template), and training from such
+files puts them back (training_chat_template).
 """
 
 import re
