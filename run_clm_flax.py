@@ -65,26 +65,18 @@ from flax_lm.data.loading import (
 from flax_lm.data.mixture import Mixture
 from flax_lm.data.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.devices.processes import (
-    print_once,
-)
+from flax_lm.devices.processes import print_once
 from flax_lm.errors import UsageError, run
 from flax_lm.evaluation.scoring import Scorer
-from flax_lm.evaluation.validation import evaluate_by_source, report_by_source, saved_results
+from flax_lm.evaluation.validation import evaluate_by_source, evaluate_on_start, report_by_source, saved_results
 from flax_lm.generation.sampling import generate_ids, make_sampler
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import (
-    evaluated_step,
-    open_output_dir,
-    report_stop,
-    write_json,
-    write_train_results,
-)
+from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json, write_train_results
 from flax_lm.run.record import TrainingProgress
-from flax_lm.run.tracking import TrainingLog, open_trackers
+from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
 from flax_lm.training.setup import (
@@ -98,11 +90,7 @@ from flax_lm.training.setup import (
     set_up_training,
     start_run,
 )
-from flax_lm.training.train_state import (
-    TrainState,
-    accumulate_gradients,
-    apply_finite_update,
-)
+from flax_lm.training.train_state import TrainState, accumulate_gradients, apply_finite_update
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +145,19 @@ class TrainingArguments(CommonTrainingArguments):
         default=None,
         metadata={"help": "Score only the first N documents of each task of --eval_tasks: quicker, less exact."},
     )
+    apply_chat_template: bool = field(
+        default=False,
+        metadata={"help": "Prompt --eval_tasks as conversations in the tokenizer's chat template (lm-eval's flag)."},
+    )
+    fewshot_as_multiturn: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Each few-shot example of --eval_tasks a chat turn of its own (lm-eval's flag); default: as "
+            "--apply_chat_template, as in lm-eval.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
 
 
 def check_arguments(model_args, data_args, training_args):
@@ -178,8 +179,15 @@ def check_arguments(model_args, data_args, training_args):
             raise UsageError("--eval_tasks are scored at each evaluation: add --do_eval")
         if training_args.eval_tasks_path and not os.path.isdir(training_args.eval_tasks_path):
             raise UsageError(f"--eval_tasks_path {training_args.eval_tasks_path} is not a directory")
-    elif training_args.eval_tasks_path or training_args.eval_tasks_limit:
-        raise UsageError("--eval_tasks_path and --eval_tasks_limit apply to --eval_tasks; add it or leave them out")
+    elif training_args.eval_tasks_path or training_args.eval_tasks_limit or training_args.apply_chat_template:
+        raise UsageError(
+            "--eval_tasks_path, --eval_tasks_limit and --apply_chat_template apply to --eval_tasks; add it or leave "
+            "them out"
+        )
+    if training_args.fewshot_as_multiturn and not training_args.apply_chat_template:
+        raise UsageError("--fewshot_as_multiturn makes the few-shot examples chat turns: add --apply_chat_template")
+    if training_args.fewshot_as_multiturn is None:
+        training_args.fewshot_as_multiturn = training_args.apply_chat_template
 
 
 # ---------------------------------------------------------------------------------------------------- Data: texts
@@ -549,6 +557,8 @@ class Evaluation:
                 training_args.eval_tasks_path,
                 training_args.eval_tasks_limit,
                 FlaxLM(scorer, self.sampler, tokenizer, batch_size=setup.eval_batch_size),
+                training_args.apply_chat_template,
+                training_args.fewshot_as_multiturn,
             )
 
     def __call__(self, params, step: int) -> dict:
@@ -668,7 +678,7 @@ def main():
             return
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
-        export_complete_run(training_args.output_dir, state.params, config, tokenizer, model_code)
+        export_complete_run(training_args, state.params, config, tokenizer, model_code)
     finish_run(
         training_args,
         evaluation,
@@ -767,7 +777,7 @@ def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int
     intervals = [training_args.logging_steps, training_args.save_steps]
     if training_args.do_eval:
         intervals.append(training_args.eval_steps or training_args.logging_steps)
-    calls, step = [], first_step
+    calls, step = ([1], 1) if training_args.logging_first_step and first_step == 0 else ([], first_step)
     while step < total_steps:
         call_end = min([total_steps, step + training_args.steps_per_call] + [(step // n + 1) * n for n in intervals])
         calls.append(call_end - step)
@@ -783,6 +793,7 @@ def train(
     which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
     Returns the state and the signal that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
+    evaluate_on_start(evaluate, state.params, progress, training_args)
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
         open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
@@ -796,7 +807,7 @@ def train(
             step += len(step_tokens)
             checkpoint_being_written = log_when_committed(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
-            is_log_step = step % training_args.logging_steps == 0 or is_last
+            is_log_step = logs_at_step(step, is_last, training_args)
             stopping = stop.requested(check_other_processes=is_log_step)
             is_save_step = step % training_args.save_steps == 0 or is_last or stopping
             if is_log_step or is_save_step:

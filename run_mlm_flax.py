@@ -64,25 +64,23 @@ from flax_lm.data.loading import (
 from flax_lm.data.mixture import Mixture
 from flax_lm.data.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.devices.processes import (
-    print_once,
-)
+from flax_lm.devices.processes import print_once
 from flax_lm.errors import UsageError, run
-from flax_lm.evaluation.validation import evaluate_by_source, evaluation_sets, report_by_source, saved_results
+from flax_lm.evaluation.validation import (
+    evaluate_by_source,
+    evaluate_on_start,
+    evaluation_sets,
+    report_by_source,
+    saved_results,
+)
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.models.roberta import check_tokenizer
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import (
-    evaluated_step,
-    open_output_dir,
-    report_stop,
-    write_json,
-    write_train_results,
-)
+from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json, write_train_results
 from flax_lm.run.record import TrainingProgress
-from flax_lm.run.tracking import TrainingLog, open_trackers
+from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
 from flax_lm.training.setup import (
@@ -96,11 +94,7 @@ from flax_lm.training.setup import (
     set_up_training,
     start_run,
 )
-from flax_lm.training.train_state import (
-    TrainState,
-    accumulate_gradients,
-    apply_finite_update,
-)
+from flax_lm.training.train_state import TrainState, accumulate_gradients, apply_finite_update
 
 logger = logging.getLogger(__name__)
 
@@ -806,7 +800,7 @@ def main():
             return
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
-        export_complete_run(training_args.output_dir, state.params, config, tokenizer, model_code)
+        export_complete_run(training_args, state.params, config, tokenizer, model_code)
     finish_run(training_args, evaluation, trackers, state, train_now, evaluation.fill_mask_with_export)
 
 
@@ -923,7 +917,7 @@ def steps_of_calls(first_step: int, total_steps: int, training_args) -> list[int
     intervals = [training_args.logging_steps, training_args.save_steps]
     if training_args.do_eval:
         intervals.append(training_args.eval_steps or training_args.logging_steps)
-    calls, step = [], first_step
+    calls, step = ([1], 1) if training_args.logging_first_step and first_step == 0 else ([], first_step)
     while step < total_steps:
         call_end = min([total_steps, step + training_args.steps_per_call] + [(step // n + 1) * n for n in intervals])
         calls.append(call_end - step)
@@ -940,6 +934,7 @@ def train(
     which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
     Returns the state and the signal that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
+    evaluate_on_start(evaluate, state.params, progress, training_args)
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
         open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
@@ -953,7 +948,7 @@ def train(
             step += len(step_tokens)
             checkpoint_being_written = log_when_committed(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
-            is_log_step = step % training_args.logging_steps == 0 or is_last
+            is_log_step = logs_at_step(step, is_last, training_args)
             stopping = stop.requested(check_other_processes=is_log_step)
             is_save_step = step % training_args.save_steps == 0 or is_last or stopping
             if is_log_step or is_save_step:

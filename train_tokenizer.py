@@ -37,6 +37,7 @@ from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, run
+from flax_lm.models.tokenizer_files import save_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +165,8 @@ class TokenizerArguments:
         default=False,
         metadata={
             "help": "Give the tokenizer a chat template (ChatML's <|im_start|>ROLE ... <|im_end|>, its two special "
-            "tokens added after the others, the assistant's turns marked for return_assistant_tokens_mask), so that "
-            "run_clm_flax.py trains on conversations and transformers' apply_chat_template renders them (gpt2, llama)."
+            "tokens added after the others), so that run_clm_flax.py trains on conversations (with the assistant's "
+            "turns marked for the loss) and transformers, Jinja2 and minijinja engines render them (gpt2, llama)."
         },
     )
     overwrite: bool = field(default=False, metadata={"help": "Replace a tokenizer already saved in --output_dir."})
@@ -407,7 +408,7 @@ def save_tokenizer(fast_tokenizer, output_dir):
     os.makedirs(parent, exist_ok=True)
     staging_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}-", dir=parent)
     try:
-        fast_tokenizer.save_pretrained(staging_dir)
+        save_tokenizer_files(fast_tokenizer, staging_dir)
         os.makedirs(output_dir, exist_ok=True)
         written = sorted(os.listdir(staging_dir))
         for name in written:

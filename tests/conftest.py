@@ -144,3 +144,39 @@ def server_process(model_dir, log_path, *arguments):
             server.kill()
         server.wait()
         log.close()
+
+
+TRANSFORMERS_4_VERSION = "4.57.6"
+
+
+@pytest.fixture(scope="session")
+def transformers_4_python():
+    """The Python of an environment with transformers 4.57 (and the PyTorch of this one), where the exports must read
+    as well as in transformers 5: made once with pip under the user's cache directory, and reused. A test that needs it
+    fails, with pip's words, where it cannot be made."""
+    import filelock
+    import torch
+
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flax_lm-tests"
+    environment = cache_dir / f"transformers-{TRANSFORMERS_4_VERSION}"
+    made = environment / "made"  # written last: an environment without it was interrupted and is made again
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(f"{environment}.lock"):
+        if not made.exists():
+            shutil.rmtree(environment, ignore_errors=True)
+            torch_version = torch.__version__.split("+")[0]
+            packages = [
+                f"transformers=={TRANSFORMERS_4_VERSION}",
+                "tokenizers",
+                "safetensors",
+                f"torch=={torch_version}",
+            ]
+            for command in [
+                [sys.executable, "-m", "venv", str(environment)],
+                [str(environment / "bin" / "python"), "-m", "pip", "install", "--quiet", *packages],
+            ]:
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    pytest.fail(f"cannot make the transformers {TRANSFORMERS_4_VERSION} environment: {result.stderr}")
+            made.touch()
+    return environment / "bin" / "python"

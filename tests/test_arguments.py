@@ -60,6 +60,59 @@ def test_gradient_checkpointing_takes_the_hugging_face_boolean_or_a_policy(scrip
     assert model_args.gradient_checkpointing == policy
 
 
+TRAINER_NAMES = [
+    (["--bf16"], "dtype", "bfloat16"),
+    (["--bf16", "true"], "dtype", "bfloat16"),
+    (["--bf16=False"], "dtype", "float32"),
+    (["--dataset_text_field", "body"], "text_column_name", "body"),
+    (["--dataset_num_proc", "3"], "preprocessing_num_workers", 3),
+    (["--lr_scheduler_type", "cosine_with_min_lr", "--min_lr_rate", "0.1"], "lr_scheduler_type", "cosine"),
+    (["--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "5"], "lr_scheduler_type", "constant"),
+    (["--run_name", "baseline-3"], "run_name", "baseline-3"),
+]
+
+
+@pytest.mark.parametrize("flags, name, value", TRAINER_NAMES)
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_trainer_and_trl_names_of_our_flags_mean_ours(script, flags, name, value, checked_arguments):
+    groups = checked_arguments(script, "--train_file", "train.txt", *flags)
+    assert [getattr(group, name) for group in groups if hasattr(group, name)] == [value]
+
+
+@pytest.mark.parametrize("script, length_flag", [("run_clm_flax", "block_size"), ("run_mlm_flax", "max_seq_length")])
+@pytest.mark.parametrize("alias", ["--max_length", "--max_seq_length"])
+def test_trls_max_length_is_the_scripts_sequence_length(script, length_flag, alias, checked_arguments):
+    _, data_args, _ = checked_arguments(script, "--train_file", "train.txt", f"{alias}=48")
+    assert getattr(data_args, length_flag) == 48
+
+
+def test_trainer_names_in_a_json_arguments_file_mean_ours(tmp_path, monkeypatch):
+    arguments_file = tmp_path / "arguments.json"
+    values = {"output_dir": str(tmp_path / "out"), "tokenizer_name": "t", "train_file": "t.txt"}
+    arguments_file.write_text(json.dumps({**values, "bf16": True, "max_seq_length": 32, "dataset_text_field": "x"}))
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", str(arguments_file)])
+    model_args, data_args, _, _ = parse_arguments(run_clm_flax)
+    assert (model_args.dtype, data_args.block_size, data_args.text_column_name) == ("bfloat16", 32, "x")
+
+
+@pytest.mark.parametrize(
+    "flags, advice",
+    [
+        (["--torch_compile"], "--torch_compile is not supported: the steps are compiled by XLA always"),
+        (["--push_to_hub"], "--push_to_hub is not supported: upload the model after training with `hf upload`"),
+        (["--fp16"], "--fp16 is not supported: pass --dtype float16"),
+        (["--deepspeed", "ds.json"], "--deepspeed is not supported: spread the model over the devices with --mesh"),
+        (["--dataloader_num_workers", "4"], "--dataloader_num_workers is not supported: batches are assembled"),
+        (["--bf16=maybe"], "--bf16 takes true or false, not maybe"),
+        (["--max_shard_size", "lots"], "--max_shard_size lots is not a size; pass one such as 5GB, 500MB"),
+    ],
+)
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_trainer_flags_that_cannot_apply_are_refused_saying_what_to_do(script, flags, advice, checked_arguments):
+    with pytest.raises(errors.UsageError, match=f"^{re.escape(advice)}"):
+        checked_arguments(script, "--train_file", "train.txt", *flags)
+
+
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)
 def test_every_train_file_given_is_read_listed_or_each_after_its_own_flag(script, checked_arguments):
     _, data_args, _ = checked_arguments(
@@ -137,7 +190,10 @@ def test_training_from_scratch_without_a_tokenizer_is_refused_before_any_work(tm
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"output_dir": "out", "push_to_hub": True}, "--push_to_hub is not supported: upload --output_dir"),
+        (
+            {"output_dir": "out", "push_to_hub": True},
+            "--push_to_hub is not supported: upload the model after training",
+        ),
         ({"output_dir": "out", "remat_policy": "dots_saveable"}, "--gradient_checkpointing dots_saveable"),
         ({"output_dir": "out", "learning_rte": 1e-3}, "unknown argument --learning_rte"),
         ({"learning_rate": 1e-3}, "missing 1 required positional argument: 'output_dir'"),

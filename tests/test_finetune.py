@@ -21,7 +21,8 @@ from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoToken
 
 import generate_flax
 import run_clm_flax
-from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
+from flax_lm.command_line.arguments import ModelArguments
+from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, marks_assistant_tokens
 from flax_lm.data.finetune_examples import (
     CONVERSATIONAL_PROMPT_COMPLETION,
     CONVERSATIONS,
@@ -33,7 +34,7 @@ from flax_lm.data.packed import cached_blocks, load_packed_corpus
 from flax_lm.errors import UsageError
 from flax_lm.generation.sampling import Sampling
 from flax_lm.models import stock_module
-from flax_lm.models.huggingface import save_model
+from flax_lm.models.huggingface import load_config_and_tokenizer, save_model
 from flax_lm.training.train_state import abstract_model_params
 
 USER_TURN = {"role": "user", "content": "Hi"}
@@ -230,7 +231,10 @@ def test_eval_loss_is_pytorchs_loss_of_the_export_on_the_trained_tokens(run, cha
     results = json.loads((output_dir / "eval_results.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     model = AutoModelForCausalLM.from_pretrained(output_dir).eval()
-    loss, count = pytorch_loss(model, tokenizer, example_format, data[16:])
+    # The tokens trained on as the training template marks them: the export's template renders the same text without
+    # the markers, which other engines refuse.
+    training_tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dirs[model_type])
+    loss, count = pytorch_loss(model, training_tokenizer, example_format, data[16:])
     assert results["eval_tokens"] == count
     assert results["eval_loss"] == pytest.approx(loss, rel=1e-5)
     # The export carries the chat template and stops at its end of turn, in transformers' pipeline too.
@@ -543,7 +547,7 @@ def test_a_model_without_a_chat_template_refuses_conversations(generator):
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_train_tokenizer_writes_a_chat_template_that_marks_the_assistants_tokens(run_tool, tmp_path):
+def test_train_tokenizer_writes_a_chat_template_training_reads_with_the_assistants_tokens_marked(run_tool, tmp_path):
     corpus = os.path.join(os.path.dirname(__file__), "fixtures", "en", "train.txt")
     output_dir = tmp_path / "tokenizer"
     result = run_tool(
@@ -551,7 +555,10 @@ def test_train_tokenizer_writes_a_chat_template_that_marks_the_assistants_tokens
         "--chat_template", "--output_dir", output_dir,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert not marks_assistant_tokens(AutoTokenizer.from_pretrained(output_dir).chat_template)  # for other engines
+    _, tokenizer = load_config_and_tokenizer(
+        ModelArguments(tokenizer_name=str(output_dir), model_type="llama"), "llama"
+    )
     assert tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<|end_of_text|>", *CHAT_SPECIAL_TOKENS]) == [
         0,
         1,

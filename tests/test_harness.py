@@ -6,6 +6,7 @@ over texts longer than the model's 64 positions, and a generative one."""
 import importlib.util
 import json
 import re
+import shutil
 import sys
 
 import datasets
@@ -21,6 +22,7 @@ from test_clm import run_clm_flax, run_script, scalars
 from test_serve import running_server
 from transformers import AutoTokenizer
 
+from flax_lm.data.chat import DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.texts import token_byte_counts
 from flax_lm.devices.mesh import BATCH_AXES, create_mesh
 from flax_lm.errors import UsageError
@@ -249,7 +251,9 @@ def test_a_task_whose_data_cannot_be_read_is_refused_in_one_line(generator, task
     "arguments, message",
     [
         (["--do_train", "--eval_tasks", CHOICE], "--eval_tasks are scored at each evaluation: add --do_eval"),
-        (["--eval_tasks_limit", "5"], "--eval_tasks_path and --eval_tasks_limit apply to --eval_tasks; add it or"),
+        (["--eval_tasks_limit", "5"], "--eval_tasks_path, --eval_tasks_limit and --apply_chat_template apply to --ev"),
+        (["--apply_chat_template"], "--eval_tasks_path, --eval_tasks_limit and --apply_chat_template apply to --eval"),
+        (["--eval_tasks", CHOICE, "--fewshot_as_multiturn"], "--fewshot_as_multiturn makes the few-shot examples"),
         (["--eval_tasks", CHOICE, "--eval_tasks_path", "no-such-dir"], "--eval_tasks_path no-such-dir is not a dir"),
         (["--eval_tasks", CHOICE, "--eval_tasks_limit", "0"], "--eval_tasks_limit 0 must be at least 1"),
     ],
@@ -280,3 +284,61 @@ def test_eval_tasks_without_lm_eval_installed_are_refused_in_one_line(tiny_gpt2_
         UsageError, match="^--eval_tasks needs lm-evaluation-harness, which is not installed: pip install lm_eval$"
     ):
         run_clm_flax.main()
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tiny_gpt2_dir, tasks_dir, tmp_path_factory):
+    """The tiny GPT-2 with the default chat template (its ChatML markers are text to this tokenizer), its
+    generate_flax.py Generator, and the local tasks with one few-shot example each."""
+    import generate_flax
+
+    root = tmp_path_factory.mktemp("chat-tasks")
+    model_dir = shutil.copytree(tiny_gpt2_dir, root / "tiny-chat-gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    chat_tasks_dir = shutil.copytree(tasks_dir, root / "tasks")
+    for task in (CHOICE, GENERATION):
+        config = json.loads((chat_tasks_dir / f"{task}.yaml").read_text())
+        (chat_tasks_dir / f"{task}.yaml").write_text(json.dumps(config | {"num_fewshot": 1}))
+    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(model_dir)))
+    return model_dir, chat_tasks_dir, generate_flax.Generator(model, params, tokenizer, batch_size=4)
+
+
+def chat_evaluate(model, tasks_dir) -> dict:
+    """lm-eval as `lm_eval --apply_chat_template` runs it (few-shot examples as turns, its default then)."""
+    task_index = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    return lm_eval.evaluator.simple_evaluate(
+        model=model, tasks=[CHOICE, GENERATION], task_manager=task_index, bootstrap_iters=0,
+        apply_chat_template=True, fewshot_as_multiturn=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_results(chat_setup):
+    model_dir, chat_tasks_dir, generator = chat_setup
+    hf = chat_evaluate(HFLM(pretrained=str(model_dir), batch_size=4, device="cpu"), chat_tasks_dir)
+    model = FlaxLM(generator.scorer, generator.sampler, generator.tokenizer, batch_size=4)
+    model.params = generator.params
+    ours = chat_evaluate(model, chat_tasks_dir)
+    # What run_clm_flax.py --eval_tasks --apply_chat_template computes at an evaluation.
+    in_training = HarnessTasks([CHOICE, GENERATION], str(chat_tasks_dir), None, model, True, True)(generator.params)
+    return hf, ours, in_training
+
+
+@pytest.mark.parametrize("task", [CHOICE, GENERATION])
+def test_with_apply_chat_template_the_jax_model_answers_chat_prompts_as_the_hf_backend_does(task, chat_results):
+    hf, ours, in_training = chat_results
+    contexts = [sample["arguments"][0][0] for sample in hf["samples"][task]]
+    # The prompt is a conversation: the few-shot example and the question each a user turn, then the assistant's.
+    assert all(context.count("<|im_start|>user\n") == 2 for context in contexts), contexts[0]
+    assert all(context.endswith("<|im_start|>assistant\n") for context in contexts), contexts[0]
+    assert [sample["arguments"] for sample in ours["samples"][task]] == [
+        sample["arguments"] for sample in hf["samples"][task]
+    ]
+    if task == CHOICE:
+        assert_same_log_likelihoods(answers(ours, task), answers(hf, task))
+        assert [greedy for _, greedy in answers(ours, task)] == [greedy for _, greedy in answers(hf, task)]
+    else:
+        assert answers(ours, task) == answers(hf, task)
+    assert metric_values(ours["results"])[task] == metric_values(hf["results"])[task] == in_training[task]

@@ -7,6 +7,7 @@ fractions) is tested in test_mlm_model.py.
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import stock_code
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from safetensors.numpy import load_file
 from transformers import (
     AutoModelForMaskedLM,
@@ -34,6 +36,7 @@ import run_mlm_flax  # noqa: E402
 from flax_lm.command_line.arguments import ModelArguments, parse_arguments  # noqa: E402
 from flax_lm.data.packed import cached_blocks  # noqa: E402
 from flax_lm.models import roberta  # noqa: E402
+from flax_lm.models.huggingface import read_safetensors_checkpoint  # noqa: E402
 from flax_lm.training.train_state import abstract_model_params  # noqa: E402
 
 TRAIN_FILE = os.path.join(REPO, "tests", "fixtures", "en", "train.txt")
@@ -326,9 +329,11 @@ def untrained_checkpoint_eval(run_tool, model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained_run(run_tool, model_dir, tmp_path_factory):
-    """The Hugging Face example's command line (no --do_train or --do_eval: it does both): (output dir, run)."""
+    """The Hugging Face example's command line (no --do_train or --do_eval: it does both), with the export sharded as
+    save_pretrained shards it (the 1000 x 64 float32 embeddings alone are 256 KB): (output dir, run)."""
     output_dir = tmp_path_factory.mktemp("trained")
-    return output_dir, run_mlm(run_tool, hf_example_command_line(model_dir, output_dir))
+    command_line = [*hf_example_command_line(model_dir, output_dir), "--max_shard_size=100KB"]
+    return output_dir, run_mlm(run_tool, command_line)
 
 
 def test_continues_from_a_pytorch_checkpoint(untrained_checkpoint_eval, model_dir):
@@ -341,9 +346,11 @@ def test_continues_from_a_pytorch_checkpoint(untrained_checkpoint_eval, model_di
 
 def test_hf_example_command_line_writes_every_expected_file(trained_run):
     output_dir, result = trained_run
+    assert len(list(output_dir.glob("model-*-of-*.safetensors"))) >= 2
+    assert not (output_dir / "model.safetensors").exists()
     for name in (
         "config.json",
-        "model.safetensors",
+        "model.safetensors.index.json",
         "tokenizer.json",
         "tokenizer_config.json",
         "eval_results.json",
@@ -421,10 +428,44 @@ def test_export_loads_in_transformers_with_the_logits_of_the_flax_model(trained_
     config = RobertaConfig.from_pretrained(str(output_dir))
     model = roberta.FlaxRobertaForMaskedLM(config)
     abstract = abstract_model_params(model, jnp.zeros((1, 1), jnp.int32))
-    params = roberta.from_hf_state_dict(load_file(str(output_dir / "model.safetensors")), abstract)
+    params = roberta.from_hf_state_dict(read_safetensors_checkpoint(str(output_dir), model_args=None), abstract)
     logits = model.apply({"params": params}, jnp.asarray(inputs["input_ids"]), jnp.asarray(inputs["attention_mask"]))
     real = inputs["attention_mask"].astype(bool)  # PyTorch and Flax differ only at the padding
     np.testing.assert_allclose(np.asarray(logits)[real], expected[real], atol=1e-4, rtol=0)
+
+
+def documented_upload_patterns() -> tuple[list[str], list[str]]:
+    """The --include and --exclude patterns of the `hf upload` command docs/exporting.md gives."""
+    with open(os.path.join(REPO, "docs", "exporting.md")) as file:
+        (command,) = [line for line in file.read().splitlines() if line.startswith("hf upload ")]
+    words = shlex.split(command)
+    patterns = {"--include": [], "--exclude": []}
+    for flag, value in zip(words, words[1:]):
+        if flag in patterns:
+            patterns[flag].append(value)
+    return patterns["--include"], patterns["--exclude"]
+
+
+def test_the_documented_upload_sends_the_model_alone_and_it_loads_from_those_files(trained_run, tmp_path):
+    output_dir, _ = trained_run
+    every_file = sorted(str(path.relative_to(output_dir)) for path in output_dir.glob("**/*") if path.is_file())
+    assert {"run_mlm_flax.py", ".lock", "all_results.json"} <= set(every_file)
+    assert {"checkpoints", "code", "tensorboard"} <= {name.split("/")[0] for name in every_file}
+    include, exclude = documented_upload_patterns()
+    # What `hf upload` (HfApi.upload_folder) sends: huggingface_hub's own filter, with the patterns it always ignores.
+    uploaded = list(
+        filter_repo_objects(every_file, allow_patterns=include, ignore_patterns=exclude + DEFAULT_IGNORE_PATTERNS)
+    )
+    shards = sorted(path.name for path in output_dir.glob("model-*-of-*.safetensors"))
+    expected = ["config.json", *shards, "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(uploaded) == sorted(expected)
+    model_only = tmp_path / "uploaded"
+    model_only.mkdir()
+    for name in uploaded:
+        shutil.copyfile(output_dir / name, model_only / name)
+    _, loading_info = AutoModelForMaskedLM.from_pretrained(str(model_only), output_loading_info=True)
+    assert not any(loading_info.values()), loading_info
+    assert AutoTokenizer.from_pretrained(str(model_only)).mask_token == "<mask>"
 
 
 def test_export_works_in_the_fill_mask_pipeline(trained_run):
@@ -589,7 +630,8 @@ def test_a_mistake_exits_with_one_clear_line_and_leaves_the_disk_alone(run_tool,
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: --push_to_hub is not supported: upload --output_dir after training, e.g. with `hf upload`"
+        "error: --push_to_hub is not supported: upload the model after training with `hf upload` as "
+        "docs/exporting.md shows (its files alone)"
     ]
     assert not output_dir.exists()
 
@@ -625,7 +667,10 @@ def bad_inputs(model_dir, tmp_path_factory):
         (["--line_by_line", "--document_attention"], "--document_attention has no effect with --line_by_line"),
         (["--per_device_train_batch_size", "100000"], "lower --per_device_train_batch_size or --max_seq_length"),
         (["--output_dir", "{bad}/output-with-files"], "already holds files; pass --resume_from_checkpoint"),
-        (["--hub_model_id", "me/model"], "--hub_model_id is not supported: upload --output_dir after training"),
+        (
+            ["--hub_model_id", "me/model"],
+            "--hub_model_id is not supported: upload the model after training with `hf upload",
+        ),
         (["--hub_modelid", "me/model"], "unknown argument --hub_modelid"),
     ],
 )

@@ -95,7 +95,9 @@ def test_a_call_runs_only_its_count_of_steps_and_calls_of_any_count_compose_exac
 
 
 def loop_arguments(**overrides):
-    defaults = dict(steps_per_call=8, logging_steps=10, save_steps=25, eval_steps=None, do_eval=True)
+    defaults = dict(
+        steps_per_call=8, logging_steps=10, save_steps=25, eval_steps=None, do_eval=True, logging_first_step=False
+    )
     return SimpleNamespace(**{**defaults, **overrides})
 
 
@@ -108,6 +110,8 @@ def test_calls_end_at_every_step_that_logs_evaluates_or_saves():
     # A resumed run's calls start after its checkpoint; one step per call is the plain loop.
     assert run_clm_flax.steps_of_calls(25, 30, loop_arguments()) == [5]
     assert run_clm_flax.steps_of_calls(3, 7, loop_arguments(steps_per_call=1)) == [1, 1, 1, 1]
+    # --logging_first_step: the first call ends at step 1, which is logged.
+    assert run_clm_flax.steps_of_calls(0, 12, loop_arguments(logging_first_step=True)) == [1, 8, 1, 2]
 
 
 def training_command(model_dir, output_dir, *extra):

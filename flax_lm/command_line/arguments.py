@@ -13,10 +13,16 @@ import jax
 from transformers import HfArgumentParser
 
 from flax_lm.command_line.directories import check_writable_directory
+from flax_lm.command_line.trainer_flags import (
+    refuse_unknown_arguments,
+    with_alias_values,
+    with_flags_renamed,
+    with_keys_renamed,
+)
 from flax_lm.data.mixture import read_mixture
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
-from flax_lm.models.huggingface import check_local_model_directory
+from flax_lm.models.huggingface import check_local_model_directory, shard_size_in_bytes
 from flax_lm.run.tracking import trackers_to_report
 from flax_lm.training.compilation import use_compilation_cache
 
@@ -50,6 +56,13 @@ class ModelArguments:
     )
     config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A chat template (a Jinja file, or a tokenizer directory whose chat_template.jinja it takes) to "
+            "render the conversations with, in place of the tokenizer's; the export carries it."
+        },
+    )
     cache_dir: str | None = field(
         default=None, metadata={"help": "Where downloaded models and datasets, and the tokenized data, are cached."}
     )
@@ -354,6 +367,13 @@ class CommonTrainingArguments:
         },
     )
     save_steps: int = field(default=500, metadata={"help": "Steps between saves of a checkpoint and the model."})
+    max_shard_size: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split the exported model.safetensors into shards of at most this size (5GB, 500MB, or bytes), "
+            "with their index model.safetensors.index.json, as save_pretrained does; default: one file."
+        },
+    )
     save_total_limit: int = field(
         default=3, metadata={"help": "Keep this many newest training checkpoints in OUTPUT_DIR/checkpoints."}
     )
@@ -383,6 +403,35 @@ class CommonTrainingArguments:
         metadata={"help": "Skip an update whose loss or gradient norm is not finite, instead of stopping."},
     )
     eval_steps: int | None = field(default=None, metadata={"help": "Evaluate this often; default: --logging_steps."})
+    eval_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": "When to evaluate while training (with --do_eval): every --eval_steps (steps), at the end of "
+            "each epoch (epoch), or only after training (no).",
+            "choices": ["steps", "epoch", "no"],
+        },
+    )
+    save_strategy: str = field(
+        default="steps",
+        metadata={
+            "help": "When to save a checkpoint and export the model: every --save_steps (steps), at the end of each "
+            "epoch (epoch), or only at the end of training (no; the export needs that one).",
+            "choices": ["steps", "epoch", "no"],
+        },
+    )
+    eval_on_start: bool = field(
+        default=False, metadata={"help": "With --do_eval, evaluate the model before the first step (at step 0)."}
+    )
+    logging_first_step: bool = field(
+        default=False, metadata={"help": "Log the first step as well as every --logging_steps."}
+    )
+    logging_dir: str | None = field(
+        default=None, metadata={"help": "Where TensorBoard's event files go; default: OUTPUT_DIR/tensorboard."}
+    )
+    run_name: str | None = field(
+        default=None,
+        metadata={"help": "The run's name in W&B and MLflow; default: the name of --output_dir."},
+    )
     seed: int = field(
         default=42,
         metadata={"help": "Seed for initialisation, data order and the randomness of training (dropout, masking)."},
@@ -427,39 +476,31 @@ class DistributedArguments:
     )
 
 
-# Flags of the Hugging Face examples that these scripts do not take, and what to do instead.
-UNSUPPORTED_FLAGS = {
-    "push_to_hub": "upload --output_dir after training, e.g. with `hf upload`",
-    "hub_model_id": "upload --output_dir after training, e.g. with `hf upload MODEL_ID OUTPUT_DIR`",
-    "hub_token": "upload --output_dir after training with `hf upload`, which takes the token of `hf auth login`",
-    "use_fast_tokenizer": "the tokenizer is always the fast (tokenizers-backed) one; leave the flag out",
-    "remat_policy": "name the policy after --gradient_checkpointing, e.g. --gradient_checkpointing dots_saveable",
-    "adafactor": "pass --optim adafactor",
-}
-
-
 def parse_arguments(model_arguments, data_arguments, training_arguments) -> tuple:
     """The command line (or a single .json file of arguments) as the script's three argument dataclasses and
-    DistributedArguments."""
+    DistributedArguments. Trainer's and TRL's names for our flags are taken as ours (FLAG_ALIASES)."""
     parser = HfArgumentParser((model_arguments, data_arguments, training_arguments, DistributedArguments))
+    known = {item.name for group in parser.dataclass_types for item in fields(group)}
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         try:
             with open(sys.argv[1]) as file:
                 values = json.load(file)
             if not isinstance(values, dict):
                 raise ValueError("it must hold one JSON object of argument names and values")
-            known = {item.name for group in parser.dataclass_types for item in fields(group)}
+            values = with_keys_renamed(values, known)
             refuse_unknown_arguments([f"--{name}" for name in values if name not in known])
             # One file where the command line takes several ("train_file": "data.txt"), as the flag given once.
             for name in ("train_file", "validation_file"):
                 if isinstance(values.get(name), str):
                     values[name] = [values[name]]
-            return parser.parse_dict(values)
+            return with_alias_values(parser.parse_dict(values))
         except (OSError, TypeError, ValueError) as error:
             raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
-    *arguments, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    *arguments, unknown = parser.parse_args_into_dataclasses(
+        args=with_flags_renamed(sys.argv[1:], known), return_remaining_strings=True
+    )
     refuse_unknown_arguments(unknown)
-    return tuple(arguments)
+    return with_alias_values(tuple(arguments))
 
 
 def recorded_arguments(*argument_groups) -> dict:
@@ -467,15 +508,6 @@ def recorded_arguments(*argument_groups) -> dict:
     arguments = {name: value for group in argument_groups for name, value in asdict(group).items()}
     del arguments["token"]
     return arguments
-
-
-def refuse_unknown_arguments(arguments: list[str]):
-    for argument in arguments:
-        name = argument.split("=")[0].lstrip("-").replace("-", "_")
-        if name in UNSUPPORTED_FLAGS:
-            raise UsageError(f"--{name} is not supported: {UNSUPPORTED_FLAGS[name]}")
-    if arguments:
-        raise UsageError(f"unknown argument {arguments[0]}; see --help for the arguments this script takes")
 
 
 def names_data(data_args) -> bool:
@@ -512,6 +544,22 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
             f"--keep_linebreaks False applies to --text_sample_by line only; with --text_sample_by "
             f"{data_args.text_sample_by} the text is read as written, line breaks included"
         )
+    for flag in ("eval_strategy", "save_strategy"):  # a JSON file of arguments skips argparse's choices
+        if getattr(training_args, flag) not in ("steps", "epoch", "no"):
+            raise UsageError(f"--{flag} {getattr(training_args, flag)} is not one of steps, epoch, no")
+        if getattr(training_args, flag) == "epoch" and data_args.streaming and not data_args.packed_data_dir:
+            raise UsageError(
+                f"--{flag} epoch needs the length of an epoch, which a --streaming run does not know; pass --{flag} "
+                f"steps with --{flag.split('_')[0]}_steps"
+            )
+    if training_args.max_shard_size is not None:
+        try:
+            shard_size_in_bytes(training_args.max_shard_size)
+        except ValueError:
+            raise UsageError(
+                f"--max_shard_size {training_args.max_shard_size} is not a size; pass one such as 5GB, 500MB or a "
+                "number of bytes"
+            ) from None
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
     training_args.allow_resume_changes = [

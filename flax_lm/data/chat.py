@@ -7,7 +7,9 @@ tokenizer's beginning-of-text token (GPT-2's <|endoftext|>, Llama's <|begin_of_t
 number of roles, the layout of Qwen's and SmolLM's chat models, which inference servers (vLLM, llama.cpp) recognise.
 The assistant's content and its <|im_end|> are inside `{% generation %}` markers, so that
 apply_chat_template(..., return_assistant_tokens_mask=True) says which tokens the assistant wrote: those the loss
-covers, and <|im_end|> among them, so that the model learns to end its turn.
+covers, and <|im_end|> among them, so that the model learns to end its turn. Those markers only transformers parses:
+the files written for other tools carry the template without them (exported_chat_template), and training from such
+files puts them back (training_chat_template).
 """
 
 import re
@@ -33,6 +35,8 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Either marker, with its whitespace control: {%- generation -%}, {% endgeneration %}, ...
+GENERATION_TAG = re.compile(r"\{%(?P<before>-?)\s*(?P<end>end)?generation\s*(?P<after>-?)%\}")
 
 # A conversation as the messages say it should be: each message's role and content are checked, its other fields (a
 # name, tool calls) go to the template as they are.
@@ -51,6 +55,24 @@ def marks_assistant_tokens(template: str) -> bool:
     """Whether the template marks the assistant's tokens with {% generation %}, which return_assistant_tokens_mask
     needs (without them transformers returns a mask of zeros)."""
     return bool(GENERATION_MARKER.search(template))
+
+
+def exported_chat_template(template: str) -> str:
+    """The template as a model's export carries it, for the engines that render chat templates in Jinja2 or minijinja
+    themselves, which refuse the {% generation %} tag transformers added for training: each marker becomes an `if`
+    that always holds, with the same whitespace control, so every engine renders the text training rendered."""
+
+    def unmarked(tag):
+        statement = "endif" if tag["end"] else "if true"
+        return f"{{%{tag['before']} {statement} {tag['after']}%}}"
+
+    return GENERATION_TAG.sub(unmarked, template)
+
+
+def training_chat_template(template: str) -> str:
+    """The template to train with: the default one with its markers where an export carries it without them (a model
+    exported here and trained on again), else the template as it is."""
+    return DEFAULT_CHAT_TEMPLATE if template == exported_chat_template(DEFAULT_CHAT_TEMPLATE) else template
 
 
 def conversation_problem(messages) -> str | None:

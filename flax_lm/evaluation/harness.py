@@ -18,6 +18,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from flax_lm.data.chat import chat_template_of
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError
 from flax_lm.evaluation.scoring import Scorer
@@ -56,6 +57,24 @@ class FlaxLM(TemplateLM):
     @property
     def max_length(self) -> int:
         return self.scorer.max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        """What lm-eval's request caches are told the prompts were rendered with (the hf backend's value)."""
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return chat_template_of(self.tokenizer)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation lm-eval makes of a prompt (--apply_chat_template) rendered by the tokenizer's template as
+        the hf backend renders it: asking for the assistant's turn, or continuing its last message."""
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         if add_special_tokens is None:
@@ -172,11 +191,27 @@ def task_index(names: list[str], include_path: str | None):
 
 class HarnessTasks:
     """The lm-eval tasks or groups `names` (from lm-eval's own and the YAML files under `include_path`) that a run
-    scores with `model` (a FlaxLM), on the first `limit` documents of each (all where None). The tasks are looked up
-    and their data read here, so that a wrong name or data file is refused before any training."""
+    scores with `model` (a FlaxLM), on the first `limit` documents of each (all where None). With
+    `apply_chat_template`, each prompt is a conversation rendered by the tokenizer's chat template, the few-shot
+    examples as earlier turns with `fewshot_as_multiturn`, as lm-eval's flags of those names make them. The tasks are
+    looked up and their data read here, so that a wrong name or data file is refused before any training."""
 
-    def __init__(self, names: list[str], include_path: str | None, limit: int | None, model: FlaxLM):
+    def __init__(
+        self,
+        names: list[str],
+        include_path: str | None,
+        limit: int | None,
+        model: FlaxLM,
+        apply_chat_template: bool = False,
+        fewshot_as_multiturn: bool = False,
+    ):
         self.names, self.limit, self.model = names, limit, model
+        self.apply_chat_template, self.fewshot_as_multiturn = apply_chat_template, fewshot_as_multiturn
+        if apply_chat_template and chat_template_of(model.tokenizer) is None:
+            raise UsageError(
+                "--apply_chat_template renders the task prompts with the tokenizer's chat template, and the tokenizer "
+                "has none; leave the flag out, or give it one (--chat_template_path)"
+            )
         self.index = task_index(names, include_path)
         with main_process_first("evaluation tasks loaded"):  # process 0 fills the datasets cache
             self.load()
@@ -201,7 +236,13 @@ class HarnessTasks:
         random.seed(PYTHON_SEED)
         np.random.seed(NUMPY_SEED)
         results = lm_eval.evaluator.evaluate(
-            lm=self.model, task_dict=loaded, limit=self.limit, bootstrap_iters=0, log_samples=False
+            lm=self.model,
+            task_dict=loaded,
+            limit=self.limit,
+            bootstrap_iters=0,
+            log_samples=False,
+            apply_chat_template=self.apply_chat_template,
+            fewshot_as_multiturn=self.fewshot_as_multiturn,
         )
         return metric_values(results["results"])
 

@@ -42,3 +42,9 @@ def saved_results(results: dict, names: tuple, validation) -> dict:
     for source, source_results in results["sources"].items():
         saved.update({f"eval_{source}_{name}": source_results.get(name) for name in names})
     return saved | {"eval_samples": sum(map(len, evaluation_sets(validation).values()))}
+
+
+def evaluate_on_start(evaluate, params, progress, training_args):
+    """--eval_on_start: with --do_eval, evaluate the model of a new run before its first step (at step 0)."""
+    if training_args.do_eval and training_args.eval_on_start and progress.step == 0:
+        evaluate(params, 0)

@@ -16,12 +16,14 @@ import ml_dtypes
 import numpy as np
 import transformers
 from flax.traverse_util import flatten_dict, unflatten_dict
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.serialization._base import parse_size_to_int
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from flax_lm.data.chat import stop_token_ids
+from flax_lm.data.chat import stop_token_ids, training_chat_template
 from flax_lm.errors import UsageError, naming_a_full_disk
 from flax_lm.models.model_code import (
     FINGERPRINT_KEY,
@@ -30,6 +32,7 @@ from flax_lm.models.model_code import (
     ModelCode,
     check_model_file_of,
 )
+from flax_lm.models.tokenizer_files import CHAT_TEMPLATE_FILE, save_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,10 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
+    if model_args.chat_template_path:
+        tokenizer.chat_template = read_chat_template(model_args.chat_template_path)
+    if isinstance(tokenizer.chat_template, str):
+        tokenizer.chat_template = training_chat_template(tokenizer.chat_template)
     backend = tokenizer.backend_tokenizer
     if backend.get_vocab_size(with_added_tokens=False) == 0:
         raise UsageError(
@@ -121,6 +128,20 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
     return config, tokenizer
 
 
+def read_chat_template(path: str) -> str:
+    """The template of --chat_template_path: a Jinja file, or a tokenizer directory's chat_template.jinja."""
+    file_path = os.path.join(path, CHAT_TEMPLATE_FILE) if os.path.isdir(path) else path
+    try:
+        with open(file_path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise UsageError(
+            f"cannot read --chat_template_path {path} ({file_path}: {reason}); pass a Jinja file or a tokenizer "
+            "directory holding chat_template.jinja"
+        ) from None
+
+
 # safetensors dtype names -> numpy dtypes; bfloat16 (how Llama checkpoints are saved) through ml_dtypes, which
 # safetensors' own numpy reader does not use.
 SAFETENSORS_DTYPES = {
@@ -156,6 +177,8 @@ PICKLE_WEIGHTS = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 # How transformers names the shards of sharded weights (model-00001-of-00003.safetensors).
 SHARD_NAME = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
+# The shards save_pretrained writes, model-00001-of-00003.safetensors, ..., which its index names.
+SAFETENSORS_SHARD_PATTERN = "model{suffix}.safetensors"
 
 
 def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
@@ -240,6 +263,41 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file
     os.replace(f"{weights_path}.tmp", weights_path)
 
 
+def shard_size_in_bytes(size: str) -> int:
+    """--max_shard_size in bytes: a number of bytes, or one with a unit as save_pretrained takes it (5GB, 500MB).
+    ValueError for anything else."""
+    size_in_bytes = int(size) if size.isdigit() else parse_size_to_int(size)
+    if size_in_bytes <= 0:
+        raise ValueError(f"{size} is not a positive size")
+    return size_in_bytes
+
+
+def write_transformers_weights(output_dir: str, state_dict: dict[str, np.ndarray], max_shard_size: str | None) -> set:
+    """model.safetensors or, for weights larger than `max_shard_size` ("5GB", "500MB", a number of bytes), shards of
+    at most that size with their index (model.safetensors.index.json), laid out and named as save_pretrained lays them
+    out; the index last, so that a reader finds the shards it names all there. Returns the names of the files written
+    (remove_replaced_weights then removes the earlier layout's)."""
+    split = split_state_dict_into_shards_factory(
+        state_dict,
+        get_storage_size=lambda tensor: tensor.nbytes,
+        filename_pattern=SAFETENSORS_SHARD_PATTERN,
+        max_shard_size=shard_size_in_bytes(max_shard_size)
+        if max_shard_size
+        else sum(t.nbytes for t in state_dict.values()),
+    )
+    index_path = os.path.join(output_dir, SAFETENSORS_INDEX)
+    for file_name, tensor_names in split.filename_to_tensors.items():
+        write_model_weights(output_dir, {name: state_dict[name] for name in tensor_names}, file_name)
+    written = set(split.filename_to_tensors)
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        with open(f"{index_path}.tmp", "w") as file:
+            json.dump(index, file, indent=2, sort_keys=True)
+        os.replace(f"{index_path}.tmp", index_path)
+        written.add(SAFETENSORS_INDEX)
+    return written
+
+
 def check_architecture_fits(params, config, model):
     """Refuse, in one line, parameters that do not map onto the architecture an export of them names
     (`model.HF_ARCHITECTURES[config.model_type]` in config.json): transformers would load such weights with some of
@@ -268,13 +326,14 @@ def check_architecture_fits(params, config, model):
         )
 
 
-def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode):
+def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode, max_shard_size: str | None = None):
     """A Hugging Face model directory: config.json, the weights, the tokenizer and, for a model that generates text
     (GENERATES_TEXT), its generation config (for one that does not, an earlier model's there is removed). Where
     `model_code` claims its architecture (flax_lm.models.model_code), the config names it and model.safetensors holds
     the weights as the module maps them (to_hf_state_dict), for transformers; otherwise flax_model.safetensors holds
     the Flax parameters, beside a copy of the model file, for the tools of this repository (--model_file), and
-    transformers finds no weights it could load as another model.
+    transformers finds no weights it could load as another model. With `max_shard_size`, model.safetensors is split
+    into shards of at most that size, with their index (write_transformers_weights).
 
     Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the
     architecture the config names are refused first (check_architecture_fits), by every process, with nothing written.
@@ -291,15 +350,15 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
             delattr(config, key)
     with naming_a_full_disk("--output_dir", output_dir):
         if model_code.claims_architecture:
-            write_model_weights(output_dir, model.to_hf_state_dict(host_params), SAFETENSORS_WEIGHTS)
-            remove_replaced_weights(output_dir, SAFETENSORS_WEIGHTS)
+            written = write_transformers_weights(output_dir, model.to_hf_state_dict(host_params), max_shard_size)
+            remove_replaced_weights(output_dir, written)
             # What AutoModelFor... and pipeline(...) build.
             config.architectures = [model.HF_ARCHITECTURES[config.model_type]]
         else:
             flat = {"/".join(path): np.asarray(value) for path, value in flatten_dict(host_params).items()}
             write_model_weights(output_dir, flat, FLAX_WEIGHTS_NAME)
             # Weights for transformers there would load as the architecture the earlier config named.
-            remove_replaced_weights(output_dir, FLAX_WEIGHTS_NAME)
+            remove_replaced_weights(output_dir, {FLAX_WEIGHTS_NAME})
             model_file = os.path.basename(model_code.own_file or model.__file__)
             shutil.copyfile(model.__file__, os.path.join(output_dir, model_file))
             config.architectures = None
@@ -314,14 +373,14 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
             generation_config.save_pretrained(output_dir)
         else:
             remove_if_there(os.path.join(output_dir, "generation_config.json"))  # an earlier model's, here
-        tokenizer.save_pretrained(output_dir)
+        save_tokenizer_files(tokenizer, output_dir)
 
 
-def remove_replaced_weights(output_dir: str, written: str):
-    """Remove every weights file in `output_dir` but `written`, the one just exported: the other format's, and the
-    model that a run continuing in place (--model_name_or_path and --output_dir the same) started from: sharded
-    safetensors (the index and the shards it names), pytorch_model.bin, its index and shards. Left there, they would
-    be a second model in the directory, which a loader with another order than transformers' would read."""
+def remove_replaced_weights(output_dir: str, written: set[str]):
+    """Remove every weights file in `output_dir` but those `written` by the export just made: the other format's, and
+    the model that a run continuing in place (--model_name_or_path and --output_dir the same) started from: sharded
+    safetensors (the index and the shards it names), pytorch_model.bin, its index and shards. Left there, they would be
+    a second model in the directory, which a loader with another order than transformers' would read."""
     names = {SAFETENSORS_WEIGHTS, FLAX_WEIGHTS_NAME, SAFETENSORS_INDEX, PICKLE_WEIGHTS, PICKLE_INDEX}
     names.update(name for name in os.listdir(output_dir) if SHARD_NAME.fullmatch(name))
     for index_name in (SAFETENSORS_INDEX, PICKLE_INDEX):
@@ -329,11 +388,16 @@ def remove_replaced_weights(output_dir: str, written: str):
             with open(os.path.join(output_dir, index_name)) as index_file:
                 shard_names = set(json.load(index_file)["weight_map"].values())
             names.update(name for name in shard_names if isinstance(name, str) and os.path.basename(name) == name)
-    removed = sorted(name for name in names - {written} if os.path.isfile(os.path.join(output_dir, name)))
+    removed = sorted(name for name in names - written if os.path.isfile(os.path.join(output_dir, name)))
     for name in removed:
         os.remove(os.path.join(output_dir, name))
     if removed:
-        logger.warning("removed %s from %s: the exported %s replaces them", ", ".join(removed), output_dir, written)
+        logger.warning(
+            "removed %s from %s: the exported %s replace them",
+            ", ".join(removed),
+            output_dir,
+            ", ".join(sorted(written)),
+        )
 
 
 def copy_of(config):

@@ -145,25 +145,33 @@ class TrainingLog:
         self.window, self.window_start = [], time.perf_counter()
 
 
+def tensorboard_dir(training_args) -> str:
+    """Where TensorBoard's event files go: --logging_dir, or OUTPUT_DIR/tensorboard."""
+    return training_args.logging_dir or os.path.join(training_args.output_dir, "tensorboard")
+
+
 class TensorBoardWriter:
-    """OUTPUT_DIR/tensorboard, written with the tensorboard package alone (no TensorFlow). It opens with the
+    """The event files of the run in OUTPUT_DIR (`output_dir`), in `directory` (tensorboard_dir), written with the
+    tensorboard package alone (no TensorFlow). It opens with the
     arguments, the model config and an HParams summary: the hyperparameters, and the scalars (`metric_tags`) whose
     last values TensorBoard's HParams tab compares runs by."""
 
-    def __init__(self, output_dir: str, arguments: dict, model_config: dict, metric_tags: list[str]):
+    def __init__(self, output_dir: str, directory: str, arguments: dict, model_config: dict, metric_tags: list[str]):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2, summary_v2
         from tensorboard.plugins.text.summary_v2 import text_pb
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._event_pb2, self._summary_pb2, self._text_pb = event_pb2, summary_pb2, text_pb
-        logs = os.path.join(output_dir, "tensorboard")
-        made_logs = not os.path.isdir(logs)
-        earlier_logs = set() if made_logs else set(os.listdir(logs))
-        self._writer = EventFileWriter(logs)
-        # The event file just created (named by the time, host and process) is the run's, and the folder if it made it.
-        written = [f"tensorboard/{name}" for name in sorted(set(os.listdir(logs)) - earlier_logs)]
-        record_run_files(output_dir, written + (["tensorboard/"] if made_logs else []))
+        made_logs = not os.path.isdir(directory)
+        earlier_logs = set() if made_logs else set(os.listdir(directory))
+        self._writer = EventFileWriter(directory)
+        # The event file just created (named by the time, host and process) is the run's, and the folder if it made
+        # it, where they are inside the output directory (--logging_dir may put them elsewhere).
+        inside = os.path.relpath(os.path.abspath(directory), os.path.abspath(output_dir))
+        if not inside.startswith(os.pardir):
+            written = [f"{inside}/{name}" for name in sorted(set(os.listdir(directory)) - earlier_logs)]
+            record_run_files(output_dir, written + ([f"{inside}/"] if made_logs else []))
         self.text("arguments", markdown_table(arguments, "argument"))
         config_json = json.dumps(model_config, indent=2, sort_keys=True)
         self.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))
@@ -342,10 +350,12 @@ def open_trackers(training_args, progress, arguments: dict, config, metric_tags:
     trackers = []
     for tracker in training_args.report_to:
         if tracker == "tensorboard":
-            trackers.append(TensorBoardWriter(output_dir, arguments, model_config, metric_tags))
+            trackers.append(
+                TensorBoardWriter(output_dir, tensorboard_dir(training_args), arguments, model_config, metric_tags)
+            )
             continue
         tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
-        name = os.path.basename(os.path.abspath(output_dir))
+        name = training_args.run_name or os.path.basename(os.path.abspath(output_dir))
         trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
         if trackers[-1].run_id != run_ids.get(tracker):
             run_ids[tracker] = trackers[-1].run_id
@@ -359,7 +369,8 @@ NOT_HYPERPARAMETERS = set(
     "output_dir overwrite_output_dir do_train do_eval cache_dir overwrite_cache preprocessing_num_workers "
     "packed_data_dir packed_tokens_per_shard allow_pickle_weights mesh_shape per_device_eval_batch_size "
     "logging_steps eval_steps save_steps save_total_limit resume_from_checkpoint report_to sample_prompt "
-    "sample_tokens fill_mask_text fill_mask_top_k".split()
+    "sample_tokens fill_mask_text fill_mask_top_k run_name chat_template_path logging_dir logging_first_step "
+    "eval_strategy save_strategy eval_on_start max_shard_size".split()
 )
 
 
@@ -376,3 +387,9 @@ def markdown_table(values: dict, name_header: str) -> str:
     rows = [f"| {name_header} | value |", "| --- | --- |"]
     rows += [f"| {name} | {value} |" for name, value in sorted(values.items())]
     return "\n".join(rows)
+
+
+def logs_at_step(step: int, is_last: bool, training_args) -> bool:
+    """Whether the loop logs after `step`: every --logging_steps, at the last step, and at step 1 with
+    --logging_first_step."""
+    return step % training_args.logging_steps == 0 or is_last or (training_args.logging_first_step and step == 1)

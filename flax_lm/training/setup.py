@@ -17,6 +17,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_lm.command_line.arguments import parse_arguments
+from flax_lm.command_line.trainer_flags import apply_strategies
 from flax_lm.data.loading import count_steps
 from flax_lm.data.packed import tokenizer_fingerprint
 from flax_lm.devices.mesh import BATCH_AXES
@@ -27,11 +28,12 @@ from flax_lm.devices.processes import (
     setup_logging,
     wait_for_all_processes,
 )
-from flax_lm.models.huggingface import read_exported_params, save_model
+from flax_lm.models.huggingface import SAFETENSORS_INDEX, read_exported_params, save_model
 from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
 from flax_lm.run.output_dir import check_output_dir, write_all_results
 from flax_lm.run.record import TrainingProgress, check_model_code, check_resumed_run, describe_run
+from flax_lm.run.tracking import tensorboard_dir
 from flax_lm.training.train_state import (
     TrainState,
     abstract_train_state,
@@ -70,7 +72,7 @@ def finish_run(training_args, evaluation, trackers, state, trained_now: bool, sh
     if trained_now:
         show_export()
     if training_args.do_train and "tensorboard" in training_args.report_to:
-        print_once(f"TensorBoard: tensorboard --logdir {os.path.join(training_args.output_dir, 'tensorboard')}")
+        print_once(f"TensorBoard: tensorboard --logdir {tensorboard_dir(training_args)}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class TrainingSetup:
     # (state, batches of up to --steps_per_call steps, the steps to run) -> (state, the metrics of each step)
     compiled_train_steps: Any
     eval_step: Any
+    max_shard_size: str | None  # --max_shard_size of the exports
 
 
 def set_up_training(
@@ -125,6 +128,7 @@ def set_up_training(
     accumulation_steps = training_args.gradient_accumulation_steps
     train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
     steps_per_epoch, total_steps = count_steps(training_args, train_rows, train_batch_size, f"--{script.length_name}")
+    apply_strategies(training_args, steps_per_epoch, total_steps)
     schedule = script.learning_rate_schedule(training_args, total_steps)
     optimizer = script.create_optimizer(training_args, schedule)
     abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
@@ -161,6 +165,7 @@ def set_up_training(
             compiler_options=train_step_compiler_options(),
         ),
         eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
+        max_shard_size=training_args.max_shard_size,
     )
 
 
@@ -223,7 +228,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
-    save_model(output_dir, state.params, config, tokenizer, setup.model_code)
+    save_model(output_dir, state.params, config, tokenizer, setup.model_code, setup.max_shard_size)
     logger.info(
         "step %d: exported the model to %s; writing the training checkpoint in the background",
         progress.step,
@@ -232,9 +237,10 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
     return progress.step
 
 
-def export_complete_run(output_dir: str, params, config, tokenizer, model_code: ModelCode):
+def export_complete_run(training_args, params, config, tokenizer, model_code: ModelCode):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""
-    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("model.safetensors", FLAX_WEIGHTS_NAME)):
-        save_model(output_dir, params, config, tokenizer, model_code)
+    output_dir, weights = training_args.output_dir, ("model.safetensors", SAFETENSORS_INDEX, FLAX_WEIGHTS_NAME)
+    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in weights):
+        save_model(output_dir, params, config, tokenizer, model_code, training_args.max_shard_size)
         logger.info("Exported the model of the complete run to %s", output_dir)
