@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO_DIR, server_process
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from flax_lm import sampling
 from flax_lm.errors import UsageError
@@ -50,6 +51,66 @@ def test_greedy_ids_equal_transformers_generate_for_a_batch_of_different_lengths
         expected = torch_greedy_ids(tiny_gpt2_dir, ids, 20)
         assert new_ids == expected
         assert len(set(new_ids)) > 3  # the model writes something, not one token over and over
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(llama_tokenizer_dir, tmp_path_factory):
+    """A tiny random Llama (grouped-query attention) saved by transformers beside the Llama test tokenizer, its
+    weights drawn wide as the tiny GPT-2's are."""
+    directory = shutil.copytree(llama_tokenizer_dir, tmp_path_factory.mktemp("generate") / "tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=64, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def generators(generator, tiny_gpt2_dir, tiny_llama_dir):
+    """(export directory, Generator) of the tiny GPT-2 and the tiny Llama, by model type."""
+    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_llama_dir)))
+    llama = generate_flax.Generator(model, params, tokenizer, batch_size=4)
+    return {"gpt2": (tiny_gpt2_dir, generator), "llama": (tiny_llama_dir, llama)}
+
+
+# Each of transformers' settings alone and all together, with greedy decoding; the end of text is a token the models
+# write (see test_decoding_settings_give_the_tokens_of_transformers_generate), so that beams and rows end early.
+DECODING_SETTINGS = {
+    "beams": dict(num_beams=3),
+    "beams_length_penalty_early_stopping": dict(num_beams=2, length_penalty=0.5, early_stopping=True),
+    "beams_never_stopping_early": dict(num_beams=3, length_penalty=2.0, early_stopping="never"),
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "min_new_tokens": dict(min_new_tokens=10),
+    "all_together": dict(num_beams=3, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=6),
+}
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_decoding_settings_give_the_tokens_of_transformers_generate(generators, model_type):
+    model_dir, generator = generators[model_type]
+    prompt_ids = generator.encode(PROMPTS, 16, "prompt")
+    greedy = sampling.generate_ids(generator.sampler, generator.params, prompt_ids, 16)
+    # The end of text: a token greedy decoding writes early in some row, not in all
+    end_of_text = next(token for token in greedy[1][2:] if not all(token in row for row in greedy))
+    sampler = sampling.make_sampler(generator.model, end_of_text)
+    torch_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ended_early = 0
+    for name, settings in DECODING_SETTINGS.items():
+        samplings = [sampling.Sampling(16, prompt_index=row, **settings) for row in range(len(prompt_ids))]
+        ours = sampling.decode_rows(sampler, generator.params, prompt_ids, samplings)
+        for ids, new_ids in zip(prompt_ids, ours):
+            expected = torch_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=16,
+                do_sample=False, eos_token_id=end_of_text, pad_token_id=end_of_text, **settings,
+            )[0, len(ids) :].tolist()  # fmt: skip
+            assert new_ids == expected, name
+            ended_early += len(new_ids) < 16
+    assert ended_early >= 3  # the end of text mattered
 
 
 def test_cached_logits_equal_a_full_recompute(generator):
