@@ -78,15 +78,16 @@ def generators(generator, tiny_gpt2_dir, tiny_llama_dir):
 
 
 # Each of transformers' settings alone and all together, with greedy decoding; the end of text is a token the models
-# write (see test_decoding_settings_give_the_tokens_of_transformers_generate), so that beams and rows end early.
+# write (see test_decoding_settings_give_the_tokens_of_transformers_generate), so that beams and rows end early. The
+# rows of each group share one batch, each by its own settings: two compiled programs per model.
 DECODING_SETTINGS = {
-    "beams": dict(num_beams=3),
-    "beams_length_penalty_early_stopping": dict(num_beams=2, length_penalty=0.5, early_stopping=True),
-    "beams_never_stopping_early": dict(num_beams=3, length_penalty=2.0, early_stopping="never"),
-    "repetition_penalty": dict(repetition_penalty=1.8),
-    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
-    "min_new_tokens": dict(min_new_tokens=10),
-    "all_together": dict(num_beams=3, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=6),
+    "greedy": [dict(repetition_penalty=1.8), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10)],
+    "beam search": [
+        dict(num_beams=3),
+        dict(num_beams=3, length_penalty=0.5, early_stopping=True),
+        dict(num_beams=3, length_penalty=2.0, early_stopping="never"),
+        dict(num_beams=3, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=6),
+    ],
 }
 
 
@@ -100,15 +101,16 @@ def test_decoding_settings_give_the_tokens_of_transformers_generate(generators, 
     sampler = sampling.make_sampler(generator.model, end_of_text)
     torch_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ended_early = 0
-    for name, settings in DECODING_SETTINGS.items():
-        samplings = [sampling.Sampling(16, prompt_index=row, **settings) for row in range(len(prompt_ids))]
-        ours = sampling.decode_rows(sampler, generator.params, prompt_ids, samplings)
-        for ids, new_ids in zip(prompt_ids, ours):
+    for group in DECODING_SETTINGS.values():
+        rows = [(ids, settings) for settings in group for ids in prompt_ids]
+        samplings = [sampling.Sampling(16, prompt_index=row, **settings) for row, (_, settings) in enumerate(rows)]
+        ours = sampling.decode_rows(sampler, generator.params, [ids for ids, _ in rows], samplings)
+        for (ids, settings), new_ids in zip(rows, ours):
             expected = torch_model.generate(
                 torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=16,
                 do_sample=False, eos_token_id=end_of_text, pad_token_id=end_of_text, **settings,
             )[0, len(ids) :].tolist()  # fmt: skip
-            assert new_ids == expected, name
+            assert new_ids == expected, settings
             ended_early += len(new_ids) < 16
     assert ended_early >= 3  # the end of text mattered
 
