@@ -115,6 +115,64 @@ def test_decoding_settings_give_the_tokens_of_transformers_generate(generators, 
     assert ended_early >= 3  # the end of text mattered
 
 
+def test_stop_strings_end_the_text_where_transformers_stops(generators, tiny_gpt2_dir):
+    _, generator = generators["gpt2"]
+    plain = generator.generate(PROMPTS, sampling.Sampling(16))
+    # A piece of each text as the stop string, and one never written
+    stop = [result["text"][6:9] for result in plain[1:]] + ["never written"]
+    prompt_ids = generator.encode(PROMPTS, 16, "prompt")
+    samplings = [sampling.Sampling(16, prompt_index=row) for row in range(3)]
+    ended = generator.decode(prompt_ids, samplings, stop)
+    torch_model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir).eval()
+    for ids, result, row in zip(prompt_ids, ended, plain):
+        expected = torch_model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=16,
+            do_sample=False, stop_strings=stop, tokenizer=generator.tokenizer, pad_token_id=0,
+        )[0, len(ids) :].tolist()  # fmt: skip
+        assert result.ids == expected and result.new_tokens == len(expected)
+        if result.finish_reason == "stop":
+            position = min(p for p in map(row["text"].find, stop) if p >= 0)
+            assert result.text == row["text"][:position]
+    assert [result.finish_reason for result in ended].count("stop") >= 2
+
+
+def test_sampling_draws_from_the_distribution_of_transformers_processors_in_their_order():
+    from transformers import generation
+
+    vocab_size, draws = 8, 4000
+    logits = np.random.default_rng(0).normal(0, 0.8, vocab_size).astype(np.float32)
+    prompt, new = [2, 3, 5], [2]  # the bigram (2, 3) was written: after 2, 3 may not come again
+    settings = dict(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    samplings = [sampling.Sampling(8, min_new_tokens=3, **settings)] * draws
+    processors = generation.LogitsProcessorList(
+        [
+            generation.RepetitionPenaltyLogitsProcessor(1.5),
+            generation.NoRepeatNGramLogitsProcessor(2),
+            generation.MinNewTokensLengthLogitsProcessor(len(prompt), 3, eos_token_id=7),
+            generation.TemperatureLogitsWarper(0.7),
+            generation.TopKLogitsWarper(5),
+            generation.TopPLogitsWarper(0.9),
+        ]
+    )
+    expected_scores = processors(torch.tensor([prompt + new]), torch.tensor(logits)[None])
+    expected = torch.softmax(expected_scores, dim=-1)[0].numpy()
+
+    row_settings = sampling.RowSettings.of(samplings, vocab_size)
+    scores = sampling.processed_scores(
+        jnp.asarray(np.tile(logits, (draws, 1))), row_settings, jnp.asarray([prompt] * draws),
+        jnp.asarray([new + [0, 0, 0]] * draws), 1, [7], {"penalize": True, "ngram": 2},
+    )  # fmt: skip
+    row_keys = jax.random.split(jax.random.key(0), draws)
+    tokens = sampling.next_tokens(
+        scores, row_keys, row_settings.temperature, row_settings.top_k, row_settings.top_p, True, vocab_size
+    )
+    frequencies = np.bincount(np.asarray(tokens), minlength=vocab_size) / draws
+    assert set(np.flatnonzero(frequencies)) == set(np.flatnonzero(expected))  # the same tokens ruled out
+    assert expected[3] == expected[7] == 0 and (expected > 0).sum() >= 3
+    tolerance = 4 * np.sqrt(expected * (1 - expected) / draws) + 1e-9
+    assert np.all(np.abs(frequencies - expected) <= tolerance), (frequencies, expected)
+
+
 def test_cached_logits_equal_a_full_recompute(generator):
     model, params = generator.model, generator.params
     rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
@@ -267,6 +325,11 @@ def test_prompt_too_long_for_the_model_is_refused_in_one_line(tiny_gpt2_dir, mon
         (["--serve", "--prompt", "A"], "--serve takes its prompts from HTTP requests"),
         (["--serve", "--max_queued_requests", "0"], "--max_queued_requests must be at least 1"),
         (["--prompt", "A", "--seed", "-1"], "--seed must be in [0, 2**31)"),
+        (["--prompt", "A", "--num_beams", "2", "--temperature", "1"], "--num_beams 2 with --temperature 1"),
+        (["--prompt", "A", "--num_beams", "2", "--stop", "."], "--num_beams with --stop"),
+        (["--prompt", "A", "--min_new_tokens", "60"], "--min_new_tokens 60 exceeds --max_new_tokens 50"),
+        (["--prompt", "A", "--repetition_penalty", "0"], "--repetition_penalty must be positive"),
+        (["--prompt", "A", "--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be 0 (off) or positive"),
         (
             ["--model_name_or_path", "./no-such-model", "--prompt", "A"],
             "--model_name_or_path ./no-such-model: no such",
