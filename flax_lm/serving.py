@@ -499,6 +499,24 @@ class Endpoints:
             kept += [dataclasses.replace(results[row], index=len(kept) + rank) for rank, row in enumerate(best)]
         return kept
 
+    def scored_choices(self, prompt_ids, results: list[RowFinished], echo: bool, logprobs: int | None) -> list:
+        """The text of each choice, its prompt's first with `echo`, and its "logprobs" (None without `logprobs`): of
+        its prompt's tokens with `echo`, and of its new tokens."""
+        tokenizer, scorer = self.generator.tokenizer, self.generator.scorer
+        sequences = [ids + result.ids for ids, result in zip(prompt_ids, results)]
+        scores = None
+        if logprobs is not None:  # always the most tokens a request may see: one compiled program for every request
+            scores = scorer.score(self.generator.params, sequences, top_k=MAX_TOP_LOGPROBS)
+        choices = []
+        for row, (ids, result) in enumerate(zip(prompt_ids, results)):
+            text = tokenizer.decode(ids, skip_special_tokens=False) + result.text if echo else result.text
+            shown = 0 if echo else len(ids)
+            row_logprobs = (
+                None if scores is None else openai_logprobs(tokenizer, sequences[row], scores[row], shown, logprobs)
+            )
+            choices.append((text, row_logprobs))
+        return choices
+
     async def chat_completions(self, request):
         start = time.perf_counter()
         try:
