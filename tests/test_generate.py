@@ -173,6 +173,29 @@ def test_sampling_draws_from_the_distribution_of_transformers_processors_in_thei
     assert np.all(np.abs(frequencies - expected) <= tolerance), (frequencies, expected)
 
 
+def test_training_samples_are_decoded_by_the_sample_flags(generator, monkeypatch):
+    import run_clm_flax
+
+    flags = ["--sample_temperature", "0", "--sample_num_beams", "2", "--sample_repetition_penalty", "1.3"]
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", "unused", "--sample_tokens", "8", *flags])
+    arguments = (run_clm_flax.ModelArguments, run_clm_flax.DataTrainingArguments, run_clm_flax.TrainingArguments)
+    _, _, training_args, _ = run_clm_flax.parse_arguments(*arguments)
+    sample_sampling = run_clm_flax.sample_sampling(training_args)
+    texts = run_clm_flax.sample_texts(
+        generator.sampler, generator.params, generator.tokenizer, PROMPTS[:2], sample_sampling, 64
+    )
+    prompt_ids = generator.encode(PROMPTS[:2], 8, "prompt")
+    expected = generator.decode(prompt_ids, [sampling.Sampling(8, num_beams=2, repetition_penalty=1.3)] * 2)
+    assert texts == [prompt + ended.text for prompt, ended in zip(PROMPTS, expected)]
+
+    monkeypatch.setattr(
+        sys, "argv", ["run_clm_flax.py", "--output_dir", "unused", "--model_type", "gpt2", "--sample_num_beams", "2"]
+    )
+    model_args, data_args, training_args, _ = run_clm_flax.parse_arguments(*arguments)
+    with pytest.raises(UsageError, match=re.escape("--sample_num_beams 2 with --sample_temperature 1")):
+        run_clm_flax.check_arguments(model_args, data_args, training_args)
+
+
 def test_cached_logits_equal_a_full_recompute(generator):
     model, params = generator.model, generator.params
     rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
