@@ -258,6 +258,14 @@ def check_arguments(generation_args, server_args):
             raise UsageError("--serve takes its prompts from HTTP requests; leave out --prompt and --prompt_file")
         if generation_args.chat:
             raise UsageError("--serve answers conversations on POST /v1/chat/completions as it is; leave out --chat")
+        defaults = GenerationArguments()
+        per_request = ["num_beams", "length_penalty", "early_stopping", "repetition_penalty", "no_repeat_ngram_size"]
+        per_request += ["min_new_tokens", "stop"]
+        if given := [name for name in per_request if getattr(generation_args, name) != getattr(defaults, name)]:
+            raise UsageError(
+                f"--serve with --{given[0]}: the server decodes each request by its own fields (OpenAI's), not by "
+                f"this flag; leave out --{given[0]}"
+            )
         if not 0 <= server_args.port < 65536:
             raise UsageError(f"--port {server_args.port} is not a port number; use 1 to 65535, or 0 for any free one")
         if server_args.max_new_tokens_limit < generation_args.max_new_tokens:

@@ -4,7 +4,9 @@ GET /health and Prometheus metrics (GET /metrics), in front of flax_lm.batching'
 
 A completion request may give its prompts as texts or token ids, several in one request, and ask for the prompt back
 ("echo") and the log-probabilities of the tokens ("logprobs", from flax_lm.scoring), with "max_tokens": 0 for the
-prompt alone: what lm-evaluation-harness's local-completions backend asks to score a task.
+prompt alone: what lm-evaluation-harness's local-completions backend asks to score a task. Both APIs take OpenAI's
+sampling fields ("presence_penalty", "frequency_penalty", "logit_bias", "stop", "seed", "n"; "best_of" for
+completions, "logprobs" and "top_logprobs" for chat); a request's choices are rows of the same batch.
 
 The HTTP side is asynchronous (Starlette on uvicorn): a slow client holds only its own connection, and requests
 wait for the decoding thread without holding a thread each. Up to --max_queued_requests wait for a batch; more

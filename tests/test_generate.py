@@ -350,6 +350,10 @@ def test_prompt_too_long_for_the_model_is_refused_in_one_line(tiny_gpt2_dir, mon
         (["--prompt", "A", "--seed", "-1"], "--seed must be in [0, 2**31)"),
         (["--prompt", "A", "--num_beams", "2", "--temperature", "1"], "--num_beams 2 with --temperature 1"),
         (["--prompt", "A", "--num_beams", "2", "--stop", "."], "--num_beams with --stop"),
+        (
+            ["--serve", "--repetition_penalty", "1.2"],
+            "--serve with --repetition_penalty: the server decodes each request by its own",
+        ),
         (["--prompt", "A", "--min_new_tokens", "60"], "--min_new_tokens 60 exceeds --max_new_tokens 50"),
         (["--prompt", "A", "--repetition_penalty", "0"], "--repetition_penalty must be positive"),
         (["--prompt", "A", "--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be 0 (off) or positive"),
