@@ -47,10 +47,11 @@ from flax_lm.devices.mesh import create_mesh
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, run
 from flax_lm.evaluation.scoring import Scorer
-from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
+from flax_lm.generation.sampling import DecodingBatch, Sampling, decode_rows, make_sampler
 from flax_lm.models.huggingface import check_local_model_directory, read_exported_params
 from flax_lm.models.model_code import load_model_code
 from flax_lm.server.app import listening_socket, serve
+from flax_lm.server.request_queue import STEPS_PER_CHUNK, RowFinished, RowText
 from flax_lm.server.requests import Limits
 from flax_lm.training.train_state import abstract_model_params, parameter_shardings
 
@@ -132,6 +133,49 @@ class GenerationArguments:
         metadata={"help": "Draw from the most likely tokens whose probabilities add up to top_p (nucleus sampling)."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the draws: the same seed gives the same texts."})
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "Above 1, makes every token of the prompt and of the text so far less likely (transformers' "
+            "repetition_penalty: a positive logit divided by it, a negative one multiplied); 1 for none."
+        },
+    )
+    no_repeat_ngram_size: int = field(
+        default=0,
+        metadata={"help": "Never write an n-gram of this many tokens twice (prompt included); 0 for no such rule."},
+    )
+    min_new_tokens: int = field(
+        default=0, metadata={"help": "Write at least this many tokens before the end-of-text token may come."}
+    )
+    num_beams: int = field(
+        default=1,
+        metadata={
+            "help": "Beam search: keep this many of the most likely continuations at each step and write the most "
+            "likely whole one (with --temperature 0); 1 for none."
+        },
+    )
+    length_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "With --num_beams: a finished beam's score is its log-probability over its length to this power; "
+            "above 0 favours longer texts, below 0 shorter ones."
+        },
+    )
+    early_stopping: str = field(
+        default="false",
+        metadata={
+            "help": "With --num_beams, when beam search ends (transformers' early_stopping): true, as soon as "
+            "num_beams beams are finished; false, once no running beam is likely to beat them; never, once none can.",
+            "choices": ["false", "true", "never"],
+        },
+    )
+    stop: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "End a text where it writes this string (cut before it); give it several times for several.",
+            "action": "extend",
+        },
+    )
     batch_size: int = field(
         default=8,
         metadata={
@@ -189,8 +233,12 @@ def parse_arguments() -> tuple[ModelArguments, GenerationArguments, ServerArgume
 
 
 def sampling_of(generation_args) -> Sampling:
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
-    return Sampling(**{name: getattr(generation_args, name) for name in names})
+    names = (
+        "max_new_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "no_repeat_ngram_size",
+        "min_new_tokens", "num_beams", "length_penalty",
+    )  # fmt: skip
+    early_stopping = {"false": False, "true": True}.get(generation_args.early_stopping, generation_args.early_stopping)
+    return Sampling(**{name: getattr(generation_args, name) for name in names}, early_stopping=early_stopping)
 
 
 def check_arguments(generation_args, server_args):
@@ -198,11 +246,26 @@ def check_arguments(generation_args, server_args):
         raise UsageError(problem)
     if generation_args.batch_size < 1:
         raise UsageError("--batch_size must be at least 1")
+    if generation_args.num_beams > 1 and generation_args.stop:
+        raise UsageError(
+            "--num_beams with --stop: beam search here ends at the end-of-text token or --max_new_tokens; leave out "
+            "--stop, or pass --num_beams 1"
+        )
+    if not all(generation_args.stop):
+        raise UsageError("--stop takes a non-empty string")
     if server_args.serve:
         if generation_args.prompt or generation_args.prompt_file:
             raise UsageError("--serve takes its prompts from HTTP requests; leave out --prompt and --prompt_file")
         if generation_args.chat:
             raise UsageError("--serve answers conversations on POST /v1/chat/completions as it is; leave out --chat")
+        defaults = GenerationArguments()
+        per_request = ["num_beams", "length_penalty", "early_stopping", "repetition_penalty", "no_repeat_ngram_size"]
+        per_request += ["min_new_tokens", "stop"]
+        if given := [name for name in per_request if getattr(generation_args, name) != getattr(defaults, name)]:
+            raise UsageError(
+                f"--serve with --{given[0]}: the server decodes each request by its own fields (OpenAI's), not by "
+                f"this flag; leave out --{given[0]}"
+            )
         if not 0 <= server_args.port < 65536:
             raise UsageError(f"--port {server_args.port} is not a port number; use 1 to 65535, or 0 for any free one")
         if server_args.max_new_tokens_limit < generation_args.max_new_tokens:
@@ -355,31 +418,48 @@ class Generator:
                 )
         return encoded
 
-    def generate(self, prompts: list[str], sampling: Sampling, where: str = "prompt") -> list[dict]:
-        """For each prompt: its continuation, the count of prompt and new tokens, and why it stopped. A prompt's
-        draws depend on the seed and its place in the list, not on the other prompts."""
-        return self.continuations(self.encode(prompts, sampling.max_new_tokens, where), sampling)
+    def generate(self, prompts: list[str], sampling: Sampling, where: str = "prompt", stop=()) -> list[dict]:
+        """For each prompt: its continuation, the count of prompt and new tokens, and why it stopped ("eos",
+        "stop": a `stop` string, "length"). A prompt's draws depend on the seed and its place in the list, not on
+        the other prompts."""
+        return self.continuations(self.encode(prompts, sampling.max_new_tokens, where), sampling, stop)
 
-    def reply(self, conversations: list, sampling: Sampling, where: str = "conversation") -> list[dict]:
+    def reply(self, conversations: list, sampling: Sampling, where: str = "conversation", stop=()) -> list[dict]:
         """For each conversation: the assistant's reply (up to its end of turn), as generate gives continuations."""
-        return self.continuations(self.encode_conversations(conversations, sampling.max_new_tokens, where), sampling)
+        prompt_ids = self.encode_conversations(conversations, sampling.max_new_tokens, where)
+        return self.continuations(prompt_ids, sampling, stop)
 
-    def continuations(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[dict]:
+    def continuations(self, prompt_ids: list[list[int]], sampling: Sampling, stop: list[str] = ()) -> list[dict]:
         results = []
         for first in range(0, len(prompt_ids), self.batch_size):
             batch = prompt_ids[first : first + self.batch_size]
             samplings = [replace(sampling, prompt_index=first + row) for row in range(len(batch))]
-            for ids, new in zip(batch, decode_rows(self.sampler, self.params, batch, samplings)):
-                stopped = bool(new) and new[-1] in self.stop_token_ids
+            for ids, ended in zip(batch, self.decode(batch, samplings, stop)):
                 results.append(
                     {
-                        "text": self.tokenizer.decode(new[:-1] if stopped else new, skip_special_tokens=False),
+                        "text": ended.text,
                         "prompt_tokens": len(ids),
-                        "new_tokens": len(new),
-                        "finish_reason": "eos" if stopped else "length",
+                        "new_tokens": ended.new_tokens,
+                        "finish_reason": ended.finish_reason,
                     }
                 )
         return results
+
+    def decode(self, prompt_ids: list[list[int]], samplings: list[Sampling], stop=()) -> list[RowFinished]:
+        """How each prompt ends, decoded together: its text (cut before a `stop` string where one comes), and its
+        new tokens (up to the one that completed the stop string, as transformers' stop_strings count them)."""
+        texts = [RowText(self.tokenizer, self.stop_token_ids, list(stop)) for _ in prompt_ids]
+        if samplings[0].num_beams > 1:  # one program to the end
+            new_ids = decode_rows(self.sampler, self.params, prompt_ids, samplings)
+            return [text.add(row, ids, True) for row, (text, ids) in enumerate(zip(texts, new_ids))]
+        decoding = DecodingBatch(self.sampler, self.params, prompt_ids, samplings)
+        # With stop strings, a look at the texts now and then ends the rows that wrote one.
+        steps = STEPS_PER_CHUNK if stop else decoding.capacity
+        while unfinished := [row for row, text in enumerate(texts) if text.result is None]:
+            new_ids = decoding.advance(steps, ended=[row for row, text in enumerate(texts) if text.result])
+            for row in unfinished:
+                texts[row].add(row, new_ids[row], bool(decoding.finished[row]))
+        return [text.result for text in texts]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -423,11 +503,10 @@ def main():
     where = "--prompt" if generation_args.prompt else "line"
     try:
         if generation_args.chat:
-            results = generator.reply(
-                prompts, sampling, where="conversation" if generation_args.prompt_file else where
-            )
+            where = "conversation" if generation_args.prompt_file else where
+            results = generator.reply(prompts, sampling, where, generation_args.stop)
         else:
-            results = generator.generate(prompts, sampling, where=where)
+            results = generator.generate(prompts, sampling, where, generation_args.stop)
     except ValueError as error:
         raise UsageError(str(error)) from None
     new_tokens = sum(result["new_tokens"] for result in results)

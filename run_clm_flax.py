@@ -33,7 +33,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import flax.linen as nn
@@ -65,16 +65,24 @@ from flax_lm.data.loading import (
 from flax_lm.data.mixture import Mixture
 from flax_lm.data.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.devices.processes import print_once
+from flax_lm.devices.processes import (
+    print_once,
+)
 from flax_lm.errors import UsageError, run
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.evaluation.validation import evaluate_by_source, evaluate_on_start, report_by_source, saved_results
-from flax_lm.generation.sampling import generate_ids, make_sampler
+from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json, write_train_results
+from flax_lm.run.output_dir import (
+    evaluated_step,
+    open_output_dir,
+    report_stop,
+    write_json,
+    write_train_results,
+)
 from flax_lm.run.record import TrainingProgress
 from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
 from flax_lm.training import optimizers
@@ -129,6 +137,27 @@ class TrainingArguments(CommonTrainingArguments):
         },
     )
     sample_tokens: int = field(default=40, metadata={"help": "Tokens sampled after each prompt; 0 for no samples."})
+    # How the samples are decoded: generate_flax.py's settings of the same names
+    sample_temperature: float = field(
+        default=1.0, metadata={"help": "Temperature of the samples' draws; 0 takes the most likely token (greedy)."}
+    )
+    sample_top_k: int = field(default=40, metadata={"help": "Samples draw from the k most likely tokens; 0: all."})
+    sample_top_p: float = field(
+        default=1.0, metadata={"help": "Samples draw from the most likely tokens whose probabilities add up to this."}
+    )
+    sample_repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Above 1, makes the tokens already in a sample less likely (transformers')."}
+    )
+    sample_no_repeat_ngram_size: int = field(
+        default=0, metadata={"help": "Samples never write an n-gram of this many tokens twice; 0 for no such rule."}
+    )
+    sample_min_new_tokens: int = field(
+        default=0, metadata={"help": "Samples write at least this many tokens before the end-of-text token."}
+    )
+    sample_num_beams: int = field(
+        default=1,
+        metadata={"help": "Samples by beam search of this many beams (with --sample_temperature 0); 1 for none."},
+    )
     eval_tasks: str | None = field(
         default=None,
         metadata={
@@ -170,6 +199,8 @@ def check_arguments(model_args, data_args, training_args):
         sample_tokens=(lambda value: value >= 0, "must be 0 (no samples) or more"),
         eval_tasks_limit=(lambda value: value is None or value >= 1, "must be at least 1"),
     )
+    if training_args.sample_tokens and (problem := sample_sampling(training_args).problem("--sample_")):
+        raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
     optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
     if training_args.eval_tasks:
@@ -507,15 +538,24 @@ def evaluation_results(totals: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------
 
 
-def sample_texts(
-    sampler, params, tokenizer, prompts: list[str], num_tokens: int, max_length: int, seed: int, chat: bool = False
-):
-    """Each prompt continued by up to `num_tokens` tokens drawn with temperature 1 from the 40 most likely. A prompt
-    starts as the documents trained on do (ids_around_documents; an empty one of GPT-2 from the end-of-text token),
-    or with `chat` (a model fine-tuned on conversations) is a user's turn that the chat template renders; a long one
-    keeps its last tokens (at most `max_length` positions in all). The texts are decoded without special tokens: a
-    reader sees text only."""
-    num_tokens = min(num_tokens, max_length - 1)
+def sample_sampling(training_args) -> Sampling:
+    """How the samples are decoded: the --sample_* flags, drawn from --seed."""
+    settings = ("temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens")
+    return Sampling(
+        max_new_tokens=training_args.sample_tokens,
+        seed=training_args.seed,
+        num_beams=training_args.sample_num_beams,
+        **{name: getattr(training_args, f"sample_{name}") for name in settings},
+    )
+
+
+def sample_texts(sampler, params, tokenizer, prompts: list[str], sampling: Sampling, max_length: int, chat=False):
+    """Each prompt continued by up to sampling.max_new_tokens tokens decoded by `sampling` (the --sample_* flags:
+    by default drawn with temperature 1 from the 40 most likely). A prompt starts as the documents trained on do
+    (ids_around_documents; an empty one of GPT-2 from the end-of-text token), or with `chat` (a model fine-tuned on
+    conversations) is a user's turn that the chat template renders; a long one keeps its last tokens (at most
+    `max_length` positions in all). The texts are decoded without special tokens: a reader sees text only."""
+    num_tokens = min(sampling.max_new_tokens, max_length - 1)
     before_documents, _ = ids_around_documents(tokenizer)
     encoded = [
         conversation_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
@@ -524,7 +564,16 @@ def sample_texts(
         for prompt in prompts
     ]
     prompt_ids = [(ids or [tokenizer.eos_token_id])[-(max_length - num_tokens) :] for ids in encoded]
-    new_ids = generate_ids(sampler, params, prompt_ids, num_tokens, temperature=1.0, top_k=40, seed=seed)
+    samplings = [
+        replace(
+            sampling,
+            max_new_tokens=num_tokens,
+            min_new_tokens=min(sampling.min_new_tokens, num_tokens),
+            prompt_index=row,
+        )
+        for row in range(len(prompt_ids))
+    ]
+    new_ids = decode_rows(sampler, params, prompt_ids, samplings)
     return [tokenizer.decode(ids + new, skip_special_tokens=True) for ids, new in zip(prompt_ids, new_ids)]
 
 
@@ -536,8 +585,8 @@ class Evaluation:
 
     def __init__(self, setup: "TrainingSetup", blocks, tokenizer, training_args, trackers, chat: bool = False):
         self.setup, self.blocks, self.tokenizer, self.trackers = setup, blocks, tokenizer, trackers
-        self.output_dir, self.seed = training_args.output_dir, training_args.seed
-        self.prompts, self.sample_tokens = training_args.sample_prompt or [""], training_args.sample_tokens
+        self.output_dir = training_args.output_dir
+        self.prompts, self.sampling = training_args.sample_prompt or [""], sample_sampling(training_args)
         self.chat = chat  # prompts are a user's turns
         # A reply ends at the end of its turn, where the chat template has one.
         self.stop_token_ids = stop_token_ids(tokenizer, tokenizer.eos_token_id)
@@ -582,7 +631,7 @@ class Evaluation:
         if self.tasks:
             results["tasks"] = self.tasks(params)
             self.tasks.report(results["tasks"], step, self.trackers)
-        if self.sample_tokens > 0:
+        if self.sampling.max_new_tokens > 0:
             texts = self.samples(params)
             for text in texts:
                 logger.info("step %d: sample %r", step, text)
@@ -594,9 +643,7 @@ class Evaluation:
     def samples(self, params, sampler=None) -> list[str]:
         max_length = self.setup.model.config.max_position_embeddings
         sampler = sampler or self.sampler
-        return sample_texts(
-            sampler, params, self.tokenizer, self.prompts, self.sample_tokens, max_length, self.seed, self.chat
-        )
+        return sample_texts(sampler, params, self.tokenizer, self.prompts, self.sampling, max_length, self.chat)
 
     def final(self, params, step: int, reuse_saved: bool):
         """The evaluation of the final weights, into eval_results.json; with `reuse_saved`, one already there for
@@ -623,7 +670,7 @@ class Evaluation:
 
     def sample_from_export(self, abstract_params):
         """Samples from the exported model, read back: they also show that the saved files hold the trained model."""
-        if jax.process_index() != 0 or self.sample_tokens <= 0:
+        if jax.process_index() != 0 or self.sampling.max_new_tokens <= 0:
             return
         exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
         sampler = self.sampler

@@ -2,12 +2,13 @@
 """Tokens per second of generate_flax.py's decoding (the sampler of flax_lm.generation.sampling) beside transformers'
 PyTorch `generate`, in the same run; or, with --serving, of generate_flax.py --serve under concurrent clients.
 
-Both decode greedily with a key/value cache, from the same random GPT-2 (124M parameters by default) and the
-same prompts, `--new_tokens` tokens each without stopping early (no end-of-text token), at each batch size.
-The first JAX call compiles; its time is reported apart, and the timed calls reuse the compiled program (as
-every later request of the same shape bucket does). The two must write the same tokens: both are checked.
+Both decode greedily with a key/value cache (and, with --num_beams, by beam search too: flax_lm.generation.sampling's
+one compiled loop beside transformers' beam search), from the same random GPT-2 (124M parameters by default) and the
+same prompts, `--new_tokens` tokens each without stopping early (no end-of-text token), at each batch size. The first
+JAX call compiles; its time is reported apart, and the timed calls reuse the compiled program (as every later request
+of the same shape bucket does). The two must write the same tokens: both are checked.
 
-    python benchmarks/benchmark_generate.py [--batch_sizes 1 8] [--new_tokens 128] [--prompt_tokens 16]
+    python benchmarks/benchmark_generate.py [--batch_sizes 1 8] [--new_tokens 128] [--prompt_tokens 16] [--num_beams 4]
 
 With --serving, the model of --model_name_or_path (a GPT-2 directory, as run_clm_flax.py writes) is served twice,
 decoding up to --serving_batch_size concurrent requests together and then one request at a time (--batch_size 1),
@@ -65,6 +66,9 @@ def main():
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls of each; the fastest is reported")
+    parser.add_argument(
+        "--num_beams", type=int, default=1, help="above 1: beam search of this many beams too, beside greedy decoding"
+    )
     parser.add_argument("--serving", action="store_true", help="benchmark generate_flax.py --serve instead")
     parser.add_argument("--model_name_or_path", help="with --serving: the GPT-2 directory to serve")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32], help="with --serving")
@@ -98,7 +102,7 @@ def benchmark_decoding(arguments):
     sampler = sampling.make_sampler(model, eos_token_id=None)
     print(
         f"{arguments.preset}: {sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6:.1f}M parameters, "
-        f"float32, greedy, {arguments.prompt_tokens} prompt + {arguments.new_tokens} new tokens; JAX on "
+        f"float32, {arguments.prompt_tokens} prompt + {arguments.new_tokens} new tokens; JAX on "
         f"{jax.devices()[0].platform}, PyTorch {torch.__version__} with {torch.get_num_threads()} threads",
         flush=True,
     )
@@ -123,21 +127,50 @@ def benchmark_decoding(arguments):
                     pad_token_id=0,
                 )
 
-        start = time.perf_counter()
-        jax_ids = generate_jax()
-        compile_and_run = time.perf_counter() - start
-        torch_ids = generate_torch()[:, arguments.prompt_tokens :].tolist()
-        same = sum(ours == theirs for ours, theirs in zip(jax_ids, torch_ids))
-        tokens = batch_size * arguments.new_tokens
-        jax_seconds = best_time(generate_jax, arguments.repeats)
-        torch_seconds = best_time(generate_torch, arguments.repeats)
-        print(
-            f"batch {batch_size}: JAX {tokens / jax_seconds:7.1f} tokens/s ({jax_seconds:.2f} s; first call with "
-            f"compilation {compile_and_run:.1f} s), PyTorch {tokens / torch_seconds:7.1f} tokens/s "
-            f"({torch_seconds:.2f} s): {tokens / jax_seconds / (tokens / torch_seconds):.2f}x; "
-            f"{same} of {batch_size} rows the same tokens",
-            flush=True,
-        )
+        report(f"batch {batch_size}, greedy", generate_jax, generate_torch, batch_size, arguments)
+        if arguments.num_beams > 1:
+            samplings = [
+                sampling.Sampling(arguments.new_tokens, num_beams=arguments.num_beams, prompt_index=row)
+                for row in range(batch_size)
+            ]
+
+            def beam_search_jax(prompts=prompts, samplings=samplings):
+                return sampling.decode_rows(sampler, params, prompts.tolist(), samplings)
+
+            def beam_search_torch(prompts=prompts):
+                input_ids = torch.tensor(prompts)
+                with torch.no_grad():
+                    return torch_model.generate(
+                        input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        max_new_tokens=arguments.new_tokens,
+                        num_beams=arguments.num_beams,
+                        do_sample=False,
+                        use_cache=True,
+                        pad_token_id=0,
+                    )
+
+            beams = f"batch {batch_size}, {arguments.num_beams} beams"
+            report(beams, beam_search_jax, beam_search_torch, batch_size, arguments)
+
+
+def report(name: str, generate_jax, generate_torch, batch_size: int, arguments):
+    """Times both decodings of the same prompts (new tokens a second: the rows' tokens written, not the beams')."""
+    start = time.perf_counter()
+    jax_ids = generate_jax()
+    compile_and_run = time.perf_counter() - start
+    torch_ids = generate_torch()[:, arguments.prompt_tokens :].tolist()
+    same = sum(ours == theirs for ours, theirs in zip(jax_ids, torch_ids))
+    tokens = batch_size * arguments.new_tokens
+    jax_seconds = best_time(generate_jax, arguments.repeats)
+    torch_seconds = best_time(generate_torch, arguments.repeats)
+    print(
+        f"{name}: JAX {tokens / jax_seconds:7.1f} tokens/s ({jax_seconds:.2f} s; first call with "
+        f"compilation {compile_and_run:.1f} s), PyTorch {tokens / torch_seconds:7.1f} tokens/s "
+        f"({torch_seconds:.2f} s): {tokens / jax_seconds / (tokens / torch_seconds):.2f}x; "
+        f"{same} of {batch_size} rows the same tokens",
+        flush=True,
+    )
 
 
 def start_server(model: str, batch_size: int, new_tokens: int, max_queued_requests: int):

@@ -506,6 +506,43 @@ def test_the_openai_client_gets_a_chat_completion_and_a_streamed_one(chat_genera
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_chat_logprobs_equal_the_completions_endpoints_and_n_replies_fill_the_room_left(chat_generator, chat_server):
+    messages = conversation(1)[:-1]
+    url, model = chat_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    # No max_tokens: up to the room left after the conversation (64 positions), at most the server's limit (32)
+    answer = client.chat.completions.create(
+        model=model, messages=messages, n=2, temperature=1.0, seed=3, logprobs=True, top_logprobs=3
+    )
+    prompt_ids = chat_generator.encode_conversations([messages], 1, "conversation")[0]
+    assert [choice.index for choice in answer.choices] == [0, 1]
+    assert answer.choices[0].message.content != answer.choices[1].message.content
+    assert answer.usage.prompt_tokens == len(prompt_ids)
+    # The same draws in this process: choice i is row i of the request, drawn by its own index
+    max_new_tokens = min(32, 64 - len(prompt_ids))
+    samplings = [Sampling(max_new_tokens, temperature=1.0, seed=3, prompt_index=index) for index in range(2)]
+    for choice, ended in zip(answer.choices, chat_generator.decode([prompt_ids] * 2, samplings)):
+        content = choice.logprobs.content
+        assert choice.message.content == ended.text
+        assert [entry.token for entry in content] == [chat_generator.tokenizer.decode([i]) for i in ended.ids]
+        if choice.finish_reason == "length":
+            assert len(content) == max_new_tokens
+        # The completions endpoint's numbers for the same tokens
+        scored = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": model, "prompt": prompt_ids + ended.ids, "max_tokens": 0, "echo": True, "logprobs": 3},
+            timeout=120,
+        ).json()["choices"][0]["logprobs"]
+        # (scored in a batch of another shape: equal to float32's rounding)
+        assert [entry.logprob for entry in content] == pytest.approx(
+            scored["token_logprobs"][len(prompt_ids) :], abs=1e-5
+        )
+        for entry, top in zip(content, scored["top_logprobs"][len(prompt_ids) :]):
+            shown = {candidate.token: candidate.logprob for candidate in entry.top_logprobs}
+            assert len(shown) == 3 and shown == pytest.approx({token: top[token] for token in shown}, abs=1e-5)
+            assert bytes(entry.bytes).decode() == entry.token
+
+
 def test_the_server_ends_a_reply_at_the_end_of_turn_token(turn_ending_dir):
     generator = load_generator(turn_ending_dir)
     with running_server(generator) as (url, _):
@@ -525,6 +562,11 @@ def test_the_server_ends_a_reply_at_the_end_of_turn_token(turn_ending_dir):
         ({}, "messages", '"messages" is missing'),
         ({"messages": [USER_TURN], "tools": [{"type": "function"}]}, "tools", '"tools" is not supported'),
         ({"messages": [USER_TURN], "max_completion_tokens": 33}, "max_completion_tokens", "max_completion_tokens 33"),
+        ({"messages": [USER_TURN], "top_logprobs": 2}, "top_logprobs", '"top_logprobs" needs "logprobs": true'),
+        ({"messages": [USER_TURN], "logprobs": True, "top_logprobs": 21}, "top_logprobs", "from 0 to 20"),
+        ({"messages": [USER_TURN], "logprobs": True, "stream": True}, "logprobs", "not supported with"),
+        ({"messages": [USER_TURN], "n": 5}, "n", '"n" 5 times 1 prompts is 5 choices'),
+        ({"messages": [USER_TURN], "presence_penalty": -2.5}, None, "presence_penalty must be from -2 to 2"),
     ],
 )
 def test_bad_chat_requests_are_refused_in_openai_error_shape(chat_server, fields, param, message):

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO_DIR, server_process
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from flax_lm.errors import UsageError
 from flax_lm.generation import sampling
@@ -50,6 +51,149 @@ def test_greedy_ids_equal_transformers_generate_for_a_batch_of_different_lengths
         expected = torch_greedy_ids(tiny_gpt2_dir, ids, 20)
         assert new_ids == expected
         assert len(set(new_ids)) > 3  # the model writes something, not one token over and over
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(llama_tokenizer_dir, tmp_path_factory):
+    """A tiny random Llama (grouped-query attention) saved by transformers beside the Llama test tokenizer, its
+    weights drawn wide as the tiny GPT-2's are."""
+    directory = shutil.copytree(llama_tokenizer_dir, tmp_path_factory.mktemp("generate") / "tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=64, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def generators(generator, tiny_gpt2_dir, tiny_llama_dir):
+    """(export directory, Generator) of the tiny GPT-2 and the tiny Llama, by model type."""
+    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_llama_dir)))
+    llama = generate_flax.Generator(model, params, tokenizer, batch_size=4)
+    return {"gpt2": (tiny_gpt2_dir, generator), "llama": (tiny_llama_dir, llama)}
+
+
+# Each of transformers' settings alone and all together, with greedy decoding; the end of text is a token the models
+# write (see test_decoding_settings_give_the_tokens_of_transformers_generate), so that beams and rows end early. The
+# rows of each group share one batch, each by its own settings: two compiled programs per model.
+DECODING_SETTINGS = {
+    "greedy": [dict(repetition_penalty=1.8), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10)],
+    "beam search": [
+        dict(num_beams=3),
+        dict(num_beams=3, length_penalty=0.5, early_stopping=True),
+        dict(num_beams=3, length_penalty=2.0, early_stopping="never"),
+        dict(num_beams=3, repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=6),
+    ],
+}
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_decoding_settings_give_the_tokens_of_transformers_generate(generators, model_type):
+    model_dir, generator = generators[model_type]
+    prompt_ids = generator.encode(PROMPTS, 16, "prompt")
+    greedy = sampling.generate_ids(generator.sampler, generator.params, prompt_ids, 16)
+    # The end of text: a token greedy decoding writes early in some row, not in all
+    end_of_text = next(token for token in greedy[1][2:] if not all(token in row for row in greedy))
+    sampler = sampling.make_sampler(generator.model, end_of_text)
+    torch_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ended_early = 0
+    for group in DECODING_SETTINGS.values():
+        rows = [(ids, settings) for settings in group for ids in prompt_ids]
+        samplings = [sampling.Sampling(16, prompt_index=row, **settings) for row, (_, settings) in enumerate(rows)]
+        ours = sampling.decode_rows(sampler, generator.params, [ids for ids, _ in rows], samplings)
+        for (ids, settings), new_ids in zip(rows, ours):
+            expected = torch_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=16,
+                do_sample=False, eos_token_id=end_of_text, pad_token_id=end_of_text, **settings,
+            )[0, len(ids) :].tolist()  # fmt: skip
+            assert new_ids == expected, settings
+            ended_early += len(new_ids) < 16
+    assert ended_early >= 3  # the end of text mattered
+
+
+def test_stop_strings_end_the_text_where_transformers_stops(generators, tiny_gpt2_dir):
+    _, generator = generators["gpt2"]
+    plain = generator.generate(PROMPTS, sampling.Sampling(16))
+    # A piece of each text as the stop string, and one never written
+    stop = [result["text"][6:9] for result in plain[1:]] + ["never written"]
+    prompt_ids = generator.encode(PROMPTS, 16, "prompt")
+    samplings = [sampling.Sampling(16, prompt_index=row) for row in range(3)]
+    ended = generator.decode(prompt_ids, samplings, stop)
+    torch_model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir).eval()
+    for ids, result, row in zip(prompt_ids, ended, plain):
+        expected = torch_model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=16,
+            do_sample=False, stop_strings=stop, tokenizer=generator.tokenizer, pad_token_id=0,
+        )[0, len(ids) :].tolist()  # fmt: skip
+        assert result.ids == expected and result.new_tokens == len(expected)
+        if result.finish_reason == "stop":
+            position = min(p for p in map(row["text"].find, stop) if p >= 0)
+            assert result.text == row["text"][:position]
+    assert [result.finish_reason for result in ended].count("stop") >= 2
+
+
+def test_sampling_draws_from_the_distribution_of_transformers_processors_in_their_order():
+    from transformers import generation
+
+    vocab_size, draws = 8, 4000
+    logits = np.random.default_rng(0).normal(0, 0.8, vocab_size).astype(np.float32)
+    prompt, new = [2, 3, 5], [2]  # the bigram (2, 3) was written: after 2, 3 may not come again
+    settings = dict(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    samplings = [sampling.Sampling(8, min_new_tokens=3, **settings)] * draws
+    processors = generation.LogitsProcessorList(
+        [
+            generation.RepetitionPenaltyLogitsProcessor(1.5),
+            generation.NoRepeatNGramLogitsProcessor(2),
+            generation.MinNewTokensLengthLogitsProcessor(len(prompt), 3, eos_token_id=7),
+            generation.TemperatureLogitsWarper(0.7),
+            generation.TopKLogitsWarper(5),
+            generation.TopPLogitsWarper(0.9),
+        ]
+    )
+    expected_scores = processors(torch.tensor([prompt + new]), torch.tensor(logits)[None])
+    expected = torch.softmax(expected_scores, dim=-1)[0].numpy()
+
+    row_settings = sampling.RowSettings.of(samplings, vocab_size)
+    scores = sampling.processed_scores(
+        jnp.asarray(np.tile(logits, (draws, 1))), row_settings, jnp.asarray([prompt] * draws),
+        jnp.asarray([new + [0, 0, 0]] * draws), 1, [7], {"penalize": True, "ngram": 2},
+    )  # fmt: skip
+    row_keys = jax.random.split(jax.random.key(0), draws)
+    tokens = sampling.next_tokens(
+        scores, row_keys, row_settings.temperature, row_settings.top_k, row_settings.top_p, True, vocab_size
+    )
+    frequencies = np.bincount(np.asarray(tokens), minlength=vocab_size) / draws
+    assert set(np.flatnonzero(frequencies)) == set(np.flatnonzero(expected))  # the same tokens ruled out
+    assert expected[3] == expected[7] == 0 and (expected > 0).sum() >= 3
+    tolerance = 4 * np.sqrt(expected * (1 - expected) / draws) + 1e-9
+    assert np.all(np.abs(frequencies - expected) <= tolerance), (frequencies, expected)
+
+
+def test_training_samples_are_decoded_by_the_sample_flags(generator, monkeypatch):
+    import run_clm_flax
+
+    flags = ["--sample_temperature", "0", "--sample_num_beams", "2", "--sample_repetition_penalty", "1.3"]
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", "unused", "--sample_tokens", "8", *flags])
+    arguments = (run_clm_flax.ModelArguments, run_clm_flax.DataTrainingArguments, run_clm_flax.TrainingArguments)
+    _, _, training_args, _ = run_clm_flax.parse_arguments(*arguments)
+    sample_sampling = run_clm_flax.sample_sampling(training_args)
+    texts = run_clm_flax.sample_texts(
+        generator.sampler, generator.params, generator.tokenizer, PROMPTS[:2], sample_sampling, 64
+    )
+    prompt_ids = generator.encode(PROMPTS[:2], 8, "prompt")
+    expected = generator.decode(prompt_ids, [sampling.Sampling(8, num_beams=2, repetition_penalty=1.3)] * 2)
+    assert texts == [prompt + ended.text for prompt, ended in zip(PROMPTS, expected)]
+
+    monkeypatch.setattr(
+        sys, "argv", ["run_clm_flax.py", "--output_dir", "unused", "--model_type", "gpt2", "--sample_num_beams", "2"]
+    )
+    model_args, data_args, training_args, _ = run_clm_flax.parse_arguments(*arguments)
+    with pytest.raises(UsageError, match=re.escape("--sample_num_beams 2 with --sample_temperature 1")):
+        run_clm_flax.check_arguments(model_args, data_args, training_args)
 
 
 def test_cached_logits_equal_a_full_recompute(generator):
@@ -204,6 +348,15 @@ def test_prompt_too_long_for_the_model_is_refused_in_one_line(tiny_gpt2_dir, mon
         (["--serve", "--prompt", "A"], "--serve takes its prompts from HTTP requests"),
         (["--serve", "--max_queued_requests", "0"], "--max_queued_requests must be at least 1"),
         (["--prompt", "A", "--seed", "-1"], "--seed must be in [0, 2**31)"),
+        (["--prompt", "A", "--num_beams", "2", "--temperature", "1"], "--num_beams 2 with --temperature 1"),
+        (["--prompt", "A", "--num_beams", "2", "--stop", "."], "--num_beams with --stop"),
+        (
+            ["--serve", "--repetition_penalty", "1.2"],
+            "--serve with --repetition_penalty: the server decodes each request by its own",
+        ),
+        (["--prompt", "A", "--min_new_tokens", "60"], "--min_new_tokens 60 exceeds --max_new_tokens 50"),
+        (["--prompt", "A", "--repetition_penalty", "0"], "--repetition_penalty must be positive"),
+        (["--prompt", "A", "--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be 0 (off) or positive"),
         (
             ["--model_name_or_path", "./no-such-model", "--prompt", "A"],
             "--model_name_or_path ./no-such-model: no such",

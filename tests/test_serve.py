@@ -2,6 +2,7 @@
 share a batch and get what they would get alone, a full queue answers 503, SIGTERM answers the requests in flight and
 exits 0, and the OpenAI client gets completions, streamed or not."""
 
+import collections
 import contextlib
 import json
 import logging
@@ -116,8 +117,8 @@ def test_a_request_in_a_shared_batch_gets_what_it_gets_alone(generator, server, 
     requests = [
         {"prompt": PROMPTS[0], "max_tokens": 12},
         {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0.9, "top_k": 20, "seed": 3},
-        {"prompt": PROMPTS[2], "max_tokens": 16, "temperature": 1.1, "top_p": 0.9, "seed": 3},
-        {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "seed": 4},
+        {"prompt": PROMPTS[2], "max_tokens": 16, "temperature": 1.1, "top_p": 0.9, "seed": 3, "presence_penalty": 1.5},
+        {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "seed": 4, "frequency_penalty": 1.0},
     ]
     ones_before, all_before = batches_of_one_and_all(url)
     with ThreadPoolExecutor(len(requests) + 1) as pool:
@@ -129,7 +130,8 @@ def test_a_request_in_a_shared_batch_gets_what_it_gets_alone(generator, server, 
         assert first.result().status_code == 200
         together = [answer.result().json() for answer in together]
     ones, batches = batches_of_one_and_all(url)
-    assert (batches - all_before, ones - ones_before) == (2, 1)  # the first alone, then the four together
+    # The first alone, then the four together, whatever their settings and penalties
+    assert (batches - all_before, ones - ones_before) == (2, 1)
     for request, shared in zip(requests, together):
         alone = complete(url, model_id(generator), **request).json()
         assert shared["choices"] == alone["choices"] and shared["usage"] == alone["usage"]
@@ -203,11 +205,67 @@ def test_a_stop_string_ends_the_text_before_it_streamed_or_not(generator, server
     assert [chunk["finish_reason"] for chunk in chunks][-1] == "stop"
 
 
+def test_penalties_logit_bias_n_best_of_and_seed_with_the_openai_client(generator, server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = model_id(generator)
+
+    def texts(**fields) -> list[str]:
+        return [choice.text for choice in client.completions.create(model=model, prompt=PROMPTS[1], **fields).choices]
+
+    def streamed_texts(**fields) -> list[str]:
+        chunks = client.completions.create(model=model, prompt=PROMPTS[1], stream=True, **fields)
+        pieces = collections.defaultdict(str)
+        for chunk in chunks:
+            for choice in chunk.choices:
+                pieces[choice.index] += choice.text
+        return [pieces[index] for index in sorted(pieces)]
+
+    # The penalties as the sampler applies them (OpenAI's definitions: see test_generate), greedy, streamed or not
+    penalties = dict(presence_penalty=0.8, frequency_penalty=1.5)
+    expected = generator.generate([PROMPTS[1]], sampling.Sampling(16, **penalties))[0]["text"]
+    assert texts(max_tokens=16, **penalties) == streamed_texts(max_tokens=16, **penalties) == [expected]
+    assert expected != generator.generate([PROMPTS[1]], sampling.Sampling(16))[0]["text"]
+
+    # A bias of 100 makes a token the only choice
+    token_id = generator.tokenizer(" garden")["input_ids"][0]
+    assert texts(max_tokens=5, logit_bias={str(token_id): 100}) == [generator.tokenizer.decode([token_id] * 5)]
+
+    # n choices of a prompt draw differently, the same again with the same seed, streamed or not
+    drawn = dict(max_tokens=8, temperature=1.0, seed=5)
+    choices = texts(n=3, **drawn)
+    assert len(set(choices)) == 3 and texts(n=3, **drawn) == choices == streamed_texts(n=3, **drawn)
+
+    # best_of writes as many choices (the same draws) and returns those of the highest log-probability per token
+    scored = client.completions.create(model=model, prompt=PROMPTS[1], n=3, logprobs=0, **drawn).choices
+    mean_log_probs = [np.mean(choice.logprobs.token_logprobs) for choice in scored]
+    best = [scored[index].text for index in np.argsort(mean_log_probs)[::-1][:2]]
+    assert texts(n=2, best_of=3, **drawn) == best
+
+
+def test_a_request_without_max_tokens_writes_up_to_the_room_left(generator, server):
+    url, _ = server
+    prompt = "word " * 20  # 64 positions; the server's limit is 32 new tokens
+    prompt_tokens = len(generator.encode([prompt], 1, "prompt")[0])
+    answer = complete(url, model_id(generator), prompt=prompt).json()
+    assert answer["usage"]["completion_tokens"] == 64 - prompt_tokens < 32
+    assert answer["choices"][0]["finish_reason"] == "length"
+    answer = complete(url, model_id(generator), prompt="A").json()
+    assert answer["usage"]["completion_tokens"] == 32  # the server's limit, not the command line's 8
+
+
 @pytest.mark.parametrize(
     "fields, status, message",
     [
-        ({"n": 2}, 400, '"n" must be 1'),
-        ({"best_of": 2}, 400, '"best_of" is not supported'),
+        ({"n": 0}, 400, '"n" must be at least 1'),
+        ({"n": 5}, 400, '"n" 5 times 1 prompts is 5 choices; the server decodes at most 4 together'),
+        ({"n": 2, "best_of": 1}, 400, '"best_of" 1 is below "n" 2'),
+        ({"best_of": 2, "stream": True}, 400, '"best_of" above "n" with "stream": true'),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty must be from -2 to 2"),
+        ({"frequency_penalty": -3}, 400, "frequency_penalty must be from -2 to 2"),
+        ({"logit_bias": {"5": 101}}, 400, '"logit_bias" must map token ids to numbers from -100 to 100'),
+        ({"logit_bias": {"a": 1}}, 400, '"logit_bias" must map token ids'),
+        ({"logit_bias": {"100000": 1}}, 400, '"logit_bias" names the token id 100000, outside the model'),
         ({"logprobs": 6}, 400, '"logprobs" must be from 0 to 5'),
         ({"echo": 1}, 400, '"echo" must be true or false'),
         ({"logprobs": 1, "stream": True}, 400, '"logprobs" and "max_tokens": 0 are not supported with "stream": true'),

@@ -4,7 +4,9 @@ GET /health and Prometheus metrics (GET /metrics), in front of flax_lm.server.re
 
 A completion request may give its prompts as texts or token ids, several in one request, and ask for the prompt back
 ("echo") and the log-probabilities of the tokens ("logprobs", from flax_lm.evaluation.scoring), with "max_tokens": 0
-for the prompt alone: what lm-evaluation-harness's local-completions backend asks to score a task.
+for the prompt alone: what lm-evaluation-harness's local-completions backend asks to score a task. Both APIs take
+OpenAI's sampling fields ("presence_penalty", "frequency_penalty", "logit_bias", "stop", "seed", "n"; "best_of" for
+completions, "logprobs" and "top_logprobs" for chat); a request's choices are rows of the same batch.
 
 The HTTP side is asynchronous (Starlette on uvicorn): a slow client holds only its own connection, and requests
 wait for the decoding thread without holding a thread each. Up to --max_queued_requests wait for a batch; more
@@ -35,7 +37,7 @@ from flax_lm.evaluation.scoring import SequenceScores
 from flax_lm.generation.sampling import Sampling, shape_bucket
 from flax_lm.server.request_queue import BatchingEngine, Completion, Failed, RowFinished, TextPiece
 from flax_lm.server.requests import (
-    MAX_LOGPROBS,
+    MAX_TOP_LOGPROBS,
     REQUEST_EXAMPLE,
     Limits,
     RequestError,
@@ -68,13 +70,14 @@ class Overloaded(Exception):
 class Submitted:
     """A request handed to the engine, and the events it reports, as they come."""
 
-    def __init__(self, engine: BatchingEngine, prompt_ids: list[list[int]], sampling: Sampling, stop: list[str]):
+    def __init__(
+        self, engine: BatchingEngine, prompt_ids: list[list[int]], samplings: list[Sampling], stop: list[str]
+    ):
         loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
 
         def report(event):  # on the decoding thread
             loop.call_soon_threadsafe(self.events.put_nowait, event)
 
-        samplings = [dataclasses.replace(sampling, prompt_index=index) for index in range(len(prompt_ids))]
         self.completion = Completion(prompt_ids, samplings, stop, report)
         if not engine.submit(self.completion):
             raise Overloaded(engine.retry_after_seconds(), engine.max_queued_requests)
@@ -262,53 +265,79 @@ class CompletionAnswer:
 
 
 class ChatAnswer(CompletionAnswer):
-    """The parts of an answer of POST /v1/chat/completions, in OpenAI's shape: the assistant's reply as one message,
-    or streamed as chunks of it (the first with its role, then its text as it comes, the last with why it ended)."""
+    """The parts of an answer of POST /v1/chat/completions, in OpenAI's shape: each choice of the assistant's reply as
+    one message, or streamed as chunks of it (the first with its role, then its text as it comes, the last with why
+    it ended)."""
 
     def __init__(self, model_id: str, prompt_tokens: int):
         super().__init__(model_id, prompt_tokens)
         self.head.update(id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion")
 
-    def whole(self, results: list[RowFinished]) -> dict:
-        (result,) = results
-        message = {"role": "assistant", "content": result.text}
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": FINISH_REASONS[result.finish_reason],
-        }
-        return {**self.head, "choices": [choice], "usage": self.usage(results)}
+    def whole(self, results: list[RowFinished], logprobs: list[dict] | None = None) -> dict:
+        choices = [
+            {
+                "index": result.index,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None if logprobs is None else logprobs[row],
+                "finish_reason": FINISH_REASONS[result.finish_reason],
+            }
+            for row, result in enumerate(results)
+        ]
+        return {**self.head, "choices": choices, "usage": self.usage(results)}
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> str:
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    def chunk(self, index: int, delta: dict, finish_reason: str | None = None) -> str:
+        choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
         return server_sent_event({**self.head, "object": "chat.completion.chunk", "choices": choices})
 
     async def server_sent_events(self, submitted: Submitted, include_usage: bool, on_end):
-        """The reply as server-sent events, each piece of text as it comes, then `data: [DONE]`; `on_end(results)`
-        once it is done."""
-        yield self.chunk({"role": "assistant", "content": ""})
-        sent = 0  # characters of the reply sent
+        """The replies as server-sent events, each piece of text as it comes, then `data: [DONE]`; `on_end(results)`
+        once they are done."""
+        choices = len(submitted.completion.prompt_ids)
+        for index in range(choices):
+            yield self.chunk(index, {"role": "assistant", "content": ""})
+        sent = [0] * choices  # characters of each reply sent
+        results = []
         async for event in submitted.each_event():
             if isinstance(event, Failed):
                 yield server_sent_event({"error": {"message": event.message, "type": "server_error"}})
                 break
             if isinstance(event, TextPiece):
-                sent += len(event.text)
-                yield self.chunk({"content": event.text})
+                sent[event.index] += len(event.text)
+                yield self.chunk(event.index, {"content": event.text})
             else:
-                result = event
-                if rest := event.text[sent:]:
-                    yield self.chunk({"content": rest})
-                yield self.chunk({}, FINISH_REASONS[event.finish_reason])
+                results.append(event)
+                if rest := event.text[sent[event.index] :]:
+                    yield self.chunk(event.index, {"content": rest})
+                yield self.chunk(event.index, {}, FINISH_REASONS[event.finish_reason])
         else:
             if include_usage:
-                usage = self.usage([result])
+                usage = self.usage(results)
                 yield server_sent_event(
                     {**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
                 )
-            on_end([result])
+            on_end(results)
         yield "data: [DONE]\n\n"
+
+
+def chat_logprobs(tokenizer, scores: SequenceScores, prompt_length: int, new_ids: list[int], top_n: int) -> dict:
+    """OpenAI's "logprobs" of a chat choice: for each new token, its text, bytes and log-probability, and the top_n
+    most likely tokens there with theirs (the completions endpoint's numbers for the same tokens)."""
+
+    def entry(token_id: int, log_prob: float) -> dict:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for offset, token_id in enumerate(new_ids):
+        position = prompt_length - 1 + offset  # the row of the scores that predicts this token
+        top = zip(scores.top_ids[position, :top_n].tolist(), scores.top_log_probs[position, :top_n].tolist())
+        content.append(
+            {
+                **entry(token_id, float(scores.log_probs[position])),
+                "top_logprobs": [entry(top_id, top_log_prob) for top_id, top_log_prob in top],
+            }
+        )
+    return {"content": content, "refusal": None}
 
 
 class Endpoints:
@@ -342,13 +371,38 @@ class Endpoints:
             raise RequestError(str(error).replace("max_new_tokens", max_new_tokens_name), param) from None
 
     async def submit(
-        self, prompts: list, sampling: Sampling, stop: list[str], max_new_tokens_name: str, conversations=False
-    ) -> Submitted:
-        """Hands the prompts (or, with `conversations`, conversations to reply to) to the engine."""
-        prompt_ids = await self.encode(prompts, sampling.max_new_tokens, max_new_tokens_name, conversations)
-        submitted = Submitted(self.engine, prompt_ids, sampling, stop)
-        self.metrics.prompt_tokens.inc(submitted.completion.prompt_tokens)
-        return submitted
+        self,
+        prompts: list,
+        sampling: Sampling,
+        stop: list[str],
+        max_new_tokens_name: str,
+        conversations: bool = False,
+        max_tokens_given: bool = True,
+        choices: int = 1,
+    ) -> tuple[Submitted, list[list[int]]]:
+        """Hands the prompts (or, with `conversations`, conversations to reply to) to the engine, each `choices`
+        times (choice i of prompt p is row p * choices + i, with draws of its own); without `max_tokens_given`, each
+        row writes up to the room left in the model's positions, at most the server's limit. Returns the request and
+        the prompts' ids."""
+        vocab_size = self.generator.model.config.vocab_size
+        if outside := [token_id for token_id, _ in sampling.logit_bias if token_id >= vocab_size]:
+            raise RequestError(
+                f'"logit_bias" names the token id {outside[0]}, outside the model\'s {vocab_size} tokens', "logit_bias"
+            )
+        at_least = sampling.max_new_tokens if max_tokens_given else 1
+        prompt_ids = await self.encode(prompts, at_least, max_new_tokens_name, conversations)
+        positions = self.generator.model.config.max_position_embeddings
+        rows, samplings = [], []
+        for ids in prompt_ids:
+            max_new_tokens = (
+                sampling.max_new_tokens if max_tokens_given else min(sampling.max_new_tokens, positions - len(ids))
+            )
+            for _ in range(choices):
+                samplings.append(dataclasses.replace(sampling, max_new_tokens=max_new_tokens, prompt_index=len(rows)))
+                rows.append(ids)
+        submitted = Submitted(self.engine, rows, samplings, stop)
+        self.metrics.prompt_tokens.inc(sum(map(len, prompt_ids)))
+        return submitted, prompt_ids
 
     def log_answer(self, path: str, results: list[RowFinished], start: float):
         seconds = time.perf_counter() - start
@@ -363,7 +417,7 @@ class Endpoints:
         start = time.perf_counter()
         try:
             prompts, sampling = parse_generate_request(await read_json(request), self.limits)
-            submitted = await self.submit(prompts, sampling, [], "max_new_tokens")
+            submitted, _ = await self.submit(prompts, sampling, [], "max_new_tokens")
             results = await submitted.results()
         except RequestError as error:
             return JSONResponse({"error": str(error)}, error.status)
@@ -386,8 +440,14 @@ class Endpoints:
         try:
             parsed = parse_completion_request(await read_json(request), self.model_id, self.limits)
             if parsed.sampling.max_new_tokens:
-                submitted = await self.submit(parsed.prompts, parsed.sampling, parsed.stop, "max_tokens")
-                prompt_ids = submitted.completion.prompt_ids
+                submitted, prompt_ids = await self.submit(
+                    parsed.prompts,
+                    parsed.sampling,
+                    parsed.stop,
+                    "max_tokens",
+                    max_tokens_given=parsed.max_tokens_given,
+                    choices=parsed.best_of,
+                )
             else:  # nothing to write: the engine has no part in it
                 submitted, prompt_ids = None, await self.encode(parsed.prompts, 0, "max_tokens")
                 self.metrics.prompt_tokens.inc(sum(map(len, prompt_ids)))
@@ -412,11 +472,34 @@ class Endpoints:
             )
         except RuntimeError as error:
             return openai_error(str(error), "server_error", 500)
+        row_prompt_ids = [ids for ids in prompt_ids for _ in range(parsed.best_of if submitted else 1)]
+        if parsed.best_of > parsed.n:
+            results = await asyncio.to_thread(self.best_choices, row_prompt_ids, results, parsed.best_of, parsed.n)
+            row_prompt_ids = [ids for ids in prompt_ids for _ in range(parsed.n)]
         scored = None
         if parsed.echo or parsed.logprobs is not None:
-            scored = await asyncio.to_thread(self.scored_choices, prompt_ids, results, parsed.echo, parsed.logprobs)
+            scored = await asyncio.to_thread(
+                self.scored_choices, row_prompt_ids, results, parsed.echo, parsed.logprobs
+            )
         self.log_answer("/v1/completions", results, start)
         return JSONResponse(answer.whole(results, scored))
+
+    def best_choices(self, prompt_ids, results: list[RowFinished], best_of: int, n: int) -> list[RowFinished]:
+        """Of each prompt's `best_of` choices, the `n` of the highest log-probability per token, best first (OpenAI's
+        best_of), numbered as the choices returned."""
+        sequences = [ids + result.ids for ids, result in zip(prompt_ids, results)]
+        scores = self.generator.scorer.score(self.generator.params, sequences)
+        kept = []
+        for first in range(0, len(results), best_of):
+            rows = range(first, first + best_of)
+
+            def mean_log_prob(row):
+                new = scores[row].log_probs[len(prompt_ids[row]) - 1 :]
+                return float(new.mean()) if len(new) else -float("inf")
+
+            best = sorted(rows, key=mean_log_prob, reverse=True)[:n]
+            kept += [dataclasses.replace(results[row], index=len(kept) + rank) for rank, row in enumerate(best)]
+        return kept
 
     def scored_choices(self, prompt_ids, results: list[RowFinished], echo: bool, logprobs: int | None) -> list:
         """The text of each choice, its prompt's first with `echo`, and its "logprobs" (None without `logprobs`): of
@@ -425,7 +508,7 @@ class Endpoints:
         sequences = [ids + result.ids for ids, result in zip(prompt_ids, results)]
         scores = None
         if logprobs is not None:  # always the most tokens a request may see: one compiled program for every request
-            scores = scorer.score(self.generator.params, sequences, top_k=MAX_LOGPROBS)
+            scores = scorer.score(self.generator.params, sequences, top_k=MAX_TOP_LOGPROBS)
         choices = []
         for row, (ids, result) in enumerate(zip(prompt_ids, results)):
             text = tokenizer.decode(ids, skip_special_tokens=False) + result.text if echo else result.text
@@ -440,14 +523,21 @@ class Endpoints:
         start = time.perf_counter()
         try:
             parsed = parse_chat_request(await read_json(request), self.model_id, self.limits)
-            sampling, stop = parsed.sampling, parsed.stop
-            submitted = await self.submit([parsed.messages], sampling, stop, parsed.max_tokens_name, True)
+            submitted, (prompt_ids,) = await self.submit(
+                [parsed.messages],
+                parsed.sampling,
+                parsed.stop,
+                parsed.max_tokens_name,
+                conversations=True,
+                max_tokens_given=parsed.max_tokens_given,
+                choices=parsed.n,
+            )
         except RequestError as error:
             error_type = "not_found_error" if error.status == 404 else "invalid_request_error"
             return openai_error(str(error), error_type, error.status, error.param)
         except Overloaded as error:
             return openai_error(str(error), "overloaded_error", 503, headers={"Retry-After": str(error.retry_after)})
-        answer = ChatAnswer(self.model_id, submitted.completion.prompt_tokens)
+        answer = ChatAnswer(self.model_id, len(prompt_ids))
         if parsed.stream:
             events = answer.server_sent_events(
                 submitted,
@@ -460,8 +550,19 @@ class Endpoints:
             results = await submitted.results()
         except RuntimeError as error:
             return openai_error(str(error), "server_error", 500)
+        logprobs = None
+        if parsed.top_logprobs is not None:
+            logprobs = await asyncio.to_thread(self.chat_logprobs, prompt_ids, results, parsed.top_logprobs)
         self.log_answer("/v1/chat/completions", results, start)
-        return JSONResponse(answer.whole(results))
+        return JSONResponse(answer.whole(results, logprobs))
+
+    def chat_logprobs(self, prompt_ids: list[int], results: list[RowFinished], top_n: int) -> list[dict]:
+        sequences = [prompt_ids + result.ids for result in results]
+        scores = self.generator.scorer.score(self.generator.params, sequences, top_k=MAX_TOP_LOGPROBS)
+        tokenizer = self.generator.tokenizer
+        return [
+            chat_logprobs(tokenizer, row, len(prompt_ids), result.ids, top_n) for row, result in zip(scores, results)
+        ]
 
     async def models(self, request):
         model = {"id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "flax-lm"}

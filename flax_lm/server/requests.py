@@ -1,5 +1,6 @@
 """The requests of generate_flax.py's server, read and checked: the OpenAI completions API's (prompts as texts or
-token ids, several in one request, "echo", "logprobs", "max_tokens": 0) and the script's own JSON API's. A request the
+token ids, several in one request, several choices of each, "echo", "logprobs", "max_tokens": 0, the penalties and
+"logit_bias"), the chat completions API's and the script's own JSON API's. A request the
 server cannot answer as asked is refused with one line (RequestError), before it reaches the decoding engine."""
 
 import dataclasses
@@ -20,32 +21,26 @@ REQUEST_EXAMPLE = '{"prompt": "Once", "max_new_tokens": 20, "temperature": 0.8, 
 # The completions API's fields this server reads; top_k is not OpenAI's, but vLLM's and llama.cpp's servers take it.
 COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-    "user", "echo", "logprobs",
+    "user", "echo", "logprobs", "best_of", "presence_penalty", "frequency_penalty", "logit_bias",
 }  # fmt: skip
 # Fields of the completions API this server has no use for, accepted at the value that asks for nothing.
-UNSUPPORTED_COMPLETION_FIELDS = {
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
-}
-# The most of the likeliest tokens a completion request may ask to see at each position ("logprobs"), as OpenAI allows.
+UNSUPPORTED_COMPLETION_FIELDS = {"suffix": (None, "")}
+# The most of the likeliest tokens a completion request may ask to see at each position ("logprobs"), as OpenAI allows;
+# and a chat request ("top_logprobs"). The scorer always finds the larger: one compiled program for both.
 MAX_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+# OpenAI's bounds of a token's bias ("logit_bias").
+MAX_LOGIT_BIAS = 100
 
 
 # The chat completions API's fields this server reads (max_tokens is the older name of max_completion_tokens), and
 # those it has no use for, accepted at the value that asks for nothing.
 CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-    "stream", "stream_options", "n", "user",
+    "stream", "stream_options", "n", "user", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+    "logit_bias",
 }  # fmt: skip
 UNSUPPORTED_CHAT_FIELDS = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -63,7 +58,8 @@ class RequestError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What requests may ask, and the settings of what they leave out (the command line's)."""
+    """What requests may ask, and the settings of what they leave out (the command line's; but the OpenAI APIs'
+    max_tokens, which is the room left in the model's positions, up to max_new_tokens_limit)."""
 
     defaults: Sampling
     max_new_tokens_limit: int
@@ -187,17 +183,81 @@ def parse_generate_request(request, limits: Limits) -> tuple[list[str], Sampling
 @dataclasses.dataclass(frozen=True)
 class CompletionRequest:
     prompts: list[str | list[int]]  # texts, or token ids
-    sampling: Sampling  # max_new_tokens 0: nothing is written, the prompts are only echoed or scored
+    # max_new_tokens 0: nothing is written, the prompts are only echoed or scored; None: the room left in the model's
+    # positions after each prompt, up to the server's limit
+    sampling: Sampling
+    max_tokens_given: bool
     stop: list[str]
     stream: bool
     include_usage: bool
     echo: bool  # each choice's text begins with its prompt
     logprobs: int | None  # show the log-probability of each token and of this many of the most likely there
+    n: int  # choices returned per prompt
+    best_of: int  # choices written per prompt, of which the n most likely per token are returned
+
+
+def openai_sampling(request: dict, limits: Limits, max_tokens_name: str) -> Sampling:
+    """The Sampling an OpenAI request asks for (its max_new_tokens the server's limit where it gives none), checked
+    as far as it can be without its prompts."""
+    defaults = limits.defaults
+    max_tokens = number(request, max_tokens_name, int, None)
+    sampling = Sampling(
+        max_new_tokens=limits.max_new_tokens_limit if max_tokens is None else max_tokens,
+        temperature=number(request, "temperature", float, defaults.temperature),
+        top_k=number(request, "top_k", int, defaults.top_k),
+        top_p=number(request, "top_p", float, defaults.top_p),
+        seed=number(request, "seed", int, defaults.seed),
+        presence_penalty=number(request, "presence_penalty", float, 0.0),
+        frequency_penalty=number(request, "frequency_penalty", float, 0.0),
+        logit_bias=logit_bias(request),
+    )
+    # max_tokens 0 writes nothing (a completion's prompt echoed or scored); the rest is checked all the same
+    checked_sampling(
+        dataclasses.replace(sampling, max_new_tokens=max(sampling.max_new_tokens, 1)), limits, max_tokens_name
+    )
+    return sampling
+
+
+def logit_bias(request: dict) -> tuple[tuple[int, float], ...]:
+    """The "logit_bias" of an OpenAI request: token ids (as strings, JSON's keys) to a bias from -100 to 100. The
+    ids are checked against the model's vocabulary where the request is answered."""
+    biases = request.get("logit_bias") or {}
+    problem = f'"logit_bias" must map token ids to numbers from -{MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}'
+    if not isinstance(biases, dict):
+        raise RequestError(problem, "logit_bias")
+    pairs = []
+    for token_id, bias in biases.items():
+        is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not (token_id.isdigit() and is_number and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise RequestError(f"{problem}, not {token_id!r}: {bias!r}", "logit_bias")
+        pairs.append((int(token_id), float(bias)))
+    return tuple(pairs)
+
+
+def choices_per_prompt(request: dict, prompts: int, limits: Limits, best_of_too: bool) -> tuple[int, int]:
+    """(n, best_of) of an OpenAI request; refused where best_of is below n, or where the choices of all its prompts
+    would not fit in one batch."""
+    n = number(request, "n", int, 1)
+    best_of = number(request, "best_of", int, n) if best_of_too else n
+    if n < 1:
+        raise RequestError('"n" must be at least 1', "n")
+    if best_of < n:
+        raise RequestError(
+            f'"best_of" {best_of} is below "n" {n}: it writes best_of choices and returns the n best', "best_of"
+        )
+    if prompts * best_of > limits.batch_size:
+        name = "best_of" if best_of > n else "n"
+        raise RequestError(
+            f'"{name}" {best_of} times {prompts} prompts is {prompts * best_of} choices; the server decodes at most '
+            f"{limits.batch_size} together",
+            name,
+        )
+    return n, best_of
 
 
 def parse_completion_request(request, model_id: str, limits: Limits) -> CompletionRequest:
     """A request to POST /v1/completions, as OpenAI defines it; the command line's settings fill in what it leaves
-    out (max_tokens from --max_new_tokens)."""
+    out (but max_tokens: the room left after each prompt, up to the server's limit)."""
     example = '{"model": "...", "prompt": "Once"}'
     check_openai_fields(request, model_id, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, example)
     if "prompt" not in request:
@@ -206,22 +266,10 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
     prompts = [prompt] if isinstance(prompt, str) or is_token_ids(prompt) else prompt
     problem = '"prompt" must be a string, a list of token ids, or a non-empty list of strings or of lists of token ids'
     prompts = checked_prompts(prompts, limits, problem, "prompt", token_ids_too=True)
-    if number(request, "n", int, 1) != 1:
-        raise RequestError('"n" must be 1: this server writes one completion per prompt', "n")
-    defaults = limits.defaults
-    sampling = Sampling(
-        max_new_tokens=number(request, "max_tokens", int, defaults.max_new_tokens),
-        temperature=number(request, "temperature", float, defaults.temperature),
-        top_k=number(request, "top_k", int, defaults.top_k),
-        top_p=number(request, "top_p", float, defaults.top_p),
-        seed=number(request, "seed", int, defaults.seed),
-    )
-    # max_tokens 0 writes nothing: the prompts are only echoed or scored. The other settings are checked all the same.
+    sampling = openai_sampling(request, limits, "max_tokens")
     if sampling.max_new_tokens < 0:
         raise RequestError('"max_tokens" must be 0 (the prompt alone, echoed or scored) or more', "max_tokens")
-    checked_sampling(
-        dataclasses.replace(sampling, max_new_tokens=max(sampling.max_new_tokens, 1)), limits, "max_tokens"
-    )
+    n, best_of = choices_per_prompt(request, len(prompts), limits, best_of_too=True)
     echo = request.get("echo") or False
     if not isinstance(echo, bool):
         raise RequestError(f'"echo" must be true or false, not {echo!r}', "echo")
@@ -235,7 +283,12 @@ def parse_completion_request(request, model_id: str, limits: Limits) -> Completi
     stream, include_usage = stream_settings(request)
     if stream and (echo or logprobs is not None or sampling.max_new_tokens == 0):
         raise RequestError('"echo", "logprobs" and "max_tokens": 0 are not supported with "stream": true', "stream")
-    return CompletionRequest(prompts, sampling, stop, stream, include_usage, echo, logprobs)
+    if stream and best_of > n:
+        raise RequestError('"best_of" above "n" with "stream": true: the best are known only at the end', "best_of")
+    max_tokens_given = request.get("max_tokens") is not None
+    return CompletionRequest(
+        prompts, sampling, max_tokens_given, stop, stream, include_usage, echo, logprobs, n, best_of
+    )
 
 
 def check_openai_fields(request, model_id: str, fields: set, unsupported: dict, example: str):
@@ -286,31 +339,42 @@ class ChatRequest:
     messages: list
     sampling: Sampling
     max_tokens_name: str  # the field the request gave, max_completion_tokens or max_tokens
+    max_tokens_given: bool  # else: the room left after the conversation, up to the server's limit
     stop: list[str]
     stream: bool
     include_usage: bool
+    n: int
+    top_logprobs: int | None  # with "logprobs": true, the most likely tokens to show at each (None: no logprobs)
 
 
 def parse_chat_request(request, model_id: str, limits: Limits) -> ChatRequest:
     """A request to POST /v1/chat/completions, as OpenAI defines it: a conversation ("messages"), answered with the
     assistant's next turn; the command line's settings fill in what it leaves out (max_completion_tokens, or
-    max_tokens, from --max_new_tokens). The conversation is checked when it is rendered."""
+    max_tokens: the room left after the conversation, up to the server's limit). The conversation is checked when it
+    is rendered."""
     example = '{"model": "...", "messages": [{"role": "user", "content": "Hi"}]}'
     check_openai_fields(request, model_id, CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS, example)
     if "messages" not in request:
         raise RequestError('"messages" is missing: give the conversation, a list of messages', "messages")
-    if number(request, "n", int, 1) != 1:
-        raise RequestError('"n" must be 1: this server writes one reply per conversation', "n")
-    defaults = limits.defaults
     max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in request else "max_tokens"
-    sampling = Sampling(
-        max_new_tokens=number(request, max_tokens_name, int, defaults.max_new_tokens),
-        temperature=number(request, "temperature", float, defaults.temperature),
-        top_k=number(request, "top_k", int, defaults.top_k),
-        top_p=number(request, "top_p", float, defaults.top_p),
-        seed=number(request, "seed", int, defaults.seed),
-    )
+    sampling = openai_sampling(request, limits, max_tokens_name)
+    if sampling.max_new_tokens < 1:
+        raise RequestError(f'"{max_tokens_name}" must be at least 1', max_tokens_name)
+    n, _ = choices_per_prompt(request, 1, limits, best_of_too=False)
     stop = stop_strings(request)
     stream, include_usage = stream_settings(request)
-    sampling = checked_sampling(sampling, limits, max_tokens_name)
-    return ChatRequest(request["messages"], sampling, max_tokens_name, stop, stream, include_usage)
+    logprobs = request.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise RequestError(f'"logprobs" must be true or false, not {logprobs!r}', "logprobs")
+    top_logprobs = number(request, "top_logprobs", int, None)
+    if top_logprobs is not None and not logprobs:
+        raise RequestError('"top_logprobs" needs "logprobs": true', "top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f'"top_logprobs" must be from 0 to {MAX_TOP_LOGPROBS}', "top_logprobs")
+    if logprobs and stream:
+        raise RequestError('"logprobs" is not supported with "stream": true', "logprobs")
+    top_logprobs = (top_logprobs or 0) if logprobs else None
+    max_tokens_given = request.get(max_tokens_name) is not None
+    return ChatRequest(
+        request["messages"], sampling, max_tokens_name, max_tokens_given, stop, stream, include_usage, n, top_logprobs
+    )
