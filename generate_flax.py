@@ -269,7 +269,7 @@ def load_model(model_args):
 
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
     mesh = generation_mesh(model_args.mesh_shape)
-    model_code = load_model_code(config, model_args.model_file, True, "generate_flax.py", mesh)
+    model_code = load_model_code(config, model_args.model_file, True, "generate_flax.py", mesh, exports=False)
     dtype = jnp.dtype(model_args.dtype)
     model = model_code.module.MODEL_CLASS(config, dtype=dtype, param_dtype=dtype, mesh=mesh)
     boxed_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32), unbox=False)
