@@ -43,7 +43,7 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from flax_lm.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.errors import UsageError, run
-from flax_lm.hf_io import check_local_model_directory, read_exported_params
+from flax_lm.hf_io import check_config_finite, check_local_model_directory, read_exported_params
 from flax_lm.mesh import create_mesh
 from flax_lm.model_code import load_model_code
 from flax_lm.processes import LOG_FORMAT
@@ -268,6 +268,7 @@ def load_model(model_args):
             raise UsageError(f"cannot load --model_name_or_path {source}: {str(error).splitlines()[0]}") from None
 
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
+    check_config_finite(config, f"--model_name_or_path {source}")
     mesh = generation_mesh(model_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, True, "generate_flax.py", mesh, exports=False)
     dtype = jnp.dtype(model_args.dtype)
