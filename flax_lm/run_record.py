@@ -187,6 +187,25 @@ def check_model_code(model_code, progress_record: dict):
         )
 
 
+# Arguments that choose the optimizer state's structure: a checkpoint of another value cannot be restored at all.
+OPTIMIZER_STATE_ARGUMENTS = ("optim",)
+
+
+def check_optimizer_arguments(run: dict, progress_record: dict):
+    """Refuse, naming the argument, a checkpoint whose optimizer state another optimizer made (`run`: this run's
+    description): asked before the checkpoint's arrays are compared with this run's, whose shapes it explains."""
+    recorded = progress_record.get("run", progress_record).get("arguments", {})
+    for name in OPTIMIZER_STATE_ARGUMENTS:
+        current = run["arguments"].get(name)
+        if name in recorded and recorded[name] != current:
+            difference = describe_difference(name, (recorded[name], current))
+            raise UsageError(
+                f"the checkpoint holds the state of another optimizer ({difference}), which --allow_resume_changes "
+                f"cannot carry over; resume with --{name} {recorded[name]}, or start a new run from the exported "
+                "weights (--model_name_or_path)"
+            )
+
+
 def run_differences(recorded: dict, current: dict) -> dict[str, tuple]:
     """{name: (recorded, current)} of what differs between two run descriptions and changes the training: arguments
     outside FREE_ON_RESUME, and the fingerprints. What the record does not hold (an argument added to the script

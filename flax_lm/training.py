@@ -22,7 +22,13 @@ from flax_lm.hf_io import read_exported_params, save_model
 from flax_lm.mesh import BATCH_AXES
 from flax_lm.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.packed import tokenizer_fingerprint
-from flax_lm.run_record import TrainingProgress, check_model_code, check_resumed_run, describe_run
+from flax_lm.run_record import (
+    TrainingProgress,
+    check_model_code,
+    check_optimizer_arguments,
+    check_resumed_run,
+    describe_run,
+)
 from flax_lm.train_state import (
     TrainState,
     abstract_train_state,
@@ -131,6 +137,13 @@ def run_description(arguments: dict, config, tokenizer, setup: TrainingSetup) ->
     return describe_run(arguments, config, fingerprint, setup.model_code, setup.train_rows, setup.train_batch_size)
 
 
+def check_checkpoint_record(model_code, run: dict, progress_record: dict):
+    """What a checkpoint's record alone refuses, before its arrays are compared with this run's: other model code, or
+    another optimizer (either would surface as a mismatch of shapes)."""
+    check_model_code(model_code, progress_record)
+    check_optimizer_arguments(run, progress_record)
+
+
 def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) -> tuple[TrainState, TrainingProgress]:
     """The state to start from: with --resume_from_checkpoint the newest (or the named) training checkpoint, if
     there is one, whose run agrees with this one (`run`: run_description's); otherwise new weights, or those of the
@@ -142,7 +155,7 @@ def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) ->
             training_args.output_dir,
             setup.abstract_state,
             ["step", "global_batch_size", setup.script.length_name],
-            partial(check_model_code, setup.model_code),
+            partial(check_checkpoint_record, setup.model_code, run),
         )
         if restored:
             state, record, path = restored

@@ -115,6 +115,21 @@ def test_an_allowed_change_trains_on_and_is_recorded_with_its_step(
     assert json.loads((output_dir / "train_results.json").read_text())["resume_changes"] == [change]
 
 
+def test_another_optimizer_is_refused_naming_it_before_any_shape(
+    two_step_run, model_dir, environment, script, tmp_path
+):
+    """Another --optim makes another optimizer state, which no flag carries over: the argument is named, not the
+    first array whose shape differs, even with every change allowed."""
+    extra = ["--optim", "lion", "--allow_resume_changes", "all"]
+    before = snapshot(two_step_run)
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "error: the checkpoint holds the state of another optimizer (--optim adamw there, lion here)" in last_line
+    assert "shape" not in last_line and "resume with --optim adamw" in last_line, last_line
+    assert snapshot(output_dir) == before
+
+
 def test_what_changes_nothing_of_the_training_needs_no_flag(two_step_run, model_dir, environment, script, tmp_path):
     extra = ["--logging_steps", "2", "--save_total_limit", "5", "--report_to", "none", "--steps_per_call", "2"]
     output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra, max_steps="4")
