@@ -136,6 +136,15 @@ def test_what_changes_nothing_of_the_training_needs_no_flag(two_step_run, model_
     assert result.returncode == 0, result.stderr[-3000:]
     assert progress_record(output_dir / "checkpoints" / "4")["resume_changes"] == []
 
+    # train_results.json's runtime and speed cover the whole run: the segment before the resume and this one.
+    results = json.loads((output_dir / "train_results.json").read_text())
+    segments = results["train_segments"]
+    assert [(segment["from_step"], segment["to_step"]) for segment in segments] == [(0, 2), (2, 4)]
+    assert all(segment["runtime_seconds"] > 0 and segment["tokens"] == 2 * 4 * 32 for segment in segments), segments
+    runtime = sum(segment["runtime_seconds"] for segment in segments)
+    assert results["train_runtime_seconds"] == pytest.approx(runtime) and results["train_runtime_from_step"] == 0
+    assert results["train_tokens_per_second"] == pytest.approx(4 * 4 * 32 / runtime)
+
 
 def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trained_from(
     two_step_run, model_dir, environment, tmp_path
