@@ -43,7 +43,7 @@ from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, run
-from flax_lm.models import stock_module
+from flax_lm.models import non_finite_config_value, stock_module
 
 logger = logging.getLogger(__name__)
 
@@ -377,6 +377,11 @@ def round_up(number, multiple):
 
 def check_config(config, preset, tokenizer=None):
     """Refuse settings the model cannot be built or trained with."""
+    if found := non_finite_config_value(config):
+        name, value = found
+        default = CONFIG_CLASSES[config.model_type]().to_dict().get(name)
+        fix = f"--set {name}={default}" if isinstance(default, (int, float)) else f"--set {name}=..."
+        raise UsageError(f"{name} is {value}, not a finite number; give it one with {fix}")
     sizes = {
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,

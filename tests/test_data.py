@@ -354,6 +354,28 @@ def test_a_save_to_disk_directory_is_never_written_into_and_cache_dir_holds_the_
     np.testing.assert_array_equal(np.asarray(again["train"]), np.asarray(blocks["train"]))
 
 
+@pytest.mark.parametrize("route", ["train_file", "dataset_name folder"])
+def test_a_file_rewritten_with_its_old_modification_time_is_read_again(tokenizer, tmp_path, route):
+    """The token cache and the conversion `datasets` keeps are keyed by the files' bytes: a JSON Lines file whose every
+    text was rewritten, its old modification time restored (as cp -p or a reproducible build leaves it), gives the
+    new texts' blocks, read from the files or from a folder of them (--dataset_name)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    path = folder / "train.jsonl"
+    old_texts, new_texts = train_lines(), [line.upper() for line in train_lines()]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in old_texts))
+    source = {"train_file": str(path)} if route == "train_file" else {"train_file": None, "dataset_name": str(folder)}
+    old = load_data(tmp_path, tokenizer, do_eval=False, **source)
+    times = path.stat()
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in new_texts))
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert path.stat().st_mtime_ns == times.st_mtime_ns  # and its size too, the texts being ASCII upper-cased
+    new = load_data(tmp_path, tokenizer, do_eval=False, **source)
+    both = np.concatenate([np.asarray(new["validation"]), np.asarray(new["train"])])
+    np.testing.assert_array_equal(both, expected_blocks(tokenizer, new_texts, 32))
+    assert not np.array_equal(np.asarray(old["train"]), np.asarray(new["train"]))
+
+
 def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenizer, tmp_path, monkeypatch):
     read, tokenized = [], []
     real_resolve, real_token_arrays = flax_lm.data.texts.resolve_data_files, run_clm_flax.token_arrays

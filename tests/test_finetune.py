@@ -280,6 +280,13 @@ BAD_ROWS = {
         {},
         "row 3 of {file} has no 'completion' (it is missing or null); fix the data, or pass --skip_missing_texts",
     ),
+    "a conversation among prompt/completion examples": (
+        PROMPT_COMPLETION,
+        {"messages": [USER_TURN, {"role": "assistant", "content": "Hello"}]},
+        {},
+        "the train data mixes prompt/completion examples ('prompt', 'completion') with conversations ('messages'); "
+        "give each kind in a file of its own",
+    ),
     "a prompt/completion pair of conversations among text ones": (
         PROMPT_COMPLETION,
         {"prompt": [USER_TURN], "completion": "Hello"},

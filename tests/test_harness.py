@@ -26,7 +26,7 @@ from flax_lm.data.chat import DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.texts import token_byte_counts
 from flax_lm.devices.mesh import BATCH_AXES, create_mesh
 from flax_lm.errors import UsageError
-from flax_lm.evaluation.harness import FlaxLM, HarnessTasks, metric_values
+from flax_lm.evaluation.harness import FlaxLM, HarnessTasks, metric_values, task_index
 
 CHOICE, TEXTS, GENERATION, VALIDATION = "tiny_choice", "tiny_texts", "tiny_generation", "tiny_validation"
 TASKS = [CHOICE, TEXTS, GENERATION]
@@ -245,6 +245,17 @@ def test_a_task_whose_data_cannot_be_read_is_refused_in_one_line(generator, task
     with pytest.raises(UsageError, match="^--eval_tasks broken: cannot load the tasks: .*missing.jsonl") as error:
         HarnessTasks(["broken"], str(tmp_path), None, model)
     assert "\n" not in str(error.value)
+
+
+def test_a_task_file_that_does_not_parse_is_named_with_its_error(tmp_path):
+    """lm-eval leaves a task YAML it cannot parse out of its index: the task is then unknown, and the message names
+    the file and YAML's error rather than the task alone."""
+    (tmp_path / "bad.yaml").write_text("task: bad\ndataset_path: json\ndoc_to_text: [unclosed\n")
+    with pytest.raises(UsageError) as error:
+        task_index(["bad"], str(tmp_path))
+    message = str(error.value)
+    assert "bad.yaml under --eval_tasks_path does not parse as YAML" in message and "\n" not in message, message
+    assert "line 4" in message or "line 3" in message, message
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ The table runs each command line inside this process (a fresh interpreter per ca
 each); the tests below it run the scripts as commands where the exit status, the log or the files left on disk are
 the point."""
 
+import dataclasses
 import errno
 import hashlib
 import importlib.util
@@ -15,6 +16,7 @@ import shutil
 import sys
 import time
 import types
+import typing
 from functools import partial
 
 import datasets
@@ -128,6 +130,10 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
         save_model_dir(root / name, gpt2, tiny_config(vocab_size=1000, n_positions=64))
         (root / name / "model.safetensors").write_bytes(content)
     pickled = save_model_dir(root / "pickled", gpt2, tiny_config(vocab_size=1000, n_positions=64))
+    # config.json spells it Infinity, as Python's json writes and reads it
+    infinite = save_model_dir(
+        root / "infinite", gpt2, tiny_config(vocab_size=1000, n_positions=64, initializer_range=float("inf"))
+    )
     code = PickleThatWritesAFile(str(root / "pickle-ran"))
     torch.save({"transformer.wte.weight": code}, pickled / "pytorch_model.bin")
 
@@ -137,7 +143,8 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
         "missing": data / "missing.jsonl",
         "int": data / "int.parquet", "whitespace": data / "whitespace.txt", "pickled": pickled,
         "broken": data / "broken.jsonl", "cut_short": data / "cut-short.jsonl",
-        "pickle_ran": root / "pickle-ran", "root": root, **{name: root / name for name in bad_weights},
+        "pickle_ran": root / "pickle-ran", "root": root, "infinite": infinite,
+        **{name: root / name for name in bad_weights},
     }  # fmt: skip
 
 
@@ -289,6 +296,15 @@ REFUSALS = {
     "config-zero-layer-norm-epsilon": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "layer_norm_epsilon=0"],
         ["layer_norm_epsilon must be positive"]),
+    "config-infinite-initializer-range": (
+        "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "initializer_range=Infinity"],
+        ["initializer_range is inf, not a finite number", "--set initializer_range=0.02"]),
+    "config-roberta-negative-infinite-epsilon": (
+        "create_config", ["--preset", "roberta-tiny", "--output_dir", "{out}", "--set", "layer_norm_eps=-Infinity"],
+        ["layer_norm_eps is -inf, not a finite number"]),
+    "clm-infinite-config-value": (
+        "run_clm_flax", [*CLM, "--config_name", "{infinite}"],
+        ["--config_name", "infinite: the config's initializer_range is inf, not a finite number", "config.json"]),
     "config-activation-no-model-computes": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "activation_function=tanh"],
         ["activation_function 'tanh' is not an activation the models compute", "gelu_new"]),
@@ -353,6 +369,42 @@ def test_bad_input_is_refused_in_one_line(case, paths, tmp_path, monkeypatch):
     for fragment in fragments:
         assert fragment in message, message
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out"), "it wrote output before refusing"
+
+
+@pytest.mark.parametrize("script", ["run_clm_flax", "run_mlm_flax"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_every_number_flag_that_is_not_finite_is_refused_in_one_line(script, value, paths, tmp_path, monkeypatch):
+    """Each flag of a float, given NaN or an infinity, is refused naming it, before anything is written."""
+    module = SCRIPTS[script]
+    groups = (module.ModelArguments, module.DataTrainingArguments, module.TrainingArguments)
+    float_flags = [
+        argument.name
+        for group in groups
+        for argument in dataclasses.fields(group)
+        if typing.get_type_hints(group)[argument.name] is float
+    ]
+    assert "learning_rate" in float_flags and len(float_flags) >= 12
+    for flag in float_flags:
+        arguments = script_arguments(script, [*(CLM if script == "run_clm_flax" else MLM), f"--{flag}={value}"],
+                                     paths, tmp_path)  # fmt: skip
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", *arguments])
+        with pytest.raises(Exception) as refusal:
+            module.main()
+        message = printed_error(module, refusal.value)
+        assert message is not None and "\n" not in message, f"--{flag}: {refusal.value!r}"
+        assert message.startswith(f"--{flag} {float(value)}"), message
+        assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out"), "it wrote output before refusing"
+
+
+def test_generate_flax_refuses_a_config_with_a_number_that_is_not_finite(paths, monkeypatch):
+    generate_flax = load_script("generate_flax")
+    monkeypatch.setattr(
+        sys, "argv", ["generate_flax.py", "--model_name_or_path", str(paths["infinite"]), "--prompt", "a"]
+    )
+    with pytest.raises(Exception) as refusal:
+        generate_flax.main()
+    message = printed_error(generate_flax, refusal.value)
+    assert message is not None and "the config's initializer_range is inf, not a finite number" in message, message
 
 
 @pytest.mark.parametrize(

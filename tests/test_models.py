@@ -274,8 +274,8 @@ def test_the_probe_finds_each_stock_module_equal_to_its_architecture(model_type)
     assert difference <= model_code.PROBE_TOLERANCE
 
 
-def edited_module(tmp_path, name: str, replacements: dict):
-    text = (REPO_DIR / "flax_lm" / "models" / "llama.py").read_text()
+def edited_module(tmp_path, name: str, replacements: dict, model_type: str = "llama"):
+    text = (REPO_DIR / "flax_lm" / "models" / f"{model_type}.py").read_text()
     for old, new in replacements.items():
         assert text.count(old) == 1, old
         text = text.replace(old, new)
@@ -296,6 +296,57 @@ def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path):
     claims_other, reason_other = model_code.architecture_claim(other, config, "x", "other.py")
     assert claims_same, reason_same
     assert not claims_other and "logits differ" in reason_other, reason_other
+
+
+# Edits of gpt2.py that change what it computes only somewhere a small probe does not look: positions 40 and beyond,
+# the last of 3 layers, the token ids 1 and 2, decoding with the key/value cache.
+NARROW_EDITS = {
+    "unedited": {},
+    "late positions": {
+        'self.look_up(self.wpe, "positions", positions)': (
+            'self.look_up(self.wpe, "positions", positions) * jnp.where(positions >= 40, 3.0, 1.0)[..., None]'
+        )
+    },
+    "one layer": {
+        'x = x + self.child(MLP, "mlp")(self.layer_norm("ln_2")(x), deterministic)': (
+            'x = x + self.child(MLP, "mlp")(self.layer_norm("ln_2")(x), deterministic) * (1 + (self.layer_index == 2))'
+        )
+    },
+    "rare token ids": {
+        'self.look_up(self.wte, "vocab", input_ids)': (
+            'self.look_up(self.wte, "vocab", jnp.where(input_ids < 3, 0, input_ids))'
+        )
+    },
+    "cached decoding": {
+        "y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)": (
+            "y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)\n"
+            "            y = 1.5 * y"
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("edit", NARROW_EDITS)
+def test_an_edit_anywhere_in_the_context_the_layers_the_vocabulary_or_the_cache_loses_the_claim(tmp_path, edit):
+    """The probe compares every layer, every position of the context, every token id and the cached routes: an
+    export names GPT2LMHeadModel only for the unedited copy."""
+    config = tiny_config(vocab_size=256, n_layer=3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    module = edited_module(tmp_path, "narrow.py", NARROW_EDITS[edit], "gpt2")
+    claims, reason = model_code.architecture_claim(module, config, model_code.code_fingerprint(module), "narrow.py")
+    if edit == "unedited":
+        assert claims, reason
+        assert "every layer, position and token id, with and without the key/value cache" in reason
+    else:
+        assert not claims and "logits differ" in reason, reason
+
+
+def test_a_probe_too_costly_for_pytorch_makes_no_claim(tmp_path, monkeypatch):
+    """Past the limit of the probe's work, an export names no architecture rather than one checked in part."""
+    config = tiny_config(vocab_size=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    module = edited_module(tmp_path, "same.py", {}, "gpt2")
+    monkeypatch.setattr(model_code, "PROBE_MAX_TORCH_FLOPS", 1e6)
+    claims, reason = model_code.architecture_claim(module, config, model_code.code_fingerprint(module), "same.py")
+    assert not claims and "over the probe's limit" in reason, reason
 
 
 @pytest.fixture(scope="module")

@@ -115,11 +115,35 @@ def test_an_allowed_change_trains_on_and_is_recorded_with_its_step(
     assert json.loads((output_dir / "train_results.json").read_text())["resume_changes"] == [change]
 
 
+def test_another_optimizer_is_refused_naming_it_before_any_shape(
+    two_step_run, model_dir, environment, script, tmp_path
+):
+    """Another --optim makes another optimizer state, which no flag carries over: the argument is named, not the
+    first array whose shape differs, even with every change allowed."""
+    extra = ["--optim", "lion", "--allow_resume_changes", "all"]
+    before = snapshot(two_step_run)
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "error: the checkpoint holds the state of another optimizer (--optim adamw there, lion here)" in last_line
+    assert "shape" not in last_line and "resume with --optim adamw" in last_line, last_line
+    assert snapshot(output_dir) == before
+
+
 def test_what_changes_nothing_of_the_training_needs_no_flag(two_step_run, model_dir, environment, script, tmp_path):
     extra = ["--logging_steps", "2", "--save_total_limit", "5", "--report_to", "none", "--steps_per_call", "2"]
     output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra, max_steps="4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert progress_record(output_dir / "checkpoints" / "4")["resume_changes"] == []
+
+    # train_results.json's runtime and speed cover the whole run: the segment before the resume and this one.
+    results = json.loads((output_dir / "train_results.json").read_text())
+    segments = results["train_segments"]
+    assert [(segment["from_step"], segment["to_step"]) for segment in segments] == [(0, 2), (2, 4)]
+    assert all(segment["runtime_seconds"] > 0 and segment["tokens"] == 2 * 4 * 32 for segment in segments), segments
+    runtime = sum(segment["runtime_seconds"] for segment in segments)
+    assert results["train_runtime_seconds"] == pytest.approx(runtime) and results["train_runtime_from_step"] == 0
+    assert results["train_tokens_per_second"] == pytest.approx(4 * 4 * 32 / runtime)
 
 
 def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trained_from(

@@ -675,6 +675,12 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         value = next(getattr(group, name) for group in argument_groups if hasattr(group, name))
         if not in_range(value) or (isinstance(value, float) and not math.isfinite(value)):
             raise UsageError(f"--{name} {value} {requirement}")
+    # No flag means anything at NaN or Infinity, a script's own flags without a range above included.
+    for group in argument_groups:
+        for argument in fields(group):
+            value = getattr(group, argument.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"--{argument.name} {value} is not a finite number")
 
 
 def check_choices(argument_group, **tables):

@@ -190,6 +190,13 @@ def format_of(dataset, split: str, arguments) -> str | None:
     chosen = arguments.prompt_column is not None or arguments.completion_column is not None
     if not chosen and arguments.text_column_name in columns:
         return None
+    if prompt in columns and completion in columns and MESSAGES_COLUMN in columns:
+        # JSON Lines rows of both kinds read as one table: each row lacks the other kind's columns.
+        raise UsageError(
+            f"the {split} data mixes prompt/completion examples ('{prompt}', '{completion}') with conversations "
+            f"('{MESSAGES_COLUMN}'); give each kind in a file of its own and train on one at a time, or write the "
+            f"examples as conversations ('{MESSAGES_COLUMN}': a user turn, then an assistant turn)"
+        )
     if prompt in columns and completion in columns:
         is_conversation = isinstance(first_value(dataset, prompt), list)
         return CONVERSATIONAL_PROMPT_COMPLETION if is_conversation else PROMPT_COMPLETION

@@ -17,9 +17,11 @@ import datasets
 import fsspec
 import numpy as np
 import pyarrow
+import xxhash
 from tokenizers import pre_tokenizers
 
 from flax_lm.errors import UsageError
+from flax_lm.run.checksums import file_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -95,20 +97,58 @@ def text_builder_options(data_args) -> dict:
     return {"sample_by": data_args.text_sample_by or "document", "keep_linebreaks": data_args.keep_linebreaks}
 
 
+def files_checksum(paths: list[str]) -> str:
+    """The XXH3-128 checksum of the bytes of `paths`, in their order: what identifies the content of local data
+    files, whatever their names and modification times."""
+    return xxhash.xxh3_128_hexdigest(" ".join(file_checksum(path) for path in paths).encode())
+
+
+def by_content(dataset, checksum: str):
+    """`dataset` with `checksum` (of the bytes it was read from) in its fingerprint. `datasets` fingerprints local
+    files by their paths and modification times, so a file rewritten with its old time (cp -p, a build that
+    normalises times) would keep the fingerprint; the token cache, named by the fingerprint, and the caches
+    `datasets` keeps of the dataset's filters are then those of the bytes read."""
+    dataset._fingerprint = xxhash.xxh3_128_hexdigest(f"{dataset._fingerprint} {checksum}".encode())
+    return dataset
+
+
+def folder_files(folder: str) -> list[str]:
+    """The files under `folder`, in sorted order, leaving out hidden ones (and those of hidden folders), as `datasets`
+    does when it reads a folder of data files."""
+    return sorted(
+        os.path.join(root, name)
+        for root, folders, names in os.walk(folder)
+        if not any(part.startswith(".") for part in os.path.relpath(root, folder).split(os.sep) if part != ".")
+        for name in names
+        if not name.startswith(".")
+    )
+
+
+def content_cache_dir(model_args, checksum: str) -> str:
+    """Where `datasets` keeps what it converts of local files of content `checksum` (a folder per content, under
+    --cache_dir or its own cache): it finds its conversion by paths and modification times, which a file rewritten
+    with its old time keeps, and would read the old content back."""
+    return os.path.join(model_args.cache_dir or datasets.config.HF_DATASETS_CACHE, "data-files", checksum)
+
+
 def load_data_files(groups: dict[str, list[str]], split: str, model_args, data_args, streaming: bool):
     """One dataset of the files of a split, each format read by its own builder. Files of several formats are
-    joined, in the order of `groups`, on the text column alone (their other columns need not agree)."""
+    joined, in the order of `groups`, on the text column alone (their other columns need not agree). Read as a
+    dataset, keyed by the files' content (by_content); a stream reads them as they are."""
     text_options = text_builder_options(data_args)
     parts = []
     for builder, files in groups.items():
+        checksum = None if streaming else files_checksum(files)
         part = datasets.load_dataset(
             builder,
             data_files={split: files},
             split=split,
-            cache_dir=model_args.cache_dir,
+            cache_dir=model_args.cache_dir if streaming else content_cache_dir(model_args, checksum),
             streaming=streaming,
             **(text_options if builder == "text" else {}),
         )
+        if not streaming:
+            part = by_content(part, checksum)
         if len(groups) > 1:
             column = data_args.text_column_name
             if part.column_names is not None and column not in part.column_names:
@@ -150,14 +190,22 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
                     for file in files
                     for suffix in ("", *COMPRESSION_SUFFIXES)
                 )
+                # A local folder of data files is keyed by its files' content, as --train_file is.
+                checksum = None if streaming or not os.path.isdir(name) else files_checksum(folder_files(name))
                 raw = datasets.load_dataset(
                     name,
                     data_args.dataset_config_name,
-                    cache_dir=model_args.cache_dir,
+                    cache_dir=model_args.cache_dir if checksum is None else content_cache_dir(model_args, checksum),
                     token=model_args.token,
                     streaming=streaming,
                     **(text_options if holds_text_files else {}),
                 )
+                if checksum is not None:
+                    raw = (
+                        by_content(raw, checksum)
+                        if isinstance(raw, datasets.Dataset)
+                        else datasets.DatasetDict({split: by_content(part, checksum) for split, part in raw.items()})
+                    )
         else:
             raw = {}
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):

@@ -9,10 +9,12 @@ needs it (`pip install lm_eval`), and run_clm_flax.py imports it only for --eval
 """
 
 import logging
+import os
 import random
 
 import lm_eval.evaluator
 import numpy as np
+import yaml
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.tasks import TaskManager
@@ -173,6 +175,29 @@ class FlaxLM(TemplateLM):
         return new_ids
 
 
+class TaskFileLoader(yaml.SafeLoader):
+    """YAML's safe loader, taking a tag of lm-eval's (!function) for the plain value under it: enough to tell whether
+    a task file parses, without running its code."""
+
+
+TaskFileLoader.add_multi_constructor("!", lambda loader, tag, node: None)
+
+
+def first_unparsed_yaml(folder: str) -> tuple[str, str] | None:
+    """The first YAML file under `folder` (sorted) that does not parse, and YAML's error in one line; None where all
+    do. lm-eval leaves such a file out of its index with no word, and its task is then merely unknown."""
+    paths = sorted(
+        os.path.join(root, name) for root, _, names in os.walk(folder) for name in names if name.endswith(".yaml")
+    )
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as file:
+                yaml.load(file, Loader=TaskFileLoader)
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            return path, " ".join(str(error).split())
+    return None
+
+
 def task_index(names: list[str], include_path: str | None):
     """lm-eval's index of the tasks that holds every name: that of the YAML files under include_path alone where it
     does (lm-eval's own index of some 15000 tasks takes seconds to build), else lm-eval's with them."""
@@ -182,6 +207,12 @@ def task_index(names: list[str], include_path: str | None):
             return local_index
     index = TaskManager(include_path=include_path)
     if unknown := [name for name in names if name not in index.all_tasks]:
+        if include_path and (unparsed := first_unparsed_yaml(include_path)):
+            path, error = unparsed
+            raise UsageError(
+                f"--eval_tasks: no task or group named '{unknown[0]}', and {path} under --eval_tasks_path does not "
+                f"parse as YAML ({error}), so lm-eval skipped it; fix that file"
+            )
         where = f" or in --eval_tasks_path {include_path}" if include_path else ""
         raise UsageError(
             f"--eval_tasks: lm-eval has no task or group named '{unknown[0]}'{where}; `lm-eval ls tasks` lists them"

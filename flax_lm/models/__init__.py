@@ -24,6 +24,7 @@ weights, sharded or not), and model_code.py says which code computes a run's mod
 
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from types import ModuleType
@@ -122,3 +123,21 @@ def model_module(model_type: str, model_file: str | None, generates_text: bool, 
             "flax_lm/models/__init__.py); pass a config of one of those (create_config.py makes one)"
         )
     return stock_module(model_type)
+
+
+def non_finite_config_value(config) -> tuple[str, float] | None:
+    """The first value of `config` (its config.json's keys, those of nested mappings joined by ".") that is a number
+    but not a finite one (NaN, Infinity, as Python's json reads and writes them), with that value; None where every
+    number is finite. No model computes with such a value: an initializer_range of Infinity fills the weights with
+    NaN, which the first step then blames on the learning rate."""
+
+    def first(value, name: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            return name, value
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if found := first(item, f"{name}.{key}" if name else str(key)):
+                return found
+        return None
+
+    return first(config.to_dict(), "")

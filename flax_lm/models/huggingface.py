@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from flax_lm.data.chat import stop_token_ids, training_chat_template
 from flax_lm.errors import UsageError, naming_a_full_disk
+from flax_lm.models import non_finite_config_value
 from flax_lm.models.model_code import (
     FINGERPRINT_KEY,
     FLAX_WEIGHTS_NAME,
@@ -52,6 +53,16 @@ def check_local_model_directory(flag: str, name_or_path: str):
         )
 
 
+def check_config_finite(config, source: str):
+    """Refuse a config (of `source`, a flag and its value) with a number that is not finite, before anything is built
+    or written."""
+    if found := non_finite_config_value(config):
+        name, value = found
+        raise UsageError(
+            f"{source}: the config's {name} is {value}, not a finite number; set a finite one in its config.json"
+        )
+
+
 def load_config_and_tokenizer(model_args, default_model_type: str):
     """The config (of --config_name or --model_name_or_path; without either the default one of --model_type, else of
     `default_model_type`) and the fast tokenizer, checked against each other."""
@@ -66,6 +77,7 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
         config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
         config_source = model_args.config_name or model_args.model_name_or_path
         config = load(AutoConfig, config_source, config_flag)
+        check_config_finite(config, f"{config_flag} {config_source}")
         if model_args.model_type and model_args.model_type != config.model_type:
             raise UsageError(
                 f"--model_type {model_args.model_type} contradicts {config_flag} {config_source}, a "

@@ -7,12 +7,13 @@ transformers architecture in its config.json only where the code is known to com
 - the stock modules, as flax_lm ships them (VERIFIED_FINGERPRINTS: the code their parity tests compare with
   transformers);
 - other code whose logits, on a probe batch with random weights, equal those of the transformers class it names
-  (PyTorch installed; the probe runs the config cut to PROBE_LAYERS layers).
+  (PyTorch installed): the run's own config, every layer of it, rows as long as its context holding every token id
+  of its vocabulary, and for a causal LM the key/value cache's routes as well (probe_difference). Where that would
+  ask more than PROBE_MAX_TORCH_FLOPS of PyTorch, nothing is claimed.
 Any other export holds its weights as flax_model.safetensors beside a copy of its model file, which transformers does
 not load (it looks for model.safetensors), and which the tools of this repository load with --model_file.
 """
 
-import copy
 import hashlib
 import logging
 import os
@@ -21,6 +22,7 @@ from types import ModuleType
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from flax_lm.errors import UsageError
@@ -48,9 +50,13 @@ EARLIER_VERIFIED_FINGERPRINTS = {
     "roberta": {"695c5ddd82d1a2e0"},
 }
 
-# Layers of the model the probe compares, of the run's config otherwise: enough for every kind of layer to meet
-# another, few enough to run at the start of a 7B run.
-PROBE_LAYERS = 2
+# The most work the probe may ask of PyTorch on the CPU (its model's forward pass over the probe batch, about 2 x
+# parameters x tokens), which runs before the first step: a minute or two of a laptop's CPU. GPT-2 124M would take
+# 13 TFLOP, 25 minutes on two cores (docs/trust.md); an edited copy of a model that size claims nothing, since an edit
+# that changes nothing it computes is rare, and its export is read by this repository's tools (--model_file).
+PROBE_MAX_TORCH_FLOPS = 5e12
+# The float32 logits of the rows compared at a time, per route, at most (a row has length x vocabulary of them).
+PROBE_LOGITS_BYTES = 128 * 2**20
 # The largest difference of the probe's logits that counts as the same computation: float32 rounding, not a change.
 PROBE_TOLERANCE = 1e-4
 
@@ -103,12 +109,17 @@ class ModelCode:
         )
 
 
-def load_model_code(config, model_file: str | None, generates_text: bool, tool: str, mesh=None) -> ModelCode:
+def load_model_code(
+    config, model_file: str | None, generates_text: bool, tool: str, mesh=None, exports: bool = True
+) -> ModelCode:
     """The code of `config`'s model for `tool`: the module of --model_file or of config.model_type, its config checked
-    (against the tensor axis of `mesh` too), its fingerprint, and whether exports may name its architecture."""
+    (against the tensor axis of `mesh` too), its fingerprint, and whether exports may name its architecture (for a
+    tool that `exports` nothing, not asked: the probe that answers it can take minutes)."""
     module = model_module(config.model_type, model_file, generates_text, tool)
     module.check_model_config(config, mesh)
     fingerprint = module_code_fingerprint(module)
+    if not exports:
+        return ModelCode(module, model_file, fingerprint, False, f"{tool} exports nothing")
     claims, reason = architecture_claim(module, config, fingerprint, model_file)
     code = ModelCode(module, model_file, fingerprint, claims, reason)
     if model_file or not claims:
@@ -138,43 +149,103 @@ def architecture_claim(module, config, fingerprint: str, model_file: str | None)
             f"{difference:.2g}, so transformers would compute another model; they hold {FLAX_WEIGHTS_NAME} and the "
             "model file"
         )
-    return True, f"on a probe batch its logits equal those of transformers' {architecture} (within {difference:.1g})"
+    routes = ", with and without the key/value cache," if module.GENERATES_TEXT else ""
+    return True, (
+        f"on a probe of every layer, position and token id{routes} its logits equal those of transformers' "
+        f"{architecture} (within {difference:.1g})"
+    )
 
 
 def probe_difference(module, config, hf_class) -> float | str:
     """The largest difference between the logits of `module`'s model and of the transformers class `hf_class` with
-    the same random weights, on a batch of random tokens, the config cut to PROBE_LAYERS layers; or why the weights
-    do not map onto the class."""
+    the same random weights, or why the weights do not map onto the class (or why the probe would cost too much).
+
+    The probe batch (probe_ids) holds every token id of the vocabulary, in rows as long as the context, so that
+    every embedding row, every position and every layer takes part; a causal LM's logits are compared three ways:
+    without a cache, with the rows prefilled into a cache at once (as a prompt is), and decoded one token at a time
+    from an empty cache (as generation is)."""
     import torch
 
-    probe_config = copy.deepcopy(config)
-    probe_config.num_hidden_layers = min(config.num_hidden_layers, PROBE_LAYERS)
-    if getattr(probe_config, "layer_types", None) is not None:
-        probe_config.layer_types = probe_config.layer_types[:PROBE_LAYERS]
-    model = module.MODEL_CLASS(probe_config)
-    length = min(16, probe_config.max_position_embeddings)
-    ids = np.random.default_rng(0).integers(3, probe_config.vocab_size, (2, length)).astype(np.int32)
-    with jax.default_matmul_precision("highest"):
-        params = nn.meta.unbox(model.init(jax.random.key(0), ids)["params"])
-        exported, expected = module.hf_shapes(params), module.hf_architecture_shapes(probe_config)
-        differing = sorted(
-            name for name in exported.keys() | expected.keys() if exported.get(name) != expected.get(name)
+    model = module.MODEL_CLASS(config)
+    length = probe_length(module, config)
+    if length < 1:
+        return f"the config leaves no positions to probe (max_position_embeddings {config.max_position_embeddings})"
+    ids = probe_ids(config.vocab_size, length)
+    abstract = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), ids[:1])["params"])
+    exported, expected = module.hf_shapes(abstract), module.hf_architecture_shapes(config)
+    differing = sorted(name for name in exported.keys() | expected.keys() if exported.get(name) != expected.get(name))
+    if differing:
+        name = differing[0]
+        return f"its export's tensor {name} has shape {exported.get(name)}, the architecture's {expected.get(name)}"
+    parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(abstract))
+    torch_work = 2 * parameters * ids.size
+    if torch_work > PROBE_MAX_TORCH_FLOPS:
+        return (
+            f"comparing every layer, position and token id with PyTorch would take {torch_work / 1e12:.0f} TFLOP "
+            f"on the CPU, over the probe's limit of {PROBE_MAX_TORCH_FLOPS / 1e12:.0f}"
         )
-        if differing:
-            name = differing[0]
-            return (
-                f"its export's tensor {name} has shape {exported.get(name)}, the architecture's {expected.get(name)}"
-            )
-        flax_logits = np.asarray(model.apply({"params": params}, ids))
+    with jax.default_matmul_precision("highest"):
+        params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids[:1])["params"])
     state_dict = {name: torch.from_numpy(np.array(value)) for name, value in module.to_hf_state_dict(params).items()}
-    torch_model = hf_class(probe_config).eval()
+    torch_model = hf_class(config).eval()
     missing, unexpected = torch_model.load_state_dict(state_dict, strict=False)
     tied = {name for name in missing if name.endswith(("lm_head.weight", "lm_head.decoder.weight", "decoder.bias"))}
     if unexpected or set(missing) - tied:
         return f"the architecture has no tensor {(unexpected or sorted(set(missing) - tied))[0]}"
-    with torch.no_grad():
-        torch_logits = torch_model(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
-    return float(np.max(np.abs(flax_logits - torch_logits)))
+    del state_dict
+
+    def uncached(params, rows):
+        return model.apply({"params": params}, rows)
+
+    def prefilled(params, rows):  # the whole rows at once into a cache, as a prompt is
+        cache = model.empty_cache(jnp.ones(rows.shape, bool), 0)
+        return model.apply({"params": params}, rows, cache=cache)[0]
+
+    def decoded(params, rows):  # one token at a time from an empty cache, as generation is
+        def step(cache, column):
+            logits, cache = model.apply({"params": params}, column[:, None], cache=cache)
+            return cache, logits[:, 0]
+
+        cache = model.empty_cache(jnp.ones((rows.shape[0], 0), bool), rows.shape[1])
+        return jnp.swapaxes(jax.lax.scan(step, cache, rows.T)[1], 0, 1)
+
+    routes = [uncached, prefilled, decoded] if module.GENERATES_TEXT else [uncached]
+
+    @jax.jit
+    def largest_difference(params, rows, expected_logits):  # one compiled program for every route
+        return jnp.max(jnp.stack([jnp.max(jnp.abs(route(params, rows) - expected_logits)) for route in routes]))
+
+    difference = 0.0
+    with jax.default_matmul_precision("highest"):
+        for rows in np.split(ids, len(ids) // probe_group_rows(length, config.vocab_size)):
+            with torch.no_grad():
+                torch_logits = torch_model(torch.from_numpy(rows.astype(np.int64))).logits.numpy()
+            difference = max(difference, float(largest_difference(params, rows, torch_logits)))
+    return difference
+
+
+def probe_length(module, config) -> int:
+    """The positions a row of the model's input may have: the config's max_position_embeddings, less, for a masked
+    LM, the pad_token_id + 1 that RoBERTa's numbering of positions leaves unused."""
+    if module.GENERATES_TEXT:
+        return config.max_position_embeddings
+    return config.max_position_embeddings - (config.pad_token_id + 1)
+
+
+def probe_ids(vocab_size: int, length: int) -> np.ndarray:
+    """(rows, length) int32 token ids holding every id of the vocabulary once, shuffled, the rest drawn at random;
+    as many rows as that takes, made a multiple of probe_group_rows so that the groups share one shape."""
+    rng = np.random.default_rng(0)
+    group = probe_group_rows(length, vocab_size)
+    rows = -(-vocab_size // length)
+    rows = -(-rows // group) * group
+    ids = np.concatenate([rng.permutation(vocab_size), rng.integers(0, vocab_size, rows * length - vocab_size)])
+    return ids.reshape(rows, length).astype(np.int32)
+
+
+def probe_group_rows(length: int, vocab_size: int) -> int:
+    """Rows compared at a time: as many as keep one route's logits within PROBE_LOGITS_BYTES."""
+    return max(1, PROBE_LOGITS_BYTES // (4 * length * vocab_size))
 
 
 def check_model_file_of(directory_config, model_code: ModelCode, source: str):

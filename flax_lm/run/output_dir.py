@@ -433,9 +433,17 @@ def write_train_results(output_dir: str, train_metrics, progress, setup, log):
         train_samples=None if train_rows is None else len(train_rows),
         train_steps=setup.total_steps,
         epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
-        train_runtime_seconds=log.runtime,
-        train_tokens_per_second=log.tokens / log.runtime,
         resume_changes=progress.resume_changes,
+    )
+    # Over the whole run: every segment, this one to its end (its last save may have come before).
+    progress.segment_done(log.first_step, progress.step, log.runtime, log.tokens)
+    runtime = sum(segment["runtime_seconds"] for segment in progress.segments)
+    results.update(
+        train_runtime_seconds=runtime,
+        train_tokens_per_second=sum(segment["tokens"] for segment in progress.segments) / runtime,
+        # Checkpoints saved before segments were recorded leave the earlier ones out: the totals start here.
+        train_runtime_from_step=progress.segments[0]["from_step"],
+        train_segments=progress.segments,
     )
     write_json(os.path.join(output_dir, "train_results.json"), results)
 

@@ -41,6 +41,17 @@ class TrainingProgress:
     windows: list[MetricSums]
     step: int = 0
     resume_changes: list[dict] = field(default_factory=list)
+    # The run's segments, one per process that trained it: {"from_step", "to_step", "runtime_seconds", "tokens"},
+    # those of earlier segments as their checkpoints recorded them, the last one this process's, up to its last save.
+    segments: list[dict] = field(default_factory=list)
+
+    def segment_done(self, from_step: int, to_step: int, runtime_seconds: float, tokens: int):
+        """This process's segment so far (from `from_step`, where it started or resumed, to `to_step`)."""
+        segment = {"from_step": from_step, "to_step": to_step, "runtime_seconds": runtime_seconds, "tokens": tokens}
+        if self.segments and self.segments[-1]["from_step"] == from_step:
+            self.segments[-1] = segment
+        else:
+            self.segments.append(segment)
 
     @classmethod
     def start(cls, metric_names) -> "TrainingProgress":
@@ -62,7 +73,13 @@ class TrainingProgress:
 
     def record(self, **details) -> dict:
         windows = [{"from_step": window.from_step, "sums": window.sums} for window in self.windows]
-        return {"step": self.step, "metric_windows": windows, "resume_changes": self.resume_changes, **details}
+        return {
+            "step": self.step,
+            "metric_windows": windows,
+            "resume_changes": self.resume_changes,
+            "segments": self.segments,
+            **details,
+        }
 
     @classmethod
     def from_record(cls, record: dict, metric_names) -> "TrainingProgress":
@@ -90,7 +107,9 @@ class TrainingProgress:
                 step,
             )
             windows.append(MetricSums(step, dict.fromkeys(metric_names, 0.0)))
-        return cls(windows, step, list(record.get("resume_changes", [])))
+        # A segment past the checkpoint's step was recorded by a later checkpoint that this resume does not continue.
+        segments = [segment for segment in record.get("segments", []) if segment["to_step"] <= step]
+        return cls(windows, step, list(record.get("resume_changes", [])), segments)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,6 +204,25 @@ def check_model_code(model_code, progress_record: dict):
             f"{model_code.fingerprint}); resume with the code it was trained with (a model file of your own: "
             "--model_file)"
         )
+
+
+# Arguments that choose the optimizer state's structure: a checkpoint of another value cannot be restored at all.
+OPTIMIZER_STATE_ARGUMENTS = ("optim",)
+
+
+def check_optimizer_arguments(run: dict, progress_record: dict):
+    """Refuse, naming the argument, a checkpoint whose optimizer state another optimizer made (`run`: this run's
+    description): asked before the checkpoint's arrays are compared with this run's, whose shapes it explains."""
+    recorded = progress_record.get("run", progress_record).get("arguments", {})
+    for name in OPTIMIZER_STATE_ARGUMENTS:
+        current = run["arguments"].get(name)
+        if name in recorded and recorded[name] != current:
+            difference = describe_difference(name, (recorded[name], current))
+            raise UsageError(
+                f"the checkpoint holds the state of another optimizer ({difference}), which --allow_resume_changes "
+                f"cannot carry over; resume with --{name} {recorded[name]}, or start a new run from the exported "
+                "weights (--model_name_or_path)"
+            )
 
 
 def run_differences(recorded: dict, current: dict) -> dict[str, tuple]:

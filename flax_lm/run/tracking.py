@@ -68,6 +68,7 @@ class TrainingLog:
         the next log line. Done before each save, so that no non-finite step goes unnoticed into a checkpoint."""
         finite = self.finite_steps(self.fetch_unread(), step, checkpoints)
         progress.add(finite)
+        progress.segment_done(self.first_step, step, time.perf_counter() - self.start, self.tokens)
         self.window += finite
 
     def fetch_unread(self) -> list[dict]:

@@ -32,7 +32,13 @@ from flax_lm.models.huggingface import SAFETENSORS_INDEX, read_exported_params, 
 from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
 from flax_lm.run.output_dir import check_output_dir, write_all_results
-from flax_lm.run.record import TrainingProgress, check_model_code, check_resumed_run, describe_run
+from flax_lm.run.record import (
+    TrainingProgress,
+    check_model_code,
+    check_optimizer_arguments,
+    check_resumed_run,
+    describe_run,
+)
 from flax_lm.run.tracking import tensorboard_dir
 from flax_lm.training.train_state import (
     TrainState,
@@ -175,6 +181,13 @@ def run_description(arguments: dict, config, tokenizer, setup: TrainingSetup) ->
     return describe_run(arguments, config, fingerprint, setup.model_code, setup.train_rows, setup.train_batch_size)
 
 
+def check_checkpoint_record(model_code, run: dict, progress_record: dict):
+    """What a checkpoint's record alone refuses, before its arrays are compared with this run's: other model code, or
+    another optimizer (either would surface as a mismatch of shapes)."""
+    check_model_code(model_code, progress_record)
+    check_optimizer_arguments(run, progress_record)
+
+
 def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) -> tuple[TrainState, TrainingProgress]:
     """The state to start from: with --resume_from_checkpoint the newest (or the named) training checkpoint, if
     there is one, whose run agrees with this one (`run`: run_description's); otherwise new weights, or those of the
@@ -186,7 +199,7 @@ def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) ->
             training_args.output_dir,
             setup.abstract_state,
             ["step", "global_batch_size", setup.script.length_name],
-            partial(check_model_code, setup.model_code),
+            partial(check_checkpoint_record, setup.model_code, run),
         )
         if restored:
             state, record, path = restored
