@@ -559,12 +559,12 @@ OPTIMIZERS = {
 }
 
 
-# Copied from run_clm_flax.create_optimizer
 # The tables the flags name, whose names --help lists.
 # Copied from run_clm_flax.FLAG_TABLES
 FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES}
 
 
+# Copied from run_clm_flax.create_optimizer
 def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
     optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
     if training_args.max_grad_norm > 0:
