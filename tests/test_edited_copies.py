@@ -35,6 +35,7 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
+from flax_lm.command_line.arguments import parse_arguments
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.packed import PackedBlocks, read_packed_index
 from flax_lm.errors import UsageError
@@ -505,13 +506,11 @@ def test_a_schedule_added_to_a_copy_s_table_is_taken_by_its_flag(model_dir, tmp_
     script = edited_copy(
         REPO_DIR / "run_clm_flax.py", tmp_path / "inverse_sqrt.py", {table_end: table_end[:-2] + added + "}\n"}
     )
-    specification = importlib.util.spec_from_file_location("inverse_sqrt", script)
-    copy = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(copy)
+    copy = import_copy(script)
     arguments = training_arguments(model_dir, tmp_path / "run", "--lr_scheduler_type", "inverse_sqrt")
     monkeypatch.setattr(sys, "argv", [script, *map(str, arguments), "--learning_rate", "1e-2"])
-    model_args, data_args, training_args, _ = copy.parse_arguments(
-        copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments
+    model_args, data_args, training_args, _ = parse_arguments(
+        copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments, copy.FLAG_TABLES
     )
     copy.check_arguments(model_args, data_args, training_args)
     schedule = copy.learning_rate_schedule(training_args, total_steps=4)
