@@ -444,6 +444,10 @@ OPTIMIZERS = {
 }
 
 
+# The tables the flags name, whose names --help lists.
+FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES}
+
+
 def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
     optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
     if training_args.max_grad_norm > 0:
@@ -688,7 +692,7 @@ class Evaluation:
 
 def main():
     argument_types = (ModelArguments, DataTrainingArguments, TrainingArguments)
-    model_args, data_args, training_args = start_run(argument_types, check_arguments)
+    model_args, data_args, training_args = start_run(argument_types, check_arguments, FLAG_TABLES)
 
     config, tokenizer = load_config_and_tokenizer(model_args, "gpt2")
     mesh = create_mesh(training_args.mesh_shape)
@@ -774,17 +778,11 @@ def train_batches_from(first_step, setup: TrainingSetup, train_stream, tokenizer
     else:
         data = "on blocks packed from a stream"
         first_batch, seed = stream_position(first_step, batch_size, training_args)
+        rows_of_texts = partial(
+            tokenized_rows, split="train", tokenizer=tokenizer, block_size=block_size, data_args=data_args
+        )
         local_batches = streaming_train_batches(
-            train_stream,
-            tokenizer,
-            data_args.text_column_name,
-            pack_blocks,
-            block_size,
-            batch_size,
-            seed,
-            data_args.shuffle_buffer_size,
-            first_batch,
-            ids_around_documents(tokenizer),
+            train_stream, rows_of_texts, batch_size, seed, data_args.shuffle_buffer_size, first_batch
         )
     logger.info(
         "Training steps %d to %d %s, global batch %d x %d tokens",

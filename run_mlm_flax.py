@@ -553,6 +553,11 @@ OPTIMIZERS = {
 }
 
 
+# The tables the flags name, whose names --help lists.
+# Copied from run_clm_flax.FLAG_TABLES
+FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES}
+
+
 # Copied from run_clm_flax.create_optimizer
 def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
     optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
@@ -760,7 +765,7 @@ class Evaluation:
 
 def main():
     argument_types = (ModelArguments, DataTrainingArguments, TrainingArguments)
-    model_args, data_args, training_args = start_run(argument_types, check_arguments)
+    model_args, data_args, training_args = start_run(argument_types, check_arguments, FLAG_TABLES)
 
     config, tokenizer = load_config_and_tokenizer(model_args, "roberta")
     mesh = create_mesh(training_args.mesh_shape)
@@ -864,16 +869,11 @@ def train_batches_from(
     else:
         data = "on blocks grouped from a stream"  # (--line_by_line is refused with --streaming)
         first_batch, seed = stream_position(first_step, batch_size, training_args)
+        rows_of_texts = partial(
+            tokenized_rows, split="train", tokenizer=tokenizer, block_size=max_seq_length - 2, data_args=data_args
+        )
         block_batches = streaming_train_batches(
-            train_stream,
-            tokenizer,
-            data_args.text_column_name,
-            pack_blocks,
-            max_seq_length - 2,
-            batch_size,
-            seed,
-            data_args.shuffle_buffer_size,
-            first_batch,
+            train_stream, rows_of_texts, batch_size, seed, data_args.shuffle_buffer_size, first_batch
         )
         local_batches = masked_stream_batches(block_batches, make_batch, batch_size, training_args.seed, first_step)
     logger.info(

@@ -431,10 +431,7 @@ def sample_sentence(text, max_characters=80):
     return text[: cut if cut > 0 else max_characters]
 
 
-def main():
-    # Arguments ------------------------------------------------------------------------------------------------------
-    data_args, tokenizer_args = parse_arguments((DataArguments, TokenizerArguments))
-
+def set_up_logging():
     # The summary and the log both go to stdout, so that stderr holds only the error line of a mistake.
     logging.basicConfig(format=LOG_FORMAT, handlers=[logging.StreamHandler(sys.stdout)], level=logging.INFO)
     datasets.logging.set_verbosity_error()
@@ -443,6 +440,20 @@ def main():
     for reader in ["json", "csv", "parquet", "text"]:
         logging.getLogger(f"datasets.packaged_modules.{reader}.{reader}").setLevel(logging.CRITICAL)
 
+
+@dataclass
+class SpecialTokens:
+    """The special tokens the arguments ask for: by role (bos_token, eos_token, ...), the extra ones, and all of them
+    in order, each once."""
+
+    roles: dict[str, str]
+    extra: list[str]
+    all: list[str]
+
+
+def check_arguments(data_args, tokenizer_args) -> tuple[SpecialTokens, int]:
+    """Refuse arguments that cannot make a tokenizer, before anything is read; the special tokens and the
+    model_max_length they give."""
     roles = special_tokens_by_role(tokenizer_args)
     extra_special_tokens = tokenizer_args.extra_special_tokens or []
     if tokenizer_args.chat_template:
@@ -469,22 +480,27 @@ def main():
     if model_max_length < 1:
         raise UsageError(f"--model_max_length must be 1 or more, not {model_max_length}")
     check_output_dir(tokenizer_args.output_dir, tokenizer_args.overwrite)
+    return SpecialTokens(roles, extra_special_tokens, special_tokens), model_max_length
 
-    # Data -----------------------------------------------------------------------------------------------------------
-    sources = open_text_sources(data_args)
+
+def expected_text_count(sources, data_args) -> int | None:
+    """How many texts the sources hold, for the progress bar: None where a stream's count is unknown."""
     known_rows = [rows for _, _, _, rows in sources]
     expected_texts = sum(known_rows) if None not in known_rows else None
     if data_args.max_texts is not None:
         expected_texts = min(expected_texts or data_args.max_texts, data_args.max_texts)
-    logger.info("Reading text from %s", ", ".join(description for description, _, _, _ in sources))
+    return expected_texts
 
-    # Training -------------------------------------------------------------------------------------------------------
+
+def train_tokenizer(sources, data_args, tokenizer_args, special: SpecialTokens) -> tuple[Tokenizer, ReadCounts]:
+    """A byte-level BPE trained on the texts of `sources`, with the post-processor of --model_type; and the counts of
+    what it read. Refuses sources without text before anything is saved, so a tokenizer in --output_dir stays."""
     tokenizer = new_byte_level_bpe()
     trainer = trainers.BpeTrainer(
         vocab_size=tokenizer_args.vocab_size,
         min_frequency=tokenizer_args.min_frequency,
         special_tokens=[
-            special_token(token, takes_space_before=token == roles.get("mask_token")) for token in special_tokens
+            special_token(token, takes_space_before=token == special.roles.get("mask_token")) for token in special.all
         ],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=sys.stderr.isatty(),  # the bars are drawn on a terminal only
@@ -495,13 +511,13 @@ def main():
     tokenizer.train_from_iterator(
         text_batches(sources, counts, data_args.max_texts, data_args.max_characters, data_args.skip_missing_texts),
         trainer=trainer,
-        length=expected_texts,
+        length=expected_text_count(sources, data_args),
     )
     seconds = max(time.perf_counter() - start_time, 1e-6)
     where = ", ".join(description for description, _, _, _ in sources)
     if counts.texts == 0:
         raise UsageError(f"no text found in {where}; check the files and --text_column_name")
-    if counts.first_text is None:  # checked before anything is saved, so a tokenizer in --output_dir stays as it was
+    if counts.first_text is None:
         raise UsageError(f"{where} holds only whitespace, nothing to learn tokens from; check the files")
     if counts.missing_texts:
         logger.warning("Left out %d rows of %s without text (--skip_missing_texts)", counts.missing_texts, where)
@@ -520,32 +536,31 @@ def main():
             tokenizer.get_vocab_size(),
             tokenizer_args.vocab_size,
         )
-    if tokenizer_args.model_type == "roberta":
+    add_post_processor(tokenizer, tokenizer_args.model_type, special.roles)
+    return tokenizer, counts
+
+
+def add_post_processor(tokenizer: Tokenizer, model_type: str, roles: dict[str, str]):
+    if model_type == "roberta":
         tokenizer.post_processor = processors.RobertaProcessing(
             (roles["eos_token"], tokenizer.token_to_id(roles["eos_token"])),
             (roles["bos_token"], tokenizer.token_to_id(roles["bos_token"])),
             trim_offsets=True,
             add_prefix_space=False,
         )
-    elif tokenizer_args.model_type == "llama":
+    elif model_type == "llama":
         # BOS before each text, as Llama's tokenizers put it: <|begin_of_text|> A, and before each of a pair.
         bos = roles["bos_token"]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
         )
 
-    # Save -----------------------------------------------------------------------------------------------------------
-    fast_tokenizer = wrap_for_transformers(
-        tokenizer, tokenizer_args.model_type, roles, extra_special_tokens, model_max_length
-    )
-    if tokenizer_args.chat_template:
-        fast_tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    written = save_tokenizer(fast_tokenizer, tokenizer_args.output_dir)
-    logger.info("Wrote %s", ", ".join(written))
 
-    sample = sample_sentence(counts.first_text)
+def show_tokenizer(fast_tokenizer, first_text: str, special: SpecialTokens, tokenizer_args, model_max_length: int):
+    """Print where the tokenizer went, its size and special tokens, and how it splits a sentence of the data."""
+    sample = sample_sentence(first_text)
     encoding = fast_tokenizer(sample)
-    special_ids = ", ".join(f"{token}={fast_tokenizer.convert_tokens_to_ids(token)}" for token in special_tokens)
+    special_ids = ", ".join(f"{token}={fast_tokenizer.convert_tokens_to_ids(token)}" for token in special.all)
     print(f"Saved the tokenizer to {os.path.abspath(tokenizer_args.output_dir)}")
     print(f"vocab size: {len(fast_tokenizer)} (special tokens: {special_ids}), model_max_length: {model_max_length}")
     print(f"sample: {sample!r}")
@@ -554,6 +569,30 @@ def main():
     if tokenizer_args.chat_template:
         conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
         print(f"chat template (ChatML): {fast_tokenizer.apply_chat_template(conversation, tokenize=False)!r}")
+
+
+def main():
+    # Arguments ------------------------------------------------------------------------------------------------------
+    data_args, tokenizer_args = parse_arguments((DataArguments, TokenizerArguments))
+    set_up_logging()
+    special, model_max_length = check_arguments(data_args, tokenizer_args)
+
+    # Data -----------------------------------------------------------------------------------------------------------
+    sources = open_text_sources(data_args)
+    logger.info("Reading text from %s", ", ".join(description for description, _, _, _ in sources))
+
+    # Training -------------------------------------------------------------------------------------------------------
+    tokenizer, counts = train_tokenizer(sources, data_args, tokenizer_args, special)
+
+    # Save -----------------------------------------------------------------------------------------------------------
+    fast_tokenizer = wrap_for_transformers(
+        tokenizer, tokenizer_args.model_type, special.roles, special.extra, model_max_length
+    )
+    if tokenizer_args.chat_template:
+        fast_tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    written = save_tokenizer(fast_tokenizer, tokenizer_args.output_dir)
+    logger.info("Wrote %s", ", ".join(written))
+    show_tokenizer(fast_tokenizer, counts.first_text, special, tokenizer_args, model_max_length)
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ def test_a_library_function_pasted_into_a_script_is_counted(tmp_path):
     assert len(shared_line_numbers(str(script), library_module)) > SCRIPT_SHARES_WITH_LIBRARY_CEILING
 
 
-@pytest.mark.parametrize("script", ["run_clm_flax.py", "run_mlm_flax.py"])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_main_is_a_table_of_contents(script):
     [main] = [
         node

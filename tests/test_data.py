@@ -507,9 +507,12 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_batch=0, seed=0):
-        return flax_lm.data.loading.streaming_train_batches(
-            stream, tokenizer, "text", run_clm_flax.pack_blocks, 32, 16, seed, 100, first_batch
-        )
+        arguments = run_clm_flax.DataTrainingArguments()
+
+        def rows_of_texts(texts):
+            return run_clm_flax.tokenized_rows(texts, "train", tokenizer, 32, arguments)
+
+        return flax_lm.data.loading.streaming_train_batches(stream, rows_of_texts, 16, seed, 100, first_batch)
 
     # 160 batches of 8 rows run past the end of this process's share (about 420 blocks): the stream repeats.
     uninterrupted = [batch["input_ids"] for batch in itertools.islice(batches(), 160)]
@@ -521,6 +524,20 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
     assert not np.array_equal(other_seed, uninterrupted[0])
     first_pass, second_pass = np.concatenate(uninterrupted[:40]), np.concatenate(uninterrupted[90:130])
     assert not np.array_equal(first_pass, second_pass)
+
+
+def test_a_process_whose_share_of_the_stream_is_empty_is_refused(tokenizer, tmp_path, monkeypatch):
+    (tmp_path / "one.txt").write_text("The only text.\n")
+    monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
+    arguments = run_clm_flax.DataTrainingArguments()
+
+    def rows_of_texts(texts):
+        return run_clm_flax.tokenized_rows(texts, "train", tokenizer, 32, arguments)
+
+    batches = flax_lm.data.loading.streaming_train_batches(text_stream(tmp_path / "one.txt"), rows_of_texts, 2, 0, 10)
+    with pytest.raises(run_clm_flax.UsageError, match="process 1's share of the training stream holds no text"):
+        next(batches)
 
 
 def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_stream(tokenizer):

@@ -219,6 +219,57 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
     assert table_fingerprint() != unchanged  # an edited table is packed again
 
 
+# A document filter in tokenized_rows, where "Where to edit" puts it: it must hold on every route, a stream's too.
+DROPS_ZEBRA_DOCUMENTS = {
+    "    tokens = token_arrays(dataset, tokenizer, column, workers, split, ids_around_documents(tokenizer))\n": (
+        '    dataset = dataset.filter(lambda text: "Zebra" not in text, input_columns=column)\n'
+        "    tokens = token_arrays(dataset, tokenizer, column, workers, split, ids_around_documents(tokenizer))\n"
+    )
+}
+
+
+def import_copy(script):
+    specification = importlib.util.spec_from_file_location(os.path.basename(script)[:-3], script)
+    copy = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(copy)
+    return copy
+
+
+def test_a_document_filter_in_tokenized_rows_holds_for_a_streamed_training_run(
+    model_dir, tmp_path, monkeypatch, capfd
+):
+    """Every other document names a zebra, and the filter drops it: a --streaming run trains on the others only."""
+    sentences = (CORPUS / "train.txt").read_text().split(". ")
+    documents = [("Zebra " if number % 2 else "") + sentence for number, sentence in enumerate(sentences)]
+    data_file = tmp_path / "documents.jsonl"
+    data_file.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    copy = import_copy(edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "no_zebras.py", DROPS_ZEBRA_DOCUMENTS))
+    trained_on, call_batches = [], copy.call_batches
+
+    def recording_call_batches(batches_and_tokens, *arguments):
+        def recorded():
+            for batch, tokens in batches_and_tokens:
+                trained_on.append(batch["input_ids"])
+                yield batch, tokens
+
+        return call_batches(recorded(), *arguments)
+
+    monkeypatch.setattr(copy, "call_batches", recording_call_batches)
+    arguments = training_arguments(model_dir, tmp_path / "run", "--do_train", "--max_steps", "3", "--streaming")
+    arguments[arguments.index("--train_file") + 1] = data_file
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "no_zebras.py"), *map(str, arguments)])
+    copy.main()
+    assert "on blocks packed from a stream" in capfd.readouterr().err
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trained_tokens = np.concatenate(trained_on).reshape(-1)
+    assert len(trained_on) >= 3 and "Zebra" not in tokenizer.decode(trained_tokens)
+    # Unfiltered, as many tokens of the stream hold a zebra in every other document.
+    texts = copy.read_texts(copy.ModelArguments(), copy.DataTrainingArguments(train_file=str(data_file)), True)
+    unfiltered = run_clm_flax.tokenized_rows(texts["train"], "train", tokenizer, 32, copy.DataTrainingArguments())
+    first_tokens = np.concatenate(list(unfiltered)).reshape(-1)[: len(trained_tokens)]
+    assert tokenizer.decode(first_tokens).count("Zebra") > 3
+
+
 def test_masking_that_chooses_more_than_the_room_for_predictions_is_refused_not_cut(monkeypatch):
     """Whole-word masking chooses every token of a word: more than mask_tokens' cap, in some rows. Cut to the room,
     the rest would be corrupted in the input and never predicted; the batch is refused instead."""
@@ -455,17 +506,45 @@ def test_a_schedule_added_to_a_copy_s_table_is_taken_by_its_flag(model_dir, tmp_
     script = edited_copy(
         REPO_DIR / "run_clm_flax.py", tmp_path / "inverse_sqrt.py", {table_end: table_end[:-2] + added + "}\n"}
     )
-    specification = importlib.util.spec_from_file_location("inverse_sqrt", script)
-    copy = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(copy)
+    copy = import_copy(script)
     arguments = training_arguments(model_dir, tmp_path / "run", "--lr_scheduler_type", "inverse_sqrt")
     monkeypatch.setattr(sys, "argv", [script, *map(str, arguments), "--learning_rate", "1e-2"])
     model_args, data_args, training_args, _ = parse_arguments(
-        copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments
+        copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments, copy.FLAG_TABLES
     )
     copy.check_arguments(model_args, data_args, training_args)
     schedule = copy.learning_rate_schedule(training_args, total_steps=4)
     np.testing.assert_allclose([schedule(step) for step in range(4)], 1e-2 / np.sqrt([1, 2, 3, 4]), rtol=1e-6)
+
+
+OPTIMIZERS_END = "schedule, decay_mask),\n}\n\n\n# The tables the flags name"
+ADEMAMIX_ADDED = {
+    OPTIMIZERS_END: OPTIMIZERS_END.replace(
+        "\n}", '\n    "ademamix": lambda training_args, schedule: optax.contrib.ademamix(schedule),\n}', 1
+    )
+}
+
+
+def test_an_optimizer_added_to_a_copy_s_table_is_listed_by_help_and_named_when_a_resume_changes_it(
+    model_dir, tmp_path, monkeypatch, capsys
+):
+    """--optim's help lists the copy's OPTIMIZERS; resumed with another --optim, the optimizer state has other arrays
+    (AdEMAMix's second momentum): the refusal names the flag, from the run record, before any array's shape."""
+    script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "ademamix.py", ADEMAMIX_ADDED)
+    copy = import_copy(script)
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit):
+        copy.main()
+    assert "adamw, muon, lion, adafactor, ademamix" in " ".join(capsys.readouterr().out.split())
+
+    arguments = [*map(str, training_arguments(model_dir, tmp_path / "run", "--do_train")), "--save_steps", "2"]
+    monkeypatch.setattr(sys, "argv", [script, *arguments, "--optim", "ademamix", "--max_steps", "2"])
+    copy.main()
+    resumed = [*arguments, "--optim", "adamw", "--max_steps", "4", "--resume_from_checkpoint"]
+    monkeypatch.setattr(sys, "argv", [script, *resumed])
+    with pytest.raises(UsageError, match="--optim ademamix there, adamw here") as refusal:
+        copy.main()
+    assert "shape" not in str(refusal.value)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -283,10 +283,12 @@ def test_streamed_batches_resume_with_the_same_blocks_and_masks(tokenizer, monke
     monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_step=0):
-        pack_blocks = run_mlm_flax.pack_blocks
-        block_batches = streaming_train_batches(
-            stream, tokenizer, "text", pack_blocks, SEQUENCE_LENGTH - 2, 16, 0, 100, first_step
-        )
+        arguments = run_mlm_flax.DataTrainingArguments()
+
+        def rows_of_texts(texts):
+            return run_mlm_flax.tokenized_rows(texts, "train", tokenizer, SEQUENCE_LENGTH - 2, arguments)
+
+        block_batches = streaming_train_batches(stream, rows_of_texts, 16, 0, 100, first_step)
         return [batch for batch, _ in itertools.islice(
             run_mlm_flax.masked_stream_batches(block_batches, make_batch, 16, seed=0, first_step=first_step),
             8 - first_step,

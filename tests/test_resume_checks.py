@@ -163,3 +163,16 @@ def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trai
     assert "# edited" not in (output_dir / "code" / first / "run_clm_flax.py").read_text()
     assert "# edited" in (output_dir / "code" / second / "run_clm_flax.py").read_text()
     assert (output_dir / "run_clm_flax.py").read_text() == open(edited).read()
+    assert (
+        f"Resumed at step 2 with other code than the checkpoint's: run_clm_flax.py {first} (from step 0), now "
+        f"run_clm_flax.py {second}"
+    ) in result.stderr
+
+    # Branched into a new directory from step 3 of that run, the run keeps the history of the code it continues.
+    branch = tmp_path / "branch"
+    arguments = training_arguments(model_dir, branch, "--do_train", "--max_steps", "4", "--learning_rate", "1e-3")
+    result = run_copy(edited, environment, *arguments, "--resume_from_checkpoint", output_dir / "checkpoints" / "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((branch / "code" / "versions.json").read_text()) == versions
+    assert "# edited" not in (branch / "code" / first / "run_clm_flax.py").read_text()
+    assert f"Branched at step 3 from the run in {output_dir}" in result.stderr

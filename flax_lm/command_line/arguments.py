@@ -281,8 +281,8 @@ class CommonTrainingArguments:
     optim: str = field(
         default="adamw",
         metadata={
-            "help": "The optimizer, one of the script's OPTIMIZERS: adamw; muon (Muon for the 2-D kernels of the "
-            "blocks, AdamW for embeddings, output layer, norms and biases); lion; adafactor."
+            "help": "The optimizer, one of the script's OPTIMIZERS: {names}. muon: Muon for the 2-D kernels of the "
+            "blocks, AdamW for embeddings, output layer, norms and biases."
         },
     )
     learning_rate: float = field(
@@ -316,9 +316,9 @@ class CommonTrainingArguments:
     lr_scheduler_type: str = field(
         default="linear",
         metadata={
-            "help": "The learning rate after warm-up, one of the script's LEARNING_RATE_SCHEDULES: linear or cosine "
-            "(decays to --min_lr_rate of the peak), constant, or warmup_stable_decay (the peak, then a decay over "
-            "the last --lr_decay_ratio of the steps)."
+            "help": "The learning rate after warm-up, one of the script's LEARNING_RATE_SCHEDULES: {names}. linear "
+            "and cosine decay to --min_lr_rate of the peak; warmup_stable_decay holds the peak, then decays over the "
+            "last --lr_decay_ratio of the steps."
         },
     )
     lr_decay_ratio: float = field(
@@ -476,10 +476,16 @@ class DistributedArguments:
     )
 
 
-def parse_arguments(model_arguments, data_arguments, training_arguments) -> tuple:
+def parse_arguments(model_arguments, data_arguments, training_arguments, flag_tables: dict | None = None) -> tuple:
     """The command line (or a single .json file of arguments) as the script's three argument dataclasses and
-    DistributedArguments. Trainer's and TRL's names for our flags are taken as ours (FLAG_ALIASES)."""
+    DistributedArguments. Trainer's and TRL's names for our flags are taken as ours (FLAG_ALIASES). `flag_tables`:
+    {flag: the script's table of what it names} ({"optim": OPTIMIZERS}), whose names the flag's --help lists, those
+    of the script that runs (a copy's own entries included)."""
     parser = HfArgumentParser((model_arguments, data_arguments, training_arguments, DistributedArguments))
+    for action in parser._actions:
+        if action.help and "{names}" in action.help:
+            table = (flag_tables or {}).get(action.dest)
+            action.help = action.help.replace("{names}", ", ".join(table) if table else "see the table")
     known = {item.name for group in parser.dataclass_types for item in fields(group)}
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         try:

@@ -15,7 +15,7 @@ import numpy as np
 from flax_lm.command_line.arguments import names_data
 from flax_lm.data.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
 from flax_lm.data.packed import cached_blocks, load_packed_corpus
-from flax_lm.data.texts import check_tokenizer_encodes, token_arrays, warn_of_files_in_both_splits
+from flax_lm.data.texts import check_tokenizer_encodes, warn_of_files_in_both_splits
 from flax_lm.devices.mesh import prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, naming_a_full_disk
@@ -52,19 +52,16 @@ def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
 
 def streaming_train_batches(
     dataset: datasets.IterableDataset,
-    tokenizer,
-    text_column: str,
-    pack_blocks,
-    block_size: int,
+    rows_of_texts: Callable[[datasets.IterableDataset], Iterable[np.ndarray]],
     global_batch_size: int,
     seed: int,
     shuffle_buffer_size: int,
     first_batch: int = 0,
-    around=None,
 ) -> Iterator[dict]:
-    """This process's rows of each global batch, tokenized and grouped into blocks on the fly from its share of
-    the stream by the script's `pack_blocks(token_arrays, block_size)`, each document between the ids `around` it (see
-    flax_lm.data.texts.token_arrays), without end: pass after pass over the share, each shuffled differently.
+    """This process's rows of each global batch, made on the fly from its share of the stream by the script's
+    `rows_of_texts(texts)` (its tokenized_rows: whatever it keeps, drops or frames on the other routes it does here
+    too), without end: the function reads the share pass after pass as one stream, each pass shuffled differently, so
+    that a block runs on from the end of a pass into the next.
 
     The shuffle is approximate: texts pass through a buffer of `shuffle_buffer_size` (and the order of the
     files is shuffled). The batches depend only on the data, these arguments and the process count, so a
@@ -80,20 +77,20 @@ def streaming_train_batches(
         for epoch in itertools.count():
             if shuffle_buffer_size > 0:
                 share.set_epoch(epoch)  # reshuffles the files and the buffer
-            num_tokens = 0
-            for tokens in token_arrays(share, tokenizer, text_column, around=around):
-                num_tokens += len(tokens)
-                yield tokens
-            if num_tokens == 0:
+            empty = True
+            for text in share:
+                empty = False
+                yield text
+            if empty:
                 raise UsageError(
                     f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
                     "text unless --text_sample_by says otherwise): give at least as many texts as processes"
                 )
 
-    rows = np.zeros((0, block_size), np.int32)
-    batch_number = 0
-    for blocks in pack_blocks(every_pass(), block_size):
-        rows = np.concatenate([rows, blocks])
+    passes = datasets.IterableDataset.from_generator(every_pass, features=share.features)
+    rows, batch_number = None, 0
+    for row_array in rows_of_texts(passes):
+        rows = row_array if rows is None else np.concatenate([rows, row_array])
         while len(rows) >= local_batch_size:
             if batch_number >= first_batch:
                 yield {"input_ids": rows[:local_batch_size]}

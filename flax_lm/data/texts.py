@@ -459,13 +459,39 @@ def without_byte_order_marks(texts: list, where: str) -> list:
     return [text[1:] if isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) else text for text in texts]
 
 
+# A stream's batch also ends once its texts hold this many characters: a stream of a few long documents, read pass
+# after pass without end (flax_lm.data.loading.streaming_train_batches), is then tokenized a pass or so at a time,
+# not a thousand documents at once.
+STREAM_BATCH_CHARACTERS = 2**20
+
+
+def stream_batches(stream, columns) -> Iterator[dict]:
+    """The rows of a stream as {column: values}, TEXTS_PER_BATCH rows or STREAM_BATCH_CHARACTERS characters of
+    `columns` at a time, whichever comes first."""
+
+    def batch(rows: list[dict]) -> dict:  # a column some rows lack holds None there, as `datasets` batches it
+        return {name: [row.get(name) for row in rows] for name in dict.fromkeys(itertools.chain(*rows))}
+
+    rows, characters = [], 0
+    for row in stream:
+        rows.append(row)
+        characters += sum(len(row[column]) for column in columns if isinstance(row.get(column), str))
+        if len(rows) == TEXTS_PER_BATCH or characters >= STREAM_BATCH_CHARACTERS:
+            yield batch(rows)
+            rows, characters = [], 0
+    if rows:
+        yield batch(rows)
+
+
 def column_batches(dataset, columns, split: str, column_flag: str | None = None) -> Iterator[dict]:
-    """The rows of a dataset or a stream, TEXTS_PER_BATCH at a time, in order, as {column: values}: of `columns` only
-    where a dataset can leave the others unread. A file the reader cannot parse, or a missing column (with the flag
-    that names it, `column_flag`), ends the command in one line."""
+    """The rows of a dataset or a stream, TEXTS_PER_BATCH at a time (a stream's: stream_batches), in order, as
+    {column: values}: of `columns` only where a dataset can leave the others unread. A file the reader cannot parse,
+    or a missing column (with the flag that names it, `column_flag`), ends the command in one line."""
     if isinstance(dataset, datasets.Dataset):
-        dataset = dataset.select_columns(list(columns))  # the other columns are not even read
-    batches = dataset.iter(batch_size=TEXTS_PER_BATCH)
+        # The other columns are not even read.
+        batches = dataset.select_columns(list(columns)).iter(batch_size=TEXTS_PER_BATCH)
+    else:
+        batches = stream_batches(dataset, columns)
     while True:
         try:
             batch = next(batches)

@@ -281,7 +281,7 @@ def prepare_output_dir(training_args, resumed_step: int, code_files: list[str | 
         set_aside_checkpoints_after(training_args.output_dir, resumed_step)
     os.makedirs(training_args.output_dir, exist_ok=True)
     claim_results_files(training_args.output_dir)
-    keep_code_versions(training_args.output_dir, code_files, resumed_step)
+    keep_code_versions(training_args.output_dir, code_files, resumed_step, branched_from(training_args))
     return lock
 
 
@@ -294,25 +294,48 @@ def code_versions(output_dir: str) -> list[dict]:
         return []
 
 
-def keep_code_versions(output_dir: str, code_files: list[str], first_step: int):
+def branched_from(training_args) -> str | None:
+    """The output directory of another run whose checkpoint --resume_from_checkpoint names (a run branched into a new
+    --output_dir); None for a resume in the run's own directory, or none."""
+    location = training_args.resume_from_checkpoint
+    if not location or location == "auto":
+        return None
+    path = os.path.normpath(location)
+    run_dir = os.path.dirname(os.path.dirname(path) if os.path.basename(path).isdigit() else path)
+    return None if os.path.realpath(run_dir) == os.path.realpath(training_args.output_dir) else run_dir
+
+
+def keep_code_versions(output_dir: str, code_files: list[str], first_step: int, earlier_run: str | None = None):
     """Copy the `code_files` that run now (the script, a model file of the experiment's own) into OUTPUT_DIR, and keep
     every version of them that trained the run: where they differ from the version before (a resume with the script
-    edited), each file is kept as OUTPUT_DIR/code/HASH/NAME and code/versions.json lists, for each version, its files'
-    hashes and the step it trained from (the steps after it, up to the next version's). A file there of the name of a
-    copy, whose bytes are no version's, is the user's: it is moved aside."""
+    edited, said in the log), each file is kept as OUTPUT_DIR/code/HASH/NAME and code/versions.json lists, for each
+    version, its files' hashes and the step it trained from (the steps after it, up to the next version's). A run
+    branched from the checkpoint of `earlier_run` (another output directory) starts with the versions that trained
+    that run up to `first_step`. A file there of the name of a copy, whose bytes are no version's, is the user's: it is
+    moved aside."""
     versions_path = os.path.join(output_dir, CODE_VERSIONS_DIR, "versions.json")
-    try:
-        with open(versions_path) as file:
-            recorded = json.load(file)
-    except (OSError, ValueError):
-        recorded = []
+    recorded = read_code_versions(output_dir)
     versions = list(recorded)
     if not versions and first_step:
-        # A run of before the versions were kept: its copies are the version that trained its first steps.
-        earlier = [os.path.join(output_dir, os.path.basename(path)) for path in code_files]
-        if earlier_files := [path for path in earlier if os.path.isfile(path)]:
-            versions.append(code_version(output_dir, earlier_files, 0))
+        versions = earlier_code_versions(earlier_run or output_dir, code_files, first_step, output_dir)
+        if earlier_run and versions:
+            logger.info(
+                "Branched at step %d from the run in %s: its code versions are kept in %s",
+                first_step,
+                earlier_run,
+                versions_path,
+            )
     current = code_version(output_dir, code_files, first_step)
+    if versions and versions[-1]["files"] != current["files"]:
+        logger.warning(
+            "Resumed at step %d with other code than the checkpoint's: %s (from step %d), now %s; every version is "
+            "kept in %s",
+            first_step,
+            describe_files(versions[-1]["files"]),
+            versions[-1]["from_step"],
+            describe_files(current["files"]),
+            versions_path,
+        )
     if not versions or versions[-1]["files"] != current["files"]:
         versions.append(current)
     if versions != recorded:
@@ -329,6 +352,37 @@ def keep_code_versions(output_dir: str, code_files: list[str], first_step: int):
             move_aside(output_dir, name, f"the run keeps the copy of the {name} it runs there")
         record_run_files(output_dir, [name])
         shutil.copyfile(code_file, copy)
+
+
+def describe_files(files: dict) -> str:
+    return ", ".join(f"{name} {digest}" for name, digest in files.items())
+
+
+def read_code_versions(run_dir: str) -> list:
+    try:
+        with open(os.path.join(run_dir, CODE_VERSIONS_DIR, "versions.json")) as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return []
+
+
+def earlier_code_versions(run_dir: str, code_files: list[str], first_step: int, output_dir: str) -> list:
+    """The versions of the code that trained the steps up to `first_step` of the run in `run_dir`, kept in OUTPUT_DIR
+    too: its code/versions.json, or for a run of before the versions were kept, its copies of the code files (the
+    version that trained its first steps)."""
+    versions = [version for version in read_code_versions(run_dir) if version["from_step"] < first_step]
+    if not versions:
+        earlier = [os.path.join(run_dir, os.path.basename(path)) for path in code_files]
+        earlier_files = [path for path in earlier if os.path.isfile(path)]
+        return [code_version(output_dir, earlier_files, 0)] if earlier_files else []
+    for version in versions:
+        for name, digest in version["files"].items():
+            kept = os.path.join(run_dir, CODE_VERSIONS_DIR, digest, name)
+            target = os.path.join(output_dir, CODE_VERSIONS_DIR, digest, name)
+            if os.path.isfile(kept) and not os.path.isfile(target):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(kept, target)
+    return versions
 
 
 def code_version(output_dir: str, code_files: list[str], first_step: int) -> dict:

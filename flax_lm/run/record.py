@@ -254,29 +254,26 @@ def describe_difference(name: str, values: tuple) -> str:
     return f"--{name} {recorded} there, {current} here"
 
 
-def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allowed: list[str], setup, training_args):
-    """Compare the run a checkpoint recorded with this one (`run`: describe_run's). A difference that changes the
-    training is refused in one line naming each, unless `allowed` (--allow_resume_changes) names it (or is "all");
-    an allowed one is logged and added to `progress.resume_changes` with the step it starts at. Refuses a checkpoint
-    beyond this run's last step."""
-    if training_args.overwrite_output_dir:
-        logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
+def resume_differences(record: dict, run: dict, model_code) -> tuple[dict[str, tuple], str | None]:
+    """What differs between the run a checkpoint recorded and this one (`run`: describe_run's), as run_differences
+    gives it, and the checkpoint's model code fingerprint where it is an earlier verified version of this run's (then
+    no difference)."""
     # Checkpoints written before the run was described record its arguments and global batch beside the progress.
     recorded = record.get("run") or {
         "arguments": record.get("arguments", {}),
         "global_batch_size": record.get("global_batch_size"),
     }
     differences = run_differences(recorded, run)
-    if "model_code" in differences and setup.model_code.computes_as(differences["model_code"][0]):
-        logger.info(
-            "The checkpoint's model code (fingerprint %s) is an earlier verified version of %s (fingerprint %s)",
-            differences.pop("model_code")[0],
-            setup.model_code.description,
-            setup.model_code.fingerprint,
-        )
-    if record["step"] == setup.total_steps and training_args.do_train:
-        logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
-        return  # what differs changes no step
+    if "model_code" in differences and model_code.computes_as(differences["model_code"][0]):
+        return differences, differences.pop("model_code")[0]
+    return differences, None
+
+
+def refuse_differences(differences: dict[str, tuple], allowed: list[str], step: int, setup, training_args):
+    """Refuse, in one line naming each, the differences `allowed` (--allow_resume_changes) does not name; none where
+    the checkpoint ends the run (what differs changes no step)."""
+    if step == setup.total_steps and training_args.do_train:
+        return
     refused = {name: values for name, values in differences.items() if name not in allowed and "all" not in allowed}
     if refused:
         names = ",".join(refused)
@@ -284,8 +281,39 @@ def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allow
             f"the resumed run differs from the checkpoint's in what it trains: "
             f"{'; '.join(describe_difference(name, values) for name, values in refused.items())}; resume with what it "
             f"was trained with, or pass --allow_resume_changes {names} to train on with the change (recorded with "
-            f"step {record['step']})"
+            f"step {step})"
         )
+
+
+def check_recorded_run(run: dict, allowed: list[str], setup, training_args, record: dict):
+    """What a resume asks of a checkpoint's record before its arrays are compared with this run's: the model code
+    that trained it (check_model_code), and no difference in what trains that `allowed` does not name. Another
+    optimizer changes the arrays of the optimizer state, so the refusal names --optim (or the flag that differs), never
+    an array's shape."""
+    check_model_code(setup.model_code, record)
+    differences, _ = resume_differences(record, run, setup.model_code)
+    refuse_differences(differences, allowed, record["step"], setup, training_args)
+
+
+def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allowed: list[str], setup, training_args):
+    """Compare the run a checkpoint recorded with this one (`run`: describe_run's). A difference that changes the
+    training is refused in one line naming each, unless `allowed` (--allow_resume_changes) names it (or is "all");
+    an allowed one is logged and added to `progress.resume_changes` with the step it starts at. Refuses a checkpoint
+    beyond this run's last step."""
+    if training_args.overwrite_output_dir:
+        logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
+    differences, earlier_verified = resume_differences(record, run, setup.model_code)
+    if earlier_verified:
+        logger.info(
+            "The checkpoint's model code (fingerprint %s) is an earlier verified version of %s (fingerprint %s)",
+            earlier_verified,
+            setup.model_code.description,
+            setup.model_code.fingerprint,
+        )
+    if record["step"] == setup.total_steps and training_args.do_train:
+        logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
+        return  # what differs changes no step
+    refuse_differences(differences, allowed, record["step"], setup, training_args)
     for name, values in differences.items():
         logger.warning(
             "Resumed with a change allowed from step %d: %s", record["step"], describe_difference(name, values)

@@ -34,8 +34,8 @@ from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
 from flax_lm.run.output_dir import check_output_dir, write_all_results
 from flax_lm.run.record import (
     TrainingProgress,
-    check_model_code,
     check_optimizer_arguments,
+    check_recorded_run,
     check_resumed_run,
     describe_run,
 )
@@ -51,11 +51,11 @@ from flax_lm.training.train_state import (
 logger = logging.getLogger(__name__)
 
 
-def start_run(argument_types: tuple, check_arguments: Callable) -> tuple:
-    """The script's arguments (of `argument_types`: model, data, training), parsed and checked by the script's
-    `check_arguments` on every process, once the processes of the run have joined; then the log, and --output_dir
-    checked by process 0 before anything is written into it."""
-    model_args, data_args, training_args, distributed_args = parse_arguments(*argument_types)
+def start_run(argument_types: tuple, check_arguments: Callable, flag_tables: dict) -> tuple:
+    """The script's arguments (of `argument_types`: model, data, training; `flag_tables`: the tables its flags name,
+    listed by --help), parsed and checked by the script's `check_arguments` on every process, once the processes of
+    the run have joined; then the log, and --output_dir checked by process 0 before anything is written into it."""
+    model_args, data_args, training_args, distributed_args = parse_arguments(*argument_types, flag_tables)
     initialize_distributed(distributed_args)
     check_arguments(model_args, data_args, training_args)
     # Every process checks --output_dir before process 0 writes into it. On CPU, this first exchange also sets up
@@ -181,11 +181,12 @@ def run_description(arguments: dict, config, tokenizer, setup: TrainingSetup) ->
     return describe_run(arguments, config, fingerprint, setup.model_code, setup.train_rows, setup.train_batch_size)
 
 
-def check_checkpoint_record(model_code, run: dict, progress_record: dict):
-    """What a checkpoint's record alone refuses, before its arrays are compared with this run's: other model code, or
-    another optimizer (either would surface as a mismatch of shapes)."""
-    check_model_code(model_code, progress_record)
+def check_checkpoint_record(run: dict, allowed: list[str], setup, training_args, progress_record: dict):
+    """What a checkpoint's record alone refuses, before its arrays are compared with this run's (where each would
+    surface as a mismatch of shapes): another optimizer, whose state no allowed change carries over; other model code;
+    a difference in what trains that --allow_resume_changes does not name."""
     check_optimizer_arguments(run, progress_record)
+    check_recorded_run(run, allowed, setup, training_args, progress_record)
 
 
 def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) -> tuple[TrainState, TrainingProgress]:
@@ -194,18 +195,18 @@ def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) ->
     model --model_name_or_path."""
     metric_sums = setup.script.metric_sums
     if training_args.resume_from_checkpoint:
+        allowed = training_args.allow_resume_changes or []
         restored = restore_checkpoint(
             training_args.resume_from_checkpoint,
             training_args.output_dir,
             setup.abstract_state,
             ["step", "global_batch_size", setup.script.length_name],
-            partial(check_checkpoint_record, setup.model_code, run),
+            partial(check_checkpoint_record, run, allowed, setup, training_args),  # before the arrays' shapes
         )
         if restored:
             state, record, path = restored
             logger.info("Resumed from %s at step %d", path, record["step"])
             progress = TrainingProgress.from_record(record, metric_sums)
-            allowed = training_args.allow_resume_changes or []
             check_resumed_run(record, run, progress, allowed, setup, training_args)
             return state, progress
         logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
