@@ -267,6 +267,12 @@ def test_the_format_is_told_from_the_columns(columns, settings, expected):
     assert format_of(datasets.Dataset.from_dict(columns), "train", example_data_arguments(**settings)) == expected
 
 
+def test_conversations_with_a_tools_column_are_refused_not_trained_without_their_tools():
+    columns = {"messages": [[USER_TURN]], "tools": [[{"type": "function", "function": {"name": "now"}}]]}
+    with pytest.raises(UsageError, match=r"^the train data has a 'tools' column of tool definitions, which training"):
+        format_of(datasets.Dataset.from_dict(columns), "train", example_data_arguments())
+
+
 BAD_ROWS = {
     "a message without a role": (
         CONVERSATIONS,
@@ -286,6 +292,23 @@ BAD_ROWS = {
         {},
         "the train data mixes prompt/completion examples ('prompt', 'completion') with conversations ('messages'); "
         "give each kind in a file of its own",
+    ),
+    "tool calls the template does not render": (
+        CONVERSATIONS,
+        {
+            "messages": [
+                USER_TURN,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+                    ],
+                },
+            ]
+        },
+        {},
+        "row 3 of {file} has a conversation whose message 2 has 'tool_calls', which the chat template does not render",
     ),
     "a prompt/completion pair of conversations among text ones": (
         PROMPT_COMPLETION,

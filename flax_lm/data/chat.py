@@ -91,6 +91,27 @@ def conversation_problem(messages) -> str | None:
     return None
 
 
+def fields_not_rendered(tokenizer, messages: list[dict]) -> str | None:
+    """The first field of a message beside its role and content ('tool_calls', 'tool_call_id', 'name', ...) that
+    the chat template leaves out of the rendered text, in words ("message 2 has 'tool_calls'"); None where every such
+    field changes the text, or there is none. Read as a table, messages of other rows give such a field as None: that
+    is no field."""
+    for number, message in enumerate(messages, 1):
+        for field in sorted(message):
+            if field in ("role", "content") or message[field] is None:
+                continue
+            without = [*messages[: number - 1], {**message, field: None}, *messages[number:]]
+            try:
+                same = tokenizer.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(
+                    without, tokenize=False
+                )
+            except jinja2.TemplateError:
+                continue  # render_conversation says what the template refuses
+            if same:
+                return f"message {number} has '{field}'"
+    return None
+
+
 def render_conversation(tokenizer, messages: list[dict], add_generation_prompt: bool, assistant_mask: bool) -> dict:
     """apply_chat_template's token ids of the conversation ("input_ids") and, with `assistant_mask`, which of them the
     assistant wrote ("assistant_masks"): what transformers gives the same conversation. ValueError where the template

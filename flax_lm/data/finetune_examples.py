@@ -25,7 +25,13 @@ import datasets
 import numpy as np
 
 from flax_lm.data import chat
-from flax_lm.data.chat import chat_template_of, conversation_problem, marks_assistant_tokens, render_conversation
+from flax_lm.data.chat import (
+    chat_template_of,
+    conversation_problem,
+    fields_not_rendered,
+    marks_assistant_tokens,
+    render_conversation,
+)
 from flax_lm.data.texts import (
     DATA_READ_ERRORS,
     column_batches,
@@ -47,6 +53,7 @@ FORMAT_NAMES = {
     CONVERSATIONS: "conversations",
 }
 MESSAGES_COLUMN = "messages"  # TRL's name for a conversation
+TOOLS_COLUMN = "tools"  # TRL's name for the tools a conversation may call
 
 # The code that encodes examples, fingerprinted into their rows' framing: the token cache and --packed_data_dir are
 # keyed by it as they are by the script's code.
@@ -208,6 +215,13 @@ def format_of(dataset, split: str, arguments) -> str | None:
             "completions with --prompt_column and --completion_column"
         )
     if MESSAGES_COLUMN in columns:
+        if TOOLS_COLUMN in columns:
+            # TRL hands a row's tools to the chat template; read as a conversation alone, they would be dropped.
+            raise UsageError(
+                f"the {split} data has a '{TOOLS_COLUMN}' column of tool definitions, which training does not hand "
+                "to the chat template, so the model would learn tool calls without the tools; remove the column, "
+                "or write the tools into the conversation (a system message)"
+            )
         return CONVERSATIONS
     raise UsageError(
         f"the {split} data has no column '{arguments.text_column_name}' of plain text, no 'prompt' and 'completion' "
@@ -316,6 +330,12 @@ class ExampleEncoder:
         return Example(ids, completion_mask, None, row)
 
     def rendered(self, messages: list, row: int, add_generation_prompt: bool = False, assistant_mask: bool = False):
+        if dropped := fields_not_rendered(self.tokenizer, messages):
+            raise self.refuse(
+                row,
+                f"has a conversation whose {dropped}, which the chat template does not render, so training would "
+                "drop it without a word; remove it, or train with a template that renders it (--chat_template_path)",
+            )
         try:
             return render_conversation(self.tokenizer, messages, add_generation_prompt, assistant_mask)
         except ValueError as error:
