@@ -222,7 +222,13 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(llama_tokenizer
 CAUSAL_MODELS = {
     "gpt2": lambda: tiny_config(n_embd=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=7),
     "llama": lambda: llama_config(num_key_value_heads=2, eos_token_id=7),
-    **{model_type: partial(make_config, eos_token_id=7) for model_type, make_config in FAMILY_CONFIGS.items()},
+    # Qwen 3 is the Llama module with normalized heads, which its logits test covers; the sharded-checkpoint test
+    # below compares its greedy decoding with transformers' too.
+    **{
+        model_type: partial(make_config, eos_token_id=7)
+        for model_type, make_config in FAMILY_CONFIGS.items()
+        if model_type != "qwen3"
+    },
 }
 
 
