@@ -217,7 +217,7 @@ def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
     assert sums.keys() == {"loss_sum", "token_count"}
     assert float(sums["token_count"]) == 5
     assert float(sums["loss_sum"]) == pytest.approx(expected, rel=1e-5)
-    # The z-loss: the coefficient times the squared log-normalizer of each predicted token; the cross-entropy unchanged.
+    # The z-loss: the coefficient times the squared log-normalizer of each predicted token; cross-entropy unchanged.
     with_z_loss = run_clm_flax.causal_lm_loss_sums(
         jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights), z_loss=0.01
     )
