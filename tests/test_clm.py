@@ -103,7 +103,10 @@ def model_dir_with_config(tokenizer_dir, directory, model_type="gpt2", **overrid
     and olmo2), changed by `overrides` (a larger vocab_size for a tokenizer with tokens added, more positions)."""
     shutil.copytree(tokenizer_dir, directory, dirs_exist_ok=True)
     if model_type in TINY_FAMILY_CONFIGS:
-        TINY_FAMILY_CONFIGS[model_type](**{"vocab_size": 1000, **overrides}).save_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        config = TINY_FAMILY_CONFIGS[model_type](**{"vocab_size": 1000, **special_ids, **overrides})
+        config.save_pretrained(directory)
     elif model_type == "llama":
         tiny_llama_config(**{"vocab_size": 1000, **overrides}).save_pretrained(directory)
     else:
