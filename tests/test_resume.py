@@ -168,6 +168,11 @@ def test_olmo2_with_the_z_loss_resumes_to_the_same_weights_losses_and_z_losses(
     assert resumed_z_losses == {step: uninterrupted_z_losses[step] for step in range(5, 9)}
     results = json.loads((resumed / "train_results.json").read_text())
     assert results["train_z_loss"] == pytest.approx(sum(uninterrupted_z_losses.values()) / 8, rel=1e-5)
+    # Another coefficient changes the training: refused, as another learning rate is.
+    shutil.copytree(uninterrupted / "checkpoints" / "4", tmp_path / "changed" / "checkpoints" / "4")
+    changed = arguments(model_dir, tmp_path / "changed", *short_run, "--z_loss", "2e-2", "--resume_from_checkpoint")
+    with pytest.raises(run_clm_flax.UsageError, match=r"z_loss.*--allow_resume_changes z_loss"):
+        run_main(monkeypatch, changed)
 
 
 def test_a_stable_phase_checkpoint_branched_to_a_shorter_budget_ends_as_a_run_of_that_budget(
