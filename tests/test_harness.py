@@ -13,6 +13,7 @@ import datasets
 import jax
 import lm_eval.evaluator
 import numpy as np
+import openai
 import pytest
 import torch
 from conftest import FIXTURES_DIR
@@ -207,7 +208,7 @@ def tiny_gemma3_dir(tiny_gpt2_dir, tmp_path_factory):
 
 def test_gemma3_scores_each_choice_in_jax_and_through_the_server_as_the_hf_backend_does(tiny_gemma3_dir, tasks_dir):
     """The lm-eval routes of a model module besides GPT-2's: run_clm_flax.py's --eval_tasks (FlaxLM) and
-    local-completions against generate_flax.py's server."""
+    local-completions against generate_flax.py's server; and the server's greedy completion."""
     import generate_flax
 
     model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_gemma3_dir)))
@@ -223,7 +224,17 @@ def test_gemma3_scores_each_choice_in_jax_and_through_the_server_as_the_hf_backe
         model_args = {"base_url": f"{url}/v1/completions", "model": str(tiny_gemma3_dir)}
         model_args |= {"tokenizer": str(tiny_gemma3_dir), "tokenizer_backend": "huggingface", "max_length": 64}
         through_the_server = evaluate("local-completions", tasks_dir, [CHOICE], model_args | {"batch_size": 4})
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = "In the morning the old house was quiet and"  # with the reply, longer than the window of 8
+        reply = client.completions.create(model=str(tiny_gemma3_dir), prompt=prompt, max_tokens=10, temperature=0)
     assert_same_log_likelihoods(answers(through_the_server, CHOICE), theirs)
+    # The server's greedy reply is transformers' generate's.
+    prompt_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    torch_model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir).eval()
+    expected = torch_model.generate(prompt_ids, max_new_tokens=10, do_sample=False)[0, prompt_ids.shape[1] :]
+    assert reply.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.usage.completion_tokens == len(expected) > 0
+    assert prompt_ids.shape[1] + len(expected) > 8  # the local layer's window slid
 
 
 @pytest.fixture(scope="module")
