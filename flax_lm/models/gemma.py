@@ -17,6 +17,7 @@ from flax_lm.models.common import (
     KeyValueCache,
     check_decoder_config,
     check_rope,
+    refuse_foreign_keys,
     decoder_shapes,
     from_hf_state_dict,
     hf_shapes,
@@ -61,6 +62,8 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     if config.model_type not in HF_ARCHITECTURES:
         raise UsageError(f"flax_lm/models/gemma.py was given a config of model type '{config.model_type}'")
     check_decoder_config(config, "flax_lm/models/gemma.py", mesh, activation_key="hidden_activation")
+    if config.model_type == "gemma3_text":  # its config has the field, but Gemma3ForCausalLM's attention ignores it
+        refuse_foreign_keys(config, ("attn_logit_softcapping",), "gemma3_text")
     for index, layer_type in enumerate(config.layer_types):
         check_rope(layer_rope(config, index), "flax_lm/models/gemma.py", f"rope_parameters of {layer_type}")
     if getattr(config, "use_bidirectional_attention", None):
