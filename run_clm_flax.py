@@ -178,6 +178,14 @@ class TrainingArguments(CommonTrainingArguments):
         default=False,
         metadata={"help": "Prompt --eval_tasks as conversations in the tokenizer's chat template (lm-eval's flag)."},
     )
+    z_loss: float = field(
+        default=0.0,
+        metadata={
+            "help": "Coefficient of the z-loss added to the training loss: coefficient * log(Z)^2 averaged over the "
+            "predicted tokens, Z the softmax's normalizer (PaLM used 1e-4); it keeps the output logits from drifting "
+            "large. Logged apart as train/z_loss; train/loss stays the cross-entropy. 0: none.",
+        },
+    )
     fewshot_as_multiturn: bool | None = field(
         default=None,
         metadata={
@@ -198,6 +206,7 @@ def check_arguments(model_args, data_args, training_args):
         block_size=(lambda value: value is None or value >= 2, "must be at least 2"),
         sample_tokens=(lambda value: value >= 0, "must be 0 (no samples) or more"),
         eval_tasks_limit=(lambda value: value is None or value >= 1, "must be at least 1"),
+        z_loss=(lambda value: value >= 0, "must be 0 (none) or more"),
     )
     if training_args.sample_tokens and (problem := sample_sampling(training_args).problem("--sample_")):
         raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
@@ -376,8 +385,9 @@ def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def causal_lm_loss_sums(logits, input_ids, weights):
-    """Summed next-token cross-entropy and the number of predicted tokens, both float32.
+def causal_lm_loss_sums(logits, input_ids, weights, z_loss: float = 0.0):
+    """Summed next-token cross-entropy and the number of predicted tokens, both float32; with a `z_loss`
+    coefficient also the summed z-loss, coefficient * log(Z)^2 of each predicted token (PaLM, Chowdhery et al. 2022).
 
     Sums rather than means, so that averages over several batches (and over padded rows, weight 0)
     are exact: divide once, on the host.
@@ -387,17 +397,26 @@ def causal_lm_loss_sums(logits, input_ids, weights):
     # vocabulary) logits, and its gradient pad them back, in every step.
     next_tokens = jnp.roll(input_ids, -1, axis=1)
     target_weights = jnp.concatenate([weights[:, 1:], jnp.zeros_like(weights[:, :1])], axis=1)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), next_tokens)
-    return jnp.sum(losses * target_weights), jnp.sum(target_weights)
+    logits = logits.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, next_tokens)
+    sums = {"loss_sum": jnp.sum(losses * target_weights), "token_count": jnp.sum(target_weights)}
+    if z_loss:
+        log_normalizers = jax.nn.logsumexp(logits, axis=-1)
+        sums["z_loss_sum"] = z_loss * jnp.sum(jnp.square(log_normalizers) * target_weights)
+    return sums
 
 
-# What the train step sums over tokens, and the metrics shown from those sums.
+# What the train step sums over tokens (with --z_loss also z_loss_sum), and the metrics shown from those sums.
 TRAIN_METRIC_SUMS = ("loss_sum", "token_count")
 
 
 def train_metrics(sums: dict) -> dict:
     """The training metrics of a log line and of train_results.json, from the sums over the steps it covers."""
-    return {"loss": sums["loss_sum"] / max(sums["token_count"], 1.0)}
+    token_count = max(sums["token_count"], 1.0)
+    metrics = {"loss": sums["loss_sum"] / token_count}
+    if "z_loss_sum" in sums:
+        metrics["z_loss"] = sums["z_loss_sum"] / token_count
+    return metrics
 
 
 def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
@@ -455,15 +474,15 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     return optimizer
 
 
-def make_train_step(model, optimizer, schedule, seed: int):
+def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0):
     dropout_key = jax.random.key(seed + 1)
 
     def loss_and_sums(params, micro_batch, dropout_rng):
         input_ids = micro_batch["input_ids"]
         logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
         weights = micro_batch.get("weights", jnp.ones(input_ids.shape, jnp.float32))  # examples carry their own
-        loss_sum, token_count = causal_lm_loss_sums(logits, input_ids, weights)
-        return loss_sum, {"loss_sum": loss_sum, "token_count": token_count}
+        sums = causal_lm_loss_sums(logits, input_ids, weights, z_loss)
+        return sums["loss_sum"] + sums.get("z_loss_sum", 0.0), sums
 
     def train_step(state: TrainState, batch):
         # Dropout randomness depends only on the step, so a resumed run draws the same masks.
@@ -488,14 +507,24 @@ SCRIPT_TRAINING = ScriptTraining(
 )
 
 
+def script_training(training_args) -> ScriptTraining:
+    """SCRIPT_TRAINING, with --z_loss a train step that adds the z-loss and sums it apart, as a metric of its own."""
+    if not training_args.z_loss:
+        return SCRIPT_TRAINING
+    return replace(
+        SCRIPT_TRAINING,
+        make_train_step=partial(make_train_step, z_loss=training_args.z_loss),
+        metric_sums=(*TRAIN_METRIC_SUMS, "z_loss_sum"),
+    )
+
+
 def make_eval_step(model, token_bytes: np.ndarray | None = None):
     """The summed loss and predicted tokens of a batch; with `token_bytes` (token_byte_counts) also the UTF-8
     bytes of the predicted tokens, for bits per byte."""
 
     def eval_step(params, batch):
         logits = model.apply({"params": params}, batch["input_ids"], deterministic=True)
-        loss_sum, token_count = causal_lm_loss_sums(logits, batch["input_ids"], batch["weights"])
-        sums = {"loss_sum": loss_sum, "token_count": token_count}
+        sums = causal_lm_loss_sums(logits, batch["input_ids"], batch["weights"])
         if token_bytes is not None:
             # The bytes of exactly the tokens the loss predicts: every token but the first of each block.
             target_bytes = jnp.asarray(token_bytes)[batch["input_ids"][:, 1:]]
@@ -707,7 +736,7 @@ def main():
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
     setup = set_up_training(
-        model, model_code, SCRIPT_TRAINING, eval_step, training_args, rows.get("train"), block_size
+        model, model_code, script_training(training_args), eval_step, training_args, rows.get("train"), block_size
     )
     compile_train_steps_ahead(setup, training_args)
     arguments = recorded_arguments(model_args, data_args, training_args)

@@ -19,10 +19,12 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     PreTrainedTokenizerFast,
 )
 
@@ -53,12 +55,59 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**{**settings, **overrides})
 
 
+# One family of each model module besides Llama's at tiny_llama_config's sizes, with what sets its block apart: Gemma 3
+# with a local layer whose window is shorter than the tests' sequences, QK-norm and scaled embeddings; OLMo 2 with its
+# norms after attention and MLP and QK-norm.
+TINY_FAMILY_CONFIGS = {
+    "gemma3": lambda **overrides: Gemma3TextConfig(
+        **{
+            "vocab_size": 512,
+            "max_position_embeddings": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "intermediate_size": 64,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 0,
+            **overrides,
+        }
+    ),  # fmt: skip
+    "olmo2": lambda **overrides: Olmo2Config(
+        **{
+            "vocab_size": 512,
+            "max_position_embeddings": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "intermediate_size": 64,
+            "tie_word_embeddings": True,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 0,
+            **overrides,
+        }
+    ),  # fmt: skip
+}
+
+
 def model_dir_with_config(tokenizer_dir, directory, model_type="gpt2", **overrides) -> str:
     """`directory` holding a copy of the 1000-token test tokenizer `tokenizer_dir` and a tiny config of its
-    vocabulary and 64 positions (tiny_config for gpt2, tiny_llama_config for llama), changed by `overrides` (a larger
-    vocab_size for a tokenizer with tokens added, more positions)."""
+    vocabulary and 64 positions (tiny_config for gpt2, tiny_llama_config for llama, TINY_FAMILY_CONFIGS for gemma3
+    and olmo2), changed by `overrides` (a larger vocab_size for a tokenizer with tokens added, more positions)."""
     shutil.copytree(tokenizer_dir, directory, dirs_exist_ok=True)
-    if model_type == "llama":
+    if model_type in TINY_FAMILY_CONFIGS:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        config = TINY_FAMILY_CONFIGS[model_type](**{"vocab_size": 1000, **special_ids, **overrides})
+        config.save_pretrained(directory)
+    elif model_type == "llama":
         tiny_llama_config(**{"vocab_size": 1000, **overrides}).save_pretrained(directory)
     else:
         tiny_config(**{"vocab_size": 1000, "n_positions": 64, **overrides}).save_pretrained(directory)
@@ -164,14 +213,20 @@ def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
     logits = rng.normal(size=(2, 6, 11)).astype(np.float32)
     input_ids = rng.integers(0, 11, size=(2, 6))
     weights = np.array([[1.0] * 6, [0.0] * 6], dtype=np.float32)  # the second row is padding
-    loss_sum, count = run_clm_flax.causal_lm_loss_sums(
-        jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights)
-    )
+    sums = run_clm_flax.causal_lm_loss_sums(jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights))
     expected = torch.nn.functional.cross_entropy(
         torch.tensor(logits[0, :-1]), torch.tensor(input_ids[0, 1:]), reduction="sum"
     ).item()
-    assert float(count) == 5
-    assert float(loss_sum) == pytest.approx(expected, rel=1e-5)
+    assert sums.keys() == {"loss_sum", "token_count"}
+    assert float(sums["token_count"]) == 5
+    assert float(sums["loss_sum"]) == pytest.approx(expected, rel=1e-5)
+    # The z-loss: the coefficient times the squared log-normalizer of each predicted token; cross-entropy unchanged.
+    with_z_loss = run_clm_flax.causal_lm_loss_sums(
+        jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights), z_loss=0.01
+    )
+    log_normalizers = torch.logsumexp(torch.tensor(logits[0, :-1], dtype=torch.float64), dim=-1)
+    assert float(with_z_loss["z_loss_sum"]) == pytest.approx(0.01 * float(torch.sum(log_normalizers**2)), rel=1e-5)
+    assert float(with_z_loss["loss_sum"]) == float(sums["loss_sum"])
 
 
 def per_token_losses(model, params, input_ids, deterministic=True, rngs=None):

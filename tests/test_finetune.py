@@ -83,7 +83,8 @@ def with_chat_template(tokenizer_dir, directory) -> str:
 @pytest.fixture(scope="module")
 def chat_tokenizer_dirs(gpt2_tokenizer_dir, llama_tokenizer_dir, tmp_path_factory):
     directory = tmp_path_factory.mktemp("chat-tokenizers")
-    sources = {"gpt2": gpt2_tokenizer_dir, "llama": llama_tokenizer_dir}
+    # OLMo 2's tokenizer frames texts as GPT-2's does: no BOS, an end-of-text token after each.
+    sources = {"gpt2": gpt2_tokenizer_dir, "llama": llama_tokenizer_dir, "olmo2": gpt2_tokenizer_dir}
     return {model_type: with_chat_template(source, directory / model_type) for model_type, source in sources.items()}
 
 
@@ -199,6 +200,8 @@ RUNS = {
     ),
     # A pretrained Llama fine-tuned on conversations packed into rows, through --packed_data_dir.
     "llama-conversations-packed": ("llama", CONVERSATIONS, ["--packing", "--per_device_train_batch_size", "4"], None),
+    # A pretrained OLMo 2 (a model module of its own) fine-tuned on conversations, one per row.
+    "olmo2-conversations": ("olmo2", CONVERSATIONS, ["--per_device_train_batch_size", "4"], None),
 }
 
 
@@ -207,7 +210,7 @@ def test_eval_loss_is_pytorchs_loss_of_the_export_on_the_trained_tokens(run, cha
     model_type, example_format, options, env = RUNS[run]
     if "--packing" in options:
         options = [*options, "--packed_data_dir", str(tmp_path / "packed")]
-    positions = {"llama": "max_position_embeddings", "gpt2": "n_positions"}[model_type]
+    positions = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
     pretrained = model_dir_with_config(
         chat_tokenizer_dirs[model_type], tmp_path / "pretrained", model_type, vocab_size=1008, **{positions: 128}
     )

@@ -13,14 +13,16 @@ import datasets
 import jax
 import lm_eval.evaluator
 import numpy as np
+import openai
 import pytest
+import torch
 from conftest import FIXTURES_DIR
 from jax.sharding import NamedSharding, PartitionSpec
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
-from test_clm import run_clm_flax, run_script, scalars
+from test_clm import TINY_FAMILY_CONFIGS, run_clm_flax, run_script, scalars
 from test_serve import running_server
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flax_lm.data.chat import DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.texts import token_byte_counts
@@ -189,6 +191,50 @@ def test_local_completions_against_the_server_score_each_choice_as_the_hf_backen
     assert_same_log_likelihoods(ours, theirs)
     assert [greedy for _, greedy in ours] == [greedy for _, greedy in theirs]
     assert metric_values(results["results"])[CHOICE] == metric_values(hf_results["results"])[CHOICE]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tiny_gpt2_dir, tmp_path_factory):
+    """A tiny random Gemma 3 (a model module of its own: a local layer of a window shorter than the tasks' texts,
+    QK-norm, scaled embeddings) saved by transformers beside the tiny GPT-2's tokenizer."""
+    directory = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3"
+    shutil.copytree(tiny_gpt2_dir, directory, ignore=shutil.ignore_patterns("config.json", "*.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = TINY_FAMILY_CONFIGS["gemma3"](vocab_size=len(tokenizer), initializer_range=0.3)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def test_gemma3_scores_each_choice_in_jax_and_through_the_server_as_the_hf_backend_does(tiny_gemma3_dir, tasks_dir):
+    """The lm-eval routes of a model module besides GPT-2's: run_clm_flax.py's --eval_tasks (FlaxLM) and
+    local-completions against generate_flax.py's server; and the server's greedy completion."""
+    import generate_flax
+
+    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_gemma3_dir)))
+    generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
+    flax_model = FlaxLM(generator.scorer, generator.sampler, generator.tokenizer, batch_size=4)
+    flax_model.params = generator.params
+    theirs = answers(
+        evaluate(HFLM(pretrained=str(tiny_gemma3_dir), batch_size=4, device="cpu"), tasks_dir, [CHOICE]), CHOICE
+    )
+    assert len({score for score, _ in theirs}) == len(theirs)  # a model that tells the choices apart
+    assert_same_log_likelihoods(answers(evaluate(flax_model, tasks_dir, [CHOICE]), CHOICE), theirs)
+    with running_server(generator) as (url, _):
+        model_args = {"base_url": f"{url}/v1/completions", "model": str(tiny_gemma3_dir)}
+        model_args |= {"tokenizer": str(tiny_gemma3_dir), "tokenizer_backend": "huggingface", "max_length": 64}
+        through_the_server = evaluate("local-completions", tasks_dir, [CHOICE], model_args | {"batch_size": 4})
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = "In the morning the old house was quiet and"  # with the reply, longer than the window of 8
+        reply = client.completions.create(model=str(tiny_gemma3_dir), prompt=prompt, max_tokens=10, temperature=0)
+    assert_same_log_likelihoods(answers(through_the_server, CHOICE), theirs)
+    # The server's greedy reply is transformers' generate's.
+    prompt_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    torch_model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir).eval()
+    expected = torch_model.generate(prompt_ids, max_new_tokens=10, do_sample=False)[0, prompt_ids.shape[1] :]
+    assert reply.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.usage.completion_tokens == len(expected) > 0
+    assert prompt_ids.shape[1] + len(expected) > 8  # the local layer's window slid
 
 
 @pytest.fixture(scope="module")

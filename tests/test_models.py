@@ -112,6 +112,7 @@ FAMILY_CONFIGS = {
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
             "sliding_window": 5,
+            "final_logit_softcapping": 3.0,  # Gemma3ForCausalLM caps the logits; its attention takes no cap
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -193,6 +194,7 @@ def test_the_sliding_window_is_computed_not_ignored():
         ("gemma2", dict(layer_types=["chunked_attention"] * 3), "layer_types 'chunked_attention'"),
         ("olmo2", dict(sliding_window=4), "sliding_window is not part of olmo2"),
         ("qwen3", dict(final_logit_softcapping=30.0), "final_logit_softcapping is not part of qwen3"),
+        ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping is not part of gemma3_text"),
     ],
 )
 def test_a_family_feature_the_module_does_not_compute_is_refused(model_type, overrides, message):

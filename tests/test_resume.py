@@ -40,8 +40,8 @@ def arguments(model_dir, output_dir, *extra):
     ]  # fmt: skip
 
 
-def losses_per_process(output_dir) -> list[dict]:
-    """{step: train loss} logged by each process that wrote into output_dir, oldest first."""
+def losses_per_process(output_dir, tag="train/loss") -> list[dict]:
+    """{step: train loss} (or the metric `tag`) logged by each process that wrote into output_dir, oldest first."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_dir = os.path.join(str(output_dir), "tensorboard")
@@ -49,7 +49,7 @@ def losses_per_process(output_dir) -> list[dict]:
     for name in sorted(os.listdir(log_dir), key=lambda name: os.path.getmtime(os.path.join(log_dir, name))):
         events = EventAccumulator(os.path.join(log_dir, name))
         events.Reload()
-        runs.append({event.step: event.value for event in events.Scalars("train/loss")})
+        runs.append({event.step: event.value for event in events.Scalars(tag)})
     return runs
 
 
@@ -148,6 +148,31 @@ def test_each_optimizer_resumes_to_the_same_weights_and_losses(optimizer, model_
     shutil.copytree(uninterrupted / "checkpoints" / "6", resumed / "checkpoints" / "6")
     run_main(monkeypatch, arguments(model_dir, resumed, *short_run, "--resume_from_checkpoint"))
     assert_same_as_uninterrupted(resumed, uninterrupted, last_step=12)
+
+
+def test_olmo2_with_the_z_loss_resumes_to_the_same_weights_losses_and_z_losses(
+    test_tokenizer_dirs, tmp_path, monkeypatch
+):
+    """A model module of its own (OLMo 2's: norms after attention and MLP, QK-norm) resumed exactly, with the z-loss
+    on: its sum is checkpointed with the loss's and logged as train/z_loss."""
+    model_dir = model_dir_with_config(test_tokenizer_dirs["llama"], tmp_path / "olmo2", "olmo2")
+    short_run = ["--max_steps", "8", "--save_steps", "4", "--z_loss", "1e-2"]
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    run_main(monkeypatch, arguments(model_dir, uninterrupted, *short_run))
+    shutil.copytree(uninterrupted / "checkpoints" / "4", resumed / "checkpoints" / "4")
+    run_main(monkeypatch, arguments(model_dir, resumed, *short_run, "--resume_from_checkpoint"))
+    assert_same_as_uninterrupted(resumed, uninterrupted, last_step=8)
+    uninterrupted_z_losses = losses_per_process(uninterrupted, "train/z_loss")[0]
+    assert sorted(uninterrupted_z_losses) == list(range(1, 9)) and min(uninterrupted_z_losses.values()) > 0
+    resumed_z_losses = losses_per_process(resumed, "train/z_loss")[-1]
+    assert resumed_z_losses == {step: uninterrupted_z_losses[step] for step in range(5, 9)}
+    results = json.loads((resumed / "train_results.json").read_text())
+    assert results["train_z_loss"] == pytest.approx(sum(uninterrupted_z_losses.values()) / 8, rel=1e-5)
+    # Another coefficient changes the training: refused, as another learning rate is.
+    shutil.copytree(uninterrupted / "checkpoints" / "4", tmp_path / "changed" / "checkpoints" / "4")
+    changed = arguments(model_dir, tmp_path / "changed", *short_run, "--z_loss", "2e-2", "--resume_from_checkpoint")
+    with pytest.raises(run_clm_flax.UsageError, match=r"z_loss.*--allow_resume_changes z_loss"):
+        run_main(monkeypatch, changed)
 
 
 def test_a_stable_phase_checkpoint_branched_to_a_shorter_budget_ends_as_a_run_of_that_budget(

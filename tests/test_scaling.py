@@ -8,6 +8,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import REPO_DIR
 from test_clm import run_clm_flax, tiny_config
@@ -62,6 +63,34 @@ def test_accumulated_micro_batches_give_the_update_of_the_whole_batch():
     assert float(accumulated_metrics["grad_norm"]) == pytest.approx(float(whole_metrics["grad_norm"]), rel=1e-5)
     for got, expected in zip(jax.tree_util.tree_leaves(accumulated.params), jax.tree_util.tree_leaves(whole.params)):
         np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_the_z_loss_adds_its_coefficient_times_the_mean_squared_log_normalizer_to_the_trained_loss():
+    config = tiny_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    rows = batch(4)
+    coefficient = 0.1  # large, so that the z-loss's share of the gradient is far above rounding
+    model, optimizer, schedule, abstract_state = training_parts(config)
+    state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32))
+    train_step = jax.jit(run_clm_flax.make_train_step(model, optimizer, schedule, seed=0, z_loss=coefficient))
+    _, metrics = train_step(state, {"input_ids": rows.reshape(2, 2, LENGTH)})  # over 2 micro-batches
+
+    def mean_loss(params, coefficient):  # computed here from the logits: cross-entropy + coefficient * mean(log(Z)^2)
+        logits = model.apply({"params": params}, jnp.asarray(rows))[:, :-1].astype(jnp.float32)
+        log_normalizers = jax.nn.logsumexp(logits, axis=-1)
+        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(rows[:, 1:]))
+        return jnp.mean(cross_entropy) + coefficient * jnp.mean(jnp.square(log_normalizers)), log_normalizers
+
+    gradient = jax.jit(jax.grad(mean_loss, has_aux=True))
+    grads, log_normalizers = gradient(state.params, coefficient)
+    token_count = float(metrics["token_count"])
+    assert token_count == 4 * (LENGTH - 1)
+    expected_z_loss = coefficient * float(jnp.mean(jnp.square(log_normalizers)))
+    assert float(metrics["z_loss_sum"]) / token_count == pytest.approx(expected_z_loss, rel=1e-5)
+    assert run_clm_flax.train_metrics(jax.device_get(metrics))["z_loss"] == pytest.approx(expected_z_loss, rel=1e-5)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-4)
+    # ... which the cross-entropy's gradient alone would not match.
+    cross_entropy_grads, _ = gradient(state.params, 0.0)
+    assert float(optax.tree.norm(cross_entropy_grads)) != pytest.approx(float(metrics["grad_norm"]), rel=1e-2)
 
 
 def test_gradient_checkpointing_keeps_loss_and_gradients():

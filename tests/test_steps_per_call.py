@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 from conftest import FIXTURES_DIR, stock_code
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, tiny_config, tiny_llama_config
+from test_clm import (
+    OFFLINE_ENV,
+    TINY_FAMILY_CONFIGS,
+    model_dir_with_config,
+    run_script,
+    tiny_config,
+    tiny_llama_config,
+)
 from test_mlm_model import BOS, EOS, MASK, PAD, VOCAB_SIZE
 from test_mlm_model import tiny_config as tiny_roberta_config
 from test_scaling import LENGTH, batch, training_parts
@@ -32,11 +39,13 @@ CORPUS = FIXTURES_DIR / "en"
 STEPS = 6
 
 
-# The models of the tests of steps per call: GPT-2 without and with dropout (its masks must follow the step), Llama.
+# The models of the tests of steps per call: GPT-2 without and with dropout (its masks must follow the step), Llama,
+# and Gemma 3 (a model module of its own, with a local layer; OLMo 2's module is resumed in test_resume.py).
 CONFIGS = {
     "gpt2": lambda: tiny_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "gpt2 with dropout": lambda: tiny_config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1),
     "llama": lambda: tiny_llama_config(),
+    "gemma3": lambda: TINY_FAMILY_CONFIGS["gemma3"](),
 }
 
 

@@ -22,6 +22,7 @@ from flax_lm.models.common import (
     hf_shapes,
     layer_windows,
     linear_shapes,
+    refuse_foreign_keys,
     rope_parameters,
     rotary_frequencies,
     rotate,
@@ -61,6 +62,8 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     if config.model_type not in HF_ARCHITECTURES:
         raise UsageError(f"flax_lm/models/gemma.py was given a config of model type '{config.model_type}'")
     check_decoder_config(config, "flax_lm/models/gemma.py", mesh, activation_key="hidden_activation")
+    if config.model_type == "gemma3_text":  # its config has the field, but Gemma3ForCausalLM's attention ignores it
+        refuse_foreign_keys(config, ("attn_logit_softcapping",), "gemma3_text")
     for index, layer_type in enumerate(config.layer_types):
         check_rope(layer_rope(config, index), "flax_lm/models/gemma.py", f"rope_parameters of {layer_type}")
     if getattr(config, "use_bidirectional_attention", None):
