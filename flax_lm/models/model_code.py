@@ -46,7 +46,6 @@ VERIFIED_FINGERPRINTS = {
 # compute as it was: the parity tests compare both with transformers. Gemma's module has since refused Gemma 3's
 # attn_logit_softcapping, which Gemma3ForCausalLM ignores, and computes every config it accepts as before.)
 EARLIER_VERIFIED_FINGERPRINTS = {
-    "gemma": {"08f9763f65c026c0"},
     "gpt2": {"9235ed61450115e6"},
     "llama": {"e66a74462a8dd3d2"},
     "roberta": {"695c5ddd82d1a2e0"},
