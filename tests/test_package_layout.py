@@ -54,3 +54,19 @@ def test_a_script_of_the_flat_layout_is_refused_in_one_line_naming_the_new_impor
 def test_a_name_that_never_existed_is_still_an_ordinary_import_error():
     with pytest.raises(ImportError):
         from flax_lm.data.loading import no_such_function  # noqa: F401
+
+
+def test_a_checkpoint_of_the_flat_layouts_stock_model_resumes_and_other_code_does_not():
+    """Moving the modules changed the stock models' import lines, so their fingerprints: the fingerprints of 0.3's
+    stock modules, verified against the same transformers classes, count as the same code; others do not."""
+    from test_clm import tiny_config
+
+    from flax_lm.models.model_code import EARLIER_VERIFIED_FINGERPRINTS, load_model_code
+
+    model_code = load_model_code(tiny_config(), None, True, "run_clm_flax.py")
+    assert model_code.claims_architecture
+    (earlier,) = EARLIER_VERIFIED_FINGERPRINTS["gpt2"]
+    assert model_code.computes_as(earlier) and model_code.computes_as(model_code.fingerprint)
+    assert not model_code.computes_as("0123456789abcdef")
+    (llama_earlier,) = EARLIER_VERIFIED_FINGERPRINTS["llama"]
+    assert not model_code.computes_as(llama_earlier)  # another model's earlier code is other code
