@@ -422,6 +422,29 @@ class CommonTrainingArguments:
     eval_on_start: bool = field(
         default=False, metadata={"help": "With --do_eval, evaluate the model before the first step (at step 0)."}
     )
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={
+            "help": "Export (and evaluate finally) the weights of the saved step whose evaluation was best by "
+            "--metric_for_best_model, not the last ones; the saves must fall on evaluations (same strategy, and "
+            "--save_steps a multiple of --eval_steps)."
+        },
+    )
+    metric_for_best_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "The evaluation metric the best model is chosen by: loss (the default with "
+            "--load_best_model_at_end) or another the script evaluates, with or without eval_ (eval_perplexity)."
+        },
+    )
+    greater_is_better: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Whether a greater --metric_for_best_model is better; default: false for a loss, true otherwise.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
     logging_first_step: bool = field(
         default=False, metadata={"help": "Log the first step as well as every --logging_steps."}
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flax_lm.errors import UsageError
+from flax_lm.run.best_model import BestModel
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class TrainingProgress:
     windows: list[MetricSums]
     step: int = 0
     resume_changes: list[dict] = field(default_factory=list)
+    best_model: BestModel | None = None  # with --metric_for_best_model
 
     @classmethod
     def start(cls, metric_names) -> "TrainingProgress":
@@ -62,7 +64,14 @@ class TrainingProgress:
 
     def record(self, **details) -> dict:
         windows = [{"from_step": window.from_step, "sums": window.sums} for window in self.windows]
-        return {"step": self.step, "metric_windows": windows, "resume_changes": self.resume_changes, **details}
+        best_model = {"best_model": self.best_model.record()} if self.best_model else {}
+        return {
+            "step": self.step,
+            "metric_windows": windows,
+            "resume_changes": self.resume_changes,
+            **best_model,
+            **details,
+        }
 
     @classmethod
     def from_record(cls, record: dict, metric_names) -> "TrainingProgress":
@@ -112,7 +121,7 @@ FREE_ON_RESUME = {
     "model_name_or_path", "model_type", "config_name", "tokenizer_name", "model_file", "train_file", "dataset_name",
     "dataset_config_name", "data_mixture", "allow_pickle_weights", "coordinator_address", "num_processes",
     "process_id", "local_device_ids", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "skip_nonfinite_steps",
+    "skip_nonfinite_steps", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
 }  # fmt: skip
 
 # The fingerprints a run's description holds beside its arguments, with what they are of, for the messages.
