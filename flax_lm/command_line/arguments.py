@@ -424,26 +424,15 @@ class CommonTrainingArguments:
     )
     load_best_model_at_end: bool = field(
         default=False,
-        metadata={
-            "help": "Export (and evaluate finally) the weights of the saved step whose evaluation was best by "
-            "--metric_for_best_model, not the last ones; the saves must fall on evaluations (same strategy, and "
-            "--save_steps a multiple of --eval_steps)."
-        },
+        metadata={"help": "Export and evaluate finally the saved step best by --metric_for_best_model, not the last."},
     )
     metric_for_best_model: str | None = field(
         default=None,
-        metadata={
-            "help": "The evaluation metric the best model is chosen by: loss (the default with "
-            "--load_best_model_at_end) or another the script evaluates, with or without eval_ (eval_perplexity)."
-        },
+        metadata={"help": "The evaluation metric that picks the best model: loss (the default), eval_perplexity..."},
     )
     greater_is_better: bool | None = field(
         default=None,
-        metadata={
-            "help": "Whether a greater --metric_for_best_model is better; default: false for a loss, true otherwise.",
-            "nargs": "?",
-            "const": True,
-        },
+        metadata={"help": "Whether a greater metric is better; default: not for a loss.", "nargs": "?", "const": True},
     )
     logging_first_step: bool = field(
         default=False, metadata={"help": "Log the first step as well as every --logging_steps."}
