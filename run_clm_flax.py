@@ -204,8 +204,8 @@ def check_arguments(model_args, data_args, training_args):
     if training_args.sample_tokens and (problem := sample_sampling(training_args).problem("--sample_")):
         raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
     optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
-    check_best_model_flags(training_args, EVAL_METRICS)
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
+    check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
     if training_args.eval_tasks:
         if importlib.util.find_spec("lm_eval") is None:
             raise UsageError("--eval_tasks needs lm-evaluation-harness, which is not installed: pip install lm_eval")

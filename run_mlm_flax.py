@@ -190,8 +190,8 @@ def check_arguments(model_args, data_args, training_args):
             )
         training_args.steps_per_call = 1
     optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
-    check_best_model_flags(training_args, EVAL_METRICS)
     check_common_arguments(model_args, data_args, training_args)
+    check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
 
 
 # ----------------------------------------------------------------------------------------------------
