@@ -51,6 +51,7 @@ from flax_lm.command_line.arguments import (
     check_numeric_arguments,
     recorded_arguments,
 )
+from flax_lm.command_line.trainer_flags import check_best_model_flags
 from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.data.finetune_examples import Example, ExampleArguments, RowCounts, encoded_examples
 from flax_lm.data.loading import (
@@ -91,6 +92,7 @@ from flax_lm.training.setup import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
+    final_weights,
     finish_run,
     initial_state,
     run_description,
@@ -212,6 +214,7 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
     optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
+    check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
     if training_args.eval_tasks:
         if importlib.util.find_spec("lm_eval") is None:
             raise UsageError("--eval_tasks needs lm-evaluation-harness, which is not installed: pip install lm_eval")
@@ -678,15 +681,15 @@ class Evaluation:
         sampler = sampler or self.sampler
         return sample_texts(sampler, params, self.tokenizer, self.prompts, self.sampling, max_length, self.chat)
 
-    def final(self, params, step: int, reuse_saved: bool):
-        """The evaluation of the final weights, into eval_results.json; with `reuse_saved`, one already there for
-        this step is kept."""
+    def final(self, params, step: int, reuse_saved: bool) -> dict | None:
+        """The evaluation of the final weights, into eval_results.json, and its results; with `reuse_saved`, one
+        already there for this step is kept (and None returned)."""
         if reuse_saved and evaluated_step(self.output_dir) == step:
             logger.info("The complete run's evaluation is in %s", os.path.join(self.output_dir, "eval_results.json"))
-            return
+            return None
         results = self(params, step)
         if jax.process_index() > 0:
-            return
+            return results
         saved = {}
         if self.blocks is not None:
             # bits_per_byte and bytes are null where the tokens have no fixed byte count.
@@ -700,6 +703,7 @@ class Evaluation:
             print(f"eval perplexity: {results['perplexity']:.2f} (loss {results['loss']:.4f}{bits_per_byte})")
         if self.tasks:
             print(f"eval tasks: {self.tasks.describe(results['tasks'])}")
+        return results
 
     def sample_from_export(self, abstract_params):
         """Samples from the exported model, read back: they also show that the saved files hold the trained model."""
@@ -756,14 +760,17 @@ def main():
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
-        write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
         export_complete_run(training_args, state.params, config, tokenizer, model_code)
+    params, step = final_weights(training_args, setup, evaluation, state, progress, config, tokenizer)
+    if train_now:
+        write_train_results(training_args.output_dir, train_metrics, progress, setup, log, step)
     finish_run(
         training_args,
         evaluation,
         trackers,
-        state,
+        params,
+        step,
         train_now,
         partial(evaluation.sample_from_export, setup.abstract_state.params),
     )
@@ -870,7 +877,7 @@ def train(
     evaluate_on_start(evaluate, state.params, progress, training_args)
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
-        open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
+        open_checkpoints(training_args.output_dir, training_args.save_total_limit, progress.best_model) as checkpoints,
         StopRequest() as stop,
         log,
     ):
@@ -894,7 +901,9 @@ def train(
                 progress.step = step
                 checkpoint_being_written = save(checkpoints, state, progress)
             if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
-                evaluate(state.params, step)
+                results = evaluate(state.params, step)
+                if progress.best_model and is_save_step:  # the checkpoint just saved is the candidate
+                    progress.best_model.consider(results, step)
             if stopping:
                 break
         wait_until_committed(checkpoints, checkpoint_being_written)

@@ -51,6 +51,7 @@ from flax_lm.command_line.arguments import (
     check_numeric_arguments,
     recorded_arguments,
 )
+from flax_lm.command_line.trainer_flags import check_best_model_flags
 from flax_lm.data.host_random import random_bits, uniform_from_bits
 from flax_lm.data.loading import (
     TextsToRows,
@@ -87,6 +88,7 @@ from flax_lm.training.setup import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
+    final_weights,
     finish_run,
     initial_state,
     run_description,
@@ -189,6 +191,7 @@ def check_arguments(model_args, data_args, training_args):
         training_args.steps_per_call = 1
     optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args)
+    check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -724,17 +727,18 @@ class Evaluation:
         report_by_source(results, step, self.trackers, EVAL_METRICS, describe_results)
         return results
 
-    def final(self, params, step: int, reuse_saved: bool):
-        """The evaluation of the final weights, into eval_results.json; with `reuse_saved`, one already there for
-        this step is kept."""
+    def final(self, params, step: int, reuse_saved: bool) -> dict | None:
+        """The evaluation of the final weights, into eval_results.json, and its results; with `reuse_saved`, one
+        already there for this step is kept (and None returned)."""
         if reuse_saved and evaluated_step(self.output_dir) == step:
             logger.info("The complete run's evaluation is in %s", os.path.join(self.output_dir, "eval_results.json"))
-            return
+            return None
         results = self(params, step)
         if jax.process_index() == 0:
             saved = saved_results(results, (*EVAL_METRICS, "masked_tokens"), self.examples) | {"step": step}
             write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
             print(f"eval: {describe_results(results)}")
+        return results
 
     def fill_mask_with_export(self):
         """What the exported model, read back, predicts for --fill_mask_text (or a validation text with a word
@@ -803,10 +807,12 @@ def main():
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
-        write_train_results(training_args.output_dir, train_metrics, progress, setup, log)
     elif training_args.do_train:
         export_complete_run(training_args, state.params, config, tokenizer, model_code)
-    finish_run(training_args, evaluation, trackers, state, train_now, evaluation.fill_mask_with_export)
+    params, step = final_weights(training_args, setup, evaluation, state, progress, config, tokenizer)
+    if train_now:
+        write_train_results(training_args.output_dir, train_metrics, progress, setup, log, step)
+    finish_run(training_args, evaluation, trackers, params, step, train_now, evaluation.fill_mask_with_export)
 
 
 def check_model_and_tokenizer(config, tokenizer, training_args):
@@ -937,7 +943,7 @@ def train(
     evaluate_on_start(evaluate, state.params, progress, training_args)
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
-        open_checkpoints(training_args.output_dir, training_args.save_total_limit) as checkpoints,
+        open_checkpoints(training_args.output_dir, training_args.save_total_limit, progress.best_model) as checkpoints,
         StopRequest() as stop,
         log,
     ):
@@ -961,7 +967,9 @@ def train(
                 progress.step = step
                 checkpoint_being_written = save(checkpoints, state, progress)
             if training_args.do_eval and step % eval_steps == 0 and not is_last and not stopping:
-                evaluate(state.params, step)
+                results = evaluate(state.params, step)
+                if progress.best_model and is_save_step:  # the checkpoint just saved is the candidate
+                    progress.best_model.consider(results, step)
             if stopping:
                 break
         wait_until_committed(checkpoints, checkpoint_being_written)

@@ -540,6 +540,15 @@ def test_bad_input_exits_with_one_clear_line_and_no_traceback(model_dir, tmp_pat
         (["--per_device_train_batch_size", "100000"], "lower --per_device_train_batch_size or --block_size"),
         (["--push_to_hub"], "--push_to_hub is not supported"),
         (["--learning_rte", "1e-3"], "unknown argument --learning_rte"),
+        (
+            ["--load_best_model_at_end"],
+            "--metric_for_best_model compares the evaluations of training: add --do_train ",
+        ),
+        (
+            ["--do_eval", "--load_best_model_at_end", "--save_steps", "3", "--eval_steps", "2"],
+            "--save_steps 3 must be a multiple of --eval_steps 2",
+        ),
+        (["--do_eval", "--greater_is_better"], "--greater_is_better applies to --metric_for_best_model"),
     ],
 )
 def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, tmp_path, monkeypatch):

@@ -672,6 +672,15 @@ def bad_inputs(model_dir, tmp_path_factory):
             "--hub_model_id is not supported: upload the model after training with `hf upload",
         ),
         (["--hub_modelid", "me/model"], "unknown argument --hub_modelid"),
+        (
+            ["--metric_for_best_model", "eval_bits_per_byte"],
+            "--metric_for_best_model eval_bits_per_byte is not a metric of the evaluation; pass one of loss, "
+            "perplexity, accuracy",
+        ),
+        (
+            ["--load_best_model_at_end", "--eval_strategy", "epoch"],
+            "--load_best_model_at_end needs .* --eval_strategy epoch and --save_strategy steps differ",
+        ),
     ],
 )
 def test_bad_input_is_reported_as_a_usage_error(arguments, message, model_dir, bad_inputs, tmp_path, monkeypatch):

@@ -422,6 +422,18 @@ class CommonTrainingArguments:
     eval_on_start: bool = field(
         default=False, metadata={"help": "With --do_eval, evaluate the model before the first step (at step 0)."}
     )
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={"help": "Export and evaluate finally the saved step best by --metric_for_best_model, not the last."},
+    )
+    metric_for_best_model: str | None = field(
+        default=None,
+        metadata={"help": "The evaluation metric that picks the best model: loss (the default), eval_perplexity..."},
+    )
+    greater_is_better: bool | None = field(
+        default=None,
+        metadata={"help": "Whether a greater metric is better; default: not for a loss.", "nargs": "?", "const": True},
+    )
     logging_first_step: bool = field(
         default=False, metadata={"help": "Log the first step as well as every --logging_steps."}
     )

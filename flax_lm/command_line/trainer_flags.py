@@ -108,3 +108,44 @@ def apply_strategies(training_args, steps_per_epoch: int | None, total_steps: in
             setattr(training_args, interval, steps_per_epoch)
         elif getattr(training_args, strategy) == "no":
             setattr(training_args, interval, max(total_steps, 1))
+    check_best_model_schedule(training_args)
+
+
+def check_best_model_flags(training_args, eval_metrics: tuple):
+    """--metric_for_best_model as Trainer names it (eval_NAME, of the script's `eval_metrics`), defaulting to the
+    loss with --load_best_model_at_end, and --greater_is_better defaulting to false for a loss, true otherwise."""
+    metric = training_args.metric_for_best_model
+    if metric is None and training_args.load_best_model_at_end:
+        metric = "loss"
+    if metric is None:
+        if training_args.greater_is_better is not None:
+            raise UsageError("--greater_is_better applies to --metric_for_best_model; add it or leave the flag out")
+        return
+    name = metric.removeprefix("eval_")
+    if name not in eval_metrics:
+        choices = ", ".join(eval_metrics)
+        raise UsageError(f"--metric_for_best_model {metric} is not a metric of the evaluation; pass one of {choices}")
+    if not training_args.do_train or not training_args.do_eval:
+        raise UsageError("--metric_for_best_model compares the evaluations of training: add --do_train --do_eval")
+    training_args.metric_for_best_model = f"eval_{name}"
+    if training_args.greater_is_better is None:
+        training_args.greater_is_better = not name.endswith("loss")
+
+
+def check_best_model_schedule(training_args):
+    """The best model is one of the saved checkpoints, so with --load_best_model_at_end every evaluation falls on a
+    save, as Trainer requires (once apply_strategies has made the strategies intervals)."""
+    if not training_args.load_best_model_at_end:
+        return
+    eval_strategy, save_strategy = training_args.eval_strategy, training_args.save_strategy
+    if eval_strategy != save_strategy:
+        raise UsageError(
+            f"--load_best_model_at_end needs the saves and evaluations on the same schedule: --eval_strategy "
+            f"{eval_strategy} and --save_strategy {save_strategy} differ; pass the same strategy to both"
+        )
+    eval_steps = training_args.eval_steps or training_args.logging_steps
+    if eval_strategy == "steps" and training_args.save_steps % eval_steps:
+        raise UsageError(
+            f"--load_best_model_at_end chooses among the saved evaluated steps: --save_steps "
+            f"{training_args.save_steps} must be a multiple of --eval_steps {eval_steps}"
+        )

@@ -45,6 +45,13 @@ def saved_results(results: dict, names: tuple, validation) -> dict:
 
 
 def evaluate_on_start(evaluate, params, progress, training_args):
-    """--eval_on_start: with --do_eval, evaluate the model of a new run before its first step (at step 0)."""
-    if training_args.do_eval and training_args.eval_on_start and progress.step == 0:
+    """--eval_on_start: with --do_eval, evaluate the model of a new run before its first step (at step 0). With
+    --metric_for_best_model, evaluate a resumed checkpoint of an evaluation step whose best model lacks its
+    evaluation: the loop evaluates after it saves, so a checkpoint records the best before its own step's."""
+    if not training_args.do_eval:
+        return
+    if training_args.eval_on_start and progress.step == 0:
         evaluate(params, 0)
+    best, eval_steps = progress.best_model, training_args.eval_steps or training_args.logging_steps
+    if best and 0 < progress.step and best.evaluated_step < progress.step and progress.step % eval_steps == 0:
+        best.consider(evaluate(params, progress.step), progress.step)

@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from flax_lm.errors import UsageError
+from flax_lm.run.best_model import KeepStep
 from flax_lm.run.checksums import (
     CHECKPOINT_CHECKSUMS,
     SAVED_WITH_CHECKSUMS,
@@ -25,7 +26,7 @@ from flax_lm.training.train_state import TrainState
 logger = logging.getLogger(__name__)
 
 
-def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointManager:
+def open_checkpoints(output_dir: str, save_total_limit: int, best_model=None) -> ocp.CheckpointManager:
     """OUTPUT_DIR/checkpoints/STEP. Orbax writes each checkpoint into a temporary directory and renames it once
     complete; an unfinished one is deleted when the directory is next opened. Every process writes its own shards
     into the same directory, so on several hosts OUTPUT_DIR must be on a file system they share (NFS, a bucket).
@@ -33,7 +34,9 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
     Each checkpoint holds the checksums of its files (flax_lm.run.checksums), which restore_checkpoint compares. Orbax
     keeps none of the arrays' bytes (its zarr format checks only a shard's index), so they are taken here: once
     every process's files are written and before the temporary directory is renamed into place, on process 0's
-    thread that finishes the checkpoint in the background, so that a committed checkpoint always has them."""
+    thread that finishes the checkpoint in the background, so that a committed checkpoint always has them.
+
+    The newest `save_total_limit` checkpoints are kept, and with `best_model` (a BestModel) the best one's as well."""
     directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
     if jax.process_index() == 0 and not os.path.isdir(directory):
         record_run_files(output_dir, ["checkpoints/"])
@@ -43,10 +46,13 @@ def open_checkpoints(output_dir: str, save_total_limit: int) -> ocp.CheckpointMa
             if ocp.step.is_tmp_checkpoint(entry.path):  # the checkpoint being finished: one at a time
                 write_checkpoint_checksums(entry.path)
 
+    keep = [ocp.checkpoint_managers.LatestN(save_total_limit)]
+    if best_model is not None:
+        keep.append(KeepStep(lambda: best_model.step))
     return ocp.CheckpointManager(
         directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=save_total_limit,
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(keep),
             cleanup_tmp_directories=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=write_checksums_before_commit),
         ),

@@ -430,12 +430,13 @@ def write_all_results(output_dir: str) -> dict:
             return json.load(file)
 
     train_results, eval_results = read("train_results.json"), read("eval_results.json")
-    if train_results and eval_results and eval_results.get("step") != train_results["train_steps"]:
+    exported_step = train_results.get("exported_step", train_results.get("train_steps"))
+    if train_results and eval_results and eval_results.get("step") != exported_step:
         logger.warning(
             "eval_results.json holds the evaluation of step %s, not of the trained model's step %d, so "
             "all_results.json leaves it out; resume with --do_eval to evaluate the trained model",
             eval_results.get("step"),
-            train_results["train_steps"],
+            exported_step,
         )
         eval_results = {}
     results = {}
@@ -464,11 +465,12 @@ def evaluated_step(output_dir: str) -> int | None:
         return None
 
 
-def write_train_results(output_dir: str, train_metrics, progress, setup, log):
+def write_train_results(output_dir: str, train_metrics, progress, setup, log, exported_step: int):
     """train_results.json: the script's training metrics (`train_metrics` of the summed metrics of `progress`) over
     the most steps that all their sums cover (from train_metrics_from_step on: the first step, unless a resume added a
     sum), what each source of a mixture gave the run (since its sources or weights last changed in a resume), the
-    changes resumes allowed, and how long it took; `setup` is the run's TrainingSetup, `log` its TrainingLog."""
+    changes resumes allowed, how long it took, the step of the exported weights and, with --metric_for_best_model, the
+    best checkpoint; `setup` is the run's TrainingSetup, `log` its TrainingLog."""
     if jax.process_index() != 0:
         return
     summary = progress.summary()
@@ -488,6 +490,7 @@ def write_train_results(output_dir: str, train_metrics, progress, setup, log):
         train_steps=setup.total_steps,
         epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
         resume_changes=progress.resume_changes,
+        exported_step=exported_step,
     )
     # Over the whole run: every segment, this one to its end (its last save may have come before).
     progress.segment_done(log.first_step, progress.step, log.runtime, log.tokens)
@@ -499,6 +502,8 @@ def write_train_results(output_dir: str, train_metrics, progress, setup, log):
         train_runtime_from_step=progress.segments[0]["from_step"],
         train_segments=progress.segments,
     )
+    if progress.best_model:
+        results.update(progress.best_model.results(output_dir))
     write_json(os.path.join(output_dir, "train_results.json"), results)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flax_lm.errors import UsageError
+from flax_lm.run.best_model import BestModel
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class TrainingProgress:
     # The run's segments, one per process that trained it: {"from_step", "to_step", "runtime_seconds", "tokens"},
     # those of earlier segments as their checkpoints recorded them, the last one this process's, up to its last save.
     segments: list[dict] = field(default_factory=list)
+    best_model: BestModel | None = None  # with --metric_for_best_model
 
     def segment_done(self, from_step: int, to_step: int, runtime_seconds: float, tokens: int):
         """This process's segment so far (from `from_step`, where it started or resumed, to `to_step`)."""
@@ -73,11 +75,13 @@ class TrainingProgress:
 
     def record(self, **details) -> dict:
         windows = [{"from_step": window.from_step, "sums": window.sums} for window in self.windows]
+        best_model = {"best_model": self.best_model.record()} if self.best_model else {}
         return {
             "step": self.step,
             "metric_windows": windows,
             "resume_changes": self.resume_changes,
             "segments": self.segments,
+            **best_model,
             **details,
         }
 
@@ -131,7 +135,7 @@ FREE_ON_RESUME = {
     "model_name_or_path", "model_type", "config_name", "tokenizer_name", "model_file", "train_file", "dataset_name",
     "dataset_config_name", "data_mixture", "allow_pickle_weights", "coordinator_address", "num_processes",
     "process_id", "local_device_ids", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "skip_nonfinite_steps",
+    "skip_nonfinite_steps", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
 }  # fmt: skip
 
 # The fingerprints a run's description holds beside its arguments, with what they are of, for the messages.

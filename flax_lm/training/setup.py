@@ -30,6 +30,7 @@ from flax_lm.devices.processes import (
 )
 from flax_lm.models.huggingface import SAFETENSORS_INDEX, read_exported_params, save_model
 from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
+from flax_lm.run.best_model import BestModel
 from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
 from flax_lm.run.output_dir import check_output_dir, write_all_results
 from flax_lm.run.record import (
@@ -66,14 +67,16 @@ def start_run(argument_types: tuple, check_arguments: Callable, flag_tables: dic
     return model_args, data_args, training_args
 
 
-def finish_run(training_args, evaluation, trackers, state, trained_now: bool, show_export: Callable):
-    """After training (or instead of it): the final evaluation (that of the last save where nothing was trained
-    since), every result in all_results.json and the trackers, then `show_export` (the script's look at what the
-    exported model does) after a run that trained."""
+def finish_run(training_args, evaluation, trackers, params, step: int, trained_now: bool, show_export: Callable):
+    """After training (or instead of it): the final evaluation of `params`, the weights of `step` the run exported
+    (that of the last save where nothing was trained since, and final_weights' with --metric_for_best_model), every
+    result in all_results.json and the trackers, then `show_export` (the script's look at what the exported model
+    does) after a run that trained."""
     if training_args.do_eval:
-        evaluation.final(state.params, int(state.step), reuse_saved=training_args.do_train and not trained_now)
+        reuse_saved = training_args.do_train and (not trained_now or bool(training_args.metric_for_best_model))
+        evaluation.final(params, step, reuse_saved=reuse_saved)
     if jax.process_index() == 0:
-        trackers.results(write_all_results(training_args.output_dir), int(state.step))
+        trackers.results(write_all_results(training_args.output_dir), step)
     trackers.close()
     if trained_now:
         show_export()
@@ -207,6 +210,7 @@ def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) ->
             state, record, path = restored
             logger.info("Resumed from %s at step %d", path, record["step"])
             progress = TrainingProgress.from_record(record, metric_sums)
+            progress.best_model = BestModel.for_arguments(training_args, record)
             check_resumed_run(record, run, progress, allowed, setup, training_args)
             return state, progress
         logger.info("No training checkpoint to resume from in %s: starting a new run", training_args.output_dir)
@@ -215,7 +219,9 @@ def initial_state(model_args, training_args, setup: TrainingSetup, run: dict) ->
     state = create_train_state(
         setup.model, setup.optimizer, setup.abstract_state, training_args.seed, dummy_input, loaded_params
     )
-    return state, TrainingProgress.start(metric_sums)
+    progress = TrainingProgress.start(metric_sums)
+    progress.best_model = BestModel.for_arguments(training_args)
+    return state, progress
 
 
 def pretrained_params(model_args, setup: TrainingSetup):
@@ -258,3 +264,30 @@ def export_complete_run(training_args, params, config, tokenizer, model_code: Mo
     if not any(os.path.isfile(os.path.join(output_dir, name)) for name in weights):
         save_model(output_dir, params, config, tokenizer, model_code, training_args.max_shard_size)
         logger.info("Exported the model of the complete run to %s", output_dir)
+
+
+def final_weights(training_args, setup: TrainingSetup, evaluation, state, progress, config, tokenizer) -> tuple:
+    """The weights the run ends with and their step: the last ones, or with --load_best_model_at_end those of the
+    checkpoint best by --metric_for_best_model, read back, exported and evaluated finally (eval_results.json). The
+    last step's evaluation, the final one, is compared with the others first."""
+    best, step = progress.best_model, int(state.step)
+    if best is None:
+        return state.params, step
+    if best.evaluated_step < step:
+        best.consider(evaluation.final(state.params, step, reuse_saved=False), step)
+    if not training_args.load_best_model_at_end or best.step in (None, step):
+        return state.params, step
+    output_dir = training_args.output_dir
+    checkpoint = os.path.join(output_dir, "checkpoints", str(best.step))
+    best_state, _, _ = restore_checkpoint(checkpoint, output_dir, setup.abstract_state, ["step"])
+    save_model(output_dir, best_state.params, config, tokenizer, setup.model_code, setup.max_shard_size)
+    logger.info(
+        "Exported the best model, of step %d (%s %.6g), from %s to %s",
+        best.step,
+        best.metric,
+        best.value,
+        checkpoint,
+        output_dir,
+    )
+    evaluation.final(best_state.params, best.step, reuse_saved=False)
+    return best_state.params, best.step
