@@ -35,11 +35,11 @@ def test_every_moved_module_of_the_flat_layout_exists_where_its_refusal_sends_th
 @pytest.mark.parametrize(
     "statement, new_import",
     [
-        ("from flax_lm.run.output_dir import open_output_dir", "flax_lm.run.output_dir"),
-        ("import flax_lm.generation.sampling", "flax_lm.generation.sampling"),
+        ("from flax_lm.run_dir import open_output_dir", "flax_lm.run.output_dir"),
+        ("import flax_lm.sampling", "flax_lm.generation.sampling"),
         ("from flax_lm import hf_io", "flax_lm.models.huggingface"),
-        ("from flax_lm.data.loading import load_data", "from flax_lm.data.loading import load_data"),
-        ("from flax_lm.training.setup import set_up_training", "from flax_lm.training.setup import set_up_training"),
+        ("from flax_lm.data import load_data", "from flax_lm.data.loading import load_data"),
+        ("from flax_lm.training import set_up_training", "from flax_lm.training.setup import set_up_training"),
     ],
 )
 def test_a_script_of_the_flat_layout_is_refused_in_one_line_naming_the_new_import(tmp_path, statement, new_import):
@@ -53,7 +53,7 @@ def test_a_script_of_the_flat_layout_is_refused_in_one_line_naming_the_new_impor
 
 def test_a_name_that_never_existed_is_still_an_ordinary_import_error():
     with pytest.raises(ImportError):
-        from flax_lm.data.loading import no_such_function  # noqa: F401
+        from flax_lm.data import no_such_function  # noqa: F401
 
 
 def test_a_checkpoint_of_the_flat_layouts_stock_model_resumes_and_other_code_does_not():

@@ -19,7 +19,7 @@ from flax_lm.command_line.trainer_flags import (
     with_flags_renamed,
     with_keys_renamed,
 )
-from flax_lm.data.mixture import read_mixture
+from flax_lm.data.mixture import check_mixture
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
 from flax_lm.models.huggingface import check_local_model_directory, shard_size_in_bytes
@@ -225,6 +225,11 @@ class DataArguments:
     # examples, whose format is told from the data's columns once they are read (flax_lm.data.finetune_examples).
     framing = "grouped"
     example_format = None  # plain text; the format of examples (run_clm_flax.py) once their data are read
+
+    def names_data(self) -> bool:
+        """Whether the arguments name data to train or evaluate on."""
+        names = ("train_file", "validation_file", "dataset_name", "data_mixture", "packed_data_dir")
+        return any(getattr(self, name) for name in names)
 
     def resolve_example_format(self, texts: dict, streaming: bool) -> str | None:
         """The format of the data just read, if they are examples rather than plain text
@@ -528,12 +533,6 @@ def recorded_arguments(*argument_groups) -> dict:
     return arguments
 
 
-def names_data(data_args) -> bool:
-    """Whether the arguments name data to train or evaluate on."""
-    names = ("train_file", "validation_file", "dataset_name", "data_mixture", "packed_data_dir")
-    return any(getattr(data_args, name) for name in names)
-
-
 def check_common_arguments(model_args, data_args, training_args, evaluates_without_data: bool = False):
     """The checks both training scripts make before any work, each refusal one line; fills in the defaults that
     depend on other arguments. Call it after initialize_distributed, which checks the distributed flags before the
@@ -550,7 +549,7 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
     if data_args.data_mixture:
         check_mixture(data_args, training_args)
     has_data = any(getattr(data_args, name) is not None for name in ("train_file", "dataset_name", "data_mixture"))
-    if not (names_data(data_args) or evaluates_without_data):
+    if not (data_args.names_data() or evaluates_without_data):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")
@@ -626,21 +625,6 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
     if training_args.compilation_cache_dir not in (None, "none"):
         check_writable_directory(training_args.compilation_cache_dir, "compilation_cache_dir")
     use_compilation_cache(training_args.compilation_cache_dir)  # before the first compilation
-
-
-def check_mixture(data_args, training_args):
-    others = [name for name in ("train_file", "validation_file", "dataset_name") if getattr(data_args, name)]
-    others += [name for name in ("streaming", "packed_data_dir") if getattr(data_args, name)]
-    if others:
-        raise UsageError(
-            f"--data_mixture names the data, so --{others[0]} has no place beside it: put the files in the mixture "
-            "file, or drop --data_mixture"
-        )
-    sources = read_mixture(data_args.data_mixture)
-    if training_args.do_train and all(source.weight is None for source in sources):
-        raise UsageError(
-            f"--do_train needs training data: --data_mixture {data_args.data_mixture} gives no source a train_file"
-        )
 
 
 def default_steps_per_call() -> int:

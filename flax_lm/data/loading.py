@@ -12,7 +12,6 @@ import datasets.distributed
 import jax
 import numpy as np
 
-from flax_lm.command_line.arguments import names_data
 from flax_lm.data.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
 from flax_lm.data.packed import cached_blocks, load_packed_corpus
 from flax_lm.data.texts import check_tokenizer_encodes, warn_of_files_in_both_splits
@@ -158,7 +157,7 @@ def load_data(model_args, data_args, training_args, texts_to_rows: TextsToRows) 
     its texts: blocks, or lines with run_mlm_flax.py --line_by_line; with --streaming the training rows come from a
     stream, returned beside them. Every process holds all rows (memory-mapped) and reads only its rows of each batch.
     Arguments that name no data give no rows (run_clm_flax.py --eval_tasks evaluates without)."""
-    if not names_data(data_args):
+    if not data_args.names_data():
         return {}, None
     train_stream = None
     if data_args.data_mixture:

@@ -250,3 +250,19 @@ class Mixture:
         results = {f"{unit}_{name}": int(amount) for name, amount in zip(self.names, amounts)}
         results.update({f"{unit[:-1]}_share_{name}": float(share) for name, share in zip(self.names, shares)})
         return results
+
+
+def check_mixture(data_args, training_args):
+    """Refuse, before any work, a --data_mixture beside other data flags, or one with nothing to train on."""
+    others = [name for name in ("train_file", "validation_file", "dataset_name") if getattr(data_args, name)]
+    others += [name for name in ("streaming", "packed_data_dir") if getattr(data_args, name)]
+    if others:
+        raise UsageError(
+            f"--data_mixture names the data, so --{others[0]} has no place beside it: put the files in the mixture "
+            "file, or drop --data_mixture"
+        )
+    sources = read_mixture(data_args.data_mixture)
+    if training_args.do_train and all(source.weight is None for source in sources):
+        raise UsageError(
+            f"--do_train needs training data: --data_mixture {data_args.data_mixture} gives no source a train_file"
+        )
