@@ -385,13 +385,13 @@ SEQUENCE_COUNT = {
     'TRAIN_METRIC_SUMS = ("loss_sum", "token_count")': (
         'TRAIN_METRIC_SUMS = ("loss_sum", "token_count", "sequence_count")'
     ),
-    '        return loss_sum, {"loss_sum": loss_sum, "token_count": token_count}\n': (
-        "        sums = {'loss_sum': loss_sum, 'token_count': token_count}\n"
-        "        return loss_sum, sums | {'sequence_count': jnp.float32(input_ids.shape[0])}\n"
+    '        return sums["loss_sum"] + sums.get("z_loss_sum", 0.0), sums\n': (
+        "        sums = sums | {'sequence_count': jnp.float32(input_ids.shape[0])}\n"
+        "        return sums['loss_sum'] + sums.get('z_loss_sum', 0.0), sums\n"
     ),
-    '    return {"loss": sums["loss_sum"] / max(sums["token_count"], 1.0)}': (
-        '    return {"loss": sums["loss_sum"] / max(sums["token_count"], 1.0), '
-        '"tokens_per_sequence": sums["token_count"] / max(sums["sequence_count"], 1.0)}'
+    '    metrics = {"loss": sums["loss_sum"] / token_count}\n': (
+        '    metrics = {"loss": sums["loss_sum"] / token_count}\n'
+        '    metrics["tokens_per_sequence"] = sums["token_count"] / max(sums["sequence_count"], 1.0)\n'
     ),
 }
 

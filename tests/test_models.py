@@ -340,7 +340,9 @@ def test_an_edit_anywhere_in_the_context_the_layers_the_vocabulary_or_the_cache_
     export names GPT2LMHeadModel only for the unedited copy."""
     config = tiny_config(vocab_size=256, n_layer=3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     module = edited_module(tmp_path, "narrow.py", NARROW_EDITS[edit], "gpt2")
-    claims, reason = model_code.architecture_claim(module, config, model_code.code_fingerprint(module), "narrow.py")
+    claims, reason = model_code.architecture_claim(
+        module, config, model_code.module_code_fingerprint(module), "narrow.py"
+    )
     if edit == "unedited":
         assert claims, reason
         assert "every layer, position and token id, with and without the key/value cache" in reason
@@ -353,7 +355,9 @@ def test_a_probe_too_costly_for_pytorch_makes_no_claim(tmp_path, monkeypatch):
     config = tiny_config(vocab_size=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     module = edited_module(tmp_path, "same.py", {}, "gpt2")
     monkeypatch.setattr(model_code, "PROBE_MAX_TORCH_FLOPS", 1e6)
-    claims, reason = model_code.architecture_claim(module, config, model_code.code_fingerprint(module), "same.py")
+    claims, reason = model_code.architecture_claim(
+        module, config, model_code.module_code_fingerprint(module), "same.py"
+    )
     assert not claims and "over the probe's limit" in reason, reason
 
 
