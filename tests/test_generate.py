@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO_DIR, server_process
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from flax_lm.command_line.arguments import parse_arguments
 from flax_lm.errors import UsageError
@@ -71,11 +79,31 @@ def tiny_llama_dir(llama_tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def generators(generator, tiny_gpt2_dir, tiny_llama_dir):
-    """(export directory, Generator) of the tiny GPT-2 and the tiny Llama, by model type."""
-    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_llama_dir)))
-    llama = generate_flax.Generator(model, params, tokenizer, batch_size=4)
-    return {"gpt2": (tiny_gpt2_dir, generator), "llama": (tiny_llama_dir, llama)}
+def tiny_gemma2_dir(llama_tokenizer_dir, tmp_path_factory):
+    """A tiny random Gemma 2 (the other decoder module: a sliding window shorter than the prompts and new tokens,
+    soft-capped attention and logits) saved by transformers beside the Llama test tokenizer, its weights drawn wide
+    enough that its texts vary and some rows end early."""
+    directory = shutil.copytree(llama_tokenizer_dir, tmp_path_factory.mktemp("generate") / "tiny-gemma2")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), max_position_embeddings=64, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, initializer_range=1.0,
+        sliding_window=6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def generators(generator, tiny_gpt2_dir, tiny_llama_dir, tiny_gemma2_dir):
+    """(export directory, Generator) of the tiny GPT-2, Llama and Gemma 2, by model type."""
+    found = {"gpt2": (tiny_gpt2_dir, generator)}
+    for model_type, directory in (("llama", tiny_llama_dir), ("gemma2", tiny_gemma2_dir)):
+        model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(directory)))
+        found[model_type] = (directory, generate_flax.Generator(model, params, tokenizer, batch_size=4))
+    return found
 
 
 # Each of transformers' settings alone and all together, with greedy decoding; the end of text is a token the models
@@ -92,7 +120,7 @@ DECODING_SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "gemma2"])
 def test_decoding_settings_give_the_tokens_of_transformers_generate(generators, model_type):
     model_dir, generator = generators[model_type]
     prompt_ids = generator.encode(PROMPTS, 16, "prompt")
