@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import jax
 import numpy as np
@@ -114,20 +115,21 @@ def benchmark_decoding(arguments):
         def generate_jax(prompts=prompts):
             return sampling.generate_ids(sampler, params, prompts.tolist(), arguments.new_tokens)
 
-        def generate_torch(prompts=prompts):
+        def generate_torch(prompts=prompts, **settings):
             input_ids = torch.tensor(prompts)
             with torch.no_grad():
                 return torch_model.generate(
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
                     max_new_tokens=arguments.new_tokens,
-                    min_new_tokens=arguments.new_tokens,
                     do_sample=False,
                     use_cache=True,
                     pad_token_id=0,
+                    **settings,
                 )
 
-        report(f"batch {batch_size}, greedy", generate_jax, generate_torch, batch_size, arguments)
+        greedy_torch = partial(generate_torch, min_new_tokens=arguments.new_tokens)
+        report(f"batch {batch_size}, greedy", generate_jax, greedy_torch, batch_size, arguments)
         if arguments.num_beams > 1:
             samplings = [
                 sampling.Sampling(arguments.new_tokens, num_beams=arguments.num_beams, prompt_index=row)
@@ -137,21 +139,10 @@ def benchmark_decoding(arguments):
             def beam_search_jax(prompts=prompts, samplings=samplings):
                 return sampling.decode_rows(sampler, params, prompts.tolist(), samplings)
 
-            def beam_search_torch(prompts=prompts):
-                input_ids = torch.tensor(prompts)
-                with torch.no_grad():
-                    return torch_model.generate(
-                        input_ids,
-                        attention_mask=torch.ones_like(input_ids),
-                        max_new_tokens=arguments.new_tokens,
-                        num_beams=arguments.num_beams,
-                        do_sample=False,
-                        use_cache=True,
-                        pad_token_id=0,
-                    )
-
             beams = f"batch {batch_size}, {arguments.num_beams} beams"
-            report(beams, beam_search_jax, beam_search_torch, batch_size, arguments)
+            report(
+                beams, beam_search_jax, partial(generate_torch, num_beams=arguments.num_beams), batch_size, arguments
+            )
 
 
 def report(name: str, generate_jax, generate_torch, batch_size: int, arguments):
