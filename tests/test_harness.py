@@ -31,6 +31,7 @@ from flax_lm.errors import UsageError
 from flax_lm.evaluation.harness import FlaxLM, HarnessTasks, metric_values, task_index
 
 CHOICE, TEXTS, GENERATION, VALIDATION = "tiny_choice", "tiny_texts", "tiny_generation", "tiny_validation"
+SHORT_CHOICE = "tiny_choice_zero_shot"
 TASKS = [CHOICE, TEXTS, GENERATION]
 TASK_SETTINGS = {
     CHOICE: {
@@ -346,7 +347,7 @@ def test_eval_tasks_without_lm_eval_installed_are_refused_in_one_line(tiny_gpt2_
 @pytest.fixture(scope="module")
 def chat_setup(tiny_gpt2_dir, tasks_dir, tmp_path_factory):
     """The tiny GPT-2 with the default chat template (its ChatML markers are text to this tokenizer), its
-    generate_flax.py Generator, and the local tasks with one few-shot example each."""
+    generate_flax.py Generator, and the local tasks for chat."""
     import generate_flax
 
     root = tmp_path_factory.mktemp("chat-tasks")
@@ -355,18 +356,21 @@ def chat_setup(tiny_gpt2_dir, tasks_dir, tmp_path_factory):
     tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     tokenizer.save_pretrained(model_dir)
     chat_tasks_dir = shutil.copytree(tasks_dir, root / "tasks")
-    for task in (CHOICE, GENERATION):
+    # One few-shot example for the choices; none for the generation and for a copy of the choices that the server
+    # scores: those conversations fit the 64 positions whole, which the server requires (lm-eval's backends cut a
+    # longer prompt's start off, each by its own rule).
+    for task, name, shots in ((CHOICE, CHOICE, 1), (GENERATION, GENERATION, 0), (CHOICE, SHORT_CHOICE, 0)):
         config = json.loads((chat_tasks_dir / f"{task}.yaml").read_text())
-        (chat_tasks_dir / f"{task}.yaml").write_text(json.dumps(config | {"num_fewshot": 1}))
+        (chat_tasks_dir / f"{name}.yaml").write_text(json.dumps(config | {"task": name, "num_fewshot": shots}))
     model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(model_dir)))
     return model_dir, chat_tasks_dir, generate_flax.Generator(model, params, tokenizer, batch_size=4)
 
 
-def chat_evaluate(model, tasks_dir) -> dict:
+def chat_evaluate(model, tasks_dir, tasks=(CHOICE, GENERATION), model_args: dict | None = None) -> dict:
     """lm-eval as `lm_eval --apply_chat_template` runs it (few-shot examples as turns, its default then)."""
     task_index = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     return lm_eval.evaluator.simple_evaluate(
-        model=model, tasks=[CHOICE, GENERATION], task_manager=task_index, bootstrap_iters=0,
+        model=model, model_args=model_args, tasks=list(tasks), task_manager=task_index, bootstrap_iters=0,
         apply_chat_template=True, fewshot_as_multiturn=True,
     )  # fmt: skip
 
@@ -374,21 +378,37 @@ def chat_evaluate(model, tasks_dir) -> dict:
 @pytest.fixture(scope="module")
 def chat_results(chat_setup):
     model_dir, chat_tasks_dir, generator = chat_setup
-    hf = chat_evaluate(HFLM(pretrained=str(model_dir), batch_size=4, device="cpu"), chat_tasks_dir)
+    hf = chat_evaluate(
+        HFLM(pretrained=str(model_dir), batch_size=4, device="cpu"), chat_tasks_dir, [CHOICE, GENERATION, SHORT_CHOICE]
+    )
     model = FlaxLM(generator.scorer, generator.sampler, generator.tokenizer, batch_size=4)
     model.params = generator.params
     ours = chat_evaluate(model, chat_tasks_dir)
     # What run_clm_flax.py --eval_tasks --apply_chat_template computes at an evaluation.
     in_training = HarnessTasks([CHOICE, GENERATION], str(chat_tasks_dir), None, model, True, True)(generator.params)
-    return hf, ours, in_training
+    # Through the server: the choices scored by local-completions on prompts the client renders with the tokenizer's
+    # template; the generation asked of local-chat-completions, whose messages the server renders.
+    with running_server(generator) as (url, _):
+        model_args = {"model": str(model_dir), "tokenizer": str(model_dir), "tokenizer_backend": "huggingface"}
+        model_args |= {"max_length": 64, "batch_size": 4}
+        served = chat_evaluate(
+            "local-completions", chat_tasks_dir, [SHORT_CHOICE], model_args | {"base_url": f"{url}/v1/completions"}
+        )
+        chat_args = {"model": str(model_dir), "base_url": f"{url}/v1/chat/completions", "max_length": 64}
+        served_chat = chat_evaluate("local-chat-completions", chat_tasks_dir, [GENERATION], chat_args)
+    return hf, ours, in_training, {SHORT_CHOICE: served, GENERATION: served_chat}
 
 
 @pytest.mark.parametrize("task", [CHOICE, GENERATION])
-def test_with_apply_chat_template_the_jax_model_answers_chat_prompts_as_the_hf_backend_does(task, chat_results):
-    hf, ours, in_training = chat_results
+def test_with_apply_chat_template_the_jax_model_answers_chat_prompts_as_the_hf_backend_does(
+    task, chat_setup, chat_results
+):
+    hf, ours, in_training, through_the_server = chat_results
     contexts = [sample["arguments"][0][0] for sample in hf["samples"][task]]
-    # The prompt is a conversation: the few-shot example and the question each a user turn, then the assistant's.
-    assert all(context.count("<|im_start|>user\n") == 2 for context in contexts), contexts[0]
+    # The prompt is a conversation: the few-shot example (if any) and the question each a user turn, then the
+    # assistant's.
+    user_turns = 2 if task == CHOICE else 1
+    assert all(context.count("<|im_start|>user\n") == user_turns for context in contexts), contexts[0]
     assert all(context.endswith("<|im_start|>assistant\n") for context in contexts), contexts[0]
     assert [sample["arguments"] for sample in ours["samples"][task]] == [
         sample["arguments"] for sample in hf["samples"][task]
@@ -399,3 +419,21 @@ def test_with_apply_chat_template_the_jax_model_answers_chat_prompts_as_the_hf_b
     else:
         assert answers(ours, task) == answers(hf, task)
     assert metric_values(ours["results"])[task] == metric_values(hf["results"])[task] == in_training[task]
+    task = SHORT_CHOICE if task == CHOICE else task
+    served = through_the_server[task]
+    if task == SHORT_CHOICE:
+        assert [sample["arguments"] for sample in served["samples"][task]] == [
+            sample["arguments"] for sample in hf["samples"][task]
+        ]
+        assert_same_log_likelihoods(answers(served, task), answers(hf, task))
+    else:
+        # The chat endpoint got the conversation itself; rendered by the tokenizer's template, it is the hf backend's
+        # prompt, and the server answered what the hf backend generated from that prompt.
+        tokenizer = AutoTokenizer.from_pretrained(chat_setup[0])
+        conversations = [json.loads(sample["arguments"][0][0][0]) for sample in served["samples"][task]]
+        rendered = [
+            tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) for turns in conversations
+        ]
+        assert rendered == [sample["arguments"][0][0] for sample in hf["samples"][task]]
+        assert answers(served, task) == answers(hf, task)
+    assert metric_values(served["results"])[task] == metric_values(hf["results"])[task]

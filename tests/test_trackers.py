@@ -298,7 +298,7 @@ def test_training_run_reports_to_all_trackers_and_its_repeat_reports_into_the_sa
 ):
     from mlflow import MlflowClient
 
-    output_dir = tmp_path / "tiny-run"
+    output_dir = tmp_path / "output"
     env = {**os.environ, **tracker_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     arguments = [
         *("--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir),
@@ -306,7 +306,7 @@ def test_training_run_reports_to_all_trackers_and_its_repeat_reports_into_the_sa
         *("--validation_file", os.path.join(CORPUS, "validation.txt"), "--max_eval_samples", 10),
         *("--block_size", 32, "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", 8),
         *("--do_train", "--do_eval", "--max_steps", 2, "--logging_steps", 2, "--sample_tokens", 0),
-        *("--report_to", "all", "--resume_from_checkpoint"),
+        *("--report_to", "all", "--resume_from_checkpoint", "--run_name", "tiny-run"),
     ]
     command = [sys.executable, os.path.join(REPO, "run_clm_flax.py"), *map(str, arguments)]
     # The second time, the run is complete: it resumes only to report the results again, into the same runs.
@@ -333,7 +333,7 @@ def test_training_run_reports_to_all_trackers_and_its_repeat_reports_into_the_sa
     assert session.hparams["model_config/n_layer"].number_value == 2
     assert events.Scalars("eval/loss")[-1].value == pytest.approx(all_results["eval_loss"], rel=1e-6)
 
-    # W&B: one run in two offline parts, named after the output directory, with the results in its summary.
+    # W&B: one run in two offline parts, named by --run_name, with the results in its summary.
     parts = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
     assert len(parts) == 2 and all(part.endswith(run_ids["wandb"]) for part in parts)
     records = wandb_records(parts[0])
