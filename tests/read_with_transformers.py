@@ -4,7 +4,9 @@ repository.
 
     python read_with_transformers.py < request.json > readings.json
 
-The request: {"directories": [...], "texts": [...], "conversation": [...], "token_ids": [...]}. For each directory,
+The request: {"directories": [...], "texts": [...], "conversation": [...], "token_ids": [...]}, and optionally
+{"attn_implementation": {directory: name}} for a model to be read with an attention other than the default. For each
+directory,
 its tokenizer's class, special tokens and ids of each text (and of each pair of texts), the chat prompt its template
 renders (where it has one), and the model's logits on the token ids.
 """
@@ -38,7 +40,10 @@ def read_directory(directory: str, request: dict) -> dict:
         )
     config = AutoConfig.from_pretrained(directory)
     model_class = AutoModelForMaskedLM if config.model_type == "roberta" else AutoModelForCausalLM
-    model, loading_info = model_class.from_pretrained(directory, output_loading_info=True)
+    attention = request.get("attn_implementation", {}).get(directory)
+    model, loading_info = model_class.from_pretrained(
+        directory, output_loading_info=True, **({"attn_implementation": attention} if attention else {})
+    )
     reading["model_class"] = type(model).__name__
     reading["loading_problems"] = {kind: sorted(names) for kind, names in loading_info.items() if names}
     with torch.no_grad():

@@ -377,6 +377,7 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
             setattr(config, MODEL_FILE_KEY, model_file)
             setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
         config.save_pretrained(output_dir)
+        add_transformers_4_rope_keys(os.path.join(output_dir, "config.json"))
         if model.GENERATES_TEXT:
             generation_config = GenerationConfig.from_model_config(config)
             # Where the tokenizer's chat template ends a turn with a token of its own, generation stops there too.
@@ -386,6 +387,35 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
         else:
             remove_if_there(os.path.join(output_dir, "generation_config.json"))  # an earlier model's, here
         save_tokenizer_files(tokenizer, output_dir)
+
+
+def add_transformers_4_rope_keys(config_path: str):
+    """Write the rotary settings into config.json also under the names transformers 4 reads (rope_theta, rope_scaling,
+    and Gemma 3's rope_local_base_freq for its sliding layers) beside transformers 5's rope_parameters, which
+    transformers 4 ignores: without them it would rotate with its own default base, 10,000, whatever the model was
+    trained with. transformers 5 reads the two consistently."""
+    with open(config_path) as file:
+        config = json.load(file)
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    if "full_attention" in rope:  # one setting per layer type (Gemma 3): transformers 4 scales the global layers only
+        if "rope_theta" in rope.get("sliding_attention", {}):
+            config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        config["rope_scaling"] = None
+    elif config.get("model_type") == "olmo2":  # transformers 4's OLMo 2 takes these two fields and no others
+        config["rope_scaling"] = {"type": scaling["rope_type"], "factor": scaling.get("factor")}
+    else:
+        config["rope_scaling"] = scaling
+    with open(f"{config_path}.tmp", "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True)
+        file.write("\n")
+    os.replace(f"{config_path}.tmp", config_path)
 
 
 def remove_replaced_weights(output_dir: str, written: set[str]):
