@@ -43,8 +43,8 @@ def test_the_smoke_measures_every_row_on_both_sides_and_its_json_holds_the_print
     expected_sides = [
         ("gpt2", "flax_lm"), ("gpt2", "transformers GPT2LMHeadModel"), ("gpt2", "lean GPT (peers/lean_gpt.py)"),
         ("llama", "flax_lm"), ("llama", "transformers LlamaForCausalLM"),
-        ("roberta", "flax_lm"), ("roberta", "transformers RobertaForMaskedLM"),
         ("llama_finetune", "flax_lm"), ("llama_finetune", "transformers LlamaForCausalLM"),
+        ("roberta", "flax_lm"), ("roberta", "transformers RobertaForMaskedLM"),
     ]  # fmt: skip
     measurements = report["measurements"]
     assert [(m["row"], m["side"]) for m in measurements] == expected_sides
