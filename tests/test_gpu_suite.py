@@ -115,6 +115,17 @@ def test_a_failed_side_is_a_row_of_the_table_and_the_others_keep_their_ratio(sui
     assert "| RoBERTa | peer | 1,000 | – |" in text  # no ratio without the project's side
 
 
+def test_sides_that_the_time_budget_leaves_no_room_for_are_reported_as_not_run(suite, tmp_path, monkeypatch, capsys):
+    json_path = tmp_path / "suite.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", "--smoke", "--time_budget", "30", "--json", str(json_path)])
+    suite.main()
+    printed = capsys.readouterr().out
+    measurements = json.loads(json_path.read_text())["measurements"]
+    assert len(measurements) == 9
+    assert {m["error"] for m in measurements} == {"not run: the suite's --time_budget was spent"}
+    assert printed.count("| failed: not run: the suite's --time_budget was spent |") == 9
+
+
 def test_packed_example_rows_hold_whole_examples_with_the_loss_on_their_completions():
     shared = load_benchmark("suite_shared")
     rows = shared.packed_example_rows(batch_size=3, sequence_length=256, vocab_size=100)
