@@ -8,7 +8,8 @@ paper's appendix B; position embeddings excluded) by a matmul peak measured in t
 devices and dtype, so the ratio says how close the step comes to what this machine's matmuls reach.
 The step's matrix products are also timed alone, at the step's own shapes: their share of the peak is
 the most MFU such shapes allow, and the rest of the gap is the work between the products (softmax,
-layer norms, GELU, the optimizer, layout copies).
+layer norms, GELU, the optimizer, layout copies). The peak memory is read after the first step: a GPU's
+peak_bytes_in_use, or on a CPU the process's peak resident memory.
 
 Preprocessing: the script's cached_blocks (tokenize, join with EOS, pack into blocks, write the packed
 cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run; and the
@@ -225,8 +226,7 @@ def model_config(settings, arguments):
         hidden_size=settings["width"], num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
         num_key_value_heads=arguments.key_value_heads or settings["heads"],
         intermediate_size=arguments.intermediate_size or math.ceil(8 * settings["width"] / 3 / 64) * 64,
-        tie_word_embeddings=True, bos_token_id=BOS_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID if arguments.packed_examples else 0,
+        tie_word_embeddings=True, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
     )  # fmt: skip
 
 
