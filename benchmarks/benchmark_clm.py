@@ -8,7 +8,8 @@ paper's appendix B; position embeddings excluded) by a matmul peak measured in t
 devices and dtype, so the ratio says how close the step comes to what this machine's matmuls reach.
 The step's matrix products are also timed alone, at the step's own shapes: their share of the peak is
 the most MFU such shapes allow, and the rest of the gap is the work between the products (softmax,
-layer norms, GELU, the optimizer, layout copies).
+layer norms, GELU, the optimizer, layout copies). The peak memory is read after the first step: a GPU's
+peak_bytes_in_use, or on a CPU the process's peak resident memory.
 
 Preprocessing: the script's cached_blocks (tokenize, join with EOS, pack into blocks, write the packed
 cache) against the raw `tokenizers` batch encoding of the same texts, both timed in this run; and the
@@ -18,6 +19,7 @@ same texts read as a stream, tokenized and packed on the fly as --streaming does
     python benchmarks/benchmark_clm.py --preset nanogpt-laptop  # nanoGPT's baby GPT: 4 x 4 x 128, block 64
     python benchmarks/benchmark_clm.py --preset gpt2    # GPT-2 124M, sequence 1024, bfloat16 (for a GPU)
     python benchmarks/benchmark_clm.py --model_type llama  # a Llama of the preset's shape (SwiGLU, rotary, GQA)
+    python benchmarks/benchmark_clm.py --model_type llama --packed_examples  # fine-tuning on packed examples
 
 With --model_type llama the preset's layers, width and heads make a Llama whose MLP has 3 x 8/3 of the width (rounded
 up to a multiple of 64) where GPT-2's has 2 x 4: about GPT-2's parameters, less its position table.
@@ -48,6 +50,14 @@ from flax_lm.training.setup import set_up_training
 from flax_lm.training.train_state import create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from suite_shared import (  # noqa: E402  (same folder)
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    packed_example_rows,
+    peak_resident_bytes,
+    seconds_since_process_start,
+)
+
 import run_clm_flax  # noqa: E402
 
 PRESETS = {
@@ -89,6 +99,18 @@ def parse_arguments():
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
     parser.add_argument("--skip_training", action="store_true", help="only time the preprocessing")
     parser.add_argument("--skip_preprocessing", action="store_true", help="only time the training step")
+    parser.add_argument(
+        "--packed_examples",
+        action="store_true",
+        help="train as run_clm_flax.py --packing --completion_only_loss fine-tunes: on rows of prompt/completion "
+        "examples packed whole (random ids), the loss on the completions, each example attending only to itself",
+    )
+    parser.add_argument(
+        "--skip_matmul_peak",
+        action="store_true",
+        help="leave out the measured matmul peak, the MFU against it, the shapes' ceiling and the memory analysis, "
+        "which compile programs of their own (benchmarks/gpu_suite.py counts MFU against the card's published peak)",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument(
         "--profile_dir",
@@ -188,16 +210,6 @@ def step_matmul_flops(settings, config, dtype) -> float:
     return flops * jax.device_count() / seconds
 
 
-def seconds_since_process_start() -> float | None:
-    """Seconds since this process started (Linux: from /proc), so the interpreter's start and the imports count."""
-    try:
-        with open("/proc/self/stat") as file:
-            start_ticks = int(file.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
 def model_config(settings, arguments):
     """The preset's GPT-2, or a Llama of its layers, width and heads (see the module's docstring)."""
     if arguments.model_type == "gpt2":
@@ -214,15 +226,28 @@ def model_config(settings, arguments):
         hidden_size=settings["width"], num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
         num_key_value_heads=arguments.key_value_heads or settings["heads"],
         intermediate_size=arguments.intermediate_size or math.ceil(8 * settings["width"] / 3 / 64) * 64,
-        tie_word_embeddings=True, bos_token_id=0,
-        eos_token_id=0,
+        tie_word_embeddings=True, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
     )  # fmt: skip
+
+
+def global_batches(settings, arguments, config, steps_per_call: int) -> dict:
+    """The global batches of one compiled call, each step's batch as gradient_accumulation_steps micro-batches:
+    random tokens, or with --packed_examples the same packed rows in every step with their loss weights."""
+    accumulation = arguments.gradient_accumulation_steps
+    shape = (steps_per_call, accumulation, settings["batch_size"] // accumulation, settings["block_size"])
+    if not arguments.packed_examples:
+        tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=shape, dtype=np.int32)
+        return {"input_ids": tokens}
+    rows = packed_example_rows(settings["batch_size"], settings["block_size"], config.vocab_size)
+    return {name: np.broadcast_to(rows[name].reshape(shape[1:]), shape) for name in ("input_ids", "weights")}
 
 
 def benchmark_training(settings, arguments) -> dict:
     config = model_config(settings, arguments)
     dtype = jnp.dtype(settings["dtype"])
     mesh = create_mesh(arguments.mesh_shape)
+    if arguments.packed_examples and arguments.model_type != "llama":
+        raise SystemExit("error: --packed_examples packs examples that begin with a BOS: add --model_type llama")
     model_code = load_model_code(config, None, True, "benchmark_clm.py", mesh)
     model = model_code.module.MODEL_CLASS(
         config,
@@ -230,6 +255,8 @@ def benchmark_training(settings, arguments) -> dict:
         param_dtype=jnp.dtype(arguments.param_dtype),
         remat_policy=arguments.gradient_checkpointing,
         mesh=mesh,
+        # Packed examples are documents: each attends only to itself, from the BOS that starts it.
+        document_separator_id=BOS_TOKEN_ID if arguments.packed_examples else None,
     )
     # The script's own set-up: mesh, optimizer, state shardings and the compiled train step.
     accumulation = arguments.gradient_accumulation_steps
@@ -254,19 +281,7 @@ def benchmark_training(settings, arguments) -> dict:
     dummy_input = jnp.zeros((1, settings["block_size"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
     train_steps = setup.compiled_train_steps
-    # The global batches of one compiled call: each step's batch as gradient_accumulation_steps micro-batches.
-    tokens = np.random.default_rng(0).integers(
-        0,
-        config.vocab_size,
-        size=(
-            steps_per_call,
-            arguments.gradient_accumulation_steps,
-            settings["batch_size"] // arguments.gradient_accumulation_steps,
-            settings["block_size"],
-        ),
-        dtype=np.int32,
-    )
-    batches = {"input_ids": jax.device_put(tokens, setup.call_batches_sharding)}
+    batches = jax.device_put(global_batches(settings, arguments, config, steps_per_call), setup.call_batches_sharding)
 
     # The first call runs steps_per_call steps, as in the script: its end is the time to the first step.
     compile_start = time.perf_counter()
@@ -274,50 +289,86 @@ def benchmark_training(settings, arguments) -> dict:
     jax.block_until_ready(metrics)
     compile_seconds = time.perf_counter() - compile_start
     first_step_seconds = seconds_since_process_start()
-    memory = train_steps.lower(state, batches, steps_per_call).compile().memory_analysis()
+    peak_memory_bytes = peak_device_memory_bytes()  # the step's high-water mark: the first call ran a whole step
+    parameters = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
+    timing = time_training(train_steps, state, batches, steps_per_call, settings, config, arguments)
+    tokens_per_second = settings["batch_size"] * settings["block_size"] / timing["step_seconds"]
+    results = {
+        "parameters": parameters,
+        "peak_memory_bytes": peak_memory_bytes,
+        "compile_seconds": compile_seconds,
+        "seconds_to_first_step": first_step_seconds,
+        "train_tokens_per_second": tokens_per_second,
+        "steps_per_call": steps_per_call,
+        "final_loss": float(timing["metrics"]["loss_sum"][-1] / timing["metrics"]["token_count"][-1]),
+        "step_seconds": timing["step_seconds"],
+    }
+    if arguments.skip_matmul_peak:
+        return results
+    return results | matmul_diagnostics(settings, config, parameters, timing, tokens_per_second)
+
+
+def peak_device_memory_bytes() -> int:
+    """The most memory the first device's allocator has held (a GPU's peak_bytes_in_use); on a CPU, which keeps no
+    such count, the process's peak resident memory."""
+    stats = jax.devices()[0].memory_stats()
+    return stats["peak_bytes_in_use"] if stats and "peak_bytes_in_use" in stats else peak_resident_bytes()
+
+
+def time_training(train_steps, state, batches, steps_per_call: int, settings, config, arguments) -> dict:
+    """The best seconds a step of --rounds rounds of --steps steps (with the measured matmul peak and the step's own
+    products timed between them, unless --skip_matmul_peak), the last metrics, and the compiled program's memory."""
+    memory = None
+    if not arguments.skip_matmul_peak:
+        memory = train_steps.lower(state, batches, steps_per_call).compile().memory_analysis()
 
     # Steps and the matmul peak are timed in alternating rounds and the best of each kept, so that a
     # moment of load from other programs on the machine does not skew their ratio.
     step_seconds, peak, step_matmuls = float("inf"), 0.0, 0.0
     calls = math.ceil(arguments.steps / steps_per_call)
+    dtype = jnp.dtype(settings["dtype"])
     for _ in range(arguments.rounds):
         start = time.perf_counter()
         for _ in range(calls):
             state, metrics = train_steps(state, batches, steps_per_call)
         jax.block_until_ready(metrics)
         step_seconds = min(step_seconds, (time.perf_counter() - start) / (calls * steps_per_call))
-        peak = max(peak, matmul_peak_flops(dtype))
-        step_matmuls = max(step_matmuls, step_matmul_flops(settings, config, dtype))
+        if not arguments.skip_matmul_peak:
+            peak = max(peak, matmul_peak_flops(dtype))
+            step_matmuls = max(step_matmuls, step_matmul_flops(settings, config, dtype))
     if arguments.profile_dir:
         with jax.profiler.trace(arguments.profile_dir, create_perfetto_trace=True):
             for _ in range(calls):
                 state, metrics = train_steps(state, batches, steps_per_call)
             jax.block_until_ready(metrics)
+    return {
+        "step_seconds": step_seconds,
+        "metrics": metrics,
+        "peak": peak,
+        "step_matmuls": step_matmuls,
+        "memory": memory,
+    }
 
-    parameters = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state.params))
+
+def matmul_diagnostics(settings, config, parameters: int, timing: dict, tokens_per_second: float) -> dict:
+    """MFU against the matmul peak measured in this run, how much of it the step's own products reach, and the
+    compiled step's memory."""
+    peak, step_matmuls, memory = timing["peak"], timing["step_matmuls"], timing["memory"]
     # Tables only looked up are no products: GPT-2's positions, an embedding apart from the output layer.
     looked_up = config.hidden_size * (config.max_position_embeddings if config.model_type == "gpt2" else 0)
     looked_up += 0 if config.tie_word_embeddings else config.hidden_size * config.vocab_size
     matmul_parameters = parameters - looked_up
     attention_flops = 12 * config.num_hidden_layers * attention_width(config) * settings["block_size"]
     flops_per_token = 6 * matmul_parameters + attention_flops
-    tokens_per_second = settings["batch_size"] * settings["block_size"] / step_seconds
     return {
-        "parameters": parameters,
         # Per device: the state (arguments) and what the step needs besides (activations, temporaries).
         "state_megabytes_per_device": memory.argument_size_in_bytes / 1e6 if memory else None,
         "temporary_megabytes_per_device": memory.temp_size_in_bytes / 1e6 if memory else None,
-        "step_seconds": step_seconds,
-        "compile_seconds": compile_seconds,
-        "seconds_to_first_step": first_step_seconds,
-        "train_tokens_per_second": tokens_per_second,
         "model_tflops_per_second": tokens_per_second * flops_per_token / 1e12,
         "matmul_peak_tflops_per_second": peak / 1e12,
         "mfu": tokens_per_second * flops_per_token / peak,
         "step_matmuls_fraction_of_peak": step_matmuls / peak,
         "mfu_fraction_of_shapes_ceiling": tokens_per_second * flops_per_token / step_matmuls,
-        "steps_per_call": steps_per_call,
-        "final_loss": float(metrics["loss_sum"][-1] / metrics["token_count"][-1]),
     }
 
 
@@ -417,37 +468,43 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
 
 def main():
     arguments, settings = parse_arguments()
-    import datasets
-
-    datasets.disable_progress_bars()
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; settings: {settings}")
-    results = {"settings": settings, "devices": [str(device) for device in jax.devices()]}
+    results = {
+        "settings": settings,
+        "devices": [str(device) for device in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+    }
     if not arguments.skip_training:
         results["training"] = benchmark_training(settings, arguments)
         training = results["training"]
         print(
             f"training: {training['train_tokens_per_second']:,.0f} tokens/s, "
-            f"{training['step_seconds'] * 1000:.1f} ms/step in calls of {training['steps_per_call']} steps, "
-            f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
-            f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
-            f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
+            f"{training['step_seconds'] * 1000:.1f} ms/step in calls of {training['steps_per_call']} steps "
+            f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s), "
+            f"peak memory {training['peak_memory_bytes'] / 1e9:.2f} GB"
         )
-        print(
-            f"the step's matrix products alone, at its shapes, run at {training['step_matmuls_fraction_of_peak']:.1%} "
-            f"of the peak: the most MFU these shapes allow; the step reaches "
-            f"{training['mfu_fraction_of_shapes_ceiling']:.0%} of it"
-        )
+        if not arguments.skip_matmul_peak:
+            print(
+                f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
+                f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%}; the step's "
+                f"matrix products alone, at its shapes, run at {training['step_matmuls_fraction_of_peak']:.1%} of "
+                f"the peak: the most MFU these shapes allow; the step reaches "
+                f"{training['mfu_fraction_of_shapes_ceiling']:.0%} of it"
+            )
         if training["seconds_to_first_step"] is not None:
             print(
                 f"time to first step: {training['seconds_to_first_step']:.1f} s from the process's start to the end "
                 "of the first call (imports, set-up, compilation)"
             )
-        if training["temporary_megabytes_per_device"] is not None:
+        if training.get("temporary_megabytes_per_device") is not None:
             print(
                 f"memory per device: {training['state_megabytes_per_device']:.1f} MB of state and batch, "
                 f"{training['temporary_megabytes_per_device']:.1f} MB of activations and temporaries"
             )
     if not arguments.skip_preprocessing:
+        import datasets
+
+        datasets.disable_progress_bars()
         results["preprocessing"] = benchmark_preprocessing(arguments, min(settings["vocab_size"], 8192))
         preprocessing = results["preprocessing"]
         print(

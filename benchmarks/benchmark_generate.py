@@ -10,6 +10,15 @@ of the same shape bucket does). The two must write the same tokens: both are che
 
     python benchmarks/benchmark_generate.py [--batch_sizes 1 8] [--new_tokens 128] [--prompt_tokens 16] [--num_beams 4]
 
+With --model_type llama the preset's layers, width and heads make a Llama (as benchmark_clm.py's: --key_value_heads,
+--intermediate_size); with --dtype bfloat16 both sides decode in bfloat16 (the weights too), where greedy decodings
+may part where two tokens' scores round alike; with --torch_compile transformers decodes with a static cache, which
+it compiles with torch.compile on a GPU (on a CPU it runs uncompiled). On a GPU, PyTorch runs there too. The Llama
+of benchmarks/gpu_suite.py, on a GPU:
+
+    python benchmarks/benchmark_generate.py --model_type llama --key_value_heads 4 --intermediate_size 2048 \
+        --dtype bfloat16 --torch_compile --batch_sizes 1 32
+
 With --serving, the model of --model_name_or_path (a GPT-2 directory, as run_clm_flax.py writes) is served twice,
 decoding up to --serving_batch_size concurrent requests together and then one request at a time (--batch_size 1),
 and each server is sent greedy requests for --new_tokens tokens by each count of --clients clients at once, each
@@ -22,6 +31,8 @@ the mean rows of the server's batches (from its /metrics).
 """
 
 import argparse
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -30,16 +41,15 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from flax_lm.generation import sampling
-from flax_lm.models import gpt2
+from flax_lm.models import gpt2, llama
 from flax_lm.training.train_state import abstract_model_params
 
-try:  # test requirements (pip install -r requirements-test.txt): without them the benchmark only answers --help
-    import httpx
+try:  # a test requirement (pip install -r requirements-test.txt): without it the benchmark only answers --help
     import torch
 except ModuleNotFoundError as missing:
     missing_requirement = missing.name
@@ -48,7 +58,10 @@ else:
 
 GENERATE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate_flax.py")
 
-PRESETS = {"gpt2": dict(n_layer=12, n_embd=768, n_head=12), "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16)}
+PRESETS = {
+    "gpt2": dict(layers=12, width=768, heads=12, vocab_size=50257),
+    "gpt2-medium": dict(layers=24, width=1024, heads=16, vocab_size=50257),
+}
 
 
 def best_time(function, repeats: int) -> float:
@@ -63,6 +76,18 @@ def best_time(function, repeats: int) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=PRESETS, default="gpt2")
+    parser.add_argument(
+        "--model_type", choices=["gpt2", "llama"], default="gpt2", help="the model of the preset's shape"
+    )
+    parser.add_argument("--key_value_heads", type=int, help="llama: key/value heads (default: as many as heads)")
+    parser.add_argument("--intermediate_size", type=int, help="llama: the MLP's width (default: 8/3 of the width)")
+    for name in ("layers", "width", "heads", "vocab_size"):
+        parser.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both sides' dtype")
+    parser.add_argument(
+        "--torch_compile", action="store_true", help="transformers with a static cache, compiled on a GPU"
+    )
+    parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--prompt_tokens", type=int, default=16)
@@ -82,6 +107,10 @@ def main():
             "(pip install -r requirements-test.txt)"
         )
     if arguments.serving:
+        if importlib.util.find_spec("httpx") is None:
+            parser.error(
+                "httpx is not installed: --serving needs the test requirements (pip install -r requirements-test.txt)"
+            )
         if not arguments.model_name_or_path:
             parser.error("--serving needs --model_name_or_path, the GPT-2 directory to serve")
         benchmark_serving(arguments)
@@ -89,25 +118,55 @@ def main():
         benchmark_decoding(arguments)
 
 
-def benchmark_decoding(arguments):
-    # No end-of-text token: every row decodes all new tokens, on both sides.
-    config = GPT2Config(
-        vocab_size=50257, n_positions=1024, bos_token_id=None, eos_token_id=None, **PRESETS[arguments.preset]
-    )
+def models_of(arguments):
+    """The same random weights twice: transformers' model (on the GPU where there is one) and the Flax model with its
+    parameters, in --dtype. No end-of-text token: every row decodes all new tokens, on both sides."""
+    shape = {**PRESETS[arguments.preset]}
+    shape.update({name: getattr(arguments, name) for name in shape if getattr(arguments, name) is not None})
     torch.manual_seed(0)
-    torch_model = GPT2LMHeadModel(config).eval()
-    model = gpt2.FlaxGPT2LMHeadModel(config)
-    abstract_params = abstract_model_params(model, jax.numpy.zeros((1, 8), jax.numpy.int32))
+    if arguments.model_type == "gpt2":
+        config = GPT2Config(
+            vocab_size=shape["vocab_size"], n_positions=1024, n_layer=shape["layers"], n_embd=shape["width"],
+            n_head=shape["heads"], bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        torch_model, module, flax_class = GPT2LMHeadModel(config), gpt2, gpt2.FlaxGPT2LMHeadModel
+    else:
+        config = LlamaConfig(
+            vocab_size=shape["vocab_size"], max_position_embeddings=1024, hidden_size=shape["width"],
+            num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+            num_key_value_heads=arguments.key_value_heads or shape["heads"],
+            intermediate_size=arguments.intermediate_size or -(-8 * shape["width"] // 3 // 64) * 64,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        torch_model, module, flax_class = LlamaForCausalLM(config), llama, llama.FlaxLlamaForCausalLM
+    dtype = jnp.dtype(arguments.dtype)
+    model = flax_class(config, dtype=dtype)
+    abstract_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32))
     state_dict = {name: tensor.numpy() for name, tensor in torch_model.state_dict().items()}
-    params = jax.device_put(gpt2.from_hf_state_dict(state_dict, abstract_params))
+    params = jax.tree_util.tree_map(
+        lambda leaf: leaf.astype(dtype), module.from_hf_state_dict(state_dict, abstract_params)
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_model = torch_model.to(device, getattr(torch, arguments.dtype)).eval()
+    return config, torch_model, model, jax.device_put(params)
+
+
+def benchmark_decoding(arguments):
+    config, torch_model, model, params = models_of(arguments)
     sampler = sampling.make_sampler(model, eos_token_id=None)
+    compiled = "static cache, torch.compile" if arguments.torch_compile and torch.cuda.is_available() else "uncompiled"
+    compiled = (
+        "static cache, uncompiled on a CPU" if arguments.torch_compile and compiled == "uncompiled" else compiled
+    )
     print(
-        f"{arguments.preset}: {sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6:.1f}M parameters, "
-        f"float32, {arguments.prompt_tokens} prompt + {arguments.new_tokens} new tokens; JAX on "
-        f"{jax.devices()[0].platform}, PyTorch {torch.__version__} with {torch.get_num_threads()} threads",
+        f"{arguments.model_type} ({arguments.preset}'s shape): "
+        f"{sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)) / 1e6:.1f}M parameters, "
+        f"{arguments.dtype}, {arguments.prompt_tokens} prompt + {arguments.new_tokens} new tokens; JAX on "
+        f"{jax.devices()[0].device_kind}, PyTorch {torch.__version__} on {torch_model.device} ({compiled})",
         flush=True,
     )
-
+    torch_settings = {"cache_implementation": "static"} if arguments.torch_compile else {}
+    results = []
     rng = np.random.default_rng(0)
     for batch_size in arguments.batch_sizes:
         prompts = rng.integers(0, config.vocab_size, size=(batch_size, arguments.prompt_tokens))
@@ -116,7 +175,7 @@ def benchmark_decoding(arguments):
             return sampling.generate_ids(sampler, params, prompts.tolist(), arguments.new_tokens)
 
         def generate_torch(prompts=prompts, **settings):
-            input_ids = torch.tensor(prompts)
+            input_ids = torch.tensor(prompts, device=torch_model.device)
             with torch.no_grad():
                 return torch_model.generate(
                     input_ids,
@@ -125,11 +184,12 @@ def benchmark_decoding(arguments):
                     do_sample=False,
                     use_cache=True,
                     pad_token_id=0,
+                    **torch_settings,
                     **settings,
-                )
+                ).cpu()  # waits for the device
 
         greedy_torch = partial(generate_torch, min_new_tokens=arguments.new_tokens)
-        report(f"batch {batch_size}, greedy", generate_jax, greedy_torch, batch_size, arguments)
+        results.append(report(f"batch {batch_size}, greedy", generate_jax, greedy_torch, batch_size, arguments))
         if arguments.num_beams > 1:
             samplings = [
                 sampling.Sampling(arguments.new_tokens, num_beams=arguments.num_beams, prompt_index=row)
@@ -140,17 +200,21 @@ def benchmark_decoding(arguments):
                 return sampling.decode_rows(sampler, params, prompts.tolist(), samplings)
 
             beams = f"batch {batch_size}, {arguments.num_beams} beams"
-            report(
-                beams, beam_search_jax, partial(generate_torch, num_beams=arguments.num_beams), batch_size, arguments
+            beam_search_torch = partial(generate_torch, num_beams=arguments.num_beams)
+            results.append(report(beams, beam_search_jax, beam_search_torch, batch_size, arguments))
+    if arguments.json:
+        with open(arguments.json, "w") as file:
+            json.dump(
+                {"settings": vars(arguments), "device_kind": jax.devices()[0].device_kind, "rows": results}, file
             )
 
 
-def report(name: str, generate_jax, generate_torch, batch_size: int, arguments):
+def report(name: str, generate_jax, generate_torch, batch_size: int, arguments) -> dict:
     """Times both decodings of the same prompts (new tokens a second: the rows' tokens written, not the beams')."""
     start = time.perf_counter()
     jax_ids = generate_jax()
     compile_and_run = time.perf_counter() - start
-    torch_ids = generate_torch()[:, arguments.prompt_tokens :].tolist()
+    torch_ids = generate_torch()[:, arguments.prompt_tokens :].tolist()  # also compiles, with --torch_compile
     same = sum(ours == theirs for ours, theirs in zip(jax_ids, torch_ids))
     tokens = batch_size * arguments.new_tokens
     jax_seconds = best_time(generate_jax, arguments.repeats)
@@ -162,6 +226,14 @@ def report(name: str, generate_jax, generate_torch, batch_size: int, arguments):
         f"{same} of {batch_size} rows the same tokens",
         flush=True,
     )
+    return {
+        "decoding": name,
+        "batch_size": batch_size,
+        "jax_tokens_per_second": tokens / jax_seconds,
+        "torch_tokens_per_second": tokens / torch_seconds,
+        "jax_first_call_seconds": compile_and_run,
+        "rows_with_the_same_tokens": same,
+    }
 
 
 def start_server(model: str, batch_size: int, new_tokens: int, max_queued_requests: int):
@@ -181,6 +253,9 @@ def start_server(model: str, batch_size: int, new_tokens: int, max_queued_reques
 
 def batch_rows(url: str) -> tuple[float, float]:
     """(rows, batches) the server has decoded so far, from its /metrics."""
+    import httpx  # only --serving needs an HTTP client and a metrics parser
+    from prometheus_client.parser import text_string_to_metric_families
+
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         if family.name == "flax_lm_batch_rows":
             values = {sample.name: sample.value for sample in family.samples}
@@ -190,6 +265,8 @@ def batch_rows(url: str) -> tuple[float, float]:
 
 def run_clients(url: str, model: str, clients: int, requests_per_client: int, new_tokens: int):
     """(seconds, new tokens, latency of each request): `clients` clients sending their requests one after another."""
+
+    import httpx
 
     def client(number: int) -> list[tuple[float, int]]:
         answers = []

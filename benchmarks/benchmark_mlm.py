@@ -42,7 +42,15 @@ from flax_lm.training.setup import set_up_training
 from flax_lm.training.train_state import create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmark_clm import byte_level_bpe, matmul_peak_flops, raw_encoding, stdlib_texts, write_jsonl  # noqa: E402  (same folder)
+from benchmark_clm import (  # noqa: E402  (same folder)
+    byte_level_bpe,
+    matmul_peak_flops,
+    peak_device_memory_bytes,
+    raw_encoding,
+    stdlib_texts,
+    write_jsonl,
+)
+from suite_shared import seconds_since_process_start  # noqa: E402
 
 import run_mlm_flax  # noqa: E402
 
@@ -71,6 +79,12 @@ def parse_arguments():
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (RoBERTa uses 0.1)")
     parser.add_argument("--corpus_megabytes", type=float, default=8.0, help="text used for the preprocessing test")
     parser.add_argument("--skip_preprocessing", action="store_true")
+    parser.add_argument(
+        "--skip_matmul_peak",
+        action="store_true",
+        help="leave out the measured matmul peak and the MFU against it, which compile programs of their own "
+        "(benchmarks/gpu_suite.py counts MFU against the card's published peak)",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     arguments = parser.parse_args()
     settings = dict(PRESETS[arguments.preset])
@@ -151,6 +165,8 @@ def benchmark_training(settings, arguments) -> dict:
     state, metrics = train_steps(state, batches, steps_per_call)
     jax.block_until_ready(metrics)
     compile_seconds = time.perf_counter() - compile_start
+    first_step_seconds = seconds_since_process_start()
+    peak_memory_bytes = peak_device_memory_bytes()  # the step's high-water mark: the first call ran a whole step
 
     # Steps and the matmul peak are timed in alternating rounds and the best of each kept, so that a
     # moment of load from other programs on the machine does not skew their ratio.
@@ -162,7 +178,8 @@ def benchmark_training(settings, arguments) -> dict:
             state, metrics = train_steps(state, batches, steps_per_call)
         jax.block_until_ready(metrics)
         step_seconds = min(step_seconds, (time.perf_counter() - start) / (calls * steps_per_call))
-        peak = max(peak, matmul_peak_flops(dtype))
+        if not arguments.skip_matmul_peak:
+            peak = max(peak, matmul_peak_flops(dtype))
 
     def count(tree):
         return sum(leaf.size for leaf in jax.tree_util.tree_leaves(tree))
@@ -177,18 +194,21 @@ def benchmark_training(settings, arguments) -> dict:
         6 * count(state.params["roberta"]["encoder"]) + 6 * head_parameters * head_fraction + attention_flops
     )
     tokens_per_second = settings["batch_size"] * settings["seq_length"] / step_seconds
-    return {
+    results = {
         "parameters": parameters,
         "lm_head_fraction_of_positions": head_fraction,
         "step_seconds": step_seconds,
         "compile_seconds": compile_seconds,
+        "seconds_to_first_step": first_step_seconds,
+        "peak_memory_bytes": peak_memory_bytes,
         "train_tokens_per_second": tokens_per_second,
         "model_tflops_per_second": tokens_per_second * flops_per_token / 1e12,
-        "matmul_peak_tflops_per_second": peak / 1e12,
-        "mfu": tokens_per_second * flops_per_token / peak,
         "steps_per_call": steps_per_call,
         "final_loss": float(metrics["loss_sum"][-1] / metrics["weight_sum"][-1]),
     }
+    if not arguments.skip_matmul_peak:
+        results |= {"matmul_peak_tflops_per_second": peak / 1e12, "mfu": tokens_per_second * flops_per_token / peak}
+    return results
 
 
 def benchmark_host_masking(settings) -> dict:
@@ -262,15 +282,29 @@ def main():
 
     datasets.disable_progress_bars()
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; settings: {settings}")
-    results = {"settings": settings, "devices": [str(device) for device in jax.devices()]}
+    results = {
+        "settings": settings,
+        "devices": [str(device) for device in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+    }
     results["training"] = training = benchmark_training(settings, arguments)
     print(
         f"training: {training['train_tokens_per_second']:,.0f} tokens/s, "
         f"{training['step_seconds'] * 1000:.1f} ms/step in calls of {training['steps_per_call']} steps, "
-        f"{training['model_tflops_per_second']:.3f} model TFLOP/s of a measured matmul peak of "
-        f"{training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: MFU {training['mfu']:.1%} "
-        f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s)"
+        f"{training['model_tflops_per_second']:.3f} model TFLOP/s "
+        f"({training['parameters'] / 1e6:.1f}M parameters, compiled in {training['compile_seconds']:.1f} s), "
+        f"peak memory {training['peak_memory_bytes'] / 1e9:.2f} GB"
     )
+    if not arguments.skip_matmul_peak:
+        print(
+            f"of a measured matmul peak of {training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: "
+            f"MFU {training['mfu']:.1%}"
+        )
+    if training["seconds_to_first_step"] is not None:
+        print(
+            f"time to first step: {training['seconds_to_first_step']:.1f} s from the process's start to the end "
+            "of the first call (imports, set-up, compilation)"
+        )
     results["host"] = host = benchmark_host_masking(settings)
     print(
         f"host masking: {host['masking_tokens_per_second']:,.0f} tokens/s "

@@ -30,7 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(REPO_DIR.glob("*.py")) + sorted((REPO_DIR / "benchmarks").glob("*.py"))
+# The files run as programs (a module the benchmarks share, without a main, answers nothing).
+SCRIPTS = [
+    path
+    for path in sorted(REPO_DIR.glob("*.py")) + sorted((REPO_DIR / "benchmarks").glob("*.py"))
+    if 'if __name__ == "__main__":' in path.read_text()
+]
 # Only the test requirements install these: finding one means this is not an environment of requirements.txt alone.
 TEST_ONLY_MODULES = ("pytest", "torch")
 QUICKSTART_MODES = ("clm", "llama", "mlm", "chat")

@@ -17,7 +17,7 @@ import tomllib
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 PACKAGE_AND_SCRIPTS = sorted(REPO_DIR.glob("flax_lm/**/*.py")) + sorted(REPO_DIR.glob("*.py"))
-BENCHMARKS = sorted(REPO_DIR.glob("benchmarks/*.py"))
+BENCHMARKS = sorted(REPO_DIR.glob("benchmarks/**/*.py"))  # the PyTorch peers of benchmarks/peers/ too
 # The project's own modules: the package, and the scripts and benchmarks that import one another.
 PROJECT_MODULES = {"flax_lm"} | {path.stem for path in REPO_DIR.glob("*.py")} | {path.stem for path in BENCHMARKS}
 

@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""The project's train step beside its PyTorch peer, for each training script's GPU preset, in one run that fits
+one call on an H100 or H200 (benchmarks/README.md says how to run it there).
+
+Rows (bfloat16, random ids, the same shape and batch on both sides):
+
+    gpt2            GPT-2 124M, 32 x 1024: benchmark_clm.py --preset gpt2, beside transformers' GPT2LMHeadModel
+                    and the lean single-file GPT of peers/lean_gpt.py (nanoGPT's published design)
+    llama           the Llama of that shape (12 x 768, 12 heads over 4 key/value heads, SwiGLU 2048), 32 x 1024:
+                    benchmark_clm.py --model_type llama, beside transformers' LlamaForCausalLM
+    llama_finetune  that Llama fine-tuned on packed prompt/completion rows with the loss on the completions:
+                    benchmark_clm.py --model_type llama --packed_examples, beside LlamaForCausalLM with labels -100
+                    outside the completions and positions restarting at each example
+    roberta         RoBERTa-base MLM, 32 x 512, 15% of the positions predicted: benchmark_mlm.py --preset
+                    roberta-base, beside transformers' RobertaForMaskedLM
+
+Each side runs in its own process, one after the other, so that neither GPU memory nor compile caches mix (each gets
+fresh torch.compile and Triton caches: its time to the first step is a cold start). The peers run
+peers/train_torch.py: torch.compile, fused AdamW, SDPA attention, autocast to bfloat16. Each side is timed as best of
+--rounds windows of --steps steps after its first steps; a side that fails or outruns its time is reported as failed
+with its last error line, and the other rows go on. Reported for each: tokens/s, the ratio of the project's to the
+peer's, MFU, peak GPU memory (JAX: the device's peak_bytes_in_use; PyTorch: torch.cuda.max_memory_allocated) and the
+time from the process's start to the end of its first step.
+
+MFU is the same formula on both sides: (6 x the weights that multiply + 12 x layers x width x sequence length)
+FLOPs a token (PaLM, Chowdhery et al. 2022, appendix B; position and token lookups are no products, the tied output
+layer is, at every position) x tokens/s, divided by the card's published dense bfloat16 peak.
+
+    python benchmarks/gpu_suite.py --json gpu_suite.json            # on a GPU: the rows above, about 7 minutes
+    python benchmarks/gpu_suite.py --rows llama roberta               # some rows
+    python benchmarks/gpu_suite.py --smoke                            # the same table at tiny shapes on a CPU
+
+--smoke runs tiny models in float32 for a few steps, the PyTorch side without torch.compile (its compile takes longer
+on a CPU than the whole smoke), and MFU against a float32 matmul peak numpy measures here; its numbers say only that
+every part runs.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BENCHMARKS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# The shapes of the rows: the training scripts' GPU presets, and a tiny model of each kind for --smoke.
+SHAPES = {
+    "gpu": dict(
+        layers=12, width=768, heads=12, key_value_heads=4, intermediate_size=2048, vocab_size=50304,
+        causal_batch=(32, 1024), masked_batch=(32, 512), dtype="bfloat16",
+        generation_batch_sizes=(1, 32), prompt_tokens=16, new_tokens=128,
+    ),
+    "smoke": dict(
+        layers=2, width=64, heads=4, key_value_heads=2, intermediate_size=128, vocab_size=256,
+        causal_batch=(4, 64), masked_batch=(4, 64), dtype="float32",
+        generation_batch_sizes=(1, 4), prompt_tokens=4, new_tokens=8,
+    ),
+}  # fmt: skip
+
+# Dense bfloat16 peaks of the cards' data sheets (without sparsity), by a part of the name the drivers report; the
+# first that matches counts.
+PUBLISHED_BFLOAT16_PEAKS = (
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100 NVL", 835.0e12),
+    ("H100", 989.4e12),
+    ("GH200", 989.4e12),
+    ("A100", 312.0e12),
+    ("L40S", 362.0e12),
+)
+
+
+# In the order they run: RoBERTa last, whose compile has been the slowest.
+# A side that would start with less of the time budget left is not started: no GPU side compiles in less.
+SIDE_MINIMUM_SECONDS = 45
+TRAINING_ROWS = ["gpt2", "llama", "llama_finetune", "roberta"]
+GENERATION_ROW = "generate"
+
+
+@dataclass
+class Side:
+    """One process of a row: the project's benchmark, or a peer."""
+
+    label: str
+    command: list[str]
+    environment: dict = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    name: str
+    description: str
+    kind: str  # gpt2, llama or roberta: what the FLOP count reads
+    project: Side
+    peers: list[Side] = field(default_factory=list)
+
+
+def rows_of(shape: dict, arguments) -> list[Row]:
+    """The rows in the order they run, each side's command at `shape`."""
+    batch, length = shape["causal_batch"]
+    masked_batch, masked_length = shape["masked_batch"]
+    timing = ["--steps", str(arguments.steps), "--rounds", str(arguments.rounds)]
+    common = ["--layers", shape["layers"], "--width", shape["width"], "--heads", shape["heads"]]
+    common += ["--vocab_size", shape["vocab_size"], "--dtype", shape["dtype"]]
+    llama = ["--key_value_heads", shape["key_value_heads"], "--intermediate_size", shape["intermediate_size"]]
+    clm = ["benchmark_clm.py", "--preset", "gpt2", *common, "--block_size", length, "--batch_size", batch]
+    clm += ["--skip_preprocessing", "--skip_matmul_peak", *timing]
+    mlm = ["benchmark_mlm.py", "--preset", "roberta-base", *common, "--seq_length", masked_length]
+    mlm += ["--batch_size", masked_batch, "--skip_preprocessing", "--skip_matmul_peak", *timing]
+    compiled = [] if arguments.smoke else ["--torch_compile"]
+    torch = ["peers/train_torch.py", *common, "--sequence_length", length, "--batch_size", batch, *timing, *compiled]
+    masked_torch = ["peers/train_torch.py", *common, "--sequence_length", masked_length]
+    masked_torch += ["--batch_size", masked_batch, *timing, *compiled]
+    size = "124M" if not arguments.smoke else "tiny"
+    return [
+        Row(
+            "gpt2", f"GPT-2 {size}, {batch} x {length}", "gpt2", Side("flax_lm", clm),
+            [Side("transformers GPT2LMHeadModel", [*torch, "--model", "gpt2"]),
+             Side("lean GPT (peers/lean_gpt.py)", [*torch, "--model", "lean_gpt"])],
+        ),
+        Row(
+            "llama", f"Llama {shape['layers']} x {shape['width']}, {shape['key_value_heads']} KV heads, {batch} x "
+            f"{length}", "llama", Side("flax_lm", [*clm, "--model_type", "llama", *llama]),
+            [Side("transformers LlamaForCausalLM", [*torch, "--model", "llama", *llama])],
+        ),
+        Row(
+            "llama_finetune", f"Llama fine-tuning, packed prompt/completion rows, {batch} x {length}", "llama",
+            Side("flax_lm", [*clm, "--model_type", "llama", *llama, "--packed_examples"]),
+            [Side("transformers LlamaForCausalLM", [*torch, "--model", "llama", *llama, "--packed_examples"])],
+        ),
+        Row(
+            "roberta", f"RoBERTa-{'base' if not arguments.smoke else 'tiny'} MLM, {masked_batch} x {masked_length}",
+            "roberta", Side("flax_lm", mlm),
+            [Side("transformers RobertaForMaskedLM", [*masked_torch, "--model", "roberta"])],
+        ),
+    ]  # fmt: skip
+
+
+def generation_side(shape: dict, arguments) -> Side:
+    """generate_flax.py's decoding of the Llama row's model beside transformers' generate with a static cache
+    (compiled with torch.compile on a GPU) on the same weights, greedy, at batch 1 and 32 (benchmark_generate.py).
+    Both frameworks share its process: JAX must leave PyTorch room on the card."""
+    command = [
+        "benchmark_generate.py",
+        "--model_type",
+        "llama",
+        "--layers",
+        shape["layers"],
+        "--width",
+        shape["width"],
+    ]
+    command += ["--heads", shape["heads"], "--key_value_heads", shape["key_value_heads"], "--vocab_size"]
+    command += [shape["vocab_size"], "--intermediate_size", shape["intermediate_size"], "--dtype", shape["dtype"]]
+    command += ["--torch_compile", "--batch_sizes", *shape["generation_batch_sizes"], "--repeats", arguments.rounds]
+    command += ["--new_tokens", shape["new_tokens"], "--prompt_tokens", shape["prompt_tokens"]]
+    return Side(
+        "generate_flax.py's sampler, transformers generate", command, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    )
+
+
+def flops_per_token(kind: str, shape: dict, sequence_length: int) -> float:
+    """(6 x the weights that multiply + 12 x layers x width x sequence length) a token: the same count for both
+    sides of a row, from its shape alone. Biases and norms are left out; the tied output layer counts."""
+    width, layers, vocab_size = shape["width"], shape["layers"], shape["vocab_size"]
+    if kind == "llama":
+        key_value_width = width // shape["heads"] * shape["key_value_heads"]
+        layer = 2 * width * width + 2 * width * key_value_width + 3 * width * shape["intermediate_size"]
+        weights = layers * layer + vocab_size * width
+    else:
+        weights = layers * 12 * width * width + vocab_size * width
+        weights += width * width if kind == "roberta" else 0  # the MLM head's dense layer before the output layer
+    return 6 * weights + 12 * layers * width * sequence_length
+
+
+def numpy_float32_peak() -> float:
+    """The best FLOP/s of numpy's float32 matmuls here: --smoke's stand-in for a card's published peak."""
+    best = 0.0
+    for size in (256, 512, 1024):
+        a, b = np.ones((size, size), np.float32), np.ones((size, size), np.float32)
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def published_peak(card: str) -> float | None:
+    return next((peak for part, peak in PUBLISHED_BFLOAT16_PEAKS if part in card), None)
+
+
+def last_error_line(text: str) -> str:
+    """The last line of a side's output that says something (a traceback ends with the error)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_side(side: Side, timeout: float, log_dir: str, name: str, smoke: bool) -> dict:
+    """Runs one side in a process of its own session (so that a timeout ends its compile workers too), with fresh
+    compile caches; its results, or its failure. A smoke's side computes on one thread: its tiny steps gain nothing
+    from more, and on a shared CPU PyTorch's waiting threads slow them a hundredfold."""
+    json_path = os.path.join(log_dir, f"{name}.json")
+    log_path = os.path.join(log_dir, f"{name}.log")
+    if os.path.exists(json_path):  # an earlier run's, which a failing side must not pass off as its own
+        os.remove(json_path)
+    caches = tempfile.mkdtemp(prefix=f"gpu-suite-{name}-caches-")  # removed after: only the logs come back
+    environment = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(caches, "triton"),
+        "PYTHONUNBUFFERED": "1",
+        **({"OMP_NUM_THREADS": "1"} if smoke else {}),
+        **side.environment,
+    }
+    environment.pop("JAX_COMPILATION_CACHE_DIR", None)
+    script, *flags = side.command
+    command = [sys.executable, os.path.join(BENCHMARKS_DIR, script), *map(str, flags), "--json", json_path]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    seconds = time.perf_counter() - start
+    shutil.rmtree(caches, ignore_errors=True)
+    with open(log_path) as log:
+        output = log.read()
+    if returncode is None:
+        return {"error": f"stopped after {timeout:.0f} s; last line: {last_error_line(output)}", "seconds": seconds}
+    if returncode != 0 or not os.path.exists(json_path):
+        return {"error": last_error_line(output), "seconds": seconds}
+    with open(json_path) as file:
+        results = json.load(file)
+    return {**results.get("training", results), "device_kind": results.get("device_kind"), "seconds": seconds}
+
+
+def versions() -> dict:
+    found = {}
+    for name in ("jax", "jaxlib", "flax", "torch", "transformers"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def parse_arguments():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=[*TRAINING_ROWS, GENERATION_ROW],
+        default=TRAINING_ROWS,
+        help=f"the rows to run (default: the training rows; {GENERATION_ROW}: generation, a call of its own on a GPU)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in float32 on a CPU, PyTorch uncompiled")
+    parser.add_argument("--steps", type=int, help="steps in each timed window (default: 10; 2 with --smoke)")
+    parser.add_argument("--rounds", type=int, help="timed windows; the best counts (default: 3; 2 with --smoke)")
+    parser.add_argument(
+        "--time_budget", type=float, default=420.0, help="seconds for all sides together: a side gets what is left"
+    )
+    parser.add_argument("--side_timeout", type=float, default=120.0, help="the most seconds one side may take")
+    parser.add_argument("--json", help="also write the table to this JSON file")
+    parser.add_argument("--log_dir", help="where each side's output goes (default: beside --json, or a temporary one)")
+    arguments = parser.parse_args()
+    arguments.steps = arguments.steps or (2 if arguments.smoke else 10)
+    arguments.rounds = arguments.rounds or (2 if arguments.smoke else 3)
+    if arguments.steps < 1 or arguments.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
+    return arguments
+
+
+def main():
+    arguments = parse_arguments()
+    shape = SHAPES["smoke" if arguments.smoke else "gpu"]
+    rows = [row for row in rows_of(shape, arguments) if row.name in arguments.rows]
+    log_dir = arguments.log_dir or (
+        os.path.join(os.path.dirname(os.path.abspath(arguments.json)), "gpu_suite_logs")
+        if arguments.json
+        else tempfile.mkdtemp(prefix="gpu_suite_")
+    )
+    os.makedirs(log_dir, exist_ok=True)
+    deadline = time.monotonic() + arguments.time_budget
+    measurements = []
+    for row in rows:
+        sequence_length = shape["masked_batch" if row.kind == "roberta" else "causal_batch"][1]
+        for number, side in enumerate([row.project, *row.peers]):
+            left = deadline - time.monotonic()
+            if left < SIDE_MINIMUM_SECONDS:
+                result = {"error": "not run: the suite's --time_budget was spent"}
+            else:
+                print(f"{row.name}: {side.label} ...", file=sys.stderr, flush=True)
+                timeout = min(arguments.side_timeout, left)
+                result = run_side(side, timeout, log_dir, f"{row.name}-{number}", arguments.smoke)
+            measurements.append(
+                {
+                    "row": row.name,
+                    "model": row.description,
+                    "side": side.label,
+                    "command": " ".join(map(str, side.command)),
+                    "flops_per_token": flops_per_token(row.kind, shape, sequence_length),
+                    **result,
+                }
+            )
+    generation = None
+    if GENERATION_ROW in arguments.rows:
+        side = generation_side(shape, arguments)
+        left = deadline - time.monotonic()
+        if left < SIDE_MINIMUM_SECONDS:
+            generation = {"error": "not run: the suite's --time_budget was spent"}
+        else:
+            print(f"{GENERATION_ROW}: {side.label} ...", file=sys.stderr, flush=True)
+            generation = run_side(side, min(arguments.side_timeout, left), log_dir, GENERATION_ROW, arguments.smoke)
+        generation["command"] = " ".join(map(str, side.command))
+    report = summarize(measurements, generation, arguments)
+    print(report["text"])
+    if arguments.json:
+        with open(arguments.json, "w") as file:
+            json.dump({key: value for key, value in report.items() if key != "text"}, file, indent=2)
+
+
+def summarize(measurements: list[dict], generation: dict | None, arguments) -> dict:
+    """The table, as text and as data: ratios against the row's project side, MFU against the peak."""
+    measured = [m for m in [*measurements, generation or {}] if "error" not in m]
+    cards = sorted({m.get("device_kind") or m.get("device_name") for m in measured} - {None})
+    card = ", ".join(cards) or "unknown"
+    if arguments.smoke:
+        peak, peak_source = numpy_float32_peak(), "a float32 matmul peak numpy measured here (--smoke)"
+    else:
+        peak = published_peak(card)
+        peak_source = f"the card's published dense bfloat16 peak, {peak / 1e12:.1f} TFLOP/s" if peak else None
+    project_speed = {}
+    for measurement in measurements:
+        if "error" not in measurement:
+            speed = measurement["train_tokens_per_second"]
+            if measurement["side"] == "flax_lm":
+                project_speed[measurement["row"]] = speed
+            measurement["mfu"] = speed * measurement["flops_per_token"] / peak if peak else None
+    for measurement in measurements:
+        ours = project_speed.get(measurement["row"])
+        peer = measurement.get("train_tokens_per_second")
+        measurement["ratio"] = ours / peer if measurement["side"] != "flax_lm" and ours and peer else None
+    header = {
+        "card": card,
+        "versions": versions(),
+        "smoke": arguments.smoke,
+        "dtype": SHAPES["smoke" if arguments.smoke else "gpu"]["dtype"],
+        "steps": arguments.steps,
+        "rounds": arguments.rounds,
+        "mfu_peak_flops": peak,
+        "mfu_formula": "(6 x weights that multiply + 12 x layers x width x sequence length) FLOPs a token x tokens/s "
+        f"/ {peak_source or 'no known peak for this card: MFU left out'}",
+        "measurements": measurements,
+        "generation": generation,
+    }
+    return {**header, "text": table_text(header)}
+
+
+def table_text(report: dict) -> str:
+    versions_line = ", ".join(f"{name} {version}" for name, version in report["versions"].items())
+    compile_note = "PyTorch uncompiled (--smoke: torch.compile off)" if report["smoke"] else "torch.compile"
+    lines = [
+        f"card: {report['card']}; {versions_line}",
+        f"{report['dtype']}; best of {report['rounds']} windows of {report['steps']} steps after the first steps; "
+        f"peers: {compile_note}, fused AdamW, SDPA attention",
+        f"MFU: {report['mfu_formula']}",
+        "",
+        "| model, shape | side | tokens/s | ratio (flax_lm / peer) | MFU | peak memory | first step |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for measurement in report["measurements"]:
+        if "error" in measurement:
+            cells = [f"failed: {measurement['error']}", "–", "–", "–", "–"]
+        else:
+            cells = [
+                f"{measurement['train_tokens_per_second']:,.0f}",
+                f"{measurement['ratio']:.2f}" if measurement["ratio"] else "–",
+                f"{measurement['mfu']:.1%}" if measurement["mfu"] is not None else "–",
+                f"{measurement['peak_memory_bytes'] / 1e9:.2f} GB",
+                f"{measurement['seconds_to_first_step']:.1f} s" if measurement["seconds_to_first_step"] else "–",
+            ]
+        lines.append(f"| {measurement['model']} | {measurement['side']} | {' | '.join(cells)} |")
+    if report["smoke"]:
+        lines.append("(on a CPU, peak memory is each process's peak resident memory)")
+    if report["generation"] is not None:
+        lines += ["", *generation_table(report["generation"], report["smoke"])]
+    return "\n".join(lines)
+
+
+def generation_table(generation: dict, smoke: bool) -> list[str]:
+    peer = "transformers generate, static cache" + (" (uncompiled on a CPU)" if smoke else ", torch.compile")
+    lines = [
+        f"generation, greedy: {generation['command']}",
+        f"| decoding | flax_lm tokens/s | {peer}: tokens/s | ratio | rows with the same tokens |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    if "error" in generation:
+        return [*lines, f"| failed: {generation['error']} | – | – | – | – |"]
+    for row in generation["rows"]:
+        ratio = row["jax_tokens_per_second"] / row["torch_tokens_per_second"]
+        lines.append(
+            f"| {row['decoding']} | {row['jax_tokens_per_second']:,.0f} | {row['torch_tokens_per_second']:,.0f} | "
+            f"{ratio:.2f} | {row['rows_with_the_same_tokens']} of {row['batch_size']} |"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    main()

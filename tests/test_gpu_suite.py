@@ -1,0 +1,145 @@
+"""benchmarks/gpu_suite.py, the project's train steps beside their PyTorch peers on a GPU: its CPU smoke measures every
+row on both sides and prints the table its JSON holds; a side that fails or hangs is reported, not waited for; the
+fine-tuning rows pack whole examples with the loss on their completions."""
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str):
+    sys.path.insert(0, str(REPO_DIR / "benchmarks"))
+    specification = importlib.util.spec_from_file_location(name, REPO_DIR / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(module)
+    return module
+
+
+def number(cell: str) -> float:
+    return float(re.sub(r"[^0-9.]", "", cell))
+
+
+def test_the_smoke_measures_every_row_on_both_sides_and_its_json_holds_the_printed_table(
+    tmp_path, monkeypatch, capsys
+):
+    suite = load_benchmark("gpu_suite")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    json_path = tmp_path / "suite.json"
+    rows = [*suite.TRAINING_ROWS, suite.GENERATION_ROW]
+    argv = ["gpu_suite.py", "--smoke", "--steps", "1", "--rounds", "1", "--rows", *rows, "--json", str(json_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    suite.main()
+    printed = capsys.readouterr().out
+    report = json.loads(json_path.read_text())
+
+    expected_sides = [
+        ("gpt2", "flax_lm"), ("gpt2", "transformers GPT2LMHeadModel"), ("gpt2", "lean GPT (peers/lean_gpt.py)"),
+        ("llama", "flax_lm"), ("llama", "transformers LlamaForCausalLM"),
+        ("llama_finetune", "flax_lm"), ("llama_finetune", "transformers LlamaForCausalLM"),
+        ("roberta", "flax_lm"), ("roberta", "transformers RobertaForMaskedLM"),
+    ]  # fmt: skip
+    measurements = report["measurements"]
+    assert [(m["row"], m["side"]) for m in measurements] == expected_sides
+    failures = [f"{m['row']}, {m['side']}: {m['error']}" for m in measurements if "error" in m]
+    assert not failures, failures
+    for row in {m["row"] for m in measurements}:  # both sides train the same model
+        assert len({m["parameters"] for m in measurements if m["row"] == row}) == 1, row
+
+    table = [line.split(" | ") for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
+    training_table = table[1 : 1 + len(expected_sides)]  # after the header, before the generation table's
+    for cells, measurement in zip(training_table, measurements, strict=True):
+        model, side, tokens_per_second, ratio, mfu, memory, first_step = (cell.strip(" |") for cell in cells)
+        assert (model, side) == (measurement["model"], measurement["side"])
+        assert abs(number(tokens_per_second) - measurement["train_tokens_per_second"]) <= 0.5
+        assert number(tokens_per_second) > 0
+        assert number(mfu) > 0 and abs(number(mfu) / 100 - measurement["mfu"]) <= 0.0005
+        assert number(memory) > 0 and abs(number(memory) * 1e9 - measurement["peak_memory_bytes"]) <= 0.005e9
+        assert number(first_step) > 0 and abs(number(first_step) - measurement["seconds_to_first_step"]) <= 0.05
+        if side == "flax_lm":
+            assert ratio == "–" and measurement["ratio"] is None
+        else:
+            assert number(ratio) > 0 and abs(number(ratio) - measurement["ratio"]) <= 0.005
+
+    generation = report["generation"]
+    assert "error" not in generation, generation["error"]
+    generation_table = table[2 + len(expected_sides) :]
+    assert [int(number(cells[0].split(",")[0])) for cells in generation_table] == [1, 4]  # "| batch 1, greedy"
+    for cells, row in zip(generation_table, generation["rows"], strict=True):
+        assert number(cells[1]) > 0 and abs(number(cells[1]) - row["jax_tokens_per_second"]) <= 0.5
+        assert number(cells[2]) > 0 and abs(number(cells[2]) - row["torch_tokens_per_second"]) <= 0.5
+    assert "torch" in report["versions"] and "jax" in report["versions"] and report["card"] == "cpu"
+
+
+@pytest.fixture
+def suite():
+    return load_benchmark("gpu_suite")
+
+
+def test_a_side_that_fails_is_reported_with_its_last_error_line(suite, tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text("print('setting up')\nraise ValueError('Bias must have same seq length as QKV')\n")
+    result = suite.run_side(suite.Side("failing", [str(script)]), 60, str(tmp_path), "failing", smoke=True)
+    assert result["error"] == "ValueError: Bias must have same seq length as QKV"
+
+
+def test_a_side_that_outruns_its_time_is_stopped_and_reported(suite, tmp_path):
+    script = tmp_path / "hanging.py"
+    script.write_text("import time\nprint('compiling', flush=True)\ntime.sleep(60)\n")
+    result = suite.run_side(suite.Side("hanging", [str(script)]), 2, str(tmp_path), "hanging", smoke=True)
+    assert result["error"] == "stopped after 2 s; last line: compiling" and result["seconds"] < 30
+
+
+def test_a_failed_side_is_a_row_of_the_table_and_the_others_keep_their_ratio(suite, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", "--smoke"])
+    arguments = suite.parse_arguments()
+    measured = dict(
+        train_tokens_per_second=1000.0, peak_memory_bytes=1e9, seconds_to_first_step=5.0, flops_per_token=1e6
+    )
+    measurements = [
+        {"row": "llama", "model": "Llama", "side": "flax_lm", **measured},
+        {"row": "llama", "model": "Llama", "side": "peer", **measured, "train_tokens_per_second": 500.0},
+        {"row": "roberta", "model": "RoBERTa", "side": "flax_lm", "flops_per_token": 1e6, "error": "ValueError: x"},
+        {"row": "roberta", "model": "RoBERTa", "side": "peer", **measured},
+    ]
+    text = suite.summarize(measurements, None, arguments)["text"]
+    assert "| Llama | peer | 500 | 2.00 |" in text
+    assert "| RoBERTa | flax_lm | failed: ValueError: x | – | – | – | – |" in text
+    assert "| RoBERTa | peer | 1,000 | – |" in text  # no ratio without the project's side
+
+
+def test_sides_that_the_time_budget_leaves_no_room_for_are_reported_as_not_run(suite, tmp_path, monkeypatch, capsys):
+    json_path = tmp_path / "suite.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", "--smoke", "--time_budget", "30", "--json", str(json_path)])
+    suite.main()
+    printed = capsys.readouterr().out
+    measurements = json.loads(json_path.read_text())["measurements"]
+    assert len(measurements) == 9
+    assert {m["error"] for m in measurements} == {"not run: the suite's --time_budget was spent"}
+    assert printed.count("| failed: not run: the suite's --time_budget was spent |") == 9
+
+
+def test_packed_example_rows_hold_whole_examples_with_the_loss_on_their_completions():
+    shared = load_benchmark("suite_shared")
+    rows = shared.packed_example_rows(batch_size=3, sequence_length=256, vocab_size=100)
+    for input_ids, weights, positions in zip(rows["input_ids"], rows["weights"], rows["position_ids"]):
+        starts = np.flatnonzero(input_ids == shared.BOS_TOKEN_ID)
+        assert len(starts) >= 2 and starts[0] == 0  # several examples, the first at the start
+        assert np.all(positions[starts] == 0) and np.all(np.diff(positions)[np.diff(positions) != 1] < 0)
+        ends = np.flatnonzero(input_ids == shared.EOS_TOKEN_ID)
+        for start in starts:
+            end = ends[ends > start][0]  # each example ends in EOS: none cut at the row's end
+            example_weights = weights[start : end + 1]
+            # Weight 0 on BOS and the prompt, then 1 on the completion and its EOS, nothing after.
+            first_weighted = np.flatnonzero(example_weights)[0]
+            assert first_weighted >= 2 and np.all(example_weights[first_weighted:] == 1)
+            assert np.all(example_weights[:first_weighted] == 0)
+        last_end = ends[ends > starts[-1]][0]
+        assert np.all(weights[last_end + 1 :] == 0)  # the padding after the last example is not trained on
