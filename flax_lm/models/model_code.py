@@ -131,6 +131,13 @@ def load_model_code(
 
 def architecture_claim(module, config, fingerprint: str, model_file: str | None) -> tuple[bool, str]:
     architecture = module.HF_ARCHITECTURES[config.model_type]
+    # A config of options the architecture lacks (flax_lm/models/gpt2.py's block options): its weights, loaded there,
+    # would be computed as another model.
+    if refusal := getattr(module, "export_refusal", lambda config: None)(config):
+        return False, (
+            f"exports do not name {architecture}: {refusal}; they hold {FLAX_WEIGHTS_NAME} and the model file, "
+            "which this repository's tools load and transformers does not"
+        )
     if not model_file and VERIFIED_FINGERPRINTS.get(module_name(module)) == fingerprint:
         return True, f"the code the parity tests compare with transformers' {architecture}"
     try:
