@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
     "gemma": "ccb4a731dc070557",
-    "gpt2": "37d74b0550392686",
+    "gpt2": "9eaed4eae57396a6",
     "llama": "503e53ad0738fa05",
     "olmo2": "b0877faf3731d06d",
     "roberta": "fdebdf944a44cb5c",
@@ -44,9 +44,10 @@ VERIFIED_FINGERPRINTS = {
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
 # subpackages, which changed the models' import lines, and added model families, which left what the earlier configs
 # compute as it was: the parity tests compare both with transformers. Gemma's module has since refused Gemma 3's
-# attn_logit_softcapping, which Gemma3ForCausalLM ignores, and computes every config it accepts as before.)
+# attn_logit_softcapping, which Gemma3ForCausalLM ignores, and computes every config it accepts as before. GPT-2's
+# module has since taken block options, off by default, which leave every config without them computed as before.)
 EARLIER_VERIFIED_FINGERPRINTS = {
-    "gpt2": {"9235ed61450115e6"},
+    "gpt2": {"9235ed61450115e6", "37d74b0550392686"},
     "llama": {"e66a74462a8dd3d2"},
     "roberta": {"695c5ddd82d1a2e0"},
 }
