@@ -195,6 +195,7 @@ def test_create_config_sets_each_option_and_refuses_a_wrong_one_in_one_line(monk
     for wrong, message in (
         # transformers' GPT2Config counts the layer types itself.
         ('layer_types=["sliding_attention"]', "number of `layer_types`"),
+        ('layer_types=["sliding_attention", "full_attention"]', "layer_types is set but sliding_window is not"),
         ("sliding_window=0", "sliding_window must be a positive number"),
         ("final_logit_softcapping=-1", "final_logit_softcapping must be a positive number"),
     ):

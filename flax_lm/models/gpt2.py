@@ -8,7 +8,6 @@ the families that have them. GPT2LMHeadModel has none of them, so an export of a
 
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
-import json
 import logging
 import math
 from typing import Any
@@ -112,19 +111,9 @@ def check_block_options(config):
     window = getattr(config, "sliding_window", None)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise UsageError(f"sliding_window must be a positive number of tokens or null, not {window!r}")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        if window is None:
-            raise UsageError("layer_types is set but sliding_window is not; set one, e.g. --set sliding_window=64")
-        if not isinstance(layer_types, list) or len(layer_types) != config.n_layer:
-            raise UsageError(
-                f"layer_types must list one type per layer ({config.n_layer}), e.g. --set "
-                f"layer_types='{json.dumps(['sliding_attention', 'full_attention'] * (config.n_layer // 2))}'"
-            )
-        if unknown := sorted(set(layer_types) - {"full_attention", "sliding_attention"}):
-            raise UsageError(
-                f"layer_types '{unknown[0]}' is not a layer type; use full_attention or sliding_attention"
-            )
+    # transformers' config checks the layer types themselves, one per layer; a window is what they need besides.
+    if getattr(config, "layer_types", None) is not None and window is None:
+        raise UsageError("layer_types is set but sliding_window is not; set one, e.g. --set sliding_window=64")
 
 
 class GPT2Module(nn.Module):

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
     "gemma": "ccb4a731dc070557",
-    "gpt2": "9eaed4eae57396a6",
+    "gpt2": "29b9bcfd3633837a",
     "llama": "503e53ad0738fa05",
     "olmo2": "b0877faf3731d06d",
     "roberta": "fdebdf944a44cb5c",
