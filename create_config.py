@@ -298,6 +298,8 @@ def parse_overrides(overrides, model_type):
     defaults = config_class().to_dict()
     canonical_names = {key: key for key in defaults if key not in BOOKKEEPING_KEYS}
     canonical_names.update(config_class.attribute_map)
+    # Fields the model module computes beyond its transformers class's (GPT-2's block options).
+    canonical_names.update({key: key for key in getattr(stock_module(model_type), "BLOCK_OPTIONS", {})})
     values, given_as = {}, {}
     for override in overrides or []:
         key, separator, text = override.partition("=")
@@ -472,6 +474,8 @@ def count_parameters(config):
         attention = (hidden * 3 * hidden + 3 * hidden) + (hidden * hidden + hidden)  # fused q/k/v, then output
         mlp = (hidden * inner + inner) + (inner * hidden + hidden)
         block = layer_norm + attention + layer_norm + mlp
+        if getattr(config, "qk_norm", False):
+            block += 2 * (hidden // config.n_head)  # the query and key heads' RMSNorm weights
         output_layer = 0 if config.tie_word_embeddings else vocab * hidden
         return embeddings + layers * block + layer_norm + output_layer
     if config.model_type != "roberta":  # the rotary decoders: the tensors their module exports

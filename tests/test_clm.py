@@ -253,6 +253,17 @@ DOCUMENT_FRAMING = {
     "llama": (tiny_llama_config, bos_framing),
     "mistral": (lambda: MistralConfig(**TINY_DECODER_SHAPES, sliding_window=6), bos_framing),
     "gemma2": (lambda: Gemma2Config(**TINY_DECODER_SHAPES, head_dim=16, sliding_window=6), bos_framing),
+    # GPT-2's block options, a window on its first layer.
+    "gpt2 with block options": (
+        lambda: tiny_config(
+            qk_norm=True,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+        ),  # fmt: skip
+        lambda config: ([], [config.eos_token_id], config.eos_token_id),
+    ),
 }
 
 
@@ -261,7 +272,7 @@ def test_document_attention_scores_each_packed_document_as_if_alone(model_type):
     make_config, framing = DOCUMENT_FRAMING[model_type]
     config = make_config()
     before, after, separator = framing(config)
-    model_class = stock_module(model_type).MODEL_CLASS
+    model_class = stock_module(config.model_type).MODEL_CLASS
     plain, documents = model_class(config), model_class(config, document_separator_id=separator)
     rng = np.random.default_rng(0)
     params = plain.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]

@@ -326,8 +326,8 @@ NARROW_EDITS = {
         )
     },
     "cached decoding": {
-        "y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)": (
-            "y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)\n"
+        "query, key, value, scale, cache, self.layer_index, self.mesh, window, softcap\n            )": (
+            "query, key, value, scale, cache, self.layer_index, self.mesh, window, softcap\n            )\n"
             "            y = 1.5 * y"
         )
     },

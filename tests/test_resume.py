@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, run_script, tiny_config
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import generate_flax
 from flax_lm.run.checkpoints import restore_checkpoint
 
 CORPUS = FIXTURES_DIR / "en"
@@ -74,9 +75,9 @@ def kill_when(process, condition, what: str):
     pytest.fail(f"the run ended before {what}: {process.stderr.read()[-2000:]}")
 
 
-def assert_same_as_uninterrupted(output_dir, uninterrupted_dir, last_step=40):
-    final = load_file(os.path.join(output_dir, "model.safetensors"))
-    expected = load_file(os.path.join(uninterrupted_dir, "model.safetensors"))
+def assert_same_as_uninterrupted(output_dir, uninterrupted_dir, last_step=40, weights="model.safetensors"):
+    final = load_file(os.path.join(output_dir, weights))
+    expected = load_file(os.path.join(uninterrupted_dir, weights))
     assert final.keys() == expected.keys()
     for name in expected:
         np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
@@ -173,6 +174,35 @@ def test_olmo2_with_the_z_loss_resumes_to_the_same_weights_losses_and_z_losses(
     changed = arguments(model_dir, tmp_path / "changed", *short_run, "--z_loss", "2e-2", "--resume_from_checkpoint")
     with pytest.raises(run_clm_flax.UsageError, match=r"z_loss.*--allow_resume_changes z_loss"):
         run_main(monkeypatch, changed)
+
+
+def test_gpt2_with_every_block_option_resumes_exports_for_this_repository_and_generates(
+    gpt2_tokenizer_dir, tmp_path, monkeypatch, capsys
+):
+    """QK-norm, both soft-caps and a window on the first layer, with document attention: resumed exactly; the export
+    holds the Flax weights, not a GPT2LMHeadModel that transformers would compute otherwise, and generate_flax.py
+    decodes from it."""
+    options = dict(
+        qk_norm=True, attn_logit_softcapping=5.0, final_logit_softcapping=8.0, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    model_dir = model_dir_with_config(gpt2_tokenizer_dir, tmp_path / "options", **options)
+    short_run = ["--max_steps", "8", "--save_steps", "4", "--document_attention"]
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    run_main(monkeypatch, arguments(model_dir, uninterrupted, *short_run))
+    shutil.copytree(uninterrupted / "checkpoints" / "4", resumed / "checkpoints" / "4")
+    run_main(monkeypatch, arguments(model_dir, resumed, *short_run, "--resume_from_checkpoint"))
+    assert_same_as_uninterrupted(resumed, uninterrupted, last_step=8, weights="flax_model.safetensors")
+    assert not (resumed / "model.safetensors").exists()
+    exported = json.loads((resumed / "config.json").read_text())
+    assert exported.get("architectures") is None and exported["qk_norm"] is True
+    monkeypatch.setattr(sys, "argv", [
+        "generate_flax.py", "--model_name_or_path", str(resumed), "--prompt", "The", "--max_new_tokens", "5",
+        "--min_new_tokens", "5", "--json_output",
+    ])  # fmt: skip
+    capsys.readouterr()
+    generate_flax.main()
+    assert json.loads(capsys.readouterr().out)["new_tokens"] == 5
 
 
 def test_a_stable_phase_checkpoint_branched_to_a_shorter_budget_ends_as_a_run_of_that_budget(

@@ -14,6 +14,11 @@ another's block (Qwen 2 and 3, Mistral: of Llama's). A model module defines one 
     hf_shapes(params), hf_architecture_shapes(config)
                             the shapes of the first, and those the architecture has, to check they agree
 
+and, where it computes config fields its transformers class lacks (GPT-2's block options):
+
+    BLOCK_OPTIONS           those fields, which create_config.py --set accepts
+    export_refusal(config)  why an export of the model of `config` cannot name the architecture, or None
+
 To give one experiment a model of its own, copy a module beside the script (`cp flax_lm/models/gpt2.py my_gpt2.py`),
 edit the copy and pass it to every tool with `--model_file my_gpt2.py`: flax_lm and every other run stay as they are.
 See flax_lm/models/model_code.py for what a run records of the code and what its exports may claim.

@@ -1,6 +1,11 @@
 """GPT-2 in Flax, with parameter names and layouts one-to-one with the Hugging Face PyTorch checkpoint
 (GPT2LMHeadModel), and a key/value cache for decoding (flax_lm.generation.sampling decodes with it).
 
+The block options of the fast small-model recipes are config fields here too, off by default (BLOCK_OPTIONS):
+QK-norm, attention and final-logit soft-capping and sliding-window layers, computed as common.py computes them for
+the families that have them. GPT2LMHeadModel has none of them, so an export of a model that uses one does not name it
+(export_refusal).
+
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
 import logging
@@ -19,10 +24,12 @@ from flax_lm.errors import UsageError
 from flax_lm.models.common import (
     ACTIVATIONS,
     KeyValueCache,
+    RMSNorm,
     RowsDense,
     cached_attention,
     causal_attention,
     constrain,
+    layer_windows,
     logits_dot_general,
     look_up,
     segments_and_positions,
@@ -36,6 +43,33 @@ logger = logging.getLogger(__name__)
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel"}
 # A causal LM: its exported directory carries a generation_config.json, as transformers writes for one.
 GENERATES_TEXT = True
+
+# The block options GPT2LMHeadModel does not have: config field -> (what it is, the model type whose transformers class
+# computes it and so exports it). None (False for qk_norm) or absent, the model is GPT-2's.
+BLOCK_OPTIONS = {
+    "qk_norm": ("QK-norm", "qwen3"),
+    "attn_logit_softcapping": ("attention soft-capping", "gemma2"),
+    "final_logit_softcapping": ("final-logit soft-capping", "gemma2"),
+    "sliding_window": ("sliding-window layers", "qwen3"),
+    "layer_types": ("sliding-window layers", "qwen3"),
+}
+
+
+def block_options_in_use(config) -> list[str]:
+    """The BLOCK_OPTIONS fields `config` sets, in their order."""
+    return [name for name in BLOCK_OPTIONS if getattr(config, name, None) not in (None, False)]
+
+
+def export_refusal(config) -> str | None:
+    """Why an export of `config`'s model cannot name GPT2LMHeadModel (which would compute another model from its
+    weights), or None where it can."""
+    if used := block_options_in_use(config):
+        option, model_type = BLOCK_OPTIONS[used[0]]
+        return (
+            f"the config sets {used[0]} ({option}), which GPT2LMHeadModel does not compute; a model type whose class "
+            f"has it ({model_type}) exports it"
+        )
+    return None
 
 
 def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
@@ -54,6 +88,7 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
         )
     if getattr(config, "add_cross_attention", False):
         raise UsageError("add_cross_attention is not supported by this script; set it to false in the config")
+    check_block_options(config)
     if mesh is not None:
         check_tensor_split(
             mesh,
@@ -63,6 +98,22 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
                 "vocabulary (vocab_size)": config.vocab_size,
             },
         )
+
+
+def check_block_options(config):
+    """Refuse block options (BLOCK_OPTIONS) of values the model cannot compute, naming the field and the fix."""
+    if getattr(config, "qk_norm", None) not in (None, True, False):
+        raise UsageError(f"qk_norm must be true or false, not {config.qk_norm!r}; fix it with --set qk_norm=true")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = getattr(config, name, None)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise UsageError(f"{name} must be a positive number (e.g. --set {name}=30.0) or null, not {cap!r}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise UsageError(f"sliding_window must be a positive number of tokens or null, not {window!r}")
+    # transformers' config checks the layer types themselves, one per layer; a window is what they need besides.
+    if getattr(config, "layer_types", None) is not None and window is None:
+        raise UsageError("layer_types is set but sliding_window is not; set one, e.g. --set sliding_window=64")
 
 
 class GPT2Module(nn.Module):
@@ -119,22 +170,33 @@ class CausalSelfAttention(GPT2Module):
         residual_stddev = config.initializer_range / math.sqrt(2 * config.n_layer)
 
         query, key, value = self.child(QueryKeyValue, "c_attn")(x)
+        if getattr(config, "qk_norm", False):
+            # Each query and key head RMS-normalized over head_dim, with a learned weight: Qwen 3's q_norm, k_norm.
+            query = self.head_norm("q_norm")(query)
+            key = self.head_norm("k_norm")(key)
+        window = layer_windows(config)[self.layer_index]
+        softcap = getattr(config, "attn_logit_softcapping", None)
         scale = 1 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scale /= self.layer_index + 1
 
         layer_cache = None
         if cache is not None:
-            y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)
+            y, layer_cache = cached_attention(
+                query, key, value, scale, cache, self.layer_index, self.mesh, window, softcap
+            )
         else:
             no_dropout = deterministic or config.attn_pdrop == 0
             dropout = None if no_dropout else nn.Dropout(config.attn_pdrop, deterministic=False)
-            y = causal_attention(query, key, value, scale, dropout, segment_ids)
+            y = causal_attention(query, key, value, scale, dropout, segment_ids, window, softcap)
         # Split by heads, the projection's rows are split alike: each device sums its heads' share of the
         # output, and one sum over the tensor axis completes it.
         y = self.dense(width, ("heads", "embed"), residual_stddev, "c_proj")(y.reshape(batch, length, width))
         y = self.constrain(y, ("batch", "length", None))
         return nn.Dropout(config.resid_pdrop)(y, deterministic), layer_cache
+
+    def head_norm(self, name: str) -> RMSNorm:
+        return RMSNorm(self.config.layer_norm_epsilon, self.dtype, self.param_dtype, logical_axis=None, name=name)
 
 
 class QueryKeyValue(GPT2Module):
@@ -277,6 +339,8 @@ class FlaxGPT2LMHeadModel(GPT2Module):
             )(hidden)
             logits = self.constrain(logits, ("batch", None, "vocab"))
         logits = logits.astype(jnp.float32)
+        if (cap := getattr(self.config, "final_logit_softcapping", None)) is not None:
+            logits = cap * jnp.tanh(logits / cap)
         return logits if cache is None else (logits, cache)
 
     def empty_cache(self, prompt_mask, new_tokens: int) -> KeyValueCache:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
     "gemma": "ccb4a731dc070557",
-    "gpt2": "37d74b0550392686",
+    "gpt2": "29b9bcfd3633837a",
     "llama": "503e53ad0738fa05",
     "olmo2": "b0877faf3731d06d",
     "roberta": "fdebdf944a44cb5c",
@@ -44,9 +44,10 @@ VERIFIED_FINGERPRINTS = {
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
 # subpackages, which changed the models' import lines, and added model families, which left what the earlier configs
 # compute as it was: the parity tests compare both with transformers. Gemma's module has since refused Gemma 3's
-# attn_logit_softcapping, which Gemma3ForCausalLM ignores, and computes every config it accepts as before.)
+# attn_logit_softcapping, which Gemma3ForCausalLM ignores, and computes every config it accepts as before. GPT-2's
+# module has since taken block options, off by default, which leave every config without them computed as before.)
 EARLIER_VERIFIED_FINGERPRINTS = {
-    "gpt2": {"9235ed61450115e6"},
+    "gpt2": {"9235ed61450115e6", "37d74b0550392686"},
     "llama": {"e66a74462a8dd3d2"},
     "roberta": {"695c5ddd82d1a2e0"},
 }
@@ -131,6 +132,13 @@ def load_model_code(
 
 def architecture_claim(module, config, fingerprint: str, model_file: str | None) -> tuple[bool, str]:
     architecture = module.HF_ARCHITECTURES[config.model_type]
+    # A config of options the architecture lacks (flax_lm/models/gpt2.py's block options): its weights, loaded there,
+    # would be computed as another model.
+    if refusal := getattr(module, "export_refusal", lambda config: None)(config):
+        return False, (
+            f"exports do not name {architecture}: {refusal}; they hold {FLAX_WEIGHTS_NAME} and the model file, "
+            "which this repository's tools load and transformers does not"
+        )
     if not model_file and VERIFIED_FINGERPRINTS.get(module_name(module)) == fingerprint:
         return True, f"the code the parity tests compare with transformers' {architecture}"
     try:
