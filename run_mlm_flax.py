@@ -63,6 +63,7 @@ from flax_lm.data.loading import (
     streaming_train_batches,
 )
 from flax_lm.data.mixture import Mixture
+from flax_lm.data.source import TextSource
 from flax_lm.data.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import print_once
@@ -200,16 +201,16 @@ def check_arguments(model_args, data_args, training_args):
 
 
 # Copied from run_clm_flax.read_texts
-def read_texts(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
+def read_texts(source: TextSource, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The texts of each split, {"train": ..., "validation": ...}: `datasets` datasets (or streams) of one document a
     row, in --text_column_name. Every data route reads them here (the token cache, --packed_data_dir, --streaming,
     each source of --data_mixture). To train on another source, return its texts instead; the SQLite database that
     --dataset_name names, say (docs/pretraining-clm.md: "Another source of texts"):
-        connection = sqlite3.connect(data_args.dataset_name)
+        connection = sqlite3.connect(source.dataset_name)
         texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}
         return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else texts
     """
-    return load_text_datasets(model_args, data_args, streaming, evaluation_only)
+    return load_text_datasets(source, streaming, evaluation_only)
 
 
 # Copied from run_clm_flax.pack_blocks
@@ -228,11 +229,14 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
-def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+def tokenized_rows(
+    dataset, split: str, tokenizer, block_size: int, source: TextSource, num_workers=None, line_by_line=False
+) -> Iterator[np.ndarray]:
     """The rows of a packed corpus made from one split: its texts, each followed by </s>, joined and cut into blocks;
-    or with --line_by_line a row per line (encode_lines). The number of lines cut short is logged at the end."""
-    column, num_workers = data_args.text_column_name, data_args.preprocessing_num_workers
-    if not data_args.line_by_line:
+    or with --line_by_line a row per line (encode_lines). Tokenized in `num_workers` processes
+    (--preprocessing_num_workers). The number of lines cut short is logged at the end."""
+    column = source.text_column_name
+    if not line_by_line:
         yield from pack_blocks(token_arrays(dataset, tokenizer, column, num_workers, split), block_size)
         return
     encode = partial(encode_lines, tokenizer.backend_tokenizer, block_size, tokenizer.pad_token_id)
@@ -777,8 +781,9 @@ def main():
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
     # Rows of max_seq_length - 2 tokens, which <s> and </s> frame.
-    texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, max_seq_length - 2, "--max_seq_length")
-    rows, train_stream = load_data(model_args, data_args, training_args, texts_to_rows)
+    texts_to_rows = script_texts_to_rows(data_args, tokenizer, max_seq_length - 2)
+    route = data_args.data_route(model_args, training_args)
+    rows, train_stream, _ = load_data(route, texts_to_rows)
     if not (training_args.do_train or training_args.do_eval):  # --packed_data_dir alone: the data is packed
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
@@ -798,10 +803,10 @@ def main():
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
-        batches = train_batches_from(
-            progress.step, setup, train_stream, make_batch, tokenizer, data_args, training_args
-        )
         save = partial(save_run, setup, config, tokenizer, run)
+        batches = train_batches_from(
+            progress.step, setup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
+        )
         log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
         state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
         if stopped_by:
@@ -832,6 +837,13 @@ def check_model_and_tokenizer(config, tokenizer, training_args):
     check_tokenizer(config, tokenizer)
 
 
+def script_texts_to_rows(data_args, tokenizer, row_length: int) -> TextsToRows:
+    """How this script's texts become rows of `row_length` tokens, with the settings of its flags bound."""
+    workers, line_by_line = data_args.preprocessing_num_workers, data_args.line_by_line
+    rows = partial(tokenized_rows, num_workers=workers, line_by_line=line_by_line)
+    return TextsToRows(read_texts, rows, tokenizer, row_length, "--max_seq_length", framing=data_args.framing)
+
+
 def choose_max_seq_length(data_args, tokenizer, config) -> int:
     # RoBERTa numbers positions from pad_token_id + 1, so that many position embeddings are never used.
     usable_positions = config.max_position_embeddings - config.pad_token_id - 1
@@ -858,12 +870,12 @@ def masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code: 
 
 
 def train_batches_from(
-    first_step, setup: TrainingSetup, train_stream, make_batch, tokenizer, data_args, training_args
+    first_step, setup: TrainingSetup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
 ):
     """The global batches of each compiled call after `first_step` (steps_of_calls says how many steps each runs),
-    stacked, and the token count of each step, read ahead on a thread: from the training rows, or `train_stream`. The
-    data order and the masks are a function of the step, so a resumed run sees the batches the interrupted one would
-    have."""
+    stacked, and the token count of each step, read ahead on a thread: from the training rows, or `train_stream` (the
+    texts of `route`, which texts_to_rows makes into blocks as it does on every route). The data order and the masks
+    are a function of the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, max_seq_length, train_examples = setup.train_batch_size, setup.sequence_length, setup.train_rows
     if isinstance(train_examples, Mixture):
         data = f"on a mixture ({train_examples.describe(setup.total_steps * batch_size)})"
@@ -874,10 +886,8 @@ def train_batches_from(
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)
     else:
         data = "on blocks grouped from a stream"  # (--line_by_line is refused with --streaming)
-        first_batch, seed = stream_position(first_step, batch_size, training_args)
-        rows_of_texts = partial(
-            tokenized_rows, split="train", tokenizer=tokenizer, block_size=max_seq_length - 2, data_args=data_args
-        )
+        first_batch, seed = stream_position(first_step, batch_size, training_args.seed, training_args.ignore_data_skip)
+        rows_of_texts = partial(texts_to_rows.rows_of, split="train", source=route.source, example_format=None)
         block_batches = streaming_train_batches(
             train_stream, rows_of_texts, batch_size, seed, data_args.shuffle_buffer_size, first_batch
         )
