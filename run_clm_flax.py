@@ -58,6 +58,7 @@ from flax_lm.data.loading import (
     TextsToRows,
     call_batch_shapes,
     call_batches,
+    epoch_batch_indices,
     epochs_of_batches,
     load_data,
     stream_position,
@@ -374,13 +375,9 @@ def train_batches(
 
     The blocks left over after the last full batch differ from epoch to epoch, so all data is seen.
     """
-    order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
     rows = process_slice(global_batch_size)
-    for step in range(first_batch, len(blocks) // global_batch_size):
-        # Sorted (for reading the memory-mapped blocks in order) before the split, so that the global batch,
-        # row for row, does not depend on the number of processes.
-        batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])[rows]
-        yield batch_of(blocks[batch_indices])
+    for _, indices in epoch_batch_indices(len(blocks), global_batch_size, seed, epoch, first_batch):
+        yield batch_of(blocks[indices[rows]])
 
 
 def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:

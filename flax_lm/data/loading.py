@@ -337,6 +337,19 @@ def count_steps(
     return steps_per_epoch, max(1, int(num_train_epochs * steps_per_epoch))
 
 
+def epoch_batch_indices(
+    count: int, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(batch number, the indices of its rows) of each global batch of one epoch over `count` rows, from batch
+    `first_batch` on, in an order fixed by seed and epoch (so a resumed run continues with the very batches it would
+    have seen); the rows left over after the last full batch differ from epoch to epoch, so all data is seen. Each
+    batch's indices are sorted (for reading memory-mapped rows in order) before a process takes its share, so that the
+    global batch, row for row, does not depend on the number of processes."""
+    order = np.random.default_rng([seed, epoch]).permutation(count)
+    for step in range(first_batch, count // global_batch_size):
+        yield step, np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
+
+
 def epochs_of_batches(batches_of_epoch, first_step: int, steps_per_epoch: int):
     """The batches from the step after `first_step` on, epoch after epoch; `batches_of_epoch(epoch, first_batch)`."""
     epoch, first_batch = divmod(first_step, steps_per_epoch)
