@@ -39,10 +39,9 @@ from transformers import (
     RobertaConfig,
 )
 
-from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, check_writable_directory, run
 from flax_lm.models import non_finite_config_value, stock_module
 
 logger = logging.getLogger(__name__)

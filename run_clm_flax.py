@@ -53,17 +53,19 @@ from flax_lm.command_line.arguments import (
 )
 from flax_lm.command_line.trainer_flags import check_best_model_flags
 from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
-from flax_lm.data.finetune_examples import Example, ExampleArguments, RowCounts, encoded_examples
+from flax_lm.data.finetune_examples import Example, ExampleArguments, RowCounts, encoded_examples, is_chat
 from flax_lm.data.loading import (
     TextsToRows,
     call_batch_shapes,
     call_batches,
+    epoch_batch_indices,
     epochs_of_batches,
     load_data,
     stream_position,
     streaming_train_batches,
 )
 from flax_lm.data.mixture import Mixture
+from flax_lm.data.source import ExampleSettings, TextSource
 from flax_lm.data.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import (
@@ -238,16 +240,16 @@ def check_arguments(model_args, data_args, training_args):
 # ----------------------------------------------------------------------------------------------------
 
 
-def read_texts(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
+def read_texts(source: TextSource, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The texts of each split, {"train": ..., "validation": ...}: `datasets` datasets (or streams) of one document a
     row, in --text_column_name. Every data route reads them here (the token cache, --packed_data_dir, --streaming,
     each source of --data_mixture). To train on another source, return its texts instead; the SQLite database that
     --dataset_name names, say (docs/pretraining-clm.md: "Another source of texts"):
-        connection = sqlite3.connect(data_args.dataset_name)
+        connection = sqlite3.connect(source.dataset_name)
         texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}
         return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else texts
     """
-    return load_text_datasets(model_args, data_args, streaming, evaluation_only)
+    return load_text_datasets(source, streaming, evaluation_only)
 
 
 def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator[np.ndarray]:
@@ -265,23 +267,26 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
-def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+def tokenized_rows(
+    dataset, split: str, tokenizer, block_size: int, source: TextSource, num_workers: int | None = None
+) -> Iterator[np.ndarray]:
     """The rows of a packed corpus made from one split: its texts, each framed by ids_around_documents (GPT-2's
-    tokenizers: text EOS; Llama's: BOS text EOS), joined and cut into blocks. The token cache is keyed by this
-    function's code (and that of what it calls here), so an edit re-tokenizes."""
-    column, workers = data_args.text_column_name, data_args.preprocessing_num_workers
-    tokens = token_arrays(dataset, tokenizer, column, workers, split, ids_around_documents(tokenizer))
+    tokenizers: text EOS; Llama's: BOS text EOS), joined and cut into blocks; tokenized in `num_workers` processes
+    (--preprocessing_num_workers). The token cache is keyed by this function's code (and that of what it calls here),
+    so an edit re-tokenizes."""
+    column = source.text_column_name
+    tokens = token_arrays(dataset, tokenizer, column, num_workers, split, ids_around_documents(tokenizer))
     return pack_blocks(tokens, block_size)
 
 
-def loss_weights(example: Example, data_args) -> np.ndarray:
+def loss_weights(example: Example, settings: ExampleSettings) -> np.ndarray:
     """The loss weight of each token of an example, float32: 1 for the tokens the loss covers, the completion's (the
     end-of-text token after it included) with --completion_only_loss and the assistant's (its end of turn included)
     with --assistant_only_loss, 0 for the others. The first token weighs 0: nothing in its example comes before it."""
     weights = np.ones(len(example.ids), np.float32)
-    if data_args.completion_only_loss and example.completion is not None:
+    if settings.completion_only_loss and example.completion is not None:
         weights *= example.completion
-    if data_args.assistant_only_loss and example.assistant is not None:
+    if settings.assistant_only_loss and example.assistant is not None:
         weights *= example.assistant
     weights[0] = 0.0
     return weights
@@ -291,12 +296,23 @@ def loss_weights(example: Example, data_args) -> np.ndarray:
 OPEN_ROWS = 8
 
 
-def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
-    """The rows of a packed corpus made from one split of examples (flax_lm.data.finetune_examples: prompt/completion
-    pairs or conversations), arrays (count, 2, block_size) of token ids and their loss weights (loss_weights): one
-    example per row, padded with weight 0, or with --packing as many whole examples as fit, each its own document
-    (document attention: its first token starts it). An example longer than a row is left out and counted, never cut.
-    The token cache is keyed by this function's code (and that of what it calls here), so an edit re-tokenizes."""
+def example_rows(
+    dataset,
+    split: str,
+    tokenizer,
+    block_size: int,
+    source: TextSource,
+    example_format: str,
+    num_workers: int | None = None,
+    document_attention: bool = False,
+) -> Iterator[np.ndarray]:
+    """The rows of a packed corpus made from one split of examples in `example_format` (flax_lm.data.finetune_examples:
+    prompt/completion pairs or conversations), arrays (count, 2, block_size) of token ids and their loss weights
+    (loss_weights): one example per row, padded with weight 0, or with --packing as many whole examples as fit, each
+    its own document (document attention: its first token starts it). An example longer than a row is left out and
+    counted, never cut. The token cache is keyed by this function's code (and that of what it calls here), so an edit
+    re-tokenizes."""
+    settings = source.examples
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     before_documents, _ = ids_around_documents(tokenizer)
     separator_id = (before_documents or [tokenizer.eos_token_id])[0]  # as causal_lm_model's
@@ -312,7 +328,7 @@ def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> 
         counts.rows += len(rows)
         return stack
 
-    for example in encoded_examples(dataset, split, tokenizer, data_args):
+    for example in encoded_examples(dataset, split, tokenizer, example_format, source, num_workers):
         if len(example.ids) > block_size:
             counts.too_long.append((len(example.ids), example.row))
             continue
@@ -320,28 +336,28 @@ def example_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> 
         # (a Llama's BOS, first) or ends (GPT-2's end-of-text token, last).
         inside = example.ids[1:] if before_documents else example.ids[1:-1]
         starts_apart = example.ids[0] == separator_id or not before_documents
-        if (data_args.packing or data_args.document_attention) and (separator_id in inside or not starts_apart):
+        if (settings.packing or document_attention) and (separator_id in inside or not starts_apart):
             raise UsageError(
                 f"the {split} example of row {example.row} does not hold the token "
                 f"{tokenizer.convert_ids_to_tokens(separator_id)} where alone it would start a document (first, "
                 "for a tokenizer that begins texts with it; nowhere inside), as --packing needs; drop --packing"
             )
-        weights = loss_weights(example, data_args)
+        weights = loss_weights(example, settings)
         counts.add(example.ids, weights)
-        fitting = [row for row in open_rows if row[0] + len(example.ids) <= block_size] if data_args.packing else []
+        fitting = [row for row in open_rows if row[0] + len(example.ids) <= block_size] if settings.packing else []
         row = fitting[0] if fitting else [0, []]
         if not fitting:
             open_rows.append(row)
         row[0] += len(example.ids)
         row[1].append((example.ids, weights))
-        if not data_args.packing or len(open_rows) > OPEN_ROWS:
+        if not settings.packing or len(open_rows) > OPEN_ROWS:
             finished.append(open_rows.pop(0))
         if len(finished) >= 1024:
             yield stacked(finished)
             finished = []
     if finished or open_rows:
         yield stacked(finished + open_rows)
-    counts.log(split, block_size, data_args.packing)
+    counts.log(split, block_size, settings.packing)
 
 
 def batch_of(rows: np.ndarray) -> dict:
@@ -359,13 +375,9 @@ def train_batches(
 
     The blocks left over after the last full batch differ from epoch to epoch, so all data is seen.
     """
-    order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
     rows = process_slice(global_batch_size)
-    for step in range(first_batch, len(blocks) // global_batch_size):
-        # Sorted (for reading the memory-mapped blocks in order) before the split, so that the global batch,
-        # row for row, does not depend on the number of processes.
-        batch_indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])[rows]
-        yield batch_of(blocks[batch_indices])
+    for _, indices in epoch_batch_indices(len(blocks), global_batch_size, seed, epoch, first_batch):
+        yield batch_of(blocks[indices[rows]])
 
 
 def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
@@ -731,8 +743,9 @@ def main():
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, True, "run_clm_flax.py", mesh)
     block_size = choose_block_size(data_args, tokenizer, config)
-    texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, block_size, "--block_size", example_rows)
-    rows, train_stream = load_data(model_args, data_args, training_args, texts_to_rows)
+    texts_to_rows = script_texts_to_rows(data_args, tokenizer, block_size)
+    route = data_args.data_route(model_args, training_args)
+    rows, train_stream, example_format = load_data(route, texts_to_rows)
     if not (training_args.do_train or training_args.do_eval):  # --packed_data_dir alone: the data is packed
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
@@ -749,11 +762,13 @@ def main():
     # The lock on the output directory, held by process 0 for all processes until this one ends.
     output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
     trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
-    evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, trackers, data_args.chat)
+    evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, trackers, is_chat(example_format))
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
-        batches = train_batches_from(progress.step, setup, train_stream, tokenizer, data_args, training_args)
+        batches = train_batches_from(
+            progress.step, setup, train_stream, texts_to_rows, route, data_args, training_args
+        )
         save = partial(save_run, setup, config, tokenizer, run)
         log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
         state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
@@ -774,6 +789,14 @@ def main():
         train_now,
         partial(evaluation.sample_from_export, setup.abstract_state.params),
     )
+
+
+def script_texts_to_rows(data_args, tokenizer, block_size: int) -> TextsToRows:
+    """How this script's texts become rows of `block_size` tokens, with the settings of its flags bound."""
+    workers = data_args.preprocessing_num_workers
+    rows = partial(tokenized_rows, num_workers=workers)
+    examples = partial(example_rows, num_workers=workers, document_attention=data_args.document_attention)
+    return TextsToRows(read_texts, rows, tokenizer, block_size, "--block_size", examples, data_args.framing)
 
 
 def choose_block_size(data_args, tokenizer, config) -> int:
@@ -797,9 +820,10 @@ def causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code: 
     )
 
 
-def train_batches_from(first_step, setup: TrainingSetup, train_stream, tokenizer, data_args, training_args):
+def train_batches_from(first_step, setup: TrainingSetup, train_stream, texts_to_rows, route, data_args, training_args):
     """The global batches of each compiled call after `first_step` (steps_of_calls says how many steps each runs),
-    stacked, and the token count of each step, read ahead on a thread: from the training blocks, or `train_stream`.
+    stacked, and the token count of each step, read ahead on a thread: from the training blocks, or `train_stream`
+    (the texts of `route`, which texts_to_rows makes into blocks as it does on every route).
     The data order is a function of the step, so a resumed run sees the batches the interrupted one would have."""
     batch_size, block_size, train_blocks = setup.train_batch_size, setup.sequence_length, setup.train_rows
     if isinstance(train_blocks, Mixture):
@@ -813,10 +837,8 @@ def train_batches_from(first_step, setup: TrainingSetup, train_stream, tokenizer
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)
     else:
         data = "on blocks packed from a stream"
-        first_batch, seed = stream_position(first_step, batch_size, training_args)
-        rows_of_texts = partial(
-            tokenized_rows, split="train", tokenizer=tokenizer, block_size=block_size, data_args=data_args
-        )
+        first_batch, seed = stream_position(first_step, batch_size, training_args.seed, training_args.ignore_data_skip)
+        rows_of_texts = partial(texts_to_rows.rows_of, split="train", source=route.source, example_format=None)
         local_batches = streaming_train_batches(
             train_stream, rows_of_texts, batch_size, seed, data_args.shuffle_buffer_size, first_batch
         )

@@ -3,10 +3,10 @@
 
 Trains from scratch (a config and a tokenizer, for example from create_config.py --preset roberta-tiny and
 train_tokenizer.py --model_type roberta) or continues from a Hugging Face RoBERTa checkpoint, on text from local files
-(txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name. Examples are
-grouped (the default: texts joined with the separator </s> and cut into blocks framed as `<s> ... </s>` of exactly
---max_seq_length tokens) or, with --line_by_line, one per non-empty line (or text), framed the same way, truncated and
-padded per batch.
+(txt, json/jsonl, csv, parquet; globs allowed), a local dataset directory or a `datasets` hub name. The blocks
+it trains on (its rows) are grouped texts (the default: texts joined with the separator </s> and cut into blocks
+framed as `<s> ... </s>` of exactly --max_seq_length tokens) or, with --line_by_line, one non-empty line (or text)
+each, framed the same way, truncated and padded per batch.
 
 Every batch is masked on the host with numpy, reproducibly from --seed: each token that is not a special token or
 padding is chosen with probability --mlm_probability; of the chosen, 80% become <mask>, 10% a random token and 10% stay
@@ -21,7 +21,7 @@ The output directory is an ordinary Hugging Face model directory (config.json, m
 
 A single .json file holding the arguments works too: `./run_mlm_flax.py args.json`.
 
-This file holds what an experiment changes, in reading order: its arguments, how texts become examples and how they are
+This file holds what an experiment changes, in reading order: its arguments, how texts become blocks and how they are
 masked, the loss, the optimizer and schedule, the train and eval steps, evaluation and fill-mask, and the loop in
 main(). The model (flax_lm/models/roberta.py, or --model_file) and what every run shares (checkpoints, trackers, data
 storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm
@@ -57,12 +57,14 @@ from flax_lm.data.loading import (
     TextsToRows,
     call_batch_shapes,
     call_batches,
+    epoch_batch_indices,
     epochs_of_batches,
     load_data,
     stream_position,
     streaming_train_batches,
 )
 from flax_lm.data.mixture import Mixture
+from flax_lm.data.source import TextSource
 from flax_lm.data.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import print_once
@@ -111,8 +113,9 @@ class DataTrainingArguments(DataArguments):
     max_seq_length: int | None = field(
         default=None,
         metadata={
-            "help": "Tokens per example, <s> and </s> included. Defaults to the smaller of the tokenizer's "
-            "model_max_length and the positions the model has (max_position_embeddings - pad_token_id - 1)."
+            "help": "Tokens per block (a row of a batch), <s> and </s> included. Defaults to the smaller of the "
+            "tokenizer's model_max_length and the positions the model has (max_position_embeddings - pad_token_id - "
+            "1)."
         },
     )
     mlm_probability: float = field(
@@ -121,8 +124,8 @@ class DataTrainingArguments(DataArguments):
     line_by_line: bool = field(
         default=False,
         metadata={
-            "help": "Make every non-empty line (or text) one example, truncated to --max_seq_length, instead of "
-            "joining the texts and cutting them into full blocks. Each line is stored padded to --max_seq_length, "
+            "help": "Make every non-empty line (or text) a block of its own, truncated to --max_seq_length, instead "
+            "of joining the texts and cutting them into full blocks. Each line is stored padded to --max_seq_length, "
             "so short lines take more disk than their tokens (as uint16 ids, 2 x --max_seq_length bytes a line)."
         },
     )
@@ -130,7 +133,7 @@ class DataTrainingArguments(DataArguments):
         default=False,
         metadata={
             "help": "With --line_by_line, pad every batch to --max_seq_length. Otherwise a batch is padded to the "
-            "next power of two (at least 16) above its longest example, so jit compiles only a few shapes."
+            "next power of two (at least 16) above its longest line, so jit compiles only a few shapes."
         },
     )
     document_attention: bool = field(
@@ -138,7 +141,7 @@ class DataTrainingArguments(DataArguments):
         metadata={
             "help": "In a block of texts joined end to end, a token attends only to its own text and positions "
             "restart at each </s> between texts, which starts the text after it. Not with --line_by_line, where "
-            "each example is one text already."
+            "each block is one text already."
         },
     )
 
@@ -178,7 +181,7 @@ def check_arguments(model_args, data_args, training_args):
         )
     if data_args.line_by_line and data_args.document_attention:
         raise UsageError(
-            "--document_attention has no effect with --line_by_line, where each example is one line (or text) "
+            "--document_attention has no effect with --line_by_line, where each block is one line (or text) "
             "already; drop one of them"
         )
     if data_args.line_by_line and not data_args.pad_to_max_length:
@@ -200,16 +203,16 @@ def check_arguments(model_args, data_args, training_args):
 
 
 # Copied from run_clm_flax.read_texts
-def read_texts(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
+def read_texts(source: TextSource, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The texts of each split, {"train": ..., "validation": ...}: `datasets` datasets (or streams) of one document a
     row, in --text_column_name. Every data route reads them here (the token cache, --packed_data_dir, --streaming,
     each source of --data_mixture). To train on another source, return its texts instead; the SQLite database that
     --dataset_name names, say (docs/pretraining-clm.md: "Another source of texts"):
-        connection = sqlite3.connect(data_args.dataset_name)
+        connection = sqlite3.connect(source.dataset_name)
         texts = {"train": datasets.Dataset.from_sql("SELECT text FROM documents", connection)}
         return {split: dataset.to_iterable_dataset() for split, dataset in texts.items()} if streaming else texts
     """
-    return load_text_datasets(model_args, data_args, streaming, evaluation_only)
+    return load_text_datasets(source, streaming, evaluation_only)
 
 
 # Copied from run_clm_flax.pack_blocks
@@ -228,11 +231,14 @@ def pack_blocks(token_arrays: Iterable[np.ndarray], block_size: int) -> Iterator
         carry = np.array(tokens[usable:], dtype=np.int32)  # a copy, so the batch it came from can be freed
 
 
-def tokenized_rows(dataset, split: str, tokenizer, block_size: int, data_args) -> Iterator[np.ndarray]:
+def tokenized_rows(
+    dataset, split: str, tokenizer, block_size: int, source: TextSource, num_workers=None, line_by_line=False
+) -> Iterator[np.ndarray]:
     """The rows of a packed corpus made from one split: its texts, each followed by </s>, joined and cut into blocks;
-    or with --line_by_line a row per line (encode_lines). The number of lines cut short is logged at the end."""
-    column, num_workers = data_args.text_column_name, data_args.preprocessing_num_workers
-    if not data_args.line_by_line:
+    or with --line_by_line a row per line (encode_lines). Tokenized in `num_workers` processes
+    (--preprocessing_num_workers). The number of lines cut short is logged at the end."""
+    column = source.text_column_name
+    if not line_by_line:
         yield from pack_blocks(token_arrays(dataset, tokenizer, column, num_workers, split), block_size)
         return
     encode = partial(encode_lines, tokenizer.backend_tokenizer, block_size, tokenizer.pad_token_id)
@@ -299,9 +305,9 @@ def mask_tokens(
 
 @dataclass(frozen=True)
 class BatchMaker:
-    """Turns examples into masked model inputs: every example framed as <s> tokens </s>, padded, masked.
+    """Turns blocks into masked model inputs: every block framed as <s> tokens </s>, padded, masked.
 
-    Examples are rows of max_seq_length - 2 tokens (a 2-D array-like): blocks of grouped texts, or with line_by_line
+    Blocks are rows of max_seq_length - 2 tokens (a 2-D array-like): blocks of grouped texts, or with line_by_line
     lines padded with pad_token_id, each ending at its last other token. Padding takes the place after </s>; the
     attention mask is 1 for tokens and 0 for padding. Each process makes only its own rows of a global batch and
     masks them with random numbers drawn for the row's number in the global batch (see mask_tokens), so the global
@@ -346,30 +352,30 @@ class BatchMaker:
             return self.max_seq_length
         return min(self.max_seq_length, max(16, 1 << (longest - 1).bit_length()))
 
-    def example_lengths(self, examples, indices: np.ndarray) -> np.ndarray:
-        """The tokens between <s> and </s> of each of examples[indices]: a block's width, or a line's length (the
+    def block_lengths(self, blocks, indices: np.ndarray) -> np.ndarray:
+        """The tokens between <s> and </s> of each of blocks[indices]: a block's width, or a line's length (the
         position after its last token that is not padding), which reads the rows."""
         if not self.line_by_line:
-            return np.full(len(indices), examples.shape[1])
-        not_padding = np.asarray(examples[indices]) != self.pad_token_id
-        return (not_padding * np.arange(1, examples.shape[1] + 1)).max(axis=1, initial=0)
+            return np.full(len(indices), blocks.shape[1])
+        not_padding = np.asarray(blocks[indices]) != self.pad_token_id
+        return (not_padding * np.arange(1, blocks.shape[1] + 1)).max(axis=1, initial=0)
 
     def token_ids(
-        self, examples, indices: np.ndarray, num_rows: int, rows: slice = slice(None)
+        self, blocks, indices: np.ndarray, num_rows: int, rows: slice = slice(None)
     ) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, attention_mask), int32 (rows, length), unmasked: the rows `rows` of a batch of `num_rows`
-        rows, examples[indices] and then empty examples (<s> </s>), which fill up a partial batch and have nothing
-        to predict. The length, the same on every process, is that of the longest example of the whole batch,
+        rows, blocks[indices] and then empty blocks (<s> </s>), which fill up a partial batch and have nothing
+        to predict. The length, the same on every process, is that of the longest block of the whole batch,
         padded: so of lines every row of the batch is read, of blocks only the rows `rows`."""
         row_lengths = np.zeros(num_rows, np.int64)  # tokens between <s> and </s>
-        row_lengths[: len(indices)] = self.example_lengths(examples, indices)
+        row_lengths[: len(indices)] = self.block_lengths(blocks, indices)
         length = self.padded_length(int(row_lengths.max()) + 2)
-        own_indices, row_lengths = indices[rows], row_lengths[rows]  # the examples come first, so they lead here too
+        own_indices, row_lengths = indices[rows], row_lengths[rows]  # the blocks come first, so they lead here too
 
         input_ids = np.full((len(row_lengths), length), self.pad_token_id, np.int32)
         input_ids[:, 0] = self.bos_token_id
         if len(own_indices):  # a line's row is padded already; a block fills the row
-            input_ids[: len(own_indices), 1:-1] = np.asarray(examples[own_indices])[:, : length - 2]
+            input_ids[: len(own_indices), 1:-1] = np.asarray(blocks[own_indices])[:, : length - 2]
         input_ids[np.arange(len(row_lengths)), row_lengths + 1] = self.eos_token_id
         attention_mask = (np.arange(length)[None, :] < row_lengths[:, None] + 2).astype(np.int32)
         return input_ids, attention_mask
@@ -415,9 +421,9 @@ class BatchMaker:
             "masked_weights": np.take_along_axis(label_weights, positions, axis=1),
         }
 
-    def __call__(self, examples, indices: np.ndarray, num_rows: int, seed: tuple, rows: slice = slice(None)) -> dict:
-        """The rows `rows` of the masked batch of `num_rows` rows made from examples[indices]."""
-        input_ids, attention_mask = self.token_ids(examples, indices, num_rows, rows)
+    def __call__(self, blocks, indices: np.ndarray, num_rows: int, seed: tuple, rows: slice = slice(None)) -> dict:
+        """The rows `rows` of the masked batch of `num_rows` rows made from blocks[indices]."""
+        input_ids, attention_mask = self.token_ids(blocks, indices, num_rows, rows)
         return self.masked(input_ids, attention_mask, seed, np.arange(num_rows)[rows])
 
 
@@ -426,20 +432,16 @@ TRAIN_MASKING, EVAL_MASKING = 0, 1
 
 
 def train_batches(
-    examples, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
+    blocks, make_batch: BatchMaker, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
 ) -> Iterator[tuple[dict, int]]:
     """This process's rows of each masked global batch of one epoch, from batch `first_batch` on, with the
     global batch's number of tokens (padding left out). Order and masks are fixed by seed, epoch and batch, so a
-    resumed run goes on with the very batches the interrupted one would have seen; the examples left over after the
+    resumed run goes on with the very batches the interrupted one would have seen; the blocks left over after the
     last full batch differ from epoch to epoch."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(examples))
     rows = process_slice(global_batch_size)
-    for step in range(first_batch, len(examples) // global_batch_size):
-        # Sorted (for reading memory-mapped examples in order) before the split, so that the global batch,
-        # row for row, does not depend on the number of processes.
-        indices = np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
-        batch = make_batch(examples, indices, global_batch_size, (seed, TRAIN_MASKING, epoch, step), rows)
-        yield batch, int(np.sum(make_batch.example_lengths(examples, indices) + 2))
+    for step, indices in epoch_batch_indices(len(blocks), global_batch_size, seed, epoch, first_batch):
+        batch = make_batch(blocks, indices, global_batch_size, (seed, TRAIN_MASKING, epoch, step), rows)
+        yield batch, int(np.sum(make_batch.block_lengths(blocks, indices) + 2))
 
 
 def mixture_train_batches(
@@ -451,17 +453,17 @@ def mixture_train_batches(
     global_batches = mixture.global_batches(global_batch_size, seed, first_step)
     for step, indices in zip(itertools.count(first_step), global_batches):
         batch = make_batch(mixture, indices, global_batch_size, (seed, TRAIN_MASKING, step), rows)
-        yield batch, int(np.sum(make_batch.example_lengths(mixture, indices) + 2))
+        yield batch, int(np.sum(make_batch.block_lengths(mixture, indices) + 2))
 
 
-def eval_batches(examples, make_batch: BatchMaker, global_batch_size: int, seed: int) -> Iterator[dict]:
-    """This process's rows of batches holding every example once, in order, masked the same way at every
+def eval_batches(blocks, make_batch: BatchMaker, global_batch_size: int, seed: int) -> Iterator[dict]:
+    """This process's rows of batches holding every block once, in order, masked the same way at every
     evaluation (the masks are seeded by the batch's index), so evaluations are comparable. The last batch is
     filled up with empty rows, none dropped."""
     rows = process_slice(global_batch_size)
-    for batch_index, start in enumerate(range(0, len(examples), global_batch_size)):
-        indices = np.arange(start, min(start + global_batch_size, len(examples)))
-        yield make_batch(examples, indices, global_batch_size, (seed, EVAL_MASKING, batch_index), rows)
+    for batch_index, start in enumerate(range(0, len(blocks), global_batch_size)):
+        indices = np.arange(start, min(start + global_batch_size, len(blocks)))
+        yield make_batch(blocks, indices, global_batch_size, (seed, EVAL_MASKING, batch_index), rows)
 
 
 def masked_stream_batches(
@@ -623,12 +625,12 @@ def make_eval_step(model):
     return eval_step
 
 
-def evaluation_sums(eval_step, params, examples, make_batch, global_batch_size, seed, batch_sharding) -> dict:
-    """The eval step's sums over every example."""
+def evaluation_sums(eval_step, params, blocks, make_batch, global_batch_size, seed, batch_sharding) -> dict:
+    """The eval step's sums over every block."""
     totals = {"loss_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
-    num_batches = math.ceil(len(examples) / global_batch_size)
+    num_batches = math.ceil(len(blocks) / global_batch_size)
     batches = prefetch(
-        to_global_batch(batch, batch_sharding) for batch in eval_batches(examples, make_batch, global_batch_size, seed)
+        to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, make_batch, global_batch_size, seed)
     )
     for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
         for name, value in jax.device_get(eval_step(params, batch)).items():
@@ -665,11 +667,11 @@ def evaluation_results(totals: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------
 
 
-def example_texts(examples, tokenizer, count: int) -> Iterator[str]:
-    """The texts of the first `count` examples, decoded: each line, or each piece of a block between the
+def block_texts(blocks, tokenizer, count: int) -> Iterator[str]:
+    """The texts of the first `count` blocks, decoded: each line, or each piece of a block between the
     </s> that end its texts."""
-    for index in range(min(count, len(examples))):
-        block = np.asarray(examples[index])
+    for index in range(min(count, len(blocks))):
+        block = np.asarray(blocks[index])
         for piece in np.split(block, np.flatnonzero(block == tokenizer.eos_token_id) + 1):
             yield tokenizer.decode(piece, skip_special_tokens=True)
 
@@ -697,13 +699,13 @@ def fill_mask(model, params, tokenizer, text: str, top_k: int, max_length: int) 
 
 
 class Evaluation:
-    """Evaluation on the validation examples, masked the same way each time; and, at the end of training, what the
+    """Evaluation on the validation blocks, masked the same way each time; and, at the end of training, what the
     exported model predicts for a masked text."""
 
     metric_tags = [f"eval/{name}" for name in EVAL_METRICS]  # what TensorBoard's HParams tab compares runs by
 
-    def __init__(self, setup: "TrainingSetup", examples, make_batch, tokenizer, training_args, trackers):
-        self.setup, self.examples, self.make_batch = setup, examples, make_batch
+    def __init__(self, setup: "TrainingSetup", blocks, make_batch, tokenizer, training_args, trackers):
+        self.setup, self.blocks, self.make_batch = setup, blocks, make_batch
         self.tokenizer, self.trackers = tokenizer, trackers
         self.output_dir, self.seed = training_args.output_dir, training_args.seed
         self.fill_mask_text, self.fill_mask_top_k = training_args.fill_mask_text, training_args.fill_mask_top_k
@@ -721,7 +723,7 @@ class Evaluation:
                 seed=self.seed,
                 batch_sharding=setup.batch_sharding,
             ),
-            self.examples,
+            self.blocks,
             evaluation_results,
         )
         report_by_source(results, step, self.trackers, EVAL_METRICS, describe_results)
@@ -735,7 +737,7 @@ class Evaluation:
             return None
         results = self(params, step)
         if jax.process_index() == 0:
-            saved = saved_results(results, (*EVAL_METRICS, "masked_tokens"), self.examples) | {"step": step}
+            saved = saved_results(results, (*EVAL_METRICS, "masked_tokens"), self.blocks) | {"step": step}
             write_json(os.path.join(self.output_dir, "eval_results.json"), saved)
             print(f"eval: {describe_results(results)}")
         return results
@@ -746,8 +748,8 @@ class Evaluation:
         if jax.process_index() != 0 or self.fill_mask_top_k <= 0:
             return
         text, masked_word = self.fill_mask_text, None
-        if not text and self.examples is not None:
-            texts = example_texts(next(iter(evaluation_sets(self.examples).values())), self.tokenizer, 100)
+        if not text and self.blocks is not None:
+            texts = block_texts(next(iter(evaluation_sets(self.blocks).values())), self.tokenizer, 100)
             text, masked_word = fill_mask_demo_text(texts, self.tokenizer.mask_token)
         if not text:
             return
@@ -777,8 +779,9 @@ def main():
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
     # Rows of max_seq_length - 2 tokens, which <s> and </s> frame.
-    texts_to_rows = TextsToRows(read_texts, tokenized_rows, tokenizer, max_seq_length - 2, "--max_seq_length")
-    rows, train_stream = load_data(model_args, data_args, training_args, texts_to_rows)
+    texts_to_rows = script_texts_to_rows(data_args, tokenizer, max_seq_length - 2)
+    route = data_args.data_route(model_args, training_args)
+    rows, train_stream, _ = load_data(route, texts_to_rows)
     if not (training_args.do_train or training_args.do_eval):  # --packed_data_dir alone: the data is packed
         print_once(f"packed data: {data_args.packed_data_dir}")
         return
@@ -798,10 +801,10 @@ def main():
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
-        batches = train_batches_from(
-            progress.step, setup, train_stream, make_batch, tokenizer, data_args, training_args
-        )
         save = partial(save_run, setup, config, tokenizer, run)
+        batches = train_batches_from(
+            progress.step, setup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
+        )
         log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
         state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
         if stopped_by:
@@ -832,6 +835,13 @@ def check_model_and_tokenizer(config, tokenizer, training_args):
     check_tokenizer(config, tokenizer)
 
 
+def script_texts_to_rows(data_args, tokenizer, row_length: int) -> TextsToRows:
+    """How this script's texts become rows of `row_length` tokens, with the settings of its flags bound."""
+    workers, line_by_line = data_args.preprocessing_num_workers, data_args.line_by_line
+    rows = partial(tokenized_rows, num_workers=workers, line_by_line=line_by_line)
+    return TextsToRows(read_texts, rows, tokenizer, row_length, "--max_seq_length", framing=data_args.framing)
+
+
 def choose_max_seq_length(data_args, tokenizer, config) -> int:
     # RoBERTa numbers positions from pad_token_id + 1, so that many position embeddings are never used.
     usable_positions = config.max_position_embeddings - config.pad_token_id - 1
@@ -858,39 +868,31 @@ def masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code: 
 
 
 def train_batches_from(
-    first_step, setup: TrainingSetup, train_stream, make_batch, tokenizer, data_args, training_args
+    first_step, setup: TrainingSetup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
 ):
     """The global batches of each compiled call after `first_step` (steps_of_calls says how many steps each runs),
-    stacked, and the token count of each step, read ahead on a thread: from the training rows, or `train_stream`. The
-    data order and the masks are a function of the step, so a resumed run sees the batches the interrupted one would
-    have."""
-    batch_size, max_seq_length, train_examples = setup.train_batch_size, setup.sequence_length, setup.train_rows
-    if isinstance(train_examples, Mixture):
-        data = f"on a mixture ({train_examples.describe(setup.total_steps * batch_size)})"
-        local_batches = mixture_train_batches(train_examples, make_batch, batch_size, training_args.seed, first_step)
+    stacked, and the token count of each step, read ahead on a thread: from the training rows, or `train_stream` (the
+    texts of `route`, which texts_to_rows makes into blocks as it does on every route). The data order and the masks
+    are a function of the step, so a resumed run sees the batches the interrupted one would have."""
+    batch_size, max_seq_length, train_blocks = setup.train_batch_size, setup.sequence_length, setup.train_rows
+    if isinstance(train_blocks, Mixture):
+        data = f"on a mixture ({train_blocks.describe(setup.total_steps * batch_size)})"
+        local_batches = mixture_train_batches(train_blocks, make_batch, batch_size, training_args.seed, first_step)
     elif train_stream is None:
-        data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_examples)} examples)"
-        batches_of_epoch = partial(train_batches, train_examples, make_batch, batch_size, training_args.seed)
+        data = f"({setup.total_steps / setup.steps_per_epoch:.2f} epochs of {len(train_blocks)} blocks)"
+        batches_of_epoch = partial(train_batches, train_blocks, make_batch, batch_size, training_args.seed)
         local_batches = epochs_of_batches(batches_of_epoch, first_step, setup.steps_per_epoch)
     else:
         data = "on blocks grouped from a stream"  # (--line_by_line is refused with --streaming)
-        first_batch, seed = stream_position(first_step, batch_size, training_args)
-        rows_of_texts = partial(
-            tokenized_rows, split="train", tokenizer=tokenizer, block_size=max_seq_length - 2, data_args=data_args
-        )
+        first_batch, seed = stream_position(first_step, batch_size, training_args.seed, training_args.ignore_data_skip)
+        rows_of_texts = partial(texts_to_rows.rows_of, split="train", source=route.source, example_format=None)
         block_batches = streaming_train_batches(
             train_stream, rows_of_texts, batch_size, seed, data_args.shuffle_buffer_size, first_batch
         )
         local_batches = masked_stream_batches(block_batches, make_batch, batch_size, training_args.seed, first_step)
-    logger.info(
-        "Training steps %d to %d %s, global batch %d x %d tokens%s",
-        first_step + 1,
-        setup.total_steps,
-        data,
-        batch_size,
-        max_seq_length,
-        " at most (padded per batch)" if data_args.line_by_line else "",
-    )
+    padded = " at most (padded per batch)" if data_args.line_by_line else ""
+    batch = f"global batch {batch_size} x {max_seq_length} tokens{padded}"
+    logger.info("Training steps %d to %d %s, %s", first_step + 1, setup.total_steps, data, batch)
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
     accumulation_steps, sharding = training_args.gradient_accumulation_steps, setup.call_batches_sharding
     return call_batches(local_batches, accumulation_steps, calls, training_args.steps_per_call, sharding)
@@ -907,7 +909,7 @@ def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, trai
 
 def abstract_call_batches(setup: TrainingSetup, make_batch: BatchMaker, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them: those of a
-    batch made from stand-in examples."""
+    batch made from stand-in blocks."""
     batch_size, stand_in = setup.train_batch_size, np.zeros((1, setup.sequence_length - 2), np.int32)
     global_batch = make_batch(
         stand_in, np.zeros(batch_size, np.int64), batch_size, (training_args.seed, TRAIN_MASKING)

@@ -31,12 +31,11 @@ import datasets
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenizer
 
-from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, check_writable_directory, run
 from flax_lm.models.tokenizer_files import save_tokenizer_files
 
 logger = logging.getLogger(__name__)

@@ -35,6 +35,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ from transformers import GPT2Config, LlamaConfig
 
 from flax_lm.command_line.arguments import default_steps_per_call
 from flax_lm.data.packed import cached_blocks
+from flax_lm.data.source import TextSource
 from flax_lm.data.texts import token_arrays
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.models.model_code import load_model_code
@@ -437,13 +439,14 @@ def benchmark_preprocessing(arguments, vocab_size: int) -> dict:
         num_tokens, raw_seconds = raw_encoding(backend, texts)  # one EOS per text joins them
 
         start = time.perf_counter()
-        data_args = run_clm_flax.DataTrainingArguments(overwrite_cache=True)
-        blocks = cached_blocks(dataset, "benchmark", run_clm_flax.tokenized_rows, tokenizer, 128, directory, data_args)
+        pack = partial(
+            cached_blocks, dataset, "benchmark", run_clm_flax.tokenized_rows, tokenizer, 128, directory, TextSource()
+        )
+        blocks = pack(framing="grouped", overwrite=True)
         pipeline_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        use_cache = run_clm_flax.DataTrainingArguments()
-        cached_blocks(dataset, "benchmark", run_clm_flax.tokenized_rows, tokenizer, 128, directory, use_cache)
+        pack(framing="grouped")
         cached_seconds = time.perf_counter() - start
 
         stream = datasets.load_dataset("json", data_files=data_file, split="train", streaming=True)

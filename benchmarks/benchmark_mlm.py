@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from transformers import RobertaConfig
 
 from flax_lm.command_line.arguments import default_steps_per_call
 from flax_lm.data.packed import cached_blocks
+from flax_lm.data.source import TextSource
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.models.model_code import load_model_code
 from flax_lm.models.roberta import FlaxRobertaForMaskedLM
@@ -245,24 +247,16 @@ def benchmark_preprocessing(arguments, vocab_size: int, seq_length: int) -> dict
         num_tokens, raw_seconds = raw_encoding(backend, texts)  # one separator per text joins them
 
         start = time.perf_counter()
-        tokenize_again, use_cache = (
-            run_mlm_flax.DataTrainingArguments(overwrite_cache=value) for value in (True, False)
-        )
-        blocks = cached_blocks(
-            dataset, "benchmark", run_mlm_flax.tokenized_rows, tokenizer, seq_length - 2, directory, tokenize_again
-        )
+        rows, lines = run_mlm_flax.tokenized_rows, partial(run_mlm_flax.tokenized_rows, line_by_line=True)
+        arguments = (tokenizer, seq_length - 2, directory, TextSource())
+        blocks = cached_blocks(dataset, "benchmark", rows, *arguments, framing="grouped", overwrite=True)
         grouped_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        cached_blocks(
-            dataset, "benchmark", run_mlm_flax.tokenized_rows, tokenizer, seq_length - 2, directory, use_cache
-        )
+        cached_blocks(dataset, "benchmark", rows, *arguments, framing="grouped")
         cached_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        lines_again = run_mlm_flax.DataTrainingArguments(overwrite_cache=True, line_by_line=True)
-        cached_blocks(
-            dataset, "benchmark", run_mlm_flax.tokenized_rows, tokenizer, seq_length - 2, directory, lines_again
-        )
+        cached_blocks(dataset, "benchmark", lines, *arguments, framing="line_by_line", overwrite=True)
         lines_seconds = time.perf_counter() - start
     return {
         "corpus_megabytes": size / 1e6,

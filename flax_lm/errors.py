@@ -1,13 +1,33 @@
-"""A Python exception for the mistakes a user can fix, and the one place that turns them into a line on stderr."""
+"""A Python exception for the mistakes a user can fix, the check of a directory a command will write into (made before
+any work rather than at the first save), and the one place that turns the mistakes into a line on stderr."""
 
 import contextlib
 import errno
+import os
 import re
 import sys
+import tempfile
 
 
 class UsageError(Exception):
     """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
+
+
+def check_writable_directory(path: str, flag: str):
+    """Refuse a directory (given by --`flag`) that is a file or cannot be created and written into. Writing a file is
+    the test: os.access says yes to root on a read-only filesystem."""
+    existing = os.path.abspath(path)  # the nearest directory that exists
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--{flag} {path}: {existing} is a file; pass a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise UsageError(
+            f"--{flag} {path} cannot be written ({error.strerror} in {existing}); pass a directory you can write to"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from flax_lm.data.packed import cached_blocks
+from flax_lm.data.source import TextSource
 from flax_lm.models import gpt2, stock_module
 from flax_lm.models.huggingface import save_model
 from flax_lm.training.train_state import abstract_model_params
@@ -319,11 +320,8 @@ def test_texts_are_joined_with_eos_packed_into_blocks_and_cached(model_dir, tmp_
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def pack(block_size):
-        data_args = run_clm_flax.DataTrainingArguments()
-        cache_dir = str(tmp_path / "cache")
-        return cached_blocks(
-            dataset, "train", run_clm_flax.tokenized_rows, tokenizer, block_size, cache_dir, data_args
-        )
+        cache_dir, rows = str(tmp_path / "cache"), run_clm_flax.tokenized_rows
+        return cached_blocks(dataset, "train", rows, tokenizer, block_size, cache_dir, TextSource(), framing="grouped")
 
     blocks = pack(16)
     expected = [token for text in texts for token in tokenizer(text + "\n")["input_ids"] + [tokenizer.eos_token_id]]

@@ -21,6 +21,7 @@ import flax_lm.data.loading
 import flax_lm.data.packed
 import flax_lm.data.texts
 import flax_lm.devices.processes
+from flax_lm.data.source import TextSource
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -63,16 +64,20 @@ def data_arguments(packed_dir, **overrides):
 
 def pack(packed_dir, tokenizer, block_size=32, **overrides):
     arguments = data_arguments(packed_dir, **overrides)
-    return flax_lm.data.packed.load_packed_corpus(
-        run_clm_flax.ModelArguments(), arguments, texts_to_rows(tokenizer, block_size)
+    blocks, _ = flax_lm.data.packed.load_packed_corpus(
+        arguments.packed_data_dir,
+        arguments.text_source(run_clm_flax.ModelArguments()),
+        texts_to_rows(tokenizer, block_size),
+        arguments.streaming,
+        arguments.overwrite_cache,
+        arguments.packed_tokens_per_shard,
     )
+    return blocks
 
 
 def texts_to_rows(tokenizer, block_size: int = 32) -> flax_lm.data.loading.TextsToRows:
     """run_clm_flax.py's way from texts to rows, as its main() makes it."""
-    return flax_lm.data.loading.TextsToRows(
-        run_clm_flax.read_texts, run_clm_flax.tokenized_rows, tokenizer, block_size, "--block_size"
-    )
+    return run_clm_flax.script_texts_to_rows(run_clm_flax.DataTrainingArguments(), tokenizer, block_size)
 
 
 def forbid_tokenizing(monkeypatch):
@@ -308,7 +313,9 @@ def load_data(tmp_path, tokenizer, do_train=True, do_eval=True, **data_overrides
     settings = {"train_file": str(CORPUS / "train.txt"), "text_sample_by": "document", **data_overrides}
     data_args = run_clm_flax.DataTrainingArguments(**settings)
     training_args = run_clm_flax.TrainingArguments(str(tmp_path / "out"), do_train=do_train, do_eval=do_eval)
-    return flax_lm.data.loading.load_data(model_args, data_args, training_args, texts_to_rows(tokenizer))[0]
+    return flax_lm.data.loading.load_data(
+        data_args.data_route(model_args, training_args), texts_to_rows(tokenizer)
+    ).rows
 
 
 def test_the_token_cache_holds_the_blocks_of_a_packed_data_dir_in_the_same_format(tokenizer, tmp_path, monkeypatch):
@@ -427,7 +434,7 @@ def test_an_unknown_dataset_config_is_named_in_the_message(tmp_path):
     arguments = run_clm_flax.DataTrainingArguments(dataset_name=str(tmp_path / "data"), dataset_config_name="wiki")
     with pytest.raises(run_clm_flax.UsageError) as refusal:
         flax_lm.data.texts.load_text_datasets(
-            run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache")), arguments
+            arguments.text_source(run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache")))
         )
     message = str(refusal.value)
     assert "--dataset_config_name wiki" in message and "'wiki' not found" in message and "default" in message
@@ -507,10 +514,9 @@ def test_streaming_batches_hold_this_process_rows_and_resume_where_they_stopped(
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_batch=0, seed=0):
-        arguments = run_clm_flax.DataTrainingArguments()
 
         def rows_of_texts(texts):
-            return run_clm_flax.tokenized_rows(texts, "train", tokenizer, 32, arguments)
+            return run_clm_flax.tokenized_rows(texts, "train", tokenizer, 32, TextSource())
 
         return flax_lm.data.loading.streaming_train_batches(stream, rows_of_texts, 16, seed, 100, first_batch)
 
@@ -530,10 +536,9 @@ def test_a_process_whose_share_of_the_stream_is_empty_is_refused(tokenizer, tmp_
     (tmp_path / "one.txt").write_text("The only text.\n")
     monkeypatch.setattr(run_clm_flax.jax, "process_count", lambda: 2)
     monkeypatch.setattr(run_clm_flax.jax, "process_index", lambda: 1)
-    arguments = run_clm_flax.DataTrainingArguments()
 
     def rows_of_texts(texts):
-        return run_clm_flax.tokenized_rows(texts, "train", tokenizer, 32, arguments)
+        return run_clm_flax.tokenized_rows(texts, "train", tokenizer, 32, TextSource())
 
     batches = flax_lm.data.loading.streaming_train_batches(text_stream(tmp_path / "one.txt"), rows_of_texts, 2, 0, 10)
     with pytest.raises(run_clm_flax.UsageError, match="process 1's share of the training stream holds no text"):
@@ -542,14 +547,13 @@ def test_a_process_whose_share_of_the_stream_is_empty_is_refused(tokenizer, tmp_
 
 def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_stream(tokenizer):
     arguments = data_arguments(None, train_file=None, validation_file=str(CORPUS / "validation.txt"))
-    stream = flax_lm.data.texts.load_text_datasets(run_clm_flax.ModelArguments(), arguments, streaming=True)[
-        "validation"
-    ]
+    source = arguments.text_source(run_clm_flax.ModelArguments())
+    stream = flax_lm.data.texts.load_text_datasets(source, streaming=True)["validation"]
     texts = [(CORPUS / "validation.txt").read_text()]  # one document: the file as written
     expected = expected_blocks(tokenizer, texts, 32)
 
     def rows():
-        return run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, arguments)
+        return run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, source)
 
     np.testing.assert_array_equal(flax_lm.data.loading.first_blocks(rows(), 32, 50), expected[:50])
     np.testing.assert_array_equal(flax_lm.data.loading.first_blocks(rows(), 32, None), expected)
@@ -560,7 +564,7 @@ def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
     data_file.write_text('{"body": "a text"}\n' * 3)
     stream = datasets.load_dataset("json", data_files=str(data_file), split="train", streaming=True)
     with pytest.raises(run_clm_flax.UsageError, match="no column 'text' .*pass --text_column_name"):
-        rows = run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, run_clm_flax.DataTrainingArguments())
+        rows = run_clm_flax.tokenized_rows(stream, "validation", tokenizer, 32, TextSource())
         flax_lm.data.loading.first_blocks(rows, 32, None)
 
 

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 
 import flax_lm.data.loading
 import flax_lm.data.texts
+from flax_lm.data.source import TextSource
 
 CORPUS = FIXTURES_DIR / "en"
 BLOCK_SIZE = 64
@@ -49,7 +50,7 @@ def load(tmp_path, **data_arguments):
     model_arguments = run_clm_flax.ModelArguments(cache_dir=str(tmp_path / "cache"))
     # A whole .txt file is one text unless --text_sample_by says otherwise, as check_arguments sets it.
     data_arguments = run_clm_flax.DataTrainingArguments(**{"text_sample_by": "document", **data_arguments})
-    return flax_lm.data.texts.load_text_datasets(model_arguments, data_arguments)
+    return flax_lm.data.texts.load_text_datasets(data_arguments.text_source(model_arguments))
 
 
 def write_text_files(tmp_path):
@@ -94,9 +95,8 @@ def test_the_blocks_frame_each_document_as_the_model_type_was_trained(
     (tmp_path / "b.txt").write_text("The second one")
     dataset = load(tmp_path, train_file=str(tmp_path / "*.txt"))["train"]
     tokenizer = AutoTokenizer.from_pretrained(test_tokenizer_dirs[model_type])
-    data_args = run_clm_flax.DataTrainingArguments()
     # Blocks of one token, so that no tail is cut off.
-    blocks = np.concatenate(list(run_clm_flax.tokenized_rows(dataset, "train", tokenizer, 1, data_args)))
+    blocks = np.concatenate(list(run_clm_flax.tokenized_rows(dataset, "train", tokenizer, 1, TextSource())))
     assert tokenizer.decode(blocks.reshape(-1)) == framed
 
 
@@ -263,7 +263,7 @@ def test_masked_lm_reads_lines_with_line_by_line_and_whole_files_otherwise(
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
     assert data_args.text_sample_by == sample_by
-    assert len(flax_lm.data.texts.load_text_datasets(model_args, data_args)["train"]) == num_texts
+    assert len(flax_lm.data.texts.load_text_datasets(data_args.text_source(model_args))["train"]) == num_texts
 
 
 @pytest.mark.parametrize("line_by_line", [True, False], ids=["lines", "blocks"])
@@ -278,10 +278,9 @@ def test_masked_lm_holds_out_the_first_examples_lines_or_blocks(line_by_line, re
     data_args = run_mlm_flax.DataTrainingArguments(train_file=str(tmp_path / "lines.txt"), line_by_line=line_by_line)
     training_args = run_mlm_flax.TrainingArguments(output_dir=str(tmp_path / "out"), do_train=True, do_eval=True)
     run_mlm_flax.check_arguments(model_args, data_args, training_args)
-    texts_to_rows = flax_lm.data.loading.TextsToRows(
-        run_mlm_flax.read_texts, run_mlm_flax.tokenized_rows, recipe_tokenizer, 16, "--max_seq_length"
-    )
-    examples, _ = flax_lm.data.loading.load_data(model_args, data_args, training_args, texts_to_rows)
+    texts_to_rows = run_mlm_flax.script_texts_to_rows(data_args, recipe_tokenizer, 16)
+    route = data_args.data_route(model_args, training_args)
+    examples = flax_lm.data.loading.load_data(route, texts_to_rows).rows
     if line_by_line:  # 2 of 40 lines, the first ones, each a row of 16 tokens: cut short, or padded
         assert (len(examples["validation"]), len(examples["train"])) == (2, 38)
         for row, line in ((examples["validation"][0], lines[0]), (examples["train"][0], lines[2])):

@@ -181,8 +181,8 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
         paragraphs = (CORPUS / "train.txt").read_text().split("\n\n")
         connection.executemany("INSERT INTO documents VALUES (?)", [(f"Zebra table {p}",) for p in paragraphs])
     sql_source = {
-        "    return load_text_datasets(model_args, data_args, streaming, evaluation_only)\n": (
-            "    connection = sqlite3.connect(data_args.dataset_name)\n"
+        "    return load_text_datasets(source, streaming, evaluation_only)\n": (
+            "    connection = sqlite3.connect(source.dataset_name)\n"
             '    rows = connection.execute("SELECT text FROM documents ORDER BY rowid").fetchall()\n'
             "    connection.close()\n"
             '    texts = {"train": datasets.Dataset.from_dict({"text": [text for (text,) in rows]})}\n'
@@ -207,10 +207,10 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
     spec = importlib.util.spec_from_file_location("sql_source", script)
     sql_script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sql_script)
-    data_args = sql_script.DataTrainingArguments(dataset_name=str(database))
+    source = sql_script.TextSource(dataset_name=str(database))
 
     def table_fingerprint():
-        return sql_script.read_texts(sql_script.ModelArguments(), data_args)["train"]._fingerprint
+        return sql_script.read_texts(source)["train"]._fingerprint
 
     unchanged = table_fingerprint()
     assert table_fingerprint() == unchanged  # the next run finds the cache
@@ -221,9 +221,9 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
 
 # A document filter in tokenized_rows, where "Where to edit" puts it: it must hold on every route, a stream's too.
 DROPS_ZEBRA_DOCUMENTS = {
-    "    tokens = token_arrays(dataset, tokenizer, column, workers, split, ids_around_documents(tokenizer))\n": (
+    "    tokens = token_arrays(dataset, tokenizer, column, num_workers, split, ids_around_documents(tokenizer))\n": (
         '    dataset = dataset.filter(lambda text: "Zebra" not in text, input_columns=column)\n'
-        "    tokens = token_arrays(dataset, tokenizer, column, workers, split, ids_around_documents(tokenizer))\n"
+        "    tokens = token_arrays(dataset, tokenizer, column, num_workers, split, ids_around_documents(tokenizer))\n"
     )
 }
 
@@ -264,8 +264,8 @@ def test_a_document_filter_in_tokenized_rows_holds_for_a_streamed_training_run(
     trained_tokens = np.concatenate(trained_on).reshape(-1)
     assert len(trained_on) >= 3 and "Zebra" not in tokenizer.decode(trained_tokens)
     # Unfiltered, as many tokens of the stream hold a zebra in every other document.
-    texts = copy.read_texts(copy.ModelArguments(), copy.DataTrainingArguments(train_file=str(data_file)), True)
-    unfiltered = run_clm_flax.tokenized_rows(texts["train"], "train", tokenizer, 32, copy.DataTrainingArguments())
+    texts = copy.read_texts(copy.TextSource(train_file=str(data_file)), True)
+    unfiltered = run_clm_flax.tokenized_rows(texts["train"], "train", tokenizer, 32, copy.TextSource())
     first_tokens = np.concatenate(list(unfiltered)).reshape(-1)[: len(trained_tokens)]
     assert tokenizer.decode(first_tokens).count("Zebra") > 3
 

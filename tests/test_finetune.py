@@ -27,9 +27,9 @@ from flax_lm.data.finetune_examples import (
     CONVERSATIONAL_PROMPT_COMPLETION,
     CONVERSATIONS,
     PROMPT_COMPLETION,
+    data_format,
     format_of,
 )
-from flax_lm.data.loading import TextsToRows
 from flax_lm.data.packed import cached_blocks, load_packed_corpus
 from flax_lm.errors import UsageError
 from flax_lm.generation.sampling import Sampling
@@ -119,12 +119,25 @@ def example_data_arguments(**settings) -> run_clm_flax.DataTrainingArguments:
     return run_clm_flax.DataTrainingArguments(**settings)
 
 
+def example_source(**settings):
+    """Where run_clm_flax.py reads its texts and examples with these data arguments, as the data layer takes it."""
+    return example_data_arguments(**settings).text_source(run_clm_flax.ModelArguments())
+
+
 def rows_of(data_file: str, tokenizer, cache_dir, block_size: int = 128, **settings) -> np.ndarray:
     """The rows run_clm_flax.py trains on for the examples of `data_file`, through the token cache."""
     dataset = datasets.load_dataset("json", data_files=data_file, split="train", cache_dir=str(cache_dir))
     data_args = example_data_arguments(train_file=[data_file], **settings)
-    data_args.resolve_example_format({"train": dataset}, streaming=False)
-    rows = cached_blocks(dataset, "train", run_clm_flax.example_rows, tokenizer, block_size, str(cache_dir), data_args)
+    texts_to_rows = run_clm_flax.script_texts_to_rows(data_args, tokenizer, block_size)
+    source = data_args.text_source(run_clm_flax.ModelArguments())
+    example_format = data_format({"train": dataset}, source, streaming_alone=False)
+    row_function, framing = (
+        texts_to_rows.row_function(example_format),
+        texts_to_rows.framing_of(example_format, source),
+    )
+    rows = cached_blocks(
+        dataset, "train", row_function, tokenizer, block_size, str(cache_dir), source, framing=framing
+    )
     return np.asarray(rows)
 
 
@@ -267,13 +280,13 @@ def test_eval_loss_is_pytorchs_loss_of_the_export_on_the_trained_tokens(run, cha
     ],
 )  # fmt: skip
 def test_the_format_is_told_from_the_columns(columns, settings, expected):
-    assert format_of(datasets.Dataset.from_dict(columns), "train", example_data_arguments(**settings)) == expected
+    assert format_of(datasets.Dataset.from_dict(columns), "train", example_source(**settings)) == expected
 
 
 def test_conversations_with_a_tools_column_are_refused_not_trained_without_their_tools():
     columns = {"messages": [[USER_TURN]], "tools": [[{"type": "function", "function": {"name": "now"}}]]}
     with pytest.raises(UsageError, match=r"^the train data has a 'tools' column of tool definitions, which training"):
-        format_of(datasets.Dataset.from_dict(columns), "train", example_data_arguments())
+        format_of(datasets.Dataset.from_dict(columns), "train", example_source())
 
 
 BAD_ROWS = {
@@ -390,15 +403,8 @@ def test_a_packed_data_dir_of_examples_is_used_alone_and_refused_with_other_loss
 
     def load(**settings):
         data_args = example_data_arguments(packed_data_dir=packed, **settings)
-        texts_to_rows = TextsToRows(
-            run_clm_flax.read_texts,
-            run_clm_flax.tokenized_rows,
-            tokenizer,
-            64,
-            "--block_size",
-            example_rows=run_clm_flax.example_rows,
-        )
-        blocks = load_packed_corpus(model_args, data_args, texts_to_rows)
+        texts_to_rows = run_clm_flax.script_texts_to_rows(data_args, tokenizer, 64)
+        blocks, _ = load_packed_corpus(packed, data_args.text_source(model_args), texts_to_rows)
         return np.asarray(blocks["train"])
 
     packed_rows = load(train_file=[data_file])

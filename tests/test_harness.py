@@ -25,6 +25,7 @@ from test_serve import running_server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flax_lm.data.chat import DEFAULT_CHAT_TEMPLATE
+from flax_lm.data.source import TextSource
 from flax_lm.data.texts import token_byte_counts
 from flax_lm.devices.mesh import BATCH_AXES, create_mesh
 from flax_lm.errors import UsageError
@@ -267,9 +268,8 @@ def test_evaluation_only_scores_an_export_into_the_results_and_trackers(evaluati
 def test_a_perplexity_task_agrees_with_the_eval_loss_on_the_same_text(generator, local_tasks):
     tasks_dir, block_size = local_tasks
     texts = datasets.load_dataset("json", data_files=str(tasks_dir / "validation.jsonl"), split="train")
-    data_args = run_clm_flax.DataTrainingArguments()
     blocks = np.concatenate(
-        list(run_clm_flax.tokenized_rows(texts, "validation", generator.tokenizer, block_size, data_args))
+        list(run_clm_flax.tokenized_rows(texts, "validation", generator.tokenizer, block_size, TextSource()))
     )
     assert len(blocks) == 4  # each document after the end-of-text token that the empty one before it wrote
     token_bytes = token_byte_counts(generator.tokenizer, generator.model.config.vocab_size)

@@ -35,6 +35,7 @@ import flax_lm.data.packed
 import flax_lm.data.texts
 import flax_lm.devices.processes
 import flax_lm.errors
+from flax_lm.data.source import TextSource
 from flax_lm.models.huggingface import read_safetensors_checkpoint
 
 TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
@@ -525,9 +526,8 @@ def test_skip_missing_texts_leaves_out_the_rows_without_text(script, streaming, 
     module = SCRIPTS[script]
     data_args = module.DataTrainingArguments(train_file=str(paths["null"]), skip_missing_texts=True)
     with caplog.at_level(logging.WARNING, logger=flax_lm.data.texts.logger.name):
-        splits = flax_lm.data.texts.load_text_datasets(
-            module.ModelArguments(cache_dir=str(tmp_path)), data_args, streaming
-        )
+        source = data_args.text_source(module.ModelArguments(cache_dir=str(tmp_path)))
+        splits = flax_lm.data.texts.load_text_datasets(source, streaming)
         train = splits["train"]
         texts = [text for batch in train.iter(batch_size=100) for text in batch["text"]]
     expected = [json.loads(line)["text"] for line in paths["null"].read_text().splitlines()]
@@ -562,9 +562,18 @@ def cut_in_half(path):
 
 def pack_token_cache(text_dataset, tokenizer, directory):
     """The token cache of the texts in blocks of 32 tokens, in shards of 4,000 tokens: several shards."""
-    data_args = run_clm_flax.DataTrainingArguments(packed_tokens_per_shard=4000)
     rows = run_clm_flax.tokenized_rows
-    return flax_lm.data.packed.cached_blocks(text_dataset, "train", rows, tokenizer, 32, str(directory), data_args)
+    return flax_lm.data.packed.cached_blocks(
+        text_dataset,
+        "train",
+        rows,
+        tokenizer,
+        32,
+        str(directory),
+        TextSource(),
+        framing="grouped",
+        tokens_per_shard=4000,
+    )
 
 
 def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, paths, tmp_path, caplog):
@@ -579,9 +588,7 @@ def test_a_cut_short_shard_of_the_tokenized_cache_is_packed_again(text_dataset, 
 
 def clm_rows(tokenizer) -> flax_lm.data.loading.TextsToRows:
     """run_clm_flax.py's way from texts to blocks of 32 tokens."""
-    return flax_lm.data.loading.TextsToRows(
-        run_clm_flax.read_texts, run_clm_flax.tokenized_rows, tokenizer, 32, "--block_size"
-    )
+    return run_clm_flax.script_texts_to_rows(run_clm_flax.DataTrainingArguments(), tokenizer, 32)
 
 
 def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
@@ -589,7 +596,12 @@ def test_a_cut_short_shard_of_a_packed_data_dir_is_refused(paths, tmp_path):
 
     def load(**settings):
         data_args = run_clm_flax.DataTrainingArguments(packed_data_dir=str(tmp_path / "packed"), **settings)
-        return flax_lm.data.packed.load_packed_corpus(run_clm_flax.ModelArguments(), data_args, clm_rows(tokenizer))
+        source = data_args.text_source(run_clm_flax.ModelArguments())
+        tokens_per_shard = data_args.packed_tokens_per_shard
+        packed = str(tmp_path / "packed")
+        return flax_lm.data.packed.load_packed_corpus(
+            packed, source, clm_rows(tokenizer), tokens_per_shard=tokens_per_shard
+        )
 
     load(train_file=str(TRAIN_FILE), text_sample_by="document", packed_tokens_per_shard=4000)
     cut_in_half(tmp_path / "packed" / "train-00001.npy")
@@ -609,10 +621,13 @@ def test_a_packed_data_dir_shard_whose_bytes_changed_is_refused_when_opened(path
     data_args = run_clm_flax.DataTrainingArguments(
         packed_data_dir=str(tmp_path / "packed"), train_file=str(TRAIN_FILE), packed_tokens_per_shard=4000
     )
-    model_args, rows = run_clm_flax.ModelArguments(), clm_rows(tokenizer)
-    flax_lm.data.packed.load_packed_corpus(model_args, data_args, rows)
+    source, rows = data_args.text_source(run_clm_flax.ModelArguments()), clm_rows(tokenizer)
+    load = partial(
+        flax_lm.data.packed.load_packed_corpus, data_args.packed_data_dir, source, rows, tokens_per_shard=4000
+    )
+    load()
     overwrite_bytes_in_the_middle(tmp_path / "packed" / "train-00001.npy")
-    blocks = flax_lm.data.packed.load_packed_corpus(model_args, data_args, rows)["train"]
+    blocks = load()[0]["train"]
     blocks[:100]  # a view: no shard is opened
     first_shard = blocks.split_entry["shards"][0]["num_blocks"]
     assert np.asarray(blocks[np.arange(first_shard)]).max() < 1000  # the intact shard reads
@@ -641,9 +656,9 @@ def test_a_cut_short_line_cache_is_tokenized_again(text_dataset, paths, tmp_path
     cache_dir = str(tmp_path / "lines")
 
     def tokenize():
-        data_args = mlm.DataTrainingArguments(line_by_line=True)
+        rows = partial(mlm.tokenized_rows, line_by_line=True)
         return flax_lm.data.packed.cached_blocks(
-            text_dataset, "train", mlm.tokenized_rows, tokenizer, 30, cache_dir, data_args
+            text_dataset, "train", rows, tokenizer, 30, cache_dir, TextSource(), framing="line_by_line"
         )
 
     expected = np.asarray(tokenize())
@@ -670,9 +685,8 @@ def test_temporary_files_of_killed_runs_are_removed_from_the_cache(text_dataset,
     for path in (*stale, kept):
         os.utime(path, (an_hour_ago, an_hour_ago))
     tokenizer = AutoTokenizer.from_pretrained(paths["gpt2"])
-    data_args = run_clm_flax.DataTrainingArguments()
     flax_lm.data.packed.cached_blocks(
-        text_dataset, "train", run_clm_flax.tokenized_rows, tokenizer, 32, cache_dir, data_args
+        text_dataset, "train", run_clm_flax.tokenized_rows, tokenizer, 32, cache_dir, TextSource(), framing="grouped"
     )
     assert not any(os.path.exists(path) for path in stale)
     assert os.path.exists(fresh) and os.path.exists(kept)

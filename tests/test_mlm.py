@@ -4,6 +4,7 @@ The model itself (logits against transformers' PyTorch RoBERTa, conversion both 
 fractions) is tested in test_mlm_model.py.
 """
 
+import functools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ sys.path.insert(0, REPO)
 import run_mlm_flax  # noqa: E402
 from flax_lm.command_line.arguments import ModelArguments, parse_arguments  # noqa: E402
 from flax_lm.data.packed import cached_blocks  # noqa: E402
+from flax_lm.data.source import TextSource  # noqa: E402
 from flax_lm.models import roberta  # noqa: E402
 from flax_lm.models.huggingface import read_safetensors_checkpoint  # noqa: E402
 from flax_lm.training.train_state import abstract_model_params  # noqa: E402
@@ -77,9 +79,10 @@ def chosen_positions(batch):
 
 def line_rows(dataset, tokenizer, cache_dir, max_seq_length=SEQUENCE_LENGTH):
     """The --line_by_line rows of a dataset: a packed corpus cached in cache_dir."""
-    data_args = run_mlm_flax.DataTrainingArguments(line_by_line=True)
-    rows = run_mlm_flax.tokenized_rows
-    return cached_blocks(dataset, "train", rows, tokenizer, max_seq_length - 2, str(cache_dir), data_args)
+    rows = functools.partial(run_mlm_flax.tokenized_rows, line_by_line=True)
+    return cached_blocks(
+        dataset, "train", rows, tokenizer, max_seq_length - 2, str(cache_dir), TextSource(), framing="line_by_line"
+    )
 
 
 def text_dataset(path, cache_dir):
@@ -95,9 +98,9 @@ def text_dataset(path, cache_dir):
 
 def test_grouped_blocks_are_the_texts_joined_with_separators_and_framed_as_s_to_slash_s(tokenizer, tmp_path):
     dataset = text_dataset(VALIDATION_FILE, tmp_path)
-    data_args = run_mlm_flax.DataTrainingArguments()
+    rows, width = run_mlm_flax.tokenized_rows, SEQUENCE_LENGTH - 2
     blocks = cached_blocks(
-        dataset, "validation", run_mlm_flax.tokenized_rows, tokenizer, SEQUENCE_LENGTH - 2, str(tmp_path), data_args
+        dataset, "validation", rows, tokenizer, width, str(tmp_path), TextSource(), framing="grouped"
     )
     joined = [
         token
@@ -120,7 +123,8 @@ def test_with_document_attention_the_texts_of_a_grouped_block_are_scored_as_if_a
     token_lists = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in dataset["text"]]
     width = sum(len(tokens) + 1 for tokens in token_lists)  # one block holds the texts, each followed by </s>
     data_args = run_mlm_flax.DataTrainingArguments(document_attention=True)
-    blocks = cached_blocks(dataset, "train", run_mlm_flax.tokenized_rows, tokenizer, width, str(tmp_path), data_args)
+    rows = run_mlm_flax.tokenized_rows
+    blocks = cached_blocks(dataset, "train", rows, tokenizer, width, str(tmp_path), TextSource(), framing="grouped")
     input_ids, attention_mask = batch_maker(tokenizer, width + 2).token_ids(blocks, np.arange(1), 1)
     assert tokenizer.decode(input_ids[0]) == "<s>" + "</s>".join(dataset["text"]) + "</s></s>"
 

@@ -21,8 +21,9 @@ from test_distributed import Processes
 from test_mlm import run_mlm_flax, scalars
 from transformers import AutoTokenizer, RobertaConfig
 
-from flax_lm.data.loading import TextsToRows, load_data, streaming_train_batches
+from flax_lm.data.loading import load_data, streaming_train_batches
 from flax_lm.data.packed import load_packed_corpus, open_packed_corpus
+from flax_lm.data.source import TextSource
 from flax_lm.errors import UsageError
 
 CORPUS = FIXTURES_DIR / "en"
@@ -283,10 +284,8 @@ def test_streamed_batches_resume_with_the_same_blocks_and_masks(tokenizer, monke
     monkeypatch.setattr(run_mlm_flax.jax, "process_index", lambda: 1)
 
     def batches(first_step=0):
-        arguments = run_mlm_flax.DataTrainingArguments()
-
         def rows_of_texts(texts):
-            return run_mlm_flax.tokenized_rows(texts, "train", tokenizer, SEQUENCE_LENGTH - 2, arguments)
+            return run_mlm_flax.tokenized_rows(texts, "train", tokenizer, SEQUENCE_LENGTH - 2, TextSource())
 
         block_batches = streaming_train_batches(stream, rows_of_texts, 16, 0, 100, first_step)
         return [batch for batch, _ in itertools.islice(
@@ -336,7 +335,8 @@ def test_line_by_line_rows_of_the_token_cache_and_of_a_packed_data_dir_are_the_s
             streaming=streaming,
         )
         run_mlm_flax.check_arguments(model_args, data_args, training_args)
-        examples[route], _ = load_data(model_args, data_args, training_args, mlm_rows(tokenizer, SEQUENCE_LENGTH - 2))
+        texts_to_rows = run_mlm_flax.script_texts_to_rows(data_args, tokenizer, SEQUENCE_LENGTH - 2)
+        examples[route] = load_data(data_args.data_route(model_args, training_args), texts_to_rows).rows
     for split in ("train", "validation"):
         for route in ("packed", "packed from a stream"):
             np.testing.assert_array_equal(np.asarray(examples[route][split]), np.asarray(examples["cache"][split]))
@@ -347,9 +347,11 @@ def test_line_by_line_rows_of_the_token_cache_and_of_a_packed_data_dir_are_the_s
     assert (held_out[len(tokens) :] == tokenizer.pad_token_id).all()
 
 
-def mlm_rows(tokenizer, row_length: int) -> TextsToRows:
-    """run_mlm_flax.py's way from texts to rows of `row_length` tokens."""
-    return TextsToRows(run_mlm_flax.read_texts, run_mlm_flax.tokenized_rows, tokenizer, row_length, "--max_seq_length")
+def load_packed(data_args, tokenizer, row_length: int) -> dict:
+    """The rows of --packed_data_dir as run_mlm_flax.py reads (or packs) them, rows of `row_length` tokens."""
+    texts_to_rows = run_mlm_flax.script_texts_to_rows(data_args, tokenizer, row_length)
+    source = data_args.text_source(run_mlm_flax.ModelArguments())
+    return load_packed_corpus(data_args.packed_data_dir, source, texts_to_rows)[0]
 
 
 @pytest.mark.parametrize("line_by_line", [True, False], ids=["grouped-read-as-lines", "lines-read-as-grouped"])
@@ -362,11 +364,11 @@ def test_a_packed_data_dir_of_the_other_framing_is_refused(line_by_line, packed_
             line_by_line=True,
             text_sample_by="line",
         )
-        load_packed_corpus(run_mlm_flax.ModelArguments(), lines_args, mlm_rows(tokenizer, SEQUENCE_LENGTH - 2))
+        load_packed(lines_args, tokenizer, SEQUENCE_LENGTH - 2)
     data_args = run_mlm_flax.DataTrainingArguments(packed_data_dir=str(packed_dir), line_by_line=line_by_line)
     recorded, expected = ("grouped", "line_by_line") if line_by_line else ("line_by_line", "grouped")
     with pytest.raises(UsageError, match=rf"holds {recorded} rows, not {expected} ones; use another"):
-        load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, mlm_rows(tokenizer, SEQUENCE_LENGTH - 2))
+        load_packed(data_args, tokenizer, SEQUENCE_LENGTH - 2)
 
 
 def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokenizer):
@@ -375,7 +377,7 @@ def test_packed_data_dir_of_another_max_seq_length_is_refused(packed_dir, tokeni
         UsageError,
         match=r"holds blocks of 30 tokens, not the 62 that --max_seq_length sets; use another --packed_data_dir",
     ):
-        load_packed_corpus(run_mlm_flax.ModelArguments(), data_args, mlm_rows(tokenizer, 62))
+        load_packed(data_args, tokenizer, 62)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The package shows its parts: each subpackage says what it holds, and a script written for the flat layout of 0.3
 stops at its first import of a moved module with one line naming the new one."""
 
+import ast
 import importlib
 import os
 import pkgutil
@@ -70,3 +71,75 @@ def test_a_checkpoint_of_the_flat_layouts_stock_model_resumes_and_other_code_doe
     assert not model_code.computes_as("0123456789abcdef")
     (llama_earlier,) = EARLIER_VERIFIED_FINGERPRINTS["llama"]
     assert not model_code.computes_as(llama_earlier)  # another model's earlier code is other code
+
+
+# ----------------------------------------------------------------------------------------------------
+# The data layer takes values, not the command line's arguments, and its modules import downwards only
+# ----------------------------------------------------------------------------------------------------
+
+DATA_DIR = os.path.join(REPO, "flax_lm", "data")
+
+
+def data_layer_problems(source: str, module: str, modules_above: list[str]) -> list[str]:
+    """What in the source of the data module `module` goes against the data layer's direction: an import of
+    flax_lm.command_line or of a data module not listed above it (`modules_above`), and a function or method with a
+    parameter named like the scripts' argument groups (data_args, model_args, training_args: *_args)."""
+    problems = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            imported = []
+        for name in imported:
+            if name == "flax_lm.command_line" or name.startswith("flax_lm.command_line."):
+                problems.append(f"{module} imports {name}")
+            parts = name.split(".")
+            if parts[:2] == ["flax_lm", "data"] and len(parts) == 3 and parts[2] not in modules_above:
+                problems.append(f"{module} imports flax_lm.data.{parts[2]}, which is not above it")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            arguments = node.args
+            parameters = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+            parameters += [parameter for parameter in (arguments.vararg, arguments.kwarg) if parameter]
+            name = getattr(node, "name", "lambda")
+            problems += [
+                f"{module}.{name} takes {parameter.arg}" for parameter in parameters if parameter.arg.endswith("_args")
+            ]
+    return problems
+
+
+def data_modules_in_order() -> list[str]:
+    """The modules of flax_lm/data in the order its docstring lists them, lowest layer first."""
+    import flax_lm.data
+
+    listed = [line.split()[0][: -len(".py")] for line in flax_lm.data.__doc__.splitlines() if ".py " in line]
+    on_disk = sorted(name[:-3] for name in os.listdir(DATA_DIR) if name.endswith(".py") and name != "__init__.py")
+    assert sorted(listed) == on_disk, f"flax_lm/data/__init__.py lists {listed}; the folder holds {on_disk}"
+    return listed
+
+
+def test_the_data_layer_takes_values_and_imports_downwards_only():
+    modules = data_modules_in_order()
+    problems = []
+    for number, module in enumerate(modules):
+        with open(os.path.join(DATA_DIR, f"{module}.py")) as file:
+            problems += data_layer_problems(file.read(), module, modules[:number])
+    assert not problems, "; ".join(problems)
+
+
+def test_the_data_layer_check_finds_an_upward_import_and_an_arguments_parameter():
+    source = (
+        "from flax_lm.command_line.arguments import DataArguments\n"
+        "from flax_lm.data import loading\n"
+        "class Reader:\n"
+        "    def read(self, dataset, data_args):\n"
+        "        return dataset\n"
+    )
+    problems = data_layer_problems(source, "texts", ["source"])
+    assert problems == [
+        "texts imports flax_lm.command_line.arguments",
+        "texts imports flax_lm.command_line.arguments.DataArguments",
+        "texts imports flax_lm.data.loading, which is not above it",
+        "texts.read takes data_args",
+    ]

@@ -197,7 +197,7 @@ def clm_training(training_args):
     eval_step = run_clm_flax.make_eval_step(model, None)
     script = run_clm_flax.SCRIPT_TRAINING
     setup = set_up_training(model, stock_code(model.config), script, eval_step, training_args, blocks, LENGTH)
-    batches = run_clm_flax.train_batches_from(0, setup, None, None, None, training_args)
+    batches = run_clm_flax.train_batches_from(0, setup, None, None, None, None, training_args)
     return setup, run_clm_flax.abstract_call_batches(setup, training_args), next(iter(batches))
 
 
@@ -217,7 +217,7 @@ def mlm_training(training_args):
     script = run_mlm_flax.SCRIPT_TRAINING
     setup = set_up_training(model, stock_code(model.config), script, eval_step, training_args, blocks, LENGTH)
     batches = run_mlm_flax.train_batches_from(
-        0, setup, None, make_batch, None, run_mlm_flax.DataTrainingArguments(), training_args
+        0, setup, None, make_batch, None, None, run_mlm_flax.DataTrainingArguments(), training_args
     )
     return setup, run_mlm_flax.abstract_call_batches(setup, make_batch, training_args), next(iter(batches))
 

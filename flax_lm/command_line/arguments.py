@@ -12,16 +12,18 @@ from dataclasses import asdict, dataclass, field, fields
 import jax
 from transformers import HfArgumentParser
 
-from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.command_line.trainer_flags import (
     refuse_unknown_arguments,
     with_alias_values,
     with_flags_renamed,
     with_keys_renamed,
 )
+from flax_lm.data.loading import DataRoute
 from flax_lm.data.mixture import check_mixture
+from flax_lm.data.packed import PACKED_TOKENS_PER_SHARD
+from flax_lm.data.source import TextSource
 from flax_lm.devices.mesh import create_mesh
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, check_writable_directory
 from flax_lm.models.huggingface import check_local_model_directory, shard_size_in_bytes
 from flax_lm.run.tracking import trackers_to_report
 from flax_lm.training.compilation import use_compilation_cache
@@ -103,10 +105,6 @@ class ModelArguments:
             "files you trust; safetensors needs no such opt-in."
         },
     )
-
-
-# Shards of a packed corpus hold this many tokens (512 MiB as uint16); the last shard of a split may hold fewer.
-PACKED_TOKENS_PER_SHARD = 2**28
 
 
 @dataclass
@@ -221,25 +219,27 @@ class DataArguments:
         },
     )
     # How texts become the rows of a packed corpus, recorded in it so that one is never read as the other: "grouped"
-    # (texts joined and cut into blocks), or "line_by_line" (a row per line, run_mlm_flax.py --line_by_line); or
-    # examples, whose format is told from the data's columns once they are read (flax_lm.data.finetune_examples).
+    # (texts joined and cut into blocks), or "line_by_line" (a row per line, run_mlm_flax.py --line_by_line); examples
+    # are framed as their format, told from the data's columns once they are read (flax_lm.data.finetune_examples).
     framing = "grouped"
-    example_format = None  # plain text; the format of examples (run_clm_flax.py) once their data are read
 
-    def names_data(self) -> bool:
-        """Whether the arguments name data to train or evaluate on."""
-        names = ("train_file", "validation_file", "dataset_name", "data_mixture", "packed_data_dir")
-        return any(getattr(self, name) for name in names)
-
-    def resolve_example_format(self, texts: dict, streaming: bool) -> str | None:
-        """The format of the data just read, if they are examples rather than plain text
-        (flax_lm.data.finetune_examples)."""
+    def example_settings(self):
+        """How examples are read (flax_lm.data.source.ExampleSettings); None: only plain text is."""
         return None
 
-    def adopt_framing(self, recorded: str) -> bool:
-        """Whether the rows a packed corpus records as made with the framing `recorded` are those these arguments
-        make (flax_lm.data.finetune_examples: of data whose format is known from the record alone)."""
-        return recorded == self.framing
+    def text_source(self, model_args) -> TextSource:
+        """Where the texts are and how they are read, as the data layer takes it."""
+        names = ("train_file", "validation_file", "dataset_name", "dataset_config_name", "text_column_name")
+        names += ("text_sample_by", "keep_linebreaks", "skip_missing_texts")
+        values = {name: getattr(self, name) for name in names} | {"examples": self.example_settings()}
+        return TextSource(**values, cache_dir=model_args.cache_dir, token=model_args.token)
+
+    def data_route(self, model_args, training_args) -> DataRoute:
+        """Which route the rows take and what the run keeps of them, as flax_lm.data.loading.load_data takes it."""
+        names = ("data_mixture", "packed_data_dir", "streaming", "validation_split_percentage", "max_train_samples")
+        names += ("max_eval_samples", "overwrite_cache", "packed_tokens_per_shard")
+        values = {name: getattr(self, name) for name in names}
+        return DataRoute(self.text_source(model_args), training_args.do_train, training_args.do_eval, **values)
 
 
 @dataclass
@@ -547,9 +547,12 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
         )
         training_args.do_eval = True
     if data_args.data_mixture:
-        check_mixture(data_args, training_args)
+        others = ("train_file", "validation_file", "dataset_name", "streaming", "packed_data_dir")
+        check_mixture(
+            data_args.data_mixture, training_args.do_train, [name for name in others if getattr(data_args, name)]
+        )
     has_data = any(getattr(data_args, name) is not None for name in ("train_file", "dataset_name", "data_mixture"))
-    if not (data_args.names_data() or evaluates_without_data):
+    if not (data_args.data_route(model_args, training_args).names_data() or evaluates_without_data):
         raise UsageError("no data: pass --train_file (and optionally --validation_file) or --dataset_name")
     if training_args.do_train and not has_data and not data_args.packed_data_dir:
         raise UsageError("--do_train needs --train_file or --dataset_name")

@@ -1,8 +1,11 @@
-"""From texts to the token rows a train step reads, in the order the layers are met:
+"""From texts to the token rows a train step reads, in the order the layers are met; each module imports only those
+above it, so that the way from files to rows goes down once (and none imports flax_lm.command_line: the scripts
+unpack their flags into the values and settings these functions take):
 
+source.py             where the texts come from and how they are read (TextSource), how examples become rows
 texts.py              reading text files, datasets and streams, and encoding them into token ids
-finetune_examples.py  prompt/completion pairs and conversations in TRL's formats, with their loss weights
 chat.py               chat templates: rendering a conversation, the tokens that end a turn
+finetune_examples.py  prompt/completion pairs and conversations in TRL's formats, with their loss weights
 cache_key.py          the fingerprint of the code that turns texts into tokens, which keys the token cache
 packed.py             packed corpora on disk (the token cache and --packed_data_dir), read by memory maps
 mixture.py            several sources mixed by weight (--data_mixture)

@@ -3,6 +3,7 @@ calls, directly or through others, with the constants they read. The token cache
 script under another name reuses the cache, an edit anywhere on the way from texts to tokens (in the script or in the
 package) makes it anew, and an edit of anything else in the file does not."""
 
+import functools
 import hashlib
 import inspect
 import types
@@ -32,7 +33,10 @@ CONSTANT_TYPES = (bool, int, float, str, bytes, tuple, frozenset)
 def function_code_fingerprint(function) -> str:
     """sha256 of the source of `function` and of the own code it reaches (is_own_code) through the names it reads:
     the functions and classes it calls or passes on, those of modules it reads attributes of (`texts.token_arrays`),
-    and the plain constants (numbers, strings, tuples) among those names."""
+    and the plain constants (numbers, strings, tuples) among those names. Of a functools.partial, the code of the
+    function it calls: the values it binds are settings, which a cache records apart where they change the rows."""
+    while isinstance(function, functools.partial):
+        function = function.func
     script_module = function.__module__
     digest = hashlib.sha256()
     seen, pending = set(), [function]

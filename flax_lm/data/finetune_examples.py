@@ -32,9 +32,11 @@ from flax_lm.data.chat import (
     marks_assistant_tokens,
     render_conversation,
 )
+from flax_lm.data.source import ExampleSettings, TextSource
 from flax_lm.data.texts import (
     DATA_READ_ERRORS,
     column_batches,
+    columns_of,
     ids_around_documents,
     map_in_workers,
     text_source,
@@ -98,89 +100,87 @@ class ExampleArguments:
         },
     )
 
-    @property
-    def chat(self) -> bool:
-        """Whether the data are conversations (rendered by the chat template), once they are read."""
-        return self.example_format in (CONVERSATIONS, CONVERSATIONAL_PROMPT_COMPLETION)
-
-    @property
-    def framing(self) -> str:
-        """How the rows were made, recorded in a packed corpus (see flax_lm.data.packed): plain text grouped into
-        blocks, or examples with the settings that change their rows and the code that encodes them."""
-        return example_framing(self.example_format, self)
-
-    def resolve_example_format(self, texts: dict, streaming: bool) -> str | None:
-        """The format of the data just read ({split: dataset or stream}), told apart by their columns, kept in
-        `example_format` (None for plain text); refuses splits of different formats, or options that do not apply."""
-        formats = {}
-        for split, dataset in texts.items():
-            try:  # a stream's first rows are read here
-                formats[split] = format_of(dataset, split, self)
-            except DATA_READ_ERRORS as error:
-                raise unreadable_data_error(error, split, self) from None
-        if len(set(formats.values())) > 1:
-            described = " but ".join(
-                f"the {split} data are {FORMAT_NAMES.get(kind, 'plain text')}" for split, kind in formats.items()
-            )
-            raise UsageError(f"{described}; give every split in one format")
-        example_format = next(iter(formats.values()), None)
-        if example_format is None and self.packing:
-            raise UsageError(
-                "--packing packs prompt/completion examples and conversations, and the data are plain text, which is "
-                "always packed into blocks (--document_attention keeps its documents apart); drop --packing"
-            )
-        if example_format is not None and streaming and not self.packed_data_dir:
-            raise UsageError(
-                f"the data are {FORMAT_NAMES[example_format]}, which --streaming alone does not read; add "
-                "--packed_data_dir to pack the stream's examples once and train on them"
-            )
-        if example_format is not None and self.example_format is None:
-            logger.info("The data are %s: %s", FORMAT_NAMES[example_format], example_framing(example_format, self))
-        self.example_format = example_format
-        return example_format
-
-    def adopt_framing(self, recorded: str) -> bool:
-        """Whether rows recorded with the framing `recorded` (by a packed corpus) are those these arguments make. For a
-        packed corpus used without reading its data, whose format is not known, the format is the recorded one."""
-        if self.example_format is None:
-            self.example_format = next(
-                (kind for kind, name in FORMAT_NAMES.items() if recorded.startswith(f"{name} (")), None
-            )
-        if self.example_format is None and self.packing:
-            raise UsageError(
-                "--packing packs prompt/completion examples and conversations, and --packed_data_dir holds plain "
-                "text, which is always packed into blocks; drop --packing"
-            )
-        return recorded == self.framing
+    def example_settings(self) -> ExampleSettings:
+        """These flags as the data layer takes them."""
+        return ExampleSettings(
+            self.prompt_column,
+            self.completion_column,
+            self.completion_only_loss,
+            self.assistant_only_loss,
+            self.packing,
+        )
 
 
-def example_framing(example_format: str | None, arguments) -> str:
-    """The framing of the rows of `example_format` data (None: plain text) made with these arguments."""
+def is_chat(example_format: str | None) -> bool:
+    """Whether data of `example_format` are conversations (rendered by the chat template)."""
+    return example_format in (CONVERSATIONS, CONVERSATIONAL_PROMPT_COMPLETION)
+
+
+def data_format(texts: dict, source: TextSource, streaming_alone: bool) -> str | None:
+    """The format of the data just read ({split: dataset or stream}), told apart by their columns where `source`
+    reads examples (None for plain text); refuses splits of different formats, or options that do not apply.
+    `streaming_alone`: the data are read as a stream to be tokenized while training (--streaming alone)."""
+    if source.examples is None:
+        return None
+    formats = {}
+    for split, dataset in texts.items():
+        try:  # a stream's first rows are read here
+            formats[split] = format_of(dataset, split, source)
+        except DATA_READ_ERRORS as error:
+            raise unreadable_data_error(error, split, source) from None
+    if len(set(formats.values())) > 1:
+        described = " but ".join(
+            f"the {split} data are {FORMAT_NAMES.get(kind, 'plain text')}" for split, kind in formats.items()
+        )
+        raise UsageError(f"{described}; give every split in one format")
+    found = next(iter(formats.values()), None)
+    if found is None and source.examples.packing:
+        raise UsageError(
+            "--packing packs prompt/completion examples and conversations, and the data are plain text, which is "
+            "always packed into blocks (--document_attention keeps its documents apart); drop --packing"
+        )
+    if found is not None and streaming_alone:
+        raise UsageError(
+            f"the data are {FORMAT_NAMES[found]}, which --streaming alone does not read; add "
+            "--packed_data_dir to pack the stream's examples once and train on them"
+        )
+    if found is not None:
+        logger.info("The data are %s: %s", FORMAT_NAMES[found], example_framing(found, source.examples))
+    return found
+
+
+def recorded_example_format(recorded: str, settings: ExampleSettings | None) -> str | None:
+    """The format of the examples whose rows a packed corpus records as made with the framing `recorded` (None: plain
+    text), for a corpus used without reading its data; refuses --packing for plain text."""
+    if settings is None:
+        return None
+    found = next((kind for kind, name in FORMAT_NAMES.items() if recorded.startswith(f"{name} (")), None)
+    if found is None and settings.packing:
+        raise UsageError(
+            "--packing packs prompt/completion examples and conversations, and --packed_data_dir holds plain "
+            "text, which is always packed into blocks; drop --packing"
+        )
+    return found
+
+
+def example_framing(example_format: str | None, settings: ExampleSettings) -> str:
+    """The framing of the rows of `example_format` data (None: plain text) made with these settings."""
     if example_format is None:
         return "grouped"
-    settings = []
+    parts = []
     if example_format != CONVERSATIONS:
-        settings.append(
-            f"columns {arguments.prompt_column or 'prompt'}, {arguments.completion_column or 'completion'}"
-        )
-    on_completions = example_format != CONVERSATIONS and arguments.completion_only_loss
-    on_assistant = example_format != PROMPT_COMPLETION and arguments.assistant_only_loss
+        parts.append(f"columns {settings.prompt_column or 'prompt'}, {settings.completion_column or 'completion'}")
+    on_completions = example_format != CONVERSATIONS and settings.completion_only_loss
+    on_assistant = example_format != PROMPT_COMPLETION and settings.assistant_only_loss
     covered = {
         (True, True): "the completions' assistant tokens",
         (True, False): "the completions",
         (False, True): "the assistant's turns",
         (False, False): "every token",
     }[on_completions, on_assistant]
-    settings.append(f"loss on {covered}")
-    settings.append("packed, each its own document" if arguments.packing else "one per row")
-    return f"{FORMAT_NAMES[example_format]} ({'; '.join(settings)}; encoding {ENCODING_FINGERPRINT})"
-
-
-def columns_of(dataset) -> list[str]:
-    """The columns of a dataset, or of a stream's first row where the stream does not know them."""
-    if dataset.column_names is not None:
-        return list(dataset.column_names)
-    return list(next(iter(dataset), {}))
+    parts.append(f"loss on {covered}")
+    parts.append("packed, each its own document" if settings.packing else "one per row")
+    return f"{FORMAT_NAMES[example_format]} ({'; '.join(parts)}; encoding {ENCODING_FINGERPRINT})"
 
 
 def first_value(dataset, column: str):
@@ -190,12 +190,12 @@ def first_value(dataset, column: str):
     return next(iter(dataset), {}).get(column)
 
 
-def format_of(dataset, split: str, arguments) -> str | None:
+def format_of(dataset, split: str, source: TextSource) -> str | None:
     """The example format of one split's data, from its columns (None: plain text)."""
-    columns = columns_of(dataset)
-    prompt, completion = arguments.prompt_column or "prompt", arguments.completion_column or "completion"
-    chosen = arguments.prompt_column is not None or arguments.completion_column is not None
-    if not chosen and arguments.text_column_name in columns:
+    columns, settings = columns_of(dataset), source.examples
+    prompt, completion = settings.prompt_column or "prompt", settings.completion_column or "completion"
+    chosen = settings.prompt_column is not None or settings.completion_column is not None
+    if not chosen and source.text_column_name in columns:
         return None
     if prompt in columns and completion in columns and MESSAGES_COLUMN in columns:
         # JSON Lines rows of both kinds read as one table: each row lacks the other kind's columns.
@@ -224,7 +224,7 @@ def format_of(dataset, split: str, arguments) -> str | None:
             )
         return CONVERSATIONS
     raise UsageError(
-        f"the {split} data has no column '{arguments.text_column_name}' of plain text, no 'prompt' and 'completion' "
+        f"the {split} data has no column '{source.text_column_name}' of plain text, no 'prompt' and 'completion' "
         f"and no '{MESSAGES_COLUMN}' of conversations (it has: {has}); pass --text_column_name, or "
         "--prompt_column and --completion_column"
     )
@@ -385,7 +385,7 @@ def numbered_batches(dataset, columns: tuple[str, ...], split: str):
         first_row += len(rows)
 
 
-def assistant_mask_wanted(tokenizer, example_format: str, arguments, split: str) -> bool:
+def assistant_mask_wanted(tokenizer, example_format: str, settings: ExampleSettings, split: str) -> bool:
     """Whether the chat template is asked which tokens the assistant wrote: for --assistant_only_loss, where the
     template marks them. Refuses conversations without a chat template, and --assistant_only_loss where it is the only
     way to tell the tokens trained on and the template cannot."""
@@ -399,11 +399,11 @@ def assistant_mask_wanted(tokenizer, example_format: str, arguments, split: str)
             "render them with; give it one (train_tokenizer.py --chat_template writes ChatML's into a new tokenizer), "
             "or give the data as plain prompt/completion text"
         )
-    if not arguments.assistant_only_loss:
+    if not settings.assistant_only_loss:
         return False
     if marks_assistant_tokens(template):
         return True
-    if example_format == CONVERSATIONAL_PROMPT_COMPLETION and arguments.completion_only_loss:
+    if example_format == CONVERSATIONAL_PROMPT_COMPLETION and settings.completion_only_loss:
         logger.info("The chat template does not mark the assistant's tokens: the loss covers the completions")
         return False
     raise UsageError(
@@ -413,26 +413,26 @@ def assistant_mask_wanted(tokenizer, example_format: str, arguments, split: str)
     )
 
 
-def encoded_examples(dataset, split: str, tokenizer, data_args):
-    """The examples of one split, in order (see ExampleEncoder), encoded in --preprocessing_num_workers processes; the
-    rows left out are counted in the log, with the first of each kind."""
-    example_format = data_args.example_format
+def encoded_examples(dataset, split: str, tokenizer, example_format: str, source: TextSource, num_workers=None):
+    """The examples of one split of data in `example_format`, in order (see ExampleEncoder), encoded in `num_workers`
+    processes (--preprocessing_num_workers); the rows left out are counted in the log, with the first of each kind."""
+    settings = source.examples
     if example_format == CONVERSATIONS:
         columns = (MESSAGES_COLUMN,)
     else:
-        columns = (data_args.prompt_column or "prompt", data_args.completion_column or "completion")
+        columns = (settings.prompt_column or "prompt", settings.completion_column or "completion")
     encoder = ExampleEncoder(
         tokenizer=tokenizer,
         example_format=example_format,
         columns=columns,
         around=ids_around_documents(tokenizer),
-        assistant_mask=assistant_mask_wanted(tokenizer, example_format, data_args, split),
-        skip_missing=data_args.skip_missing_texts,
-        where=text_source(split, data_args),
+        assistant_mask=assistant_mask_wanted(tokenizer, example_format, settings, split),
+        skip_missing=source.skip_missing_texts,
+        where=text_source(split, source),
     )
     left_out = {}  # reason -> [count, first row]
     batches = numbered_batches(dataset, columns, split)
-    for results in map_in_workers(encoder.encode_batch, batches, data_args.preprocessing_num_workers):
+    for results in map_in_workers(encoder.encode_batch, batches, num_workers):
         for result in results:
             if isinstance(result, LeftOut):
                 left_out.setdefault(result.reason, [0, result.row])[0] += 1

@@ -1,19 +1,23 @@
 """The data of a run: rows of tokens for each split from whichever route the arguments name (files or a dataset
 through the token cache, --packed_data_dir, or a stream packed while training), and the order they are read in."""
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import datasets
 import datasets.distributed
 import jax
 import numpy as np
 
-from flax_lm.data.mixture import Mixture, read_mixture, source_data_arguments, warn_of_validation_files_trained_on
-from flax_lm.data.packed import cached_blocks, load_packed_corpus
+from flax_lm.data.finetune_examples import data_format, example_framing
+from flax_lm.data.mixture import Mixture, read_mixture, source_texts, warn_of_validation_files_trained_on
+from flax_lm.data.packed import PACKED_TOKENS_PER_SHARD, cached_blocks, load_packed_corpus
+from flax_lm.data.source import TextSource
 from flax_lm.data.texts import check_tokenizer_encodes, warn_of_files_in_both_splits
 from flax_lm.devices.mesh import prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import main_process_first
@@ -110,165 +114,240 @@ def first_blocks(row_arrays: Iterable[np.ndarray], block_size: int, count: int |
 @dataclass(frozen=True)
 class TextsToRows:
     """How a script's texts become its rows, carried together through every data route (files and datasets through
-    the token cache, --packed_data_dir, a stream, a mixture's sources): its reader of texts, its rows function, the
-    tokenizer, the row length, and the flag that sets it (for messages)."""
+    the token cache, --packed_data_dir, a stream, a mixture's sources): its reader of texts, its rows functions (its
+    own settings bound, functools.partial), the tokenizer, the row length, the flag that sets it (for messages), and
+    how its rows of plain text are framed."""
 
-    read_texts: Callable  # (model_args, data_args, streaming=False, evaluation_only=False) -> {split: dataset}
-    tokenized_rows: Callable  # (dataset, split, tokenizer, row_length, data_args) -> arrays of rows
+    read_texts: Callable  # (source, streaming=False, evaluation_only=False) -> {split: dataset}
+    tokenized_rows: Callable  # (dataset, split, tokenizer, row_length, source) -> arrays of rows
     tokenizer: Any
     row_length: int
     length_flag: str  # the flag that sets the length: --block_size
 
-    # (dataset, split, tokenizer, row_length, data_args) -> arrays of rows of examples (prompt/completion pairs,
-    # conversations: flax_lm.data.finetune_examples): what run_clm_flax.py trains on where the data are examples; None
-    # elsewhere.
+    # (dataset, split, tokenizer, row_length, source, example_format) -> arrays of rows of examples (prompt/completion
+    # pairs, conversations: flax_lm.data.finetune_examples): what run_clm_flax.py trains on where the data are
+    # examples; None elsewhere.
     example_rows: Callable | None = None
+    framing: str = "grouped"  # rows of plain text: texts joined and cut into blocks, or "line_by_line"
 
-    def row_function(self, data_args) -> Callable:
-        """The script's function that makes rows of the data the arguments name: of examples, or of texts."""
-        return self.example_rows if getattr(data_args, "example_format", None) else self.tokenized_rows
+    def read(self, source: TextSource, streaming=False, evaluation_only=False, streaming_alone=False) -> tuple:
+        """The texts of each split that the script's read_texts reads from `source`, and the format of their examples
+        (None: plain text), refused where the tokenizer encodes them into nothing. `streaming_alone`: read as a
+        stream to be tokenized while training."""
+        texts = self.read_texts(source, streaming=streaming, evaluation_only=evaluation_only)
+        example_format = data_format(texts, source, streaming_alone)
+        check_tokenizer_encodes(self.tokenizer, texts, source)
+        return texts, example_format
 
-    def rows_of(self, dataset, split: str, data_args):
-        return self.row_function(data_args)(dataset, split, self.tokenizer, self.row_length, data_args)
+    def row_function(self, example_format: str | None) -> Callable:
+        """The script's function that makes rows of data in `example_format`: of examples, or of plain text."""
+        return partial(self.example_rows, example_format=example_format) if example_format else self.tokenized_rows
+
+    def framing_of(self, example_format: str | None, source: TextSource) -> str:
+        """How the rows of data in `example_format` are made, as a packed corpus records it."""
+        return example_framing(example_format, source.examples) if example_format else self.framing
+
+    def rows_of(self, dataset, split: str, source: TextSource, example_format: str | None):
+        return self.row_function(example_format)(dataset, split, self.tokenizer, self.row_length, source)
 
 
-def load_streams(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> tuple[dict, Any]:
+@dataclass(frozen=True)
+class DataRoute:
+    """Which route a run's rows take from the texts of `source`, and what the run keeps of them: the data flags of the
+    same names, and whether the run trains and evaluates (--do_train, --do_eval)."""
+
+    source: TextSource
+    do_train: bool = True
+    do_eval: bool = True
+    data_mixture: str | None = None
+    packed_data_dir: str | None = None
+    streaming: bool = False
+    validation_split_percentage: int = 5
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    overwrite_cache: bool = False
+    packed_tokens_per_shard: int = PACKED_TOKENS_PER_SHARD
+
+    def names_data(self) -> bool:
+        """Whether the route names data to train or evaluate on."""
+        source = self.source
+        return any(
+            (source.train_file, source.validation_file, source.dataset_name, self.data_mixture, self.packed_data_dir)
+        )
+
+
+class LoadedData(NamedTuple):
+    rows: dict  # {split: array-like (rows, row_length)}; a mixture's validation rows by source
+    train_stream: Any  # with --streaming alone, the training texts as a stream, else None
+    example_format: str | None  # the format of the examples the rows are made of; None for plain text
+
+
+def load_streams(route: DataRoute, texts_to_rows: TextsToRows) -> tuple[dict, Any, str | None]:
     """For --streaming without --packed_data_dir: the training stream, tokenized and packed while training, and
     {"validation": the first rows of the validation stream}, read once so that every evaluation (on every process)
-    sees the same rows."""
-    streams = texts_to_rows.read_texts(model_args, data_args, streaming=True)
-    check_tokenizer_encodes(texts_to_rows.tokenizer, streams, data_args)
-    train_stream = streams.get("train") if training_args.do_train else None  # load_data refuses a missing one
-    if not training_args.do_eval:
-        return {}, train_stream
+    sees the same rows; and the format of the data's examples."""
+    streams, example_format = texts_to_rows.read(route.source, streaming=True, streaming_alone=True)
+    train_stream = streams.get("train") if route.do_train else None  # load_data refuses a missing one
+    if not route.do_eval:
+        return {}, train_stream, example_format
     if "validation" not in streams:
         raise UsageError(
             "--streaming --do_eval needs --validation_file or a dataset with a validation split: a stream has no "
             "length to hold a percentage out from"
         )
-    row_arrays = texts_to_rows.rows_of(streams["validation"], "validation", data_args)
-    validation = first_blocks(row_arrays, texts_to_rows.row_length, data_args.max_eval_samples)
+    row_arrays = texts_to_rows.rows_of(streams["validation"], "validation", route.source, example_format)
+    validation = first_blocks(row_arrays, texts_to_rows.row_length, route.max_eval_samples)
     logger.info("validation: the first %d rows of the stream", len(validation))
-    return {"validation": validation}, train_stream
+    return {"validation": validation}, train_stream, example_format
 
 
-def load_data(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> tuple[dict, Any]:
+def load_data(route: DataRoute, texts_to_rows: TextsToRows) -> LoadedData:
     """The rows of each split, {split: array-like (rows, row_length)}, as the script's texts_to_rows makes them from
     its texts: blocks, or lines with run_mlm_flax.py --line_by_line; with --streaming the training rows come from a
     stream, returned beside them. Every process holds all rows (memory-mapped) and reads only its rows of each batch.
-    Arguments that name no data give no rows (run_clm_flax.py --eval_tasks evaluates without)."""
-    if not data_args.names_data():
-        return {}, None
+    A route that names no data gives no rows (run_clm_flax.py --eval_tasks evaluates without)."""
+    if not route.names_data():
+        return LoadedData({}, None, None)
     train_stream = None
-    if data_args.data_mixture:
-        return load_mixture(model_args, data_args, training_args, texts_to_rows)
-    warn_of_files_in_both_splits(data_args)
-    if data_args.packed_data_dir:
-        with naming_a_full_disk("--packed_data_dir", data_args.packed_data_dir):
-            rows = load_packed_corpus(model_args, data_args, texts_to_rows)
-        if not (training_args.do_train or training_args.do_eval):
-            return rows, None
-    elif data_args.streaming:
-        rows, train_stream = load_streams(model_args, data_args, training_args, texts_to_rows)
+    if route.data_mixture:
+        return load_mixture(route, texts_to_rows)
+    warn_of_files_in_both_splits(route.source)
+    if route.packed_data_dir:
+        with naming_a_full_disk("--packed_data_dir", route.packed_data_dir):
+            rows, example_format = load_packed_corpus(
+                route.packed_data_dir,
+                route.source,
+                texts_to_rows,
+                route.streaming,
+                route.overwrite_cache,
+                route.packed_tokens_per_shard,
+            )
+        if not (route.do_train or route.do_eval):
+            return LoadedData(rows, None, example_format)
+    elif route.streaming:
+        rows, train_stream, example_format = load_streams(route, texts_to_rows)
     else:
-        rows = cached_rows(model_args, data_args, training_args, texts_to_rows)
-    rows = final_rows(rows, data_args, texts_to_rows)
-    if training_args.do_train and "train" not in rows and train_stream is None:
+        rows, example_format = cached_rows(route, texts_to_rows)
+    rows = final_rows(rows, route, texts_to_rows, example_format)
+    if route.do_train and "train" not in rows and train_stream is None:
         raise UsageError("--do_train needs training data, and the data has no train split")
-    if training_args.do_eval and "validation" not in rows:
+    if route.do_eval and "validation" not in rows:
         raise UsageError("--do_eval needs evaluation data: pass --validation_file or train data to split")
-    return rows, train_stream
+    return LoadedData(rows, train_stream, example_format)
 
 
-def cached_rows(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> dict:
-    """The rows of each split of the data files or dataset, from the token cache (packed there first if missing)."""
+def cached_rows(route: DataRoute, texts_to_rows: TextsToRows) -> tuple[dict, str | None]:
+    """The rows of each split of the data files or dataset, from the token cache (packed there first if missing), and
+    the format of their examples."""
     # Process 0 packs what the cache lacks; then the others find it there (or, on a cache of their own, pack it).
-    cache_dir = model_args.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
+    cache_dir = route.source.cache_dir or datasets.config.HF_DATASETS_CACHE  # never a user's data directory
     with main_process_first("data prepared"), naming_a_full_disk("--cache_dir", cache_dir):
-        evaluation_only = training_args.do_eval and not training_args.do_train
-        texts = texts_to_rows.read_texts(model_args, data_args, evaluation_only=evaluation_only)
-        check_tokenizer_encodes(texts_to_rows.tokenizer, texts, data_args)
-        return {
+        evaluation_only = route.do_eval and not route.do_train
+        texts, example_format = texts_to_rows.read(route.source, evaluation_only=evaluation_only)
+        rows = {
             split: cached_blocks(
                 dataset,
                 split,
-                texts_to_rows.row_function(data_args),
+                texts_to_rows.row_function(example_format),
                 texts_to_rows.tokenizer,
                 texts_to_rows.row_length,
                 cache_dir,
-                data_args,
+                route.source,
+                framing=texts_to_rows.framing_of(example_format, route.source),
+                overwrite=route.overwrite_cache,
+                tokens_per_shard=route.packed_tokens_per_shard,
             )
             for split, dataset in texts.items()
         }
+        return rows, example_format
 
 
-def final_rows(rows: dict, data_args, texts_to_rows: TextsToRows, source: str = "") -> dict:
+def final_rows(
+    rows: dict, route: DataRoute, texts_to_rows: TextsToRows, example_format, source_name: str = ""
+) -> dict:
     """The rows of each split as a run uses them: a validation split held out where there is none, cut to
-    --max_train_samples and --max_eval_samples; refused where empty. `source`: whose data it is, for the message."""
-    rows = hold_out_blocks(rows, data_args.validation_split_percentage, source)
-    if data_args.max_train_samples is not None and "train" in rows:
-        rows["train"] = rows["train"][: data_args.max_train_samples]
-    if data_args.max_eval_samples is not None and "validation" in rows:
-        rows["validation"] = rows["validation"][: data_args.max_eval_samples]
+    --max_train_samples and --max_eval_samples; refused where empty. `source_name`: whose data it is, for the
+    message."""
+    rows = hold_out_blocks(rows, route.validation_split_percentage, source_name)
+    if route.max_train_samples is not None and "train" in rows:
+        rows["train"] = rows["train"][: route.max_train_samples]
+    if route.max_eval_samples is not None and "validation" in rows:
+        rows["validation"] = rows["validation"][: route.max_eval_samples]
     for split, split_rows in rows.items():
-        if len(split_rows) == 0 and data_args.example_format:
+        if len(split_rows) == 0 and example_format:
             raise UsageError(
-                f"the {split} data{source} hold no example to train on (the log says which were left out)"
+                f"the {split} data{source_name} hold no example to train on (the log says which were left out)"
             )
         if len(split_rows) == 0:
             raise UsageError(
-                f"the {split} data{source} has no non-empty lines"
-                if data_args.framing == "line_by_line"
-                else f"the {split} data{source} has fewer tokens than one block of {texts_to_rows.row_length}, which "
-                f"{texts_to_rows.length_flag} sets; add text or lower it"
+                f"the {split} data{source_name} has no non-empty lines"
+                if texts_to_rows.framing == "line_by_line"
+                else f"the {split} data{source_name} has fewer tokens than one block of {texts_to_rows.row_length}, "
+                f"which {texts_to_rows.length_flag} sets; add text or lower it"
             )
     return rows
 
 
-def load_mixture(model_args, data_args, training_args, texts_to_rows: TextsToRows) -> tuple[dict, None]:
+def load_mixture(route: DataRoute, texts_to_rows: TextsToRows) -> LoadedData:
     """The data of --data_mixture: {"train": a Mixture of the sources with training files, "validation": {source
     name: rows}}, each source's rows made as those of --train_file and --validation_file are (a source without
     validation files has some of its training rows held out)."""
     train_sources, validation = [], {}
-    sources = read_mixture(data_args.data_mixture)
-    warn_of_validation_files_trained_on(sources, f"--data_mixture {data_args.data_mixture}")
+    sources = read_mixture(route.data_mixture)
+    warn_of_validation_files_trained_on(sources, f"--data_mixture {route.data_mixture}")
     for source in sources:
-        source_args = source_data_arguments(data_args, source)
+        source_route = dataclasses.replace(route, source=source_texts(route.source, source), data_mixture=None)
         logger.info("Mixture source %s", source.name)
         try:
-            rows = cached_rows(model_args, source_args, training_args, texts_to_rows)
+            rows, example_format = cached_rows(source_route, texts_to_rows)
         except UsageError as error:  # the message names the files; say whose they are
-            raise UsageError(f"--data_mixture {data_args.data_mixture}, source '{source.name}': {error}") from None
-        rows = final_rows(rows, source_args, texts_to_rows, f" of source '{source.name}'")
-        if "train" in rows and training_args.do_train:
+            raise UsageError(f"--data_mixture {route.data_mixture}, source '{source.name}': {error}") from None
+        rows = final_rows(rows, source_route, texts_to_rows, example_format, f" of source '{source.name}'")
+        if "train" in rows and route.do_train:
             train_sources.append((source, rows["train"]))
         if "validation" in rows:
             validation[source.name] = rows["validation"]
-    mixture_rows = {"validation": validation} if training_args.do_eval else {}
+    mixture_rows = {"validation": validation} if route.do_eval else {}
     if train_sources:
         names, weights = [source.name for source, _ in train_sources], [source.weight for source, _ in train_sources]
         # Padded lines, and examples (padded, or packed with room to spare), are rows rather than tokens.
-        rows_are_tokens = data_args.framing != "line_by_line" and not source_args.example_format
+        rows_are_tokens = texts_to_rows.framing != "line_by_line" and not example_format
         mixture_rows["train"] = Mixture(names, weights, [rows for _, rows in train_sources], rows_are_tokens)
-    return mixture_rows, None
+    return LoadedData(mixture_rows, None, example_format)
 
 
-def count_steps(training_args, train_rows, train_batch_size: int, length_flag: str) -> tuple[int | None, int]:
-    """Steps per epoch (None without training data of known length) and the run's last step; `length_flag` sets the
-    sequence length (--block_size), for the message where the data is too small."""
-    if not training_args.do_train:
+def count_steps(
+    do_train: bool, max_steps: int, num_train_epochs: float, train_rows, train_batch_size: int, length_flag: str
+) -> tuple[int | None, int]:
+    """Steps per epoch (None without training data of known length) and the run's last step, from --do_train,
+    --max_steps and --num_train_epochs; `length_flag` sets the sequence length (--block_size), for the message where
+    the data is too small."""
+    if not do_train:
         return None, 1
     if train_rows is None:  # a stream
-        return None, training_args.max_steps
+        return None, max_steps
     steps_per_epoch = len(train_rows) // train_batch_size
     if steps_per_epoch == 0:
         raise UsageError(
             f"the training data makes {len(train_rows)} sequences, fewer than one global batch of "
             f"{train_batch_size}; add data or lower --per_device_train_batch_size or {length_flag}"
         )
-    if training_args.max_steps > 0:
-        return steps_per_epoch, training_args.max_steps
-    return steps_per_epoch, max(1, int(training_args.num_train_epochs * steps_per_epoch))
+    if max_steps > 0:
+        return steps_per_epoch, max_steps
+    return steps_per_epoch, max(1, int(num_train_epochs * steps_per_epoch))
+
+
+def epoch_batch_indices(
+    count: int, global_batch_size: int, seed: int, epoch: int, first_batch: int = 0
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(batch number, the indices of its rows) of each global batch of one epoch over `count` rows, from batch
+    `first_batch` on, in an order fixed by seed and epoch (so a resumed run continues with the very batches it would
+    have seen); the rows left over after the last full batch differ from epoch to epoch, so all data is seen. Each
+    batch's indices are sorted (for reading memory-mapped rows in order) before a process takes its share, so that the
+    global batch, row for row, does not depend on the number of processes."""
+    order = np.random.default_rng([seed, epoch]).permutation(count)
+    for step in range(first_batch, count // global_batch_size):
+        yield step, np.sort(order[step * global_batch_size : (step + 1) * global_batch_size])
 
 
 def epochs_of_batches(batches_of_epoch, first_step: int, steps_per_epoch: int):
@@ -279,13 +358,13 @@ def epochs_of_batches(batches_of_epoch, first_step: int, steps_per_epoch: int):
         epoch, first_batch = epoch + 1, 0
 
 
-def stream_position(first_step: int, global_batch_size: int, training_args) -> tuple[int, int]:
-    """Where a stream resumes: the batch to start at and the shuffling seed."""
-    if first_step and training_args.ignore_data_skip:
+def stream_position(first_step: int, global_batch_size: int, seed: int, ignore_data_skip: bool) -> tuple[int, int]:
+    """Where a stream resumes: the batch to start at and the shuffling seed (--seed, --ignore_data_skip)."""
+    if first_step and ignore_data_skip:
         logger.warning(
             "--ignore_data_skip: the stream starts afresh, shuffled anew; the data differs from the interrupted run's"
         )
-        return 0, training_args.seed + first_step
+        return 0, seed + first_step
     if first_step:
         logger.warning(
             "Re-reading and re-tokenizing the %d blocks each process trained on before step %d, to continue with the "
@@ -293,7 +372,7 @@ def stream_position(first_step: int, global_batch_size: int, training_args) -> t
             first_step * global_batch_size // jax.process_count(),
             first_step,
         )
-    return first_step, training_args.seed
+    return first_step, seed
 
 
 def call_batches(

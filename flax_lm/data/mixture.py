@@ -11,6 +11,7 @@ import re
 import numpy as np
 import yaml
 
+from flax_lm.data.source import TextSource
 from flax_lm.data.texts import data_file_paths, data_file_patterns
 from flax_lm.errors import UsageError
 
@@ -125,13 +126,10 @@ def warn_of_validation_files_trained_on(sources: list[Source], flag: str):
                 )
 
 
-def source_data_arguments(data_args, source: Source):
-    """The data arguments that read one source's files as --train_file and --validation_file would."""
+def source_texts(texts: TextSource, source: Source) -> TextSource:
+    """Where one source's texts are: its files, read as --train_file and --validation_file would be."""
     return dataclasses.replace(
-        data_args,
-        data_mixture=None,
-        train_file=source.train_file or None,
-        validation_file=source.validation_file or None,
+        texts, train_file=source.train_file or None, validation_file=source.validation_file or None
     )
 
 
@@ -252,17 +250,14 @@ class Mixture:
         return results
 
 
-def check_mixture(data_args, training_args):
-    """Refuse, before any work, a --data_mixture beside other data flags, or one with nothing to train on."""
-    others = [name for name in ("train_file", "validation_file", "dataset_name") if getattr(data_args, name)]
-    others += [name for name in ("streaming", "packed_data_dir") if getattr(data_args, name)]
-    if others:
+def check_mixture(data_mixture: str, do_train: bool, other_data_flags: list[str]):
+    """Refuse, before any work, a --data_mixture beside other data flags (`other_data_flags`: those given, by name),
+    or one with nothing to train on where the run trains (--do_train)."""
+    if other_data_flags:
         raise UsageError(
-            f"--data_mixture names the data, so --{others[0]} has no place beside it: put the files in the mixture "
-            "file, or drop --data_mixture"
+            f"--data_mixture names the data, so --{other_data_flags[0]} has no place beside it: put the files in the "
+            "mixture file, or drop --data_mixture"
         )
-    sources = read_mixture(data_args.data_mixture)
-    if training_args.do_train and all(source.weight is None for source in sources):
-        raise UsageError(
-            f"--do_train needs training data: --data_mixture {data_args.data_mixture} gives no source a train_file"
-        )
+    sources = read_mixture(data_mixture)
+    if do_train and all(source.weight is None for source in sources):
+        raise UsageError(f"--do_train needs training data: --data_mixture {data_mixture} gives no source a train_file")

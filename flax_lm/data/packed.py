@@ -17,12 +17,13 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from flax_lm.command_line.directories import check_writable_directory
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.chat import chat_template_of
-from flax_lm.data.texts import check_tokenizer_encodes, data_file_patterns
+from flax_lm.data.finetune_examples import recorded_example_format
+from flax_lm.data.source import TextSource
+from flax_lm.data.texts import data_file_patterns
 from flax_lm.devices.processes import main_process_first
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, check_writable_directory
 from flax_lm.run.checksums import file_checksum
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ PACKED_INDEX_FILE = "index.json"
 
 
 PACKED_FORMAT_VERSION = 2  # 2: a .txt file is one document unless --text_sample_by says otherwise
+
+
+# Shards of a packed corpus hold this many tokens (512 MiB as uint16); the last shard of a split may hold fewer.
+PACKED_TOKENS_PER_SHARD = 2**28
 
 
 def packed_dtype(tokenizer) -> np.dtype:
@@ -321,38 +326,56 @@ def remove_stale_temporary_files(cache_dir: str):
 
 
 def pack_texts(
-    directory: str, texts: dict, tokenized_rows, tokenizer, block_size: int, description: dict, data_args
+    directory: str,
+    texts: dict,
+    tokenized_rows,
+    tokenizer,
+    block_size: int,
+    description: dict,
+    source: TextSource,
+    tokens_per_shard: int,
 ) -> dict:
-    """Tokenize every split of `texts` ({split: dataset or stream}) into rows with the script's
-    `tokenized_rows(dataset, split, tokenizer, block_size, data_args)` and write them as a packed corpus in `directory`
-    (shards of --packed_tokens_per_shard tokens); returns its index. A few batches of texts and one shard are in
-    memory at a time."""
+    """Tokenize every split of `texts` ({split: dataset or stream}, read from `source`) into rows with the script's
+    `tokenized_rows(dataset, split, tokenizer, block_size, source)` and write them as a packed corpus in `directory`
+    (shards of `tokens_per_shard` tokens, --packed_tokens_per_shard); returns its index. A few batches of texts and one
+    shard are in memory at a time."""
 
     def rows_with_progress(split, dataset):
         with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
-            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, data_args):
+            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, source):
                 progress.update(len(blocks))
                 yield blocks
 
     splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
-    return write_packed_corpus(
-        directory, splits, description, packed_dtype(tokenizer), data_args.packed_tokens_per_shard
-    )
+    return write_packed_corpus(directory, splits, description, packed_dtype(tokenizer), tokens_per_shard)
 
 
-def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: int, cache_dir: str, data_args):
+def cached_blocks(
+    dataset,
+    split: str,
+    tokenized_rows,
+    tokenizer,
+    block_size: int,
+    cache_dir: str,
+    source: TextSource,
+    *,
+    framing: str,
+    overwrite: bool = False,
+    tokens_per_shard: int = PACKED_TOKENS_PER_SHARD,
+):
     """The rows of one split (PackedBlocks), from the packed corpus that caches them in `cache_dir` under a
-    fingerprint of the texts, the tokenizer, the row length and the code that makes the rows (`tokenized_rows` and
-    the functions of the script and of flax_lm it calls: function_code_fingerprint): packed there first when it is
-    missing, damaged or --overwrite_cache is given. Written under a name of this process's own and renamed when
-    complete, so that processes sharing the cache never read or write each other's unfinished files."""
-    source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": data_args.text_column_name}
-    source.update(split=split, code_fingerprint=function_code_fingerprint(tokenized_rows))
-    description = packed_description(tokenizer, block_size, data_args.framing, source)
+    fingerprint of the texts, the tokenizer, the row length, how texts become rows (`framing`, recorded in a packed
+    corpus) and the code that makes the rows (`tokenized_rows` and the functions of the script and of flax_lm it
+    calls: function_code_fingerprint): packed there first when it is missing, damaged or `overwrite`
+    (--overwrite_cache) is given. Written under a name of this process's own and renamed when complete, so that
+    processes sharing the cache never read or write each other's unfinished files."""
+    texts_source = {"dataset_fingerprint": dataset._fingerprint, "text_column_name": source.text_column_name}
+    texts_source.update(split=split, code_fingerprint=function_code_fingerprint(tokenized_rows))
+    description = packed_description(tokenizer, block_size, framing, texts_source)
     directory = os.path.join(cache_dir, f"packed-{fingerprint([PACKED_FORMAT_VERSION, description])}")
     os.makedirs(cache_dir, exist_ok=True)
     remove_stale_temporary_files(cache_dir)
-    index = None if data_args.overwrite_cache else read_packed_index(directory)
+    index = None if overwrite else read_packed_index(directory)
     if index is not None and (problem := packed_shards_problem(directory, index)):
         logger.warning("The packed cache %s is damaged (%s); packing it again", directory, problem)
         index = None
@@ -366,7 +389,14 @@ def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: in
         try:
             texts = {split: dataset}
             index = pack_texts(
-                temporary_directory, texts, tokenized_rows, tokenizer, block_size, description, data_args
+                temporary_directory,
+                texts,
+                tokenized_rows,
+                tokenizer,
+                block_size,
+                description,
+                source,
+                tokens_per_shard,
             )
         except BaseException:
             shutil.rmtree(temporary_directory, ignore_errors=True)
@@ -389,33 +419,42 @@ def cached_blocks(dataset, split: str, tokenized_rows, tokenizer, block_size: in
     return open_packed_corpus(directory, index, on_damage)[split]
 
 
-def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
-    """The blocks of --packed_data_dir, {split: PackedBlocks}: packed there first when it holds no finished
-    corpus (or --overwrite_cache), by process 0 alone while the others wait, from the texts `texts_to_rows` (the
-    script's flax_lm.data.loading.TextsToRows) reads, as they are or, with --streaming, as a stream. A directory packed
-    with another tokenizer, row length or source is refused, never reused; one packed by other code (its fingerprint of
-    the script's tokenized_rows differs) is used with a warning."""
+def load_packed_corpus(
+    directory: str,
+    source: TextSource,
+    texts_to_rows,
+    streaming: bool = False,
+    overwrite: bool = False,
+    tokens_per_shard: int = PACKED_TOKENS_PER_SHARD,
+) -> tuple[dict, str | None]:
+    """The blocks of --packed_data_dir `directory`, {split: PackedBlocks}, and the format of the examples they are
+    rows of (None: plain text): packed there first when it holds no finished corpus (or `overwrite`,
+    --overwrite_cache), by process 0 alone while the others wait, from the texts of `source` that `texts_to_rows`
+    (the script's flax_lm.data.loading.TextsToRows) reads, as they are or, `streaming`, as a stream. A directory
+    packed with another tokenizer, row length or source is refused, never reused; one packed by other code (its
+    fingerprint of the script's tokenized_rows differs) is used with a warning."""
     tokenized_rows, tokenizer = texts_to_rows.tokenized_rows, texts_to_rows.tokenizer
     block_size, length_flag = texts_to_rows.row_length, texts_to_rows.length_flag
-    directory = data_args.packed_data_dir
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"--packed_data_dir {directory} is a file; pass a directory")
     names = ("dataset_name", "dataset_config_name", "train_file", "validation_file", "text_column_name")
-    source = {name: getattr(data_args, name) for name in (*names, "text_sample_by", "keep_linebreaks")}
+    recorded_source = {name: getattr(source, name) for name in (*names, "text_sample_by", "keep_linebreaks")}
     for name in ("train_file", "validation_file"):  # the same files, from whichever directory
-        paths = [os.path.abspath(pattern) for pattern in data_file_patterns(source[name])]
-        source[name] = paths[0] if len(paths) == 1 else paths or None  # one file: as recorded before lists
-    if source["dataset_name"] is not None and os.path.isdir(source["dataset_name"]):
-        source["dataset_name"] = os.path.abspath(source["dataset_name"])
-    description = packed_description(tokenizer, block_size, data_args.framing, source)
+        paths = [os.path.abspath(pattern) for pattern in data_file_patterns(recorded_source[name])]
+        recorded_source[name] = paths[0] if len(paths) == 1 else paths or None  # one file: as recorded before lists
+    if recorded_source["dataset_name"] is not None and os.path.isdir(recorded_source["dataset_name"]):
+        recorded_source["dataset_name"] = os.path.abspath(recorded_source["dataset_name"])
+    description = packed_description(tokenizer, block_size, texts_to_rows.framing, recorded_source)
     description["code_fingerprint"] = function_code_fingerprint(tokenized_rows)  # as in the token cache's name
-    has_source = any(getattr(data_args, name) for name in ("dataset_name", "train_file", "validation_file"))
+    has_source = any(getattr(source, name) for name in ("dataset_name", "train_file", "validation_file"))
+    example_format = None  # known once the data are read, or from the corpus's record
 
     fix = f"use another --packed_data_dir, delete {directory}, or add --overwrite_cache to pack it again"
     if not has_source:  # packing needs the texts
         fix += " from --train_file or --dataset_name"
 
     def check(index: dict):
+        nonlocal example_format
         if index["format_version"] != PACKED_FORMAT_VERSION:
             raise UsageError(
                 f"--packed_data_dir {directory} holds a packed corpus of format version "
@@ -428,13 +467,14 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
             )
         if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
             raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
-        if not data_args.adopt_framing(framing := index.get("framing", "grouped")):  # corpora before lines: grouped
-            raise UsageError(
-                f"--packed_data_dir {directory} holds {framing} rows, not {data_args.framing} ones; {fix}"
-            )
+        framing = index.get("framing", "grouped")  # corpora before lines: grouped
+        if example_format is None:  # a corpus used without reading its data: its examples are of the recorded format
+            example_format = recorded_example_format(framing, source.examples)
+        if framing != (framing_here := texts_to_rows.framing_of(example_format, source)):
+            raise UsageError(f"--packed_data_dir {directory} holds {framing} rows, not {framing_here} ones; {fix}")
         if problem := packed_shards_problem(directory, index):
             raise UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
-        differences = [name for name in source if index["source"].get(name) != source[name]]
+        differences = [name for name in recorded_source if index["source"].get(name) != recorded_source[name]]
         if has_source and differences:
             recorded = ", ".join(f"--{name} {index['source'].get(name)}" for name in differences)
             raise UsageError(
@@ -444,7 +484,7 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
 
     # Read even with --overwrite_cache: never overwrite a directory of other files.
     index = read_packed_index(directory)
-    if data_args.overwrite_cache:
+    if overwrite:
         index = None
     if index is not None:
         check(index)
@@ -458,12 +498,14 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
     with main_process_first("packed corpus written"):
         if jax.process_index() == 0 and index is None:
             check_writable_directory(directory, "packed_data_dir")
-            texts = texts_to_rows.read_texts(model_args, data_args, streaming=data_args.streaming)
-            check_tokenizer_encodes(tokenizer, texts, data_args)
+            texts, example_format = texts_to_rows.read(source, streaming=streaming)
             logger.info("Packing %s into %s", " and ".join(texts), directory)
-            row_function = texts_to_rows.row_function(data_args)  # known once the data are read
-            description.update(framing=data_args.framing, code_fingerprint=function_code_fingerprint(row_function))
-            index = pack_texts(directory, texts, row_function, tokenizer, block_size, description, data_args)
+            row_function = texts_to_rows.row_function(example_format)  # known once the data are read
+            framing = texts_to_rows.framing_of(example_format, source)
+            description.update(framing=framing, code_fingerprint=function_code_fingerprint(row_function))
+            index = pack_texts(
+                directory, texts, row_function, tokenizer, block_size, description, source, tokens_per_shard
+            )
     if jax.process_count() > 1:
         index = read_packed_index(directory)
         if index is None:
@@ -474,7 +516,7 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
         check(index)
     # Told, not refused: the rows may well be the same (an edit of a comment or of the script's name changes the
     # fingerprint too), and packing a large corpus again is costly. A corpus packed before it was recorded has none.
-    fingerprint_here = function_code_fingerprint(texts_to_rows.row_function(data_args))
+    fingerprint_here = function_code_fingerprint(texts_to_rows.row_function(example_format))
     if index.get("code_fingerprint", fingerprint_here) != fingerprint_here:
         logger.warning(
             "--packed_data_dir %s was packed by other code than this script's tokenized_rows (example_rows for "
@@ -493,4 +535,4 @@ def load_packed_corpus(model_args, data_args, texts_to_rows) -> dict:
     def on_damage(problem: str) -> UsageError:
         return UsageError(f"--packed_data_dir {directory} is damaged: {problem}; {fix}")
 
-    return open_packed_corpus(directory, index, on_damage)
+    return open_packed_corpus(directory, index, on_damage), example_format

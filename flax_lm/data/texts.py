@@ -20,6 +20,7 @@ import pyarrow
 import xxhash
 from tokenizers import pre_tokenizers
 
+from flax_lm.data.source import TextSource
 from flax_lm.errors import UsageError
 from flax_lm.run.checksums import file_checksum
 
@@ -92,11 +93,6 @@ def resolve_data_files(patterns, flag: str) -> dict[str, list[str]]:
     return groups
 
 
-def text_builder_options(data_args) -> dict:
-    # Unset (the scripts' checks choose it), a .txt file is one document: the text builder would read no rows at all
-    return {"sample_by": data_args.text_sample_by or "document", "keep_linebreaks": data_args.keep_linebreaks}
-
-
 def files_checksum(paths: list[str]) -> str:
     """The XXH3-128 checksum of the bytes of `paths`, in their order: what identifies the content of local data
     files, whatever their names and modification times."""
@@ -124,18 +120,18 @@ def folder_files(folder: str) -> list[str]:
     )
 
 
-def content_cache_dir(model_args, checksum: str) -> str:
+def content_cache_dir(cache_dir: str | None, checksum: str) -> str:
     """Where `datasets` keeps what it converts of local files of content `checksum` (a folder per content, under
     --cache_dir or its own cache): it finds its conversion by paths and modification times, which a file rewritten
     with its old time keeps, and would read the old content back."""
-    return os.path.join(model_args.cache_dir or datasets.config.HF_DATASETS_CACHE, "data-files", checksum)
+    return os.path.join(cache_dir or datasets.config.HF_DATASETS_CACHE, "data-files", checksum)
 
 
-def load_data_files(groups: dict[str, list[str]], split: str, model_args, data_args, streaming: bool):
+def load_data_files(groups: dict[str, list[str]], split: str, source: TextSource, streaming: bool):
     """One dataset of the files of a split, each format read by its own builder. Files of several formats are
     joined, in the order of `groups`, on the text column alone (their other columns need not agree). Read as a
     dataset, keyed by the files' content (by_content); a stream reads them as they are."""
-    text_options = text_builder_options(data_args)
+    text_options = source.text_builder_options()
     parts = []
     for builder, files in groups.items():
         checksum = None if streaming else files_checksum(files)
@@ -143,14 +139,14 @@ def load_data_files(groups: dict[str, list[str]], split: str, model_args, data_a
             builder,
             data_files={split: files},
             split=split,
-            cache_dir=model_args.cache_dir if streaming else content_cache_dir(model_args, checksum),
+            cache_dir=source.cache_dir if streaming else content_cache_dir(source.cache_dir, checksum),
             streaming=streaming,
             **(text_options if builder == "text" else {}),
         )
         if not streaming:
             part = by_content(part, checksum)
         if len(groups) > 1:
-            column = data_args.text_column_name
+            column = source.text_column_name
             if part.column_names is not None and column not in part.column_names:
                 raise UsageError(
                     f"the {builder} files of the {split} data ({', '.join(files)}) have no column '{column}' (they "
@@ -167,15 +163,15 @@ def load_data_files(groups: dict[str, list[str]], split: str, model_args, data_a
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def load_text_datasets(model_args, data_args, streaming: bool = False, evaluation_only: bool = False) -> dict:
-    """The train and validation splits the data arguments name, as they are (no validation split is held out
+def load_text_datasets(source: TextSource, streaming: bool = False, evaluation_only: bool = False) -> dict:
+    """The train and validation splits `source` names, as they are (no validation split is held out
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
     they are iterated. Each row is one document. Each split's files are read with the builder of their own format.
     With `evaluation_only`, the validation split alone when there is one: the training files are not even read."""
-    text_options = text_builder_options(data_args)
+    text_options = source.text_builder_options()
     try:
-        if data_args.dataset_name is not None:
-            name = data_args.dataset_name
+        if source.dataset_name is not None:
+            name = source.dataset_name
             if os.path.isdir(name) and any(
                 os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
             ):
@@ -194,9 +190,9 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
                 checksum = None if streaming or not os.path.isdir(name) else files_checksum(folder_files(name))
                 raw = datasets.load_dataset(
                     name,
-                    data_args.dataset_config_name,
-                    cache_dir=model_args.cache_dir if checksum is None else content_cache_dir(model_args, checksum),
-                    token=model_args.token,
+                    source.dataset_config_name,
+                    cache_dir=source.cache_dir if checksum is None else content_cache_dir(source.cache_dir, checksum),
+                    token=source.token,
                     streaming=streaming,
                     **(text_options if holds_text_files else {}),
                 )
@@ -209,26 +205,26 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
         else:
             raw = {}
             for split, flag in (("train", "train_file"), ("validation", "validation_file")):
-                patterns = data_file_patterns(getattr(data_args, flag))
-                if not patterns or (split == "train" and evaluation_only and data_args.validation_file):
+                patterns = data_file_patterns(getattr(source, flag))
+                if not patterns or (split == "train" and evaluation_only and source.validation_file):
                     continue
                 groups = resolve_data_files(patterns, flag)
                 try:
-                    raw[split] = load_data_files(groups, split, model_args, data_args, streaming)
+                    raw[split] = load_data_files(groups, split, source, streaming)
                 except DATA_READ_ERRORS as error:
-                    raise unreadable_data_error(error, split, data_args) from None
+                    raise unreadable_data_error(error, split, source) from None
     except (FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
         raise UsageError(f"cannot load the dataset: {error}") from None
     except ConnectionError as error:
         raise UsageError(
-            f"cannot load --dataset_name {data_args.dataset_name}: {error}; it is not in the cache (--cache_dir), "
+            f"cannot load --dataset_name {source.dataset_name}: {error}; it is not in the cache (--cache_dir), "
             "so load it once online, or pass local files with --train_file"
         ) from None
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, ValueError) as error:
         if str(error).startswith(("BuilderConfig", "Config name is missing")):  # raised before any file is read
             raise UsageError(
-                f"cannot load --dataset_name {data_args.dataset_name} with --dataset_config_name "
-                f"{data_args.dataset_config_name}: {' '.join(str(error).splitlines()[:2])}; pass one of those "
+                f"cannot load --dataset_name {source.dataset_name} with --dataset_config_name "
+                f"{source.dataset_config_name}: {' '.join(str(error).splitlines()[:2])}; pass one of those "
                 "configurations with --dataset_config_name"
             ) from None
         cause = error.__cause__ or error
@@ -239,38 +235,57 @@ def load_text_datasets(model_args, data_args, streaming: bool = False, evaluatio
         raw = {"train": raw}
     used = ("validation",) if evaluation_only and "validation" in raw else ("train", "validation")
     raw = {split: dataset for split, dataset in raw.items() if split in used}
-    # Examples (prompt/completion, conversations) are checked row by row as they are encoded
-    # (flax_lm.data.finetune_examples).
-    examples = data_args.resolve_example_format(raw, streaming) is not None
+    # Examples (prompt/completion, conversations), and splits of two formats, are told apart, checked and refused
+    # where they must be by flax_lm.data.finetune_examples.example_format, row by row as they are encoded.
+    if not all(holds_plain_text(dataset, split, source) for split, dataset in raw.items()):
+        return raw
     for split, dataset in raw.items():
         columns = dataset.column_names  # None for a stream whose columns are only known once read
-        if not examples and columns is not None and data_args.text_column_name not in columns:
+        if columns is not None and source.text_column_name not in columns:
             raise UsageError(
-                f"the {split} data has no column '{data_args.text_column_name}' (it has: {', '.join(columns)}); "
+                f"the {split} data has no column '{source.text_column_name}' (it has: {', '.join(columns)}); "
                 "pass --text_column_name"
             )
-    if examples:
-        return raw
-    return {split: rows_with_text(dataset, split, data_args) for split, dataset in raw.items()}
+    return {split: rows_with_text(dataset, split, source) for split, dataset in raw.items()}
+
+
+def columns_of(dataset) -> list[str]:
+    """The columns of a dataset, or of a stream's first row where the stream does not know them."""
+    if dataset.column_names is not None:
+        return list(dataset.column_names)
+    return list(next(iter(dataset), {}))
+
+
+def holds_plain_text(dataset, split: str, source: TextSource) -> bool:
+    """Whether a split holds plain text: always where `source` reads no examples; otherwise where it has the text
+    column and no columns of examples were named (--prompt_column, --completion_column)."""
+    if source.examples is None:
+        return True
+    if source.examples.prompt_column is not None or source.examples.completion_column is not None:
+        return False
+    try:  # a stream's first row is read here
+        return source.text_column_name in columns_of(dataset)
+    except DATA_READ_ERRORS as error:
+        raise unreadable_data_error(error, split, source) from None
 
 
 # What the readers of `datasets` raise for a data file they cannot parse (pyarrow's for JSON, as a stream reads it).
 DATA_READ_ERRORS = (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, pyarrow.ArrowInvalid)
 
 
-def unreadable_data_error(error: Exception, split: str, data_args) -> UsageError:
+def unreadable_data_error(error: Exception, split: str, source: TextSource) -> UsageError:
     """The one line for a split whose files a reader refused: where a JSON file is not JSON, its name and line (the
     reader's own message counts rows from the start of the block it was reading, not of the file, and names no
     file); otherwise the reader's message."""
     flag = {"train": "train_file", "validation": "validation_file"}[split]
-    json_files = resolve_data_files(getattr(data_args, flag), flag).get("json", []) if getattr(data_args, flag) else []
+    json_files = resolve_data_files(getattr(source, flag), flag).get("json", []) if getattr(source, flag) else []
     for path in json_files:
         if problem := first_line_not_json(path):
             return UsageError(f"cannot read the {split} data: {problem}; fix or remove that line")
     cause = error.__cause__ or error
     return UsageError(
         f"cannot read the {split} data ({type(cause).__name__}: {cause}); check the format and encoding of "
-        f"{text_source(split, data_args)}"
+        f"{text_source(split, source)}"
     )
 
 
@@ -320,12 +335,12 @@ def data_file_paths(patterns) -> set[str]:
     }
 
 
-def warn_of_files_in_both_splits(data_args):
+def warn_of_files_in_both_splits(source: TextSource):
     """Warn where --train_file and --validation_file name a file in common (a mixture's sources are checked as the
     mixture file is read)."""
-    if data_args.train_file is None or data_args.validation_file is None:
+    if source.train_file is None or source.validation_file is None:
         return
-    train_files, validation_files = map(data_file_paths, (data_args.train_file, data_args.validation_file))
+    train_files, validation_files = map(data_file_paths, (source.train_file, source.validation_file))
     if shared := sorted(train_files & validation_files):
         logger.warning(
             "--train_file and --validation_file share %s: the evaluation measures how well the model remembers its "
@@ -334,11 +349,11 @@ def warn_of_files_in_both_splits(data_args):
         )
 
 
-def text_source(split: str, data_args) -> str:
+def text_source(split: str, source: TextSource) -> str:
     """Where the texts of a split come from, as the user named them, for messages about a row."""
-    patterns = data_file_patterns({"train": data_args.train_file, "validation": data_args.validation_file}.get(split))
+    patterns = data_file_patterns({"train": source.train_file, "validation": source.validation_file}.get(split))
     if not patterns:
-        return f"the {split} split of --dataset_name {data_args.dataset_name}"
+        return f"the {split} split of --dataset_name {source.dataset_name}"
     if len(patterns) > 1:
         return f"the files of {' '.join(patterns)} (counted through them in the order read, a format after another)"
     if glob.has_magic(patterns[0]):
@@ -346,21 +361,21 @@ def text_source(split: str, data_args) -> str:
     return patterns[0]
 
 
-def rows_with_text(dataset, split: str, data_args):
+def rows_with_text(dataset, split: str, source: TextSource):
     """The dataset without rows whose text is missing or null: such a row is refused in one line naming its file
     and row, or with --skip_missing_texts left out and counted in the log. A column of other values than strings
     is refused. A stream is checked lazily, batch by batch as it is read."""
-    column, skip = data_args.text_column_name, data_args.skip_missing_texts
+    column, skip = source.text_column_name, source.skip_missing_texts
 
     def not_text(type_name: str) -> UsageError:
         return UsageError(
-            f"column '{column}' of {text_source(split, data_args)} holds {type_name} values, not text; "
+            f"column '{column}' of {text_source(split, source)} holds {type_name} values, not text; "
             "pass the column of texts with --text_column_name"
         )
 
     def missing_text(row: int) -> UsageError:
         return UsageError(
-            f"row {row + 1} of {text_source(split, data_args)} has no text (its '{column}' is missing or null); "
+            f"row {row + 1} of {text_source(split, source)} has no text (its '{column}' is missing or null); "
             "fix the data, or pass --skip_missing_texts to leave such rows out"
         )
 
@@ -382,7 +397,7 @@ def rows_with_text(dataset, split: str, data_args):
                     split,
                     kept.count(False),
                     rows[kept.index(False)] + 1,
-                    text_source(split, data_args),
+                    text_source(split, source),
                 )
             return kept
 
@@ -402,7 +417,7 @@ def rows_with_text(dataset, split: str, data_args):
         int(missing.sum()),
         len(dataset),
         int(np.argmax(missing)) + 1,
-        text_source(split, data_args),
+        text_source(split, source),
     )
     # Kept in memory (an index of the kept rows): written beside the dataset, it would land in a directory of
     # save_to_disk that is the user's.
@@ -415,16 +430,16 @@ def rows_with_text(dataset, split: str, data_args):
     )
 
 
-def check_tokenizer_encodes(tokenizer, text_datasets: dict, data_args):
+def check_tokenizer_encodes(tokenizer, text_datasets: dict, source: TextSource):
     """Refuse a tokenizer that turns the first texts of the data into nothing, or into unknown tokens only: a model
     trained on that learns nothing of the texts while its loss looks like training. Reading a stream starts here, so
     files it cannot read are refused here too."""
-    text_column = data_args.text_column_name
+    text_column = source.text_column_name
     for split, dataset in text_datasets.items():
         try:
             first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
         except DATA_READ_ERRORS as error:
-            raise unreadable_data_error(error, split, data_args) from None
+            raise unreadable_data_error(error, split, source) from None
         # The start of each text is enough: a .txt file read as one document may be gigabytes long, and every run
         # waits for this (1,000 characters of 100 files of Python encode in 0.02 s; 10,000 took 0.17 s).
         texts = [text[:1_000] for text in first_texts if text and not text.isspace()]

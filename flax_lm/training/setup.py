@@ -136,7 +136,14 @@ def set_up_training(
     call_batches_sharding = NamedSharding(mesh, PartitionSpec(None, None, BATCH_AXES))
     accumulation_steps = training_args.gradient_accumulation_steps
     train_batch_size = training_args.per_device_train_batch_size * jax.device_count() * accumulation_steps
-    steps_per_epoch, total_steps = count_steps(training_args, train_rows, train_batch_size, f"--{script.length_name}")
+    steps_per_epoch, total_steps = count_steps(
+        training_args.do_train,
+        training_args.max_steps,
+        training_args.num_train_epochs,
+        train_rows,
+        train_batch_size,
+        f"--{script.length_name}",
+    )
     apply_strategies(training_args, steps_per_epoch, total_steps)
     schedule = script.learning_rate_schedule(training_args, total_steps)
     optimizer = script.create_optimizer(training_args, schedule)
