@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 from conftest import FIXTURES_DIR, REPO_DIR, stock_code
-from test_clm import OFFLINE_ENV, tiny_config, tiny_llama_config
+from test_clm import OFFLINE_ENV, TINY_FAMILY_CONFIGS, tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
 from transformers import (
     AutoModelForCausalLM,
@@ -42,7 +42,7 @@ from flax_lm.data.texts import ids_around_documents
 from flax_lm.generation.sampling import generate_ids, make_sampler
 from flax_lm.models import import_model_file, llama, model_code, stock_module
 from flax_lm.models.huggingface import save_model
-from flax_lm.training.train_state import abstract_model_params
+from flax_lm.training.train_state import abstract_model_params, initial_params
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -472,3 +472,27 @@ def test_a_sharded_bfloat16_checkpoint_of_each_family_decodes_trains_and_exports
     assert not any(loading_info.values()), loading_info
     scored = pytorch_block_loss(str(output_dir), (CORPUS / "validation.txt").read_text(), 32)
     assert abs(reported - scored) < 1e-3, (reported, scored)
+
+
+@pytest.mark.parametrize(
+    "name, config, remat_policy",
+    [
+        ("roberta", lambda: tiny_roberta_config(), "nothing_saveable"),
+        ("gpt2", lambda: tiny_config(), None),
+        ("gemma3", TINY_FAMILY_CONFIGS["gemma3"], None),
+    ],
+)
+def test_the_quickly_compiled_initialisation_gives_flax_init_values_bit_for_bit(name, config, remat_policy):
+    """initial_params draws each group of like parameters in one vectorised call: a seed still gives the weights
+    model.init gives it (a fresh run's weights are unchanged), layers checkpointed or not."""
+    config = config()
+    model = stock_module(config.model_type).MODEL_CLASS(config, remat_policy=remat_policy)
+    dummy_input = jnp.zeros((1, 8), jnp.int32)
+    expected = nn.meta.unbox(
+        jax.jit(partial(model.init, deterministic=True))(jax.random.key(7), dummy_input)["params"]
+    )
+    params = jax.jit(lambda dummy_input: initial_params(model, 7, dummy_input))(dummy_input)
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(expected)
+    for value, expected_value in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(expected_value))
+    assert len({float(jnp.std(leaf)) for leaf in jax.tree_util.tree_leaves(params) if leaf.ndim == 2}) > 3
