@@ -18,9 +18,10 @@ from flax_lm.models.common import fused_attention, fused_attention_arguments
 SEPARATOR = 2  # the tiny RoBERTa's </s> and a stand-in end-of-text for the decoders
 
 
-def model_and_input(name: str, dtype):
-    """(model, input_ids, attention_mask or None, params) of a tiny model of each kind of attention: RoBERTa with
-    right-padded rows, RoBERTa and GPT-2 with packed documents, Gemma 3 with a sliding window over its local layers."""
+def model_and_input(name: str, dtype, abstract_params=False):
+    """(model, (input_ids[, attention_mask]), params or with `abstract_params` their shapes) of a tiny model of each
+    kind of attention: RoBERTa with right-padded rows, RoBERTa and GPT-2 with packed documents, Gemma 3 with a sliding
+    window over its local layers."""
     if name.startswith("roberta"):
         input_ids, attention_mask = example_batch(padded=True)
         input_ids[:, 5] = SEPARATOR
@@ -38,8 +39,8 @@ def model_and_input(name: str, dtype):
             config = TINY_FAMILY_CONFIGS["gemma3"]()
             model = stock_module(config.model_type).MODEL_CLASS(config, dtype=dtype)
     inputs = (jnp.asarray(input_ids),) if attention_mask is None else (input_ids, jnp.asarray(attention_mask))
-    params = model.init(jax.random.key(0), *inputs)["params"]
-    return model, inputs, params
+    init = jax.eval_shape if abstract_params else lambda function, *arguments: jax.jit(function)(*arguments)
+    return model, inputs, init(model.init, jax.random.key(0), *inputs)["params"]
 
 
 MODELS = ["roberta-padded", "roberta-documents", "gpt2-documents", "gemma3-window"]
@@ -74,7 +75,7 @@ def test_jax_cudnn_path_refuses_an_unspread_padding_mask(monkeypatch):
 def test_jax_cudnn_path_accepts_each_models_arguments_forward_and_backward(name, monkeypatch):
     """The train step's gradient traced through jax's cuDNN attention, whose shape checks (check_layout,
     check_is_flash_attention) run while tracing; the kernel itself needs a GPU."""
-    model, inputs, params = model_and_input(name, jnp.bfloat16)
+    model, inputs, params = model_and_input(name, jnp.bfloat16, abstract_params=True)
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
     take_the_cudnn_branch(monkeypatch)
 
@@ -90,7 +91,7 @@ def test_the_fused_path_computes_the_written_out_attention(name, monkeypatch):
     """The cuDNN branch's arguments, computed by jax's XLA version of the function (float32, on this CPU), give the
     logits of the written-out attention, padding, documents and window included."""
     model, inputs, params = model_and_input(name, jnp.float32)
-    written_out = np.asarray(model.apply({"params": params}, *inputs))
+    written_out = np.asarray(jax.jit(lambda params: model.apply({"params": params}, *inputs))(params))
     original = jax.nn.dot_product_attention
 
     def as_xla(*arguments, implementation=None, **keywords):
@@ -99,7 +100,7 @@ def test_the_fused_path_computes_the_written_out_attention(name, monkeypatch):
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", as_xla)
     take_the_cudnn_branch(monkeypatch)
-    fused = np.asarray(model.apply({"params": params}, *inputs))
+    fused = np.asarray(jax.jit(lambda params: model.apply({"params": params}, *inputs))(params))  # traced anew
     assert np.abs(written_out).max() > 0.1
     np.testing.assert_allclose(fused, written_out, atol=2e-5, rtol=0)
 
