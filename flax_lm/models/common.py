@@ -74,18 +74,41 @@ def causal_attention(query, key, value, scale: float, dropout=None, segment_ids=
     with `window`, only to the `window` latest tokens, itself included (a sliding-window layer); with `softcap`, the
     attention logits are capped smoothly at +-softcap (softcap * tanh(logits / softcap), Gemma 2's).
     `dropout` (a function of the attention weights) is applied to the weights, which jax.nn.dot_product_attention
-    cannot do: with it, or with segments or a cap, or off NVIDIA GPUs in half precision, attention is written out
-    (XLA:CPU also runs that faster than the function's own XLA version); else it is cuDNN's fused kernel."""
-    if dropout is None and segment_ids is None and softcap is None and use_cudnn_attention(query.dtype):
-        return jax.nn.dot_product_attention(
-            query, key, value, scale=scale, is_causal=True, implementation="cudnn",
-            local_window_size=None if window is None else (window - 1, 0),
-        )  # fmt: skip
+    cannot do: with it, or with a cap, or off NVIDIA GPUs in half precision, attention is written out (XLA:CPU also
+    runs that faster than the function's own XLA version); else it is cuDNN's fused kernel."""
+    if dropout is None and softcap is None and use_cudnn_attention(query.dtype):
+        visible = None if segment_ids is None else same_segment(segment_ids)[:, None]
+        return fused_attention(query, key, value, scale, visible, causal=True, window=window)
     length = query.shape[1]
     visible = causal_visibility(jnp.arange(length), jnp.arange(length), window)[None]
     if segment_ids is not None:
         visible = visible & same_segment(segment_ids)
     return attention_written_out(query, key, value, scale, visible, dropout, softcap)
+
+
+def fused_attention(query, key, value, scale: float, visible=None, causal=False, window=None, implementation="cudnn"):
+    """jax.nn.dot_product_attention with the arguments of fused_attention_arguments: cuDNN's fused kernel by default;
+    `implementation="xla"` computes the same attention with XLA's operations, anywhere."""
+    arguments = fused_attention_arguments(query, key, visible, window)
+    return jax.nn.dot_product_attention(
+        query, key, value, scale=scale, is_causal=causal, implementation=implementation, **arguments
+    )
+
+
+def fused_attention_arguments(query, key, visible=None, window=None) -> dict:
+    """The mask and window arguments of jax.nn.dot_product_attention in the form its cuDNN kernel accepts, for query
+    (batch, queries, heads, head_dim) and key (batch, keys, key/value heads, head_dim). `visible`: None (every key
+    visible, or only causality, which is_causal gives) or a bool array broadcastable to (batch, 1, queries, keys),
+    True where the query may see the key: a padding mask (batch, 1, 1, keys), documents' segments (batch, 1, queries,
+    keys). cuDNN takes a mask as an additive bias of the full (queries, keys) shape only (a (batch, 1, 1, keys) one
+    is refused: "Bias must have same seq length as QKV, got 1 and ..."), and the function takes no segment ids; so
+    the mask is spread over the queries. `window`: each query sees only the `window` latest keys, itself included."""
+    arguments = {}
+    if visible is not None:
+        arguments["mask"] = jnp.broadcast_to(visible, (query.shape[0], 1, query.shape[1], key.shape[1]))
+    if window is not None:
+        arguments["local_window_size"] = (window - 1, 0)
+    return arguments
 
 
 def causal_visibility(query_positions, key_positions, window=None):

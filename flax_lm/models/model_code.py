@@ -34,22 +34,26 @@ logger = logging.getLogger(__name__)
 # change to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
 # parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gemma": "ccb4a731dc070557",
-    "gpt2": "29b9bcfd3633837a",
-    "llama": "503e53ad0738fa05",
-    "olmo2": "b0877faf3731d06d",
-    "roberta": "fdebdf944a44cb5c",
+    "gemma": "70cb8883ead381c2",
+    "gpt2": "272c7f9596cdb77c",
+    "llama": "1fbca14013f5fdc6",
+    "olmo2": "15a9ef5e60891667",
+    "roberta": "7fbe975d967e2fc4",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
 # subpackages, which changed the models' import lines, and added model families, which left what the earlier configs
 # compute as it was: the parity tests compare both with transformers. Gemma's module has since refused Gemma 3's
 # attn_logit_softcapping, which Gemma3ForCausalLM ignores, and computes every config it accepts as before. GPT-2's
-# module has since taken block options, off by default, which leave every config without them computed as before.)
+# module has since taken block options, off by default, which leave every config without them computed as before. Then
+# the cuDNN attention took document segments too, through one function shared with RoBERTa; written out, as on a CPU,
+# every module computes as before.)
 EARLIER_VERIFIED_FINGERPRINTS = {
-    "gpt2": {"9235ed61450115e6", "37d74b0550392686"},
-    "llama": {"e66a74462a8dd3d2"},
-    "roberta": {"695c5ddd82d1a2e0"},
+    "gemma": {"ccb4a731dc070557"},
+    "gpt2": {"9235ed61450115e6", "37d74b0550392686", "29b9bcfd3633837a"},
+    "llama": {"e66a74462a8dd3d2", "503e53ad0738fa05"},
+    "olmo2": {"b0877faf3731d06d"},
+    "roberta": {"695c5ddd82d1a2e0", "fdebdf944a44cb5c"},
 }
 
 # The most work the probe may ask of PyTorch on the CPU (its model's forward pass over the probe batch, about 2 x

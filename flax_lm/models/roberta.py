@@ -16,6 +16,7 @@ from flax_lm.models.common import (
     ACTIVATIONS,
     RowsDense,
     constrain,
+    fused_attention,
     look_up,
     same_segment,
     segments_and_positions,
@@ -205,11 +206,7 @@ class RobertaSelfAttention(RobertaModule):
         query, key, value = project("query"), project("key"), project("value")
         no_dropout = deterministic or config.attention_probs_dropout_prob == 0
         if no_dropout and use_cudnn_attention(query.dtype):
-            # The mask becomes an additive bias of the fused kernel, which takes one of (query length, key length)
-            # only: a padding mask (batch, 1, 1, seq) is spread over the queries.
-            if mask is not None:
-                mask = jnp.broadcast_to(mask, (batch, 1, seq, seq))
-            out = jax.nn.dot_product_attention(query, key, value, mask=mask, implementation="cudnn")
+            out = fused_attention(query, key, value, 1 / np.sqrt(head_dim), mask)
         else:
             dropout = nn.Dropout(config.attention_probs_dropout_prob, deterministic=no_dropout)
             out = attention(query, key, value, mask, dropout)
