@@ -14,7 +14,6 @@ than memory works. The result is an ordinary tokenizer directory:
 A single .json file holding the arguments works as well: `python train_tokenizer.py args.json`.
 """
 
-import glob
 import logging
 import os
 import shutil
@@ -33,7 +32,8 @@ from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenize
 
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
-from flax_lm.data.texts import TEXTS_PER_BATCH, builder_of_file, text_pieces, without_byte_order_marks
+from flax_lm.data.source import TextSource
+from flax_lm.data.text_stream import ReadCounts, counted_text_batches, open_text_sources
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, check_writable_directory, run
 from flax_lm.models.tokenizer_files import save_tokenizer_files
@@ -118,6 +118,12 @@ class DataArguments:
         default=None, metadata={"help": "Stop reading after this many characters; leave out to read all."}
     )
 
+    def text_source(self) -> TextSource:
+        """Where the texts are and how they are read, as flax_lm.data.text_stream takes it: .txt files by line."""
+        names = ("train_file", "dataset_name", "dataset_config_name", "text_column_name", "keep_linebreaks")
+        names += ("skip_missing_texts",)
+        return TextSource(**{name: getattr(self, name) for name in names}, text_sample_by="line")
+
 
 @dataclass
 class TokenizerArguments:
@@ -171,17 +177,6 @@ class TokenizerArguments:
     overwrite: bool = field(default=False, metadata={"help": "Replace a tokenizer already saved in --output_dir."})
 
 
-@dataclass
-class ReadCounts:
-    """What the reader has read so far."""
-
-    texts: int = 0
-    characters: int = 0
-    bytes: int = 0
-    first_text: str | None = None  # the first with more than whitespace
-    missing_texts: int = 0  # rows left out by --skip_missing_texts
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------------------------------
@@ -207,156 +202,6 @@ def check_output_dir(output_dir, overwrite):
             "or choose another directory"
         )
     check_writable_directory(output_dir, "output_dir")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reading text
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def expand_train_files(patterns):
-    """Glob patterns and paths to a list of existing files, in the order given."""
-    files = []
-    for pattern in patterns:
-        if any(character in pattern for character in "*?["):
-            matches = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
-            if not matches:
-                raise UsageError(
-                    f"--train_file pattern '{pattern}' matches no files; check the path and quote the pattern"
-                )
-            files.extend(matches)
-        elif os.path.isdir(pattern):
-            raise UsageError(
-                f"--train_file {pattern} is a directory; pass the files in it (e.g. '{pattern}/*.txt') "
-                "or pass the directory with --dataset_name"
-            )
-        elif not os.path.isfile(pattern):
-            raise UsageError(f"--train_file {pattern} does not exist; check the path")
-        else:
-            files.append(pattern)
-    return list(dict.fromkeys(files))  # a file named twice is read once
-
-
-def is_saved_dataset(directory):
-    """True for a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
-    return os.path.isfile(os.path.join(directory, "dataset_dict.json")) or os.path.isfile(
-        os.path.join(directory, "state.json")
-    )
-
-
-def open_text_sources(data_args):
-    """The datasets to read, each as (description, dataset, column name, number of rows or None).
-
-    Local files are streamed; a directory written by `save_to_disk` is memory-mapped. Either way the text is read
-    in batches and never held in memory all at once.
-    """
-    if data_args.train_file and data_args.dataset_name:
-        raise UsageError("pass either --train_file or --dataset_name, not both")
-    if not data_args.train_file and not data_args.dataset_name:
-        raise UsageError("no input: pass text files with --train_file or a dataset with --dataset_name")
-
-    if data_args.train_file:
-        files_by_builder = {}
-        for path in expand_train_files(data_args.train_file):
-            files_by_builder.setdefault(builder_of_file(path, "train_file"), []).append(path)
-        sources = []
-        for builder, files in files_by_builder.items():
-            description = files[0] if len(files) == 1 else f"{len(files)} {builder} files"
-            options = {"keep_linebreaks": data_args.keep_linebreaks} if builder == "text" else {}
-            try:
-                dataset = datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
-            except (OSError, ValueError) as error:
-                raise UsageError(f"cannot read {description}: {first_line(error)}") from None
-            # Text files have one column, "text", holding their lines.
-            column = "text" if builder == "text" else data_args.text_column_name
-            sources.append((description, dataset, column, None))
-        return sources
-
-    name = data_args.dataset_name
-    if os.path.isdir(name) and is_saved_dataset(name):
-        try:
-            dataset = datasets.load_from_disk(name)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot load the saved dataset {name}: {first_line(error)}") from None
-        if isinstance(dataset, datasets.DatasetDict):
-            if data_args.dataset_split not in dataset:
-                splits = ", ".join(dataset)
-                raise UsageError(f"--dataset_split {data_args.dataset_split} is not in {name}; it has: {splits}")
-            dataset = dataset[data_args.dataset_split]
-        return [(name, dataset, data_args.text_column_name, dataset.num_rows)]
-
-    where = "the local directory" if os.path.isdir(name) else "the dataset"
-    try:
-        dataset = datasets.load_dataset(
-            name, data_args.dataset_config_name, split=data_args.dataset_split, streaming=True
-        )
-    except (OSError, ValueError) as error:
-        raise UsageError(
-            f"cannot load {where} {name} (--dataset_name): {first_line(error)}; check the name and split, "
-            "or pass local files with --train_file"
-        ) from None
-    return [(name, dataset, data_args.text_column_name, None)]
-
-
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
-def text_batches(sources, counts, max_texts=None, max_characters=None, skip_missing_texts=False):
-    """Yield lists of up to TEXTS_PER_BATCH non-empty strings from all sources, updating `counts` as it goes.
-
-    A row whose text is missing or null is refused, naming the source and the row, or with `skip_missing_texts`
-    left out and counted."""
-    for description, dataset, column, _ in sources:
-        rows = iter(dataset.iter(batch_size=TEXTS_PER_BATCH))
-        row = 0
-        while True:
-            try:
-                batch = next(rows)
-            except StopIteration:
-                break
-            except (OSError, ValueError) as error:
-                # What the json, csv, parquet and text readers raise for a malformed or undecodable file.
-                raise UsageError(f"cannot read {description}: {first_line(error)}") from None
-            if column not in batch:
-                available = ", ".join(batch) or "none"
-                raise UsageError(
-                    f"{description} has no column '{column}' (it has: {available}); "
-                    "pass the text column with --text_column_name"
-                )
-            texts = []
-            for text in without_byte_order_marks(batch[column], description):
-                row += 1
-                if text is None and not skip_missing_texts:
-                    raise UsageError(
-                        f"row {row} of {description} has no text (its '{column}' is missing or null); "
-                        "fix the data, or pass --skip_missing_texts to leave such rows out"
-                    )
-                if text is None:
-                    counts.missing_texts += 1
-                    continue
-                if text == "":
-                    continue
-                if not isinstance(text, str):
-                    raise UsageError(
-                        f"column '{column}' of {description} holds {type(text).__name__} values, not text; "
-                        "pass the text column with --text_column_name"
-                    )
-                if max_characters is not None:
-                    text = text[: max_characters - counts.characters]
-                # The byte-level pre-tokenizer gives the pieces the words of the whole text, in bounded memory.
-                texts.extend(text_pieces(text))
-                counts.texts += 1
-                counts.characters += len(text)
-                counts.bytes += len(text.encode("utf-8"))
-                if counts.first_text is None and not text.isspace():
-                    counts.first_text = text
-                if counts.texts == max_texts or counts.characters == max_characters:
-                    yield texts
-                    return
-            if texts:
-                yield texts
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -508,7 +353,9 @@ def train_tokenizer(sources, data_args, tokenizer_args, special: SpecialTokens) 
     start_time = time.perf_counter()
     # The trainer's progress bar counts the texts as they are read, then shows the merges.
     tokenizer.train_from_iterator(
-        text_batches(sources, counts, data_args.max_texts, data_args.max_characters, data_args.skip_missing_texts),
+        counted_text_batches(
+            sources, counts, data_args.max_texts, data_args.max_characters, data_args.skip_missing_texts
+        ),
         trainer=trainer,
         length=expected_text_count(sources, data_args),
     )
@@ -577,7 +424,7 @@ def main():
     special, model_max_length = check_arguments(data_args, tokenizer_args)
 
     # Data -----------------------------------------------------------------------------------------------------------
-    sources = open_text_sources(data_args)
+    sources = open_text_sources(data_args.text_source(), data_args.dataset_split)
     logger.info("Reading text from %s", ", ".join(description for description, _, _, _ in sources))
 
     # Training -------------------------------------------------------------------------------------------------------

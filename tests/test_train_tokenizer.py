@@ -18,6 +18,7 @@ from tokenizers import trainers
 from transformers import AutoTokenizer
 
 import flax_lm.data.texts
+from flax_lm.data import text_stream
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 CORPUS_DIR = FIXTURES_DIR / "corpus"
@@ -187,12 +188,12 @@ def test_text_is_streamed_in_batches_not_read_whole(tmp_path):
     with open(tmp_path / "rows.jsonl", "w", encoding="utf-8") as jsonl_file:
         for number in range(2500):
             jsonl_file.write(json.dumps({"text": f"row {number}"}) + "\n")
-    sources = train_tokenizer.open_text_sources(
-        train_tokenizer.DataArguments(train_file=[str(tmp_path / "rows.jsonl")])
+    sources = text_stream.open_text_sources(
+        train_tokenizer.DataArguments(train_file=[str(tmp_path / "rows.jsonl")]).text_source()
     )
-    counts = train_tokenizer.ReadCounts()
+    counts = text_stream.ReadCounts()
 
-    batches = list(train_tokenizer.text_batches(sources, counts))
+    batches = list(text_stream.counted_text_batches(sources, counts))
 
     assert isinstance(sources[0][1], datasets.IterableDataset)
     assert [len(batch) for batch in batches] == [1000, 1000, 500]
@@ -331,14 +332,14 @@ def test_a_text_of_one_long_line_is_read_in_pieces_that_train_the_same_tokenizer
     train_tokenizer = load_train_tokenizer_module()
     words = (CORPUS_DIR / "english.txt").read_text().split()
     (tmp_path / "one_line.txt").write_text(" ".join(words * 12))  # about 50,000 characters, no line break
-    sources = train_tokenizer.open_text_sources(
-        train_tokenizer.DataArguments(train_file=[str(tmp_path / "one_line.txt")])
+    sources = text_stream.open_text_sources(
+        train_tokenizer.DataArguments(train_file=[str(tmp_path / "one_line.txt")]).text_source()
     )
 
     def trained(piece_characters):
         monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", piece_characters)
-        counts = train_tokenizer.ReadCounts()
-        batches = list(train_tokenizer.text_batches(sources, counts))
+        counts = text_stream.ReadCounts()
+        batches = list(text_stream.counted_text_batches(sources, counts))
         tokenizer = train_tokenizer.new_byte_level_bpe()
         tokenizer.train_from_iterator(batches, trainer=trainers.BpeTrainer(vocab_size=400, show_progress=False))
         return batches, counts, json.loads(tokenizer.to_str())["model"]

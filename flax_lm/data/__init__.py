@@ -4,6 +4,7 @@ unpack their flags into the values and settings these functions take):
 
 source.py             where the texts come from and how they are read (TextSource), how examples become rows
 texts.py              reading text files, datasets and streams, and encoding them into token ids
+text_stream.py        a whole corpus read once in counted batches of texts (train_tokenizer.py)
 chat.py               chat templates: rendering a conversation, the tokens that end a turn
 finetune_examples.py  prompt/completion pairs and conversations in TRL's formats, with their loss weights
 cache_key.py          the fingerprint of the code that turns texts into tokens, which keys the token cache
