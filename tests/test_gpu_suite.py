@@ -1,5 +1,5 @@
-"""benchmarks/gpu_suite.py, the project's train steps beside their PyTorch peers on a GPU: its CPU smoke measures every
-row on both sides and prints the table its JSON holds; a side that fails or hangs is reported, not waited for; the
+"""benchmarks/gpu_suite.py, the project's train steps beside their PyTorch peers on a GPU: its CPU smoke measures each
+model on both sides and prints the table its JSON holds; a side that fails or hangs is reported, not waited for; the
 fine-tuning rows pack whole examples with the loss on their completions."""
 
 import importlib.util
@@ -26,14 +26,14 @@ def number(cell: str) -> float:
     return float(re.sub(r"[^0-9.]", "", cell))
 
 
-def test_the_smoke_measures_every_row_on_both_sides_and_its_json_holds_the_printed_table(
-    tmp_path, monkeypatch, capsys
-):
+def test_the_smoke_measures_the_rows_on_both_sides_and_its_json_holds_the_printed_table(tmp_path, monkeypatch, capsys):
     suite = load_benchmark("gpu_suite")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     json_path = tmp_path / "suite.json"
-    rows = [*suite.TRAINING_ROWS, suite.GENERATION_ROW]
+    # The Llama's pretraining row is left out: its fine-tuning row runs the same model and peer class, with packed
+    # examples and the loss mask besides, and each row is two processes that import jax or torch.
+    rows = [*(row for row in suite.TRAINING_ROWS if row != "llama"), suite.GENERATION_ROW]
     argv = ["gpu_suite.py", "--smoke", "--steps", "1", "--rounds", "1", "--rows", *rows, "--json", str(json_path)]
     monkeypatch.setattr(sys, "argv", argv)
     suite.main()
@@ -42,7 +42,6 @@ def test_the_smoke_measures_every_row_on_both_sides_and_its_json_holds_the_print
 
     expected_sides = [
         ("gpt2", "flax_lm"), ("gpt2", "transformers GPT2LMHeadModel"), ("gpt2", "lean GPT (peers/lean_gpt.py)"),
-        ("llama", "flax_lm"), ("llama", "transformers LlamaForCausalLM"),
         ("llama_finetune", "flax_lm"), ("llama_finetune", "transformers LlamaForCausalLM"),
         ("roberta", "flax_lm"), ("roberta", "transformers RobertaForMaskedLM"),
     ]  # fmt: skip

@@ -18,7 +18,8 @@ from flax_lm.errors import UsageError
 from flax_lm.models import gpt2, llama, roberta
 
 CORPUS = FIXTURES_DIR / "en"
-MESH_SHAPES = ["tensor=2", "tensor=8", "data=2,fsdp=2,tensor=2"]
+# The tensor axis alone over every device, and mixed with the data and fsdp axes (a split by 2 alone adds no path).
+MESH_SHAPES = ["tensor=8", "data=2,fsdp=2,tensor=2"]
 
 
 def last_line(text: str) -> str:
@@ -58,7 +59,7 @@ def test_every_mix_of_data_fsdp_and_tensor_trains_as_one_device(mesh_results, sc
     assert mesh["largest_weight_difference"] < 1e-5
 
 
-@pytest.mark.parametrize("optim", ["muon", "lion", "adafactor"])
+@pytest.mark.parametrize("optim", ["muon", "adafactor"])
 def test_each_optimizer_trains_on_a_mesh_as_on_one_device_with_its_state_split_like_the_parameters(
     mesh_results, optim
 ):
