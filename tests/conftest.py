@@ -22,6 +22,22 @@ FIXTURES_DIR = REPO_DIR / "tests" / "fixtures"
 TOKENIZER_TRAINING_FILES = sorted((FIXTURES_DIR / "corpus").glob("*.txt")) + [FIXTURES_DIR / "en" / "train.txt"]
 
 
+# The files that run longest, started first: with `--dist loadfile` a worker takes a whole file, and a long file begun
+# last (the alphabet puts test_tensor_parallel.py near the end) keeps one worker busy after the other has finished.
+LONGEST_FILES_FIRST = [
+    "test_tensor_parallel.py", "test_edited_copies.py", "test_distributed.py", "test_gpu_suite.py",
+    "test_steps_per_call.py", "test_models.py", "test_resume_checks.py", "test_clm.py", "test_mlm_scale.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: the other files keep their order, and every file its tests' order
+
+
 def stock_code(config) -> ModelCode:
     """The code of `config`'s model as flax_lm ships it, loaded as the tools load it (save_model takes it)."""
     return load_model_code(config, None, stock_module(config.model_type).GENERATES_TEXT, "the tests")
