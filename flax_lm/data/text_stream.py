@@ -13,6 +13,7 @@ from flax_lm.data.texts import (
     TEXTS_PER_BATCH,
     builder_of_file,
     data_file_patterns,
+    is_saved_dataset,
     text_pieces,
     without_byte_order_marks,
 )
@@ -57,13 +58,6 @@ def expand_data_files(patterns, flag: str = "train_file") -> list[str]:
         else:
             files.append(pattern)
     return list(dict.fromkeys(files))  # a file named twice is read once
-
-
-def is_saved_dataset(directory):
-    """True for a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
-    return os.path.isfile(os.path.join(directory, "dataset_dict.json")) or os.path.isfile(
-        os.path.join(directory, "state.json")
-    )
 
 
 def open_text_sources(source: TextSource, split: str = "train"):

@@ -163,6 +163,11 @@ def load_data_files(groups: dict[str, list[str]], split: str, source: TextSource
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
+def is_saved_dataset(directory: str) -> bool:
+    """True for a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    return any(os.path.isfile(os.path.join(directory, marker)) for marker in ("dataset_dict.json", "state.json"))
+
+
 def load_text_datasets(source: TextSource, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The train and validation splits `source` names, as they are (no validation split is held out
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
@@ -172,9 +177,7 @@ def load_text_datasets(source: TextSource, streaming: bool = False, evaluation_o
     try:
         if source.dataset_name is not None:
             name = source.dataset_name
-            if os.path.isdir(name) and any(
-                os.path.exists(os.path.join(name, marker)) for marker in ("dataset_dict.json", "state.json")
-            ):
+            if os.path.isdir(name) and is_saved_dataset(name):
                 raw = datasets.load_from_disk(name)
                 if streaming:
                     raw = {"train": raw} if isinstance(raw, datasets.Dataset) else raw
