@@ -17,10 +17,13 @@ from conftest import FIXTURES_DIR
 from test_clm import model_dir_with_config, run_clm_flax, scalars
 from transformers import AutoTokenizer
 
+import flax_lm.data.data_files
 import flax_lm.data.loading
 import flax_lm.data.packed
+import flax_lm.data.text_stream
 import flax_lm.data.texts
 import flax_lm.devices.processes
+import flax_lm.errors
 from flax_lm.data.source import TextSource
 
 CORPUS = FIXTURES_DIR / "en"
@@ -624,19 +627,54 @@ def test_compressed_files_give_the_blocks_of_the_uncompressed_ones(streaming, to
 def test_a_compressed_file_of_no_known_format_is_one_clear_line(name, message, tmp_path):
     path = tmp_path / name
     path.write_bytes(b"not empty")
-    with pytest.raises(flax_lm.data.texts.UsageError, match=message):
-        flax_lm.data.texts.resolve_data_files(str(path), "train_file")
+    with pytest.raises(flax_lm.errors.UsageError, match=message):
+        flax_lm.data.data_files.resolve_data_files(str(path), "train_file")
+
+
+def test_data_files_are_resolved_by_one_rule_for_the_scripts_and_the_tokenizer(tmp_path, monkeypatch):
+    for name in ["b.txt", "a.jsonl", "deep/er/c.txt", "deep/d.txt", "folder.txt/e.txt", "blank/f.txt"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n" if name.endswith("jsonl") else name + "\n")
+    (tmp_path / "blank/g.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+
+    # '**' reaches every depth, its own folder included; a folder a glob matches is left out; a file named twice
+    # is read once, where it was first named; each glob's matches are sorted.
+    groups = flax_lm.data.data_files.resolve_data_files(["deep/d.txt", "**/*.txt", "*.jsonl"], "train_file")
+    assert groups == {
+        "text": ["deep/d.txt", "b.txt", "blank/f.txt", "deep/er/c.txt", "folder.txt/e.txt"],
+        "json": ["a.jsonl"],
+    }
+    source = TextSource(train_file=["deep/d.txt", "**/*.txt", "*.jsonl"], text_sample_by="line")
+    sources = flax_lm.data.text_stream.open_text_sources(source)
+    assert [description for description, *_ in sources] == ["5 text files", "a.jsonl"]
+    counts = flax_lm.data.text_stream.ReadCounts()
+    texts = [text for batch in flax_lm.data.text_stream.counted_text_batches(sources, counts) for text in batch]
+    assert "".join(texts).split() == [*groups["text"], *groups["json"]]
+
+    refusals = {
+        "deep": "--train_file deep is a directory; pass the files in it ('deep/*.txt', 'deep/**/*.jsonl')",
+        "nowhere/**/*.txt": "--train_file nowhere/**/*.txt matches no file; check the path, and quote the pattern",
+        "blank/*": "--train_file: blank/g.jsonl is empty; leave it out",
+        "missing.txt": "--train_file: missing.txt does not exist or is not a file",
+    }
+    for pattern, message in refusals.items():
+        with pytest.raises(flax_lm.errors.UsageError) as error:
+            flax_lm.data.data_files.resolve_data_files(pattern, "train_file")
+        assert str(error.value).startswith(message)
+        with pytest.raises(flax_lm.errors.UsageError) as error:
+            flax_lm.data.text_stream.open_text_sources(TextSource(train_file=[pattern]))
+        assert str(error.value).startswith(message)
 
 
 def test_a_zstandard_file_without_the_package_names_the_package(tmp_path, monkeypatch):
     path = tmp_path / "corpus.jsonl.zst"
     path.write_bytes(b"not empty")
-    find_spec = flax_lm.data.texts.importlib.util.find_spec
-    monkeypatch.setattr(
-        flax_lm.data.texts.importlib.util, "find_spec", lambda name: None if name == "zstandard" else find_spec(name)
-    )
-    with pytest.raises(flax_lm.data.texts.UsageError, match="needs the zstandard package: pip install zstandard"):
-        flax_lm.data.texts.resolve_data_files(str(path), "train_file")
+    importlib_util = flax_lm.data.data_files.importlib.util
+    find_spec = importlib_util.find_spec
+    monkeypatch.setattr(importlib_util, "find_spec", lambda name: None if name == "zstandard" else find_spec(name))
+    with pytest.raises(flax_lm.errors.UsageError, match="needs the zstandard package: pip install zstandard"):
+        flax_lm.data.data_files.resolve_data_files(str(path), "train_file")
 
 
 def test_train_files_of_several_formats_are_all_read_each_format_by_its_own_builder(tokenizer, tmp_path):

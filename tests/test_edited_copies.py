@@ -316,7 +316,7 @@ def test_the_token_cache_key_covers_the_package_code_that_makes_tokens_and_nothi
     # An edit of flax_lm.data.texts that changes the tokens changes the key; one of code that makes no tokens does not.
     edits = {
         "tokens": {"token_lists = [before + ids + after for ids": "token_lists = [before + ids[::-1] + after for ids"},
-        "no tokens": {'raise UsageError(f"--{flag} {pattern} matches no file")': 'raise UsageError("no file")'},
+        "no tokens": {'raise UsageError(f"cannot load the dataset: {error}")': 'raise UsageError("no dataset")'},
     }
     for edit, replacements in edits.items():
         edited = module_copy(flax_lm.data.texts, f"texts_{edit.replace(' ', '_')}", replacements)

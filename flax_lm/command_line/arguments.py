@@ -124,9 +124,9 @@ class DataArguments:
     train_file: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Training text: .txt, .json/.jsonl, .csv or .parquet files or globs such as 'data/*.txt', listed "
-            "or each after its own --train_file, formats mixed as they come; the text formats also compressed (.gz, "
-            ".bz2, .xz, .zst), e.g. corpus.jsonl.gz.",
+            "help": "Training text: .txt, .json/.jsonl, .csv or .parquet files or globs such as 'data/*.txt' "
+            "('**' matches subdirectories), listed or each after its own --train_file, formats mixed as they come; "
+            "the text formats also compressed (.gz, .bz2, .xz, .zst), e.g. corpus.jsonl.gz.",
             "action": "extend",
         },
     )

@@ -3,6 +3,7 @@ above it, so that the way from files to rows goes down once (and none imports fl
 unpack their flags into the values and settings these functions take):
 
 source.py             where the texts come from and how they are read (TextSource), how examples become rows
+data_files.py         which local files --train_file names (one rule for every tool), each format's reader
 texts.py              reading text files, datasets and streams, and encoding them into token ids
 text_stream.py        a whole corpus read once in counted batches of texts (train_tokenizer.py)
 chat.py               chat templates: rendering a conversation, the tokens that end a turn

@@ -11,8 +11,8 @@ import re
 import numpy as np
 import yaml
 
+from flax_lm.data.data_files import data_file_paths, data_file_patterns
 from flax_lm.data.source import TextSource
-from flax_lm.data.texts import data_file_paths, data_file_patterns
 from flax_lm.errors import UsageError
 
 logger = logging.getLogger(__name__)

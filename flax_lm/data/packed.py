@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.chat import chat_template_of
+from flax_lm.data.data_files import data_file_patterns
 from flax_lm.data.finetune_examples import recorded_example_format
 from flax_lm.data.source import TextSource
-from flax_lm.data.texts import data_file_patterns
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, check_writable_directory
 from flax_lm.run.checksums import file_checksum

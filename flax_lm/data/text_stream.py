@@ -1,22 +1,15 @@
 """Reading a whole corpus once, as batches of texts with counts of what was read (train_tokenizer.py): local files
-(.txt by line, the others by row; globs with '**'), a directory written by `save_to_disk`, or a dataset of the hub or
-a local folder, streamed so that a corpus larger than memory works."""
+(.txt by line, the others by row; named as the training scripts take them), a directory written by `save_to_disk`,
+or a dataset of the hub or a local folder, streamed so that a corpus larger than memory works."""
 
-import glob
 import os
 from dataclasses import dataclass
 
 import datasets
 
+from flax_lm.data.data_files import is_saved_dataset, resolve_data_files
 from flax_lm.data.source import TextSource
-from flax_lm.data.texts import (
-    TEXTS_PER_BATCH,
-    builder_of_file,
-    data_file_patterns,
-    is_saved_dataset,
-    text_pieces,
-    without_byte_order_marks,
-)
+from flax_lm.data.texts import TEXTS_PER_BATCH, text_pieces, without_byte_order_marks
 from flax_lm.errors import UsageError
 
 
@@ -36,30 +29,6 @@ def first_line(error):
     return lines[0] if lines else type(error).__name__
 
 
-def expand_data_files(patterns, flag: str = "train_file") -> list[str]:
-    """Glob patterns ('**' matches subdirectories) and paths to a list of existing files, in the order given, each
-    once. Unlike flax_lm.data.texts.resolve_data_files, an empty file is read (as no text), not refused."""
-    files = []
-    for pattern in data_file_patterns(patterns):
-        if glob.has_magic(pattern):
-            matches = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
-            if not matches:
-                raise UsageError(
-                    f"--{flag} pattern '{pattern}' matches no files; check the path and quote the pattern"
-                )
-            files.extend(matches)
-        elif os.path.isdir(pattern):
-            raise UsageError(
-                f"--{flag} {pattern} is a directory; pass the files in it (e.g. '{pattern}/*.txt') "
-                "or pass the directory with --dataset_name"
-            )
-        elif not os.path.isfile(pattern):
-            raise UsageError(f"--{flag} {pattern} does not exist; check the path")
-        else:
-            files.append(pattern)
-    return list(dict.fromkeys(files))  # a file named twice is read once
-
-
 def open_text_sources(source: TextSource, split: str = "train"):
     """The datasets to read, each as (description, dataset, column name, number of rows or None): `source`'s
     train_file (its .txt files read by `source.text_builder_options()`, their column always "text") or the `split`
@@ -74,11 +43,8 @@ def open_text_sources(source: TextSource, split: str = "train"):
         raise UsageError("no input: pass text files with --train_file or a dataset with --dataset_name")
 
     if source.train_file:
-        files_by_builder = {}
-        for path in expand_data_files(source.train_file):
-            files_by_builder.setdefault(builder_of_file(path, "train_file"), []).append(path)
         sources = []
-        for builder, files in files_by_builder.items():
+        for builder, files in resolve_data_files(source.train_file, "train_file").items():
             description = files[0] if len(files) == 1 else f"{len(files)} {builder} files"
             options = source.text_builder_options() if builder == "text" else {}
             try:

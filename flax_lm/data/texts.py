@@ -3,7 +3,6 @@ stream) and turning them into token ids, in worker processes if asked."""
 
 import collections
 import glob
-import importlib.util
 import itertools
 import json
 import logging
@@ -20,83 +19,19 @@ import pyarrow
 import xxhash
 from tokenizers import pre_tokenizers
 
+from flax_lm.data.data_files import (
+    data_file_paths,
+    data_file_patterns,
+    files_checksum,
+    folder_files,
+    folder_holds_text_files,
+    is_saved_dataset,
+    resolve_data_files,
+)
 from flax_lm.data.source import TextSource
 from flax_lm.errors import UsageError
-from flax_lm.run.checksums import file_checksum
 
 logger = logging.getLogger(__name__)
-
-
-DATA_FILE_BUILDERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-}
-
-
-# Compressed data files: `datasets` decompresses them as it reads (in files, globs and streams); their format is
-# that of the name under the suffix, as in corpus.jsonl.gz. The value names a package the suffix needs.
-COMPRESSION_SUFFIXES = {".gz": None, ".bz2": None, ".xz": None, ".zst": "zstandard"}
-
-
-def builder_of_file(path: str, flag: str) -> str:
-    """The `datasets` builder that reads the data file at `path` (given to --`flag`), from its extension."""
-    stem, extension = os.path.splitext(path.lower())
-    if extension in COMPRESSION_SUFFIXES:
-        package = COMPRESSION_SUFFIXES[extension]
-        if package and importlib.util.find_spec(package) is None:
-            raise UsageError(f"--{flag}: reading {path} needs the {package} package: pip install {package}")
-        stem, extension = os.path.splitext(stem)
-        if extension == ".parquet":
-            raise UsageError(
-                f"--{flag}: {path} is a compressed Parquet file; Parquet compresses inside: decompress it"
-            )
-    if extension not in DATA_FILE_BUILDERS:
-        supported = ", ".join(DATA_FILE_BUILDERS)
-        compressed = ", ".join(COMPRESSION_SUFFIXES)
-        raise UsageError(
-            f"--{flag}: {path} has an unsupported extension; use one of {supported}, or one of these followed by "
-            f"{compressed}"
-        )
-    return DATA_FILE_BUILDERS[extension]
-
-
-def data_file_patterns(value) -> list[str]:
-    """The files and globs of --train_file or --validation_file as a list: none, one (a string, as a JSON file of
-    arguments may give it) or several."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
-
-
-def resolve_data_files(patterns, flag: str) -> dict[str, list[str]]:
-    """The files that --`flag` names (paths and globs, each glob's matches sorted), in the order given and each once,
-    grouped by the `datasets` builder of their format."""
-    files = []
-    for pattern in data_file_patterns(patterns):
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matches:
-            raise UsageError(f"--{flag} {pattern} matches no file")
-        files.extend(matches)
-    groups = {}
-    for path in dict.fromkeys(files):
-        if not os.path.isfile(path):
-            raise UsageError(f"--{flag}: {path} does not exist or is not a file")
-        if not os.access(path, os.R_OK):
-            raise UsageError(f"--{flag}: {path} is not readable")
-        if os.path.getsize(path) == 0:
-            raise UsageError(f"--{flag}: {path} is empty")
-        groups.setdefault(builder_of_file(path, flag), []).append(path)
-    return groups
-
-
-def files_checksum(paths: list[str]) -> str:
-    """The XXH3-128 checksum of the bytes of `paths`, in their order: what identifies the content of local data
-    files, whatever their names and modification times."""
-    return xxhash.xxh3_128_hexdigest(" ".join(file_checksum(path) for path in paths).encode())
 
 
 def by_content(dataset, checksum: str):
@@ -106,18 +41,6 @@ def by_content(dataset, checksum: str):
     `datasets` keeps of the dataset's filters are then those of the bytes read."""
     dataset._fingerprint = xxhash.xxh3_128_hexdigest(f"{dataset._fingerprint} {checksum}".encode())
     return dataset
-
-
-def folder_files(folder: str) -> list[str]:
-    """The files under `folder`, in sorted order, leaving out hidden ones (and those of hidden folders), as `datasets`
-    does when it reads a folder of data files."""
-    return sorted(
-        os.path.join(root, name)
-        for root, folders, names in os.walk(folder)
-        if not any(part.startswith(".") for part in os.path.relpath(root, folder).split(os.sep) if part != ".")
-        for name in names
-        if not name.startswith(".")
-    )
 
 
 def content_cache_dir(cache_dir: str | None, checksum: str) -> str:
@@ -163,11 +86,6 @@ def load_data_files(groups: dict[str, list[str]], split: str, source: TextSource
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def is_saved_dataset(directory: str) -> bool:
-    """True for a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
-    return any(os.path.isfile(os.path.join(directory, marker)) for marker in ("dataset_dict.json", "state.json"))
-
-
 def load_text_datasets(source: TextSource, streaming: bool = False, evaluation_only: bool = False) -> dict:
     """The train and validation splits `source` names, as they are (no validation split is held out
     here): `datasets.Dataset`s, or with `streaming` `datasets.IterableDataset`s that read the files (or the hub) as
@@ -183,12 +101,7 @@ def load_text_datasets(source: TextSource, streaming: bool = False, evaluation_o
                     raw = {"train": raw} if isinstance(raw, datasets.Dataset) else raw
                     raw = {split: dataset.to_iterable_dataset() for split, dataset in raw.items()}
             else:
-                holds_text_files = os.path.isdir(name) and any(
-                    DATA_FILE_BUILDERS.get(os.path.splitext(file.lower().removesuffix(suffix))[1]) == "text"
-                    for _, _, files in os.walk(name)
-                    for file in files
-                    for suffix in ("", *COMPRESSION_SUFFIXES)
-                )
+                holds_text_files = os.path.isdir(name) and folder_holds_text_files(name)
                 # A local folder of data files is keyed by its files' content, as --train_file is.
                 checksum = None if streaming or not os.path.isdir(name) else files_checksum(folder_files(name))
                 raw = datasets.load_dataset(
@@ -327,15 +240,6 @@ def first_document_error(path: str) -> str | None:
 
 def json_error_in_words(error: json.JSONDecodeError) -> str:
     return f"{error.msg.removesuffix(' at')} at character {error.colno}"  # "Unterminated string starting at ..."
-
-
-def data_file_paths(patterns) -> set[str]:
-    """The real paths of the files that data file patterns (files and globs) name."""
-    return {
-        os.path.realpath(path)
-        for pattern in data_file_patterns(patterns)
-        for path in (glob.glob(pattern) if glob.has_magic(pattern) else [pattern])
-    }
 
 
 def warn_of_files_in_both_splits(source: TextSource):
