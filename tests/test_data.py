@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import sys
 import tracemalloc
 import warnings
@@ -546,6 +547,27 @@ def test_a_process_whose_share_of_the_stream_is_empty_is_refused(tokenizer, tmp_
     batches = flax_lm.data.loading.streaming_train_batches(text_stream(tmp_path / "one.txt"), rows_of_texts, 2, 0, 10)
     with pytest.raises(run_clm_flax.UsageError, match="process 1's share of the training stream holds no text"):
         next(batches)
+
+
+def test_a_stream_whose_every_text_the_script_drops_is_refused_not_read_forever(tokenizer, tmp_path):
+    (tmp_path / "texts.txt").write_text("".join(f"Document number {number}.\n" for number in range(300)))
+    kept = {"word": "number 7"}
+
+    def rows_of_texts(texts):  # a document filter in tokenized_rows, where docs/where-to-edit.md puts one
+        texts = texts.filter(lambda row: kept["word"] in row["text"])
+        return run_clm_flax.tokenized_rows(texts, "train", tokenizer, 32, TextSource())
+
+    def first_batch():
+        stream = text_stream(tmp_path / "texts.txt")  # a document a line
+        return next(flax_lm.data.loading.streaming_train_batches(stream, rows_of_texts, 2, 0, 10))
+
+    # A filter that keeps a few documents (31 of 300) trains on them, though a pass ends before its first row.
+    rows = first_batch()["input_ids"]
+    numbers = re.findall(r"Document number (\d+)\.", tokenizer.decode(rows.ravel()))
+    assert rows.shape == (2, 32) and len(numbers) >= 3 and all("7" in number for number in numbers), numbers
+    kept["word"] = "number 1000"
+    with pytest.raises(run_clm_flax.UsageError, match="share of the training stream makes no row: .*filter"):
+        first_batch()
 
 
 def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_stream(tokenizer):

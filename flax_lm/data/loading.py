@@ -53,6 +53,10 @@ def stream_share(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
     )
 
 
+class PassEndedBeforeAnyRow(Exception):
+    """A whole pass over a stream's texts was read and no row has come out yet (streaming_train_batches)."""
+
+
 def streaming_train_batches(
     dataset: datasets.IterableDataset,
     rows_of_texts: Callable[[datasets.IterableDataset], Iterable[np.ndarray]],
@@ -76,6 +80,8 @@ def streaming_train_batches(
     if shuffle_buffer_size > 0:
         share = share.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
 
+    progress = {"rows": 0, "first_pass_checked": False}
+
     def every_pass():
         for epoch in itertools.count():
             if shuffle_buffer_size > 0:
@@ -89,10 +95,30 @@ def streaming_train_batches(
                     f"process {jax.process_index()}'s share of the training stream holds no text (a .txt file is one "
                     "text unless --text_sample_by says otherwise): give at least as many texts as processes"
                 )
+            if not progress["first_pass_checked"] and progress["rows"] == 0:
+                raise PassEndedBeforeAnyRow
 
-    passes = datasets.IterableDataset.from_generator(every_pass, features=share.features)
+    def all_rows():
+        while True:
+            passes = datasets.IterableDataset.from_generator(every_pass, features=share.features)
+            try:
+                for row_array in rows_of_texts(passes):
+                    progress["rows"] += len(row_array)
+                    yield row_array
+            except PassEndedBeforeAnyRow:
+                # Rows come out some batches of texts after their texts were read, so none yet may be a lag; texts
+                # the script drops (a filter in tokenized_rows) would be read pass after pass, forever. Whether one
+                # pass on its own makes a row tells which; with none made yet, the stream starts again as it was.
+                if not any(len(rows) for rows in rows_of_texts(share)):
+                    raise UsageError(
+                        f"process {jax.process_index()}'s share of the training stream makes no row: the script's "
+                        "tokenized_rows keeps none of its texts (a filter that drops every document?), or they hold "
+                        "fewer tokens than one block"
+                    ) from None
+                progress["first_pass_checked"] = True
+
     rows, batch_number = None, 0
-    for row_array in rows_of_texts(passes):
+    for row_array in all_rows():
         rows = row_array if rows is None else np.concatenate([rows, row_array])
         while len(rows) >= local_batch_size:
             if batch_number >= first_batch:
