@@ -73,6 +73,26 @@ def test_a_checkpoint_of_the_flat_layouts_stock_model_resumes_and_other_code_doe
     assert not any(model_code.computes_as(earlier) for earlier in EARLIER_VERIFIED_FINGERPRINTS["llama"])
 
 
+def test_a_checkpoint_of_gpt2_code_that_ignored_a_block_option_the_config_sets_is_refused_naming_it():
+    from test_clm import tiny_config
+
+    from flax_lm.errors import UsageError
+    from flax_lm.models.model_code import load_model_code
+    from flax_lm.run.record import check_model_code
+
+    before_the_options, with_the_options = "37d74b0550392686", "29b9bcfd3633837a"
+    config = tiny_config()
+    config.qk_norm, config.final_logit_softcapping = True, 30.0
+    model_code = load_model_code(config, None, True, "run_clm_flax.py", exports=False)
+    assert model_code.computes_as(with_the_options) and not model_code.computes_as(before_the_options)
+    record = {"model_code": {"file": "flax_lm/models/gpt2.py", "fingerprint": before_the_options}}
+    with pytest.raises(UsageError, match="read nothing of final_logit_softcapping, qk_norm, which the config sets"):
+        check_model_code(model_code, record)
+    check_model_code(model_code, {"model_code": {**record["model_code"], "fingerprint": with_the_options}})
+    # Without the options, the earlier code computed the model as today's.
+    assert load_model_code(tiny_config(), None, True, "run_clm_flax.py", exports=False).computes_as(before_the_options)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The data layer takes values, not the command line's arguments, and its modules import downwards only
 # ----------------------------------------------------------------------------------------------------

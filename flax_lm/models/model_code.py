@@ -15,6 +15,7 @@ not load (it looks for model.safetensors), and which the tools of this repositor
 """
 
 import hashlib
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ EARLIER_VERIFIED_FINGERPRINTS = {
     "olmo2": {"b0877faf3731d06d"},
     "roberta": {"695c5ddd82d1a2e0", "fdebdf944a44cb5c"},
 }
+# Config fields an earlier verified version read nothing of: it computed as today's code only for a config that leaves
+# them unset (GPT-2's block options, which a hand-edited config could hold before create_config.py took them).
+GPT2_BLOCK_OPTIONS = ("qk_norm", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "layer_types")
+FIELDS_EARLIER_CODE_IGNORED = {"9235ed61450115e6": GPT2_BLOCK_OPTIONS, "37d74b0550392686": GPT2_BLOCK_OPTIONS}
 
 # The most work the probe may ask of PyTorch on the CPU (its model's forward pass over the probe batch, about 2 x
 # parameters x tokens), which runs before the first step: a minute or two of a laptop's CPU. GPT-2 124M would take
@@ -97,6 +102,7 @@ class ModelCode:
     fingerprint: str
     claims_architecture: bool
     reason: str  # why the exports name the architecture, or why not
+    fields_set: frozenset = frozenset()  # the config's fields of FIELDS_EARLIER_CODE_IGNORED it sets
 
     @property
     def description(self) -> str:
@@ -104,7 +110,7 @@ class ModelCode:
 
     def computes_as(self, recorded_fingerprint: str) -> bool:
         """Whether code with `recorded_fingerprint` computed the model as this code does: the same code, or an
-        earlier verified version of the stock module this run uses unedited."""
+        earlier verified version of the stock module this run uses unedited, for a config it read all of."""
         if recorded_fingerprint == self.fingerprint:
             return True
         name = module_name(self.module)
@@ -112,7 +118,12 @@ class ModelCode:
             self.own_file is None
             and VERIFIED_FINGERPRINTS.get(name) == self.fingerprint
             and recorded_fingerprint in EARLIER_VERIFIED_FINGERPRINTS.get(name, ())
+            and not self.fields_ignored_by(recorded_fingerprint)
         )
+
+    def fields_ignored_by(self, recorded_fingerprint: str) -> list[str]:
+        """The config fields this run sets that the code of `recorded_fingerprint` read nothing of."""
+        return sorted(self.fields_set & set(FIELDS_EARLIER_CODE_IGNORED.get(recorded_fingerprint, ())))
 
 
 def load_model_code(
@@ -124,10 +135,15 @@ def load_model_code(
     module = model_module(config.model_type, model_file, generates_text, tool)
     module.check_model_config(config, mesh)
     fingerprint = module_code_fingerprint(module)
+    fields_set = frozenset(
+        name
+        for name in itertools.chain(*FIELDS_EARLIER_CODE_IGNORED.values())
+        if getattr(config, name, None) not in (None, False)
+    )
     if not exports:
-        return ModelCode(module, model_file, fingerprint, False, f"{tool} exports nothing")
+        return ModelCode(module, model_file, fingerprint, False, f"{tool} exports nothing", fields_set)
     claims, reason = architecture_claim(module, config, fingerprint, model_file)
-    code = ModelCode(module, model_file, fingerprint, claims, reason)
+    code = ModelCode(module, model_file, fingerprint, claims, reason, fields_set)
     if model_file or not claims:
         log = logger.info if claims else logger.warning
         log("Model code %s (fingerprint %s): %s", code.description, fingerprint, reason)

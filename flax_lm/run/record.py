@@ -201,6 +201,12 @@ def check_model_code(model_code, progress_record: dict):
     written before it was recorded hold none): its weights would be computed by code they were not trained with. Asked
     before the checkpoint's arrays are compared with the model's, whose shapes other code may change."""
     recorded = progress_record.get("run", progress_record).get("model_code")
+    if recorded is not None and (ignored := model_code.fields_ignored_by(recorded["fingerprint"])):
+        raise UsageError(
+            f"the checkpoint was trained with earlier model code ({recorded['file']}, fingerprint "
+            f"{recorded['fingerprint']}) that read nothing of {', '.join(ignored)}, which the config sets: its "
+            "weights were trained without them; resume with a config that leaves them out, or start a new run"
+        )
     if recorded is not None and not model_code.computes_as(recorded["fingerprint"]):
         raise UsageError(
             f"the checkpoint was trained with other model code ({recorded['file']}, fingerprint "
