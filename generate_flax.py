@@ -45,7 +45,7 @@ from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.data.texts import ids_around_documents
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, first_line, run
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.generation.sampling import DecodingBatch, Sampling, decode_rows, make_sampler
 from flax_lm.models.huggingface import check_config_finite, check_local_model_directory, read_exported_params
@@ -328,7 +328,7 @@ def load_model(model_args):
         try:
             return loader.from_pretrained(source, cache_dir=model_args.cache_dir, token=model_args.token)
         except (OSError, ValueError) as error:
-            raise UsageError(f"cannot load --model_name_or_path {source}: {str(error).splitlines()[0]}") from None
+            raise UsageError(f"cannot load --model_name_or_path {source}: {first_line(error)}") from None
 
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
     check_config_finite(config, f"--model_name_or_path {source}")

@@ -13,6 +13,13 @@ class UsageError(Exception):
     """A problem the user must fix (an argument, a file, a diverged run): reported as one line, no traceback."""
 
 
+def first_line(error: Exception, limit: int = 300) -> str:
+    """The first line of `error`'s message (at most `limit` characters; its type's name where it has none), for a
+    refusal in one line: the libraries' messages run over many lines, with their own advice below."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:limit] if lines else type(error).__name__
+
+
 def check_writable_directory(path: str, flag: str):
     """Refuse a directory (given by --`flag`) that is a file or cannot be created and written into. Writing a file is
     the test: os.access says yes to root on a read-only filesystem."""

@@ -10,7 +10,7 @@ import datasets
 from flax_lm.data.data_files import is_saved_dataset, resolve_data_files
 from flax_lm.data.source import TextSource
 from flax_lm.data.texts import TEXTS_PER_BATCH, text_pieces, without_byte_order_marks
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, first_line
 
 
 @dataclass
@@ -22,11 +22,6 @@ class ReadCounts:
     bytes: int = 0
     first_text: str | None = None  # the first with more than whitespace
     missing_texts: int = 0  # rows left out by --skip_missing_texts
-
-
-def first_line(error):
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def open_text_sources(source: TextSource, split: str = "train"):

@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from flax_lm.data.chat import stop_token_ids, training_chat_template
-from flax_lm.errors import UsageError, naming_a_full_disk
+from flax_lm.errors import UsageError, first_line, naming_a_full_disk
 from flax_lm.models import non_finite_config_value
 from flax_lm.models.model_code import (
     FINGERPRINT_KEY,
@@ -71,7 +71,7 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
         try:
             return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
         except (OSError, ValueError) as error:
-            raise UsageError(f"cannot load {flag} {name}: {str(error).splitlines()[0]}") from None
+            raise UsageError(f"cannot load {flag} {name}: {first_line(error)}") from None
 
     if model_args.config_name or model_args.model_name_or_path:
         config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
@@ -215,8 +215,9 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
         try:
             return load_safetensors(path)
         except (SafetensorError, OSError, ValueError, KeyError, struct.error) as error:
-            reason = str(error).splitlines()[0]
-            raise UsageError(f"{path} is not a readable safetensors file ({reason}); save it again") from None
+            raise UsageError(
+                f"{path} is not a readable safetensors file ({first_line(error)}); save it again"
+            ) from None
 
     # In transformers' order (modeling_utils' checkpoint files): model.safetensors before an index beside it.
     if (path := fetch(SAFETENSORS_WEIGHTS)) is not None:

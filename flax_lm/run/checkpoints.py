@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, first_line
 from flax_lm.run.best_model import KeepStep
 from flax_lm.run.checksums import (
     CHECKPOINT_CHECKSUMS,
@@ -206,8 +206,7 @@ def restore_checkpoint(
             except DamagedCheckpoint as error:
                 restored, reason = None, f"damaged ({error})"
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds for damaged files
-                first_line = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
-                restored, reason = None, f"unreadable ({first_line})"
+                restored, reason = None, f"unreadable ({first_line(error)})"
             # Every process takes the same checkpoint, even where only some could not read theirs.
             if jax.process_count() > 1:
                 if not np.all(multihost_utils.process_allgather(np.asarray(restored is not None))):
