@@ -287,3 +287,18 @@ def test_arguments_are_parsed_by_the_one_definition_train_tokenizer_uses():
 
     assert create_config.parse_arguments is tool_arguments.parse_arguments
     assert train_tokenizer.parse_arguments is tool_arguments.parse_arguments
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        # Named before argparse would answer that --preset is required.
+        (["--presett", "gpt2-tiny"], "unknown argument --presett; see --help"),
+        (["--preset", "gpt2-tiny", "--tokenizer_dirr=x"], "unknown argument --tokenizer_dirr; see --help"),
+        (["--preset", "gpt2-tiny", "stray"], "unexpected argument stray; flags start with --"),
+    ],
+)
+def test_a_misspelt_or_stray_argument_is_refused_in_one_line_naming_it(arguments, message, monkeypatch, tmp_path):
+    with pytest.raises(create_config.UsageError, match=re.escape(message)):
+        run_main(monkeypatch, "--output_dir", tmp_path / "model", *arguments)
+    assert not (tmp_path / "model").exists()

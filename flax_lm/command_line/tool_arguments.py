@@ -36,7 +36,15 @@ def parse_arguments(dataclass_types):
         for arguments in parsed:
             check_argument_types(arguments, json_path)
         return parsed
-    return parser.parse_args_into_dataclasses()
+    # Before argparse's own checks, which would answer a misspelt required flag with "--preset is required".
+    for argument in sys.argv[1:]:
+        flag = argument.split("=")[0]
+        if flag.startswith("--") and not any(option.startswith(flag) for option in parser._option_string_actions):
+            raise UsageError(f"unknown argument {flag}; see --help for the arguments this script takes")
+    *parsed, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        raise UsageError(f"unexpected argument {unknown[0]}; flags start with --, see --help")
+    return tuple(parsed)
 
 
 def check_argument_types(arguments, source):

@@ -94,7 +94,7 @@ def counted_text_batches(sources, counts, max_texts=None, max_characters=None, s
             if column not in batch:
                 available = ", ".join(batch) or "none"
                 raise UsageError(
-                    f"{description} has no column '{column}' (it has: {available}); "
+                    f"no column '{column}' in {description} (columns there: {available}); "
                     "pass the text column with --text_column_name"
                 )
             texts = []
