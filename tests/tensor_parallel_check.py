@@ -52,16 +52,19 @@ GEMMA = transformers.Gemma3TextConfig(
 )  # fmt: skip
 OLMO2 = transformers.Olmo2Config(**DECODER_SHAPES)
 FAMILIES_TENSOR_ONLY = ("gemma", "olmo2")
+# GPT-2 alone also meets FSDP over every device: the state divided eight ways (the batch over data and fsdp together is
+# the mesh of all three axes').
+FSDP_MESH = "fsdp=8"
 ROBERTA = transformers.RobertaConfig(
     vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128,
     max_position_embeddings=LENGTH + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
 )  # fmt: skip
 
 
-def batches(script):
+def batches(script, micro_batches):
     """The global batches of every step, (micro-batch, row, ...)."""
     rng = np.random.default_rng(0)
-    shape = (MICRO_BATCHES, ROWS // MICRO_BATCHES)
+    shape = (micro_batches, ROWS // micro_batches)
     for _ in range(STEPS):
         input_ids = rng.integers(3, VOCAB, size=(*shape, LENGTH), dtype=np.int32)
         if script is run_clm_flax:
@@ -78,10 +81,12 @@ def batches(script):
         }
 
 
-def train(script, model_class, config, mesh, optim="adamw"):
+def train(
+    script, model_class, config, mesh, optim="adamw", remat_policy="nothing_saveable", micro_batches=MICRO_BATCHES
+):
     """(losses, final parameters on the host, the share of each parameter the first device holds, the share of the
-    optimizer state's bytes it holds)."""
-    model = model_class(config, remat_policy="nothing_saveable", mesh=mesh)
+    optimizer state's bytes it holds, and of the bytes of the parameters and the optimizer state together)."""
+    model = model_class(config, remat_policy=remat_policy, mesh=mesh)
     args = script.TrainingArguments(
         output_dir="unused", optim=optim, learning_rate=1e-2, weight_decay=0.1, adam_epsilon=1e-3
     )
@@ -103,17 +108,19 @@ def train(script, model_class, config, mesh, optim="adamw"):
         "/".join(path): next(s.data.size for s in leaf.addressable_shards if s.device == first_device) / leaf.size
         for path, leaf in flatten_dict(state.params).items()
     }
-    state_leaves = jax.tree_util.tree_leaves(state.opt_state)
-    state_bytes_here = sum(
-        s.data.nbytes for leaf in state_leaves for s in leaf.addressable_shards if s.device == first_device
-    )
-    state_share = state_bytes_here / sum(leaf.nbytes for leaf in state_leaves)
+
+    def share_of_bytes(tree) -> float:
+        leaves = jax.tree_util.tree_leaves(tree)
+        here = sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards if s.device == first_device)
+        return here / sum(leaf.nbytes for leaf in leaves)
+
+    state_share, bytes_share = share_of_bytes(state.opt_state), share_of_bytes((state.params, state.opt_state))
     losses = []
-    for batch in batches(script):
+    for batch in batches(script, micro_batches):
         state, metrics = step(state, jax.device_put(batch, batch_sharding))
         count = metrics["token_count"] if "token_count" in metrics else metrics["weight_sum"]
         losses.append(float(metrics["loss_sum"] / count))
-    return losses, jax.tree_util.tree_map(np.asarray, state.params), shares, state_share
+    return losses, jax.tree_util.tree_map(np.asarray, state.params), shares, state_share, bytes_share
 
 
 def without_key_bias(params) -> dict:
@@ -127,19 +134,21 @@ def without_key_bias(params) -> dict:
     }
 
 
-def results_of(losses, params, shares, state_share, reference_params) -> dict:
+def results_of(losses, params, shares, state_share, bytes_share, reference_params) -> dict:
     differences = jax.tree_util.tree_map(lambda a, b: float(np.max(np.abs(a - b))), params, reference_params)
     return {
         "losses": losses,
         "largest_weight_difference": max(jax.tree_util.tree_leaves(differences)),
         "shares": shares,
         "state_share": state_share,
+        "bytes_share": bytes_share,
     }
 
 
 def main():
     one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
     results = {}
+    mesh_shapes = {"clm": [*sys.argv[1:], FSDP_MESH], **dict.fromkeys(FAMILIES_TENSOR_ONLY, ["tensor=8"])}
     for name, script, model_class, config in (
         ("clm", run_clm_flax, FlaxGPT2LMHeadModel, GPT2),
         ("llama", run_clm_flax, FlaxLlamaForCausalLM, LLAMA),
@@ -150,13 +159,20 @@ def main():
         reference_losses, reference_params, *_ = train(script, model_class, config, one_device)
         results[name] = {"one device": {"losses": reference_losses}}
         # The other decoders meet the mesh where their heads are: split one key/value head to a device.
-        for mesh_shape in sys.argv[1:] if name not in FAMILIES_TENSOR_ONLY else ["tensor=8"]:
+        for mesh_shape in mesh_shapes.get(name, sys.argv[1:]):
             trained = train(script, model_class, config, create_mesh(mesh_shape))
             results[name][mesh_shape] = results_of(*trained, reference_params)
-    # The other optimizers of --optim, on the mesh of all three axes.
+    # The other optimizers of --optim, on the mesh of all three axes. Their update follows the gradient's sum, which
+    # comes with the same shardings with or without remat and micro-batches (AdamW's runs above check those on this
+    # mesh): the plain step is compiled faster.
     for optim in OPTIMIZERS:
-        reference_losses, reference_params, *_ = train(run_clm_flax, FlaxGPT2LMHeadModel, GPT2, one_device, optim)
-        losses, params, *shares = train(run_clm_flax, FlaxGPT2LMHeadModel, GPT2, create_mesh(OPTIMIZER_MESH), optim)
+        reference_losses, reference_params, *_ = train(
+            run_clm_flax, FlaxGPT2LMHeadModel, GPT2, one_device, optim, remat_policy=None, micro_batches=1
+        )
+        losses, params, *shares = train(
+            run_clm_flax, FlaxGPT2LMHeadModel, GPT2, create_mesh(OPTIMIZER_MESH), optim, remat_policy=None,
+            micro_batches=1,
+        )  # fmt: skip
         results[f"clm {optim}"] = {
             "one device": {"losses": reference_losses},
             OPTIMIZER_MESH: results_of(losses, without_key_bias(params), *shares, without_key_bias(reference_params)),

@@ -1,6 +1,6 @@
 """Tensor parallelism (the tensor axis of --mesh_shape): attention heads, MLP columns and the vocabulary split over
-devices train, checkpoint and generate exactly as on one device. Every test runs its work in processes of their own
-with forced CPU devices."""
+devices train, checkpoint and generate exactly as on one device; and FSDP, which the same run checks. Every test runs
+its work in processes of their own with forced CPU devices."""
 
 import json
 import os
@@ -35,8 +35,8 @@ def devices_env(count: int) -> dict:
 @pytest.fixture(scope="module")
 def mesh_results():
     """tests/tensor_parallel_check.py's results: CLM (GPT-2 with dropout, and Llama) and MLM steps with remat and 2
-    micro-batches, on one device and on each mesh of MESH_SHAPES over 8 devices; and CLM steps with each other --optim
-    on one device and on data=2,fsdp=2,tensor=2."""
+    micro-batches, on one device and on each mesh of MESH_SHAPES over 8 devices (GPT-2 also on fsdp=8); and CLM steps
+    with each other --optim (without remat or micro-batches) on one device and on data=2,fsdp=2,tensor=2."""
     result = subprocess.run(
         [sys.executable, str(REPO_DIR / "tests" / "tensor_parallel_check.py"), *MESH_SHAPES],
         capture_output=True,
@@ -70,6 +70,15 @@ def test_each_optimizer_trains_on_a_mesh_as_on_one_device_with_its_state_split_l
     # Split over fsdp and tensor, four ways, as AdamW's is: a replicated state would leave each device all of it.
     adamw_share = mesh_results["clm"]["data=2,fsdp=2,tensor=2"]["state_share"]
     assert mesh["state_share"] == pytest.approx(adamw_share, abs=0.02) and adamw_share < 0.3
+
+
+def test_fsdp_divides_the_state_over_devices_and_keeps_the_losses(mesh_results):
+    one_device, fsdp = mesh_results["clm"]["one device"], mesh_results["clm"]["fsdp=8"]
+    np.testing.assert_allclose(fsdp["losses"], one_device["losses"], rtol=1e-5)
+    assert fsdp["largest_weight_difference"] < 1e-5
+    # Biases are left whole (they are tiny), so a device holds a little more than an eighth of the parameters and
+    # the optimizer state.
+    assert fsdp["bytes_share"] < 1 / (0.9 * 8), fsdp["bytes_share"]
 
 
 # The matrices every decoder of common.py splits (Llama's, Gemma's, OLMo 2's).
@@ -132,12 +141,18 @@ def assert_continues_like(resumed_dir, uninterrupted_dir, first_step: int):
         np.testing.assert_allclose(final[name], reference[name], atol=1e-5, err_msg=name)
 
 
-def test_checkpoints_move_between_data_and_tensor_parallel_meshes(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(model_dir, tmp_path_factory):
+    """A run of 6 steps on data=8 that saved checkpoints at steps 3 and 6: the reference of the resumed runs, and the
+    trained model that generation splits."""
+    output_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_script(arguments(model_dir, output_dir, "--save_steps", "3"), env=devices_env(8))
+    return output_dir
+
+
+def test_checkpoints_move_between_data_and_tensor_parallel_meshes(model_dir, uninterrupted, tmp_path):
     """A run on data=8 saved at step 3 resumes on data=2,tensor=4; that run's step-4 checkpoint resumes on data=8;
     both end with the losses and weights of the uninterrupted data=8 run."""
-    uninterrupted = tmp_path / "uninterrupted"
-    run_script(arguments(model_dir, uninterrupted, "--save_steps", "3"), env=devices_env(8))
-
     on_tensor = tmp_path / "on-tensor"
     resume_copy(uninterrupted, on_tensor, newest_kept=3)
     result = run_script(
@@ -156,12 +171,10 @@ def test_checkpoints_move_between_data_and_tensor_parallel_meshes(model_dir, tmp
     assert_continues_like(back_on_data, uninterrupted, first_step=5)
 
 
-def test_greedy_generation_split_over_four_devices_gives_the_ids_of_one(model_dir, tmp_path):
-    trained = tmp_path / "trained"
-    run_script(arguments(model_dir, trained, "--max_steps", "2"))
+def test_greedy_generation_split_over_four_devices_gives_the_ids_of_one(uninterrupted):
     command = [
-        sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(trained), "--json_output",
-        "--max_new_tokens", "12", "--prompt", "The", "--prompt", "It was a long", "--prompt", "",
+        sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(uninterrupted),
+        "--json_output", "--max_new_tokens", "12", "--prompt", "The", "--prompt", "It was a long", "--prompt", "",
     ]  # fmt: skip
     texts = {}
     for name, extra, env in (("one", [], OFFLINE_ENV), ("tensor=4", ["--mesh_shape", "tensor=4"], devices_env(4))):
