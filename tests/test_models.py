@@ -12,7 +12,6 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from functools import partial
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 import transformers
 from conftest import FIXTURES_DIR, REPO_DIR, stock_code
-from test_clm import OFFLINE_ENV, tiny_config, tiny_llama_config
+from test_clm import tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
 from transformers import (
     AutoModelForCausalLM,
@@ -274,8 +273,17 @@ PROBE_CONFIGS = {
 }
 
 
+@pytest.fixture
+def probe_row_by_row(monkeypatch):
+    """The probe compares one row at a time: its rows are then as few as hold every token id of these tiny
+    vocabularies, where the size of a group (PROBE_LOGITS_BYTES of logits) would pad them to hundreds of rows of
+    random ids that reach no layer, position or token id the first rows miss; and the probe's loop over the groups
+    runs more than once."""
+    monkeypatch.setattr(model_code, "PROBE_LOGITS_BYTES", 1)
+
+
 @pytest.mark.parametrize("model_type", PROBE_CONFIGS)
-def test_the_probe_finds_each_stock_module_equal_to_its_architecture(model_type):
+def test_the_probe_finds_each_stock_module_equal_to_its_architecture(model_type, probe_row_by_row):
     module = stock_module(model_type)
     config = PROBE_CONFIGS[model_type]()
     difference = model_code.probe_difference(module, config, hf_class_of(config))
@@ -291,7 +299,7 @@ def edited_module(tmp_path, name: str, replacements: dict, model_type: str = "ll
     return import_model_file(str(tmp_path / name))
 
 
-def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path):
+def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path, probe_row_by_row):
     config = llama_config(num_key_value_heads=2)
     # The same computation written another way, and attention scaled otherwise.
     same = edited_module(tmp_path, "same.py", {"scale = 1 / math.sqrt(head_dim)": "scale = head_dim**-0.5"})
@@ -335,7 +343,9 @@ NARROW_EDITS = {
 
 
 @pytest.mark.parametrize("edit", NARROW_EDITS)
-def test_an_edit_anywhere_in_the_context_the_layers_the_vocabulary_or_the_cache_loses_the_claim(tmp_path, edit):
+def test_an_edit_anywhere_in_the_context_the_layers_the_vocabulary_or_the_cache_loses_the_claim(
+    tmp_path, edit, probe_row_by_row
+):
     """The probe compares every layer, every position of the context, every token id and the cached routes: an
     export names GPT2LMHeadModel only for the unedited copy."""
     config = tiny_config(vocab_size=256, n_layer=3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -375,6 +385,18 @@ def sharded_llama_dir(llama_tokenizer_dir, tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def run_clm_in_process():
+    sys.path.insert(0, str(REPO_DIR))
+    import run_clm_flax
+
+    def run(monkeypatch, *arguments):
+        monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *map(str, arguments)])
+        run_clm_flax.main()
+
+    return run
+
+
 def pytorch_block_loss(model_dir, text: str, block_size: int) -> float:
     """The mean next-token loss of PyTorch's model over the blocks run_clm_flax.py makes of one document: its tokens
     framed as the tokenizer frames a text (BOS first) and followed by EOS, cut into blocks of block_size."""
@@ -389,17 +411,16 @@ def pytorch_block_loss(model_dir, text: str, block_size: int) -> float:
     return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1)))
 
 
-def test_a_sharded_bfloat16_llama_checkpoint_is_evaluated_as_pytorch_does_and_trains_on(sharded_llama_dir, tmp_path):
+def test_a_sharded_bfloat16_llama_checkpoint_is_evaluated_as_pytorch_does_and_trains_on(
+    sharded_llama_dir, run_clm_in_process, tmp_path, monkeypatch
+):
     assert len([name for name in os.listdir(sharded_llama_dir) if name.startswith("model-000")]) > 1
     validation = CORPUS / "validation.txt"
     common = ["--model_name_or_path", str(sharded_llama_dir), "--validation_file", str(validation), "--block_size",
               "32", "--per_device_eval_batch_size", "4", "--sample_tokens", "0"]  # fmt: skip
-    environment = {**OFFLINE_ENV, "HF_HOME": str(tmp_path / "hf-home")}
 
     def run(*arguments):
-        command = [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *common, *arguments]
-        result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_clm_in_process(monkeypatch, *common, *arguments)
 
     run("--output_dir", str(tmp_path / "evaluated"), "--do_eval")
     evaluated = json.loads((tmp_path / "evaluated" / "eval_results.json").read_text())
@@ -412,18 +433,6 @@ def test_a_sharded_bfloat16_llama_checkpoint_is_evaluated_as_pytorch_does_and_tr
     assert np.isfinite(trained["train_loss"])
     torch_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"))
     assert type(torch_model).__name__ == "LlamaForCausalLM"
-
-
-@pytest.fixture(scope="module")
-def run_clm_in_process():
-    sys.path.insert(0, str(REPO_DIR))
-    import run_clm_flax
-
-    def run(monkeypatch, *arguments):
-        monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *map(str, arguments)])
-        run_clm_flax.main()
-
-    return run
 
 
 @pytest.mark.parametrize("model_type", FAMILY_CONFIGS)

@@ -77,13 +77,11 @@ def run_main(monkeypatch, argument_list):
 
 @pytest.fixture(scope="module")
 def complete_run(model_dir, cached_environment, tmp_path_factory):
-    """A run of 6 steps, checkpoints at 2, 4 and 6; every case works on a copy of it."""
+    """A run of 6 steps, checkpoints at 2, 4 and 6; every case works on a copy of it. In this process, as the cases
+    run the script: its programs are then compiled and cached once for all of them."""
     output_dir = tmp_path_factory.mktemp("complete")
-    result = subprocess.run(
-        [sys.executable, str(REPO_DIR / "run_clm_flax.py"), *arguments(model_dir, output_dir)],
-        env=cached_environment, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run_main(monkeypatch, arguments(model_dir, output_dir))
     assert sorted(os.listdir(output_dir / "checkpoints"), key=int) == ["2", "4", "6"]
     return output_dir
 
