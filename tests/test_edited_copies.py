@@ -4,7 +4,9 @@ sums another metric; checkpoints that exist but cannot be read stop the run and 
 table is taken by its flag; and an experiment's own model file is kept with its run, needed to resume it, and
 exported as a transformers architecture only where it computes one.
 
-Each case runs a copy of run_clm_flax.py, edited by exact replacements, in a fresh process, as a user runs it."""
+Each case runs a copy of run_clm_flax.py, edited by exact replacements, as a user runs it: in a fresh process where the
+process matters (the first run of a shared fixture, a copy beside its own model file), else its main() in this process
+as `python copy.py` would run it, to save a fresh import of JAX and the libraries."""
 
 import importlib.util
 import json
@@ -14,6 +16,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import traceback
 
 import flax.linen as nn
 import jax
@@ -38,7 +41,7 @@ from transformers import (
 from flax_lm.command_line.arguments import parse_arguments
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.packed import PackedBlocks, read_packed_index
-from flax_lm.errors import UsageError
+from flax_lm.errors import UsageError, run
 from flax_lm.models import gpt2, import_model_file, llama, roberta
 from flax_lm.models.huggingface import save_model
 from flax_lm.training.train_state import abstract_model_params
@@ -82,6 +85,37 @@ def run_copy(script, environment, *arguments):
         text=True,
         timeout=300,
     )
+
+
+def import_copy(script):
+    specification = importlib.util.spec_from_file_location(os.path.basename(script)[:-3], script)
+    copy = importlib.util.module_from_spec(specification)
+    specification.loader.exec_module(copy)
+    return copy
+
+
+def run_in_process(script, capfd, *arguments):
+    """`script` run as run_copy runs it, but in this process and its environment (no fresh import of JAX and the
+    libraries): its main() through flax_lm.errors.run, as its `__main__` block calls it, from the script's directory.
+    A CompletedProcess with the exit status and output a process would end with: 2 and one line for a user's
+    mistake, 1 and the traceback for any other error. For runs that end by returning or refusing; a run whose
+    outcome depends on how its process ends needs run_copy."""
+    copy = import_copy(script)
+    capfd.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [str(script), *map(str, arguments)])
+        patch.chdir(os.path.dirname(script))
+        patch.setattr(sys, "unraisablehook", sys.unraisablehook)  # run() wraps it: put back after
+        try:
+            run(copy.main)
+            returncode = 0
+        except SystemExit as exit:
+            returncode = exit.code
+        except Exception:
+            traceback.print_exc()
+            returncode = 1
+    output = capfd.readouterr()
+    return subprocess.CompletedProcess([str(script), *map(str, arguments)], returncode, output.out, output.err)
 
 
 def training_arguments(model_dir, output_dir, *extra):
@@ -131,7 +165,7 @@ def train_blocks(directory) -> np.ndarray:
 
 
 def test_token_cache_is_reused_by_the_same_code_and_packed_again_after_an_edit_of_pack_blocks(
-    model_dir, environment, tmp_path
+    model_dir, tmp_path, capfd
 ):
     script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "run_clm_flax.py")
     cache_dir = tmp_path / "cache"
@@ -140,19 +174,19 @@ def test_token_cache_is_reused_by_the_same_code_and_packed_again_after_an_edit_o
         "--cache_dir",
         cache_dir,
     ]
-    first = run_copy(script, environment, *run)
+    first = run_in_process(script, capfd, *run)
     assert first.returncode == 0, first.stderr[-3000:]
     (unedited_corpus,) = packed_corpora(cache_dir)
 
     run[run.index("--output_dir") + 1] = tmp_path / "second"
-    second = run_copy(script, environment, *run)
+    second = run_in_process(script, capfd, *run)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Loading packed train blocks from cache" in second.stderr
     assert packed_corpora(cache_dir) == {unedited_corpus}
 
     edited_copy(script, script, REVERSED_BLOCKS)
     run[run.index("--output_dir") + 1] = tmp_path / "edited"
-    third = run_copy(script, environment, *run)
+    third = run_in_process(script, capfd, *run)
     assert third.returncode == 0, third.stderr[-3000:]
     assert "Loading packed train blocks from cache" not in third.stderr
     (edited_corpus,) = packed_corpora(cache_dir) - {unedited_corpus}
@@ -160,19 +194,19 @@ def test_token_cache_is_reused_by_the_same_code_and_packed_again_after_an_edit_o
     np.testing.assert_array_equal(train_blocks(cache_dir / edited_corpus), unedited_blocks[:, ::-1])
 
 
-def test_a_copy_of_the_script_under_another_name_reuses_the_token_cache(model_dir, environment, tmp_path):
+def test_a_copy_of_the_script_under_another_name_reuses_the_token_cache(model_dir, tmp_path, capfd):
     """The README's `cp run_clm_flax.py rotary.py`: the same code, so the same tokens, from the same cache."""
     cache_dir = tmp_path / "cache"
     for name in ("run_clm_flax.py", "rotary.py"):
         script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / name)
         arguments = training_arguments(model_dir, tmp_path / name[:-3], "--do_train", "--max_steps", "1")
-        result = run_copy(script, environment, *arguments, "--cache_dir", cache_dir)
+        result = run_in_process(script, capfd, *arguments, "--cache_dir", cache_dir)
         assert result.returncode == 0, result.stderr[-3000:]
     assert "Loading packed train blocks from cache" in result.stderr
     assert len(packed_corpora(cache_dir)) == 1
 
 
-def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, environment, tmp_path):
+def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, tmp_path, capfd):
     """The documented SQLite source, in read_texts alone: every route then reads the table (here the token cache),
     keyed by the table's rows, so that the cache is reused until the table changes."""
     database = tmp_path / "corpus.db"
@@ -198,7 +232,7 @@ def test_the_script_reads_its_texts_in_one_place_a_sql_table_for_one(model_dir, 
     arguments.remove("--train_file")
     arguments.remove(CORPUS / "train.txt")
     arguments += ["--dataset_name", database]
-    result = run_copy(script, environment, *arguments)
+    result = run_in_process(script, capfd, *arguments)
     assert result.returncode == 0, result.stderr[-3000:]
     (corpus,) = packed_corpora(cache_dir)
     text = AutoTokenizer.from_pretrained(model_dir).decode(train_blocks(cache_dir / corpus).reshape(-1))
@@ -226,13 +260,6 @@ DROPS_ZEBRA_DOCUMENTS = {
         "    tokens = token_arrays(dataset, tokenizer, column, num_workers, split, ids_around_documents(tokenizer))\n"
     )
 }
-
-
-def import_copy(script):
-    specification = importlib.util.spec_from_file_location(os.path.basename(script)[:-3], script)
-    copy = importlib.util.module_from_spec(specification)
-    specification.loader.exec_module(copy)
-    return copy
 
 
 def test_a_document_filter_in_tokenized_rows_holds_for_a_streamed_training_run(
@@ -335,19 +362,17 @@ def packed_data_dir(model_dir, environment, tmp_path_factory):
     return directory / "packed", arguments
 
 
-def test_packed_data_dir_of_other_code_is_used_with_a_warning_naming_overwrite_cache(
-    packed_data_dir, environment, tmp_path
-):
+def test_packed_data_dir_of_other_code_is_used_with_a_warning_naming_overwrite_cache(packed_data_dir, tmp_path, capfd):
     packed_dir, arguments = packed_data_dir
     script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "run_clm_flax.py")
     (tmp_path / "edited").mkdir()  # the same file name: it is part of the code's fingerprint
     edited = edited_copy(script, tmp_path / "edited" / "run_clm_flax.py", REVERSED_BLOCKS)
     index_time = os.path.getmtime(packed_dir / "index.json")
 
-    unedited = run_copy(script, environment, *arguments)
+    unedited = run_in_process(script, capfd, *arguments)
     assert unedited.returncode == 0, unedited.stderr[-3000:]
     assert "packed by other code" not in unedited.stderr
-    result = run_copy(edited, environment, *arguments)
+    result = run_in_process(edited, capfd, *arguments)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         f"--packed_data_dir {packed_dir} was packed by other code than this script's tokenized_rows" in result.stderr
@@ -356,9 +381,7 @@ def test_packed_data_dir_of_other_code_is_used_with_a_warning_naming_overwrite_c
     assert os.path.getmtime(packed_dir / "index.json") == index_time
 
 
-def test_packed_data_dir_that_records_no_code_fingerprint_loads_without_a_warning(
-    packed_data_dir, environment, tmp_path
-):
+def test_packed_data_dir_that_records_no_code_fingerprint_loads_without_a_warning(packed_data_dir, tmp_path, capfd):
     packed, arguments = packed_data_dir
     packed_dir = tmp_path / "packed"
     shutil.copytree(packed, packed_dir)
@@ -368,7 +391,7 @@ def test_packed_data_dir_that_records_no_code_fingerprint_loads_without_a_warnin
     edited = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "edited.py", REVERSED_BLOCKS)
 
     arguments = [*arguments[: arguments.index("--packed_data_dir")], "--packed_data_dir", packed_dir]
-    result = run_copy(edited, environment, *arguments)
+    result = run_in_process(edited, capfd, *arguments)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "packed by other code" not in result.stderr
     assert f"packed data: {packed_dir}" in result.stdout
@@ -451,13 +474,13 @@ def test_a_metric_added_since_the_checkpoint_is_a_ratio_of_sums_over_the_same_st
 
 
 def test_a_checkpoint_with_a_metric_sum_dropped_since_resumes_from_its_step(
-    model_dir, environment, scripts, resumed_with_sequence_count, tmp_path
+    model_dir, scripts, resumed_with_sequence_count, tmp_path, capfd
 ):
     output_dir = tmp_path / "run"
     shutil.copytree(resumed_with_sequence_count[0], output_dir)
     assert "sequence_count" in progress_record(output_dir / "checkpoints" / "4")["metric_windows"][1]["sums"]
     arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "6", "--save_steps", "1")
-    result = run_copy(scripts[0], environment, *arguments, "--resume_from_checkpoint")
+    result = run_in_process(scripts[0], capfd, *arguments, "--resume_from_checkpoint")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Resumed from {output_dir}/checkpoints/4 at step 4" in result.stderr
     assert "The checkpoint's training sums of sequence_count are no longer summed; left out" in result.stderr
@@ -470,7 +493,7 @@ def test_a_checkpoint_with_a_metric_sum_dropped_since_resumes_from_its_step(
 
 
 def test_checkpoints_none_of_which_can_be_read_stop_the_resume_and_stay_as_they_are(
-    model_dir, environment, scripts, two_step_run, tmp_path
+    model_dir, scripts, two_step_run, tmp_path, capfd
 ):
     output_dir = tmp_path / "run"
     shutil.copytree(two_step_run, output_dir)
@@ -479,7 +502,7 @@ def test_checkpoints_none_of_which_can_be_read_stop_the_resume_and_stay_as_they_
     before = snapshot(output_dir)
 
     arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "4", "--save_steps", "1")
-    result = run_copy(scripts[0], environment, *arguments, "--resume_from_checkpoint")
+    result = run_in_process(scripts[0], capfd, *arguments, "--resume_from_checkpoint")
     assert result.returncode == 2, result.stderr[-3000:]
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith(
@@ -624,6 +647,8 @@ def test_hf_shapes_of_abstract_parameters_are_those_of_to_hf_state_dict(model, c
 def test_a_step_that_saves_and_evaluates_saves_first_so_an_evaluation_that_fails_loses_nothing(
     model_dir, environment, tmp_path
 ):
+    """In a process of its own: the failed evaluation ends it, as it would end a user's run, so that a checkpoint
+    still being written when it fails is found only if the run waited for it."""
     broken_evaluation = {
         "    def eval_step(params, batch):\n": (
             "    def eval_step(params, batch):\n        raise RuntimeError('an edited evaluation that fails')\n"
@@ -681,11 +706,11 @@ def test_the_run_directory_keeps_the_model_file_beside_the_script(experiment):
         assert (output_dir / name).read_text() == (directory / name).read_text()
 
 
-def test_a_resume_with_the_stock_module_is_refused_in_one_line(experiment, model_dir, environment):
+def test_a_resume_with_the_stock_module_is_refused_in_one_line(experiment, model_dir, capfd):
     _, directory, output_dir, _ = experiment
     before = snapshot(output_dir)
     arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "4", "--resume_from_checkpoint")
-    result = run_copy(str(directory / "run_clm_flax.py"), environment, *arguments)
+    result = run_in_process(str(directory / "run_clm_flax.py"), capfd, *arguments)
     assert result.returncode == 2, result.stderr[-3000:]
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: the checkpoint was trained with other model code (my_gpt2.py, fingerprint ")
@@ -719,20 +744,20 @@ def test_the_export_claims_gpt2_only_where_its_logits_equal_pytorchs(experiment)
             AutoModelForCausalLM.from_pretrained(output_dir)
 
 
-def test_generate_flax_runs_an_export_of_own_code_only_with_its_model_file(experiment, environment):
+def test_generate_flax_runs_an_export_of_own_code_only_with_its_model_file(experiment, capfd):
     edit, _, output_dir, _ = experiment
-    command = [sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(output_dir),
-               "--prompt", "The", "--max_new_tokens", "4"]  # fmt: skip
+    script = REPO_DIR / "generate_flax.py"
+    arguments = ["--model_name_or_path", str(output_dir), "--prompt", "The", "--max_new_tokens", "4"]
     if edit != "scale written another way":  # own code: its file must be named, as code that will run
-        refused = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+        refused = run_in_process(script, capfd, *arguments)
         assert refused.returncode == 2
         assert (
             refused.stderr.strip()
             .splitlines()[-1]
             .startswith(f"error: {output_dir} holds a model of its own code (my_gpt2.py, fingerprint ")
         )
-        command += ["--model_file", str(output_dir / "my_gpt2.py")]
-    generated = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+        arguments += ["--model_file", str(output_dir / "my_gpt2.py")]
+    generated = run_in_process(script, capfd, *arguments)
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert generated.stdout.startswith("The")
 

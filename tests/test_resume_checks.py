@@ -9,7 +9,7 @@ import shutil
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import model_dir_with_config
-from test_edited_copies import edited_copy, progress_record, run_copy, snapshot, training_arguments
+from test_edited_copies import edited_copy, progress_record, run_copy, run_in_process, snapshot, training_arguments
 
 CORPUS = FIXTURES_DIR / "en"
 
@@ -46,12 +46,13 @@ def two_step_run(model_dir, environment, script, tmp_path_factory):
     return output_dir
 
 
-def resume(two_step_run, tmp_path, model_dir, environment, script, *extra, max_steps="3"):
+def resume(two_step_run, tmp_path, model_dir, capfd, script, *extra, max_steps="3"):
+    """The two-step run copied into tmp_path and resumed by `script` with `extra` arguments, in this process."""
     output_dir = tmp_path / "run"
     shutil.copytree(two_step_run, output_dir)
     arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", max_steps, "--save_steps", "1")
     arguments = [*arguments, "--learning_rate", "1e-3", "--resume_from_checkpoint", *extra]
-    return output_dir, run_copy(script, environment, *arguments)
+    return output_dir, run_in_process(script, capfd, *arguments)
 
 
 def other_tokenizer_dir(model_dir, directory):
@@ -74,11 +75,11 @@ CHANGES = {
 
 
 def test_a_resume_that_changes_the_training_is_refused_naming_each_difference(
-    two_step_run, model_dir, environment, script, tmp_path
+    two_step_run, model_dir, script, tmp_path, capfd
 ):
     extra = [argument for arguments, _ in CHANGES.values() for argument in arguments]
     before = snapshot(two_step_run)
-    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra)
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, capfd, script, *extra)
     assert result.returncode == 2, result.stderr[-3000:]
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: the resumed run differs from the checkpoint's in what it trains: ")
@@ -90,22 +91,18 @@ def test_a_resume_that_changes_the_training_is_refused_naming_each_difference(
     assert snapshot(output_dir) == before
 
 
-def test_a_tokenizer_of_the_same_size_with_other_ids_is_refused(
-    two_step_run, model_dir, environment, script, tmp_path
-):
+def test_a_tokenizer_of_the_same_size_with_other_ids_is_refused(two_step_run, model_dir, script, tmp_path, capfd):
     swapped = other_tokenizer_dir(model_dir, tmp_path / "swapped-tokenizer")
-    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, "--tokenizer_name", swapped)
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, capfd, script, "--tokenizer_name", swapped)
     assert result.returncode == 2
     last_line = result.stderr.strip().splitlines()[-1]
     assert "the tokenizer (--tokenizer_name): fingerprint" in last_line
     assert "the training data" in last_line  # its blocks are other ids too
 
 
-def test_an_allowed_change_trains_on_and_is_recorded_with_its_step(
-    two_step_run, model_dir, environment, script, tmp_path
-):
+def test_an_allowed_change_trains_on_and_is_recorded_with_its_step(two_step_run, model_dir, script, tmp_path, capfd):
     output_dir, result = resume(
-        two_step_run, tmp_path, model_dir, environment, script, "--learning_rate", "5e-2",
+        two_step_run, tmp_path, model_dir, capfd, script, "--learning_rate", "5e-2",
         "--allow_resume_changes", "learning_rate",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -115,14 +112,12 @@ def test_an_allowed_change_trains_on_and_is_recorded_with_its_step(
     assert json.loads((output_dir / "train_results.json").read_text())["resume_changes"] == [change]
 
 
-def test_another_optimizer_is_refused_naming_it_before_any_shape(
-    two_step_run, model_dir, environment, script, tmp_path
-):
+def test_another_optimizer_is_refused_naming_it_before_any_shape(two_step_run, model_dir, script, tmp_path, capfd):
     """Another --optim makes another optimizer state, which no flag carries over: the argument is named, not the
     first array whose shape differs, even with every change allowed."""
     extra = ["--optim", "lion", "--allow_resume_changes", "all"]
     before = snapshot(two_step_run)
-    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra)
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, capfd, script, *extra)
     assert result.returncode == 2, result.stderr[-3000:]
     last_line = result.stderr.strip().splitlines()[-1]
     assert "error: the checkpoint holds the state of another optimizer (--optim adamw there, lion here)" in last_line
@@ -130,9 +125,9 @@ def test_another_optimizer_is_refused_naming_it_before_any_shape(
     assert snapshot(output_dir) == before
 
 
-def test_what_changes_nothing_of_the_training_needs_no_flag(two_step_run, model_dir, environment, script, tmp_path):
+def test_what_changes_nothing_of_the_training_needs_no_flag(two_step_run, model_dir, script, tmp_path, capfd):
     extra = ["--logging_steps", "2", "--save_total_limit", "5", "--report_to", "none", "--steps_per_call", "2"]
-    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, script, *extra, max_steps="4")
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, capfd, script, *extra, max_steps="4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert progress_record(output_dir / "checkpoints" / "4")["resume_changes"] == []
 
@@ -147,7 +142,7 @@ def test_what_changes_nothing_of_the_training_needs_no_flag(two_step_run, model_
 
 
 def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trained_from(
-    two_step_run, model_dir, environment, tmp_path
+    two_step_run, model_dir, tmp_path, capfd
 ):
     (tmp_path / "edited").mkdir()
     edited = edited_copy(
@@ -155,7 +150,7 @@ def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trai
         tmp_path / "edited" / "run_clm_flax.py",
         {"logger = logging.getLogger(__name__)\n": "logger = logging.getLogger(__name__)  # edited\n"},
     )
-    output_dir, result = resume(two_step_run, tmp_path, model_dir, environment, edited)
+    output_dir, result = resume(two_step_run, tmp_path, model_dir, capfd, edited)
     assert result.returncode == 0, result.stderr[-3000:]
     versions = json.loads((output_dir / "code" / "versions.json").read_text())
     assert [version["from_step"] for version in versions] == [0, 2]
@@ -171,7 +166,7 @@ def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trai
     # Branched into a new directory from step 3 of that run, the run keeps the history of the code it continues.
     branch = tmp_path / "branch"
     arguments = training_arguments(model_dir, branch, "--do_train", "--max_steps", "4", "--learning_rate", "1e-3")
-    result = run_copy(edited, environment, *arguments, "--resume_from_checkpoint", output_dir / "checkpoints" / "3")
+    result = run_in_process(edited, capfd, *arguments, "--resume_from_checkpoint", output_dir / "checkpoints" / "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((branch / "code" / "versions.json").read_text()) == versions
     assert "# edited" not in (branch / "code" / first / "run_clm_flax.py").read_text()

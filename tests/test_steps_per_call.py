@@ -137,17 +137,25 @@ def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     return model_dir_with_config(gpt2_tokenizer_dir, tmp_path_factory.mktemp("steps-per-call-model"))
 
 
+def train_in_process(arguments, monkeypatch):
+    """run_clm_flax.py with `arguments`, its main() in this process: no fresh import of JAX and the libraries."""
+    with monkeypatch.context() as patch:
+        patch.setattr("sys.argv", ["run_clm_flax.py", *arguments])
+        run_clm_flax.main()
+
+
 # Where a resumed run's calls start is the loop's arithmetic, the same for every model (each model's steps in one call
 # are compared with one step per call above).
-def test_a_run_resumed_inside_a_call_s_range_ends_with_the_uninterrupted_weights(model_dir, tmp_path):
+def test_a_run_resumed_inside_a_call_s_range_ends_with_the_uninterrupted_weights(model_dir, tmp_path, monkeypatch):
     # Uninterrupted, the calls run steps 1-8, 9-10, 11-18 and 19-20. The interrupted run saves every 5 steps; resumed
     # from step 15, inside the uninterrupted run's call of steps 11-18, its one call runs steps 16-20.
     uninterrupted = tmp_path / "uninterrupted"
-    run_script(training_command(model_dir, uninterrupted, "--save_steps", "20"))
+    train_in_process(training_command(model_dir, uninterrupted, "--save_steps", "20"), monkeypatch)
     interrupted = tmp_path / "interrupted"
-    run_script(training_command(model_dir, interrupted, "--save_steps", "5"))
+    train_in_process(training_command(model_dir, interrupted, "--save_steps", "5"), monkeypatch)
     checkpoint = str(interrupted / "checkpoints" / "15")
-    run_script(training_command(model_dir, interrupted, "--save_steps", "20", "--resume_from_checkpoint", checkpoint))
+    resumed = training_command(model_dir, interrupted, "--save_steps", "20", "--resume_from_checkpoint", checkpoint)
+    train_in_process(resumed, monkeypatch)
 
     final = load_file(str(interrupted / "model.safetensors"))
     expected = load_file(str(uninterrupted / "model.safetensors"))
