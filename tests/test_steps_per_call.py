@@ -184,9 +184,12 @@ def test_the_next_run_finds_its_compiled_steps_in_the_cache_and_none_switches_it
     compiled = {name for name in os.listdir(cache_dir) if name.endswith("-cache")}
     assert any(name.startswith("jit_train_steps-") for name in compiled), compiled
 
-    # The same run again: every program comes from the cache, and none is added.
+    # The same run again: its steps come from the cache, none compiled and kept again. (A program
+    # of a few operations, jit_add, may take more than MIN_COMPILE_SECONDS_KEPT to compile on a loaded machine in one
+    # run and less in the other, and so be kept by the second alone: not a miss.)
     run_script(command, env={**environment, "XDG_CACHE_HOME": str(cache_home)})
-    assert {name for name in os.listdir(cache_dir) if name.endswith("-cache")} == compiled
+    added = {name for name in os.listdir(cache_dir) if name.endswith("-cache")} - compiled
+    assert not [name for name in added if name.startswith(("jit_train_steps-", "jit_eval_step-", "jit_init-"))], added
 
     other_home = tmp_path / "other-home"
     run_script([*command, "--compilation_cache_dir", "none"], env={**environment, "XDG_CACHE_HOME": str(other_home)})
