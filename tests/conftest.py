@@ -25,8 +25,9 @@ TOKENIZER_TRAINING_FILES = sorted((FIXTURES_DIR / "corpus").glob("*.txt")) + [FI
 # The files that run longest, started first: with `--dist loadfile` a worker takes a whole file, and a long file begun
 # last (the alphabet puts test_tensor_parallel.py near the end) keeps one worker busy after the other has finished.
 LONGEST_FILES_FIRST = [
-    "test_tensor_parallel.py", "test_edited_copies.py", "test_distributed.py", "test_gpu_suite.py",
-    "test_steps_per_call.py", "test_models.py", "test_resume_checks.py", "test_clm.py", "test_mlm_scale.py",
+    "test_tensor_parallel.py", "test_clm.py", "test_edited_copies.py", "test_distributed.py", "test_resume.py",
+    "test_run_safety.py", "test_mlm.py", "test_models.py", "test_generate.py", "test_mlm_scale.py",
+    "test_gpu_suite.py",
 ]  # fmt: skip
 
 
