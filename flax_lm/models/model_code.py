@@ -28,6 +28,7 @@ import numpy as np
 
 from flax_lm.errors import UsageError
 from flax_lm.models import model_module
+from flax_lm.models.gpt2 import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ EARLIER_VERIFIED_FINGERPRINTS = {
 }
 # Config fields an earlier verified version read nothing of: it computed as today's code only for a config that leaves
 # them unset (GPT-2's block options, which a hand-edited config could hold before create_config.py took them).
-GPT2_BLOCK_OPTIONS = ("qk_norm", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "layer_types")
-FIELDS_EARLIER_CODE_IGNORED = {"9235ed61450115e6": GPT2_BLOCK_OPTIONS, "37d74b0550392686": GPT2_BLOCK_OPTIONS}
+GPT2_BEFORE_ITS_BLOCK_OPTIONS = ("9235ed61450115e6", "37d74b0550392686")
+FIELDS_EARLIER_CODE_IGNORED = {fingerprint: tuple(GPT2_BLOCK_OPTIONS) for fingerprint in GPT2_BEFORE_ITS_BLOCK_OPTIONS}
 
 # The most work the probe may ask of PyTorch on the CPU (its model's forward pass over the probe batch, about 2 x
 # parameters x tokens), which runs before the first step: a minute or two of a laptop's CPU. GPT-2 124M would take
