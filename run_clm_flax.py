@@ -400,18 +400,26 @@ def eval_batches(blocks: np.ndarray, global_batch_size: int) -> Iterator[dict]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def causal_lm_loss_sums(logits, input_ids, weights, z_loss: float = 0.0):
-    """Summed next-token cross-entropy and the number of predicted tokens, both float32; with a `z_loss`
-    coefficient also the summed z-loss, coefficient * log(Z)^2 of each predicted token (PaLM, Chowdhery et al. 2022).
+def next_token_targets(input_ids, weights):
+    """The token each position predicts and its weight: position t predicts token t + 1; the last position has
+    nothing to predict, so its weight is 0. The labels and weights are shifted rather than the logits sliced: slicing
+    would copy the (batch, length, vocabulary) logits, and its gradient pad them back, in every step."""
+    next_tokens = jnp.roll(input_ids, -1, axis=1)
+    target_weights = jnp.concatenate([weights[:, 1:], jnp.zeros_like(weights[:, :1])], axis=1)
+    return next_tokens, target_weights
+
+
+def causal_lm_objective(logits, input_ids, weights, z_loss: float = 0.0):
+    """The training objective, what the train step differentiates: the summed next-token cross-entropy ("loss_sum",
+    logged as train/loss) and the number of predicted tokens it is averaged over, both float32; with a `z_loss`
+    coefficient also the summed z-loss, coefficient * log(Z)^2 of each predicted token (PaLM, Chowdhery et al. 2022),
+    added to what is differentiated and logged apart. Edit this to train on another loss (label smoothing, say):
+    evaluation reports the exact cross-entropy of causal_lm_loss_sums whatever is trained on here.
 
     Sums rather than means, so that averages over several batches (and over padded rows, weight 0)
     are exact: divide once, on the host.
     """
-    # Position t predicts token t + 1; the last position has nothing to predict, so its weight is 0. The
-    # labels and weights are shifted rather than the logits sliced: slicing would copy the (batch, length,
-    # vocabulary) logits, and its gradient pad them back, in every step.
-    next_tokens = jnp.roll(input_ids, -1, axis=1)
-    target_weights = jnp.concatenate([weights[:, 1:], jnp.zeros_like(weights[:, :1])], axis=1)
+    next_tokens, target_weights = next_token_targets(input_ids, weights)
     logits = logits.astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, next_tokens)
     sums = {"loss_sum": jnp.sum(losses * target_weights), "token_count": jnp.sum(target_weights)}
@@ -419,6 +427,15 @@ def causal_lm_loss_sums(logits, input_ids, weights, z_loss: float = 0.0):
         log_normalizers = jax.nn.logsumexp(logits, axis=-1)
         sums["z_loss_sum"] = z_loss * jnp.sum(jnp.square(log_normalizers) * target_weights)
     return sums
+
+
+def causal_lm_loss_sums(logits, input_ids, weights):
+    """What the evaluation's metrics are computed from (loss, perplexity, bits per byte): the exact summed next-token
+    cross-entropy and the number of predicted tokens, both float32. Not the training objective (causal_lm_objective),
+    so that an edit of what is trained on leaves the reported metrics comparable with every other run's."""
+    next_tokens, target_weights = next_token_targets(input_ids, weights)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), next_tokens)
+    return {"loss_sum": jnp.sum(losses * target_weights), "token_count": jnp.sum(target_weights)}
 
 
 # What the train step sums over tokens (with --z_loss also z_loss_sum), and the metrics shown from those sums.
@@ -458,6 +475,12 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
 
 
+def is_trained(path, param) -> bool:
+    """Whether training updates this parameter (all do; to train only attention: `return "attn" in [entry.key for
+    entry in path]`). A frozen one is not differentiated, has no optimizer state, no share in the gradient norm."""
+    return True
+
+
 def is_hidden_matrix(path, param) -> bool:
     """Whether --optim muon trains this parameter with Muon: a 2-D kernel of the blocks (the attention and MLP
     projections). The embeddings, the output layer and head (lm_head), norms and biases are AdamW's. Decided by name
@@ -486,7 +509,7 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
     if training_args.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
-    return optimizer
+    return optimizers.trained_only(optimizer, is_trained)
 
 
 def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0):
@@ -496,13 +519,13 @@ def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0):
         input_ids = micro_batch["input_ids"]
         logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
         weights = micro_batch.get("weights", jnp.ones(input_ids.shape, jnp.float32))  # examples carry their own
-        sums = causal_lm_loss_sums(logits, input_ids, weights, z_loss)
+        sums = causal_lm_objective(logits, input_ids, weights, z_loss)
         return sums["loss_sum"] + sums.get("z_loss_sum", 0.0), sums
 
     def train_step(state: TrainState, batch):
         # Dropout randomness depends only on the step, so a resumed run draws the same masks.
         step_rng = jax.random.fold_in(dropout_key, state.step)
-        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng)
+        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng, is_trained)
         # The mean over every predicted token of the whole batch, however it was split into micro-batches, in
         # the parameters' dtype: the float32 count would otherwise turn bfloat16 gradients, and with them the
         # optimizer state, into float32.

@@ -485,13 +485,22 @@ def masked_stream_batches(
 # ----------------------------------------------------------------------------------------------------
 
 
-def masked_lm_loss_sums(logits, labels, label_weights):
-    """Sum of cross-entropy, number of correct predictions and number of counted positions.
+def masked_lm_objective(logits, labels, label_weights):
+    """The training objective, what the train step differentiates and logs as train/loss: the masked tokens' summed
+    cross-entropy (float32). Edit this to train on another loss (label smoothing, say): evaluation reports the exact
+    cross-entropy of masked_lm_loss_sums whatever is trained on here."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return jnp.sum(losses * label_weights.astype(jnp.float32))
 
-    logits: (batch, positions, vocab), at every position or only at those to predict; labels: (batch,
-    positions) int; label_weights: (batch, positions), 1.0 where the position counts. Returns three float32
-    scalars; summing them over batches and dividing once on the host gives exact averages whatever the
-    number of masked positions per batch.
+
+def masked_lm_loss_sums(logits, labels, label_weights):
+    """Sum of cross-entropy, number of correct predictions and number of counted positions: what the evaluation's
+    metrics are computed from (and the training's accuracy). Not the training objective (masked_lm_objective), so
+    that an edit of what is trained on leaves the reported metrics comparable with every other run's.
+
+    logits: (batch, positions, vocab), at every position or only at those to predict; labels: (batch, positions)
+    int; label_weights: (batch, positions), 1.0 where the position counts. Returns three float32 scalars; summing
+    them over batches and dividing once on the host gives exact averages whatever the number of masked positions.
     """
     logits = logits.astype(jnp.float32)
     label_weights = label_weights.astype(jnp.float32)
@@ -536,6 +545,13 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
 
 
+# Copied from run_clm_flax.is_trained
+def is_trained(path, param) -> bool:
+    """Whether training updates this parameter (all do; to train only attention: `return "attn" in [entry.key for
+    entry in path]`). A frozen one is not differentiated, has no optimizer state, no share in the gradient norm."""
+    return True
+
+
 # Copied from run_clm_flax.is_hidden_matrix
 def is_hidden_matrix(path, param) -> bool:
     """Whether --optim muon trains this parameter with Muon: a 2-D kernel of the blocks (the attention and MLP
@@ -568,7 +584,7 @@ def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientT
     optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
     if training_args.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
-    return optimizer
+    return optimizers.trained_only(optimizer, is_trained)
 
 
 def make_train_step(model, optimizer, schedule, seed: int):
@@ -583,15 +599,15 @@ def make_train_step(model, optimizer, schedule, seed: int):
             masked_positions=micro_batch["masked_positions"],
             rngs={"dropout": dropout_rng},
         )
-        loss_sum, correct_sum, weight_sum = masked_lm_loss_sums(
-            logits, micro_batch["masked_labels"], micro_batch["masked_weights"]
-        )
+        labels, label_weights = micro_batch["masked_labels"], micro_batch["masked_weights"]
+        _, correct_sum, weight_sum = masked_lm_loss_sums(logits, labels, label_weights)
+        loss_sum = masked_lm_objective(logits, labels, label_weights)
         return loss_sum, {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     def train_step(state: TrainState, batch):
         # Dropout randomness depends only on the step, so a resumed run draws the same masks.
         step_rng = jax.random.fold_in(dropout_key, state.step)
-        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng)
+        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng, is_trained)
         # The mean over every masked token of the whole batch, however it was split into micro-batches (a batch
         # with none leaves the gradients at 0), in the parameters' dtype: the float32 count would otherwise turn
         # bfloat16 gradients, and with them the optimizer state, into float32.

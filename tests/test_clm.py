@@ -221,8 +221,13 @@ def test_loss_is_token_weighted_cross_entropy_of_the_next_token():
     assert sums.keys() == {"loss_sum", "token_count"}
     assert float(sums["token_count"]) == 5
     assert float(sums["loss_sum"]) == pytest.approx(expected, rel=1e-5)
-    # The z-loss: the coefficient times the squared log-normalizer of each predicted token; cross-entropy unchanged.
-    with_z_loss = run_clm_flax.causal_lm_loss_sums(
+    # The training objective, unedited: the same sums; with the z-loss also the coefficient times the squared
+    # log-normalizer of each predicted token, the cross-entropy unchanged.
+    objective = run_clm_flax.causal_lm_objective(jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights))
+    assert {name: float(value) for name, value in objective.items()} == {
+        name: float(value) for name, value in sums.items()
+    }
+    with_z_loss = run_clm_flax.causal_lm_objective(
         jnp.asarray(logits), jnp.asarray(input_ids), jnp.asarray(weights), z_loss=0.01
     )
     log_normalizers = torch.logsumexp(torch.tensor(logits[0, :-1], dtype=torch.float64), dim=-1)

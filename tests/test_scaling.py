@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO_DIR
+from flax.traverse_util import flatten_dict
 from test_clm import run_clm_flax, tiny_config
 
 from flax_lm.devices.mesh import create_mesh
@@ -89,6 +90,90 @@ def test_the_z_loss_adds_its_coefficient_times_the_mean_squared_log_normalizer_t
     # ... which the cross-entropy's gradient alone would not match.
     cross_entropy_grads, _ = gradient(state.params, 0.0)
     assert float(optax.tree.norm(cross_entropy_grads)) != pytest.approx(float(metrics["grad_norm"]), rel=1e-2)
+
+
+def label_smoothed_objective(logits, input_ids, weights, z_loss=0.0):
+    """causal_lm_objective as a copy edited for label smoothing (0.1) would have it."""
+    next_tokens, target_weights = run_clm_flax.next_token_targets(input_ids, weights)
+    targets = optax.smooth_labels(jax.nn.one_hot(next_tokens, logits.shape[-1]), 0.1)
+    losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
+    return {"loss_sum": jnp.sum(losses * target_weights), "token_count": jnp.sum(target_weights)}
+
+
+def test_an_edit_of_the_training_objective_leaves_the_evaluation_metrics_as_they_were(monkeypatch):
+    config = tiny_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    rows = batch(4)
+    model, optimizer, schedule, abstract_state = training_parts(config)
+    state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32))
+    token_bytes = np.random.default_rng(0).integers(1, 5, config.vocab_size)  # for bits per byte
+
+    def results_of_both_steps():
+        """The evaluation's results on `rows` and the train step's summed loss, from the script as it is now."""
+        eval_step = jax.jit(run_clm_flax.make_eval_step(model, token_bytes))
+        sums = eval_step(state.params, {"input_ids": rows, "weights": np.ones(rows.shape, np.float32)})
+        train_step = jax.jit(run_clm_flax.make_train_step(model, optimizer, schedule, seed=0))
+        _, metrics = train_step(state, {"input_ids": rows[None]})
+        return run_clm_flax.evaluation_results(jax.device_get(sums)), float(metrics["loss_sum"])
+
+    evaluated, trained_loss_sum = results_of_both_steps()
+    assert trained_loss_sum / evaluated["tokens"] == pytest.approx(evaluated["loss"], rel=1e-6)
+    monkeypatch.setattr(run_clm_flax, "causal_lm_objective", label_smoothed_objective)
+    edited_evaluation, edited_loss_sum = results_of_both_steps()
+    assert set(evaluated) >= {"loss", "perplexity", "bits_per_byte"}
+    assert edited_evaluation == evaluated  # bit for bit
+    assert edited_loss_sum != pytest.approx(trained_loss_sum, rel=1e-5)  # what the train step trained on
+
+
+def outside_the_first_block(path, param) -> bool:
+    """The is_trained of a copy edited to freeze GPT-2's first block."""
+    return "h_0" not in [entry.key for entry in path]
+
+
+def matrix_products(train_step, abstract_state) -> int:
+    """The matrix products of a train step of one batch of 4 rows, as traced (before the compiler removes any)."""
+    jaxpr = jax.make_jaxpr(train_step)(abstract_state, {"input_ids": jax.ShapeDtypeStruct((1, 4, LENGTH), jnp.int32)})
+    return str(jaxpr).count("dot_general")
+
+
+def state_bytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def test_a_frozen_parameter_is_not_differentiated_updated_given_optimizer_state_or_counted_in_the_norm(monkeypatch):
+    config = tiny_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    rows = batch(4)
+    model, optimizer, schedule, every_parameter = training_parts(config)
+    products_of_every_parameter = matrix_products(
+        run_clm_flax.make_train_step(model, optimizer, schedule, 0), every_parameter
+    )
+    monkeypatch.setattr(run_clm_flax, "is_trained", outside_the_first_block)
+    model, optimizer, schedule, abstract_state = training_parts(config)
+    state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, LENGTH), jnp.int32))
+    train_step = run_clm_flax.make_train_step(model, optimizer, schedule, seed=0)
+    new_state, metrics = jax.jit(train_step)(state, {"input_ids": rows.reshape(2, 2, LENGTH)})  # 2 micro-batches
+
+    first_block, new_first_block = state.params["transformer"]["h_0"], new_state.params["transformer"]["h_0"]
+    for before, after in zip(jax.tree_util.tree_leaves(first_block), jax.tree_util.tree_leaves(new_first_block)):
+        np.testing.assert_array_equal(after, before)
+    trained_kernel = ("transformer", "h_1", "mlp", "c_fc", "kernel")
+    assert not np.array_equal(
+        flatten_dict(new_state.params)[trained_kernel], flatten_dict(state.params)[trained_kernel]
+    )
+
+    # The norm logged (and clipped to --max_grad_norm): that of the trained parameters' gradients alone.
+    def mean_loss(params):
+        logits = model.apply({"params": params}, jnp.asarray(rows))[:, :-1].astype(jnp.float32)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(rows[:, 1:])))
+
+    grads = jax.jit(jax.grad(mean_loss))(state.params)
+    trained_grads = {**grads, "transformer": {**grads["transformer"], "h_0": {}}}
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(trained_grads)), rel=1e-5)
+    assert float(metrics["grad_norm"]) < float(optax.tree.norm(grads)) * (1 - 1e-3)
+    # No optimizer state for the frozen block: AdamW's two moments of each of its parameters are gone.
+    assert state_bytes(every_parameter.opt_state) - state_bytes(new_state.opt_state) == 2 * state_bytes(first_block)
+    # Its weights' gradients are not computed: a matrix product fewer for each of its 4 kernels (the attention's and
+    # the MLP's two each).
+    assert matrix_products(train_step, abstract_state) == products_of_every_parameter - 4
 
 
 def test_gradient_checkpointing_keeps_loss_and_gradients():

@@ -10,6 +10,7 @@ import optax
 
 from flax_lm.command_line.arguments import check_choices
 from flax_lm.errors import UsageError
+from flax_lm.training.train_state import trained_mask
 
 # What --lr_decay_shape names: a decay from (peak, floor, steps), at `floor` from `steps` on. 1-sqrt falls fast at
 # the end, which Hägele et al. (2024, arXiv:2405.18392) found better than linear for the decay of warmup_stable_decay.
@@ -111,6 +112,40 @@ def muon_with_adamw(training_args, schedule: optax.Schedule, adamw, is_hidden_ma
             lambda path, param: "muon" if is_hidden_matrix(path, param) else "adamw", params
         ),
     )
+
+
+def trained_only(optimizer, is_trained) -> optax.GradientTransformation:
+    """`optimizer` for the parameters `is_trained(path, param)` picks, and an update of zero for the others: frozen,
+    they have no optimizer state (optax.MaskedNode in place of each of their moments, as optax.masked keeps it) and
+    no share in what the optimizer computes over all parameters (the global norm of --max_grad_norm). Where every
+    parameter is trained, the state is `optimizer`'s own, so that the checkpoints of earlier runs resume."""
+
+    def trained_part(tree, mask):
+        return jax.tree_util.tree_map(lambda leaf, trained: leaf if trained else optax.MaskedNode(), tree, mask)
+
+    def init(params):
+        # optax.tree_utils.tree_map_params initialises with a placeholder of no leaves to find where the
+        # parameters' copies are; it finds them in `optimizer`'s state (MaskedNode where frozen: see optax.masked).
+        if not jax.tree_util.tree_leaves(params):
+            return optimizer.init(params)
+        return optimizer.init(trained_part(params, trained_mask(params, is_trained)))
+
+    def update(updates, state, params=None):
+        mask = trained_mask(updates if params is None else params, is_trained)
+        if all(jax.tree_util.tree_leaves(mask)):
+            return optimizer.update(updates, state, params)
+        trained_params = None if params is None else trained_part(params, mask)
+        trained_updates, state = optimizer.update(trained_part(updates, mask), state, trained_params)
+        # trained_updates holds a MaskedNode where `mask` is False: a zero of the gradient's shape goes there.
+        all_updates = jax.tree_util.tree_map(
+            lambda trained, update, gradient: update if trained else jnp.zeros_like(gradient),
+            mask,
+            trained_updates,
+            updates,
+        )
+        return all_updates, state
+
+    return optax.GradientTransformation(init, update)
 
 
 def check_optimizer_arguments(training_args, optimizers: dict, learning_rate_schedules: dict):

@@ -96,10 +96,38 @@ def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[
     return new_state, {"grad_norm": grad_norm, "finite": finite}
 
 
-def accumulate_gradients(loss_and_sums, params, batch, step_rng):
+def trained_mask(params, is_trained) -> Any:
+    """`params` with each leaf replaced by `is_trained(path, param)`: whether training updates it."""
+    return jax.tree_util.tree_map_with_path(lambda path, param: bool(is_trained(path, param)), params)
+
+
+def accumulate_gradients(loss_and_sums, params, batch, step_rng, is_trained=None):
     """Gradients of the loss summed over the micro-batches of `batch` (every array is (gradient_accumulation_steps,
     micro_batch, ...)), and the metric sums summed too: `loss_and_sums(params, micro_batch, dropout_rng)` gives one
-    micro-batch's summed loss and a dict of its metric sums (float32 scalars)."""
+    micro-batch's summed loss and a dict of its metric sums (float32 scalars). Only the parameters
+    `is_trained(path, param)` picks (all by default) are differentiated: the gradient of a frozen one is never
+    computed, and is zeros, which no update or gradient norm counts."""
+    mask = trained_mask(params, is_trained or (lambda path, param: True))
+    if all(jax.tree_util.tree_leaves(mask)):
+        return summed_gradients(loss_and_sums, params, batch, step_rng)
+    frozen = jax.tree_util.tree_map(lambda param, trained: None if trained else param, params, mask)
+
+    def loss_of_trained(trained_params, micro_batch, dropout_rng):
+        return loss_and_sums(joined(mask, trained_params, frozen), micro_batch, dropout_rng)
+
+    trained = jax.tree_util.tree_map(lambda param, trained: param if trained else None, params, mask)
+    grads, sums = summed_gradients(loss_of_trained, trained, batch, step_rng)
+    return joined(mask, grads, jax.tree_util.tree_map(jnp.zeros_like, frozen)), sums
+
+
+def joined(mask, trained, frozen):
+    """One tree of the leaves of `trained` where `mask` is True and of `frozen` where it is False (each tree None
+    at the other's leaves)."""
+    return jax.tree_util.tree_map(lambda is_trained, mine, other: mine if is_trained else other, mask, trained, frozen)
+
+
+def summed_gradients(loss_and_sums, params, batch, step_rng):
+    """accumulate_gradients for every leaf of `params`."""
     gradients = jax.value_and_grad(loss_and_sums, has_aux=True)
     num_micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
     first_micro_batch = jax.tree_util.tree_map(lambda values: values[0], batch)
