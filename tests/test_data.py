@@ -584,6 +584,37 @@ def test_streamed_evaluation_blocks_are_the_first_blocks_of_the_validation_strea
     np.testing.assert_array_equal(flax_lm.data.loading.first_blocks(rows(), 32, None), expected)
 
 
+def test_every_route_trains_on_every_block_unless_the_run_evaluates(tokenizer, tmp_path):
+    """The token cache and --streaming train on the same blocks, all of them, without --do_eval; with it, the first
+    --validation_split_percentage are held out (a stream, of no known length, needs a validation file instead)."""
+    source = data_arguments(None).text_source(run_clm_flax.ModelArguments(cache_dir=str(tmp_path)))
+    every_block = expected_blocks(tokenizer, train_texts(), 32)
+
+    def rows(**route):
+        return flax_lm.data.loading.load_data(
+            flax_lm.data.loading.DataRoute(source, **route), texts_to_rows(tokenizer)
+        ).rows
+
+    training_only = rows(do_eval=False)
+    assert training_only.keys() == {"train"}
+    np.testing.assert_array_equal(np.asarray(training_only["train"]), every_block)
+    np.testing.assert_array_equal(np.asarray(rows(do_eval=False, validation_split_percentage=0)["train"]), every_block)
+    streamed = flax_lm.data.loading.load_data(
+        flax_lm.data.loading.DataRoute(source, do_eval=False, streaming=True), texts_to_rows(tokenizer)
+    )
+    assert streamed.rows == {}
+    stream_rows = texts_to_rows(tokenizer).rows_of(streamed.train_stream, "train", source, None)
+    np.testing.assert_array_equal(flax_lm.data.loading.first_blocks(stream_rows, 32, None), every_block)
+    evaluated = rows(do_eval=True)
+    held_out = len(every_block) * 5 // 100
+    np.testing.assert_array_equal(np.asarray(evaluated["validation"]), every_block[:held_out])
+    np.testing.assert_array_equal(np.asarray(evaluated["train"]), every_block[held_out:])
+    with pytest.raises(
+        run_clm_flax.UsageError, match="--validation_split_percentage 0 holds none .* --validation_file"
+    ):
+        rows(do_eval=True, validation_split_percentage=0)
+
+
 def test_stream_without_the_text_column_is_refused(tokenizer, tmp_path):
     data_file = tmp_path / "data.jsonl"
     data_file.write_text('{"body": "a text"}\n' * 3)

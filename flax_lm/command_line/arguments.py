@@ -163,7 +163,8 @@ class DataArguments:
         default=5,
         metadata={
             "help": "Without a validation split, the first this percent of the training examples (after packing, "
-            "so that a corpus of one document can be split too) are held out for evaluation, whichever the route."
+            "so that a corpus of one document can be split too) are held out for evaluation, with --do_eval only "
+            "(without, every example is trained on); 0: none."
         },
     )
     preprocessing_num_workers: int | None = field(
@@ -671,7 +672,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         "max_train_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "max_eval_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "preprocessing_num_workers": (lambda value: value is None or value >= 1, "must be at least 1"),
-        "validation_split_percentage": (lambda value: 0 < value < 100, "must be between 1 and 99"),
+        "validation_split_percentage": (lambda value: 0 <= value < 100, "must be between 0 (none) and 99"),
         "shuffle_buffer_size": (lambda value: value >= 0, "must be 0 (the stream's order) or more"),
         "packed_tokens_per_shard": at_least_1,
         **script_ranges,

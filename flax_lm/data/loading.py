@@ -27,12 +27,21 @@ logger = logging.getLogger(__name__)
 
 
 def hold_out_blocks(blocks: dict, validation_split_percentage: int, source: str = "") -> dict:
-    """{split: examples} with a validation split: without one, the first validation_split_percentage percent of the
-    training examples (blocks: by blocks rather than texts, so that a corpus of one long document can be split too).
-    The one rule of every data route (files, datasets, --packed_data_dir). `source`: whose data it is, for the
-    message."""
+    """{split: examples} with a validation split, for a run that evaluates: without one, the first
+    validation_split_percentage percent of the training examples (blocks: by blocks rather than texts, so that a
+    corpus of one long document can be split too). The one rule of every data route (files, datasets,
+    --packed_data_dir; a stream, whose length is unknown, needs a validation split of its own), applied only where
+    the run evaluates (final_rows), so that a run that does not trains on every row whichever the route; the token
+    cache keeps the whole split, before any is held out, and so does not depend on it. `source`: whose data it is,
+    for the message."""
     if "train" not in blocks or "validation" in blocks:
         return blocks
+    if validation_split_percentage == 0:
+        raise UsageError(
+            f"--do_eval needs evaluation data, and the data{source} has no validation split while "
+            "--validation_split_percentage 0 holds none of the training data out: pass --validation_file, or a "
+            "percentage"
+        )
     train = blocks["train"]
     if len(train) < 2:
         raise UsageError(
@@ -291,10 +300,11 @@ def cached_rows(route: DataRoute, texts_to_rows: TextsToRows) -> tuple[dict, str
 def final_rows(
     rows: dict, route: DataRoute, texts_to_rows: TextsToRows, example_format, source_name: str = ""
 ) -> dict:
-    """The rows of each split as a run uses them: a validation split held out where there is none, cut to
-    --max_train_samples and --max_eval_samples; refused where empty. `source_name`: whose data it is, for the
-    message."""
-    rows = hold_out_blocks(rows, route.validation_split_percentage, source_name)
+    """The rows of each split as a run uses them: a validation split held out where there is none and the run
+    evaluates, cut to --max_train_samples and --max_eval_samples; refused where empty. `source_name`: whose data it
+    is, for the message."""
+    if route.do_eval:
+        rows = hold_out_blocks(rows, route.validation_split_percentage, source_name)
     if route.max_train_samples is not None and "train" in rows:
         rows["train"] = rows["train"][: route.max_train_samples]
     if route.max_eval_samples is not None and "validation" in rows:
