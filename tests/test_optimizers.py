@@ -98,6 +98,36 @@ def test_each_optimizer_updates_as_the_optax_composition_it_names(optim):
         assert np.abs(param - flatten_dict(initial_params)[path]).min() > 0, f"{path} was not trained"
 
 
+@pytest.mark.parametrize("optim", ["adamw", "muon", "lion", "adafactor"])
+def test_each_optimizer_leaves_a_frozen_parameter_as_it_was_and_keeps_no_state_for_it(optim, monkeypatch):
+    """is_trained edited to freeze the first block: its weights stay bit for bit, the others train as without the
+    freeze, and the state holds nothing of the block's (clipped by a global norm of the trained gradients only)."""
+    args = training_args(optim=optim, max_grad_norm=1.0)
+    schedule = run_clm_flax.learning_rate_schedule(args, TOTAL_STEPS)
+    rng = np.random.default_rng(0)
+    params = unflatten_dict({path: rng.normal(size=shape).astype(np.float32) for path, shape in SHAPES.items()})
+    grads = jax.tree_util.tree_map(lambda param: rng.normal(size=param.shape).astype(np.float32), params)
+    every_parameter = run_clm_flax.create_optimizer(args, schedule)
+    monkeypatch.setattr(run_clm_flax, "is_trained", lambda path, param: path[1].key != "h_0")
+    frozen = run_clm_flax.create_optimizer(args, schedule)
+    trained_grads = {**grads, "transformer": {"wte": grads["transformer"]["wte"]}}
+    trained_params = {**params, "transformer": {"wte": params["transformer"]["wte"]}}
+    expected, _ = every_parameter.update(trained_grads, every_parameter.init(trained_params), trained_params)
+    state = frozen.init(params)
+    updates, state = frozen.update(grads, state, params)
+    for path, update in flatten_dict(updates).items():
+        if path[1] == "h_0":
+            assert not np.any(update), path
+        else:
+            np.testing.assert_allclose(update, flatten_dict(expected)[path], rtol=1e-6, err_msg=f"{path}")
+    new_params = optax.apply_updates(params, updates)
+    for path, param in flatten_dict(params).items():
+        if path[1] == "h_0":
+            np.testing.assert_array_equal(flatten_dict(new_params)[path], param)
+    state_elements = sum(leaf.size for leaf in jax.tree_util.tree_leaves(state))
+    assert state_elements == sum(leaf.size for leaf in jax.tree_util.tree_leaves(every_parameter.init(trained_params)))
+
+
 def muon_parameters(model, length: int) -> set[str]:
     params = abstract_model_params(model, jnp.zeros((1, length), jnp.int32))
     labels = jax.tree_util.tree_map_with_path(lambda path, param: run_clm_flax.is_hidden_matrix(path, param), params)
