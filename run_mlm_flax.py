@@ -486,17 +486,15 @@ def masked_stream_batches(
 
 
 def masked_lm_objective(logits, labels, label_weights):
-    """The training objective, what the train step differentiates and logs as train/loss: the masked tokens' summed
-    cross-entropy (float32). Edit this to train on another loss (label smoothing, say): evaluation reports the exact
-    cross-entropy of masked_lm_loss_sums whatever is trained on here."""
+    """What the train step differentiates and logs as train/loss: the masked tokens' summed cross-entropy. Edit it to
+    train on another loss (label smoothing): evaluation reports masked_lm_loss_sums, the exact cross-entropy."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return jnp.sum(losses * label_weights.astype(jnp.float32))
 
 
 def masked_lm_loss_sums(logits, labels, label_weights):
-    """Sum of cross-entropy, number of correct predictions and number of counted positions: what the evaluation's
-    metrics are computed from (and the training's accuracy). Not the training objective (masked_lm_objective), so
-    that an edit of what is trained on leaves the reported metrics comparable with every other run's.
+    """Sum of cross-entropy, number of correct predictions and number of counted positions: the evaluation's metrics
+    (and the training's accuracy), apart from the objective trained on (masked_lm_objective), which an edit changes.
 
     logits: (batch, positions, vocab), at every position or only at those to predict; labels: (batch, positions)
     int; label_weights: (batch, positions), 1.0 where the position counts. Returns three float32 scalars; summing
