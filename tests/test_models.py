@@ -326,6 +326,21 @@ def edited_module(tmp_path, name: str, replacements: dict, model_type: str = "ll
     return import_model_file(str(tmp_path / name))
 
 
+def test_a_model_file_s_claim_is_probed_at_the_first_export_and_not_at_all_with_skip_export_check(
+    tmp_path, monkeypatch
+):
+    """Loading the code runs no probe (a run refused later pays nothing for it); asking the claim, as the first export
+    does, runs it; --skip_export_check runs none, and the exports claim nothing."""
+    config, probed = llama_config(num_key_value_heads=2), []
+    monkeypatch.setattr(model_code, "probe_difference", lambda *arguments: probed.append(arguments) or 0.0)
+    edited_module(tmp_path, "same.py", {})
+    code = model_code.load_model_code(config, str(tmp_path / "same.py"), True, "run_clm_flax.py")
+    assert not probed and code.claim is None
+    assert code.claims_architecture and len(probed) == 1
+    unchecked = model_code.load_model_code(config, str(tmp_path / "same.py"), True, "x", compare_exports=False)
+    assert not unchecked.claims_architecture and "--skip_export_check" in unchecked.reason and len(probed) == 1
+
+
 def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path, probe_row_by_row):
     config = llama_config(num_key_value_heads=2)
     # The same computation written another way, and attention scaled otherwise.
