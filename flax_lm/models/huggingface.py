@@ -407,8 +407,12 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
     float32_params = jax.tree.map(lambda value: np.asarray(value, np.float32), host_params)
     difference = export_difference(output_dir, model_code.module.MODEL_CLASS(config), float32_params)
     if isinstance(difference, float) and difference <= PROBE_TOLERANCE:
-        logger.info("The export to %s, read back as %s, computes the trained model (within %.1g)", output_dir,
-                    architecture, difference)  # fmt: skip
+        logger.info(
+            "The export to %s, read back as %s, computes the trained model (within %.1g)",
+            output_dir,
+            architecture,
+            difference,
+        )
         return
     found = (
         difference

@@ -10,7 +10,7 @@ transformers architecture in its config.json only where the code is known to com
   (PyTorch installed): the run's own config, every layer of it, as few rows as the context's length takes to hold
   every token id of its vocabulary, and for a causal LM the key/value cache's routes as well (probe_difference). Where
   that would ask more than PROBE_MAX_TORCH_FLOPS of PyTorch, nothing is claimed. The probe runs at the first export
-  (ModelCode.claims_architecture), after every check that can refuse the run, and not at all with
+  (ModelCode.export_claim), after every check that can refuse the run, and not at all with
   --skip_export_check; and each export it allows is read back and compared with the trained model
   (flax_lm.models.huggingface.export_difference), which withdraws the claim where they differ.
 Any other export holds its weights as flax_model.safetensors beside a copy of its model file, which transformers does
@@ -121,23 +121,24 @@ class ModelCode:
         compared with the trained model, as there is nothing the comparison could find."""
         return self.own_file is None and VERIFIED_FINGERPRINTS.get(module_name(self.module)) == self.fingerprint
 
-    @property
-    def claims_architecture(self) -> bool:
-        """Whether the exports name the architecture: decided when first asked, which the scripts leave to their first
-        export, after every check that can refuse the run, as it can take a probe (architecture_claim); withdrawn
-        where an export did not compute as the trained model (withdraw_claim)."""
+    def export_claim(self) -> tuple[bool, str]:
+        """(whether the exports name the architecture, why): decided when first asked, which the scripts leave to
+        their first export, after every check that can refuse the run, as it can take a probe (architecture_claim);
+        withdrawn where an export did not compute as the trained model (withdraw_claim)."""
         if self.claim is None:
             self.claim = self.decide_claim()
             if self.own_file or not self.claim[0]:
                 log = logger.info if self.claim[0] else logger.warning
                 log("Model code %s (fingerprint %s): %s", self.description, self.fingerprint, self.claim[1])
-        return self.claim[0]
+        return self.claim
+
+    @property
+    def claims_architecture(self) -> bool:
+        return self.export_claim()[0]
 
     @property
     def reason(self) -> str:
-        """Why the exports name the architecture, or why not."""
-        self.claims_architecture  # noqa: B018 (decides it)
-        return self.claim[1]
+        return self.export_claim()[1]
 
     def decide_claim(self) -> tuple[bool, str]:
         without_probe = claim_without_probe(self.module, self.config, self.fingerprint, self.own_file)
@@ -184,7 +185,7 @@ def load_model_code(
 ) -> ModelCode:
     """The code of `config`'s model for `tool`: the module of --model_file or of config.model_type, its config checked
     (against the tensor axis of `mesh` too), its fingerprint, and what its exports may claim. Where that takes a probe
-    (code other than a verified stock module), it is decided at the first export (ModelCode.claims_architecture); for
+    (code other than a verified stock module), it is decided at the first export (ModelCode.export_claim); for
     a tool that `exports` nothing, or without `compare_exports` (--skip_export_check), no probe runs and exports of
     such code claim nothing."""
     module = model_module(config.model_type, model_file, generates_text, tool)
@@ -199,7 +200,7 @@ def load_model_code(
     if not exports:
         code.claim = (False, f"{tool} exports nothing")
     elif claim_without_probe(module, config, fingerprint, model_file) is not None:
-        code.claims_architecture  # noqa: B018 (decided now, at the start, where that takes no probe)
+        code.export_claim()  # decided, and said, at the start where that takes no probe
     return code
 
 
