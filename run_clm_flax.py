@@ -764,7 +764,9 @@ def main():
 
     config, tokenizer = load_config_and_tokenizer(model_args, "gpt2")
     mesh = create_mesh(training_args.mesh_shape)
-    model_code = load_model_code(config, model_args.model_file, True, "run_clm_flax.py", mesh)
+    model_code = load_model_code(
+        config, model_args.model_file, True, "run_clm_flax.py", mesh, compare_exports=not model_args.skip_export_check
+    )
     block_size = choose_block_size(data_args, tokenizer, config)
     texts_to_rows = script_texts_to_rows(data_args, tokenizer, block_size)
     route = data_args.data_route(model_args, training_args)

@@ -789,7 +789,9 @@ def main():
 
     config, tokenizer = load_config_and_tokenizer(model_args, "roberta")
     mesh = create_mesh(training_args.mesh_shape)
-    model_code = load_model_code(config, model_args.model_file, False, "run_mlm_flax.py", mesh)
+    model_code = load_model_code(
+        config, model_args.model_file, False, "run_mlm_flax.py", mesh, compare_exports=not model_args.skip_export_check
+    )
     check_model_and_tokenizer(config, tokenizer, training_args)
     max_seq_length = choose_max_seq_length(data_args, tokenizer, config)
     # Rows of max_seq_length - 2 tokens, which <s> and </s> frame.

@@ -16,6 +16,7 @@ from test_hostile_inputs import SCRIPTS
 from flax_lm import errors
 from flax_lm.command_line import arguments as training_arguments
 from flax_lm.devices import processes
+from flax_lm.models.huggingface import shard_size_in_bytes
 from flax_lm.training import setup
 
 TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
@@ -93,6 +94,22 @@ def test_trainer_names_in_a_json_arguments_file_mean_ours(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", str(arguments_file)])
     model_args, data_args, _, _ = parse_arguments(run_clm_flax)
     assert (model_args.dtype, data_args.block_size, data_args.text_column_name) == ("bfloat16", 32, "x")
+
+
+@pytest.mark.parametrize(
+    "size, size_in_bytes",
+    [("5KiB", 5 * 2**10), ("64kib", 64 * 2**10), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000), ("40KB", 40_000),
+     ("500 MB", 500_000_000), ("1000", 1000)],
+)  # fmt: skip
+def test_max_shard_size_takes_the_units_transformers_takes(size, size_in_bytes):
+    """save_pretrained's decimal units (huggingface_hub's parser) and the binary ones of transformers' own."""
+    assert shard_size_in_bytes(size) == size_in_bytes
+
+
+@pytest.mark.parametrize("size", ["lots", "0KB", "-5KB", "infGB", "nanKiB", "5XB", "KiB", "\u00b2", "0.5"])
+def test_a_max_shard_size_that_is_not_a_positive_size_is_refused(size):
+    with pytest.raises(ValueError):
+        shard_size_in_bytes(size)
 
 
 @pytest.mark.parametrize(

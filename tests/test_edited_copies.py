@@ -726,6 +726,7 @@ def test_the_export_claims_gpt2_only_where_its_logits_equal_pytorchs(experiment)
     input_ids = tokenizer(["The garden was quiet.", "A road past the"], return_tensors="np", padding=False)
     if edit == "scale written another way":
         assert config["architectures"] == ["GPT2LMHeadModel"] and "flax_lm_model_file" not in config
+        assert "read back as GPT2LMHeadModel, computes the trained model" in result.stderr  # the export check
         torch_model = GPT2LMHeadModel.from_pretrained(output_dir).eval()
         module = import_model_file(str(output_dir.parent / "my_gpt2.py"))
         model = module.MODEL_CLASS(AutoConfig.from_pretrained(output_dir))
@@ -760,6 +761,55 @@ def test_generate_flax_runs_an_export_of_own_code_only_with_its_model_file(exper
     generated = run_in_process(script, capfd, *arguments)
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert generated.stdout.startswith("The")
+
+
+# A low-rank adapter of Llama's query projection (LoRA's), its second factor starting at zero and never merged into
+# q_proj, left out of the export's layout so that the export still fits LlamaForCausalLM: on the probe's random weights
+# it computes as the architecture, and once trained it does not.
+ADAPTER_EDIT = {
+    "        query, key, value = self.head_projections(x, projections_bias)\n": (
+        "        query, key, value = self.head_projections(x, projections_bias)\n"
+        '        adapter_in = self.param("lora_a", nn.initializers.normal(1.0), (config.hidden_size, 4))\n'
+        '        adapter_out = self.param("lora_b", nn.initializers.zeros, (4, query.shape[-2] * query.shape[-1]))\n'
+        "        query = query + (x @ adapter_in @ adapter_out).reshape(query.shape)\n"
+    ),
+    '__all__ = ["from_hf_state_dict", "hf_shapes", "to_hf_state_dict"]\n': (
+        '__all__ = ["from_hf_state_dict"]\n\n\n'
+        "def without_adapters(params):\n"
+        "    return {name: without_adapters(value) if isinstance(value, dict) else value\n"
+        '            for name, value in params.items() if not name.startswith("lora_")}\n\n\n'
+        "def to_hf_state_dict(params):\n"
+        "    return common.to_hf_state_dict(without_adapters(params))\n\n\n"
+        "def hf_shapes(params):\n"
+        "    return common.hf_shapes(without_adapters(params))\n"
+    ),
+    "from flax_lm.errors import UsageError\n": (
+        "from flax_lm.errors import UsageError\nfrom flax_lm.models import common\n"
+    ),
+    "    from_hf_state_dict,\n    head_dim_of,\n    hf_shapes,\n": "    from_hf_state_dict,\n    head_dim_of,\n",
+    "    rotate,\n    to_hf_state_dict,\n)\n": "    rotate,\n)\n",
+}
+
+
+def test_an_export_that_leaves_out_trained_parameters_names_no_architecture(llama_tokenizer_dir, tmp_path, capfd):
+    """The probe passes a zero-initialised adapter that the export leaves out; the export, read back as
+    LlamaForCausalLM, is compared with the model that trained, and the claim is withdrawn: the weights, adapters
+    included, go to flax_model.safetensors beside the model file."""
+    model_dir = model_dir_with_config(llama_tokenizer_dir, tmp_path / "model", "llama", num_hidden_layers=1)
+    edited_copy(REPO_DIR / "flax_lm" / "models" / "llama.py", tmp_path / "lora_llama.py", ADAPTER_EDIT)
+    script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "run_clm_flax.py")
+    output_dir = tmp_path / "output"
+    arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "1", "--learning_rate", "0.01")
+    result = run_in_process(script, capfd, *arguments, "--model_file", "lora_llama.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "its logits equal those of transformers' LlamaForCausalLM" in result.stderr  # the probe passed it
+    [withdrawal] = [line for line in result.stderr.splitlines() if "is not the model that trained" in line]
+    assert "exports do not name LlamaForCausalLM; they hold flax_model.safetensors and the model file" in withdrawal
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config.get("architectures") is None and config["flax_lm_model_file"] == "lora_llama.py"
+    assert not (output_dir / "model.safetensors").exists() and (output_dir / "lora_llama.py").is_file()
+    trained_adapter = load_file(str(output_dir / "flax_model.safetensors"))["model/layers_0/self_attn/lora_b"]
+    assert np.abs(trained_adapter).max() > 0
 
 
 def test_save_model_refuses_a_parameter_off_the_architecture_and_writes_nothing(gpt2_tokenizer_dir, tmp_path):

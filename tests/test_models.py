@@ -40,7 +40,7 @@ from transformers import (
 from flax_lm.data.texts import ids_around_documents
 from flax_lm.generation.sampling import generate_ids, make_sampler
 from flax_lm.models import import_model_file, llama, model_code, stock_module
-from flax_lm.models.huggingface import save_model
+from flax_lm.models.huggingface import read_exported_params, save_model
 from flax_lm.training.train_state import abstract_model_params
 
 CORPUS = FIXTURES_DIR / "en"
@@ -220,6 +220,24 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(llama_tokenizer
     np.testing.assert_allclose(np.asarray(model.apply({"params": params}, input_ids)), expected, atol=1e-4, rtol=0)
 
 
+def test_an_export_whose_bytes_changed_since_is_refused_by_its_loader_in_one_line(llama_tokenizer_dir, tmp_path):
+    config = llama_config(vocab_size=1000, num_key_value_heads=2)
+    abstract = abstract_model_params(llama.FlaxLlamaForCausalLM(config), jnp.zeros((1, 8), jnp.int32))
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(lambda leaf: rng.standard_normal(leaf.shape).astype(np.float32), abstract)
+    code = stock_code(config)
+    save_model(str(tmp_path), params, config, AutoTokenizer.from_pretrained(llama_tokenizer_dir), code)
+    read_back = read_exported_params(str(tmp_path), None, code, abstract)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, read_back, params))
+    weights = tmp_path / "model.safetensors"
+    changed = bytearray(weights.read_bytes())
+    changed[-3] ^= 0x10  # a bit of a weight: the file still parses, and one value differs
+    weights.write_bytes(changed)
+    with pytest.raises(model_code.UsageError, match="does not hold the tensors it was saved with") as refusal:
+        read_exported_params(str(tmp_path), None, code, abstract)
+    assert str(weights) in str(refusal.value) and "\n" not in str(refusal.value)
+
+
 CAUSAL_MODELS = {
     "gpt2": lambda: tiny_config(n_embd=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=7),
     "llama": lambda: llama_config(num_key_value_heads=2, eos_token_id=7),
@@ -275,11 +293,20 @@ PROBE_CONFIGS = {
 
 @pytest.fixture
 def probe_row_by_row(monkeypatch):
-    """The probe compares one row at a time: its rows are then as few as hold every token id of these tiny
-    vocabularies, where the size of a group (PROBE_LOGITS_BYTES of logits) would pad them to hundreds of rows of
-    random ids that reach no layer, position or token id the first rows miss; and the probe's loop over the groups
-    runs more than once."""
+    """The probe compares one row at a time, so that its loop over the groups of rows runs more than once."""
     monkeypatch.setattr(model_code, "PROBE_LOGITS_BYTES", 1)
+
+
+@pytest.mark.parametrize(
+    "vocab_size, length, group_bytes, rows", [(1000, 64, 2**27, 16), (1000, 64, 4 * 64 * 1000 * 5, 20)]
+)
+def test_the_probe_s_rows_are_as_few_as_hold_every_token_id(vocab_size, length, group_bytes, rows, monkeypatch):
+    """Every token id in as few rows of the context's length as hold them; more only to fill the last of several
+    groups (of PROBE_LOGITS_BYTES of logits, here 5 rows), never a group's worth where one group holds them all."""
+    monkeypatch.setattr(model_code, "PROBE_LOGITS_BYTES", group_bytes)
+    ids = model_code.probe_ids(vocab_size, length)
+    assert ids.shape == (rows, length)
+    assert set(ids.reshape(-1).tolist()) == set(range(vocab_size))
 
 
 @pytest.mark.parametrize("model_type", PROBE_CONFIGS)
@@ -297,6 +324,21 @@ def edited_module(tmp_path, name: str, replacements: dict, model_type: str = "ll
         text = text.replace(old, new)
     (tmp_path / name).write_text(text)
     return import_model_file(str(tmp_path / name))
+
+
+def test_a_model_file_s_claim_is_probed_at_the_first_export_and_not_at_all_with_skip_export_check(
+    tmp_path, monkeypatch
+):
+    """Loading the code runs no probe (a run refused later pays nothing for it); asking the claim, as the first export
+    does, runs it; --skip_export_check runs none, and the exports claim nothing."""
+    config, probed = llama_config(num_key_value_heads=2), []
+    monkeypatch.setattr(model_code, "probe_difference", lambda *arguments: probed.append(arguments) or 0.0)
+    edited_module(tmp_path, "same.py", {})
+    code = model_code.load_model_code(config, str(tmp_path / "same.py"), True, "run_clm_flax.py")
+    assert not probed and code.claim is None
+    assert code.claims_architecture and len(probed) == 1
+    unchecked = model_code.load_model_code(config, str(tmp_path / "same.py"), True, "x", compare_exports=False)
+    assert not unchecked.claims_architecture and "--skip_export_check" in unchecked.reason and len(probed) == 1
 
 
 def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path, probe_row_by_row):

@@ -56,6 +56,9 @@ class ModelArguments:
             "directory keeps it; give it again to resume, and to load the exports with generate_flax.py."
         },
     )
+    skip_export_check: bool = field(
+        default=False, metadata={"help": "Skip the export check: exports of a --model_file then name no architecture."}
+    )
     config_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Directory or hub name, if not the model's."})
     chat_template_path: str | None = field(
@@ -376,8 +379,8 @@ class CommonTrainingArguments:
     max_shard_size: str | None = field(
         default=None,
         metadata={
-            "help": "Split the exported model.safetensors into shards of at most this size (5GB, 500MB, or bytes), "
-            "with their index model.safetensors.index.json, as save_pretrained does; default: one file."
+            "help": "Split the exported model.safetensors into shards of at most this size (5GB, 500MB, 2GiB, or "
+            "bytes), with their index model.safetensors.index.json, as save_pretrained does; default: one file."
         },
     )
     save_total_limit: int = field(
@@ -578,8 +581,8 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
             shard_size_in_bytes(training_args.max_shard_size)
         except ValueError:
             raise UsageError(
-                f"--max_shard_size {training_args.max_shard_size} is not a size; pass one such as 5GB, 500MB or a "
-                "number of bytes"
+                f"--max_shard_size {training_args.max_shard_size} is not a size; pass one such as 5GB, 500MB, 2GiB or "
+                "a number of bytes"
             ) from None
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")

@@ -11,13 +11,14 @@ import re
 import shutil
 import struct
 
+import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
 import transformers
+import xxhash
 from flax.traverse_util import flatten_dict, unflatten_dict
 from huggingface_hub import split_state_dict_into_shards_factory
-from huggingface_hub.serialization._base import parse_size_to_int
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
@@ -25,13 +26,17 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from flax_lm.data.chat import stop_token_ids, training_chat_template
 from flax_lm.errors import UsageError, first_line, naming_a_full_disk
-from flax_lm.models import non_finite_config_value
+from flax_lm.models import MODEL_MODULES, non_finite_config_value, stock_module
 from flax_lm.models.model_code import (
     FINGERPRINT_KEY,
     FLAX_WEIGHTS_NAME,
     MODEL_FILE_KEY,
+    PROBE_TOLERANCE,
     ModelCode,
     check_model_file_of,
+    probe_ids,
+    probe_length,
+    routes_difference,
 )
 from flax_lm.models.tokenizer_files import CHAT_TEMPLATE_FILE, save_tokenizer_files
 
@@ -165,7 +170,8 @@ SAFETENSORS_DTYPES = {
 def load_safetensors(path: str) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file as numpy arrays of their own dtype, bfloat16 included, memory-mapped: a
     tensor is read from disk when it is used. The format: an 8-byte little-endian header size, a JSON header of each
-    tensor's dtype, shape and byte range, then the bytes."""
+    tensor's dtype, shape and byte range, then the bytes. A file this repository exported carries the checksum of its
+    tensors, which is compared here: a file whose bytes changed since is refused in one line."""
     with open(path, "rb") as file:
         (header_size,) = struct.unpack("<Q", file.read(8))
         if header_size > os.path.getsize(path) - 8:
@@ -180,7 +186,30 @@ def load_safetensors(path: str) -> dict[str, np.ndarray]:
             raise SafetensorError(f"tensor {name} has dtype {entry['dtype']}, which cannot be read here")
         start, end = entry["data_offsets"]
         tensors[name] = data[start:end].view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    recorded = (header.get("__metadata__") or {}).get(TENSORS_CHECKSUM_KEY)
+    if recorded is not None and recorded != tensors_checksum(tensors):
+        raise UsageError(
+            f"{path} does not hold the tensors it was saved with (their checksum differs from the one saved in it): "
+            "its bytes changed since; export the model again from its training checkpoint, or copy the file again"
+        )
     return tensors
+
+
+# The key of the metadata of a safetensors file this repository writes under which it records tensors_checksum of
+# the file's tensors, which load_safetensors compares. Other programs' files have none, and a model saved again by
+# transformers (which writes only its own metadata) is read as any other.
+TENSORS_CHECKSUM_KEY = "flax_lm_tensors_checksum"
+
+
+def tensors_checksum(tensors: dict[str, np.ndarray]) -> str:
+    """XXH3-128 (flax_lm.run.checksums' hash) of the tensors' names, dtypes, shapes and bytes, in the order of their
+    names: of what a safetensors file holds, however its bytes are laid out."""
+    hasher = xxhash.xxh3_128()
+    for name in sorted(tensors):
+        tensor = np.ascontiguousarray(tensors[name])
+        hasher.update(f"{name} {tensor.dtype.name} {tensor.shape}\n".encode())
+        hasher.update(tensor.reshape(-1).view(np.uint8))
+    return hasher.hexdigest()
 
 
 SAFETENSORS_WEIGHTS = "model.safetensors"
@@ -259,11 +288,13 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
 
 
 def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file_name: str):
-    """The weights file `file_name` in `output_dir`, replaced in one step so that no reader sees it half written."""
+    """The weights file `file_name` in `output_dir`, replaced in one step so that no reader sees it half written, with
+    the checksum of its tensors in its metadata (TENSORS_CHECKSUM_KEY), which load_safetensors compares."""
     os.makedirs(output_dir, exist_ok=True)
     weights_path = os.path.join(output_dir, file_name)
     try:
-        save_file(state_dict, f"{weights_path}.tmp", metadata={"format": "pt"})
+        metadata = {"format": "pt", TENSORS_CHECKSUM_KEY: tensors_checksum(state_dict)}
+        save_file(state_dict, f"{weights_path}.tmp", metadata=metadata)
     except BaseException:  # a full disk, say: the part written would only keep the disk full
         with contextlib.suppress(FileNotFoundError):
             os.remove(f"{weights_path}.tmp")
@@ -276,13 +307,21 @@ def write_model_weights(output_dir: str, state_dict: dict[str, np.ndarray], file
     os.replace(f"{weights_path}.tmp", weights_path)
 
 
+# The units of --max_shard_size: the decimal ones save_pretrained takes (huggingface_hub's parse_size_to_int: 5GB,
+# 500MB, 1.5GB) and the binary ones of transformers' own size parser (transformers.utils.hub.convert_file_size_to_int:
+# 5GiB, 64KiB); none, a number of bytes.
+SIZE_UNITS = {
+    "": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+
+
 def shard_size_in_bytes(size: str) -> int:
-    """--max_shard_size in bytes: a number of bytes, or one with a unit as save_pretrained takes it (5GB, 500MB).
-    ValueError for anything else."""
-    size_in_bytes = int(size) if size.isdigit() else parse_size_to_int(size)
-    if size_in_bytes <= 0:
-        raise ValueError(f"{size} is not a positive size")
-    return size_in_bytes
+    """--max_shard_size in bytes: a number and a unit of SIZE_UNITS, in any case, as transformers takes them (5GB,
+    1.5GB, 500MiB, 5KiB), or a number of bytes. ValueError for anything else."""
+    parts = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", size)
+    if parts is None or parts[2].upper() not in SIZE_UNITS or int(float(parts[1]) * SIZE_UNITS[parts[2].upper()]) < 1:
+        raise ValueError(f"{size} is not a positive size with a unit of {', '.join(SIZE_UNITS)[2:]}")
+    return int(float(parts[1]) * SIZE_UNITS[parts[2].upper()])
 
 
 def write_transformers_weights(output_dir: str, state_dict: dict[str, np.ndarray], max_shard_size: str | None) -> set:
@@ -348,15 +387,49 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
     transformers finds no weights it could load as another model. With `max_shard_size`, model.safetensors is split
     into shards of at most that size, with their index (write_transformers_weights).
 
+    An export of code other than a verified stock module that names the architecture is read back as that class and
+    compared with the model that trained (export_difference); where it computes another model (parameters the
+    architecture lacks, left out of its layout, such as adapters never merged), the claim is withdrawn, for this
+    export and the run's later ones, and the export written again as of code of its own.
+
     Every process takes part in gathering the parameters; process 0 writes. Parameters that would not load as the
     architecture the config names are refused first (check_architecture_fits), by every process, with nothing written.
     """
-    model = model_code.module
     if model_code.claims_architecture:
-        check_architecture_fits(params, config, model)
+        check_architecture_fits(params, config, model_code.module)
     host_params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
         return
+    write_export(output_dir, host_params, config, tokenizer, model_code, max_shard_size)
+    if not model_code.claims_architecture or model_code.is_verified_stock:
+        return
+    architecture = model_code.module.HF_ARCHITECTURES[config.model_type]
+    float32_params = jax.tree.map(lambda value: np.asarray(value, np.float32), host_params)
+    difference = export_difference(output_dir, model_code.module.MODEL_CLASS(config), float32_params)
+    if isinstance(difference, float) and difference <= PROBE_TOLERANCE:
+        logger.info(
+            "The export to %s, read back as %s, computes the trained model (within %.1g)",
+            output_dir,
+            architecture,
+            difference,
+        )
+        return
+    found = (
+        difference
+        if isinstance(difference, str)
+        else f"its logits differ from the trained model's by up to {difference:.2g} of the largest"
+    )
+    model_code.withdraw_claim(
+        f"the export to {output_dir}, read back as {architecture}, is not the model that trained ({found}: parameters "
+        f"of the model file that {architecture} lacks are left out of its layout, adapters never merged for one), so "
+        f"exports do not name {architecture}; they hold {FLAX_WEIGHTS_NAME} and the model file"
+    )
+    write_export(output_dir, host_params, config, tokenizer, model_code, max_shard_size)
+
+
+def write_export(output_dir: str, host_params, config, tokenizer, model_code: ModelCode, max_shard_size: str | None):
+    """The files of save_model's export of `host_params` (on this host)."""
+    model = model_code.module
     config = copy_of(config)
     for key in (MODEL_FILE_KEY, FINGERPRINT_KEY):
         if hasattr(config, key):
@@ -388,6 +461,38 @@ def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode
         else:
             remove_if_there(os.path.join(output_dir, "generation_config.json"))  # an earlier model's, here
         save_tokenizer_files(tokenizer, output_dir)
+
+
+def export_difference(export_dir: str, trained_model, trained_params) -> float | str:
+    """How far the export in `export_dir` is from the model that trained (`trained_model`, a flax_lm model module's
+    model class, with `trained_params` in float32): the export is read as the architecture its config.json names, by
+    flax_lm's own module of that class (MODEL_MODULES: the code the parity tests compare with transformers, so no
+    PyTorch is needed), and the largest difference of their logits is returned, relative to the largest logit where
+    that is over 1 (routes_difference), on the rows of the probe: every token id and position, through every layer,
+    and the trained model's key/value cache too. Or why the export cannot be read as that class.
+
+    A model file's parameters that the architecture lacks are left out of the export (its to_hf_state_dict); what the
+    random weights of the probe could not show, the trained ones do: a low-rank adapter whose second factor starts at
+    zero and that is never merged into the weights computes as the base model until trained."""
+    config = AutoConfig.from_pretrained(export_dir)
+    if config.model_type not in MODEL_MODULES or not config.architectures:
+        return f"its config.json names no architecture of flax_lm/models ({config.model_type})"
+    module = stock_module(config.model_type)
+    if config.architectures != [module.HF_ARCHITECTURES[config.model_type]]:
+        return f"its config.json names {config.architectures}, not {module.HF_ARCHITECTURES[config.model_type]}"
+    model = module.MODEL_CLASS(config)
+    ids = probe_ids(config.vocab_size, probe_length(module, config))
+    abstract = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), ids[:1])["params"])
+    try:
+        params = module.from_hf_state_dict(read_safetensors_checkpoint(export_dir, None), abstract)
+    except UsageError as error:
+        return str(error)
+    exported_logits = jax.jit(lambda params, rows: model.apply({"params": params}, rows))
+
+    def expected_logits(rows):
+        return np.asarray(exported_logits(params, rows))
+
+    return routes_difference(trained_model, trained_params, ids, expected_logits, module.GENERATES_TEXT)
 
 
 def add_transformers_4_rope_keys(config_path: str):

@@ -7,9 +7,12 @@ transformers architecture in its config.json only where the code is known to com
 - the stock modules, as flax_lm ships them (VERIFIED_FINGERPRINTS: the code their parity tests compare with
   transformers);
 - other code whose logits, on a probe batch with random weights, equal those of the transformers class it names
-  (PyTorch installed): the run's own config, every layer of it, rows as long as its context holding every token id
-  of its vocabulary, and for a causal LM the key/value cache's routes as well (probe_difference). Where that would
-  ask more than PROBE_MAX_TORCH_FLOPS of PyTorch, nothing is claimed.
+  (PyTorch installed): the run's own config, every layer of it, as few rows as the context's length takes to hold
+  every token id of its vocabulary, and for a causal LM the key/value cache's routes as well (probe_difference). Where
+  that would ask more than PROBE_MAX_TORCH_FLOPS of PyTorch, nothing is claimed. The probe runs at the first export
+  (ModelCode.export_claim), after every check that can refuse the run, and not at all with
+  --skip_export_check; and each export it allows is read back and compared with the trained model
+  (flax_lm.models.huggingface.export_difference), which withdraws the claim where they differ.
 Any other export holds its weights as flax_model.safetensors beside a copy of its model file, which transformers does
 not load (it looks for model.safetensors), and which the tools of this repository load with --model_file.
 """
@@ -18,8 +21,10 @@ import hashlib
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -94,20 +99,62 @@ def module_code_fingerprint(module: ModuleType) -> str:
     return digest.hexdigest()[:16]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ModelCode:
     """The code that computes a run's model, and whether its exports name the transformers architecture."""
 
     module: ModuleType
     own_file: str | None  # the --model_file, kept in the run directory and beside an export that claims nothing
     fingerprint: str
-    claims_architecture: bool
-    reason: str  # why the exports name the architecture, or why not
+    config: Any  # the run's config, whose architecture (module.HF_ARCHITECTURES) an export may name
+    compares_exports: bool = True  # False for a tool that exports nothing, and with --skip_export_check
     fields_set: frozenset = frozenset()  # the config's fields of FIELDS_EARLIER_CODE_IGNORED it sets
+    claim: tuple[bool, str] | None = None  # (claims_architecture, reason), once decided
 
     @property
     def description(self) -> str:
         return self.own_file or f"flax_lm/models/{module_name(self.module)}.py"
+
+    @property
+    def is_verified_stock(self) -> bool:
+        """Whether this is a stock module as the parity tests compare it with transformers: its exports are not
+        compared with the trained model, as there is nothing the comparison could find."""
+        return self.own_file is None and VERIFIED_FINGERPRINTS.get(module_name(self.module)) == self.fingerprint
+
+    def export_claim(self) -> tuple[bool, str]:
+        """(whether the exports name the architecture, why): decided when first asked, which the scripts leave to
+        their first export, after every check that can refuse the run, as it can take a probe (architecture_claim);
+        withdrawn where an export did not compute as the trained model (withdraw_claim)."""
+        if self.claim is None:
+            self.claim = self.decide_claim()
+            if self.own_file or not self.claim[0]:
+                log = logger.info if self.claim[0] else logger.warning
+                log("Model code %s (fingerprint %s): %s", self.description, self.fingerprint, self.claim[1])
+        return self.claim
+
+    @property
+    def claims_architecture(self) -> bool:
+        return self.export_claim()[0]
+
+    @property
+    def reason(self) -> str:
+        return self.export_claim()[1]
+
+    def decide_claim(self) -> tuple[bool, str]:
+        without_probe = claim_without_probe(self.module, self.config, self.fingerprint, self.own_file)
+        if without_probe is not None:
+            return without_probe
+        if not self.compares_exports:
+            return False, (
+                f"exports do not name {architecture_of(self.module, self.config)}, as --skip_export_check leaves "
+                f"the code unchecked; they hold {FLAX_WEIGHTS_NAME} and the model file"
+            )
+        return architecture_claim(self.module, self.config, self.fingerprint, self.own_file)
+
+    def withdraw_claim(self, reason: str):
+        """No export of the run names the architecture from now on, for `reason`."""
+        self.claim = (False, reason)
+        logger.warning("Model code %s (fingerprint %s): %s", self.description, self.fingerprint, reason)
 
     def computes_as(self, recorded_fingerprint: str) -> bool:
         """Whether code with `recorded_fingerprint` computed the model as this code does: the same code, or an
@@ -128,11 +175,19 @@ class ModelCode:
 
 
 def load_model_code(
-    config, model_file: str | None, generates_text: bool, tool: str, mesh=None, exports: bool = True
+    config,
+    model_file: str | None,
+    generates_text: bool,
+    tool: str,
+    mesh=None,
+    exports: bool = True,
+    compare_exports: bool = True,
 ) -> ModelCode:
     """The code of `config`'s model for `tool`: the module of --model_file or of config.model_type, its config checked
-    (against the tensor axis of `mesh` too), its fingerprint, and whether exports may name its architecture (for a
-    tool that `exports` nothing, not asked: the probe that answers it can take minutes)."""
+    (against the tensor axis of `mesh` too), its fingerprint, and what its exports may claim. Where that takes a probe
+    (code other than a verified stock module), it is decided at the first export (ModelCode.export_claim); for
+    a tool that `exports` nothing, or without `compare_exports` (--skip_export_check), no probe runs and exports of
+    such code claim nothing."""
     module = model_module(config.model_type, model_file, generates_text, tool)
     module.check_model_config(config, mesh)
     fingerprint = module_code_fingerprint(module)
@@ -141,18 +196,23 @@ def load_model_code(
         for name in itertools.chain(*FIELDS_EARLIER_CODE_IGNORED.values())
         if getattr(config, name, None) not in (None, False)
     )
+    code = ModelCode(module, model_file, fingerprint, config, exports and compare_exports, fields_set)
     if not exports:
-        return ModelCode(module, model_file, fingerprint, False, f"{tool} exports nothing", fields_set)
-    claims, reason = architecture_claim(module, config, fingerprint, model_file)
-    code = ModelCode(module, model_file, fingerprint, claims, reason, fields_set)
-    if model_file or not claims:
-        log = logger.info if claims else logger.warning
-        log("Model code %s (fingerprint %s): %s", code.description, fingerprint, reason)
+        code.claim = (False, f"{tool} exports nothing")
+    elif claim_without_probe(module, config, fingerprint, model_file) is not None:
+        code.export_claim()  # decided, and said, at the start where that takes no probe
     return code
 
 
-def architecture_claim(module, config, fingerprint: str, model_file: str | None) -> tuple[bool, str]:
-    architecture = module.HF_ARCHITECTURES[config.model_type]
+def architecture_of(module, config) -> str:
+    """The transformers class an export of `module`'s model of `config` may name."""
+    return module.HF_ARCHITECTURES[config.model_type]
+
+
+def claim_without_probe(module, config, fingerprint: str, model_file: str | None) -> tuple[bool, str] | None:
+    """(whether exports name the architecture, why) where no probe is needed to say: a config of options the
+    architecture lacks, a verified stock module, or no PyTorch to probe with; None otherwise."""
+    architecture = architecture_of(module, config)
     # A config of options the architecture lacks (flax_lm/models/gpt2.py's block options): its weights, loaded there,
     # would be computed as another model.
     if refusal := getattr(module, "export_refusal", lambda config: None)(config):
@@ -164,12 +224,23 @@ def architecture_claim(module, config, fingerprint: str, model_file: str | None)
         return True, f"the code the parity tests compare with transformers' {architecture}"
     try:
         import torch  # noqa: F401
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         return False, (
             f"exports do not name {architecture}, as PyTorch is not installed to check that this code computes it; "
             f"they hold {FLAX_WEIGHTS_NAME} and the model file, which transformers cannot load"
         )
+    return None
+
+
+def architecture_claim(module, config, fingerprint: str, model_file: str | None) -> tuple[bool, str]:
+    """(whether exports of `module`'s model of `config` name its architecture, why): claim_without_probe's answer,
+    else that of a probe against transformers' class (probe_difference)."""
+    if (claim := claim_without_probe(module, config, fingerprint, model_file)) is not None:
+        return claim
+    import transformers
+
+    architecture = architecture_of(module, config)
     difference = probe_difference(module, config, getattr(transformers, architecture))
     if isinstance(difference, str):
         return False, f"exports do not name {architecture}: {difference}; transformers cannot load them"
@@ -182,7 +253,7 @@ def architecture_claim(module, config, fingerprint: str, model_file: str | None)
     routes = ", with and without the key/value cache," if module.GENERATES_TEXT else ""
     return True, (
         f"on a probe of every layer, position and token id{routes} its logits equal those of transformers' "
-        f"{architecture} (within {difference:.1g})"
+        f"{architecture} (within {difference:.1g}); each export is compared with the trained model"
     )
 
 
@@ -224,6 +295,22 @@ def probe_difference(module, config, hf_class) -> float | str:
         return f"the architecture has no tensor {(unexpected or sorted(set(missing) - tied))[0]}"
     del state_dict
 
+    def torch_logits(rows):
+        with torch.no_grad():
+            return torch_model(torch.from_numpy(rows.astype(np.int64))).logits.numpy()
+
+    return routes_difference(model, params, ids, torch_logits, module.GENERATES_TEXT)
+
+
+def routes_difference(
+    model, params, ids: np.ndarray, expected_logits: Callable[[np.ndarray], np.ndarray], generates_text: bool
+) -> float:
+    """The largest difference between the logits `expected_logits` gives for rows of `ids` and those of `model` with
+    `params` (float32) on each route it computes them by, relative to the largest logit where that is over 1: without a
+    cache and, for a causal LM (`generates_text`), with the rows prefilled into a cache at once (as a prompt is) and
+    decoded one token at a time from an empty cache (as generation is). The rows go probe_group_rows at a time, the
+    matrix products in float32."""
+
     def uncached(params, rows):
         return model.apply({"params": params}, rows)
 
@@ -239,18 +326,18 @@ def probe_difference(module, config, hf_class) -> float | str:
         cache = model.empty_cache(jnp.ones((rows.shape[0], 0), bool), rows.shape[1])
         return jnp.swapaxes(jax.lax.scan(step, cache, rows.T)[1], 0, 1)
 
-    routes = [uncached, prefilled, decoded] if module.GENERATES_TEXT else [uncached]
+    routes = [uncached, prefilled, decoded] if generates_text else [uncached]
 
     @jax.jit
-    def largest_difference(params, rows, expected_logits):  # one compiled program for every route
-        return jnp.max(jnp.stack([jnp.max(jnp.abs(route(params, rows) - expected_logits)) for route in routes]))
+    def largest_difference(params, rows, expected):  # one compiled program for every route
+        difference = jnp.max(jnp.stack([jnp.max(jnp.abs(route(params, rows) - expected)) for route in routes]))
+        return difference / jnp.maximum(1.0, jnp.max(jnp.abs(expected)))
 
     difference = 0.0
     with jax.default_matmul_precision("highest"):
-        for rows in np.split(ids, len(ids) // probe_group_rows(length, config.vocab_size)):
-            with torch.no_grad():
-                torch_logits = torch_model(torch.from_numpy(rows.astype(np.int64))).logits.numpy()
-            difference = max(difference, float(largest_difference(params, rows, torch_logits)))
+        group = min(len(ids), probe_group_rows(ids.shape[1], model.config.vocab_size))
+        for rows in np.split(ids, len(ids) // group):
+            difference = max(difference, float(largest_difference(params, rows, expected_logits(rows))))
     return difference
 
 
@@ -263,18 +350,18 @@ def probe_length(module, config) -> int:
 
 
 def probe_ids(vocab_size: int, length: int) -> np.ndarray:
-    """(rows, length) int32 token ids holding every id of the vocabulary once, shuffled, the rest drawn at random;
-    as many rows as that takes, made a multiple of probe_group_rows so that the groups share one shape."""
+    """(rows, length) int32 token ids holding every id of the vocabulary once, shuffled, the rest drawn at random: as
+    few rows as that takes, in groups of one shape (probe_group_rows, or all the rows where they are fewer)."""
     rng = np.random.default_rng(0)
-    group = probe_group_rows(length, vocab_size)
     rows = -(-vocab_size // length)
+    group = min(rows, probe_group_rows(length, vocab_size))
     rows = -(-rows // group) * group
     ids = np.concatenate([rng.permutation(vocab_size), rng.integers(0, vocab_size, rows * length - vocab_size)])
     return ids.reshape(rows, length).astype(np.int32)
 
 
 def probe_group_rows(length: int, vocab_size: int) -> int:
-    """Rows compared at a time: as many as keep one route's logits within PROBE_LOGITS_BYTES."""
+    """Rows compared at a time, at most: as many as keep one route's logits within PROBE_LOGITS_BYTES."""
     return max(1, PROBE_LOGITS_BYTES // (4 * length * vocab_size))
 
 

@@ -124,7 +124,8 @@ class TrainingProgress:
 # what they name is compared by its content instead (the tokenizer, the config, the data) or not at all (where the
 # output, the caches and the trackers go); the batch per device and the accumulation where the global batch they make
 # is compared instead (the same global batch trains alike on any number of devices); --model_type where the config it
-# chooses is compared instead; --skip_nonfinite_steps changes only the steps it skips, each of which is logged.
+# chooses is compared instead; --skip_nonfinite_steps changes only the steps it skips, each of which is logged;
+# --skip_export_check only what the exports claim.
 FREE_ON_RESUME = {
     "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "allow_resume_changes", "do_train", "do_eval",
     "max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "report_to",
@@ -136,6 +137,7 @@ FREE_ON_RESUME = {
     "dataset_config_name", "data_mixture", "allow_pickle_weights", "coordinator_address", "num_processes",
     "process_id", "local_device_ids", "per_device_train_batch_size", "gradient_accumulation_steps",
     "skip_nonfinite_steps", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
+    "skip_export_check",
 }  # fmt: skip
 
 # The fingerprints a run's description holds beside its arguments, with what they are of, for the messages.
