@@ -113,13 +113,17 @@ def test_other_products_are_refused_not_computed_wrongly():
 
 
 class DenseAndOutput(nn.Module):
-    """A dense layer and an output layer (with the logits' own product) side by side on the same input."""
+    """A dense layer, an output layer (with the logits' own product) and a product of a kernel of the module's own
+    (as GPT-2's query/key/value projection, by an identity kernel (2, 1, 2)) side by side on the same input."""
 
     @nn.compact
     def __call__(self, x):
         dense = RowsDense(2, use_bias=False, name="dense")(x)
         output = RowsDense(2, use_bias=False, dot_general=logits_dot_general, name="output")(x)
-        return dense, output
+        return dense, output, self.dense_product(x, jnp.eye(2).reshape(2, 1, 2))
+
+    def dense_product(self, rows, kernel):
+        return jnp.einsum("ne,eto->nto", rows, kernel)
 
 
 def test_fp8_training_rounds_the_dense_layers_products_to_e4m3_and_keeps_the_output_layers(caplog):
@@ -130,13 +134,14 @@ def test_fp8_training_rounds_the_dense_layers_products_to_e4m3_and_keeps_the_out
     x = jnp.array([[1.75, 1.03125]])
     with caplog.at_level(logging.INFO, logger="flax_lm.training.fp8"):
         fp8_model = fp8_training(model)
-        dense, output = fp8_model.apply(identity, x)
+        dense, output, own_kernel = fp8_model.apply(identity, x)
         assert jax.tree.map(jnp.shape, fp8_model.init(jax.random.key(0), x)) == jax.tree.map(jnp.shape, identity)
     assert caplog.messages == [  # the one line of a backend without FP8 matrix units
         "--fp8: cpu has no FP8 matrix units: XLA computes the FP8 products in software, FP8's rounding without its "
         "speed (slower than bfloat16); it pays on NVIDIA GPUs of compute capability 8.9 or later"
     ]
     np.testing.assert_allclose(dense, [[1.75, 1.0]], rtol=1e-6)  # the scales' float32 rounding, no more
+    np.testing.assert_allclose(own_kernel, [[[1.75, 1.0]]], rtol=1e-6)
     np.testing.assert_array_equal(output, x)
     np.testing.assert_array_equal(model.apply(identity, x)[0], x)  # the model itself, as evaluation computes it
 

@@ -78,6 +78,12 @@ def _fp8_product_backward(residuals, output_gradient):
 fp8_product.defvjp(_fp8_product_forward, _fp8_product_backward)
 
 
+# A module's method (rows, kernel) -> rows (rows, in) times kernel (in, ...), for a product of the module's own kernel
+# that is no nn.Dense layer (GPT-2's query/key/value projection, whose kernel keeps the heads as an axis): fp8_training
+# computes it in FP8 too.
+DENSE_PRODUCT_METHOD = "dense_product"
+
+
 def fp8_dense_layer(context) -> bool:
     """Whether the intercepted call (a flax InterceptorContext) is one fp8_training computes: the call of an nn.Dense
     layer (RowsDense included) whose parameters exist (not init) and that has no product of its own (the output
@@ -100,6 +106,13 @@ def dense_in_fp8(layer: nn.Dense, inputs):
     inputs, kernel, bias = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
     y = fp8_product(inputs.reshape(-1, inputs.shape[-1]), kernel).reshape(*inputs.shape[:-1], layer.features)
     return y if bias is None else y + bias
+
+
+def kernel_product_in_fp8(rows, kernel):
+    """rows (rows, in) times kernel (in, ...) as fp8_product, the kernel's trailing axes as one: a module's
+    DENSE_PRODUCT_METHOD in FP8."""
+    product = fp8_product(rows, kernel.reshape(kernel.shape[0], -1))
+    return product.reshape(rows.shape[0], *kernel.shape[1:])
 
 
 def fp8_training(model: nn.Module) -> nn.Module:
@@ -132,6 +145,9 @@ def fp8_training_class(model_class: type) -> type:
             layers_in_fp8 = []
 
             def interceptor(next_fun, args, kwargs, context):
+                if context.method_name == DENSE_PRODUCT_METHOD:
+                    layers_in_fp8.append(context.module.name)
+                    return kernel_product_in_fp8(*args, **kwargs)
                 if not fp8_dense_layer(context):
                     return next_fun(*args, **kwargs)
                 layers_in_fp8.append(context.module.name)
@@ -140,7 +156,9 @@ def fp8_training_class(model_class: type) -> type:
             with nn.intercept_methods(interceptor):
                 output = super().apply(variables, *args, **kwargs)
             if not layers_in_fp8:
-                logger.warning("--fp8: the model has no nn.Dense layer to multiply in FP8; it computes as without")
+                logger.warning(
+                    "--fp8: the model has no dense layer that fp8_training multiplies; it computes as without"
+                )
             return output
 
     FP8Training.__name__ = FP8Training.__qualname__ = f"FP8Training{model_class.__name__}"
