@@ -89,6 +89,9 @@ def parse_arguments():
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability everywhere (GPT-2 uses 0.1)")
     parser.add_argument("--param_dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
+        "--fp8", action="store_true", help="the dense layers' products in FP8, as run_clm_flax.py's flag"
+    )
+    parser.add_argument(
         "--gradient_checkpointing",
         metavar="POLICY",
         help="recompute activations in the backward pass, as run_clm_flax.py's flag: a jax.checkpoint_policies name",
@@ -276,6 +279,7 @@ def benchmark_training(settings, arguments) -> dict:
         gradient_accumulation_steps=accumulation,
         steps_per_call=steps_per_call,
         mesh_shape=arguments.mesh_shape,
+        fp8=arguments.fp8,
     )
     eval_step = run_clm_flax.make_eval_step(model, None)
     script = run_clm_flax.SCRIPT_TRAINING

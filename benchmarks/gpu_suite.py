@@ -5,7 +5,8 @@ one call on an H100 or H200 (benchmarks/README.md says how to run it there).
 Rows (bfloat16, random ids, the same shape and batch on both sides):
 
     gpt2            GPT-2 124M, 32 x 1024: benchmark_clm.py --preset gpt2, beside transformers' GPT2LMHeadModel
-                    and the lean single-file GPT of peers/lean_gpt.py (nanoGPT's published design)
+                    and the lean single-file GPT of peers/lean_gpt.py (nanoGPT's published design); then the same
+                    with --fp8, its ratio to the bfloat16 step's
     llama           the Llama of that shape (12 x 768, 12 heads over 4 key/value heads, SwiGLU 2048), 32 x 1024:
                     benchmark_clm.py --model_type llama, beside transformers' LlamaForCausalLM
     llama_finetune  that Llama fine-tuned on packed prompt/completion rows with the loss on the completions:
@@ -92,6 +93,7 @@ class Side:
     label: str
     command: list[str]
     environment: dict = field(default_factory=dict)
+    variant: bool = False  # another setting of the project's side: its ratio is its speed to the project side's
 
 
 @dataclass
@@ -124,7 +126,8 @@ def rows_of(shape: dict, arguments) -> list[Row]:
         Row(
             "gpt2", f"GPT-2 {size}, {batch} x {length}", "gpt2", Side("flax_lm", clm),
             [Side("transformers GPT2LMHeadModel", [*torch, "--model", "gpt2"]),
-             Side("lean GPT (peers/lean_gpt.py)", [*torch, "--model", "lean_gpt"])],
+             Side("lean GPT (peers/lean_gpt.py)", [*torch, "--model", "lean_gpt"]),
+             Side("flax_lm --fp8", [*clm, "--fp8"], variant=True)],
         ),
         Row(
             "llama", f"Llama {shape['layers']} x {shape['width']}, {shape['key_value_heads']} KV heads, {batch} x "
@@ -310,6 +313,7 @@ def main():
                     "model": row.description,
                     "side": side.label,
                     "command": " ".join(map(str, side.command)),
+                    "variant": side.variant,
                     "flops_per_token": flops_per_token(row.kind, shape, sequence_length),
                     **result,
                 }
@@ -351,7 +355,10 @@ def summarize(measurements: list[dict], generation: dict | None, arguments) -> d
     for measurement in measurements:
         ours = project_speed.get(measurement["row"])
         peer = measurement.get("train_tokens_per_second")
-        measurement["ratio"] = ours / peer if measurement["side"] != "flax_lm" and ours and peer else None
+        if measurement["side"] == "flax_lm" or not (ours and peer):
+            measurement["ratio"] = None
+        else:
+            measurement["ratio"] = peer / ours if measurement.get("variant") else ours / peer
     header = {
         "card": card,
         "versions": versions(),
@@ -377,7 +384,7 @@ def table_text(report: dict) -> str:
         f"peers: {compile_note}, fused AdamW, SDPA attention",
         f"MFU: {report['mfu_formula']}",
         "",
-        "| model, shape | side | tokens/s | ratio (flax_lm / peer) | MFU | peak memory | first step |",
+        "| model, shape | side | tokens/s | ratio (flax_lm / peer; fp8 / flax_lm) | MFU | peak memory | first step |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for measurement in report["measurements"]:

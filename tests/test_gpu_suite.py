@@ -42,6 +42,7 @@ def test_the_smoke_measures_the_rows_on_both_sides_and_its_json_holds_the_printe
 
     expected_sides = [
         ("gpt2", "flax_lm"), ("gpt2", "transformers GPT2LMHeadModel"), ("gpt2", "lean GPT (peers/lean_gpt.py)"),
+        ("gpt2", "flax_lm --fp8"),
         ("llama_finetune", "flax_lm"), ("llama_finetune", "transformers LlamaForCausalLM"),
         ("roberta", "flax_lm"), ("roberta", "transformers RobertaForMaskedLM"),
     ]  # fmt: skip
@@ -105,11 +106,20 @@ def test_a_failed_side_is_a_row_of_the_table_and_the_others_keep_their_ratio(sui
     measurements = [
         {"row": "llama", "model": "Llama", "side": "flax_lm", **measured},
         {"row": "llama", "model": "Llama", "side": "peer", **measured, "train_tokens_per_second": 500.0},
+        {
+            "row": "llama",
+            "model": "Llama",
+            "side": "fp8",
+            **measured,
+            "train_tokens_per_second": 1500.0,
+            "variant": True,
+        },
         {"row": "roberta", "model": "RoBERTa", "side": "flax_lm", "flops_per_token": 1e6, "error": "ValueError: x"},
         {"row": "roberta", "model": "RoBERTa", "side": "peer", **measured},
     ]
     text = suite.summarize(measurements, None, arguments)["text"]
     assert "| Llama | peer | 500 | 2.00 |" in text
+    assert "| Llama | fp8 | 1,500 | 1.50 |" in text  # a setting of the project's side: its speed to the project's
     assert "| RoBERTa | flax_lm | failed: ValueError: x | – | – | – | – |" in text
     assert "| RoBERTa | peer | 1,000 | – |" in text  # no ratio without the project's side
 
@@ -120,9 +130,9 @@ def test_sides_that_the_time_budget_leaves_no_room_for_are_reported_as_not_run(s
     suite.main()
     printed = capsys.readouterr().out
     measurements = json.loads(json_path.read_text())["measurements"]
-    assert len(measurements) == 9
+    assert len(measurements) == 10
     assert {m["error"] for m in measurements} == {"not run: the suite's --time_budget was spent"}
-    assert printed.count("| failed: not run: the suite's --time_budget was spent |") == 9
+    assert printed.count("| failed: not run: the suite's --time_budget was spent |") == 10
 
 
 def test_packed_example_rows_hold_whole_examples_with_the_loss_on_their_completions():

@@ -11,6 +11,8 @@ from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import model_dir_with_config
 from test_edited_copies import edited_copy, progress_record, run_copy, run_in_process, snapshot, training_arguments
 
+from flax_lm.run.record import run_differences
+
 CORPUS = FIXTURES_DIR / "en"
 
 
@@ -71,6 +73,7 @@ CHANGES = {
     "weight decay": (["--weight_decay", "0.1"], "--weight_decay 0.0 there, 0.1 here"),
     "document attention": (["--document_attention"], "--document_attention False there, True here"),
     "seed": (["--seed", "7"], "--seed 0 there, 7 here"),
+    "FP8 products": (["--fp8"], "--fp8 False there, True here"),
 }
 
 
@@ -86,9 +89,18 @@ def test_a_resume_that_changes_the_training_is_refused_naming_each_difference(
     for change, (_, difference) in CHANGES.items():
         assert difference in last_line, f"{change}: {last_line}"
     allowed = last_line.split("--allow_resume_changes ")[1].split()[0]  # one argument, ready to pass
-    assert set(allowed.split(",")) == {"learning_rate", "weight_decay", "document_attention", "seed"}, last_line
+    assert set(allowed.split(",")) == {"learning_rate", "weight_decay", "document_attention", "seed", "fp8"}, last_line
     assert "Traceback" not in result.stderr
     assert snapshot(output_dir) == before
+
+
+def test_a_checkpoint_from_before_fp8_was_recorded_counts_as_trained_without_it():
+    code = {"file": "flax_lm/models/gpt2.py", "fingerprint": "0123456789abcdef"}
+    before_fp8 = {"arguments": {"seed": 0}, "model_code": code}
+    assert run_differences(before_fp8, {"arguments": {"fp8": True, "seed": 0}, "model_code": code}) == {
+        "fp8": (False, True)
+    }
+    assert run_differences(before_fp8, {"arguments": {"fp8": False, "seed": 0}, "model_code": code}) == {}
 
 
 def test_a_tokenizer_of_the_same_size_with_other_ids_is_refused(two_step_run, model_dir, script, tmp_path, capfd):

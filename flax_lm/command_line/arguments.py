@@ -279,6 +279,7 @@ class CommonTrainingArguments:
             "per_device_train_batch_size x devices x this, in the memory of one micro-batch."
         },
     )
+    fp8: bool = field(default=False, metadata={"help": "The train step's dense products in FP8 (docs/scaling.md)."})
     mesh_shape: str | None = field(
         default=None,
         metadata={

@@ -219,9 +219,14 @@ class QueryKeyValue(GPT2Module):
         bias = self.constrain(bias.reshape(3, heads, -1), (None, "heads", None))
         batch, length, _ = x.shape
         rows = x.reshape(batch * length, width).astype(self.dtype)  # one matrix, as RowsDense multiplies
-        qkv = jnp.einsum("ne,ethd->nthd", rows, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        qkv = self.dense_product(rows, kernel.astype(self.dtype)) + bias.astype(self.dtype)
         qkv = self.constrain(qkv.reshape(batch, length, 3, heads, -1), ("batch", None, None, "heads", None))
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+    def dense_product(self, rows, kernel):
+        """rows (rows, n_embd) times the kernel (n_embd, 3, n_head, head_dim): a method of its own, which --fp8
+        multiplies in FP8 as it does the nn.Dense layers (flax_lm/training/fp8.py)."""
+        return jnp.einsum("ne,ethd->nthd", rows, kernel)
 
 
 class MLP(GPT2Module):

@@ -140,6 +140,10 @@ FREE_ON_RESUME = {
     "skip_export_check",
 }  # fmt: skip
 
+# Arguments that change the training, added to the scripts since checkpoints were first written, with the value a
+# checkpoint that does not record them trained with: they are compared as that value.
+VALUES_BEFORE_RECORDED = {"fp8": False}
+
 # The fingerprints a run's description holds beside its arguments, with what they are of, for the messages.
 FINGERPRINTS = {
     "model_code": "the model code (--model_file)",
@@ -240,9 +244,9 @@ def check_optimizer_arguments(run: dict, progress_record: dict):
 def run_differences(recorded: dict, current: dict) -> dict[str, tuple]:
     """{name: (recorded, current)} of what differs between two run descriptions and changes the training: arguments
     outside FREE_ON_RESUME, and the fingerprints. What the record does not hold (an argument added to the script
-    since, a fingerprint older checkpoints lack) is not compared."""
+    since, a fingerprint older checkpoints lack) is not compared, but for VALUES_BEFORE_RECORDED."""
     differences = {}
-    recorded_arguments = recorded.get("arguments", {})
+    recorded_arguments = {**VALUES_BEFORE_RECORDED, **recorded.get("arguments", {})}
     for name, value in current["arguments"].items():
         if name in FREE_ON_RESUME or name not in recorded_arguments:
             continue

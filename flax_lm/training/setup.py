@@ -41,6 +41,7 @@ from flax_lm.run.record import (
     describe_run,
 )
 from flax_lm.run.tracking import tensorboard_dir
+from flax_lm.training.fp8 import fp8_training
 from flax_lm.training.train_state import (
     TrainState,
     abstract_train_state,
@@ -157,7 +158,9 @@ def set_up_training(
         jnp.dtype(model.dtype),
         dict(mesh.shape),
     )
-    train_step = script.make_train_step(model, optimizer, schedule, training_args.seed)
+    # With --fp8 the train step alone multiplies in FP8: evaluation and samples compute as the exports do.
+    train_model = fp8_training(model) if training_args.fp8 else model
+    train_step = script.make_train_step(train_model, optimizer, schedule, training_args.seed)
     return TrainingSetup(
         model=model,
         model_code=model_code,
