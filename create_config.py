@@ -245,6 +245,9 @@ CONFIG_CLASSES = {
     "olmo2": Olmo2Config,
     "roberta": RobertaConfig,
 }
+# The largest vocabulary: token ids are int32 wherever they are read and trained (JAX without 64-bit types, the packed
+# corpus), so larger ids cannot be represented at all.
+MAX_VOCAB_SIZE = 2**31 - 1
 # Keys of config.json that describe the file rather than the model.
 BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}
 # Files that make a directory a tokenizer directory.
@@ -397,6 +400,20 @@ def check_config(config, preset, tokenizer=None):
     for name, size in sizes.items():
         if size is not None and size < 1:
             raise UsageError(f"{name} must be 1 or more, not {size}")
+    # The attention's sizes, as the families read them: whole numbers of 1 or more (head_dim may be left out, to
+    # divide the width by the heads); Gemma's query_pre_attn_scalar scales the scores by its inverse square root.
+    for name in ("num_key_value_heads", "head_dim", "query_pre_attn_scalar"):
+        if not hasattr(config, name) or name == "head_dim" and config.head_dim is None:
+            continue
+        if not is_positive_int(value := getattr(config, name)):
+            preset_value = PRESETS[preset][1].get(name)
+            fix = f"--set {name}={preset_value}, the preset's" if preset_value else "leave it out"
+            raise UsageError(f"{name} must be a whole number of 1 or more, not {value!r}; {fix}")
+    if config.vocab_size > MAX_VOCAB_SIZE:
+        raise UsageError(
+            f"vocab_size {config.vocab_size} is more token ids than int32 holds ({MAX_VOCAB_SIZE}), the type the "
+            "tokens are read and trained as; set vocab_size to your tokenizer's (--tokenizer_dir sets it)"
+        )
     # Dropout rates are probabilities; 1 would drop everything.
     for name, rate in values.items():
         if name.endswith(("pdrop", "dropout", "dropout_prob")) and rate is not None and not 0 <= rate < 1:
@@ -456,6 +473,10 @@ def check_config(config, preset, tokenizer=None):
                 f"--set {name}={tokenizer.model_max_length + position_offset}, or retrain the tokenizer with "
                 f"--model_max_length {usable_positions}"
             )
+
+
+def is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def count_parameters(config):

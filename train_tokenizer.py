@@ -194,6 +194,24 @@ def special_tokens_by_role(tokenizer_args):
     return {role: roles[role] for role in SPECIAL_TOKEN_ROLES if role in roles}
 
 
+# The roles a model tells apart by the token's id alone, which must have a token of their own: the masked LM predicts
+# where it finds the mask's id, and RoBERTa numbers positions and attends from the padding id. The beginning, end and
+# unknown tokens may share one (GPT-2's <|endoftext|> is all three); RoBERTa's classifier token is its beginning one.
+DISTINCT_ROLES = {"gpt2": ["mask_token"], "llama": ["mask_token"], "roberta": ["mask_token", "pad_token"]}
+
+
+def check_distinct_roles(roles: dict[str, str], model_type: str):
+    """Refuse a token given two roles where a model reads one of them from the id alone (DISTINCT_ROLES)."""
+    for role in DISTINCT_ROLES[model_type]:
+        shared = [other for other, token in roles.items() if other != role and token == roles.get(role)]
+        if shared:
+            raise UsageError(
+                f"--{role} {roles[role]!r} is the {shared[0].removesuffix('_token')} token too, one id for both, so "
+                f"the model would take every {shared[0].removesuffix('_token')} token for a "
+                f"{role.removesuffix('_token')} token; give --{role} a token of its own"
+            )
+
+
 def check_output_dir(output_dir, overwrite):
     existing = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(output_dir, name))]
     if existing and not overwrite:
@@ -300,6 +318,9 @@ def check_arguments(data_args, tokenizer_args) -> tuple[SpecialTokens, int]:
     model_max_length they give."""
     roles = special_tokens_by_role(tokenizer_args)
     extra_special_tokens = tokenizer_args.extra_special_tokens or []
+    if "" in extra_special_tokens:
+        raise UsageError("--extra_special_tokens holds an empty token, which no text can contain; leave it out")
+    check_distinct_roles(roles, tokenizer_args.model_type)
     if tokenizer_args.chat_template:
         if tokenizer_args.model_type == "roberta":
             raise UsageError("--chat_template is for the causal LMs that converse (gpt2, llama), not roberta")

@@ -135,6 +135,7 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
     infinite = save_model_dir(
         root / "infinite", gpt2, tiny_config(vocab_size=1000, n_positions=64, initializer_range=float("inf"))
     )
+    (root / "broken.jinja").write_text("{% for message in messages %}{{ message['content'] }}")  # no endfor
     code = PickleThatWritesAFile(str(root / "pickle-ran"))
     torch.save({"transformer.wte.weight": code}, pickled / "pytorch_model.bin")
 
@@ -145,6 +146,7 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
         "int": data / "int.parquet", "whitespace": data / "whitespace.txt", "pickled": pickled,
         "broken": data / "broken.jsonl", "cut_short": data / "cut-short.jsonl",
         "pickle_ran": root / "pickle-ran", "root": root, "infinite": infinite,
+        "broken_template": root / "broken.jinja",
         **{name: root / name for name in bad_weights},
     }  # fmt: skip
 
@@ -312,6 +314,46 @@ REFUSALS = {
     "config-roberta-activation-no-model-computes": (
         "create_config", ["--preset", "roberta-tiny", "--output_dir", "{out}", "--set", "hidden_act=gelu_fast"],
         ["hidden_act 'gelu_fast' is not an activation"]),
+    # Sizes no model of the family can have: each refused before config.json is written
+    "config-negative-head-dim": (
+        "create_config", ["--preset", "qwen3-tiny", "--output_dir", "{out}", "--set", "head_dim=-1"],
+        ["head_dim must be a whole number of 1 or more, not -1"]),
+    "config-zero-head-dim": (
+        "create_config", ["--preset", "gemma3-tiny", "--output_dir", "{out}", "--set", "head_dim=0"],
+        ["head_dim must be a whole number of 1 or more, not 0"]),
+    "config-zero-key-value-heads": (
+        "create_config", ["--preset", "qwen3-tiny", "--output_dir", "{out}", "--set", "num_key_value_heads=0"],
+        ["num_key_value_heads must be a whole number of 1 or more, not 0"]),
+    "config-key-value-heads-not-dividing-the-heads": (
+        "create_config", ["--preset", "llama-tiny", "--output_dir", "{out}", "--set", "num_key_value_heads=3"],
+        ["num_attention_heads 2 is not a multiple of num_key_value_heads 3"]),
+    "config-negative-query-scalar": (
+        "create_config", ["--preset", "gemma3-tiny", "--output_dir", "{out}", "--set", "query_pre_attn_scalar=-1"],
+        ["query_pre_attn_scalar must be a whole number of 1 or more, not -1"]),
+    "config-vocabulary-of-10-billion": (
+        "create_config", ["--preset", "qwen3-tiny", "--output_dir", "{out}", "--set", "vocab_size=10000000000"],
+        ["vocab_size 10000000000 is more token ids than int32 holds (2147483647)"]),
+    # Special tokens that cannot make a tokenizer, refused before any text is read
+    "tokenizer-mask-token-that-is-the-beginning-token": (
+        "train_tokenizer", [*TOKENIZER, "{train}", "--model_type", "roberta", "--mask_token", "<s>"],
+        ["--mask_token '<s>' is the bos token too", "give --mask_token a token of its own"]),
+    "tokenizer-padding-token-that-is-the-end-token": (
+        "train_tokenizer", [*TOKENIZER, "{train}", "--model_type", "roberta", "--pad_token", "</s>"],
+        ["--pad_token '</s>' is the eos token too"]),
+    "tokenizer-empty-extra-special-token": (
+        "train_tokenizer", [*TOKENIZER, "{train}", "--extra_special_tokens", "<|tool|>", ""],
+        ["--extra_special_tokens holds an empty token"]),
+    # Flags naming what cannot be used, refused before any work
+    "clm-chat-template-that-does-not-parse": (
+        "run_clm_flax", [*CLM, "--chat_template_path", "{broken_template}"],
+        ["--chat_template_path", "broken.jinja: the template does not parse (line 1: Unexpected end of template"]),
+    "clm-allow-resume-changes-of-an-unknown-name": (
+        "run_clm_flax", [*CLM, "--resume_from_checkpoint", "--allow_resume_changes", "learning_rate,not_a_flag"],
+        ["--allow_resume_changes not_a_flag is nothing a resume compares; name some of all, model_code, config, "
+         "tokenizer, training_data, global_batch_size, mixture_weights, ", ", learning_rate, "]),
+    "clm-allow-resume-changes-misspelt": (
+        "run_clm_flax", [*CLM, "--resume_from_checkpoint", "--allow_resume_changes", "learning_rte"],
+        ["--allow_resume_changes learning_rte is nothing a resume compares (did you mean learning_rate?)"]),
     # Flags for another model or of the Hugging Face examples that these scripts do not take
     "clm-roberta-model-type": (
         "run_clm_flax", [*CLM, "--model_type", "roberta"], ["--model_type roberta", "run_mlm_flax.py trains roberta"]),

@@ -382,8 +382,15 @@ def test_overwrite_removes_what_runs_wrote_and_keeps_the_users_files_anywhere(
     for path, text in USER_FILES.items():
         (output_dir / path).parent.mkdir(parents=True, exist_ok=True)
         (output_dir / path).write_text(text)
+    # The export's tokenizer.json, linked to a file outside: the export replaces the link, and leaves the file.
+    (tmp_path / "tokenizer.json").write_text("someone else's")
+    os.replace(output_dir / "tokenizer.json", tmp_path / "exported-tokenizer.json")
+    os.symlink(tmp_path / "tokenizer.json", output_dir / "tokenizer.json")
 
     run_main(monkeypatch, arguments(model_dir, output_dir, "--overwrite_output_dir", "--save_steps", "3"))
+    assert (tmp_path / "tokenizer.json").read_text() == "someone else's"
+    assert not (output_dir / "tokenizer.json").is_symlink()
+    assert (output_dir / "tokenizer.json").read_text() == (tmp_path / "exported-tokenizer.json").read_text()
     log = capfd.readouterr().err
     assert "--overwrite_output_dir: removed the previous run's checkpoints/, tensorboard/, code/" in log
     assert (
@@ -398,6 +405,74 @@ def test_overwrite_removes_what_runs_wrote_and_keeps_the_users_files_anywhere(
     assert progress["run"]["arguments"]["save_steps"] == 3
     recorded = json.loads((output_dir / RUN_FILES).read_text())["paths"]
     assert not [path for path in recorded if path in USER_FILES or path.startswith(("checkpoints/mine", "code/0"))]
+
+
+# A record edited by hand or by another program, naming what no run writes inside its directory.
+HOSTILE_RECORDS = {
+    "a path up and out": "../../victim/file1",
+    "an absolute path": "{victim}/file1",
+    "a path out through ..": "checkpoints/../../../victim/file3",
+    "the directory itself, as .": ".",
+    "the directory itself, as an empty path": "",
+    "a run's kind of file, through a link out": "tensorboard/events.out.tfevents.1",
+    "a file of a kind no run writes": "notes.md",
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_RECORDS)
+def test_overwrite_refuses_a_record_naming_anything_but_the_runs_files_inside_and_removes_nothing(case, tmp_path):
+    victim, output_dir = tmp_path / "victim", tmp_path / "elsewhere" / "run"
+    victim.mkdir()
+    (output_dir / "checkpoints" / "2").mkdir(parents=True)
+    for path in (victim / "file1", victim / "file3", victim / "events.out.tfevents.1", output_dir / "notes.md"):
+        path.write_text("not the run's")
+    os.symlink(victim, output_dir / "tensorboard")
+    entry = HOSTILE_RECORDS[case].format(victim=victim)
+    (output_dir / RUN_FILES).write_text(json.dumps({"paths": ["checkpoints/", "checkpoints/2", entry]}))
+    before = snapshot(tmp_path)
+    with pytest.raises(UsageError) as error:
+        flax_lm.run.output_dir.clear_previous_run(str(output_dir), [])
+    assert str(error.value).startswith(
+        f"{output_dir / RUN_FILES}, the record of what runs wrote there, lists {entry!r}, which "
+    )
+    assert "\n" not in str(error.value)
+    assert snapshot(tmp_path) == before and (output_dir / "checkpoints" / "2").is_dir()
+
+
+def test_a_recorded_checkpoint_in_checkpoints_linked_to_another_disk_is_still_the_runs(tmp_path):
+    """checkpoints/ may be a link (the checkpoints on another disk): what the record names in it is removed there."""
+    output_dir, other_disk = tmp_path / "run", tmp_path / "other-disk"
+    (other_disk / "2").mkdir(parents=True)
+    output_dir.mkdir()
+    os.symlink(other_disk, output_dir / "checkpoints")
+    (output_dir / RUN_FILES).write_text(json.dumps({"paths": ["checkpoints/", "checkpoints/2"]}))
+    flax_lm.run.output_dir.clear_previous_run(str(output_dir), [])
+    assert os.listdir(other_disk) == [] and os.path.islink(output_dir / "checkpoints")
+
+
+def test_output_files_that_are_links_are_replaced_as_links_never_written_through(tmp_path, caplog):
+    """A results file, a code copy, the record and an export's files (written by save_pretrained, which opens them
+    as they are) that are links to a file elsewhere: each becomes the run's file; the file elsewhere is unchanged."""
+    elsewhere, output_dir = tmp_path / "elsewhere.txt", tmp_path / "run"
+    elsewhere.write_text("someone else's")
+    output_dir.mkdir()
+    links = ["tokenizer.json", "train_results.json.tmp", "run_files.json.tmp", "run_clm_flax.py"]
+    for name in [*links, "my-data.txt"]:
+        os.symlink(elsewhere, output_dir / name)
+    os.symlink(tmp_path / "nothing", output_dir / "config.json")  # a link to nothing: writing it would create that
+    with caplog.at_level(logging.WARNING), flax_lm.run.output_dir.links_replaced(str(output_dir)):
+        for name in ("tokenizer.json", "config.json"):
+            with open(output_dir / name, "w") as file:  # as save_pretrained writes
+                file.write("the export's")
+    flax_lm.run.output_dir.write_json(str(output_dir / "train_results.json"), {"train_steps": 1})
+    flax_lm.run.output_dir.keep_code_versions(str(output_dir), [str(REPO_DIR / "run_clm_flax.py")], 0)
+    assert elsewhere.read_text() == "someone else's" and not (tmp_path / "nothing").exists()
+    for name in ("tokenizer.json", "config.json", "train_results.json", "run_clm_flax.py", RUN_FILES):
+        assert (output_dir / name).is_file() and not (output_dir / name).is_symlink(), name
+    assert (output_dir / "tokenizer.json").read_text() == "the export's"
+    assert os.readlink(output_dir / "my-data.txt") == str(elsewhere)  # a link the export does not write stays
+    assert sorted(name for name in os.listdir(output_dir) if name.startswith(".")) == []
+    assert f"replaced the link {output_dir / 'tokenizer.json'} (to {elsewhere})" in caplog.text
 
 
 def test_an_unreadable_record_of_the_runs_files_is_refused_in_one_line_not_guessed_around(tmp_path):

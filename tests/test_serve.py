@@ -6,6 +6,7 @@ import collections
 import contextlib
 import json
 import logging
+import random
 import re
 import signal
 import socket
@@ -77,6 +78,12 @@ def gate(monkeypatch):
     monkeypatch.setattr(batching, "DecodingBatch", HeldBatch)
     yield type("Gate", (), {"reached": reached, "open": opened})
     opened.set()
+
+
+@pytest.fixture
+def generator_free_limits():
+    """The server's limits, for the request parsers alone (no model)."""
+    return server_requests.Limits(DEFAULTS, max_new_tokens_limit=32, batch_size=4)
 
 
 def complete(url: str, model: str, **fields) -> httpx.Response:
@@ -266,6 +273,14 @@ def test_a_request_without_max_tokens_writes_up_to_the_room_left(generator, serv
         ({"logit_bias": {"5": 101}}, 400, '"logit_bias" must map token ids to numbers from -100 to 100'),
         ({"logit_bias": {"a": 1}}, 400, '"logit_bias" must map token ids'),
         ({"logit_bias": {"100000": 1}}, 400, '"logit_bias" names the token id 100000, outside the model'),
+        # Token ids in ASCII digits alone, as OpenAI reads them: str.isdigit takes these, int() refuses or misreads
+        ({"logit_bias": {"²": 1}}, 400, """"logit_bias" must map token ids to numbers from -100 to 100, not '²'"""),
+        ({"logit_bias": {"٣": 1}}, 400, """"logit_bias" must map token ids to numbers from -100 to 100, not '٣'"""),
+        (
+            {"logit_bias": {"9" * 5000: 1}},
+            400,
+            '"logit_bias" names the token id 99999999999999999999... (5000 digits)',
+        ),
         ({"logprobs": 6}, 400, '"logprobs" must be from 0 to 5'),
         ({"echo": 1}, 400, '"echo" must be true or false'),
         ({"logprobs": 1, "stream": True}, 400, '"logprobs" and "max_tokens": 0 are not supported with "stream": true'),
@@ -381,18 +396,42 @@ def requests_answered(url: str, path: str, status: int) -> float:
     return sum(sample.value for sample in requests.samples if sample.labels == labels)
 
 
-def test_a_failure_in_the_server_is_a_500_in_openai_error_shape_and_is_counted(generator, server, monkeypatch):
+@pytest.mark.parametrize(
+    "path, encode, fields",
+    [
+        ("/v1/completions", "encode", {"prompt": "A"}),
+        ("/v1/chat/completions", "encode_conversations", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ],
+)
+def test_a_failure_in_the_server_is_a_500_in_openai_error_shape_and_is_counted(
+    generator, server, monkeypatch, path, encode, fields
+):
     url, _ = server
-    before = requests_answered(url, "/v1/completions", 500)
+    before = requests_answered(url, path, 500)
 
     def failing_encode(*arguments):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(generator, "encode", failing_encode)
-    answer = complete(url, model_id(generator), prompt="A", max_tokens=3)
+    monkeypatch.setattr(generator, encode, failing_encode)
+    answer = httpx.post(f"{url}{path}", json={"model": model_id(generator), "max_tokens": 3, **fields}, timeout=60)
     assert answer.status_code == 500
     assert answer.json()["error"]["type"] == "server_error" and "RuntimeError" in answer.json()["error"]["message"]
-    assert requests_answered(url, "/v1/completions", 500) == before + 1
+    assert requests_answered(url, path, 500) == before + 1
+
+
+@pytest.mark.parametrize(
+    "token_id",
+    ["²", "¹", "٣", "9" * 5000, "100000"],
+    ids=["superscript two", "superscript one", "Arabic-Indic three", "5000 digits", "past the vocabulary"],
+)
+def test_a_logit_bias_of_no_token_id_is_a_400_in_openai_error_shape_on_the_chat_endpoint(generator, server, token_id):
+    """As on /v1/completions: a key of digits that are not ASCII, or past the vocabulary, is the client's mistake."""
+    url, _ = server
+    request = {"model": model_id(generator), "messages": [{"role": "user", "content": "Hi"}]}
+    answer = httpx.post(f"{url}/v1/chat/completions", json={**request, "logit_bias": {token_id: 1}}, timeout=60)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "logit_bias") and "\n" not in error["message"]
 
 
 def test_a_client_that_leaves_in_the_middle_of_its_body_is_counted_without_a_traceback(server, caplog):
@@ -454,3 +493,79 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(tiny_gpt2_dir, tmp_p
         log.seek(0)
         stopped = re.findall(r"Stopped on SIGTERM, after answering the (\d+) requests in flight", log.read())
         assert len(stopped) == 1 and int(stopped[0]) >= 1
+
+
+# Values a client may send in any field, of every JSON type: out of range, of the wrong type, not finite, not text,
+# digits that are not ASCII ("²", "٣"), numbers of thousands of digits, and the fields' own good values.
+HOSTILE_ATOMS = [
+    None, True, False, 0, 1, -1, 3, 5, 100, 101, -101, 2**31, -(2**63), 10**400, 0.5, -0.0, 1e-40, 1e308,
+    float("nan"), float("inf"), float("-inf"), "", "A", "²", "¹", "٣", "３", "+3", " 3", "0x10", "9" * 5000, "\ud800",
+    "gpt-4", "user", "assistant", "text", "none", "include_usage",
+]  # fmt: skip
+DIGIT_LIKE = "0123456789²³¹٠١٢٣٤۴५০๑０１"
+
+
+def hostile_value(draw, depth: int = 0):
+    """A random JSON value (what json.loads can give) built of HOSTILE_ATOMS, lists and objects, whose keys are field
+    names or token ids as a client may write them (DIGIT_LIKE, or thousands of digits)."""
+    kind = draw.random()
+    if depth > 3 or kind < 0.5:
+        return draw.choice(HOSTILE_ATOMS)
+    if kind < 0.7:
+        return [hostile_value(draw, depth + 1) for _ in range(draw.randrange(6))]
+    keys = [
+        "".join(draw.choices(DIGIT_LIKE, k=draw.randrange(1, 4))),
+        "".join(draw.choices(DIGIT_LIKE[:10], k=draw.choice([1, 2, 10, 11, 5000]))),
+        draw.choice([atom for atom in HOSTILE_ATOMS if isinstance(atom, str)]),
+    ]
+    numbers = [atom for atom in HOSTILE_ATOMS if type(atom) in (int, float)]  # a bias, a setting
+    return {
+        draw.choice(keys): draw.choice(numbers) if draw.random() < 0.5 else hostile_value(draw, depth + 1)
+        for _ in range(draw.randrange(1, 4))
+    }
+
+
+def test_the_request_parsers_answer_any_json_with_a_request_error_or_a_request(generator_free_limits):
+    """A seeded fuzz of the three parsers: requests of 1 to 3 random fields (those the endpoint reads, or any other),
+    each of a random hostile value, around a good request so that the later checks are reached, and now and then a
+    body that is no object. Each parser returns, or refuses with RequestError (a 400 in the endpoint's error shape);
+    any other exception would be a 500. What a parser returns holds token ids that are ids (within int32)."""
+    draw = random.Random(0)
+    limits = generator_free_limits
+    endpoints = {  # a good request, its fields, and its parser
+        "/": ({"prompt": "A"}, server_requests.REQUEST_FIELDS, server_requests.parse_generate_request),
+        "/v1/completions": (
+            {"model": "tiny", "prompt": "A"},
+            server_requests.COMPLETION_FIELDS | set(server_requests.UNSUPPORTED_COMPLETION_FIELDS),
+            lambda request, limits: server_requests.parse_completion_request(request, "tiny", limits),
+        ),
+        "/v1/chat/completions": (
+            {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]},
+            server_requests.CHAT_FIELDS | set(server_requests.UNSUPPORTED_CHAT_FIELDS),
+            lambda request, limits: server_requests.parse_chat_request(request, "tiny", limits),
+        ),
+    }
+    every_field = sorted(set().union(*(fields for _, fields, _ in endpoints.values())))
+    answered = collections.Counter()
+    for path, (good, fields, parse) in endpoints.items():
+        # Each field alone, then a few together (the endpoint's or any), now and then a body that is no object.
+        draws = [[name] for name in sorted(fields) for _ in range(120)]
+        draws += [draw.sample(sorted(fields) if draw.random() < 0.9 else every_field, 3) for _ in range(600)]
+        for names in draws:
+            request = {**good, **{name: hostile_value(draw) for name in names}}
+            if draw.random() < 0.01:
+                request = hostile_value(draw)
+            try:
+                server_requests.check_json_value(request)
+                parsed = parse(request, limits)
+            except server_requests.RequestError:
+                answered[path, "refused"] += 1
+                continue
+            answered[path, "parsed"] += 1
+            # A token id is named in ASCII digits, as OpenAI reads it (not "٣" for 3), and is an id (within int32).
+            assert all(key.isascii() and key.isdigit() for key in request.get("logit_bias") or {}), request
+            sampling_of = parsed[1] if isinstance(parsed, tuple) else parsed.sampling
+            for token_id, bias in sampling_of.logit_bias:
+                assert type(token_id) is int and 0 <= token_id < 2**31 and -100 <= bias <= 100, request
+    # The fuzz reached both outcomes on every endpoint (else it tested less than it says).
+    assert all(answered[path, outcome] >= 50 for path in endpoints for outcome in ("refused", "parsed")), answered

@@ -25,6 +25,8 @@ from flax_lm.data.source import TextSource
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError, check_writable_directory
 from flax_lm.models.huggingface import check_local_model_directory, shard_size_in_bytes
+from flax_lm.models.tokenizer_files import check_chat_template
+from flax_lm.run.record import allowed_resume_changes
 from flax_lm.run.tracking import trackers_to_report
 from flax_lm.training.compilation import use_compilation_cache
 
@@ -587,11 +589,8 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
             ) from None
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
-    training_args.allow_resume_changes = [
-        name.strip() for value in training_args.allow_resume_changes or [] for name in value.split(",") if name.strip()
-    ]
-    if training_args.allow_resume_changes and not training_args.resume_from_checkpoint:
-        raise UsageError("--allow_resume_changes names what a resume may change; add --resume_from_checkpoint")
+    training_args.allow_resume_changes = allowed_resume_changes(training_args, (model_args, data_args, training_args))
+    check_chat_template(model_args.chat_template_path)
     if training_args.resume_from_checkpoint and not training_args.do_train:
         raise UsageError("--resume_from_checkpoint continues training; add --do_train")
     streaming_training = data_args.streaming and not data_args.packed_data_dir

@@ -13,6 +13,7 @@ import json
 import os
 
 from flax_lm.data.chat import exported_chat_template
+from flax_lm.errors import UsageError
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -25,6 +26,26 @@ def portable_tokenizer_class(class_name: str) -> str:
     if class_name == "TokenizersBackend":
         return "PreTrainedTokenizerFast"
     return class_name if class_name.endswith("Fast") else f"{class_name}Fast"
+
+
+def check_chat_template(path: str | None):
+    """Refuse a --chat_template_path whose template does not parse, before any work: it would be exported all the
+    same, and fail only at its first use. Compiled as transformers compiles it for apply_chat_template (with its own
+    {% generation %} tag), so that what passes here renders there."""
+    if not path:
+        return
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from flax_lm.models.huggingface import read_chat_template  # which imports this module
+
+    try:
+        _compile_jinja_template(read_chat_template(path))
+    except jinja2.TemplateSyntaxError as error:
+        raise UsageError(
+            f"--chat_template_path {path}: the template does not parse (line {error.lineno}: {error.message}); fix "
+            "it, or leave the flag out to keep the tokenizer's"
+        ) from None
 
 
 def save_tokenizer_files(tokenizer, directory: str) -> list[str]:

@@ -1,6 +1,7 @@
 """The output directory of a run: one run at a time (a lock), no silent mixing with an earlier run's files, the
 results files, and a copy of the script that ran."""
 
+import contextlib
 import filecmp
 import itertools
 import json
@@ -16,7 +17,7 @@ from filelock import FileLock, Timeout
 from flax_lm.data.mixture import Mixture
 from flax_lm.devices.processes import on_process_zero, print_once
 from flax_lm.errors import UsageError
-from flax_lm.run.run_files import file_hash, forget_run_files, record_run_files, run_files
+from flax_lm.run.run_files import file_hash, forget_run_files, record_run_files, run_files, unlinked
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def clear_previous_run(output_dir: str, code_files: list[str]):
                 removed.add(path)
     kept = []
     for folder in sorted(path for path in recorded if path.endswith("/")):
-        full_path = os.path.join(output_dir, folder)
+        full_path = os.path.join(output_dir, folder.removesuffix("/"))  # with the /, a link reads as its folder
         if left := sorted(os.listdir(full_path)) if os.path.isdir(full_path) else []:
             kept += [folder + name for name in left if folder + name not in recorded - gone]
             continue
@@ -351,7 +352,7 @@ def keep_code_versions(output_dir: str, code_files: list[str], first_step: int, 
         ):
             move_aside(output_dir, name, f"the run keeps the copy of the {name} it runs there")
         record_run_files(output_dir, [name])
-        shutil.copyfile(code_file, copy)
+        shutil.copyfile(code_file, unlinked(copy))
 
 
 def describe_files(files: dict) -> str:
@@ -381,7 +382,7 @@ def earlier_code_versions(run_dir: str, code_files: list[str], first_step: int, 
             target = os.path.join(output_dir, CODE_VERSIONS_DIR, digest, name)
             if os.path.isfile(kept) and not os.path.isfile(target):
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-                shutil.copyfile(kept, target)
+                shutil.copyfile(kept, unlinked(target))
     return versions
 
 
@@ -395,7 +396,7 @@ def code_version(output_dir: str, code_files: list[str], first_step: int) -> dic
             made_folder = not os.path.isdir(os.path.join(output_dir, CODE_VERSIONS_DIR))
             record_run_files(output_dir, [f"{CODE_VERSIONS_DIR}/"] * made_folder + [f"{CODE_VERSIONS_DIR}/{digest}"])
             os.makedirs(os.path.dirname(kept), exist_ok=True)
-            shutil.copyfile(path, kept)
+            shutil.copyfile(path, unlinked(kept))
         files[name] = digest
     return {"from_step": first_step, "files": files}
 
@@ -448,12 +449,49 @@ def write_all_results(output_dir: str) -> dict:
 
 
 def write_json(path: str, values: dict):
-    """Write via a temporary file, so an interrupted write never leaves a truncated file behind."""
-    temporary_path = f"{path}.tmp"
+    """Write via a temporary file, so an interrupted write never leaves a truncated file behind (and a link at `path`
+    is replaced, as a link, never written through)."""
+    temporary_path = unlinked(f"{path}.tmp")
     with open(temporary_path, "w") as file:
         json.dump(values, file, indent=2)
         file.write("\n")
     os.replace(temporary_path, path)
+
+
+@contextlib.contextmanager
+def links_replaced(output_dir: str):
+    """For an export into OUTPUT_DIR by code that writes through links (save_pretrained, the weights' writers): each
+    link there to a file (or to nothing) is set aside while it writes, then removed where the export wrote a file of
+    its name, which replaces it as a link is replaced, and put back otherwise (a link of the user's to their own
+    file). Never is a file written through a link into what it leads to: a model's in a cache, another run's, anyone's.
+    Links to folders (checkpoints/ on another disk) stay in place. On process 0, which writes the export."""
+    names = os.listdir(output_dir) if jax.process_index() == 0 and os.path.isdir(output_dir) else []
+    links = [
+        name for name in names if os.path.islink(path := os.path.join(output_dir, name)) and not os.path.isdir(path)
+    ]
+    set_aside = {}
+    for name in links:
+        hidden = f".{name}.link"
+        copies = itertools.count(2)
+        while os.path.lexists(os.path.join(output_dir, hidden)):
+            hidden = f".{name}.link-{next(copies)}"
+        os.rename(os.path.join(output_dir, name), os.path.join(output_dir, hidden))
+        set_aside[name] = hidden
+    try:
+        yield
+    finally:
+        for name, hidden in set_aside.items():
+            path, link = os.path.join(output_dir, name), os.path.join(output_dir, hidden)
+            if os.path.lexists(path):
+                logger.warning(
+                    "replaced the link %s (to %s) with the file the export writes there, rather than write into %s",
+                    path,
+                    os.readlink(link),
+                    os.path.realpath(link),
+                )
+                os.unlink(link)
+            else:
+                os.rename(link, path)
 
 
 def evaluated_step(output_dir: str) -> int | None:

@@ -9,11 +9,12 @@ start at, in every later checkpoint and in train_results.json. What changes noth
 the logging, evaluation and save intervals, the trackers, the mesh) needs no flag.
 """
 
+import difflib
 import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -153,6 +154,26 @@ FINGERPRINTS = {
 }
 # What else a description holds and a resume compares, with what it is of.
 SETTINGS = {"global_batch_size": "the global batch", "mixture_weights": "the mixture's weights"}
+
+
+def allowed_resume_changes(training_args, argument_groups) -> list[str]:
+    """The names --allow_resume_changes gives (comma separated, in one value or several), each checked against what a
+    resume of the script of `argument_groups` (its model, data and training arguments) compares: all, the
+    fingerprints and settings, and the arguments that change the training (those outside FREE_ON_RESUME). A name that
+    is none of them (a misspelt flag) would let nothing through: refused in one line listing those it may be."""
+    names = [name.strip() for value in training_args.allow_resume_changes or [] for name in value.split(",")]
+    names = [name for name in names if name]
+    if names and not training_args.resume_from_checkpoint:
+        raise UsageError("--allow_resume_changes names what a resume may change; add --resume_from_checkpoint")
+    arguments = {item.name for group in argument_groups for item in fields(group)}
+    valid = ["all", *FINGERPRINTS, *SETTINGS, *sorted(arguments - FREE_ON_RESUME - {"token"})]
+    if unknown := [name for name in names if name not in valid]:
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(
+            f"--allow_resume_changes {unknown[0]} is nothing a resume compares{hint}; name some of {', '.join(valid)}"
+        )
+    return names
 
 
 def json_fingerprint(value) -> str:

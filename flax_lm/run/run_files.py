@@ -5,7 +5,12 @@ directory, stay. A path that ends with / is a folder the run made to hold its fi
 nothing else is left in it; any other is a file, or a folder that is the run's whole (a checkpoint).
 
 A directory written before runs kept the record holds none; its record starts with what is recognisably a run's own
-(recognised_run_files), and anything else there counts as the user's."""
+(recognised_run_files), and anything else there counts as the user's.
+
+A record is a file that a user or another program can edit: each path it lists must be of a kind a run writes
+(RUN_FILE_KINDS), spelled as a run spells it, and lie inside the directory once every link on its way is followed (or
+inside the folder that a link checkpoints/ leads to, the checkpoints of a run kept on another disk); a record listing
+anything else is refused whole, so that nothing outside the run's own files is ever removed for it."""
 
 import contextlib
 import hashlib
@@ -25,15 +30,61 @@ def run_files(output_dir: str) -> set[str]:
         with open(os.path.join(output_dir, RUN_FILES)) as file:
             recorded = json.load(file)["paths"]
         if isinstance(recorded, list) and all(isinstance(path, str) for path in recorded):
+            check_run_files(output_dir, recorded)
             return set(recorded)
     except FileNotFoundError:
-        return recognised_run_files(output_dir)
+        recognised = recognised_run_files(output_dir)
+        return {path for path in recognised if not outside_problem(output_dir, path, {})}
     except (OSError, ValueError, KeyError, TypeError):
         pass
     raise UsageError(
         f"{os.path.join(output_dir, RUN_FILES)}, the record of what runs wrote there, is unreadable; restore it, or "
         "delete it (runs' files are then recognised by their content, as in a directory of an earlier version)"
     )
+
+
+# The kinds of paths runs record (flax_lm.run.output_dir, checkpoints, tracking): their checkpoints, code versions and
+# copies of the code that ran, results files, TensorBoard's event files (wherever --logging_dir puts them inside the
+# directory) and the folders that hold them.
+RUN_FILE_KINDS = re.compile(
+    r"checkpoints/\d+|discarded-checkpoints/\d+(-\d+)?|code/([0-9a-f]{12}|versions\.json)|[^/]+\.py"
+    r"|train_results\.json|eval_results\.json|all_results\.json|tracker_runs\.json"
+    r"|([^/]+/)*events\.out\.tfevents\.[^/]+|([^/]+/)+"
+)
+
+
+def check_run_files(output_dir: str, paths: list[str]):
+    """Refuse, in one line, a record listing a path that is no run's file inside OUTPUT_DIR (see the module's
+    docstring): `../elsewhere`, an absolute path, `checkpoints/../../x`, `.`, an empty one, or one through a link
+    that leads out of the directory."""
+    resolved_folders = {}
+    for path in paths:
+        parts = path.removesuffix("/").split("/")
+        if any(part in ("", ".", "..") for part in parts) or not RUN_FILE_KINDS.fullmatch(path):
+            problem = "which is not a path a run writes there"
+        else:
+            problem = outside_problem(output_dir, path, resolved_folders)
+        if problem:
+            raise UsageError(
+                f"{os.path.join(output_dir, RUN_FILES)}, the record of what runs wrote there, lists {path!r}, "
+                f"{problem}; a run removes only its own files in its directory: take that entry out of the record, "
+                "or delete the record (runs' files are then recognised by their content)"
+            )
+
+
+def outside_problem(output_dir: str, path: str, resolved_folders: dict) -> str | None:
+    """Why `path` (relative to OUTPUT_DIR) lies outside it once the links on its way are followed, or None. The path
+    itself is not followed (a link there is removed as the link), nor checkpoints/, which may be a link to another
+    disk that the run saves its checkpoints through. `resolved_folders` holds the folders resolved so far."""
+    folder = os.path.dirname(path.removesuffix("/"))
+    if folder in ("", "checkpoints"):
+        return None
+    if folder not in resolved_folders:
+        resolved_folders[folder] = os.path.realpath(os.path.join(output_dir, folder))
+    resolved, inside = resolved_folders[folder], os.path.realpath(output_dir)
+    if resolved.startswith(inside + os.sep):
+        return None
+    return f"which leads through a link out of the directory, to {resolved}"
 
 
 def record_run_files(output_dir: str, paths):
@@ -49,11 +100,20 @@ def forget_run_files(output_dir: str, paths):
 
 
 def write_record(output_dir: str, paths: set[str]):
-    temporary_path = os.path.join(output_dir, f"{RUN_FILES}.tmp")
+    temporary_path = unlinked(os.path.join(output_dir, f"{RUN_FILES}.tmp"))
     with open(temporary_path, "w") as file:
         json.dump({"paths": sorted(paths)}, file, indent=1)
         file.write("\n")
     os.replace(temporary_path, os.path.join(output_dir, RUN_FILES))
+
+
+def unlinked(path: str) -> str:
+    """`path`, with a link there removed first, to write a file at: a run writes its files into its directory, never
+    through a link there into the file it leads to (another run's, a model's in a cache, anyone's). The rename that
+    puts a file written beside in place (os.replace) replaces a link too, as a link."""
+    if os.path.islink(path):
+        os.unlink(path)
+    return path
 
 
 # Earlier versions kept no record: what they wrote is recognised by its content, not by its name alone.

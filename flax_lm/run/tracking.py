@@ -168,11 +168,12 @@ class TensorBoardWriter:
         earlier_logs = set() if made_logs else set(os.listdir(directory))
         self._writer = EventFileWriter(directory)
         # The event file just created (named by the time, host and process) is the run's, and the folder if it made
-        # it, where they are inside the output directory (--logging_dir may put them elsewhere).
-        inside = os.path.relpath(os.path.abspath(directory), os.path.abspath(output_dir))
+        # it, where they are inside the output directory (--logging_dir, or a link, may put them elsewhere).
+        inside = os.path.relpath(os.path.realpath(directory), os.path.realpath(output_dir))
         if not inside.startswith(os.pardir):
-            written = [f"{inside}/{name}" for name in sorted(set(os.listdir(directory)) - earlier_logs)]
-            record_run_files(output_dir, written + ([f"{inside}/"] if made_logs else []))
+            folder = "" if inside == os.curdir else f"{inside}/"
+            written = [folder + name for name in sorted(set(os.listdir(directory)) - earlier_logs)]
+            record_run_files(output_dir, written + ([folder] if made_logs and folder else []))
         self.text("arguments", markdown_table(arguments, "argument"))
         config_json = json.dumps(model_config, indent=2, sort_keys=True)
         self.text("model_config", "\n".join("    " + line for line in config_json.split("\n")))

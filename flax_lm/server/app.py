@@ -172,7 +172,7 @@ async def answer_server_error(request, error: Exception) -> JSONResponse:
     """A request that failed in the server (a bug: uvicorn logs its traceback), answered in the endpoint's error
     shape rather than as plain text."""
     message = f"the server failed to answer ({type(error).__name__}); its log has the details"
-    if request.url.path == "/v1/completions":
+    if request.url.path.startswith("/v1/"):  # the OpenAI APIs'
         return openai_error(message, "server_error", 500)
     return JSONResponse({"error": message}, 500)
 

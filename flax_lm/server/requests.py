@@ -5,6 +5,7 @@ server cannot answer as asked is refused with one line (RequestError), before it
 
 import dataclasses
 import json
+import re
 
 from starlette.requests import ClientDisconnect
 
@@ -29,8 +30,11 @@ UNSUPPORTED_COMPLETION_FIELDS = {"suffix": (None, "")}
 # and a chat request ("top_logprobs"). The scorer always finds the larger: one compiled program for both.
 MAX_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
-# OpenAI's bounds of a token's bias ("logit_bias").
+# OpenAI's bounds of a token's bias ("logit_bias"); a number as OpenAI's token ids and HTTP's lengths are written.
 MAX_LOGIT_BIAS = 100
+ASCII_DIGITS = re.compile(r"[0-9]+")
+# The largest token id of any model: ids are int32 wherever they are read and decoded.
+MAX_TOKEN_ID = 2**31 - 1
 
 
 # The chat completions API's fields this server reads (max_tokens is the older name of max_completion_tokens), and
@@ -72,7 +76,7 @@ async def read_json(request):
     escapes can write and UTF-8 cannot encode)."""
     too_long = f"the body is longer than {MAX_REQUEST_BYTES} bytes, the most the server takes"
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_REQUEST_BYTES:
+    if ASCII_DIGITS.fullmatch(length) and (len(length) > 20 or int(length) > MAX_REQUEST_BYTES):
         raise RequestError(too_long)
     body = bytearray()
     try:
@@ -219,8 +223,10 @@ def openai_sampling(request: dict, limits: Limits, max_tokens_name: str) -> Samp
 
 
 def logit_bias(request: dict) -> tuple[tuple[int, float], ...]:
-    """The "logit_bias" of an OpenAI request: token ids (as strings, JSON's keys) to a bias from -100 to 100. The
-    ids are checked against the model's vocabulary where the request is answered."""
+    """The "logit_bias" of an OpenAI request: token ids (as strings, JSON's keys, of the ASCII digits alone, as
+    OpenAI reads them: str.isdigit would take "²", which int() refuses, and "٣" for 3) to a bias from -100 to 100.
+    The ids are checked against the model's vocabulary where the request is answered; one past any vocabulary (token
+    ids are int32) is refused here, before int() reads thousands of digits."""
     biases = request.get("logit_bias") or {}
     problem = f'"logit_bias" must map token ids to numbers from -{MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}'
     if not isinstance(biases, dict):
@@ -228,8 +234,12 @@ def logit_bias(request: dict) -> tuple[tuple[int, float], ...]:
     pairs = []
     for token_id, bias in biases.items():
         is_number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
-        if not (token_id.isdigit() and is_number and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-            raise RequestError(f"{problem}, not {token_id!r}: {bias!r}", "logit_bias")
+        if not (ASCII_DIGITS.fullmatch(token_id) and is_number and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            shown = token_id if len(token_id) <= 20 else f"{token_id[:20]}... ({len(token_id)} characters)"
+            raise RequestError(f"{problem}, not {shown!r}: {bias!r}", "logit_bias")
+        if len(token_id.lstrip("0")) > len(str(MAX_TOKEN_ID)) or int(token_id) > MAX_TOKEN_ID:
+            shown = token_id if len(token_id) <= 20 else f"{token_id[:20]}... ({len(token_id)} digits)"
+            raise RequestError(f'"logit_bias" names the token id {shown}, past any vocabulary', "logit_bias")
         pairs.append((int(token_id), float(bias)))
     return tuple(pairs)
 

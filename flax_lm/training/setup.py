@@ -28,11 +28,12 @@ from flax_lm.devices.processes import (
     setup_logging,
     wait_for_all_processes,
 )
-from flax_lm.models.huggingface import SAFETENSORS_INDEX, read_exported_params, save_model
+from flax_lm.models import huggingface
+from flax_lm.models.huggingface import SAFETENSORS_INDEX, read_exported_params
 from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.run.best_model import BestModel
 from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
-from flax_lm.run.output_dir import check_output_dir, write_all_results
+from flax_lm.run.output_dir import check_output_dir, links_replaced, write_all_results
 from flax_lm.run.record import (
     TrainingProgress,
     check_optimizer_arguments,
@@ -242,6 +243,12 @@ def pretrained_params(model_args, setup: TrainingSetup):
     params = read_exported_params(source, model_args, setup.model_code, setup.abstract_state.params)
     logger.info("Loaded weights from %s", source)
     return params
+
+
+def save_model(output_dir: str, *model, **options):
+    """huggingface.save_model, replacing the links in OUTPUT_DIR that it would write through (links_replaced)."""
+    with links_replaced(output_dir):
+        huggingface.save_model(output_dir, *model, **options)
 
 
 def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, state, progress) -> int:
