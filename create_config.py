@@ -42,7 +42,7 @@ from transformers import (
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, check_writable_directory, run
-from flax_lm.models import non_finite_config_value, stock_module
+from flax_lm.models import MAX_VOCAB_SIZE, non_finite_config_value, stock_module
 
 logger = logging.getLogger(__name__)
 
@@ -245,9 +245,6 @@ CONFIG_CLASSES = {
     "olmo2": Olmo2Config,
     "roberta": RobertaConfig,
 }
-# The largest vocabulary: token ids are int32 wherever they are read and trained (JAX without 64-bit types, the packed
-# corpus), so larger ids cannot be represented at all.
-MAX_VOCAB_SIZE = 2**31 - 1
 # Keys of config.json that describe the file rather than the model.
 BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}
 # Files that make a directory a tokenizer directory.

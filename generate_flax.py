@@ -48,7 +48,7 @@ from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, first_line, run
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.generation.sampling import DecodingBatch, Sampling, decode_rows, make_sampler
-from flax_lm.models.huggingface import check_config_finite, check_local_model_directory, read_exported_params
+from flax_lm.models.huggingface import check_config_values, check_local_model_directory, read_exported_params
 from flax_lm.models.model_code import load_model_code
 from flax_lm.server.app import listening_socket, serve
 from flax_lm.server.request_queue import STEPS_PER_CHUNK, RowFinished, RowText
@@ -331,7 +331,7 @@ def load_model(model_args):
             raise UsageError(f"cannot load --model_name_or_path {source}: {first_line(error)}") from None
 
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
-    check_config_finite(config, f"--model_name_or_path {source}")
+    check_config_values(config, f"--model_name_or_path {source}")
     mesh = generation_mesh(model_args.mesh_shape)
     model_code = load_model_code(config, model_args.model_file, True, "generate_flax.py", mesh, exports=False)
     dtype = jnp.dtype(model_args.dtype)

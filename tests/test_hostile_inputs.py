@@ -135,6 +135,8 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
     infinite = save_model_dir(
         root / "infinite", gpt2, tiny_config(vocab_size=1000, n_positions=64, initializer_range=float("inf"))
     )
+    # A config.json edited by hand past create_config.py's checks: no attention heads (ZeroDivisionError in a model)
+    no_heads = save_model_dir(root / "no-heads", gpt2, tiny_config(vocab_size=1000, n_positions=64, n_head=0))
     (root / "broken.jinja").write_text("{% for message in messages %}{{ message['content'] }}")  # no endfor
     code = PickleThatWritesAFile(str(root / "pickle-ran"))
     torch.save({"transformer.wte.weight": code}, pickled / "pytorch_model.bin")
@@ -145,7 +147,7 @@ def paths(gpt2_tokenizer_dir, roberta_tokenizer_dir, tmp_path_factory):
         "missing": data / "missing.jsonl",
         "int": data / "int.parquet", "whitespace": data / "whitespace.txt", "pickled": pickled,
         "broken": data / "broken.jsonl", "cut_short": data / "cut-short.jsonl",
-        "pickle_ran": root / "pickle-ran", "root": root, "infinite": infinite,
+        "pickle_ran": root / "pickle-ran", "root": root, "infinite": infinite, "no_heads": no_heads,
         "broken_template": root / "broken.jinja",
         **{name: root / name for name in bad_weights},
     }  # fmt: skip
@@ -308,6 +310,9 @@ REFUSALS = {
     "clm-infinite-config-value": (
         "run_clm_flax", [*CLM, "--config_name", "{infinite}"],
         ["--config_name", "infinite: the config's initializer_range is inf, not a finite number", "config.json"]),
+    "clm-config-edited-to-no-heads": (
+        "run_clm_flax", [*CLM, "--config_name", "{no_heads}"],
+        ["--config_name", "no-heads: the config's n_head is 0, not a whole number of 1 or more", "config.json"]),
     "config-activation-no-model-computes": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "activation_function=tanh"],
         ["activation_function 'tanh' is not an activation the models compute", "gelu_new"]),

@@ -664,10 +664,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         "lr_decay_ratio": (lambda value: 0 <= value <= 1, "must be in [0, 1], such as 0.2"),
         "max_grad_norm": (lambda value: value >= 0, "must be 0 (no clipping) or more"),
         "num_train_epochs": at_least_0,
-        "max_steps": (
-            lambda value: value == -1 or value >= 1,
-            "must be positive, or -1 to train for --num_train_epochs",
-        ),
+        "max_steps": (lambda value: value == -1 or value >= 1, "must be positive, or -1 for --num_train_epochs"),
         "warmup_steps": at_least_0,
         "warmup_ratio": (lambda value: 0 <= value < 1, "must be in [0, 1)"),
         "min_lr_rate": (lambda value: 0 <= value < 1, "must be in [0, 1), such as 0.1"),

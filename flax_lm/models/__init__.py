@@ -146,3 +146,33 @@ def non_finite_config_value(config) -> tuple[str, float] | None:
         return None
 
     return first(config.to_dict(), "")
+
+
+# The sizes the models build their arrays from, under each family's names: a whole number of 1 or more each.
+CONFIG_SIZES = (
+    "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
+    "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "max_position_embeddings", "n_positions",
+)  # fmt: skip
+# Token ids are int32 wherever they are read and trained (JAX without 64-bit types, the packed corpus).
+MAX_VOCAB_SIZE = 2**31 - 1
+
+
+def config_size_problem(config) -> str | None:
+    """What is wrong with `config`'s sizes (a size below 1 or not a whole number, a vocabulary beyond int32's ids,
+    heads that the key/value heads do not divide), or None. create_config.py refuses these when it writes a config;
+    this catches a config.json edited by hand, which would otherwise fail in the model with a ZeroDivisionError or
+    an allocation of many GiB."""
+    for name in CONFIG_SIZES:
+        value = getattr(config, name, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            # Named as its config.json spells it (GPT-2's n_head for num_attention_heads).
+            return f"{config.attribute_map.get(name, name)} is {value!r}, not a whole number of 1 or more"
+    if (getattr(config, "vocab_size", None) or 0) > MAX_VOCAB_SIZE:
+        return f"vocab_size {config.vocab_size} is more token ids than int32 holds ({MAX_VOCAB_SIZE})"
+    heads, key_value_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if heads and key_value_heads and heads % key_value_heads:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {key_value_heads}"
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if scalar is not None and not scalar > 0:
+        return f"query_pre_attn_scalar is {scalar!r}, not positive (the scores are scaled by its inverse square root)"
+    return None

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from flax_lm.data.chat import stop_token_ids, training_chat_template
 from flax_lm.errors import UsageError, first_line, naming_a_full_disk
-from flax_lm.models import MODEL_MODULES, non_finite_config_value, stock_module
+from flax_lm.models import MODEL_MODULES, config_size_problem, non_finite_config_value, stock_module
 from flax_lm.models.model_code import (
     FINGERPRINT_KEY,
     FLAX_WEIGHTS_NAME,
@@ -58,14 +58,16 @@ def check_local_model_directory(flag: str, name_or_path: str):
         )
 
 
-def check_config_finite(config, source: str):
-    """Refuse a config (of `source`, a flag and its value) with a number that is not finite, before anything is built
-    or written."""
+def check_config_values(config, source: str):
+    """Refuse a config (of `source`, a flag and its value) with a number that is not finite, or a size no model can be
+    built with, before anything is built or written."""
     if found := non_finite_config_value(config):
         name, value = found
         raise UsageError(
             f"{source}: the config's {name} is {value}, not a finite number; set a finite one in its config.json"
         )
+    if problem := config_size_problem(config):
+        raise UsageError(f"{source}: the config's {problem}; fix its config.json (create_config.py writes one)")
 
 
 def load_config_and_tokenizer(model_args, default_model_type: str):
@@ -82,7 +84,7 @@ def load_config_and_tokenizer(model_args, default_model_type: str):
         config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
         config_source = model_args.config_name or model_args.model_name_or_path
         config = load(AutoConfig, config_source, config_flag)
-        check_config_finite(config, f"{config_flag} {config_source}")
+        check_config_values(config, f"{config_flag} {config_source}")
         if model_args.model_type and model_args.model_type != config.model_type:
             raise UsageError(
                 f"--model_type {model_args.model_type} contradicts {config_flag} {config_source}, a "
