@@ -169,8 +169,17 @@ class DataArguments:
     preprocessing_num_workers: int | None = field(
         default=None,
         metadata={
-            "help": "Processes that tokenize the texts, spawned (a forked copy of JAX's threads can deadlock); not "
-            "for a stream tokenized while training."
+            "help": "Processes that tokenize the texts, spawned (a forked copy of JAX's threads can deadlock); by "
+            "default as many as the machine has cores, started once tokenizing has taken a few seconds. The rows are "
+            "the same for any number. Not for a stream tokenized while training."
+        },
+    )
+    preprocessing_piece_mb: float = field(
+        default=1.0,
+        metadata={
+            "help": "Texts are read, tokenized and packed this many megabytes at a time: memory holds a few pieces "
+            "per worker whatever the size of the corpus (about 100 MB per megabyte, docs/scaling.md). Any size "
+            "gives the same rows."
         },
     )
     text_sample_by: str | None = field(
@@ -237,7 +246,7 @@ class DataArguments:
     def data_route(self, model_args, training_args) -> DataRoute:
         """Which route the rows take and what the run keeps of them, as flax_lm.data.loading.load_data takes it."""
         names = ("data_mixture", "packed_data_dir", "streaming", "validation_split_percentage", "max_train_samples")
-        names += ("max_eval_samples", "overwrite_cache", "packed_tokens_per_shard")
+        names += ("max_eval_samples", "overwrite_cache", "packed_tokens_per_shard", "preprocessing_piece_mb")
         values = {name: getattr(self, name) for name in names}
         return DataRoute(self.text_source(model_args), training_args.do_train, training_args.do_eval, **values)
 
@@ -671,6 +680,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         "max_train_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "max_eval_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "preprocessing_num_workers": (lambda value: value is None or value >= 1, "must be at least 1"),
+        "preprocessing_piece_mb": (lambda value: value > 0, "must be positive"),
         "validation_split_percentage": (lambda value: 0 < value < 100, "must be between 1 and 99"),
         "shuffle_buffer_size": (lambda value: value >= 0, "must be 0 (the stream's order) or more"),
         "packed_tokens_per_shard": at_least_1,

@@ -3,6 +3,7 @@ rows it needs. The token cache under --cache_dir and --packed_data_dir are both 
 
 import contextlib
 import copy
+import datetime
 import functools
 import hashlib
 import json
@@ -13,8 +14,11 @@ import shutil
 import time
 from collections.abc import Iterable
 
+import datasets
 import jax
 import numpy as np
+import pyarrow
+import pyarrow.compute
 from tqdm.auto import tqdm
 
 from flax_lm.data.cache_key import function_code_fingerprint
@@ -22,6 +26,7 @@ from flax_lm.data.chat import chat_template_of
 from flax_lm.data.data_files import data_file_patterns
 from flax_lm.data.finetune_examples import recorded_example_format
 from flax_lm.data.source import TextSource
+from flax_lm.data.texts import read_progress
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, check_writable_directory
 from flax_lm.run.checksums import file_checksum
@@ -83,17 +88,28 @@ def packed_description(tokenizer, block_size: int, framing: str, source: dict) -
     }
 
 
-def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
+def write_packed_split(
+    blocks: Iterable[np.ndarray],
+    directory: str,
+    split: str,
+    dtype,
+    blocks_per_shard: int,
+    finished: list[dict] = (),
+    on_shard=None,
+) -> dict:
     """Write the block arrays of one split (count, block_size), or (count, ..., block_size) for rows of several
     arrays (examples: token ids and loss weights), as shards of `blocks_per_shard` blocks (the last one may be
-    shorter) and return the split's entry of the index.
+    shorter) and return the split's entry of the index. `finished`: the entries of shards an interrupted run
+    wrote already, whose blocks (the first of `blocks`) are skipped rather than written again; `on_shard(entry)` is
+    told of each shard as it is finished.
 
     Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
     and written under a temporary name, then renamed. No shard is written for an empty split.
     """
     dtype = np.dtype(dtype)
     largest = np.iinfo(dtype).max
-    shards, shard, filled, num_blocks, row_shape = [], None, 0, 0, None
+    shards, shard, filled, row_shape = list(finished), None, 0, None
+    num_blocks = skip = sum(entry["num_blocks"] for entry in shards)
 
     def finish_shard():
         name = f"{split}-{len(shards):05d}.npy"
@@ -107,8 +123,14 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
         os.replace(written_path, os.path.join(directory, name))
         checksum = file_checksum(os.path.join(directory, name))
         shards.append({"file": name, "num_blocks": filled, "checksum": checksum})
+        if on_shard is not None:
+            on_shard(shards[-1])
 
     for block_array in blocks:
+        row_shape = list(block_array.shape[1:])
+        if skip:
+            skipped = min(skip, len(block_array))
+            block_array, skip = block_array[skipped:], skip - skipped
         if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
             raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
         start = 0
@@ -121,13 +143,15 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
                     dtype=dtype,
                     shape=(blocks_per_shard, *block_array.shape[1:]),
                 )
-                filled, row_shape = 0, list(block_array.shape[1:])
+                filled = 0
             count = min(blocks_per_shard - filled, len(block_array) - start)
             shard[filled : filled + count] = block_array[start : start + count]
             filled, start, num_blocks = filled + count, start + count, num_blocks + count
             if filled == blocks_per_shard:
                 finish_shard()
                 shard = None
+    if skip:
+        raise ValueError(f"the {split} data makes fewer rows than the shards an interrupted run wrote of it")
     if shard is not None:
         finish_shard()
         del shard
@@ -137,30 +161,86 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
     return entry
 
 
-def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
+# While a packed corpus is written, the shards finished so far, and what they are shards of: a run interrupted
+# (even killed) goes on from them when run again on the same texts with the same code. Removed once the index is
+# written.
+PACKING_MANIFEST_FILE = "packing.json"
+
+
+def finished_shards(directory: str, plan: dict) -> dict[str, list[dict]]:
+    """{split: entries of the shards an interrupted write of the same `plan` finished}, each checked against the
+    checksum taken when it was written; only the unbroken run of good shards from the first is kept."""
+    try:
+        with open(os.path.join(directory, PACKING_MANIFEST_FILE)) as file:
+            manifest = json.load(file)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(manifest, dict) or manifest.get("plan") != plan:
+        return {}
+    finished = {}
+    for split, entries in manifest.get("finished", {}).items():
+        good = []
+        for entry in entries:
+            path = os.path.join(directory, entry["file"])
+            if not os.path.isfile(path) or file_checksum(path) != entry["checksum"]:
+                break
+            good.append(entry)
+        if good:
+            finished[split] = good
+    return finished
+
+
+def write_packed_corpus(
+    directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int, resume_key: str | None = None
+) -> dict:
     """Pack each split's row arrays ({split: iterable of (count, block_size) arrays}) into `directory`, then write
     the index (with `description`, from packed_description) and return it.
 
     The index is removed first and written last, so an interrupted write leaves a directory that is
-    recognised as unfinished; shards left by an earlier unfinished write are replaced.
+    recognised as unfinished. With a `resume_key` (a fingerprint of the texts), the shards that an interrupted write
+    of the same texts, description and shard size finished are kept and their rows not written again
+    (PACKING_MANIFEST_FILE); every other shard or temporary file left by an earlier write is removed.
     """
     os.makedirs(directory, exist_ok=True)
     index_path = os.path.join(directory, PACKED_INDEX_FILE)
     if os.path.exists(index_path):
         os.remove(index_path)
+    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    layout = {"format_version": PACKED_FORMAT_VERSION, **description, "dtype": np.dtype(dtype).name}
+    layout["blocks_per_shard"] = blocks_per_shard
+    plan = {"layout": layout, "texts": resume_key}
+    finished = finished_shards(directory, plan) if resume_key is not None else {}
+    kept = {entry["file"] for entries in finished.values() for entry in entries}
     split_names = "|".join(map(re.escape, splits))
     leftover = re.compile(rf"^({split_names})-\d{{5}}\.npy(\.\d+(\.end)?\.tmp\.npy)?$")
     for name in os.listdir(directory):
-        if leftover.match(name):
+        if leftover.match(name) and name not in kept:
             os.remove(os.path.join(directory, name))
-    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    for split, entries in finished.items():
+        logger.info("Keeping the %d %s shards an interrupted run finished in %s", len(entries), split, directory)
+    manifest_path = os.path.join(directory, PACKING_MANIFEST_FILE)
+
+    def record(split: str, entry: dict):
+        if resume_key is None:
+            return
+        finished.setdefault(split, []).append(entry)
+        temporary = f"{manifest_path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as file:
+            json.dump({"plan": plan, "finished": finished}, file)
+        os.replace(temporary, manifest_path)
+
     index = {
-        "format_version": PACKED_FORMAT_VERSION,
-        **description,
-        "dtype": np.dtype(dtype).name,
-        "blocks_per_shard": blocks_per_shard,
+        **layout,
         "splits": {
-            split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard)
+            split: write_packed_split(
+                blocks,
+                directory,
+                split,
+                dtype,
+                blocks_per_shard,
+                list(finished.get(split, [])),
+                functools.partial(record, split),
+            )
             for split, blocks in splits.items()
         },
     }
@@ -168,6 +248,8 @@ def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, 
     with open(temporary_path, "w") as file:
         json.dump(index, file, indent=2)
     os.replace(temporary_path, index_path)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(manifest_path)
     return index
 
 
@@ -325,6 +407,58 @@ def remove_stale_temporary_files(cache_dir: str):
                     os.remove(entry.path)
 
 
+# Without a terminal for the progress bar (a batch job's log), packing logs its progress this often instead.
+PROGRESS_LOG_SECONDS = 60
+
+
+def text_megabytes(dataset, column: str) -> float | None:
+    """The megabytes of text in `column` of a dataset, read from the Arrow offsets alone (the texts stay unread);
+    None for a stream, or data without that column (examples), whose size is not known before reading it."""
+    if not isinstance(dataset, datasets.Dataset) or column not in (dataset.column_names or []):
+        return None
+    lengths = pyarrow.compute.binary_length(dataset.data.column(column))
+    return (pyarrow.compute.sum(lengths).as_py() or 0) / 1e6
+
+
+class PackingProgress:
+    """The progress of packing one split, on a bar (tqdm) or, without a terminal, in the log every
+    PROGRESS_LOG_SECONDS: megabytes of text read (of how many, when known) and their rate, texts, rows written and
+    the time left."""
+
+    def __init__(self, split: str, total_megabytes: float | None):
+        self.split, self.total = split, total_megabytes
+        self.rows = 0
+        self.started = self.logged = time.monotonic()
+        read_progress.reset()
+        self.bar = tqdm(desc=f"Packing {split}", total=total_megabytes, unit=" MB", disable=None)
+        self.bar.bar_format = "{l_bar}{bar}| {n:.1f}/{total_fmt} MB [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+    def update(self, rows: int):
+        self.rows += rows
+        megabytes = read_progress.characters / 1e6
+        self.bar.set_postfix_str(f"{read_progress.texts:,} texts, {self.rows:,} rows", refresh=False)
+        self.bar.update(megabytes - self.bar.n)
+        if self.bar.disable and time.monotonic() - self.logged >= PROGRESS_LOG_SECONDS:
+            self.logged = time.monotonic()
+            logger.info("%s", self.line())
+
+    def line(self) -> str:
+        megabytes, seconds = read_progress.characters / 1e6, time.monotonic() - self.started
+        rate = megabytes / max(seconds, 1e-9)
+        read = f"{megabytes:,.1f} of {self.total:,.1f} MB" if self.total else f"{megabytes:,.1f} MB"
+        left = ""
+        if self.total and rate > 0:
+            left = f", about {datetime.timedelta(seconds=round((self.total - megabytes) / rate))} left"
+        return (
+            f"Packing {self.split}: {read} of text read ({rate:.2f} MB/s), {read_progress.texts:,} texts, "
+            f"{self.rows:,} rows written{left}"
+        )
+
+    def close(self):
+        self.bar.close()
+        logger.info("%s", self.line().replace(" left", " left (done)"))
+
+
 def pack_texts(
     directory: str,
     texts: dict,
@@ -334,20 +468,27 @@ def pack_texts(
     description: dict,
     source: TextSource,
     tokens_per_shard: int,
+    resume: bool = False,
 ) -> dict:
     """Tokenize every split of `texts` ({split: dataset or stream}, read from `source`) into rows with the script's
     `tokenized_rows(dataset, split, tokenizer, block_size, source)` and write them as a packed corpus in `directory`
-    (shards of `tokens_per_shard` tokens, --packed_tokens_per_shard); returns its index. A few batches of texts and one
-    shard are in memory at a time."""
+    (shards of `tokens_per_shard` tokens, --packed_tokens_per_shard); returns its index. A few pieces of text per
+    worker (--preprocessing_piece_mb) and one shard are in memory at a time, with the progress shown
+    (PackingProgress). With `resume`, the shards an interrupted run finished of the same texts (datasets, whose
+    fingerprints follow their content; never a stream's) are kept (write_packed_corpus)."""
 
     def rows_with_progress(split, dataset):
-        with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
-            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, source):
-                progress.update(len(blocks))
-                yield blocks
+        progress = PackingProgress(split, text_megabytes(dataset, source.text_column_name))
+        for blocks in tokenized_rows(dataset, split, tokenizer, block_size, source):
+            progress.update(len(blocks))
+            yield blocks
+        progress.close()
 
     splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
-    return write_packed_corpus(directory, splits, description, packed_dtype(tokenizer), tokens_per_shard)
+    known = all(isinstance(dataset, datasets.Dataset) for dataset in texts.values())
+    resume_key = fingerprint({split: dataset._fingerprint for split, dataset in texts.items()}) if known else None
+    dtype = packed_dtype(tokenizer)
+    return write_packed_corpus(directory, splits, description, dtype, tokens_per_shard, resume_key if resume else None)
 
 
 def cached_blocks(
@@ -504,7 +645,15 @@ def load_packed_corpus(
             framing = texts_to_rows.framing_of(example_format, source)
             description.update(framing=framing, code_fingerprint=function_code_fingerprint(row_function))
             index = pack_texts(
-                directory, texts, row_function, tokenizer, block_size, description, source, tokens_per_shard
+                directory,
+                texts,
+                row_function,
+                tokenizer,
+                block_size,
+                description,
+                source,
+                tokens_per_shard,
+                not overwrite,
             )
     if jax.process_count() > 1:
         index = read_packed_index(directory)
