@@ -18,6 +18,7 @@ from conftest import FIXTURES_DIR
 from test_clm import model_dir_with_config, run_clm_flax, scalars
 from transformers import AutoTokenizer
 
+import flax_lm.data.cache_key
 import flax_lm.data.data_files
 import flax_lm.data.loading
 import flax_lm.data.packed
@@ -444,16 +445,18 @@ def test_tokenizing_in_worker_processes_gives_the_same_tokens_without_forking_ja
 def test_the_packed_corpus_is_the_same_whatever_the_piece_size(tokenizer, tmp_path):
     documents = datasets.Dataset.from_dict({"text": [(CORPUS / "train.txt").read_text(), "A short text."] * 2})
     source = TextSource(train_file="unused")
-    shards = []
+    shards, cache_keys = [], set()
     for megabytes in (2**12 / 2**20, 1.0):  # pieces of 4 KB (dozens to the corpus), and one piece
         directory = tmp_path / str(megabytes)
         with flax_lm.data.texts.pieces_of(megabytes):
+            cache_keys.add(flax_lm.data.cache_key.function_code_fingerprint(run_clm_flax.tokenized_rows))
             flax_lm.data.packed.pack_texts(
                 str(directory), {"train": documents}, run_clm_flax.tokenized_rows, tokenizer, 32, {"block_size": 32},
                 source, tokens_per_shard=32 * 100,
             )  # fmt: skip
         shards.append({path.name: path.read_bytes() for path in directory.glob("train-*.npy")})
     assert len(shards[0]) > 2 and shards[0] == shards[1]
+    assert len(cache_keys) == 1  # the token cache is the same too
 
 
 def test_a_packing_run_killed_halfway_goes_on_from_its_finished_shards(tmp_path, monkeypatch):

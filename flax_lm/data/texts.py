@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 import os
 import re
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -386,26 +387,29 @@ def without_byte_order_marks(texts: list, where: str) -> list:
 
 
 @dataclass
-class Pieces:
-    """How much text is read, tokenized and packed at a time (--preprocessing_piece_mb): memory holds a few pieces
-    per worker process, whatever the size of the corpus. Any size gives the same tokens; a held value rather than a
-    constant, so that the token cache's key (flax_lm.data.cache_key) does not change with it."""
+class Preprocessing:
+    """How texts are tokenized: `piece_characters` of text are read, tokenized and packed at a time
+    (--preprocessing_piece_mb), so that memory holds a few pieces per worker process whatever the size of the corpus;
+    with --preprocessing_num_workers unset, worker processes start after `seconds_before_workers` of tokenizing here,
+    so that a small corpus never waits for them. Neither changes the tokens, so both are held here rather than in
+    constants, which the token cache's key (flax_lm.data.cache_key) follows."""
 
-    characters: int = 2**20
+    piece_characters: int = 2**20
+    seconds_before_workers: float = 5.0
 
 
-pieces = Pieces()
+preprocessing = Preprocessing()
 
 
 @contextlib.contextmanager
 def pieces_of(megabytes: float | None):
     """Texts read in pieces of `megabytes` (None: the default) within the block."""
-    held = pieces.characters
-    pieces.characters = max(1, int(megabytes * 2**20)) if megabytes else held
+    held = preprocessing.piece_characters
+    preprocessing.piece_characters = max(1, int(megabytes * 2**20)) if megabytes else held
     try:
         yield
     finally:
-        pieces.characters = held
+        preprocessing.piece_characters = held
 
 
 @dataclass
@@ -427,8 +431,8 @@ read_progress = ReadProgress()
 
 
 def stream_batches(stream, columns) -> Iterator[dict]:
-    """The rows of a stream as {column: values}, TEXTS_PER_BATCH rows or a piece (pieces.characters) of `columns`'
-    text at a time, whichever comes first: a stream of a few long documents, read pass after pass without end
+    """The rows of a stream as {column: values}, TEXTS_PER_BATCH rows or a piece (Preprocessing) of `columns`' text at
+    a time, whichever comes first: a stream of a few long documents, read pass after pass without end
     (flax_lm.data.loading.streaming_train_batches), is then tokenized a pass or so at a time, not a thousand
     documents at once."""
 
@@ -440,7 +444,7 @@ def stream_batches(stream, columns) -> Iterator[dict]:
     for row in stream:
         rows.append(row)
         characters += sum(len(row[column]) for column in columns if isinstance(row.get(column), str))
-        if len(rows) == TEXTS_PER_BATCH or characters >= pieces.characters:
+        if len(rows) == TEXTS_PER_BATCH or characters >= preprocessing.piece_characters:
             yield batch(rows)
             rows, characters = [], 0
     if rows:
@@ -449,7 +453,7 @@ def stream_batches(stream, columns) -> Iterator[dict]:
 
 def column_batches(dataset, columns, split: str, column_flag: str | None = None) -> Iterator[dict]:
     """The rows of a dataset or a stream in order, as {column: values}, TEXTS_PER_BATCH rows or a piece of text
-    (pieces.characters, --preprocessing_piece_mb) at a time, whichever comes first; a row larger than a piece alone.
+    (Preprocessing, --preprocessing_piece_mb) at a time, whichever comes first; a row larger than a piece alone.
     Of `columns` only where a dataset can leave the others unread. A file the reader cannot parse, or a missing
     column (with the flag that names it, `column_flag`), ends the command in one line."""
     if isinstance(dataset, datasets.Dataset):
@@ -487,7 +491,9 @@ def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
                 sizes += pyarrow.compute.binary_length(column).fill_null(0).to_numpy()
         start = 0
         while start < table.num_rows:
-            stop = start + max(1, int(np.searchsorted(np.cumsum(sizes[start:]), pieces.characters, "right")))
+            stop = start + max(
+                1, int(np.searchsorted(np.cumsum(sizes[start:]), preprocessing.piece_characters, "right"))
+            )
             read_progress.add(int(sizes[start:stop].sum()), stop - start)
             yield table.slice(start, stop - start).to_pydict()
             start = stop
@@ -587,15 +593,15 @@ def encode_documents(backend, around: tuple, cut_long_texts: bool, piece: tuple)
 def document_pieces(batches: Iterable[list[str]], cut_long_texts: bool) -> Iterator[tuple[list[str], bool, bool]]:
     """The texts of `batches` (column_batches: a piece or less of text each, or one longer text) as pieces to encode
     apart: (texts, whether the first continues a document of the piece before, whether the last goes on in the
-    next). A text longer than a piece is cut where text_pieces cuts it into pieces of about pieces.characters, where
-    cutting keeps the tokens (`cut_long_texts`); otherwise it is encoded whole."""
+    next). A text longer than a piece is cut where text_pieces cuts it into pieces of about a piece (Preprocessing),
+    where cutting keeps the tokens (`cut_long_texts`); otherwise it is encoded whole."""
     for texts in batches:
-        if not (cut_long_texts and len(texts) == 1 and len(texts[0]) > pieces.characters):
+        if not (cut_long_texts and len(texts) == 1 and len(texts[0]) > preprocessing.piece_characters):
             yield texts, False, False
             continue
         group, size, started = [], 0, False  # text pieces of the document that make one piece to encode
         for text_piece in lazy_text_pieces(texts[0]):
-            if size >= pieces.characters:
+            if size >= preprocessing.piece_characters:
                 yield ["".join(group)], started, True
                 group, size, started = [], 0, True
             group.append(text_piece)
@@ -617,11 +623,6 @@ def ids_around_documents(tokenizer) -> tuple[list[int], list[int]]:
     return before, after
 
 
-# With --preprocessing_num_workers left unset, texts are tokenized here first, and by that many worker processes
-# once it has taken this long: a small corpus never waits for processes to start.
-SECONDS_BEFORE_WORKERS = 5.0
-
-
 def available_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -630,15 +631,16 @@ def available_cores() -> int:
 def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterator:
     """function(item) for each item, in order: here with num_workers 1, or in that many worker processes, a few
     items per worker in flight; with None (the default), as many as there are cores, started only after
-    SECONDS_BEFORE_WORKERS of work here. The order of results never depends on the number of workers. The workers
-    are spawned, not forked: JAX's runtime is multithreaded, and a forked copy of it can deadlock."""
+    Preprocessing.seconds_before_workers of work here. The order of results never depends on the number of
+    workers. The workers are spawned, not forked: JAX's runtime is multithreaded, and a forked copy of it can
+    deadlock."""
     items = iter(items)
     if num_workers is None:
         num_workers, started = available_cores(), time.monotonic()
         if num_workers > 1:  # here until the work has lasted long enough to be worth starting the workers
             for item in items:
                 yield function(item)
-                if time.monotonic() - started > SECONDS_BEFORE_WORKERS:
+                if time.monotonic() - started > preprocessing.seconds_before_workers:
                     break
             else:
                 return
@@ -646,7 +648,9 @@ def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterat
         yield from map(function, items)
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(num_workers, initializer=set_worker_function, initargs=(function,)) as pool:
+    with script_left_unimported(function):
+        pool = context.Pool(num_workers, initializer=set_worker_function, initargs=(function,))
+    with pool:
         in_flight = collections.deque()
         for item in items:
             in_flight.append(pool.apply_async(call_worker_function, (item,)))
@@ -654,6 +658,26 @@ def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterat
                 yield in_flight.popleft().get()
         while in_flight:
             yield in_flight.popleft().get()
+
+
+@contextlib.contextmanager
+def script_left_unimported(function):
+    """Within the block, processes are spawned without importing the running script (which `multiprocessing` does,
+    to find what it sends them): the script's imports (JAX, Flax, transformers) would cost each worker seconds and
+    hundreds of megabytes. Not where `function` is the script's own (run_mlm_flax.py's encode_lines): its workers need
+    it."""
+    main = sys.modules["__main__"]
+    inner = function.func if isinstance(function, partial) else function
+    if getattr(inner, "__module__", "__main__") == "__main__":
+        yield
+        return
+    held = {name: vars(main)[name] for name in ("__file__", "__spec__") if name in vars(main)}
+    main.__spec__ = None
+    vars(main).pop("__file__", None)
+    try:
+        yield
+    finally:
+        vars(main).update(held)
 
 
 def set_worker_function(function):
