@@ -9,7 +9,8 @@ files again under other names for sizes beyond them) and each number of workers 
         --preprocessing_num_workers N --block_size 128
 
 in a fresh process with fresh caches (the conversion `datasets` makes of the files included) and reports the
-seconds, megabytes of text a second, the peak memory of the whole process tree (the sum of the resident sizes of
+seconds, megabytes of text a second (of the whole command, and of the tokenizing and packing alone, as
+its log says), the peak memory of the whole process tree (the sum of the resident sizes of
 the script and its workers, sampled four times a second; /usr/bin/time's figure is one process's alone) and the
 disk the packed corpus and `datasets`' conversion take. Beside it, the rate of `encode_batch` in one process
 (tokenizers' own threads, pieces of --piece_mb) over the first 20 MB of the same files, measured before each
@@ -25,6 +26,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,15 +56,17 @@ def corpus_files(shards: list[str], megabytes: float, directory: str) -> list[st
     return files
 
 
-def tree_rss(process: psutil.Process) -> int:
-    """The resident bytes of a process and all its descendants."""
-    total = 0
+def tree_rss(process: psutil.Process) -> tuple[int, int]:
+    """The resident bytes of a process and all its descendants, and those of them not backed by a file (resident
+    pages of memory-mapped files, such as `datasets`' Arrow files, are page cache the kernel takes back as needed)."""
+    total = anonymous = 0
     for member in [process, *process.children(recursive=True)]:
         try:
-            total += member.memory_info().rss
+            memory = member.memory_info()
         except psutil.NoSuchProcess:
-            pass
-    return total
+            continue
+        total, anonymous = total + memory.rss, anonymous + memory.rss - memory.shared
+    return total, anonymous
 
 
 def directory_bytes(path: str) -> int:
@@ -84,16 +88,21 @@ def pack(files: list[str], tokenizer: str, workers: int, scratch: str, piece_mb:
     started = time.monotonic()
     with open(os.path.join(scratch, "log.txt"), "w") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
-        process, peak = psutil.Process(child.pid), 0
+        process, peak, peak_anonymous = psutil.Process(child.pid), 0, 0
         while child.poll() is None:
-            peak = max(peak, tree_rss(process))
+            resident, anonymous = tree_rss(process)
+            peak, peak_anonymous = max(peak, resident), max(peak_anonymous, anonymous)
             time.sleep(0.25)
     seconds = time.monotonic() - started
     if child.returncode != 0:
         raise SystemExit(f"packing failed; see {os.path.join(scratch, 'log.txt')}")
+    with open(os.path.join(scratch, "log.txt")) as log:
+        done = re.findall(r"Packed train: .*\(([\d.]+) MB/s\)", log.read())
     return {
         "seconds": seconds,
+        "packing_mb_per_s": float(done[-1]) if done else None,  # the tokenizing and packing alone, as logged
         "peak_memory_mb": peak / 1e6,
+        "peak_anonymous_memory_mb": peak_anonymous / 1e6,
         "packed_mb": directory_bytes(packed) / 1e6,
         "datasets_cache_mb": directory_bytes(cache) / 1e6,
     }
@@ -144,9 +153,11 @@ def main():
                 run["mb_per_s"] = text_mb / run["seconds"]
                 results.append(run)
                 print(
-                    f"{text_mb:.0f} MB, {workers} worker(s): {run['seconds']:.0f} s, {run['mb_per_s']:.2f} MB/s, "
-                    f"peak memory {run['peak_memory_mb']:.0f} MB, packed {run['packed_mb']:.0f} MB, datasets' "
-                    f"conversion {run['datasets_cache_mb']:.0f} MB (load {load:.1f} at the start)",
+                    f"{text_mb:.0f} MB, {workers} worker(s): {run['seconds']:.0f} s, {run['mb_per_s']:.2f} MB/s "
+                    f"({run['packing_mb_per_s']} MB/s tokenizing and packing), peak memory "
+                    f"{run['peak_memory_mb']:.0f} MB ({run['peak_anonymous_memory_mb']:.0f} MB not file-backed), "
+                    f"packed {run['packed_mb']:.0f} MB, datasets' conversion {run['datasets_cache_mb']:.0f} MB "
+                    f"(load {load:.1f} at the start)",
                     flush=True,
                 )
     if args.json:

@@ -459,6 +459,18 @@ def test_the_packed_corpus_is_the_same_whatever_the_piece_size(tokenizer, tmp_pa
     assert len(cache_keys) == 1  # the token cache is the same too
 
 
+def test_packing_without_a_terminal_logs_its_progress_and_the_time_left(monkeypatch, caplog):
+    monkeypatch.setattr(flax_lm.data.packed, "PROGRESS_LOG_SECONDS", 0)
+    caplog.set_level("INFO", logger="flax_lm.data.packed")
+    progress = flax_lm.data.packed.PackingProgress("train", total_megabytes=40.0)  # pytest's output is no terminal
+    flax_lm.data.texts.read_progress.add(10_000_000, 3)
+    progress.update(1000)
+    progress.close()
+    assert re.search(r"Packing train: 10.0 of 40.0 MB of text read \([\d.]+ MB/s\), 3 texts, 1,000 rows written, "
+                     r"about \d+:\d\d:\d\d left", caplog.text)  # fmt: skip
+    assert re.search(r"Packed train: 10.0 MB of text \([\d.]+ MB/s\), 3 texts, 1,000 rows in", caplog.text)
+
+
 def test_a_packing_run_killed_halfway_goes_on_from_its_finished_shards(tmp_path, monkeypatch):
     def blocks(stop_after=None):
         for number in range(10):  # 10 arrays of 3 rows: 30 rows, shards of 4 rows

@@ -430,8 +430,10 @@ class PackingProgress:
         self.rows = 0
         self.started = self.logged = time.monotonic()
         read_progress.reset()
+        shape = "{l_bar}{bar}| {n:.1f}/{total_fmt} MB [{elapsed}<{remaining}, " if total_megabytes else "{desc}: "
+        shape += "{n:.1f} MB [{elapsed}, " if not total_megabytes else ""
         self.bar = tqdm(desc=f"Packing {split}", total=total_megabytes, unit=" MB", disable=None)
-        self.bar.bar_format = "{l_bar}{bar}| {n:.1f}/{total_fmt} MB [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+        self.bar.bar_format = shape + "{rate_fmt}{postfix}]"
 
     def update(self, rows: int):
         self.rows += rows
@@ -456,7 +458,16 @@ class PackingProgress:
 
     def close(self):
         self.bar.close()
-        logger.info("%s", self.line().replace(" left", " left (done)"))
+        megabytes, seconds = read_progress.characters / 1e6, time.monotonic() - self.started
+        logger.info(
+            "Packed %s: %s MB of text (%.2f MB/s), %s texts, %s rows in %s",
+            self.split,
+            f"{megabytes:,.1f}",
+            megabytes / max(seconds, 1e-9),
+            f"{read_progress.texts:,}",
+            f"{self.rows:,}",
+            datetime.timedelta(seconds=round(seconds)),
+        )
 
 
 def pack_texts(
