@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -88,6 +89,14 @@ def packed_description(tokenizer, block_size: int, framing: str, source: dict) -
     }
 
 
+def release_written_pages(shard: np.memmap):
+    """Write what was filled into the shard's memory map out to its file and let go of the pages: the kernel keeps
+    them as cache, but they no longer count to the process's memory (up to a shard, 512 MiB by default)."""
+    shard.flush()
+    with contextlib.suppress(AttributeError, OSError):  # madvise: Linux and macOS
+        shard._mmap.madvise(mmap.MADV_DONTNEED)
+
+
 def write_packed_split(
     blocks: Iterable[np.ndarray],
     directory: str,
@@ -147,6 +156,7 @@ def write_packed_split(
             count = min(blocks_per_shard - filled, len(block_array) - start)
             shard[filled : filled + count] = block_array[start : start + count]
             filled, start, num_blocks = filled + count, start + count, num_blocks + count
+            release_written_pages(shard)
             if filled == blocks_per_shard:
                 finish_shard()
                 shard = None
