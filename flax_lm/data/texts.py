@@ -3,10 +3,12 @@ stream) and turning them into token ids, in worker processes if asked."""
 
 import collections
 import contextlib
+import ctypes
 import glob
 import itertools
 import json
 import logging
+import mmap
 import multiprocessing
 import os
 import re
@@ -506,8 +508,53 @@ def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
                 1, int(np.searchsorted(np.cumsum(sizes[start:]), preprocessing.piece_characters, "right"))
             )
             read_progress.add(int(sizes[start:stop].sum()), stop - start)
-            yield table.slice(start, stop - start).to_pydict()
+            piece = table.slice(start, stop - start)
+            yield piece.to_pydict()
+            if dataset.cache_files:
+                page_out_texts(piece)
             start = stop
+
+
+def page_out_texts(table: pyarrow.Table):
+    """Let the kernel take back the pages of memory-mapped Arrow files that hold the texts of `table`, read once
+    and not needed again: resident pages of a mapped file count to the process's memory, which would otherwise grow
+    by the size of the corpus as it is read. The whole pages inside the texts' bytes only (a page shared with the
+    next texts stays); the data stay in the file. Linux's MADV_PAGEOUT; elsewhere nothing is done."""
+    if libc_madvise is None:
+        return
+    for column in table.itercolumns():
+        if not (pyarrow.types.is_string(column.type) or pyarrow.types.is_large_string(column.type)):
+            continue
+        for chunk in column.chunks:
+            data = chunk.buffers()[2]
+            if data is None or len(chunk) == 0:
+                continue
+            width = np.int64 if pyarrow.types.is_large_string(chunk.type) else np.int32
+            offsets = np.frombuffer(chunk.buffers()[1], width)
+            first, last = int(offsets[chunk.offset]), int(offsets[chunk.offset + len(chunk)])
+            start = -(-(data.address + first) // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (data.address + last) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                libc_madvise(start, end - start, MADV_PAGEOUT)
+
+
+# Linux's value (5.4 on), which Python's mmap module names only from 3.13.
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform == "linux" else None)
+
+
+def find_madvise():
+    """libc's madvise where the kernel has MADV_PAGEOUT, else None (an older kernel refuses it: nothing is done)."""
+    if MADV_PAGEOUT is None:
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+libc_madvise = find_madvise()
 
 
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
