@@ -90,9 +90,9 @@ def packed_description(tokenizer, block_size: int, framing: str, source: dict) -
 
 
 def release_written_pages(shard: np.memmap):
-    """Write what was filled into the shard's memory map out to its file and let go of the pages: the kernel keeps
-    them as cache, but they no longer count to the process's memory (up to a shard, 512 MiB by default)."""
-    shard.flush()
+    """Let go of the pages filled in the shard's memory map: the kernel keeps them, written or still to write, as
+    the file's cache (the mapping is shared: nothing written is lost), but they no longer count to the process's
+    memory (up to a shard, 512 MiB by default). Not written out here: that would wait for the disk at every array."""
     with contextlib.suppress(AttributeError, OSError):  # madvise: Linux and macOS
         shard._mmap.madvise(mmap.MADV_DONTNEED)
 
