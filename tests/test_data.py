@@ -22,6 +22,7 @@ import flax_lm.data.cache_key
 import flax_lm.data.data_files
 import flax_lm.data.loading
 import flax_lm.data.packed
+import flax_lm.data.pieces
 import flax_lm.data.text_stream
 import flax_lm.data.texts
 import flax_lm.devices.processes
@@ -427,7 +428,7 @@ def test_tokenizing_in_worker_processes_gives_the_same_tokens_without_forking_ja
     )
     document = (CORPUS / "train.txt").read_text()  # one long document, cut across pieces of 8 KB
     documents = datasets.Dataset.from_dict({"text": ["A first short text.", document, "A last one."]})
-    with warnings.catch_warnings(record=True) as caught, flax_lm.data.texts.pieces_of(2**13 / 2**20):
+    with warnings.catch_warnings(record=True) as caught, flax_lm.data.pieces.pieces_of(2**13 / 2**20):
         warnings.simplefilter("always")
         in_workers = [list(flax_lm.data.texts.token_arrays(data, tokenizer, "text", num_workers=2)) for data in
                       (lines, documents)]  # fmt: skip
@@ -448,7 +449,7 @@ def test_the_packed_corpus_is_the_same_whatever_the_piece_size(tokenizer, tmp_pa
     shards, cache_keys = [], set()
     for megabytes in (2**12 / 2**20, 1.0):  # pieces of 4 KB (dozens to the corpus), and one piece
         directory = tmp_path / str(megabytes)
-        with flax_lm.data.texts.pieces_of(megabytes):
+        with flax_lm.data.pieces.pieces_of(megabytes):
             cache_keys.add(flax_lm.data.cache_key.function_code_fingerprint(run_clm_flax.tokenized_rows))
             flax_lm.data.packed.pack_texts(
                 str(directory), {"train": documents}, run_clm_flax.tokenized_rows, tokenizer, 32, {"block_size": 32},
@@ -460,10 +461,10 @@ def test_the_packed_corpus_is_the_same_whatever_the_piece_size(tokenizer, tmp_pa
 
 
 def test_packing_without_a_terminal_logs_its_progress_and_the_time_left(monkeypatch, caplog):
-    monkeypatch.setattr(flax_lm.data.packed, "PROGRESS_LOG_SECONDS", 0)
-    caplog.set_level("INFO", logger="flax_lm.data.packed")
-    progress = flax_lm.data.packed.PackingProgress("train", total_megabytes=40.0)  # pytest's output is no terminal
-    flax_lm.data.texts.read_progress.add(10_000_000, 3)
+    monkeypatch.setattr(flax_lm.data.pieces, "PROGRESS_LOG_SECONDS", 0)
+    caplog.set_level("INFO", logger="flax_lm.data.pieces")
+    progress = flax_lm.data.pieces.PackingProgress("train", total_megabytes=40.0)  # pytest's output is no terminal
+    flax_lm.data.pieces.read_progress.add(10_000_000, 3)
     progress.update(1000)
     progress.close()
     assert re.search(r"Packing train: 10.0 of 40.0 MB of text read \([\d.]+ MB/s\), 3 texts, 1,000 rows written, "

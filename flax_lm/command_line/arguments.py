@@ -168,19 +168,11 @@ class DataArguments:
     )
     preprocessing_num_workers: int | None = field(
         default=None,
-        metadata={
-            "help": "Processes that tokenize the texts, spawned (a forked copy of JAX's threads can deadlock); by "
-            "default as many as the machine has cores, started once tokenizing has taken a few seconds. The rows are "
-            "the same for any number. Not for a stream tokenized while training."
-        },
+        metadata={"help": "Processes that tokenize the texts (spawned); by default one a core, after a few seconds"},
     )
     preprocessing_piece_mb: float = field(
         default=1.0,
-        metadata={
-            "help": "Texts are read, tokenized and packed this many megabytes at a time: memory holds a few pieces "
-            "per worker whatever the size of the corpus (about 100 MB per megabyte, docs/scaling.md). Any size "
-            "gives the same rows."
-        },
+        metadata={"help": "Megabytes of text tokenized at a time; memory holds a few a worker (docs/scaling.md)"},
     )
     text_sample_by: str | None = field(
         default=None,

@@ -17,8 +17,9 @@ import numpy as np
 from flax_lm.data.finetune_examples import data_format, example_framing
 from flax_lm.data.mixture import Mixture, read_mixture, source_texts, warn_of_validation_files_trained_on
 from flax_lm.data.packed import PACKED_TOKENS_PER_SHARD, cached_blocks, load_packed_corpus
+from flax_lm.data.pieces import pieces_of
 from flax_lm.data.source import TextSource
-from flax_lm.data.texts import check_tokenizer_encodes, pieces_of, warn_of_files_in_both_splits
+from flax_lm.data.texts import check_tokenizer_encodes, warn_of_files_in_both_splits
 from flax_lm.devices.mesh import prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, naming_a_full_disk

@@ -3,7 +3,6 @@ rows it needs. The token cache under --cache_dir and --packed_data_dir are both 
 
 import contextlib
 import copy
-import datetime
 import functools
 import hashlib
 import json
@@ -18,16 +17,13 @@ from collections.abc import Iterable
 import datasets
 import jax
 import numpy as np
-import pyarrow
-import pyarrow.compute
-from tqdm.auto import tqdm
 
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.chat import chat_template_of
 from flax_lm.data.data_files import data_file_patterns
 from flax_lm.data.finetune_examples import recorded_example_format
+from flax_lm.data.pieces import PackingProgress, text_megabytes
 from flax_lm.data.source import TextSource
-from flax_lm.data.texts import read_progress
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, check_writable_directory
 from flax_lm.run.checksums import file_checksum
@@ -415,69 +411,6 @@ def remove_stale_temporary_files(cache_dir: str):
             else:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(entry.path)
-
-
-# Without a terminal for the progress bar (a batch job's log), packing logs its progress this often instead.
-PROGRESS_LOG_SECONDS = 60
-
-
-def text_megabytes(dataset, column: str) -> float | None:
-    """The megabytes of text in `column` of a dataset, read from the Arrow offsets alone (the texts stay unread);
-    None for a stream, or data without that column (examples), whose size is not known before reading it."""
-    if not isinstance(dataset, datasets.Dataset) or column not in (dataset.column_names or []):
-        return None
-    lengths = pyarrow.compute.binary_length(dataset.data.column(column))
-    return (pyarrow.compute.sum(lengths).as_py() or 0) / 1e6
-
-
-class PackingProgress:
-    """The progress of packing one split, on a bar (tqdm) or, without a terminal, in the log every
-    PROGRESS_LOG_SECONDS: megabytes of text read (of how many, when known) and their rate, texts, rows written and
-    the time left."""
-
-    def __init__(self, split: str, total_megabytes: float | None):
-        self.split, self.total = split, total_megabytes
-        self.rows = 0
-        self.started = self.logged = time.monotonic()
-        read_progress.reset()
-        shape = "{l_bar}{bar}| {n:.1f}/{total_fmt} MB [{elapsed}<{remaining}, " if total_megabytes else "{desc}: "
-        shape += "{n:.1f} MB [{elapsed}, " if not total_megabytes else ""
-        self.bar = tqdm(desc=f"Packing {split}", total=total_megabytes, unit=" MB", disable=None)
-        self.bar.bar_format = shape + "{rate_fmt}{postfix}]"
-
-    def update(self, rows: int):
-        self.rows += rows
-        megabytes = read_progress.characters / 1e6
-        self.bar.set_postfix_str(f"{read_progress.texts:,} texts, {self.rows:,} rows", refresh=False)
-        self.bar.update(megabytes - self.bar.n)
-        if self.bar.disable and time.monotonic() - self.logged >= PROGRESS_LOG_SECONDS:
-            self.logged = time.monotonic()
-            logger.info("%s", self.line())
-
-    def line(self) -> str:
-        megabytes, seconds = read_progress.characters / 1e6, time.monotonic() - self.started
-        rate = megabytes / max(seconds, 1e-9)
-        read = f"{megabytes:,.1f} of {self.total:,.1f} MB" if self.total else f"{megabytes:,.1f} MB"
-        left = ""
-        if self.total and rate > 0:
-            left = f", about {datetime.timedelta(seconds=round((self.total - megabytes) / rate))} left"
-        return (
-            f"Packing {self.split}: {read} of text read ({rate:.2f} MB/s), {read_progress.texts:,} texts, "
-            f"{self.rows:,} rows written{left}"
-        )
-
-    def close(self):
-        self.bar.close()
-        megabytes, seconds = read_progress.characters / 1e6, time.monotonic() - self.started
-        logger.info(
-            "Packed %s: %s MB of text (%.2f MB/s), %s texts, %s rows in %s",
-            self.split,
-            f"{megabytes:,.1f}",
-            megabytes / max(seconds, 1e-9),
-            f"{read_progress.texts:,}",
-            f"{self.rows:,}",
-            datetime.timedelta(seconds=round(seconds)),
-        )
 
 
 def pack_texts(

@@ -1,21 +1,13 @@
 """Reading texts (local files of several formats, a local dataset directory or a hub dataset; as a dataset or a
 stream) and turning them into token ids, in worker processes if asked."""
 
-import collections
-import contextlib
-import ctypes
 import glob
 import itertools
 import json
 import logging
-import mmap
-import multiprocessing
 import os
 import re
-import sys
-import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from functools import partial
 
 import datasets
@@ -34,6 +26,12 @@ from flax_lm.data.data_files import (
     folder_holds_text_files,
     is_saved_dataset,
     resolve_data_files,
+)
+from flax_lm.data.pieces import (
+    map_in_workers,
+    page_out_texts,
+    preprocessing,
+    read_progress,
 )
 from flax_lm.data.source import TextSource
 from flax_lm.errors import UsageError
@@ -399,50 +397,6 @@ def without_byte_order_marks(texts: list, where: str) -> list:
     return [text[1:] if isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) else text for text in texts]
 
 
-@dataclass
-class Preprocessing:
-    """How texts are tokenized: `piece_characters` of text are read, tokenized and packed at a time
-    (--preprocessing_piece_mb), so that memory holds a few pieces per worker process whatever the size of the corpus;
-    with --preprocessing_num_workers unset, worker processes start after `seconds_before_workers` of tokenizing here,
-    so that a small corpus never waits for them. Neither changes the tokens, so both are held here rather than in
-    constants, which the token cache's key (flax_lm.data.cache_key) follows."""
-
-    piece_characters: int = 2**20
-    seconds_before_workers: float = 5.0
-
-
-preprocessing = Preprocessing()
-
-
-@contextlib.contextmanager
-def pieces_of(megabytes: float | None):
-    """Texts read in pieces of `megabytes` (None: the default) within the block."""
-    held = preprocessing.piece_characters
-    preprocessing.piece_characters = max(1, int(megabytes * 2**20)) if megabytes else held
-    try:
-        yield
-    finally:
-        preprocessing.piece_characters = held
-
-
-@dataclass
-class ReadProgress:
-    """How much text the readers have handed on since `reset`: what the progress of packing shows."""
-
-    characters: int = 0
-    texts: int = 0
-
-    def add(self, characters: int, texts: int):
-        self.characters += characters
-        self.texts += texts
-
-    def reset(self):
-        self.characters = self.texts = 0
-
-
-read_progress = ReadProgress()
-
-
 def stream_batches(stream, columns) -> Iterator[dict]:
     """The rows of a stream as {column: values}, TEXTS_PER_BATCH rows or a piece (Preprocessing) of `columns`' text at
     a time, whichever comes first: a stream of a few long documents, read pass after pass without end
@@ -513,48 +467,6 @@ def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
             if dataset.cache_files:
                 page_out_texts(piece)
             start = stop
-
-
-def page_out_texts(table: pyarrow.Table):
-    """Let the kernel take back the pages of memory-mapped Arrow files that hold the texts of `table`, read once
-    and not needed again: resident pages of a mapped file count to the process's memory, which would otherwise grow
-    by the size of the corpus as it is read. The whole pages inside the texts' bytes only (a page shared with the
-    next texts stays); the data stay in the file. Linux's MADV_PAGEOUT; elsewhere nothing is done."""
-    if libc_madvise is None:
-        return
-    for column in table.itercolumns():
-        if not (pyarrow.types.is_string(column.type) or pyarrow.types.is_large_string(column.type)):
-            continue
-        for chunk in column.chunks:
-            data = chunk.buffers()[2]
-            if data is None or len(chunk) == 0:
-                continue
-            width = np.int64 if pyarrow.types.is_large_string(chunk.type) else np.int32
-            offsets = np.frombuffer(chunk.buffers()[1], width)
-            first, last = int(offsets[chunk.offset]), int(offsets[chunk.offset + len(chunk)])
-            start = -(-(data.address + first) // mmap.PAGESIZE) * mmap.PAGESIZE
-            end = (data.address + last) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > start:
-                libc_madvise(start, end - start, MADV_PAGEOUT)
-
-
-# Linux's value (5.4 on), which Python's mmap module names only from 3.13.
-MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform == "linux" else None)
-
-
-def find_madvise():
-    """libc's madvise where the kernel has MADV_PAGEOUT, else None (an older kernel refuses it: nothing is done)."""
-    if MADV_PAGEOUT is None:
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise
-
-
-libc_madvise = find_madvise()
 
 
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
@@ -679,75 +591,6 @@ def ids_around_documents(tokenizer) -> tuple[list[int], list[int]]:
     if not after or after[-1] != tokenizer.eos_token_id:
         after = after + [tokenizer.eos_token_id]
     return before, after
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterator:
-    """function(item) for each item, in order: here with num_workers 1, or in that many worker processes, a few
-    items per worker in flight; with None (the default), as many as there are cores, started only after
-    Preprocessing.seconds_before_workers of work here. The order of results never depends on the number of
-    workers. The workers are spawned, not forked: JAX's runtime is multithreaded, and a forked copy of it can
-    deadlock."""
-    items = iter(items)
-    if num_workers is None:
-        num_workers, started = available_cores(), time.monotonic()
-        if num_workers > 1:  # here until the work has lasted long enough to be worth starting the workers
-            for item in items:
-                yield function(item)
-                if time.monotonic() - started > preprocessing.seconds_before_workers:
-                    break
-            else:
-                return
-    if num_workers < 2:
-        yield from map(function, items)
-        return
-    context = multiprocessing.get_context("spawn")
-    with script_left_unimported(function):
-        pool = context.Pool(num_workers, initializer=set_worker_function, initargs=(function,))
-    with pool:
-        in_flight = collections.deque()
-        for item in items:
-            in_flight.append(pool.apply_async(call_worker_function, (item,)))
-            if len(in_flight) > 2 * num_workers:
-                yield in_flight.popleft().get()
-        while in_flight:
-            yield in_flight.popleft().get()
-
-
-@contextlib.contextmanager
-def script_left_unimported(function):
-    """Within the block, processes are spawned without importing the running script (which `multiprocessing` does,
-    to find what it sends them): the script's imports (JAX, Flax, transformers) would cost each worker seconds and
-    hundreds of megabytes. Not where `function` is the script's own (run_mlm_flax.py's encode_lines): its workers need
-    it."""
-    main = sys.modules["__main__"]
-    inner = function.func if isinstance(function, partial) else function
-    if getattr(inner, "__module__", "__main__") == "__main__":
-        yield
-        return
-    held = {name: vars(main)[name] for name in ("__file__", "__spec__") if name in vars(main)}
-    main.__spec__ = None
-    vars(main).pop("__file__", None)
-    try:
-        yield
-    finally:
-        vars(main).update(held)
-
-
-def set_worker_function(function):
-    """Runs once in each worker process: the function (the tokenizer with it) is sent once, not with every item.
-    Each worker encodes on one thread: the workers are the parallelism, one a core."""
-    global worker_function
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    worker_function = function
-
-
-def call_worker_function(item):
-    return worker_function(item)
 
 
 def token_arrays(
