@@ -18,9 +18,11 @@ from conftest import FIXTURES_DIR
 from test_clm import model_dir_with_config, run_clm_flax, scalars
 from transformers import AutoTokenizer
 
+import flax_lm.data.cache_key
 import flax_lm.data.data_files
 import flax_lm.data.loading
 import flax_lm.data.packed
+import flax_lm.data.pieces
 import flax_lm.data.text_stream
 import flax_lm.data.texts
 import flax_lm.devices.processes
@@ -420,16 +422,97 @@ def test_evaluation_alone_reads_and_tokenizes_only_the_validation_texts(tokenize
 def test_tokenizing_in_worker_processes_gives_the_same_tokens_without_forking_jax(tokenizer, tmp_path, monkeypatch):
     run_clm_flax.jax.devices()  # JAX's runtime and its threads are up, as in a run
     monkeypatch.setattr(flax_lm.data.texts, "TEXTS_PER_BATCH", 40)
-    dataset = datasets.load_dataset(
+    monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", 300)
+    lines = datasets.load_dataset(
         "text", data_files=str(CORPUS / "train.txt"), split="train", cache_dir=str(tmp_path / "cache")
     )
-    with warnings.catch_warnings(record=True) as caught:
+    document = (CORPUS / "train.txt").read_text()  # one long document, cut across pieces of 8 KB
+    documents = datasets.Dataset.from_dict({"text": ["A first short text.", document, "A last one."]})
+    with warnings.catch_warnings(record=True) as caught, flax_lm.data.pieces.pieces_of(2**13 / 2**20):
         warnings.simplefilter("always")
-        in_workers = list(flax_lm.data.texts.token_arrays(dataset, tokenizer, "text", num_workers=2))
+        in_workers = [list(flax_lm.data.texts.token_arrays(data, tokenizer, "text", num_workers=2)) for data in
+                      (lines, documents)]  # fmt: skip
+        here = [list(flax_lm.data.texts.token_arrays(data, tokenizer, "text", num_workers=1)) for data in
+                (lines, documents)]  # fmt: skip
     assert not [warning for warning in caught if "fork" in str(warning.message)], "a process was forked"
-    here = list(flax_lm.data.texts.token_arrays(dataset, tokenizer, "text"))
-    assert len(in_workers) == len(here) == 8
-    np.testing.assert_array_equal(np.concatenate(in_workers), np.concatenate(here))
+    assert len(in_workers[0]) == len(here[0]) > 8 and len(in_workers[1]) == len(here[1]) > 10
+    for arrays_in_workers, arrays_here in zip(in_workers, here):
+        np.testing.assert_array_equal(np.concatenate(arrays_in_workers), np.concatenate(arrays_here))
+    backend, eos = tokenizer.backend_tokenizer, [tokenizer.eos_token_id]
+    whole = [backend.encode(text, add_special_tokens=False).ids + eos for text in documents["text"]]
+    np.testing.assert_array_equal(np.concatenate(here[1]), np.concatenate(whole))
+
+
+def test_the_packed_corpus_is_the_same_whatever_the_piece_size(tokenizer, tmp_path):
+    documents = datasets.Dataset.from_dict({"text": [(CORPUS / "train.txt").read_text(), "A short text."] * 2})
+    source = TextSource(train_file="unused")
+    shards, cache_keys = [], set()
+    for megabytes in (2**12 / 2**20, 1.0):  # pieces of 4 KB (dozens to the corpus), and one piece
+        directory = tmp_path / str(megabytes)
+        with flax_lm.data.pieces.pieces_of(megabytes):
+            cache_keys.add(flax_lm.data.cache_key.function_code_fingerprint(run_clm_flax.tokenized_rows))
+            flax_lm.data.packed.pack_texts(
+                str(directory), {"train": documents}, run_clm_flax.tokenized_rows, tokenizer, 32, {"block_size": 32},
+                source, tokens_per_shard=32 * 100,
+            )  # fmt: skip
+        shards.append({path.name: path.read_bytes() for path in directory.glob("train-*.npy")})
+    assert len(shards[0]) > 2 and shards[0] == shards[1]
+    assert len(cache_keys) == 1  # the token cache is the same too
+
+
+def test_packing_without_a_terminal_logs_its_progress_and_the_time_left(monkeypatch, caplog):
+    monkeypatch.setattr(flax_lm.data.pieces, "PROGRESS_LOG_SECONDS", 0)
+    caplog.set_level("INFO", logger="flax_lm.data.pieces")
+    progress = flax_lm.data.pieces.PackingProgress("train", total_megabytes=40.0)  # pytest's output is no terminal
+    flax_lm.data.pieces.read_progress.add(10_000_000, 3)
+    progress.update(1000)
+    progress.close()
+    assert re.search(r"Packing train: 10.0 of 40.0 MB of text read \([\d.]+ MB/s\), 3 texts, 1,000 rows written, "
+                     r"about \d+:\d\d:\d\d left", caplog.text)  # fmt: skip
+    assert re.search(r"Packed train: 10.0 MB of text \([\d.]+ MB/s\), 3 texts, 1,000 rows in", caplog.text)
+
+
+def test_a_packing_run_killed_halfway_goes_on_from_its_finished_shards(tmp_path, monkeypatch):
+    def blocks(stop_after=None):
+        for number in range(10):  # 10 arrays of 3 rows: 30 rows, shards of 4 rows
+            if number == stop_after:
+                raise KeyboardInterrupt  # killed while shard 2 is half written
+            yield np.arange(number * 96, (number + 1) * 96, dtype=np.int32).reshape(3, 32)
+
+    def write(directory, rows, resume_key="texts"):
+        return flax_lm.data.packed.write_packed_corpus(
+            str(directory), {"train": rows}, {"block_size": 32}, np.uint16, 32 * 4, resume_key
+        )
+
+    uninterrupted = write(tmp_path / "whole", blocks())
+    with pytest.raises(KeyboardInterrupt):
+        write(tmp_path / "packed", blocks(stop_after=3))
+    names = sorted(os.listdir(tmp_path / "packed"))
+    assert names[:4] == [
+        "packing.json",
+        "train-00000.npy",
+        "train-00001.npy",
+        f"train-00002.npy.{os.getpid()}.tmp.npy",
+    ]
+    (tmp_path / "packed" / "train-00002.npy").write_bytes(b"half written")  # as if renamed, never recorded
+    finished = {name: os.stat(tmp_path / "packed" / name).st_mtime_ns for name in names[1:3]}
+    written = []
+    monkeypatch.setattr(flax_lm.data.packed.np.lib.format, "open_memmap", lambda *a, **k: written.append(a[0]) or
+                        real_open_memmap(*a, **k))  # fmt: skip
+    index = write(tmp_path / "packed", blocks())
+    assert len(written) == 8 - 2 and not any("00000" in path or "00001" in path for path in written)
+    assert {name: os.stat(tmp_path / "packed" / name).st_mtime_ns for name in finished} == finished
+    assert sorted(os.listdir(tmp_path / "packed")) == sorted(os.listdir(tmp_path / "whole"))  # no manifest left
+    assert index == uninterrupted
+    for name in os.listdir(tmp_path / "whole"):
+        assert (tmp_path / "packed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+    with pytest.raises(KeyboardInterrupt):  # other texts: nothing of the interrupted write is kept
+        write(tmp_path / "other", blocks(stop_after=3))
+    write(tmp_path / "other", (rows + 1 for rows in blocks()), resume_key="other texts")
+    assert np.load(tmp_path / "other" / "train-00000.npy")[0, 0] == 1
+
+
+real_open_memmap = np.lib.format.open_memmap
 
 
 def test_an_unknown_dataset_config_is_named_in_the_message(tmp_path):

@@ -342,7 +342,7 @@ def test_the_token_cache_key_covers_the_package_code_that_makes_tokens_and_nothi
     assert function_code_fingerprint(run_clm_flax.tokenized_rows) == key
     # An edit of flax_lm.data.texts that changes the tokens changes the key; one of code that makes no tokens does not.
     edits = {
-        "tokens": {"token_lists = [before + ids + after for ids": "token_lists = [before + ids[::-1] + after for ids"},
+        "tokens": {"else []) + ids + (after": "else []) + ids[::-1] + (after"},
         "no tokens": {'raise UsageError(f"cannot load the dataset: {error}")': 'raise UsageError("no dataset")'},
     }
     for edit, replacements in edits.items():

@@ -174,10 +174,11 @@ class DataArguments:
     )
     preprocessing_num_workers: int | None = field(
         default=None,
-        metadata={
-            "help": "Processes that tokenize the texts, spawned (a forked copy of JAX's threads can deadlock); not "
-            "for a stream tokenized while training."
-        },
+        metadata={"help": "Processes that tokenize the texts (spawned); by default one a core, after a few seconds"},
+    )
+    preprocessing_piece_mb: float = field(
+        default=1.0,
+        metadata={"help": "Megabytes of text tokenized at a time; memory holds a few a worker (docs/scaling.md)"},
     )
     text_sample_by: str | None = field(
         default=None,
@@ -243,7 +244,7 @@ class DataArguments:
     def data_route(self, model_args, training_args) -> DataRoute:
         """Which route the rows take and what the run keeps of them, as flax_lm.data.loading.load_data takes it."""
         names = ("data_mixture", "packed_data_dir", "streaming", "validation_split_percentage", "max_train_samples")
-        names += ("max_eval_samples", "overwrite_cache", "packed_tokens_per_shard")
+        names += ("max_eval_samples", "overwrite_cache", "packed_tokens_per_shard", "preprocessing_piece_mb")
         values = {name: getattr(self, name) for name in names}
         return DataRoute(self.text_source(model_args), training_args.do_train, training_args.do_eval, **values)
 
@@ -672,6 +673,7 @@ def check_numeric_arguments(argument_groups, **script_ranges):
         "max_train_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "max_eval_samples": (lambda value: value is None or value >= 1, "must be at least 1; leave it out for all"),
         "preprocessing_num_workers": (lambda value: value is None or value >= 1, "must be at least 1"),
+        "preprocessing_piece_mb": (lambda value: value > 0, "must be positive"),
         "validation_split_percentage": (lambda value: 0 <= value < 100, "must be between 0 (none) and 99"),
         "shuffle_buffer_size": (lambda value: value >= 0, "must be 0 (the stream's order) or more"),
         "packed_tokens_per_shard": at_least_1,

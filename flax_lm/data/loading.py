@@ -17,6 +17,7 @@ import numpy as np
 from flax_lm.data.finetune_examples import data_format, example_framing
 from flax_lm.data.mixture import Mixture, read_mixture, source_texts, warn_of_validation_files_trained_on
 from flax_lm.data.packed import PACKED_TOKENS_PER_SHARD, cached_blocks, load_packed_corpus
+from flax_lm.data.pieces import pieces_of
 from flax_lm.data.source import TextSource
 from flax_lm.data.texts import check_tokenizer_encodes, warn_of_files_in_both_splits
 from flax_lm.devices.mesh import prefetch, process_slice, to_global_batch
@@ -202,6 +203,7 @@ class DataRoute:
     max_eval_samples: int | None = None
     overwrite_cache: bool = False
     packed_tokens_per_shard: int = PACKED_TOKENS_PER_SHARD
+    preprocessing_piece_mb: float = 1.0
 
     def names_data(self) -> bool:
         """Whether the route names data to train or evaluate on."""
@@ -243,6 +245,12 @@ def load_data(route: DataRoute, texts_to_rows: TextsToRows) -> LoadedData:
     A route that names no data gives no rows (run_clm_flax.py --eval_tasks evaluates without)."""
     if not route.names_data():
         return LoadedData({}, None, None)
+    with pieces_of(route.preprocessing_piece_mb):
+        return load_rows(route, texts_to_rows)
+
+
+def load_rows(route: DataRoute, texts_to_rows: TextsToRows) -> LoadedData:
+    """load_data's rows, from whichever route the arguments name."""
     train_stream = None
     if route.data_mixture:
         return load_mixture(route, texts_to_rows)

@@ -7,20 +7,22 @@ import functools
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
 import time
 from collections.abc import Iterable
 
+import datasets
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.chat import chat_template_of
 from flax_lm.data.data_files import data_file_patterns
 from flax_lm.data.finetune_examples import recorded_example_format
+from flax_lm.data.pieces import PackingProgress, text_megabytes
 from flax_lm.data.source import TextSource
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, check_writable_directory
@@ -83,17 +85,36 @@ def packed_description(tokenizer, block_size: int, framing: str, source: dict) -
     }
 
 
-def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str, dtype, blocks_per_shard: int) -> dict:
+def release_written_pages(shard: np.memmap):
+    """Let go of the pages filled in the shard's memory map: the kernel keeps them, written or still to write, as
+    the file's cache (the mapping is shared: nothing written is lost), but they no longer count to the process's
+    memory (up to a shard, 512 MiB by default). Not written out here: that would wait for the disk at every array."""
+    with contextlib.suppress(AttributeError, OSError):  # madvise: Linux and macOS
+        shard._mmap.madvise(mmap.MADV_DONTNEED)
+
+
+def write_packed_split(
+    blocks: Iterable[np.ndarray],
+    directory: str,
+    split: str,
+    dtype,
+    blocks_per_shard: int,
+    finished: list[dict] = (),
+    on_shard=None,
+) -> dict:
     """Write the block arrays of one split (count, block_size), or (count, ..., block_size) for rows of several
     arrays (examples: token ids and loss weights), as shards of `blocks_per_shard` blocks (the last one may be
-    shorter) and return the split's entry of the index.
+    shorter) and return the split's entry of the index. `finished`: the entries of shards an interrupted run
+    wrote already, whose blocks (the first of `blocks`) are skipped rather than written again; `on_shard(entry)` is
+    told of each shard as it is finished.
 
     Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
     and written under a temporary name, then renamed. No shard is written for an empty split.
     """
     dtype = np.dtype(dtype)
     largest = np.iinfo(dtype).max
-    shards, shard, filled, num_blocks, row_shape = [], None, 0, 0, None
+    shards, shard, filled, row_shape = list(finished), None, 0, None
+    num_blocks = skip = sum(entry["num_blocks"] for entry in shards)
 
     def finish_shard():
         name = f"{split}-{len(shards):05d}.npy"
@@ -107,8 +128,14 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
         os.replace(written_path, os.path.join(directory, name))
         checksum = file_checksum(os.path.join(directory, name))
         shards.append({"file": name, "num_blocks": filled, "checksum": checksum})
+        if on_shard is not None:
+            on_shard(shards[-1])
 
     for block_array in blocks:
+        row_shape = list(block_array.shape[1:])
+        if skip:
+            skipped = min(skip, len(block_array))
+            block_array, skip = block_array[skipped:], skip - skipped
         if len(block_array) and (block_array.min() < 0 or block_array.max() > largest):
             raise ValueError(f"token ids outside the range of {dtype.name}; the packed corpus needs a wider dtype")
         start = 0
@@ -121,13 +148,16 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
                     dtype=dtype,
                     shape=(blocks_per_shard, *block_array.shape[1:]),
                 )
-                filled, row_shape = 0, list(block_array.shape[1:])
+                filled = 0
             count = min(blocks_per_shard - filled, len(block_array) - start)
             shard[filled : filled + count] = block_array[start : start + count]
             filled, start, num_blocks = filled + count, start + count, num_blocks + count
+            release_written_pages(shard)
             if filled == blocks_per_shard:
                 finish_shard()
                 shard = None
+    if skip:
+        raise ValueError(f"the {split} data makes fewer rows than the shards an interrupted run wrote of it")
     if shard is not None:
         finish_shard()
         del shard
@@ -137,30 +167,86 @@ def write_packed_split(blocks: Iterable[np.ndarray], directory: str, split: str,
     return entry
 
 
-def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int) -> dict:
+# While a packed corpus is written, the shards finished so far, and what they are shards of: a run interrupted
+# (even killed) goes on from them when run again on the same texts with the same code. Removed once the index is
+# written.
+PACKING_MANIFEST_FILE = "packing.json"
+
+
+def finished_shards(directory: str, plan: dict) -> dict[str, list[dict]]:
+    """{split: entries of the shards an interrupted write of the same `plan` finished}, each checked against the
+    checksum taken when it was written; only the unbroken run of good shards from the first is kept."""
+    try:
+        with open(os.path.join(directory, PACKING_MANIFEST_FILE)) as file:
+            manifest = json.load(file)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(manifest, dict) or manifest.get("plan") != plan:
+        return {}
+    finished = {}
+    for split, entries in manifest.get("finished", {}).items():
+        good = []
+        for entry in entries:
+            path = os.path.join(directory, entry["file"])
+            if not os.path.isfile(path) or file_checksum(path) != entry["checksum"]:
+                break
+            good.append(entry)
+        if good:
+            finished[split] = good
+    return finished
+
+
+def write_packed_corpus(
+    directory: str, splits: dict, description: dict, dtype, tokens_per_shard: int, resume_key: str | None = None
+) -> dict:
     """Pack each split's row arrays ({split: iterable of (count, block_size) arrays}) into `directory`, then write
     the index (with `description`, from packed_description) and return it.
 
     The index is removed first and written last, so an interrupted write leaves a directory that is
-    recognised as unfinished; shards left by an earlier unfinished write are replaced.
+    recognised as unfinished. With a `resume_key` (a fingerprint of the texts), the shards that an interrupted write
+    of the same texts, description and shard size finished are kept and their rows not written again
+    (PACKING_MANIFEST_FILE); every other shard or temporary file left by an earlier write is removed.
     """
     os.makedirs(directory, exist_ok=True)
     index_path = os.path.join(directory, PACKED_INDEX_FILE)
     if os.path.exists(index_path):
         os.remove(index_path)
+    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    layout = {"format_version": PACKED_FORMAT_VERSION, **description, "dtype": np.dtype(dtype).name}
+    layout["blocks_per_shard"] = blocks_per_shard
+    plan = {"layout": layout, "texts": resume_key}
+    finished = finished_shards(directory, plan) if resume_key is not None else {}
+    kept = {entry["file"] for entries in finished.values() for entry in entries}
     split_names = "|".join(map(re.escape, splits))
     leftover = re.compile(rf"^({split_names})-\d{{5}}\.npy(\.\d+(\.end)?\.tmp\.npy)?$")
     for name in os.listdir(directory):
-        if leftover.match(name):
+        if leftover.match(name) and name not in kept:
             os.remove(os.path.join(directory, name))
-    blocks_per_shard = max(1, tokens_per_shard // description["block_size"])
+    for split, entries in finished.items():
+        logger.info("Keeping the %d %s shards an interrupted run finished in %s", len(entries), split, directory)
+    manifest_path = os.path.join(directory, PACKING_MANIFEST_FILE)
+
+    def record(split: str, entry: dict):
+        if resume_key is None:
+            return
+        finished.setdefault(split, []).append(entry)
+        temporary = f"{manifest_path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as file:
+            json.dump({"plan": plan, "finished": finished}, file)
+        os.replace(temporary, manifest_path)
+
     index = {
-        "format_version": PACKED_FORMAT_VERSION,
-        **description,
-        "dtype": np.dtype(dtype).name,
-        "blocks_per_shard": blocks_per_shard,
+        **layout,
         "splits": {
-            split: write_packed_split(blocks, directory, split, dtype, blocks_per_shard)
+            split: write_packed_split(
+                blocks,
+                directory,
+                split,
+                dtype,
+                blocks_per_shard,
+                list(finished.get(split, [])),
+                functools.partial(record, split),
+            )
             for split, blocks in splits.items()
         },
     }
@@ -168,6 +254,8 @@ def write_packed_corpus(directory: str, splits: dict, description: dict, dtype, 
     with open(temporary_path, "w") as file:
         json.dump(index, file, indent=2)
     os.replace(temporary_path, index_path)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(manifest_path)
     return index
 
 
@@ -334,20 +422,27 @@ def pack_texts(
     description: dict,
     source: TextSource,
     tokens_per_shard: int,
+    resume: bool = False,
 ) -> dict:
     """Tokenize every split of `texts` ({split: dataset or stream}, read from `source`) into rows with the script's
     `tokenized_rows(dataset, split, tokenizer, block_size, source)` and write them as a packed corpus in `directory`
-    (shards of `tokens_per_shard` tokens, --packed_tokens_per_shard); returns its index. A few batches of texts and one
-    shard are in memory at a time."""
+    (shards of `tokens_per_shard` tokens, --packed_tokens_per_shard); returns its index. A few pieces of text per
+    worker (--preprocessing_piece_mb) and one shard are in memory at a time, with the progress shown
+    (PackingProgress). With `resume`, the shards an interrupted run finished of the same texts (datasets, whose
+    fingerprints follow their content; never a stream's) are kept (write_packed_corpus)."""
 
     def rows_with_progress(split, dataset):
-        with tqdm(desc=f"Packing {split} rows", unit=" rows", disable=None) as progress:
-            for blocks in tokenized_rows(dataset, split, tokenizer, block_size, source):
-                progress.update(len(blocks))
-                yield blocks
+        progress = PackingProgress(split, text_megabytes(dataset, source.text_column_name))
+        for blocks in tokenized_rows(dataset, split, tokenizer, block_size, source):
+            progress.update(len(blocks))
+            yield blocks
+        progress.close()
 
     splits = {split: rows_with_progress(split, dataset) for split, dataset in texts.items()}
-    return write_packed_corpus(directory, splits, description, packed_dtype(tokenizer), tokens_per_shard)
+    known = all(isinstance(dataset, datasets.Dataset) for dataset in texts.values())
+    resume_key = fingerprint({split: dataset._fingerprint for split, dataset in texts.items()}) if known else None
+    dtype = packed_dtype(tokenizer)
+    return write_packed_corpus(directory, splits, description, dtype, tokens_per_shard, resume_key if resume else None)
 
 
 def cached_blocks(
@@ -504,7 +599,15 @@ def load_packed_corpus(
             framing = texts_to_rows.framing_of(example_format, source)
             description.update(framing=framing, code_fingerprint=function_code_fingerprint(row_function))
             index = pack_texts(
-                directory, texts, row_function, tokenizer, block_size, description, source, tokens_per_shard
+                directory,
+                texts,
+                row_function,
+                tokenizer,
+                block_size,
+                description,
+                source,
+                tokens_per_shard,
+                not overwrite,
             )
     if jax.process_count() > 1:
         index = read_packed_index(directory)

@@ -1,12 +1,10 @@
 """Reading texts (local files of several formats, a local dataset directory or a hub dataset; as a dataset or a
 stream) and turning them into token ids, in worker processes if asked."""
 
-import collections
 import glob
 import itertools
 import json
 import logging
-import multiprocessing
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -16,6 +14,7 @@ import datasets
 import fsspec
 import numpy as np
 import pyarrow
+import pyarrow.compute
 import xxhash
 from tokenizers import pre_tokenizers
 
@@ -27,6 +26,12 @@ from flax_lm.data.data_files import (
     folder_holds_text_files,
     is_saved_dataset,
     resolve_data_files,
+)
+from flax_lm.data.pieces import (
+    map_in_workers,
+    page_out_texts,
+    preprocessing,
+    read_progress,
 )
 from flax_lm.data.source import TextSource
 from flax_lm.errors import UsageError
@@ -344,12 +349,10 @@ def check_tokenizer_encodes(tokenizer, text_datasets: dict, source: TextSource):
     text_column = source.text_column_name
     for split, dataset in text_datasets.items():
         try:
-            first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
+            first_texts = text_starts(dataset, text_column)
         except DATA_READ_ERRORS as error:
             raise unreadable_data_error(error, split, source) from None
-        # The start of each text is enough: a .txt file read as one document may be gigabytes long, and every run
-        # waits for this (1,000 characters of 100 files of Python encode in 0.02 s; 10,000 took 0.17 s).
-        texts = [text[:1_000] for text in first_texts if text and not text.isspace()]
+        texts = [text for text in first_texts if text and not text.isspace()]
         if not texts:
             continue
         ids = [
@@ -363,6 +366,19 @@ def check_tokenizer_encodes(tokenizer, text_datasets: dict, source: TextSource):
                 f"the tokenizer {tokenizer.name_or_path} cannot encode the {split} data: its first {len(texts)} "
                 f"texts give {outcome}; pass a tokenizer trained on such text (train_tokenizer.py makes one)"
             )
+
+
+def text_starts(dataset, text_column: str) -> list:
+    """The first 1,000 characters of each of the first 100 texts. The start of each text is enough: a .txt file read
+    as one document may be gigabytes long, and every run waits for this (1,000 characters of 100 files of Python
+    encode in 0.02 s; 10,000 took 0.17 s). Of a dataset, cut in Arrow, so that only the starts become Python
+    strings, never 100 whole documents."""
+    if isinstance(dataset, datasets.Dataset) and text_column in dataset.column_names:
+        column = dataset.select_columns([text_column]).with_format("arrow")[:100].column(text_column)
+        if pyarrow.types.is_string(column.type) or pyarrow.types.is_large_string(column.type):
+            return pyarrow.compute.utf8_slice_codeunits(column, 0, 1_000).to_pylist()
+    first_texts = next(dataset.iter(batch_size=100), {}).get(text_column, [])
+    return [text[:1_000] if isinstance(text, str) else text for text in first_texts]
 
 
 TEXTS_PER_BATCH = 1000
@@ -381,24 +397,21 @@ def without_byte_order_marks(texts: list, where: str) -> list:
     return [text[1:] if isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) else text for text in texts]
 
 
-# A stream's batch also ends once its texts hold this many characters: a stream of a few long documents, read pass
-# after pass without end (flax_lm.data.loading.streaming_train_batches), is then tokenized a pass or so at a time,
-# not a thousand documents at once.
-STREAM_BATCH_CHARACTERS = 2**20
-
-
 def stream_batches(stream, columns) -> Iterator[dict]:
-    """The rows of a stream as {column: values}, TEXTS_PER_BATCH rows or STREAM_BATCH_CHARACTERS characters of
-    `columns` at a time, whichever comes first."""
+    """The rows of a stream as {column: values}, TEXTS_PER_BATCH rows or a piece (Preprocessing) of `columns`' text at
+    a time, whichever comes first: a stream of a few long documents, read pass after pass without end
+    (flax_lm.data.loading.streaming_train_batches), is then tokenized a pass or so at a time, not a thousand
+    documents at once."""
 
     def batch(rows: list[dict]) -> dict:  # a column some rows lack holds None there, as `datasets` batches it
+        read_progress.add(characters, len(rows))
         return {name: [row.get(name) for row in rows] for name in dict.fromkeys(itertools.chain(*rows))}
 
     rows, characters = [], 0
     for row in stream:
         rows.append(row)
         characters += sum(len(row[column]) for column in columns if isinstance(row.get(column), str))
-        if len(rows) == TEXTS_PER_BATCH or characters >= STREAM_BATCH_CHARACTERS:
+        if len(rows) == TEXTS_PER_BATCH or characters >= preprocessing.piece_characters:
             yield batch(rows)
             rows, characters = [], 0
     if rows:
@@ -406,12 +419,12 @@ def stream_batches(stream, columns) -> Iterator[dict]:
 
 
 def column_batches(dataset, columns, split: str, column_flag: str | None = None) -> Iterator[dict]:
-    """The rows of a dataset or a stream, TEXTS_PER_BATCH at a time (a stream's: stream_batches), in order, as
-    {column: values}: of `columns` only where a dataset can leave the others unread. A file the reader cannot parse,
-    or a missing column (with the flag that names it, `column_flag`), ends the command in one line."""
+    """The rows of a dataset or a stream in order, as {column: values}, TEXTS_PER_BATCH rows or a piece of text
+    (Preprocessing, --preprocessing_piece_mb) at a time, whichever comes first; a row larger than a piece alone.
+    Of `columns` only where a dataset can leave the others unread. A file the reader cannot parse, or a missing
+    column (with the flag that names it, `column_flag`), ends the command in one line."""
     if isinstance(dataset, datasets.Dataset):
-        # The other columns are not even read.
-        batches = dataset.select_columns(list(columns)).iter(batch_size=TEXTS_PER_BATCH)
+        batches = dataset_batches(dataset, columns)
     else:
         batches = stream_batches(dataset, columns)
     while True:
@@ -431,6 +444,29 @@ def column_batches(dataset, columns, split: str, column_flag: str | None = None)
             fix = f"; pass {column_flag}" if column_flag else ""
             raise UsageError(f"the {split} data has no column '{missing[0]}' (it has: {', '.join(batch)}){fix}")
         yield batch
+
+
+def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
+    """The rows of a dataset as {column: values}, read as Arrow (memory-mapped, nothing copied) TEXTS_PER_BATCH rows
+    at a time and made Python values a piece at a time: so a batch of long documents is never in memory whole. The
+    other columns are not even read."""
+    tables = dataset.select_columns(list(columns)).with_format("arrow").iter(batch_size=TEXTS_PER_BATCH)
+    for table in tables:
+        sizes = np.zeros(table.num_rows, np.int64)
+        for column in table.itercolumns():
+            if pyarrow.types.is_string(column.type) or pyarrow.types.is_large_string(column.type):
+                sizes += pyarrow.compute.binary_length(column).fill_null(0).to_numpy()
+        start = 0
+        while start < table.num_rows:
+            stop = start + max(
+                1, int(np.searchsorted(np.cumsum(sizes[start:]), preprocessing.piece_characters, "right"))
+            )
+            read_progress.add(int(sizes[start:stop].sum()), stop - start)
+            piece = table.slice(start, stop - start)
+            yield piece.to_pydict()
+            if dataset.cache_files:
+                page_out_texts(piece)
+            start = stop
 
 
 def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
@@ -465,13 +501,19 @@ def next_cut(text: str, start: int) -> int | None:
 
 def text_pieces(text: str) -> list[str]:
     """`text` cut at next_cut into pieces of about TEXT_PIECE_CHARACTERS or more (itself, when shorter)."""
-    starts = [0]
-    while len(text) - starts[-1] > TEXT_PIECE_CHARACTERS:
-        cut = next_cut(text, starts[-1])
+    return list(lazy_text_pieces(text))
+
+
+def lazy_text_pieces(text: str) -> Iterator[str]:
+    """The pieces of text_pieces, one at a time: a long document is never copied whole."""
+    start = 0
+    while len(text) - start > TEXT_PIECE_CHARACTERS:
+        cut = next_cut(text, start)
         if cut is None:
             break
-        starts.append(cut)
-    return [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
@@ -505,11 +547,36 @@ def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[i
     return token_lists
 
 
-def encode_documents(backend, around: tuple, cut_long_texts: bool, texts: list[str]) -> np.ndarray:
-    """The tokens of the texts, each between the ids `around` it (before, after), end to end: one flat int32 array."""
-    before, after = around
-    token_lists = [before + ids + after for ids in encode_texts(backend, texts, cut_long_texts)]
+def encode_documents(backend, around: tuple, cut_long_texts: bool, piece: tuple) -> np.ndarray:
+    """The tokens of a piece of texts (document_pieces), each between the ids `around` it (before, after), end to end:
+    one flat int32 array. Where the piece starts inside a document, its first text has no ids before it; where it
+    ends inside one, its last has none after."""
+    texts, starts_inside, ends_inside = piece
+    (before, after), last = around, len(texts) - 1
+    token_lists = [
+        (before if number or not starts_inside else []) + ids + (after if number < last or not ends_inside else [])
+        for number, ids in enumerate(encode_texts(backend, texts, cut_long_texts))
+    ]
     return np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
+
+
+def document_pieces(batches: Iterable[list[str]], cut_long_texts: bool) -> Iterator[tuple[list[str], bool, bool]]:
+    """The texts of `batches` (column_batches: a piece or less of text each, or one longer text) as pieces to encode
+    apart: (texts, whether the first continues a document of the piece before, whether the last goes on in the
+    next). A text longer than a piece is cut where text_pieces cuts it into pieces of about a piece (Preprocessing),
+    where cutting keeps the tokens (`cut_long_texts`); otherwise it is encoded whole."""
+    for texts in batches:
+        if not (cut_long_texts and len(texts) == 1 and len(texts[0]) > preprocessing.piece_characters):
+            yield texts, False, False
+            continue
+        group, size, started = [], 0, False  # text pieces of the document that make one piece to encode
+        for text_piece in lazy_text_pieces(texts[0]):
+            if size >= preprocessing.piece_characters:
+                yield ["".join(group)], started, True
+                group, size, started = [], 0, True
+            group.append(text_piece)
+            size += len(text_piece)
+        yield ["".join(group)], started, False
 
 
 def ids_around_documents(tokenizer) -> tuple[list[int], list[int]]:
@@ -526,41 +593,14 @@ def ids_around_documents(tokenizer) -> tuple[list[int], list[int]]:
     return before, after
 
 
-def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterator:
-    """function(item) for each item, in order: here, or with num_workers > 1 in that many worker processes, a few
-    items per worker in flight. The workers are spawned, not forked: JAX's runtime is multithreaded, and a forked
-    copy of it can deadlock."""
-    if not num_workers or num_workers < 2:
-        yield from map(function, items)
-        return
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(num_workers, initializer=set_worker_function, initargs=(function,)) as pool:
-        in_flight = collections.deque()
-        for item in items:
-            in_flight.append(pool.apply_async(call_worker_function, (item,)))
-            if len(in_flight) > 2 * num_workers:
-                yield in_flight.popleft().get()
-        while in_flight:
-            yield in_flight.popleft().get()
-
-
-def set_worker_function(function):
-    """Runs once in each worker process: the function (the tokenizer with it) is sent once, not with every item."""
-    global worker_function
-    worker_function = function
-
-
-def call_worker_function(item):
-    return worker_function(item)
-
-
 def token_arrays(
     dataset, tokenizer, text_column, num_workers=None, split="train", around=None
 ) -> Iterator[np.ndarray]:
     """The tokens of every text of `dataset` (a `datasets.Dataset` or a stream), each text (a document) between the
-    ids `around` it (before, after; by default nothing before and EOS after), as flat int32 arrays of one batch of
-    texts each, in the dataset's order, tokenized in `num_workers` processes. Only a few batches of tokens are in
-    memory at a time."""
+    ids `around` it (before, after; by default nothing before and EOS after), as flat int32 arrays of a piece of text
+    each (--preprocessing_piece_mb; document_pieces), in the dataset's order, tokenized in `num_workers` processes
+    (map_in_workers). Only a few pieces are in memory at a time, and the arrays are the same for any number of
+    workers."""
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
@@ -568,8 +608,10 @@ def token_arrays(
     # about texts longer than model_max_length, which is expected here since texts get packed.
     backend = tokenizer.backend_tokenizer
     around = around or ([], [eos_id])
-    encode = partial(encode_documents, backend, around, cuts_at_line_starts_keep_the_tokens(backend))
-    yield from map_in_workers(encode, text_batches(dataset, text_column, split), num_workers)
+    cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
+    encode = partial(encode_documents, backend, around, cut_long_texts)
+    work = document_pieces(text_batches(dataset, text_column, split), cut_long_texts)
+    yield from map_in_workers(encode, work, num_workers)
 
 
 def token_byte_counts(tokenizer, vocab_size: int) -> np.ndarray | None:

@@ -138,7 +138,7 @@ FREE_ON_RESUME = {
     "dataset_config_name", "data_mixture", "allow_pickle_weights", "coordinator_address", "num_processes",
     "process_id", "local_device_ids", "per_device_train_batch_size", "gradient_accumulation_steps",
     "skip_nonfinite_steps", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
-    "skip_export_check",
+    "skip_export_check", "preprocessing_piece_mb",
 }  # fmt: skip
 
 # Arguments that change the training, added to the scripts since checkpoints were first written, with the value a

@@ -369,7 +369,8 @@ def open_trackers(training_args, progress, arguments: dict, config, metric_tags:
 # it learns: left out of TensorBoard's HParams table, which then shows what differs between experiments.
 NOT_HYPERPARAMETERS = set(
     "output_dir overwrite_output_dir do_train do_eval cache_dir overwrite_cache preprocessing_num_workers "
-    "packed_data_dir packed_tokens_per_shard allow_pickle_weights mesh_shape per_device_eval_batch_size "
+    "preprocessing_piece_mb packed_data_dir packed_tokens_per_shard allow_pickle_weights mesh_shape "
+    "per_device_eval_batch_size "
     "logging_steps eval_steps save_steps save_total_limit resume_from_checkpoint report_to sample_prompt "
     "sample_tokens fill_mask_text fill_mask_top_k run_name chat_template_path logging_dir logging_first_step "
     "eval_strategy save_strategy eval_on_start max_shard_size".split()
