@@ -42,7 +42,7 @@ from transformers import (
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, check_writable_directory, run
-from flax_lm.models import MAX_VOCAB_SIZE, non_finite_config_value, stock_module
+from flax_lm.models import CONFIG_SIZES, MAX_VOCAB_SIZE, non_finite_config_value, stock_module
 
 logger = logging.getLogger(__name__)
 
@@ -570,6 +570,9 @@ def main():
         # The config class checks the type of every value, e.g. that n_layer is an integer.
         message = str(error).strip().splitlines()[-1].strip().removeprefix("TypeError: ")
         raise UsageError(f"invalid config value: {message}; fix it with --set") from None
+    except ZeroDivisionError:  # Llama's and Gemma 3's classes divide by the heads before check_config can look
+        zeros = [f"{name}={value}" for name, value in overrides.items() if name in CONFIG_SIZES and value == 0]
+        raise UsageError(f"--set {', '.join(zeros)}: sizes must be 1 or more") from None
     check_config(config, args.preset, tokenizer)
 
     # Save -----------------------------------------------------------------------------------------------------------

@@ -329,6 +329,9 @@ REFUSALS = {
     "config-zero-key-value-heads": (
         "create_config", ["--preset", "qwen3-tiny", "--output_dir", "{out}", "--set", "num_key_value_heads=0"],
         ["num_key_value_heads must be a whole number of 1 or more, not 0"]),
+    "config-llama-zero-heads": (  # LlamaConfig divides by the heads on its own: a ZeroDivisionError before
+        "create_config", ["--preset", "llama-tiny", "--output_dir", "{out}", "--set", "num_attention_heads=0"],
+        ["--set num_attention_heads=0: sizes must be 1 or more"]),
     "config-key-value-heads-not-dividing-the-heads": (
         "create_config", ["--preset", "llama-tiny", "--output_dir", "{out}", "--set", "num_key_value_heads=3"],
         ["num_attention_heads 2 is not a multiple of num_key_value_heads 3"]),

@@ -210,3 +210,15 @@ def test_a_resume_warns_only_where_the_learning_rate_jumps(max_steps, jumps, cap
         run = {"arguments": {}, "model_code": {"fingerprint": "the same"}}  # the same run but for --max_steps
         check_resumed_run(resumed_record(40, PEAK), run, TrainingProgress.start(()), [], setup, args)
     assert ("the learning rate jumps at the resume" in caplog.text) == jumps, caplog.text
+
+
+def test_an_is_trained_that_freezes_every_parameter_is_refused():
+    """A copy whose is_trained returns False everywhere would log a gradient norm of 0 and train nothing, silently."""
+    from flax_lm.errors import UsageError
+    from flax_lm.training.optimizers import trained_only
+
+    params = {"wte": {"embedding": jnp.ones((4, 2))}, "h": {"kernel": jnp.ones((2, 2))}}
+    with pytest.raises(UsageError, match="is_trained returns False for every parameter"):
+        trained_only(optax.adamw(1e-3), lambda path, param: False).init(params)
+    state = trained_only(optax.adamw(1e-3), lambda path, param: path[0].key == "h").init(params)
+    assert len(jax.tree_util.tree_leaves(state)) < len(jax.tree_util.tree_leaves(optax.adamw(1e-3).init(params)))

@@ -128,7 +128,13 @@ def trained_only(optimizer, is_trained) -> optax.GradientTransformation:
         # parameters' copies are; it finds them in `optimizer`'s state (MaskedNode where frozen: see optax.masked).
         if not jax.tree_util.tree_leaves(params):
             return optimizer.init(params)
-        return optimizer.init(trained_part(params, trained_mask(params, is_trained)))
+        mask = trained_mask(params, is_trained)
+        if not any(jax.tree_util.tree_leaves(mask)):
+            raise UsageError(
+                "is_trained returns False for every parameter, so the run would train nothing; let it return True "
+                "for those to train"
+            )
+        return optimizer.init(trained_part(params, mask))
 
     def update(updates, state, params=None):
         mask = trained_mask(updates if params is None else params, is_trained)
