@@ -183,3 +183,21 @@ def test_the_run_directory_keeps_every_version_of_the_code_with_the_step_it_trai
     assert json.loads((branch / "code" / "versions.json").read_text()) == versions
     assert "# edited" not in (branch / "code" / first / "run_clm_flax.py").read_text()
     assert f"Branched at step 3 from the run in {output_dir}" in result.stderr
+
+
+def test_a_checkpoint_of_other_frozen_parameters_is_refused_naming_is_trained():
+    """A frozen parameter has no optimizer state: a checkpoint of a run that froze others is refused in one line that
+    names is_trained, not as a shape of None."""
+    import jax
+
+    from flax_lm.errors import UsageError
+    from flax_lm.run.checkpoints import check_checkpoint_fits
+
+    array = jax.ShapeDtypeStruct((4, 2), "float32")
+    frozen_wte = {"params": {"wte": array, "h": array}, "opt_state": {"mu": {"h": array}}}
+    all_trained = {"params": {"wte": array, "h": array}, "opt_state": {"mu": {"h": array, "wte": array}}}
+    with pytest.raises(UsageError) as refusal:
+        check_checkpoint_fits("checkpoints/10", frozen_wte, all_trained)
+    message = str(refusal.value)
+    assert "opt_state/mu/wte is not there but here" in message and "is_trained" in message, message
+    check_checkpoint_fits("checkpoints/10", all_trained, all_trained)

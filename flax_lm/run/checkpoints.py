@@ -274,9 +274,14 @@ def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState
         name = min(differing, key=lambda name: not name.startswith("params/"))  # a parameter first: another config
         is_parameter = name.startswith("params/")
         what, fix = ("parameter", "config") if is_parameter else ("optimizer state array", "optimizer settings")
+        if is_parameter or name in stored and name in needed:
+            found = f"has shape {stored.get(name)} there, {needed.get(name)} here"
+        else:  # a frozen parameter has no optimizer state (the script's is_trained)
+            found = "is there but not here" if name in stored else "is not there but here"
+            fix += " and the is_trained (the parameters it freezes)"
         raise UsageError(
-            f"the checkpoint {path} does not fit this model ({what} {name} has shape {stored.get(name)} there, "
-            f"{needed.get(name)} here); resume with the {fix} it was trained with"
+            f"the checkpoint {path} does not fit this model ({what} {name} {found}); resume with the {fix} it was "
+            "trained with"
         )
 
 
