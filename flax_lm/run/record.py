@@ -150,7 +150,8 @@ FINGERPRINTS = {
     "model_code": "the model code (--model_file)",
     "config": "the model config (--config_name)",
     "tokenizer": "the tokenizer (--tokenizer_name)",
-    "training_data": "the training data (--train_file, --dataset_name, --data_mixture)",
+    "training_data": "the training data (--train_file, --dataset_name, --data_mixture; or the rows held out of it, "
+    "which --do_eval and --validation_split_percentage choose)",
 }
 # What else a description holds and a resume compares, with what it is of.
 SETTINGS = {"global_batch_size": "the global batch", "mixture_weights": "the mixture's weights"}
