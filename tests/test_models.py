@@ -333,7 +333,7 @@ def test_a_model_file_s_claim_is_probed_at_the_first_export_and_not_at_all_with_
     does, runs it; --skip_export_check runs none, and the exports claim nothing."""
     config, probed = llama_config(num_key_value_heads=2), []
     monkeypatch.setattr(model_code, "probe_difference", lambda *arguments: probed.append(arguments) or 0.0)
-    edited_module(tmp_path, "same.py", {})
+    edited_module(tmp_path, "same.py", {"The Llama family in Flax": "The Llama family in Flax (a copy)"})
     code = model_code.load_model_code(config, str(tmp_path / "same.py"), True, "run_clm_flax.py")
     assert not probed and code.claim is None
     assert code.claims_architecture and len(probed) == 1
@@ -359,7 +359,9 @@ def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path, prob
 # Edits of gpt2.py that change what it computes only somewhere a small probe does not look: positions 40 and beyond,
 # the last of 3 layers, the token ids 1 and 2, decoding with the key/value cache.
 NARROW_EDITS = {
-    "unedited": {},
+    "refactored": {
+        'self.look_up(self.wpe, "positions", positions)': 'self.look_up(self.wpe, "positions", +positions)'
+    },
     "late positions": {
         'self.look_up(self.wpe, "positions", positions)': (
             'self.look_up(self.wpe, "positions", positions) * jnp.where(positions >= 40, 3.0, 1.0)[..., None]'
@@ -389,13 +391,13 @@ def test_an_edit_anywhere_in_the_context_the_layers_the_vocabulary_or_the_cache_
     tmp_path, edit, probe_row_by_row
 ):
     """The probe compares every layer, every position of the context, every token id and the cached routes: an
-    export names GPT2LMHeadModel only for the unedited copy."""
+    export names GPT2LMHeadModel only for the copy whose edit computes as before."""
     config = tiny_config(vocab_size=256, n_layer=3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     module = edited_module(tmp_path, "narrow.py", NARROW_EDITS[edit], "gpt2")
     claims, reason = model_code.architecture_claim(
         module, config, model_code.module_code_fingerprint(module), "narrow.py"
     )
-    if edit == "unedited":
+    if edit == "refactored":
         assert claims, reason
         assert "every layer, position and token id, with and without the key/value cache" in reason
     else:
@@ -405,7 +407,7 @@ def test_an_edit_anywhere_in_the_context_the_layers_the_vocabulary_or_the_cache_
 def test_a_probe_too_costly_for_pytorch_makes_no_claim(tmp_path, monkeypatch):
     """Past the limit of the probe's work, an export names no architecture rather than one checked in part."""
     config = tiny_config(vocab_size=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    module = edited_module(tmp_path, "same.py", {}, "gpt2")
+    module = edited_module(tmp_path, "same.py", {"GPT-2 in Flax": "GPT-2 in Flax (a copy)"}, "gpt2")
     monkeypatch.setattr(model_code, "PROBE_MAX_TORCH_FLOPS", 1e6)
     claims, reason = model_code.architecture_claim(
         module, config, model_code.module_code_fingerprint(module), "same.py"
@@ -523,3 +525,16 @@ def test_a_sharded_bfloat16_checkpoint_of_each_family_decodes_trains_and_exports
     assert not any(loading_info.values()), loading_info
     scored = pytorch_block_loss(str(output_dir), (CORPUS / "validation.txt").read_text(), 32)
     assert abs(reported - scored) < 1e-3, (reported, scored)
+
+
+def test_an_unedited_copy_of_a_stock_module_claims_its_architecture_without_a_probe(tmp_path, monkeypatch):
+    """A --model_file whose bytes are a stock module's is the verified code: no probe, whatever --skip_export_check."""
+    config, probed = llama_config(num_key_value_heads=2), []
+    monkeypatch.setattr(model_code, "probe_difference", lambda *arguments: probed.append(arguments) or 0.0)
+    edited_module(tmp_path, "copy.py", {})
+    for compare_exports in (True, False):
+        code = model_code.load_model_code(
+            config, str(tmp_path / "copy.py"), True, "x", compare_exports=compare_exports
+        )
+        assert code.claims_architecture and "an unedited copy" in code.reason, code.reason
+    assert not probed
