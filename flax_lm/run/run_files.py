@@ -47,7 +47,8 @@ def run_files(output_dir: str) -> set[str]:
 # copies of the code that ran, results files, TensorBoard's event files (wherever --logging_dir puts them inside the
 # directory) and the folders that hold them.
 RUN_FILE_KINDS = re.compile(
-    r"checkpoints/\d+|discarded-checkpoints/\d+(-\d+)?|code/([0-9a-f]{12}|versions\.json)|[^/]+\.py"
+    r"checkpoints/\d+(\.orbax-checkpoint-tmp[^/]*)?|discarded-checkpoints/\d+(-\d+)?"
+    r"|code/([0-9a-f]{12}|versions\.json)|[^/]+\.py"
     r"|train_results\.json|eval_results\.json|all_results\.json|tracker_runs\.json"
     r"|([^/]+/)*events\.out\.tfevents\.[^/]+|([^/]+/)+"
 )
