@@ -450,7 +450,8 @@ def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
     """The rows of a dataset as {column: values}, read as Arrow (memory-mapped, nothing copied) TEXTS_PER_BATCH rows
     at a time and made Python values a piece at a time: so a batch of long documents is never in memory whole. The
     other columns are not even read."""
-    tables = dataset.select_columns(list(columns)).with_format("arrow").iter(batch_size=TEXTS_PER_BATCH)
+    selected = dataset.select_columns(list(columns))
+    tables = selected.with_format("arrow").iter(batch_size=TEXTS_PER_BATCH)
     for table in tables:
         sizes = np.zeros(table.num_rows, np.int64)
         for column in table.itercolumns():
@@ -463,7 +464,8 @@ def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
             )
             read_progress.add(int(sizes[start:stop].sum()), stop - start)
             piece = table.slice(start, stop - start)
-            yield piece.to_pydict()
+            # Decoded as datasets' Python format does: rows of differing structure are kept as Json (messages).
+            yield selected.features.decode_batch(piece.to_pydict())
             if dataset.cache_files:
                 page_out_texts(piece)
             start = stop
