@@ -522,6 +522,20 @@ def write_config_atomically(config, output_dir):
             os.remove(temporary_path)
 
 
+def build_config(model_type: str, values: dict, overrides: dict):
+    """The config class of `model_type` made of `values` (the preset's, with the --set `overrides`), its own checks'
+    refusals in one line."""
+    try:
+        return CONFIG_CLASSES[model_type](**values)
+    except (StrictDataclassError, TypeError, ValueError) as error:
+        # The config class checks the type of every value, e.g. that n_layer is an integer.
+        message = str(error).strip().splitlines()[-1].strip().removeprefix("TypeError: ")
+        raise UsageError(f"invalid config value: {message}; fix it with --set") from None
+    except ZeroDivisionError:  # Llama's and Gemma 3's classes divide by the heads before check_config can look
+        zeros = [f"{name}={value}" for name, value in overrides.items() if name in CONFIG_SIZES and value == 0]
+        raise UsageError(f"--set {', '.join(zeros)}: sizes must be 1 or more") from None
+
+
 def main():
     # Arguments ------------------------------------------------------------------------------------------------------
     (args,) = parse_arguments((ConfigArguments,))
@@ -564,15 +578,7 @@ def main():
     values.update(overrides)
 
     # Config ---------------------------------------------------------------------------------------------------------
-    try:
-        config = CONFIG_CLASSES[model_type](**values)
-    except (StrictDataclassError, TypeError, ValueError) as error:
-        # The config class checks the type of every value, e.g. that n_layer is an integer.
-        message = str(error).strip().splitlines()[-1].strip().removeprefix("TypeError: ")
-        raise UsageError(f"invalid config value: {message}; fix it with --set") from None
-    except ZeroDivisionError:  # Llama's and Gemma 3's classes divide by the heads before check_config can look
-        zeros = [f"{name}={value}" for name, value in overrides.items() if name in CONFIG_SIZES and value == 0]
-        raise UsageError(f"--set {', '.join(zeros)}: sizes must be 1 or more") from None
+    config = build_config(model_type, values, overrides)
     check_config(config, args.preset, tokenizer)
 
     # Save -----------------------------------------------------------------------------------------------------------
