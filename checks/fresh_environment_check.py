@@ -7,7 +7,7 @@ requirements.txt alone; it checks that every module of flax_lm imports, that eve
 benchmarks/ answers --help, and that quickstart.sh trains (its default mode, or those named):
 
     python3 -m venv /tmp/fresh && /tmp/fresh/bin/pip install -r requirements.txt
-    /tmp/fresh/bin/python tests/fresh_environment_check.py [--quickstart_modes clm llama mlm chat]
+    /tmp/fresh/bin/python checks/fresh_environment_check.py [--quickstart_modes clm llama mlm chat]
 
 .ci/run runs it before it installs the test requirements. It needs no network. Not a pytest module: pytest would run
 it in the test environment, where it proves nothing.

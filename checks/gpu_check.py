@@ -1,7 +1,7 @@
 """What only a GPU can answer about cuDNN's fused attention, the weight initialisation's compile time and FP8 products;
 prints one JSON line per check. Run on an NVIDIA GPU from the repository root (a minute or two):
-    python tests/gpu_check.py
-    python tests/gpu_check.py --dry_run    # on a CPU: tiny shapes, written-out attention, to check the script runs
+    python checks/gpu_check.py
+    python checks/gpu_check.py --dry_run    # on a CPU: tiny shapes, written-out attention, to check the script runs
 
 1. attention: for each kind of mask (RoBERTa padded rows and packed documents, GPT-2 documents, Gemma 3's window), the
    logits and gradients of tiny models in bfloat16 with cuDNN's kernel against the written-out attention.

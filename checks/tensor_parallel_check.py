@@ -2,8 +2,8 @@
 few steps on one device and on meshes of 8 devices, and print, as one JSON line, each mesh's losses, its largest weight
 difference from one device, and how much of each parameter one device holds.
 
-Run by tests/test_tensor_parallel.py in a process of its own with 8 forced CPU devices:
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_check.py data=8 tensor=8 ...
+Run by tests/end_to_end/test_tensor_parallel.py in a process of its own with 8 forced CPU devices:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python checks/tensor_parallel_check.py data=8 tensor=8 ...
 """
 
 import json

@@ -16,24 +16,38 @@ import pytest
 from flax_lm.models import stock_module
 from flax_lm.models.model_code import ModelCode, load_model_code
 
-REPO_DIR = Path(__file__).resolve().parent.parent
-FIXTURES_DIR = REPO_DIR / "tests" / "fixtures"
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+FIXTURES_DIR = TESTS_DIR / "fixtures"
+# The scripts the tests run or import that are no tests (tensor_parallel_check.py, read_with_transformers.py ...).
+CHECKS_DIR = REPO_DIR / "checks"
 # The multilingual corpus (English, Norwegian, Turkish, Korean) plus about 110 KB of English prose.
 TOKENIZER_TRAINING_FILES = sorted((FIXTURES_DIR / "corpus").glob("*.txt")) + [FIXTURES_DIR / "en" / "train.txt"]
 
 
+# The tests in two tiers: tests/unit, in-process and fast (`python -m pytest tests/unit` while editing), and
+# tests/end_to_end, the scripts run as users run them, parity across routes, several processes. A test module imports
+# another's helpers by its name (test_clm's tiny configs, say) whichever tier it is in and whichever tier pytest runs,
+# and a check by its name.
+TIERS = ("unit", "end_to_end")
+for directory in [TESTS_DIR / tier for tier in TIERS] + [CHECKS_DIR]:
+    if str(directory) not in sys.path:
+        sys.path.insert(0, str(directory))
+
 # The files that run longest, started first: with `--dist loadfile` a worker takes a whole file, and a long file begun
 # last (the alphabet puts test_tensor_parallel.py near the end) keeps one worker busy after the other has finished.
+# Paths below tests/.
 LONGEST_FILES_FIRST = [
-    "test_tensor_parallel.py", "test_clm.py", "test_edited_copies.py", "test_distributed.py", "test_resume.py",
-    "test_run_safety.py", "test_mlm.py", "test_models.py", "test_generate.py", "test_mlm_scale.py",
-    "test_gpu_suite.py",
+    "end_to_end/test_tensor_parallel.py", "unit/test_clm.py", "end_to_end/test_edited_copies.py",
+    "end_to_end/test_distributed.py", "end_to_end/test_resume.py", "end_to_end/test_run_safety.py",
+    "end_to_end/test_mlm.py", "unit/test_models.py", "unit/test_generate.py", "end_to_end/test_mlm_scale.py",
+    "unit/test_gpu_suite.py",
 ]  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
     def rank(item):
-        name = item.path.name
+        name = item.path.relative_to(TESTS_DIR).as_posix()
         return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
 
     items.sort(key=rank)  # stable: the other files keep their order, and every file its tests' order

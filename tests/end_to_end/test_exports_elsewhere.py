@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import read_with_transformers
 import torch
-from conftest import REPO_DIR, stock_code
+from conftest import CHECKS_DIR, REPO_DIR, stock_code
 from test_clm import tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
 from test_models import FAMILY_CONFIGS, flax_params_of, hf_class_of, random_torch_model
@@ -102,7 +102,7 @@ def readings(export_dirs, transformers_4_python):
     """What transformers 5 (here) and transformers 4 (in its own environment) read from each export."""
     request = reading_request(export_dirs)
     result = subprocess.run(
-        [str(transformers_4_python), str(REPO_DIR / "tests" / "read_with_transformers.py")],
+        [str(transformers_4_python), str(CHECKS_DIR / "read_with_transformers.py")],
         input=json.dumps(request), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

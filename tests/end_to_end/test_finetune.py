@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import stock_code
+from conftest import FIXTURES_DIR, stock_code
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_script
 from test_serve import running_server
 from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
@@ -629,7 +629,7 @@ def test_a_model_without_a_chat_template_refuses_conversations(generator):
 
 
 def test_train_tokenizer_writes_a_chat_template_training_reads_with_the_assistants_tokens_marked(run_tool, tmp_path):
-    corpus = os.path.join(os.path.dirname(__file__), "fixtures", "en", "train.txt")
+    corpus = os.path.join(FIXTURES_DIR, "en", "train.txt")
     output_dir = tmp_path / "tokenizer"
     result = run_tool(
         "train_tokenizer.py", "--train_file", corpus, "--model_type", "llama", "--vocab_size", 300,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import stock_code
+from conftest import REPO_DIR, stock_code
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from safetensors.numpy import load_file
 from transformers import (
@@ -31,7 +31,7 @@ from transformers import (
     pipeline,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_DIR)
 sys.path.insert(0, REPO)
 import run_mlm_flax  # noqa: E402
 from flax_lm.command_line.arguments import ModelArguments, parse_arguments  # noqa: E402

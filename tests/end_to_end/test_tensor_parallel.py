@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FIXTURES_DIR, REPO_DIR
+from conftest import CHECKS_DIR, FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, scalars, tiny_config, tiny_llama_config
 
@@ -34,11 +34,11 @@ def devices_env(count: int) -> dict:
 
 @pytest.fixture(scope="module")
 def mesh_results():
-    """tests/tensor_parallel_check.py's results: CLM (GPT-2 with dropout, and Llama) and MLM steps with remat and 2
+    """checks/tensor_parallel_check.py's results: CLM (GPT-2 with dropout, and Llama) and MLM steps with remat and 2
     micro-batches, on one device and on each mesh of MESH_SHAPES over 8 devices (GPT-2 also on fsdp=8); and CLM steps
     with each other --optim (without remat or micro-batches) on one device and on data=2,fsdp=2,tensor=2."""
     result = subprocess.run(
-        [sys.executable, str(REPO_DIR / "tests" / "tensor_parallel_check.py"), *MESH_SHAPES],
+        [sys.executable, str(CHECKS_DIR / "tensor_parallel_check.py"), *MESH_SHAPES],
         capture_output=True,
         text=True,
         timeout=600,

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from conftest import stock_code
+from conftest import REPO_DIR, stock_code
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -34,7 +34,7 @@ from flax_lm.models import gpt2, stock_module
 from flax_lm.models.huggingface import save_model
 from flax_lm.training.train_state import abstract_model_params
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_DIR)
 sys.path.insert(0, REPO)
 import run_clm_flax  # noqa: E402
 

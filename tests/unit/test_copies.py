@@ -18,8 +18,9 @@ import os
 import re
 
 import pytest
+from conftest import REPO_DIR
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_DIR)
 MARKER = re.compile(r"^# Copied from run_clm_flax\.(?P<name>\w+)(?: with (?P<renames>\S.*?))?\s*$")
 RENAME = re.compile(r"^(\w+)->(\w+)$")
 SCRIPTS = ["run_clm_flax.py", "run_mlm_flax.py", "generate_flax.py", "create_config.py", "train_tokenizer.py"]

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import REPO_DIR
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -19,8 +20,6 @@ from transformers import (
 )
 
 from flax_lm.command_line import tool_arguments
-
-REPO_DIR = Path(__file__).resolve().parent.parent
 
 
 def load_create_config_module():

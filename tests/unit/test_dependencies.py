@@ -1,7 +1,8 @@
 """Every third-party module the code imports is declared: the package's and the scripts' imports in pyproject.toml
 (its dependencies, or an optional extra where one flag needs it), the benchmarks' there or in requirements-test.txt.
 An undeclared import works wherever something else happened to install it, and fails on a user's fresh machine;
-tests/fresh_environment_check.py proves the other half, that the declared dependencies alone run the README's commands.
+checks/fresh_environment_check.py proves the other half, that the declared dependencies alone run the README's
+commands.
 """
 
 import ast
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import CHECKS_DIR, REPO_DIR
 
-REPO_DIR = Path(__file__).resolve().parents[1]
 PACKAGE_AND_SCRIPTS = sorted(REPO_DIR.glob("flax_lm/**/*.py")) + sorted(REPO_DIR.glob("*.py"))
 BENCHMARKS = sorted(REPO_DIR.glob("benchmarks/**/*.py"))  # the PyTorch peers of benchmarks/peers/ too
 # The project's own modules: the package, and the scripts and benchmarks that import one another.
@@ -108,9 +109,7 @@ def test_the_benchmarks_import_only_declared_dependencies(path):
 def test_the_fresh_environment_check_refuses_an_environment_with_the_test_requirements(monkeypatch):
     """It proves something only where requirements.txt alone was installed: here, among the test requirements, it
     stops in one line saying where to run it, before any check."""
-    spec = importlib.util.spec_from_file_location(
-        "fresh_environment_check", REPO_DIR / "tests" / "fresh_environment_check.py"
-    )
+    spec = importlib.util.spec_from_file_location("fresh_environment_check", CHECKS_DIR / "fresh_environment_check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     monkeypatch.setattr(sys, "argv", ["fresh_environment_check.py"])

@@ -4,7 +4,6 @@ to about the loss it reaches in float32, and --fp8 (fp8_training) puts the dense
 and only those, into FP8. Their speed needs a GPU with FP8 matrix units."""
 
 import logging
-import os
 import sys
 import types
 
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import REPO_DIR
 from transformers import GPT2Config, RobertaConfig
 
 from flax_lm.models import gpt2, roberta
@@ -22,7 +22,7 @@ from flax_lm.models.model_code import load_model_code
 from flax_lm.training.fp8 import fp8_dot_general, fp8_product, fp8_supported, fp8_training
 from flax_lm.training.setup import set_up_training
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(REPO_DIR))
 import run_clm_flax  # noqa: E402
 import run_mlm_flax  # noqa: E402
 

@@ -6,12 +6,10 @@ import importlib.util
 import json
 import re
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO_DIR = Path(__file__).resolve().parents[1]
+from conftest import REPO_DIR
 
 
 def load_benchmark(name: str):

@@ -1,6 +1,5 @@
 """The Flax RoBERTa (flax_lm.models.roberta) against PyTorch RobertaForMaskedLM of transformers; masking and loss."""
 
-import os
 import sys
 from functools import partial
 
@@ -12,13 +11,14 @@ import optax
 import pytest
 import torch
 import transformers
+from conftest import REPO_DIR
 from safetensors.numpy import save_file
 
 from flax_lm.models import roberta
 from flax_lm.models.common import segments_and_positions
 from flax_lm.training.train_state import abstract_model_params, abstract_train_state, create_train_state
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(REPO_DIR))
 import run_mlm_flax  # noqa: E402
 
 VOCAB_SIZE = 101

@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO_DIR
 
 import flax_lm
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_DIR)
 
 
 def subpackages():

@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import REPO_DIR
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -20,7 +21,7 @@ from flax_lm.run import tracking
 from flax_lm.run.output_dir import HUGGING_FACE_RESULT_NAMES, write_all_results
 from flax_lm.run.record import MetricSums, TrainingProgress
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_DIR)
 sys.path.insert(0, REPO)
 import run_clm_flax  # noqa: E402
 

@@ -14,13 +14,13 @@ import datasets
 import pyarrow
 import pyarrow.parquet
 import pytest
+from conftest import FIXTURES_DIR, REPO_DIR
 from tokenizers import trainers
 from transformers import AutoTokenizer
 
 import flax_lm.data.texts
 from flax_lm.data import text_stream
 
-FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 CORPUS_DIR = FIXTURES_DIR / "corpus"
 
 MULTILINGUAL_TEXTS = {
@@ -42,7 +42,7 @@ def assert_single_error_line(result, *expected_words):
 
 
 def load_train_tokenizer_module():
-    spec = importlib.util.spec_from_file_location("train_tokenizer", FIXTURES_DIR.parent.parent / "train_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO_DIR / "train_tokenizer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
