@@ -28,9 +28,9 @@ TOKENIZER_TRAINING_FILES = sorted((FIXTURES_DIR / "corpus").glob("*.txt")) + [FI
 # The tests in two tiers: tests/unit, in-process and fast (`python -m pytest tests/unit` while editing), and
 # tests/end_to_end, the scripts run as users run them, parity across routes, several processes. A test module imports
 # another's helpers by its name (test_clm's tiny configs, say) whichever tier it is in and whichever tier pytest runs,
-# and a check by its name.
+# and a script or a check by its name.
 TIERS = ("unit", "end_to_end")
-for directory in [TESTS_DIR / tier for tier in TIERS] + [CHECKS_DIR]:
+for directory in [TESTS_DIR / tier for tier in TIERS] + [CHECKS_DIR, REPO_DIR]:
     if str(directory) not in sys.path:
         sys.path.insert(0, str(directory))
 
@@ -211,3 +211,31 @@ def transformers_4_python():
                     pytest.fail(f"cannot make the transformers {TRANSFORMERS_4_VERSION} environment: {result.stderr}")
             made.touch()
     return environment / "bin" / "python"
+
+
+@pytest.fixture
+def tracker_env(tmp_path, monkeypatch):
+    """W&B offline and MLflow in a file store, both under tmp_path."""
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+        "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
+        # MLflow refuses a file store unless told: it would rather have a database or a server.
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture
+def gpt2_model_dir(gpt2_tokenizer_dir, tmp_path):
+    """A copy of the GPT-2 test tokenizer, to write a config beside."""
+    return Path(shutil.copytree(gpt2_tokenizer_dir, tmp_path / "model"))
+
+
+@pytest.fixture
+def roberta_model_dir(roberta_tokenizer_dir, tmp_path):
+    """A copy of the RoBERTa test tokenizer, to write a config beside."""
+    return Path(shutil.copytree(roberta_tokenizer_dir, tmp_path / "model"))

@@ -4,20 +4,16 @@ as one line, and the log format the four scripts share. All in this process, bef
 import errno
 import json
 import re
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO_DIR
 from safetensors import SafetensorError
-from test_clm import OFFLINE_ENV, run_clm_flax
+from test_clm import run_clm_flax
 from test_hostile_inputs import SCRIPTS
 
 from flax_lm import errors
 from flax_lm.command_line import arguments as training_arguments
-from flax_lm.devices import processes
 from flax_lm.models.huggingface import shard_size_in_bytes
-from flax_lm.training import setup
 
 TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
 
@@ -259,34 +255,3 @@ def test_library_errors_for_user_mistakes_become_one_line_and_bugs_keep_their_tr
         raise PermissionError(13, "Permission denied")  # not a full disk: left as it is
     for bug in (KeyError("step"), TypeError("unsupported operand"), ConnectionResetError(104, "reset by peer")):
         assert errors.user_error_message(bug) is None
-
-
-def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_tokenizer_dir, tmp_path):
-    result = run_tool(
-        "create_config.py", "--preset", "gpt2-tiny", "--tokenizer_dir", gpt2_tokenizer_dir, "--output_dir", tmp_path
-    )
-    assert result.returncode == 0, result.stderr
-    (log_line,) = [line for line in result.stdout.splitlines() if "From the tokenizer" in line]
-    # LOG_FORMAT: the time, the level, the logger and the message.
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO __main__: From the tokenizer in .*", log_line)
-    assert SCRIPTS["create_config"].LOG_FORMAT == processes.LOG_FORMAT == SCRIPTS["train_tokenizer"].LOG_FORMAT
-    # The training scripts log through flax_lm.training.setup.start_run, which sets up processes.setup_logging.
-    assert run_clm_flax.start_run is setup.start_run is SCRIPTS["run_mlm_flax"].start_run
-    assert setup.setup_logging is processes.setup_logging
-
-
-@pytest.mark.parametrize(
-    "script", ["run_clm_flax.py", "run_mlm_flax.py", "generate_flax.py", "create_config.py", "train_tokenizer.py"]
-)
-def test_no_tool_warns_that_pytorch_is_missing_where_it_is(script):
-    """transformers warns on import where PyTorch is missing; the tools need it only to compare with PyTorch or read a
-    pickle, and a newcomer reads the warning as an error. Here PyTorch is made missing for the process."""
-    runner = (
-        "import runpy, sys; sys.modules['torch'] = None; "
-        f"sys.argv = [{script!r}, '--help']; runpy.run_path({script!r}, run_name='__main__')"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", runner], cwd=REPO_DIR, capture_output=True, text=True, timeout=120, env=OFFLINE_ENV
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "PyTorch was not found" not in result.stderr

@@ -15,7 +15,7 @@ import datasets
 import numpy as np
 import pytest
 from conftest import FIXTURES_DIR
-from test_clm import model_dir_with_config, run_clm_flax, scalars
+from test_clm import model_dir_with_config, run_clm_flax
 from transformers import AutoTokenizer
 
 import flax_lm.data.cache_key
@@ -537,27 +537,6 @@ def text_stream(*paths):
     return datasets.load_dataset(
         "text", data_files=[str(path) for path in paths], split="train", streaming=True, keep_linebreaks=True
     )
-
-
-def test_streaming_run_trains_with_max_steps_and_lowers_the_loss(run_tool, model_dir, tmp_path):
-    output_dir = tmp_path / "streamed"
-    result = run_tool(
-        "run_clm_flax.py",
-        "--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir,
-        "--train_file", CORPUS / "train.txt", "--validation_file", CORPUS / "validation.txt", "--streaming",
-        "--do_train", "--do_eval", "--max_steps", 40, "--block_size", 32, "--per_device_train_batch_size", 8,
-        "--learning_rate", 3e-3, "--logging_steps", 10, "--eval_steps", 20, "--max_eval_samples", 64,
-        "--shuffle_buffer_size", 100, "--sample_tokens", 0,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "on blocks packed from a stream" in result.stderr
-    losses = [loss for _, loss in scalars(output_dir, "train/loss")]
-    evaluations = scalars(output_dir, "eval/loss")
-    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
-    assert [step for step, _ in evaluations] == [20, 40] and evaluations[-1][1] < np.log(1000) - 0.5
-    results = json.loads((output_dir / "eval_results.json").read_text())
-    assert results["eval_tokens"] == 64 * 31  # --max_eval_samples blocks, 31 predicted tokens each
-    assert json.loads((output_dir / "train_results.json").read_text())["train_steps"] == 40
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,6 @@ import ast
 import importlib
 import os
 import pkgutil
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO_DIR
@@ -32,25 +30,6 @@ def test_every_moved_module_of_the_flat_layout_exists_where_its_refusal_sends_th
         assert importlib.util.find_spec(f"flax_lm.{new}") is not None, f"flax_lm.{old} is said to be flax_lm.{new}"
     for old, new in flax_lm.MODULES_NOW_SUBPACKAGES.items():
         assert importlib.util.find_spec(f"flax_lm.{new}") is not None, f"flax_lm.{old} is said to be flax_lm.{new}"
-
-
-@pytest.mark.parametrize(
-    "statement, new_import",
-    [
-        ("from flax_lm.run_dir import open_output_dir", "flax_lm.run.output_dir"),
-        ("import flax_lm.sampling", "flax_lm.generation.sampling"),
-        ("from flax_lm import hf_io", "flax_lm.models.huggingface"),
-        ("from flax_lm.data import load_data", "from flax_lm.data.loading import load_data"),
-        ("from flax_lm.training import set_up_training", "from flax_lm.training.setup import set_up_training"),
-    ],
-)
-def test_a_script_of_the_flat_layout_is_refused_in_one_line_naming_the_new_import(tmp_path, statement, new_import):
-    script = tmp_path / "old_script.py"
-    script.write_text(f"{statement}\nprint('ran')\n")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 1 and "ran" not in result.stdout
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert new_import in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_name_that_never_existed_is_still_an_ordinary_import_error():

@@ -7,8 +7,6 @@ import contextlib
 import json
 import logging
 import random
-import re
-import signal
 import socket
 import threading
 import time
@@ -19,7 +17,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import server_process
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import GPT2LMHeadModel
 
@@ -467,32 +464,6 @@ def test_health_models_and_metrics_answer(generator, server):
         "flax_lm_request_duration_seconds",
     } <= names
     assert 'flax_lm_requests_total{path="/v1/completions",status="200"}' in metrics.text
-
-
-def test_sigterm_answers_the_requests_in_flight_and_exits_0(tiny_gpt2_dir, tmp_path):
-    arguments = ["--batch_size", 1, "--max_new_tokens", 8, "--max_new_tokens_limit", 48]
-    with server_process(tiny_gpt2_dir, tmp_path / "server.log", *arguments) as (server, url, log):
-        accepted = threading.Semaphore(0)
-
-        def stream(number: int) -> list[str]:
-            request = {"model": str(tiny_gpt2_dir), "prompt": f"A {number}", "max_tokens": 48, "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as response:
-                accepted.release()  # the answer has begun: the request is in flight
-                return [line for line in response.iter_lines() if line]
-
-        with ThreadPoolExecutor(6) as pool:
-            answers = [pool.submit(stream, number) for number in range(6)]
-            for _ in answers:
-                assert accepted.acquire(timeout=120)
-            server.send_signal(signal.SIGTERM)
-            answers = [answer.result() for answer in answers]
-        assert server.wait(timeout=60) == 0
-        for events in answers:
-            last_choice = json.loads(events[-2].removeprefix("data: "))["choices"][0]
-            assert events[-1] == "data: [DONE]" and last_choice["finish_reason"] in ("length", "stop")
-        log.seek(0)
-        stopped = re.findall(r"Stopped on SIGTERM, after answering the (\d+) requests in flight", log.read())
-        assert len(stopped) == 1 and int(stopped[0]) >= 1
 
 
 # Values a client may send in any field, of every JSON type: out of range, of the wrong type, not finite, not text,

@@ -5,7 +5,6 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ from transformers import GPT2Config, PreTrainedTokenizerFast
 
 from flax_lm.errors import UsageError
 from flax_lm.run import tracking
-from flax_lm.run.output_dir import HUGGING_FACE_RESULT_NAMES, write_all_results
+from flax_lm.run.output_dir import write_all_results
 from flax_lm.run.record import MetricSums, TrainingProgress
 
 REPO = str(REPO_DIR)
@@ -29,22 +28,6 @@ CORPUS = os.path.join(REPO, "tests", "fixtures", "en")
 ARGUMENTS = {"learning_rate": 3e-3, "adafactor": False, "lr_scheduler_type": "cosine", "output_dir": "x", "seed": 7}
 MODEL_CONFIG = {"n_layer": 2, "n_embd": 32, "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"]}
 METRIC_TAGS = ["eval/loss", "eval/perplexity", "eval/bits_per_byte"]
-
-
-@pytest.fixture
-def tracker_env(tmp_path, monkeypatch):
-    """W&B offline and MLflow in a file store, both under tmp_path."""
-    env = {
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path),
-        "WANDB_SILENT": "true",
-        "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
-        # MLflow refuses a file store unless told: it would rather have a database or a server.
-        "MLFLOW_ALLOW_FILE_STORE": "true",
-    }
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return env
 
 
 def open_trackers(report_to, output_dir, resumed=False, arguments=ARGUMENTS):
@@ -292,69 +275,3 @@ def test_an_unknown_tracker_stops_the_script_before_any_work(model_dir, tmp_path
     with pytest.raises(UsageError, match="--report_to comet is not a tracker"):
         run_clm_flax.main()
     assert not output_dir.exists()
-
-
-def test_training_run_reports_to_all_trackers_and_its_repeat_reports_into_the_same_runs(
-    model_dir, tmp_path, tracker_env
-):
-    from mlflow import MlflowClient
-
-    output_dir = tmp_path / "output"
-    env = {**os.environ, **tracker_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-    arguments = [
-        *("--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir),
-        *("--train_file", os.path.join(CORPUS, "train.txt"), "--max_train_samples", 20),
-        *("--validation_file", os.path.join(CORPUS, "validation.txt"), "--max_eval_samples", 10),
-        *("--block_size", 32, "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", 8),
-        *("--do_train", "--do_eval", "--max_steps", 2, "--logging_steps", 2, "--sample_tokens", 0),
-        *("--report_to", "all", "--resume_from_checkpoint", "--run_name", "tiny-run"),
-    ]
-    command = [sys.executable, os.path.join(REPO, "run_clm_flax.py"), *map(str, arguments)]
-    # The second time, the run is complete: it resumes only to report the results again, into the same runs.
-    for _ in range(2):
-        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert "The run is complete" in result.stderr
-
-    train_results = json.loads((output_dir / "train_results.json").read_text())
-    eval_results = json.loads((output_dir / "eval_results.json").read_text())
-    all_results = json.loads((output_dir / "all_results.json").read_text())
-    assert train_results["train_samples"] == 20 and 0 < eval_results["eval_samples"] <= 10
-    assert all_results == {
-        **{HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in train_results.items()},
-        **{HUGGING_FACE_RESULT_NAMES.get(key, key): value for key, value in eval_results.items()},
-    }
-    assert {"train_runtime", "epoch", "perplexity"} <= all_results.keys()
-    run_ids = json.loads((output_dir / "tracker_runs.json").read_text())
-
-    # TensorBoard: the HParams summary, whose metrics are the scalars the evaluation wrote.
-    events, experiment, session = hparams_plugin_data(output_dir / "tensorboard")
-    assert session.group_name == str(output_dir)
-    assert session.hparams["learning_rate"].number_value == 5e-5
-    assert session.hparams["model_config/n_layer"].number_value == 2
-    assert events.Scalars("eval/loss")[-1].value == pytest.approx(all_results["eval_loss"], rel=1e-6)
-
-    # W&B: one run in two offline parts, named by --run_name, with the results in its summary.
-    parts = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
-    assert len(parts) == 2 and all(part.endswith(run_ids["wandb"]) for part in parts)
-    records = wandb_records(parts[0])
-    [run] = [record.run for record in records if record.WhichOneof("record_type") == "run"]
-    assert run.display_name == "tiny-run"
-    config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    assert config["max_steps"] == 2 and config["model_config"]["n_layer"] == 2
-    history = [row for row in wandb_items(records, "history") if "train/loss" in row]
-    assert [row["train/global_step"] for row in history] == [2]
-    for part in parts:
-        summary = {
-            key: value for update in wandb_items(wandb_records(part), "summary") for key, value in update.items()
-        }
-        assert summary["eval_loss"] == pytest.approx(all_results["eval_loss"])
-
-    # MLflow: one run, with the scalars and the final results.
-    client = MlflowClient(tracking_uri=tracker_env["MLFLOW_TRACKING_URI"])
-    run = client.get_run(run_ids["mlflow"])
-    assert run.info.run_name == "tiny-run" and run.info.status == "FINISHED"
-    assert run.data.params["max_steps"] == "2" and run.data.params["model_config/n_layer"] == "2"
-    assert len(client.search_runs([run.info.experiment_id])) == 1
-    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "train/loss")] == [2]
-    assert run.data.metrics["perplexity"] == pytest.approx(all_results["perplexity"])
