@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 from conftest import CHECKS_DIR, FIXTURES_DIR, REPO_DIR
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, scalars, tiny_config, tiny_llama_config
-
-from flax_lm.errors import UsageError
-from flax_lm.models import gpt2, llama, roberta
+from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, run_script, scalars
 
 CORPUS = FIXTURES_DIR / "en"
 # The tensor axis alone over every device, and mixed with the data and fsdp axes (a split by 2 alone adds no path).
@@ -150,6 +147,19 @@ def uninterrupted(model_dir, tmp_path_factory):
     return output_dir
 
 
+def test_one_device_trains_the_batch_of_eight_data_parallel_devices_to_the_same_losses_and_weights(
+    model_dir, uninterrupted, tmp_path, monkeypatch
+):
+    """The uninterrupted run's 8 rows a step, one on each device of data=8, all on the one device of this process:
+    the script's batches and dropout masks do not depend on the devices."""
+    one_device = tmp_path / "one-device"
+    command_line = arguments(model_dir, one_device)
+    command_line[command_line.index("--per_device_train_batch_size") + 1] = "8"
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *command_line])
+    run_clm_flax.main()
+    assert_continues_like(one_device, uninterrupted, first_step=1)
+
+
 def test_checkpoints_move_between_data_and_tensor_parallel_meshes(model_dir, uninterrupted, tmp_path):
     """A run on data=8 saved at step 3 resumes on data=2,tensor=4; that run's step-4 checkpoint resumes on data=8;
     both end with the losses and weights of the uninterrupted data=8 run."""
@@ -200,46 +210,6 @@ def test_generation_on_a_mesh_with_rows_split_is_refused(model_dir, tmp_path):
         "generation splits the model over a tensor axis alone; give tensor=4 (all devices), or make fewer devices "
         "visible"
     )
-
-
-class TensorAxis:
-    """What check_model_config reads of a mesh: the size of each axis."""
-
-    def __init__(self, size: int):
-        self.shape = {"data": 1, "fsdp": 1, "tensor": size}
-
-
-@pytest.mark.parametrize(
-    "config, message",
-    [
-        (tiny_config(n_head=2), "tensor=4 does not divide the attention heads (n_head) 2"),
-        (tiny_config(n_head=4, n_inner=66), "tensor=4 does not divide the MLP width (n_inner) 66"),
-        (
-            tiny_config(n_head=4, vocab_size=1002),
-            "tensor=4 does not divide the vocabulary (vocab_size) 1002: choose a tensor size that divides it, or pad "
-            "it with create_config.py --pad_vocab_to_multiple_of",
-        ),
-    ],
-)
-def test_a_tensor_size_that_does_not_divide_the_split_sizes_is_refused(config, message):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        gpt2.check_model_config(config, TensorAxis(4))
-    gpt2.check_model_config(config, TensorAxis(1))
-
-
-def test_a_llama_tensor_size_that_does_not_divide_its_key_value_heads_is_refused():
-    config = tiny_llama_config(num_attention_heads=8, num_key_value_heads=2, hidden_size=64, vocab_size=1024)
-    message = r"tensor=4 does not divide the key/value heads \(num_key_value_heads\) 2"
-    with pytest.raises(UsageError, match=message):
-        llama.check_model_config(config, TensorAxis(4))
-    llama.check_model_config(config, TensorAxis(2))
-
-
-def test_a_roberta_tensor_size_that_does_not_divide_its_heads_is_refused():
-    from test_mlm_model import tiny_config as roberta_config
-
-    with pytest.raises(UsageError, match=r"tensor=8 does not divide the attention heads \(num_attention_heads\) 4"):
-        roberta.check_model_config(roberta_config(), TensorAxis(8))
 
 
 def test_the_training_script_refuses_a_tensor_size_before_any_work(model_dir, tmp_path):

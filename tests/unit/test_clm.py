@@ -462,3 +462,14 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(model_dir, tmp_path, mo
         run_clm_flax.UsageError, match="the tokenizer has 512 tokens but the config's vocab_size is 100"
     ):
         run_clm_flax.main()
+
+
+def test_refuses_to_train_into_a_directory_with_files(model_dir, tmp_path, monkeypatch):
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    (output_dir / "notes.txt").write_text("keep me")
+    monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", *training_arguments(model_dir, output_dir, "--do_train")])
+    with pytest.raises(run_clm_flax.UsageError, match="--overwrite_output_dir"):
+        run_clm_flax.main()
+    assert (output_dir / "notes.txt").read_text() == "keep me"
+    assert os.listdir(output_dir) == ["notes.txt"]
