@@ -37,9 +37,9 @@ from flax_lm.models.gpt2 import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-# module name -> module_code_fingerprint of the stock module, as tests/test_models.py compares it with transformers. A
-# change to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is updated, which its
-# parity tests passing makes right.
+# module name -> module_code_fingerprint of the stock module, as tests/unit/test_models.py compares it with
+# transformers. A change to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is
+# updated, which its parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
     "gemma": "70cb8883ead381c2",
     "gpt2": "61d3745b8a30cf52",

@@ -1,7 +1,8 @@
 """GPT-2's block options (flax_lm/models/gpt2.py BLOCK_OPTIONS): QK-norm, attention and final-logit soft-capping and
 sliding-window layers, each computing what it is defined to, each decoded with the key/value cache as the whole
 sequence is, written by create_config.py --set, and exported without claiming GPT2LMHeadModel; off, the model is
-GPT-2's bit for bit. Document attention with windows: tests/test_clm.py; resume: tests/test_resume.py."""
+GPT-2's bit for bit. Document attention with windows: tests/unit/test_clm.py; resume:
+tests/end_to_end/test_resume.py."""
 
 import flax.linen as nn
 import jax

@@ -2,10 +2,10 @@
 
 Llama's logits equal LlamaForCausalLM's for every variant of its layout, and each family's (Qwen 2 and 3, Mistral,
 Gemma 2 and 3, OLMo 2) its transformers class's, sliding windows and soft-capping included (document attention:
-tests/test_clm.py); greedy decoding with the key/value cache equals PyTorch's generate for each causal model; the stock
-modules are the code these comparisons verified (their fingerprints); the probe that decides whether other code may
-name an architecture tells an equal computation from an edited one; and a sharded bfloat16 Hugging Face checkpoint of
-each family is evaluated as PyTorch evaluates it, trained on, exported and scored by transformers as the script did.
+tests/unit/test_clm.py); greedy decoding with the key/value cache equals PyTorch's generate for each causal model; the
+stock modules are the code these comparisons verified (their fingerprints); the probe that decides whether other code
+may name an architecture tells an equal computation from an edited one; and a sharded bfloat16 Hugging Face checkpoint
+of each family is evaluated as PyTorch evaluates it, trained on, exported and scored by transformers as the script did.
 """
 
 import importlib

@@ -1,5 +1,5 @@
 """Scaling options of run_clm_flax.py: gradient accumulation, gradient checkpointing, mixed precision, the mesh shape
-(FSDP trains in tests/test_tensor_parallel.py, in the run of the tensor-parallel meshes)."""
+(FSDP trains in tests/end_to_end/test_tensor_parallel.py, in the run of the tensor-parallel meshes)."""
 
 import os
 import sys
