@@ -108,17 +108,9 @@ def test_checkpoints_hold_the_newest_few_and_the_token_is_never_written(uninterr
                 assert SECRET.encode() not in file.read(), f"the token was written to {name}"
 
 
-def test_run_killed_mid_training_resumes_to_the_same_weights_and_losses(model_dir, uninterrupted_run, tmp_path):
-    output_dir = tmp_path / "killed"
-    process = start_script(arguments(model_dir, output_dir))
-    kill_when(process, lambda: (output_dir / "checkpoints" / "16").is_dir(), "checkpoint 16 was written")
-    assert not (output_dir / "train_results.json").exists(), "the run was meant to be killed before the end"
-
-    run_script(arguments(model_dir, output_dir, "--resume_from_checkpoint"))
-    assert_same_as_uninterrupted(output_dir, uninterrupted_run[0])
-
-
 def test_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(model_dir, uninterrupted_run, tmp_path):
+    """Killed in the middle of training, and in the middle of a checkpoint: the resume goes on from the last complete
+    one to the weights and losses of the uninterrupted run, and removes the unfinished one."""
     output_dir = tmp_path / "killed-saving"
     checkpoints = output_dir / "checkpoints"
 
