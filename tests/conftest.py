@@ -38,10 +38,10 @@ for directory in [TESTS_DIR / tier for tier in TIERS] + [CHECKS_DIR, REPO_DIR]:
 # last (the alphabet puts test_tensor_parallel.py near the end) keeps one worker busy after the other has finished.
 # Paths below tests/.
 LONGEST_FILES_FIRST = [
-    "end_to_end/test_tensor_parallel.py", "unit/test_clm.py", "end_to_end/test_edited_copies.py",
-    "end_to_end/test_distributed.py", "end_to_end/test_resume.py", "end_to_end/test_run_safety.py",
-    "end_to_end/test_mlm.py", "unit/test_models.py", "unit/test_generate.py", "end_to_end/test_mlm_scale.py",
-    "unit/test_gpu_suite.py",
+    "end_to_end/test_tensor_parallel.py", "end_to_end/test_edited_copies.py", "end_to_end/test_distributed.py",
+    "end_to_end/test_resume.py", "end_to_end/test_run_safety.py", "end_to_end/test_mlm.py",
+    "end_to_end/test_clm_runs.py", "end_to_end/test_published_checkpoints.py", "end_to_end/test_mlm_scale.py",
+    "end_to_end/test_gpu_suite_runs.py", "unit/test_models.py", "unit/test_generate.py",
 ]  # fmt: skip
 
 
