@@ -3,6 +3,7 @@ PyTorch checkpoint, and it trains on a stream. (Eight devices train as one: test
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,7 +144,7 @@ def test_streaming_run_trains_with_max_steps_and_lowers_the_loss(run_tool, vocab
     result = run_tool(
         "run_clm_flax.py",
         "--output_dir", output_dir, "--config_name", model_dir, "--tokenizer_name", model_dir,
-        "--train_file", CORPUS / "train.txt", "--validation_file", CORPUS / "validation.txt", "--streaming",
+        "--train_file", Path(CORPUS, "train.txt"), "--validation_file", Path(CORPUS, "validation.txt"), "--streaming",
         "--do_train", "--do_eval", "--max_steps", 40, "--block_size", 32, "--per_device_train_batch_size", 8,
         "--learning_rate", 3e-3, "--logging_steps", 10, "--eval_steps", 20, "--max_eval_samples", 64,
         "--shuffle_buffer_size", 100, "--sample_tokens", 0,
