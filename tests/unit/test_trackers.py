@@ -12,8 +12,7 @@ import pytest
 from conftest import REPO_DIR
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata as hparams_metadata
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPT2Config, PreTrainedTokenizerFast
+from test_clm import tiny_gpt2_dir_of_512_tokens
 
 from flax_lm.errors import UsageError
 from flax_lm.run import tracking
@@ -249,22 +248,7 @@ def test_all_results_leaves_out_an_evaluation_of_another_step_than_the_training(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A byte-level BPE tokenizer of 512 tokens trained on the English fixture corpus, and a tiny GPT-2 config."""
-    directory = str(tmp_path_factory.mktemp("tiny-gpt2"))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
-    )
-    tokenizer.train([os.path.join(CORPUS, "train.txt")], trainer)
-    special_tokens = {name: "<|endoftext|>" for name in ("bos_token", "eos_token", "unk_token")}
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=64, **special_tokens).save_pretrained(
-        directory
-    )
-    GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=2, n_head=2).save_pretrained(directory)
-    return directory
+    return tiny_gpt2_dir_of_512_tokens(tmp_path_factory.mktemp("tiny-gpt2"))
 
 
 def test_an_unknown_tracker_stops_the_script_before_any_work(model_dir, tmp_path, monkeypatch):
