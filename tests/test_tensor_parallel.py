@@ -15,7 +15,9 @@ from safetensors.numpy import load_file
 from test_clm import OFFLINE_ENV, model_dir_with_config, run_script, scalars, tiny_config, tiny_llama_config
 
 from flax_lm.errors import UsageError
-from flax_lm.models import gpt2, llama, roberta
+from flax_lm.models.gpt2 import model as gpt2
+from flax_lm.models.llama import model as llama
+from flax_lm.models.roberta import model as roberta
 
 CORPUS = FIXTURES_DIR / "en"
 # The tensor axis alone over every device, and mixed with the data and fsdp axes (a split by 2 alone adds no path).

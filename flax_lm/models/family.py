@@ -2,8 +2,9 @@
 flax_lm/models/README.md). Plain data, so that create_config.py and train_tokenizer.py read every family without
 importing JAX; the family's model itself is its model.py."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class ModelFamily:
     # Whether the positions are numbered from pad_token_id + 1 (RoBERTa), which leaves that many positions unused
     # and needs a padding token.
     positions_after_pad_id: bool = False
+    # The parameters of the transformers model of a config, for create_config.py to print; None: those of the tensors
+    # of model.py's hf_architecture_shapes(config), which GPT-2 and RoBERTa count otherwise (block options, an untied
+    # masked-LM head).
+    count_parameters: Callable[[Any], int] | None = None
 
     @property
     def module_name(self) -> str:
