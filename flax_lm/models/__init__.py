@@ -29,6 +29,7 @@ model directories (config, tokenizer, safetensors weights, sharded or not), and 
 a run's model and what its exports may claim.
 """
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -44,8 +45,9 @@ from flax_lm.models.family import ModelFamily, TokenizerConventions
 
 
 class MovedCommonModuleFinder(importlib.abc.MetaPathFinder):
-    """An import of flax_lm.models.common, which moved, stops with one line naming where it went. (The 0.4 modules
-    that are family folders now still import, as their package: a name taken from it stops there, moved_to_model.)"""
+    """An import of flax_lm.models.common, which moved, stops with one line naming where it went (but in a model file,
+    common_under_its_0_4_name). The 0.4 modules that are family folders now still import, as their package: a name
+    taken from it stops there (moved_to_model)."""
 
     def find_spec(self, fullname, path=None, target=None):
         package, _, name = fullname.rpartition(".")
@@ -60,6 +62,19 @@ class MovedCommonModuleFinder(importlib.abc.MetaPathFinder):
 
 if not any(isinstance(finder, MovedCommonModuleFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, MovedCommonModuleFinder())
+
+
+@contextlib.contextmanager
+def common_under_its_0_4_name():
+    """While a model file is imported, flax_lm.models.common is flax_lm.models.shared.common, the same file moved: a
+    copy of a flax_lm 0.4 module runs unedited, with the fingerprint its runs recorded (the files' bytes are the same),
+    so that they resume and their exports load."""
+    old_name = f"{__name__}.common"
+    sys.modules[old_name] = importlib.import_module(f"{__name__}.shared.common")
+    try:
+        yield
+    finally:
+        del sys.modules[old_name]
 
 
 def moved_to_model(family_name: str, name: str):
@@ -166,7 +181,8 @@ def import_model_file(path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and flax.struct look classes up by their module's name
     try:
-        spec.loader.exec_module(module)
+        with common_under_its_0_4_name():
+            spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[name]
         raise UsageError(f"--model_file {path} fails on import ({type(error).__name__}: {error})") from None

@@ -42,11 +42,11 @@ logger = logging.getLogger(__name__)
 # a model.py (or to a file of flax_lm/models/shared/ it imports) fails that test until its fingerprint here is
 # updated, which its parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gemma": "da9df7645d614697",
-    "gpt2": "8255bd56c3e017e0",
-    "llama": "b897786d630b0237",
-    "olmo2": "33b40dc9129fdabb",
-    "roberta": "d593925836f1a704",
+    "gemma": "c7d6428d39311be6",
+    "gpt2": "160fed58a940323c",
+    "llama": "c008d80d34dcd6a9",
+    "olmo2": "09ba662aef0ed72b",
+    "roberta": "1d60caad7d524b02",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
@@ -57,8 +57,8 @@ VERIFIED_FINGERPRINTS = {
 # the cuDNN attention took document segments too, through one function shared with RoBERTa; written out, as on a CPU,
 # every module computes as before. GPT-2's query/key/value product has since been a method of its own, which --fp8
 # computes in FP8; without it, the same product as before. Then each family became a folder, model.py beside its
-# registration, and common.py moved to shared/: the import lines and the file paths in messages changed, nothing
-# computed.)
+# registration, and common.py moved, unchanged, to shared/: the models' import lines and the file paths in their
+# messages changed, nothing computed.)
 EARLIER_VERIFIED_FINGERPRINTS = {
     "gemma": {"ccb4a731dc070557", "70cb8883ead381c2"},
     "gpt2": {"9235ed61450115e6", "37d74b0550392686", "29b9bcfd3633837a", "272c7f9596cdb77c", "61d3745b8a30cf52"},

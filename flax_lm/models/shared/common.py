@@ -1,7 +1,7 @@
 """What the Flax models share: activations by their Hugging Face config names, causal attention (written out, as
 cuDNN's kernel, and over a key/value cache for decoding; sliding windows and soft-capped logits), dense layers and the
 output layer multiplied as one matrix, the layout of activations over a device mesh, and the segments of documents
-packed end to end into one sequence. Then what the rotary decoders (the llama, gemma and olmo2 families) share: rotary
+packed end to end into one sequence. Then what the rotary decoders (llama.py, gemma.py, olmo2.py) share: rotary
 positions, RMSNorm, the gated MLP, the embedding, final norm and output layer around their layers, and the mapping of
 their parameters onto the Hugging Face checkpoint layout."""
 
@@ -284,7 +284,7 @@ def check_rope(rope: dict, module_file: str, where: str = "rope_parameters"):
         raise UsageError(
             f"{where} rope_type '{rope['rope_type']}' is not implemented by {module_file} (it computes "
             f"{', '.join(ROPE_TYPES)}); use one of those, or implement it in rotary_frequencies of a copy of "
-            "flax_lm/models/shared/common.py"
+            "flax_lm/models/common.py"
         )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UsageError(
