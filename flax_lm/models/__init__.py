@@ -100,6 +100,7 @@ FAMILIES = (
     "gemma",
     "olmo2",
     "roberta",
+    "smollm3",
 )
 
 

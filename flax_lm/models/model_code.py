@@ -47,6 +47,7 @@ VERIFIED_FINGERPRINTS = {
     "llama": "c008d80d34dcd6a9",
     "olmo2": "09ba662aef0ed72b",
     "roberta": "1d60caad7d524b02",
+    "smollm3": "304c0e44d23cd281",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
