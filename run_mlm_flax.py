@@ -23,9 +23,9 @@ A single .json file holding the arguments works too: `./run_mlm_flax.py args.jso
 
 This file holds what an experiment changes, in reading order: its arguments, how texts become blocks and how they are
 masked, the loss, the optimizer and schedule, the train and eval steps, evaluation and fill-mask, and the loop in
-main(). The model (flax_lm/models/roberta.py, or --model_file) and what every run shares (checkpoints, trackers, data
-storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm
-is installed.
+main(). The model (flax_lm/models/roberta/model.py, or --model_file) and what every run shares (checkpoints, trackers,
+data storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where
+flax_lm is installed.
 """
 
 import itertools

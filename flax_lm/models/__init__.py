@@ -264,7 +264,8 @@ class ConfigProblem:
 def config_problem(config) -> ConfigProblem | None:
     """The first value of `config` no model computes with, or None: a number that is not finite, a size below 1 or
     not a whole number, a vocabulary beyond int32's ids, heads that the key/value heads do not divide, a dropout
-    probability outside [0, 1), a norm's epsilon that is not positive, an activation no model computes.
+    probability outside [0, 1), a norm's epsilon or an initializer range that is not positive, an activation no model
+    computes.
     create_config.py refuses these before it writes a config, adding its hint; the tools that load one refuse a
     config.json edited by hand with them, which would otherwise fail in the model (a ZeroDivisionError, an allocation
     of many GiB, weights of NaN that the first step blames on the learning rate)."""
@@ -293,7 +294,7 @@ def config_problem(config) -> ConfigProblem | None:
         is_rate = isinstance(rate, (int, float)) and not isinstance(rate, bool)
         if name.endswith(("pdrop", "dropout", "dropout_prob")) and is_rate and not 0 <= rate < 1:
             return ConfigProblem(name, f"{name} is a dropout probability, in [0, 1), not {rate}")
-    for name in ("layer_norm_epsilon", "layer_norm_eps"):
+    for name in ("layer_norm_epsilon", "layer_norm_eps", "initializer_range"):
         if (value := values.get(name)) is not None and not value > 0:
             return ConfigProblem(name, f"{name} must be positive, not {value}")
     from flax_lm.models.shared.common import ACTIVATIONS  # here: JAX, which it imports, takes a second to load
