@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import transformers
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
+from flax_lm.command_line.model_loading import model_loading
 from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.data.texts import ids_around_documents
 from flax_lm.devices.mesh import create_mesh
@@ -344,7 +345,7 @@ def load_model(model_args):
             abstract_params,
             parameter_shardings(boxed_params, mesh),
         )
-    params = read_exported_params(source, model_args, model_code, abstract_params)
+    params = read_exported_params(source, model_loading(model_args), model_code, abstract_params)
     if mesh is None:
         return model, jax.device_put(params), tokenizer
     return model, jax.device_put(params, parameter_shardings(boxed_params, mesh)), tokenizer

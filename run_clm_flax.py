@@ -51,6 +51,7 @@ from flax_lm.command_line.arguments import (
     check_numeric_arguments,
     recorded_arguments,
 )
+from flax_lm.command_line.model_loading import model_loading
 from flax_lm.command_line.trainer_flags import check_best_model_flags
 from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.data.finetune_examples import Example, ExampleArguments, RowCounts, encoded_examples, is_chat
@@ -762,7 +763,7 @@ def main():
     argument_types = (ModelArguments, DataTrainingArguments, TrainingArguments)
     model_args, data_args, training_args = start_run(argument_types, check_arguments, FLAG_TABLES)
 
-    config, tokenizer = load_config_and_tokenizer(model_args, "gpt2")
+    config, tokenizer = load_config_and_tokenizer(model_loading(model_args), "gpt2")
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(
         config, model_args.model_file, True, "run_clm_flax.py", mesh, compare_exports=not model_args.skip_export_check

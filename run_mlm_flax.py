@@ -23,9 +23,9 @@ A single .json file holding the arguments works too: `./run_mlm_flax.py args.jso
 
 This file holds what an experiment changes, in reading order: its arguments, how texts become blocks and how they are
 masked, the loss, the optimizer and schedule, the train and eval steps, evaluation and fill-mask, and the loop in
-main(). The model (flax_lm/models/roberta.py, or --model_file) and what every run shares (checkpoints, trackers, data
-storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm
-is installed.
+main(). The model (flax_lm/models/roberta/model.py, or --model_file) and what every run shares (checkpoints, trackers,
+data storage, processes) are imported from the flax_lm package: copy this file anywhere, edit it, and run it where
+flax_lm is installed.
 """
 
 import itertools
@@ -51,6 +51,7 @@ from flax_lm.command_line.arguments import (
     check_numeric_arguments,
     recorded_arguments,
 )
+from flax_lm.command_line.model_loading import model_loading
 from flax_lm.command_line.trainer_flags import check_best_model_flags
 from flax_lm.data.host_random import random_bits, uniform_from_bits
 from flax_lm.data.loading import (
@@ -79,7 +80,7 @@ from flax_lm.evaluation.validation import (
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
-from flax_lm.models.roberta import check_tokenizer
+from flax_lm.models.roberta.model import check_tokenizer
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
 from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json, write_train_results
 from flax_lm.run.record import TrainingProgress
@@ -787,7 +788,7 @@ def main():
     argument_types = (ModelArguments, DataTrainingArguments, TrainingArguments)
     model_args, data_args, training_args = start_run(argument_types, check_arguments, FLAG_TABLES)
 
-    config, tokenizer = load_config_and_tokenizer(model_args, "roberta")
+    config, tokenizer = load_config_and_tokenizer(model_loading(model_args), "roberta")
     mesh = create_mesh(training_args.mesh_shape)
     model_code = load_model_code(
         config, model_args.model_file, False, "run_mlm_flax.py", mesh, compare_exports=not model_args.skip_export_check

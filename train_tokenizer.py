@@ -27,8 +27,8 @@ import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transfor
 # isort: split
 
 import datasets
+import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Tokenizer, PreTrainedTokenizerFast, RobertaTokenizer
 
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
@@ -36,30 +36,20 @@ from flax_lm.data.source import TextSource
 from flax_lm.data.text_stream import ReadCounts, counted_text_batches, open_text_sources
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, check_writable_directory, run
+from flax_lm.models import tokenizer_conventions
+from flax_lm.models.family import TokenizerConventions
 from flax_lm.models.tokenizer_files import save_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
-# Special tokens of each model type, by role. The order is the order of their ids: the tokenizer gets ids 0, 1, ...
-# for the distinct tokens in this order. GPT-2 has one token for beginning, end and unknown text, and no padding
-# token; Llama has a beginning and an end of text, as Llama 3's tokenizer names them, and puts the first before every
-# text it encodes; RoBERTa has <s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=4, as in the published roberta-base vocabulary.
-SPECIAL_TOKEN_PRESETS = {
-    "gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"},
-    "llama": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
-    "roberta": {
-        "bos_token": "<s>",
-        "pad_token": "<pad>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "mask_token": "<mask>",
-    },
-}
+# The --model_type values and the special tokens, default length and tokenizer class of each: the tokenizer
+# conventions of the model families (flax_lm/models/NAME/__init__.py, where they are written).
+CONVENTIONS = tokenizer_conventions()
+# The longest input of each when --model_max_length is left out, e.g. "1024 (gpt2), 2048 (llama) or 512 (roberta)".
+DEFAULT_LENGTHS = " or ".join(
+    ", ".join(f"{rules.model_max_length} ({name})" for name, rules in CONVENTIONS.items()).rsplit(", ", 1)
+)
 SPECIAL_TOKEN_ROLES = ["bos_token", "pad_token", "eos_token", "unk_token", "mask_token"]
-
-# The longest input the model takes, in tokens: GPT-2 has 1024 positions; the Llama presets up to llama-1b 2048;
-# RoBERTa has 514 position embeddings, two of which are taken by the padding offset, leaving 512.
-DEFAULT_MODEL_MAX_LENGTH = {"gpt2": 1024, "llama": 2048, "roberta": 512}
 
 # Every byte is in the initial alphabet, so any text can be encoded without an unknown token.
 BYTE_ALPHABET_SIZE = len(pre_tokenizers.ByteLevel.alphabet())
@@ -137,7 +127,7 @@ class TokenizerArguments:
         default="gpt2",
         metadata={
             "help": "Special tokens preset: the tokens and ids the model type expects.",
-            "choices": list(SPECIAL_TOKEN_PRESETS),
+            "choices": list(CONVENTIONS),
         },
     )
     vocab_size: int = field(
@@ -149,10 +139,7 @@ class TokenizerArguments:
     min_frequency: int = field(default=2, metadata={"help": "Only merge pairs that occur at least this often."})
     model_max_length: int | None = field(
         default=None,
-        metadata={
-            "help": "Longest input the model takes, in tokens; leave out for 1024 (gpt2), 2048 (llama) or 512 "
-            "(roberta)."
-        },
+        metadata={"help": f"Longest input the model takes, in tokens; leave out for {DEFAULT_LENGTHS}."},
     )
     bos_token: str | None = field(default=None, metadata={"help": "Replace the preset's beginning-of-text token."})
     eos_token: str | None = field(default=None, metadata={"help": "Replace the preset's end-of-text token."})
@@ -184,7 +171,7 @@ class TokenizerArguments:
 
 def special_tokens_by_role(tokenizer_args):
     """The preset's special tokens with the user's replacements, e.g. {"bos_token": "<s>", ...}."""
-    roles = dict(SPECIAL_TOKEN_PRESETS[tokenizer_args.model_type])
+    roles = dict(CONVENTIONS[tokenizer_args.model_type].special_tokens)
     for role in SPECIAL_TOKEN_ROLES:
         replacement = getattr(tokenizer_args, role)
         if replacement is not None:
@@ -194,15 +181,12 @@ def special_tokens_by_role(tokenizer_args):
     return {role: roles[role] for role in SPECIAL_TOKEN_ROLES if role in roles}
 
 
-# The roles a model tells apart by the token's id alone, which must have a token of their own: the masked LM predicts
-# where it finds the mask's id, and RoBERTa numbers positions and attends from the padding id. The beginning, end and
-# unknown tokens may share one (GPT-2's <|endoftext|> is all three); RoBERTa's classifier token is its beginning one.
-DISTINCT_ROLES = {"gpt2": ["mask_token"], "llama": ["mask_token"], "roberta": ["mask_token", "pad_token"]}
-
-
 def check_distinct_roles(roles: dict[str, str], model_type: str):
-    """Refuse a token given two roles where a model reads one of them from the id alone (DISTINCT_ROLES)."""
-    for role in DISTINCT_ROLES[model_type]:
+    """Refuse a token given two roles where a model reads one of them from the id alone (the distinct_roles of its
+    tokenizer conventions): the masked LM predicts where it finds the mask's id, and RoBERTa numbers positions and
+    attends from the padding id. The beginning, end and unknown tokens may share one (GPT-2's <|endoftext|> is all
+    three); RoBERTa's classifier token is its beginning one."""
+    for role in CONVENTIONS[model_type].distinct_roles:
         shared = [other for other, token in roles.items() if other != role and token == roles.get(role)]
         if shared:
             raise UsageError(
@@ -241,7 +225,8 @@ def new_byte_level_bpe():
 
 
 def wrap_for_transformers(tokenizer, model_type, roles, extra_special_tokens, model_max_length):
-    """The `transformers` tokenizer class of the model type, around the trained `tokenizers` object.
+    """The `transformers` tokenizer class of the model type (its tokenizer conventions), around the trained
+    `tokenizers` object.
 
     Saved, it loads with AutoTokenizer.from_pretrained as GPT2Tokenizer or RobertaTokenizer, the fast tokenizer
     classes of transformers 5, or for Llama as the plain fast tokenizer, as Llama 3's does (transformers'
@@ -254,12 +239,11 @@ def wrap_for_transformers(tokenizer, model_type, roles, extra_special_tokens, mo
         extra_special_tokens=[special_token(token) for token in extra_special_tokens],
         **tokens,
     )
-    if model_type == "roberta":
+    tokenizer_class = CONVENTIONS[model_type].tokenizer_class
+    if tokenizer_class == "RobertaTokenizer":
         # RoBERTa starts a sequence with its classifier token and ends it with the separator: <s> A </s></s> B </s>.
-        return RobertaTokenizer(cls_token=tokens["bos_token"], sep_token=tokens["eos_token"], **options)
-    if model_type == "llama":
-        return PreTrainedTokenizerFast(**options)
-    return GPT2Tokenizer(**options)
+        options.update(cls_token=tokens["bos_token"], sep_token=tokens["eos_token"])
+    return getattr(transformers, tokenizer_class)(**options)
 
 
 def save_tokenizer(fast_tokenizer, output_dir):
@@ -322,8 +306,11 @@ def check_arguments(data_args, tokenizer_args) -> tuple[SpecialTokens, int]:
         raise UsageError("--extra_special_tokens holds an empty token, which no text can contain; leave it out")
     check_distinct_roles(roles, tokenizer_args.model_type)
     if tokenizer_args.chat_template:
-        if tokenizer_args.model_type == "roberta":
-            raise UsageError("--chat_template is for the causal LMs that converse (gpt2, llama), not roberta")
+        if not CONVENTIONS[tokenizer_args.model_type].converses:
+            conversing = ", ".join(name for name, rules in CONVENTIONS.items() if rules.converses)
+            raise UsageError(
+                f"--chat_template is for the causal LMs that converse ({conversing}), not {tokenizer_args.model_type}"
+            )
         extra_special_tokens = list(dict.fromkeys(extra_special_tokens + CHAT_SPECIAL_TOKENS))
     special_tokens = list(dict.fromkeys(list(roles.values()) + extra_special_tokens))
     minimum_vocab_size = BYTE_ALPHABET_SIZE + len(special_tokens)
@@ -341,7 +328,7 @@ def check_arguments(data_args, tokenizer_args) -> tuple[SpecialTokens, int]:
             raise UsageError(f"--{flag} must be 1 or more, not {limit}; leave it out to read everything")
     model_max_length = tokenizer_args.model_max_length
     if model_max_length is None:
-        model_max_length = DEFAULT_MODEL_MAX_LENGTH[tokenizer_args.model_type]
+        model_max_length = CONVENTIONS[tokenizer_args.model_type].model_max_length
     if model_max_length < 1:
         raise UsageError(f"--model_max_length must be 1 or more, not {model_max_length}")
     check_output_dir(tokenizer_args.output_dir, tokenizer_args.overwrite)
@@ -403,19 +390,20 @@ def train_tokenizer(sources, data_args, tokenizer_args, special: SpecialTokens) 
             tokenizer.get_vocab_size(),
             tokenizer_args.vocab_size,
         )
-    add_post_processor(tokenizer, tokenizer_args.model_type, special.roles)
+    add_post_processor(tokenizer, CONVENTIONS[tokenizer_args.model_type], special.roles)
     return tokenizer, counts
 
 
-def add_post_processor(tokenizer: Tokenizer, model_type: str, roles: dict[str, str]):
-    if model_type == "roberta":
+def add_post_processor(tokenizer: Tokenizer, conventions: TokenizerConventions, roles: dict[str, str]):
+    """What the tokenizer adds around each text it encodes, as its conventions say."""
+    if conventions.tokenizer_class == "RobertaTokenizer":
         tokenizer.post_processor = processors.RobertaProcessing(
             (roles["eos_token"], tokenizer.token_to_id(roles["eos_token"])),
             (roles["bos_token"], tokenizer.token_to_id(roles["bos_token"])),
             trim_offsets=True,
             add_prefix_space=False,
         )
-    elif model_type == "llama":
+    elif conventions.bos_before_each_text:
         # BOS before each text, as Llama's tokenizers put it: <|begin_of_text|> A, and before each of a pair.
         bos = roles["bos_token"]
         tokenizer.post_processor = processors.TemplateProcessing(

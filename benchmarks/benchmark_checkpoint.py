@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from transformers import GPT2Config
 
 from flax_lm.devices.mesh import create_mesh
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+from flax_lm.models.gpt2.model import FlaxGPT2LMHeadModel
 from flax_lm.run.checkpoints import open_checkpoints, restore_checkpoint, save_checkpoint
 from flax_lm.run.checksums import checkpoint_checksum_problem, write_checkpoint_checksums
 from flax_lm.training.train_state import abstract_train_state, create_train_state

@@ -46,7 +46,8 @@ import numpy as np
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from flax_lm.generation import sampling
-from flax_lm.models import gpt2, llama
+from flax_lm.models.gpt2 import model as gpt2
+from flax_lm.models.llama import model as llama
 from flax_lm.training.train_state import abstract_model_params
 
 try:  # a test requirement (pip install -r requirements-test.txt): without it the benchmark only answers --help

@@ -24,7 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.generation.sampling import make_sampler
-from flax_lm.models import gpt2
+from flax_lm.models.gpt2 import model as gpt2
 from flax_lm.training.train_state import abstract_model_params
 
 try:  # test requirements (pip install -r requirements-test.txt): without them the benchmark only answers --help

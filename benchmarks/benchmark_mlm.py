@@ -39,7 +39,7 @@ from flax_lm.data.packed import cached_blocks
 from flax_lm.data.source import TextSource
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.models.model_code import load_model_code
-from flax_lm.models.roberta import FlaxRobertaForMaskedLM
+from flax_lm.models.roberta.model import FlaxRobertaForMaskedLM
 from flax_lm.training.setup import set_up_training
 from flax_lm.training.train_state import create_train_state
 

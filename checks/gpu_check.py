@@ -27,7 +27,10 @@ import numpy as np
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flax_lm.models import common, gemma, gpt2, roberta  # noqa: E402
+from flax_lm.models.gemma import model as gemma  # noqa: E402
+from flax_lm.models.gpt2 import model as gpt2  # noqa: E402
+from flax_lm.models.roberta import model as roberta  # noqa: E402
+from flax_lm.models.shared import common  # noqa: E402
 from flax_lm.training.fp8 import fp8_product, fp8_supported  # noqa: E402
 
 SEPARATOR = 2

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run_clm_flax  # noqa: E402
 import run_mlm_flax  # noqa: E402
 from flax_lm.devices.mesh import BATCH_AXES, MESH_AXES, create_mesh  # noqa: E402
-from flax_lm.models.gemma import FlaxGemmaForCausalLM  # noqa: E402
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel  # noqa: E402
-from flax_lm.models.llama import FlaxLlamaForCausalLM  # noqa: E402
-from flax_lm.models.olmo2 import FlaxOlmo2ForCausalLM  # noqa: E402
-from flax_lm.models.roberta import FlaxRobertaForMaskedLM  # noqa: E402
+from flax_lm.models.gemma.model import FlaxGemmaForCausalLM  # noqa: E402
+from flax_lm.models.gpt2.model import FlaxGPT2LMHeadModel  # noqa: E402
+from flax_lm.models.llama.model import FlaxLlamaForCausalLM  # noqa: E402
+from flax_lm.models.olmo2.model import FlaxOlmo2ForCausalLM  # noqa: E402
+from flax_lm.models.roberta.model import FlaxRobertaForMaskedLM  # noqa: E402
 from flax_lm.training.train_state import abstract_train_state, create_train_state  # noqa: E402
 
 STEPS, MICRO_BATCHES, ROWS, LENGTH, VOCAB = 3, 2, 16, 16, 512

@@ -54,7 +54,7 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "A model module of the experiment's own, to compute the config's model type instead of flax_lm's: "
-            "a copy of flax_lm/models/gpt2.py (or llama.py, gemma.py, olmo2.py, roberta.py), edited. The run "
+            "a copy of flax_lm/models/gpt2/model.py (or llama/, gemma/, olmo2/, roberta/ ...), edited. The run "
             "directory keeps it; give it again to resume, and to load the exports with generate_flax.py."
         },
     )

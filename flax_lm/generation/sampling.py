@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from flax_lm.models.common import KeyValueCache
+from flax_lm.models.shared.common import KeyValueCache
 
 # The smallest normal float32, which decoding computes in: a temperature or top_p below it is flushed to 0 on a CPU
 # (a top_p of 0 kept no token, and the row ended at once) or, at best, is a denormal number of little precision.

@@ -1,7 +1,8 @@
-"""The models, one module each, chosen by the `model_type` of a Hugging Face config.
+"""The registry of model families: FAMILIES names one package per family (flax_lm/models/NAME/, whose __init__.py
+defines its FAMILY and whose model.py computes its model types), and the lookups the tools make in it; no tool keeps
+a table of families of its own. flax_lm/models/README.md says what a family holds and how to add one.
 
-MODEL_MODULES below is the one table of them; several model types may share a module where one is a configuration of
-another's block (Qwen 2 and 3, Mistral: of Llama's). A model module defines one model and what the tools need of it:
+A model module (NAME/model.py) defines one model and what the tools need of it:
 
     HF_ARCHITECTURES        the config.model_type values it computes -> the transformers class of each, whose
                             checkpoint layout its parameters map onto
@@ -19,35 +20,122 @@ and, where it computes config fields its transformers class lacks (GPT-2's block
     BLOCK_OPTIONS           those fields, which create_config.py --set accepts
     export_refusal(config)  why an export of the model of `config` cannot name the architecture, or None
 
-To give one experiment a model of its own, copy a module beside the script (`cp flax_lm/models/gpt2.py my_gpt2.py`),
-edit the copy and pass it to every tool with `--model_file my_gpt2.py`: flax_lm and every other run stay as they are.
-See flax_lm/models/model_code.py for what a run records of the code and what its exports may claim.
+To give one experiment a model of its own, copy a module beside the script (`cp flax_lm/models/gpt2/model.py
+my_gpt2.py`), edit the copy and pass it to every tool with `--model_file my_gpt2.py`: flax_lm and every other run stay
+as they are. See flax_lm/models/model_code.py for what a run records of the code and what its exports may claim.
 
-Beside the models: huggingface.py reads and writes Hugging Face model directories (config, tokenizer, safetensors
-weights, sharded or not), and model_code.py says which code computes a run's model and what its exports may claim.
+Beside the families: shared/ holds what several of them compute alike; huggingface.py reads and writes Hugging Face
+model directories (config, tokenizer, safetensors weights, sharded or not), and model_code.py says which code computes
+a run's model and what its exports may claim.
 """
 
+import contextlib
 import importlib
+import importlib.abc
 import importlib.util
 import math
 import os
 import sys
+from dataclasses import dataclass
+from functools import cache
 from types import ModuleType
 
 from flax_lm.errors import UsageError
+from flax_lm.models.family import ModelFamily, TokenizerConventions
 
-# model_type -> the module that computes it.
-MODEL_MODULES = {
-    "gpt2": "flax_lm.models.gpt2",
-    "llama": "flax_lm.models.llama",
-    "mistral": "flax_lm.models.llama",
-    "qwen2": "flax_lm.models.llama",
-    "qwen3": "flax_lm.models.llama",
-    "gemma2": "flax_lm.models.gemma",
-    "gemma3_text": "flax_lm.models.gemma",
-    "olmo2": "flax_lm.models.olmo2",
-    "roberta": "flax_lm.models.roberta",
-}
+
+class MovedCommonModuleFinder(importlib.abc.MetaPathFinder):
+    """An import of flax_lm.models.common, which moved, stops with one line naming where it went (but in a model file,
+    common_under_its_0_4_name). The 0.4 modules that are family folders now still import, as their package: a name
+    taken from it stops there (moved_to_model)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, name = fullname.rpartition(".")
+        if package == __name__ and name == "common":
+            raise SystemExit(
+                "error: flax_lm.models.common moved to flax_lm.models.shared.common (each model family is a folder "
+                "of flax_lm/models now, see flax_lm/models/README.md); change the import to "
+                "flax_lm.models.shared.common"
+            )
+        return None
+
+
+if not any(isinstance(finder, MovedCommonModuleFinder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, MovedCommonModuleFinder())
+
+
+@contextlib.contextmanager
+def common_under_its_0_4_name():
+    """While a model file is imported, flax_lm.models.common is flax_lm.models.shared.common, the same file moved: a
+    copy of a flax_lm 0.4 module runs unedited, with the fingerprint its runs recorded (the files' bytes are the same),
+    so that they resume and their exports load."""
+    old_name = f"{__name__}.common"
+    sys.modules[old_name] = importlib.import_module(f"{__name__}.shared.common")
+    try:
+        yield
+    finally:
+        del sys.modules[old_name]
+
+
+def moved_to_model(family_name: str, name: str):
+    """For the __getattr__ of a family whose module was flax_lm/models/NAME.py in 0.4: a name a script imported from
+    that module (flax_lm.models.gpt2.FlaxGPT2LMHeadModel) stops the script with one line naming the module holding it
+    now, NAME/model.py."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    module = importlib.import_module(f"{__name__}.{family_name}.model")
+    if name not in vars(module):
+        raise AttributeError(f"module 'flax_lm.models.{family_name}' has no attribute '{name}'")
+    raise SystemExit(
+        f"error: flax_lm.models.{family_name}.{name} moved to flax_lm.models.{family_name}.model (each model family "
+        f"is a folder of flax_lm/models now, see flax_lm/models/README.md); change the import to `from "
+        f"flax_lm.models.{family_name}.model import {name}`"
+    )
+
+
+# The model families, one package each under flax_lm/models/, in the order the tools list them.
+FAMILIES = (
+    "gpt2",
+    "llama",
+    "gemma",
+    "olmo2",
+    "roberta",
+    "smollm3",
+)
+
+
+def family(name: str) -> ModelFamily:
+    """The FAMILY that flax_lm/models/NAME/__init__.py registers."""
+    return importlib.import_module(f"{__name__}.{name}").FAMILY
+
+
+@cache
+def family_of_model_types() -> dict[str, ModelFamily]:
+    """model_type -> the family whose model.py computes it, for every model type of FAMILIES."""
+    return {model_type: family(name) for name in FAMILIES for model_type in family(name).config_classes}
+
+
+def family_of(model_type: str) -> ModelFamily | None:
+    """The family that computes `model_type`, or None where no family does."""
+    return family_of_model_types().get(model_type)
+
+
+def presets() -> dict[str, tuple[str, dict]]:
+    """create_config.py's presets: name -> (model_type, config values), family by family."""
+    return {name: preset for family_name in FAMILIES for name, preset in family(family_name).presets.items()}
+
+
+def config_class(model_type: str) -> type:
+    """The transformers config class of `model_type` (a model type of FAMILIES)."""
+    import transformers
+
+    return getattr(transformers, family_of(model_type).config_classes[model_type])
+
+
+def tokenizer_conventions() -> dict[str, TokenizerConventions]:
+    """train_tokenizer.py's --model_type values -> their tokenizer conventions, family by family."""
+    return {name: rules for family_name in FAMILIES for name, rules in family(family_name).tokenizers.items()}
+
 
 # What a module must define, for the tools to train, export and decode its model.
 MODULE_INTERFACE = (
@@ -63,8 +151,8 @@ MODULE_INTERFACE = (
 
 
 def model_types(generates_text: bool) -> list[str]:
-    """The model types of MODEL_MODULES that generate text (causal LMs), or that do not (masked LMs)."""
-    return [name for name in MODEL_MODULES if stock_module(name).GENERATES_TEXT == generates_text]
+    """The model types of FAMILIES that generate text (causal LMs), or that do not (masked LMs)."""
+    return [name for name in family_of_model_types() if stock_module(name).GENERATES_TEXT == generates_text]
 
 
 def check_model_type(model_type: str | None, generates_text: bool):
@@ -79,7 +167,8 @@ def check_model_type(model_type: str | None, generates_text: bool):
 
 
 def stock_module(model_type: str) -> ModuleType:
-    return importlib.import_module(MODEL_MODULES[model_type])
+    """The model module that flax_lm ships for `model_type` (a model type of FAMILIES): its family's model.py."""
+    return importlib.import_module(family_of(model_type).module_name)
 
 
 def import_model_file(path: str) -> ModuleType:
@@ -93,7 +182,8 @@ def import_model_file(path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and flax.struct look classes up by their module's name
     try:
-        spec.loader.exec_module(module)
+        with common_under_its_0_4_name():
+            spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[name]
         raise UsageError(f"--model_file {path} fails on import ({type(error).__name__}: {error})") from None
@@ -107,7 +197,7 @@ def import_model_file(path: str) -> ModuleType:
 
 def model_module(model_type: str, model_file: str | None, generates_text: bool, tool: str) -> ModuleType:
     """The module that computes `model_type` for `tool` (a script name, for the messages): that of --model_file when
-    given, else the one MODEL_MODULES names. Refused in one line: a type without a module, or a module of another
+    given, else its family's model.py. Refused in one line: a type without a module, or a module of another
     type or of the other kind of model (masked for a causal tool, or the reverse)."""
     kind = "causal" if generates_text else "masked"
     if model_file:
@@ -148,31 +238,71 @@ def non_finite_config_value(config) -> tuple[str, float] | None:
     return first(config.to_dict(), "")
 
 
-# The sizes the models build their arrays from, under each family's names: a whole number of 1 or more each.
+# The sizes the models build their arrays from, under each family's names: a whole number of 1 or more each (those
+# a config leaves None are computed from the others: head_dim, n_inner). Gemma's query_pre_attn_scalar scales the
+# attention scores by its inverse square root.
 CONFIG_SIZES = (
     "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads", "n_head",
     "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "max_position_embeddings", "n_positions",
+    "type_vocab_size", "query_pre_attn_scalar",
 )  # fmt: skip
 # Token ids are int32 wherever they are read and trained (JAX without 64-bit types, the packed corpus).
 MAX_VOCAB_SIZE = 2**31 - 1
+# The config keys of the activation, as each family's config names it.
+ACTIVATION_KEYS = ("activation_function", "hidden_activation", "hidden_act")
 
 
-def config_size_problem(config) -> str | None:
-    """What is wrong with `config`'s sizes (a size below 1 or not a whole number, a vocabulary beyond int32's ids,
-    heads that the key/value heads do not divide), or None. create_config.py refuses these when it writes a config;
-    this catches a config.json edited by hand, which would otherwise fail in the model with a ZeroDivisionError or
-    an allocation of many GiB."""
+@dataclass(frozen=True)
+class ConfigProblem:
+    """What is wrong with a config: the config.json key at fault, and a sentence saying what, for the tool to add its
+    fix to."""
+
+    key: str
+    text: str
+
+
+def config_problem(config) -> ConfigProblem | None:
+    """The first value of `config` no model computes with, or None: a number that is not finite, a size below 1 or
+    not a whole number, a vocabulary beyond int32's ids, heads that the key/value heads do not divide, a dropout
+    probability outside [0, 1), a norm's epsilon or an initializer range that is not positive, an activation no model
+    computes.
+    create_config.py refuses these before it writes a config, adding its hint; the tools that load one refuse a
+    config.json edited by hand with them, which would otherwise fail in the model (a ZeroDivisionError, an allocation
+    of many GiB, weights of NaN that the first step blames on the learning rate)."""
+    if found := non_finite_config_value(config):
+        name, value = found
+        return ConfigProblem(name, f"{name} is {value}, not a finite number")
     for name in CONFIG_SIZES:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            # Named as its config.json spells it (GPT-2's n_head for num_attention_heads).
-            return f"{config.attribute_map.get(name, name)} is {value!r}, not a whole number of 1 or more"
+            name = config.attribute_map.get(name, name)  # as config.json spells it: GPT-2's n_head
+            return ConfigProblem(name, f"{name} must be a whole number of 1 or more, not {value!r}")
     if (getattr(config, "vocab_size", None) or 0) > MAX_VOCAB_SIZE:
-        return f"vocab_size {config.vocab_size} is more token ids than int32 holds ({MAX_VOCAB_SIZE})"
+        return ConfigProblem(
+            "vocab_size",
+            f"vocab_size {config.vocab_size} is more token ids than int32 holds ({MAX_VOCAB_SIZE}), the type the "
+            "tokens are read and trained as",
+        )
     heads, key_value_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if heads and key_value_heads and heads % key_value_heads:
-        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {key_value_heads}"
-    scalar = getattr(config, "query_pre_attn_scalar", None)
-    if scalar is not None and not scalar > 0:
-        return f"query_pre_attn_scalar is {scalar!r}, not positive (the scores are scaled by its inverse square root)"
+        return ConfigProblem(
+            "num_key_value_heads",
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {key_value_heads}",
+        )
+    values = config.to_dict()
+    for name, rate in values.items():  # probabilities; 1 would drop everything
+        is_rate = isinstance(rate, (int, float)) and not isinstance(rate, bool)
+        if name.endswith(("pdrop", "dropout", "dropout_prob")) and is_rate and not 0 <= rate < 1:
+            return ConfigProblem(name, f"{name} is a dropout probability, in [0, 1), not {rate}")
+    for name in ("layer_norm_epsilon", "layer_norm_eps", "initializer_range"):
+        if (value := values.get(name)) is not None and not value > 0:
+            return ConfigProblem(name, f"{name} must be positive, not {value}")
+    from flax_lm.models.shared.common import ACTIVATIONS  # here: JAX, which it imports, takes a second to load
+
+    name = next((key for key in ACTIVATION_KEYS if key in values), None)
+    if name is not None and not (isinstance(values[name], str) and values[name] in ACTIVATIONS):
+        return ConfigProblem(
+            name,
+            f"{name} {values[name]!r} is not an activation the models compute; use one of {', '.join(ACTIVATIONS)}",
+        )
     return None

@@ -10,6 +10,7 @@ import pickle
 import re
 import shutil
 import struct
+from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
@@ -26,7 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from flax_lm.data.chat import stop_token_ids, training_chat_template
 from flax_lm.errors import UsageError, first_line, naming_a_full_disk
-from flax_lm.models import MODEL_MODULES, config_size_problem, non_finite_config_value, stock_module
+from flax_lm.models import config_problem, family_of, stock_module
 from flax_lm.models.model_code import (
     FINGERPRINT_KEY,
     FLAX_WEIGHTS_NAME,
@@ -41,6 +42,23 @@ from flax_lm.models.model_code import (
 from flax_lm.models.tokenizer_files import CHAT_TEMPLATE_FILE, save_tokenizer_files
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelLoading:
+    """What loading a model takes: where its config, tokenizer and weights come from (a directory or hub name each;
+    the config and tokenizer default to the model's), the model type without a config, the chat template file, and
+    how the hub is reached and what may be read. The scripts fill it from their flags
+    (flax_lm.command_line.arguments.ModelArguments.model_loading)."""
+
+    model_name_or_path: str | None = None
+    config_name: str | None = None
+    tokenizer_name: str | None = None
+    model_type: str | None = None
+    chat_template_path: str | None = None
+    cache_dir: str | None = None
+    token: str | None = None
+    allow_pickle_weights: bool = False
 
 
 def check_local_model_directory(flag: str, name_or_path: str):
@@ -59,49 +77,44 @@ def check_local_model_directory(flag: str, name_or_path: str):
 
 
 def check_config_values(config, source: str):
-    """Refuse a config (of `source`, a flag and its value) with a number that is not finite, or a size no model can be
-    built with, before anything is built or written."""
-    if found := non_finite_config_value(config):
-        name, value = found
-        raise UsageError(
-            f"{source}: the config's {name} is {value}, not a finite number; set a finite one in its config.json"
-        )
-    if problem := config_size_problem(config):
-        raise UsageError(f"{source}: the config's {problem}; fix its config.json (create_config.py writes one)")
+    """Refuse a config (of `source`, a flag and its value) with a value no model computes with (config_problem: a
+    number that is not finite, a size no model can be built with ...), before anything is built or written."""
+    if problem := config_problem(config):
+        raise UsageError(f"{source}: the config's {problem.text}; fix its config.json (create_config.py writes one)")
 
 
-def load_config_and_tokenizer(model_args, default_model_type: str):
+def load_config_and_tokenizer(loading: ModelLoading, default_model_type: str):
     """The config (of --config_name or --model_name_or_path; without either the default one of --model_type, else of
     `default_model_type`) and the fast tokenizer, checked against each other."""
 
     def load(loader, name, flag):
         try:
-            return loader.from_pretrained(name, cache_dir=model_args.cache_dir, token=model_args.token)
+            return loader.from_pretrained(name, cache_dir=loading.cache_dir, token=loading.token)
         except (OSError, ValueError) as error:
             raise UsageError(f"cannot load {flag} {name}: {first_line(error)}") from None
 
-    if model_args.config_name or model_args.model_name_or_path:
-        config_flag = "--config_name" if model_args.config_name else "--model_name_or_path"
-        config_source = model_args.config_name or model_args.model_name_or_path
+    if loading.config_name or loading.model_name_or_path:
+        config_flag = "--config_name" if loading.config_name else "--model_name_or_path"
+        config_source = loading.config_name or loading.model_name_or_path
         config = load(AutoConfig, config_source, config_flag)
         check_config_values(config, f"{config_flag} {config_source}")
-        if model_args.model_type and model_args.model_type != config.model_type:
+        if loading.model_type and loading.model_type != config.model_type:
             raise UsageError(
-                f"--model_type {model_args.model_type} contradicts {config_flag} {config_source}, a "
+                f"--model_type {loading.model_type} contradicts {config_flag} {config_source}, a "
                 f"{config.model_type} model: the config chooses the model; leave --model_type out"
             )
     else:
-        model_type = model_args.model_type or default_model_type
+        model_type = loading.model_type or default_model_type
         logger.warning("No --config_name: training a %s with the default configuration", model_type)
         config = transformers.CONFIG_MAPPING[model_type]()
 
-    tokenizer_flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
-    tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+    tokenizer_flag = "--tokenizer_name" if loading.tokenizer_name else "--model_name_or_path"
+    tokenizer_source = loading.tokenizer_name or loading.model_name_or_path
     tokenizer = load(AutoTokenizer, tokenizer_source, tokenizer_flag)
     if not tokenizer.is_fast:
         raise UsageError(f"{tokenizer_flag} {tokenizer_source} is not a fast (tokenizers-backed) tokenizer")
-    if model_args.chat_template_path:
-        tokenizer.chat_template = read_chat_template(model_args.chat_template_path)
+    if loading.chat_template_path:
+        tokenizer.chat_template = read_chat_template(loading.chat_template_path)
     if isinstance(tokenizer.chat_template, str):
         tokenizer.chat_template = training_chat_template(tokenizer.chat_template)
     backend = tokenizer.backend_tokenizer
@@ -224,8 +237,10 @@ SHARD_NAME = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin
 SAFETENSORS_SHARD_PATTERN = "model{suffix}.safetensors"
 
 
-def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.ndarray]:
-    """The tensors of model.safetensors (or its shards) from a local directory or the hub."""
+def read_safetensors_checkpoint(name_or_path: str, loading: ModelLoading | None) -> dict[str, np.ndarray]:
+    """The tensors of model.safetensors (or its shards) from a local directory or the hub (as `loading` reaches it;
+    None: with no cache directory or token of its own, and no pickled weights read)."""
+    loading = loading or ModelLoading()
     import huggingface_hub
 
     def fetch(filename):
@@ -235,7 +250,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
             return path if os.path.isfile(path) else None
         try:
             return huggingface_hub.hf_hub_download(
-                name_or_path, filename, cache_dir=model_args.cache_dir, token=model_args.token
+                name_or_path, filename, cache_dir=loading.cache_dir, token=loading.token
             )
         except huggingface_hub.errors.EntryNotFoundError:
             return None
@@ -267,7 +282,7 @@ def read_safetensors_checkpoint(name_or_path: str, model_args) -> dict[str, np.n
         return state_dict
     if (pickle_path := fetch("pytorch_model.bin")) is None:
         raise UsageError(f"{name_or_path} has no model.safetensors")
-    if not model_args.allow_pickle_weights:
+    if not loading.allow_pickle_weights:
         raise UsageError(
             f"{name_or_path} holds only pytorch_model.bin, a pickle that can run code when loaded; convert it to "
             "model.safetensors, or pass --allow_pickle_weights if you trust the file"
@@ -468,16 +483,16 @@ def write_export(output_dir: str, host_params, config, tokenizer, model_code: Mo
 def export_difference(export_dir: str, trained_model, trained_params) -> float | str:
     """How far the export in `export_dir` is from the model that trained (`trained_model`, a flax_lm model module's
     model class, with `trained_params` in float32): the export is read as the architecture its config.json names, by
-    flax_lm's own module of that class (MODEL_MODULES: the code the parity tests compare with transformers, so no
-    PyTorch is needed), and the largest difference of their logits is returned, relative to the largest logit where
-    that is over 1 (routes_difference), on the rows of the probe: every token id and position, through every layer,
-    and the trained model's key/value cache too. Or why the export cannot be read as that class.
+    flax_lm's own module of that class (its family's model.py, the code the parity tests compare with transformers,
+    so no PyTorch is needed), and the largest difference of their logits is returned, relative to the largest logit
+    where that is over 1 (routes_difference), on the rows of the probe: every token id and position, through every
+    layer, and the trained model's key/value cache too. Or why the export cannot be read as that class.
 
     A model file's parameters that the architecture lacks are left out of the export (its to_hf_state_dict); what the
     random weights of the probe could not show, the trained ones do: a low-rank adapter whose second factor starts at
     zero and that is never merged into the weights computes as the base model until trained."""
     config = AutoConfig.from_pretrained(export_dir)
-    if config.model_type not in MODEL_MODULES or not config.architectures:
+    if family_of(config.model_type) is None or not config.architectures:
         return f"its config.json names no architecture of flax_lm/models ({config.model_type})"
     module = stock_module(config.model_type)
     if config.architectures != [module.HF_ARCHITECTURES[config.model_type]]:
@@ -559,10 +574,10 @@ def remove_if_there(path: str):
         os.remove(path)
 
 
-def read_exported_params(source: str, model_args, model_code: ModelCode, abstract_params) -> dict:
-    """The weights of a model directory or hub name `source` as parameters shaped like `abstract_params`: those of an
-    export of this code's own (flax_model.safetensors), or a transformers checkpoint mapped by the module
-    (from_hf_state_dict)."""
+def read_exported_params(source: str, loading: ModelLoading | None, model_code: ModelCode, abstract_params) -> dict:
+    """The weights of a model directory or hub name `source` (reached as `loading` says) as parameters shaped like
+    `abstract_params`: those of an export of this code's own (flax_model.safetensors), or a transformers checkpoint
+    mapped by the module (from_hf_state_dict)."""
     flax_weights = os.path.join(source, FLAX_WEIGHTS_NAME)
     if os.path.isdir(source) and os.path.isfile(flax_weights):
         # transformers, which knows no flax_model.safetensors, would load the other: two loaders, two models.
@@ -590,4 +605,4 @@ def read_exported_params(source: str, model_args, model_code: ModelCode, abstrac
                 )
             params[path] = np.asarray(flat[name]).astype(expected.dtype)
         return unflatten_dict(params)
-    return model_code.module.from_hf_state_dict(read_safetensors_checkpoint(source, model_args), abstract_params)
+    return model_code.module.from_hf_state_dict(read_safetensors_checkpoint(source, loading), abstract_params)

@@ -4,8 +4,8 @@ A run's model is computed by a module of flax_lm/models (the one its config's mo
 the experiment's own (--model_file, an edited copy of such a module). A fingerprint of that code goes into every
 training checkpoint, so a run is never resumed with other model code without a word; and an export names a
 transformers architecture in its config.json only where the code is known to compute it:
-- the stock modules, as flax_lm ships them (VERIFIED_FINGERPRINTS: the code their parity tests compare with
-  transformers);
+- the stock modules (each family's model.py), as flax_lm ships them (VERIFIED_FINGERPRINTS: the code their parity
+  tests compare with transformers);
 - other code whose logits, on a probe batch with random weights, equal those of the transformers class it names
   (PyTorch installed): the run's own config, every layer of it, as few rows as the context's length takes to hold
   every token id of its vocabulary, and for a causal LM the key/value cache's routes as well (probe_difference). Where
@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,19 +34,20 @@ import numpy as np
 
 from flax_lm.errors import UsageError
 from flax_lm.models import model_module
-from flax_lm.models.gpt2 import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
+from flax_lm.models.gpt2.model import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-# module name -> module_code_fingerprint of the stock module, as tests/unit/test_models.py compares it with
-# transformers. A change to a module (or to flax_lm/models/common.py) fails that test until its fingerprint here is
+# family -> module_code_fingerprint of its model.py, as tests/unit/test_models.py compares it with transformers. A
+# change to a model.py (or to a file of flax_lm/models/shared/ it imports) fails that test until its fingerprint here is
 # updated, which its parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "gemma": "70cb8883ead381c2",
-    "gpt2": "61d3745b8a30cf52",
-    "llama": "1fbca14013f5fdc6",
-    "olmo2": "15a9ef5e60891667",
-    "roberta": "7fbe975d967e2fc4",
+    "gemma": "c7d6428d39311be6",
+    "gpt2": "160fed58a940323c",
+    "llama": "c008d80d34dcd6a9",
+    "olmo2": "09ba662aef0ed72b",
+    "roberta": "1d60caad7d524b02",
+    "smollm3": "304c0e44d23cd281",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
@@ -55,13 +57,15 @@ VERIFIED_FINGERPRINTS = {
 # module has since taken block options, off by default, which leave every config without them computed as before. Then
 # the cuDNN attention took document segments too, through one function shared with RoBERTa; written out, as on a CPU,
 # every module computes as before. GPT-2's query/key/value product has since been a method of its own, which --fp8
-# computes in FP8; without it, the same product as before.)
+# computes in FP8; without it, the same product as before. Then each family became a folder, model.py beside its
+# registration, and common.py moved, unchanged, to shared/: the models' import lines and the file paths in their
+# messages changed, nothing computed.)
 EARLIER_VERIFIED_FINGERPRINTS = {
-    "gemma": {"ccb4a731dc070557"},
-    "gpt2": {"9235ed61450115e6", "37d74b0550392686", "29b9bcfd3633837a", "272c7f9596cdb77c"},
-    "llama": {"e66a74462a8dd3d2", "503e53ad0738fa05"},
-    "olmo2": {"b0877faf3731d06d"},
-    "roberta": {"695c5ddd82d1a2e0", "fdebdf944a44cb5c"},
+    "gemma": {"ccb4a731dc070557", "70cb8883ead381c2"},
+    "gpt2": {"9235ed61450115e6", "37d74b0550392686", "29b9bcfd3633837a", "272c7f9596cdb77c", "61d3745b8a30cf52"},
+    "llama": {"e66a74462a8dd3d2", "503e53ad0738fa05", "1fbca14013f5fdc6"},
+    "olmo2": {"b0877faf3731d06d", "15a9ef5e60891667"},
+    "roberta": {"695c5ddd82d1a2e0", "fdebdf944a44cb5c", "7fbe975d967e2fc4"},
 }
 # Config fields an earlier verified version read nothing of: it computed as today's code only for a config that leaves
 # them unset (GPT-2's block options, which a hand-edited config could hold before create_config.py took them).
@@ -86,15 +90,30 @@ FLAX_WEIGHTS_NAME = "flax_model.safetensors"
 
 
 def module_name(module: ModuleType) -> str:
-    """'llama' for flax_lm.models.llama: the name VERIFIED_FINGERPRINTS keys it by."""
-    return module.__name__.rsplit(".", 1)[-1]
+    """'llama' for flax_lm.models.llama.model, its family: the name VERIFIED_FINGERPRINTS keys it by; a model file's
+    own module name for any other module."""
+    package, _, name = module.__name__.rpartition(".")
+    parent, _, family = package.rpartition(".")
+    return family if parent == "flax_lm.models" and name == "model" else module.__name__
+
+
+def shared_files(module: ModuleType) -> list[str]:
+    """The files of flax_lm/models/shared/ that the model module builds on: those it imports, or imports a function or
+    class of, in the order of their names."""
+    values = vars(module).values()
+    modules = {
+        value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None) for value in values
+    }
+    shared = sorted(name for name in modules if isinstance(name, str) and name.startswith("flax_lm.models.shared."))
+    return [sys.modules[name].__file__ for name in shared]
 
 
 def module_code_fingerprint(module: ModuleType) -> str:
-    """sha256 of the model module's file and of flax_lm/models/common.py, which the modules build on."""
-    common = os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")
+    """sha256 of the model module's file and of the files of flax_lm/models/shared/ it builds on (shared_files):
+    flax_lm/models/shared/common.py for every family of flax_lm 0.4, as the fingerprints of 0.4 covered the module and
+    flax_lm/models/common.py."""
     digest = hashlib.sha256()
-    for path in (module.__file__, common):
+    for path in (module.__file__, *shared_files(module)):
         with open(path, "rb") as file:
             digest.update(file.read())
     return digest.hexdigest()[:16]
@@ -114,7 +133,7 @@ class ModelCode:
 
     @property
     def description(self) -> str:
-        return self.own_file or f"flax_lm/models/{module_name(self.module)}.py"
+        return self.own_file or f"flax_lm/models/{module_name(self.module)}/model.py"
 
     @property
     def is_verified_stock(self) -> bool:
@@ -214,8 +233,8 @@ def claim_without_probe(module, config, fingerprint: str, model_file: str | None
     """(whether exports name the architecture, why) where no probe is needed to say: a config of options the
     architecture lacks, a verified stock module, or no PyTorch to probe with; None otherwise."""
     architecture = architecture_of(module, config)
-    # A config of options the architecture lacks (flax_lm/models/gpt2.py's block options): its weights, loaded there,
-    # would be computed as another model.
+    # A config of options the architecture lacks (flax_lm/models/gpt2/model.py's block options): its weights, loaded
+    # there, would be computed as another model.
     if refusal := getattr(module, "export_refusal", lambda config: None)(config):
         return False, (
             f"exports do not name {architecture}: {refusal}; they hold {FLAX_WEIGHTS_NAME} and the model file, "

@@ -27,7 +27,7 @@ from transformers import (
     GPT2LMHeadModel,
 )
 
-from flax_lm.models import gpt2
+from flax_lm.models.gpt2 import model as gpt2
 
 
 @pytest.fixture(scope="module")

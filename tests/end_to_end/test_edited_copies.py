@@ -42,8 +42,11 @@ from flax_lm.command_line.arguments import parse_arguments
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.packed import PackedBlocks, read_packed_index
 from flax_lm.errors import UsageError, run
-from flax_lm.models import gpt2, import_model_file, llama, roberta
+from flax_lm.models import import_model_file
+from flax_lm.models.gpt2 import model as gpt2
 from flax_lm.models.huggingface import save_model
+from flax_lm.models.llama import model as llama
+from flax_lm.models.roberta import model as roberta
 from flax_lm.training.train_state import abstract_model_params
 
 CORPUS = FIXTURES_DIR / "en"
@@ -669,8 +672,9 @@ def test_a_step_that_saves_and_evaluates_saves_first_so_an_evaluation_that_fails
 # An experiment's own model file: kept with the run, resumed only with it, and exported as what it computes
 # ----------------------------------------------------------------------------------------------------
 
-# Edits of a copy of flax_lm/models/gpt2.py. Without the position table, the model computes something GPT2LMHeadModel
-# does not (and has one tensor fewer); the attention's scale written another way, it computes what GPT-2 does.
+# Edits of a copy of flax_lm/models/gpt2/model.py. Without the position table, the model computes something
+# GPT2LMHeadModel does not (and has one tensor fewer); the attention's scale written another way, it computes what
+# GPT-2 does.
 MODEL_EDITS = {
     "position table removed": {
         '        self.wpe = embed(config.n_positions, ("positions", "embed"))\n': "",
@@ -691,7 +695,9 @@ def experiment(request, model_dir, environment, tmp_path_factory):
     """run_clm_flax.py copied, unedited, into a directory of its own beside an edited copy of gpt2.py, and trained
     there for 2 steps with --model_file: (the edit, the directory, the output directory, the completed process)."""
     directory = tmp_path_factory.mktemp("experiment")
-    edited_copy(REPO_DIR / "flax_lm" / "models" / "gpt2.py", directory / "my_gpt2.py", MODEL_EDITS[request.param])
+    edited_copy(
+        REPO_DIR / "flax_lm" / "models" / "gpt2" / "model.py", directory / "my_gpt2.py", MODEL_EDITS[request.param]
+    )
     script = edited_copy(REPO_DIR / "run_clm_flax.py", directory / "run_clm_flax.py")
     output_dir = directory / "output"
     arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "2", "--save_steps", "2")
@@ -714,7 +720,7 @@ def test_a_resume_with_the_stock_module_is_refused_in_one_line(experiment, model
     assert result.returncode == 2, result.stderr[-3000:]
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: the checkpoint was trained with other model code (my_gpt2.py, fingerprint ")
-    assert "than this run's (flax_lm/models/gpt2.py, fingerprint " in last_line, last_line
+    assert "than this run's (flax_lm/models/gpt2/model.py, fingerprint " in last_line, last_line
     assert "Traceback" not in result.stderr
     assert snapshot(output_dir) == before
 
@@ -784,7 +790,7 @@ ADAPTER_EDIT = {
         "    return common.hf_shapes(without_adapters(params))\n"
     ),
     "from flax_lm.errors import UsageError\n": (
-        "from flax_lm.errors import UsageError\nfrom flax_lm.models import common\n"
+        "from flax_lm.errors import UsageError\nfrom flax_lm.models.shared import common\n"
     ),
     "    from_hf_state_dict,\n    head_dim_of,\n    hf_shapes,\n": "    from_hf_state_dict,\n    head_dim_of,\n",
     "    rotate,\n    to_hf_state_dict,\n)\n": "    rotate,\n)\n",
@@ -796,7 +802,7 @@ def test_an_export_that_leaves_out_trained_parameters_names_no_architecture(llam
     LlamaForCausalLM, is compared with the model that trained, and the claim is withdrawn: the weights, adapters
     included, go to flax_model.safetensors beside the model file."""
     model_dir = model_dir_with_config(llama_tokenizer_dir, tmp_path / "model", "llama", num_hidden_layers=1)
-    edited_copy(REPO_DIR / "flax_lm" / "models" / "llama.py", tmp_path / "lora_llama.py", ADAPTER_EDIT)
+    edited_copy(REPO_DIR / "flax_lm" / "models" / "llama" / "model.py", tmp_path / "lora_llama.py", ADAPTER_EDIT)
     script = edited_copy(REPO_DIR / "run_clm_flax.py", tmp_path / "run_clm_flax.py")
     output_dir = tmp_path / "output"
     arguments = training_arguments(model_dir, output_dir, "--do_train", "--max_steps", "1", "--learning_rate", "0.01")

@@ -37,8 +37,8 @@ import run_mlm_flax  # noqa: E402
 from flax_lm.command_line.arguments import ModelArguments, parse_arguments  # noqa: E402
 from flax_lm.data.packed import cached_blocks  # noqa: E402
 from flax_lm.data.source import TextSource  # noqa: E402
-from flax_lm.models import roberta  # noqa: E402
 from flax_lm.models.huggingface import read_safetensors_checkpoint  # noqa: E402
+from flax_lm.models.roberta import model as roberta  # noqa: E402
 from flax_lm.training.train_state import abstract_model_params  # noqa: E402
 
 TRAIN_FILE = os.path.join(REPO, "tests", "fixtures", "en", "train.txt")

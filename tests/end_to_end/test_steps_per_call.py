@@ -27,8 +27,8 @@ import run_clm_flax
 import run_mlm_flax
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
-from flax_lm.models.roberta import FlaxRobertaForMaskedLM
+from flax_lm.models.gpt2.model import FlaxGPT2LMHeadModel
+from flax_lm.models.roberta.model import FlaxRobertaForMaskedLM
 from flax_lm.run.record import TrainingProgress
 from flax_lm.run.tracking import TrainingLog
 from flax_lm.training.compilation import compile_in_background

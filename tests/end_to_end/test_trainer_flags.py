@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_clm import CORPUS, abstract_params, model_dir_with_config, run_script, training_arguments
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
-from flax_lm.models import gpt2
+from flax_lm.models.gpt2 import model as gpt2
 
 
 def test_epoch_strategies_eval_on_start_logging_first_step_and_logging_dir(gpt2_tokenizer_dir, tmp_path):

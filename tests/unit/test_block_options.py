@@ -1,5 +1,5 @@
-"""GPT-2's block options (flax_lm/models/gpt2.py BLOCK_OPTIONS): QK-norm, attention and final-logit soft-capping and
-sliding-window layers, each computing what it is defined to, each decoded with the key/value cache as the whole
+"""GPT-2's block options (flax_lm/models/gpt2/model.py BLOCK_OPTIONS): QK-norm, attention and final-logit soft-capping
+and sliding-window layers, each computing what it is defined to, each decoded with the key/value cache as the whole
 sequence is, written by create_config.py --set, and exported without claiming GPT2LMHeadModel; off, the model is
 GPT-2's bit for bit. Document attention with windows: tests/unit/test_clm.py; resume:
 tests/end_to_end/test_resume.py."""
@@ -16,7 +16,7 @@ from transformers import GPT2Config
 import create_config
 from flax_lm.errors import UsageError
 from flax_lm.generation.sampling import generate_ids, make_sampler
-from flax_lm.models import gpt2
+from flax_lm.models.gpt2 import model as gpt2
 from flax_lm.models.model_code import load_model_code
 
 # Each option with values that matter at tiny sizes: caps small enough that the logits reach them, a window shorter

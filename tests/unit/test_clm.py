@@ -28,7 +28,8 @@ from transformers import (
 
 from flax_lm.data.packed import cached_blocks
 from flax_lm.data.source import TextSource
-from flax_lm.models import gpt2, stock_module
+from flax_lm.models import stock_module
+from flax_lm.models.gpt2 import model as gpt2
 from flax_lm.models.huggingface import save_model
 from flax_lm.training.train_state import abstract_model_params
 

@@ -15,6 +15,7 @@ from transformers import (
 )
 
 from flax_lm.command_line import tool_arguments
+from flax_lm.models import config_class
 
 
 def load_create_config_module():
@@ -55,23 +56,25 @@ def torch_parameter_count(model):
 )
 def test_parameter_count_matches_the_pytorch_model(preset, overrides):
     model_type, preset_values = create_config.PRESETS[preset]
-    config = create_config.CONFIG_CLASSES[model_type](**{**preset_values, **overrides})
+    config = config_class(model_type)(**{**preset_values, **overrides})
     model_class = {"gpt2": GPT2LMHeadModel, "roberta": RobertaForMaskedLM}.get(model_type, AutoModelForCausalLM)
     model = model_class.from_config(config) if model_class is AutoModelForCausalLM else model_class(config)
 
     assert create_config.count_parameters(config) == torch_parameter_count(model)
 
 
+# The presets of the small open models that continued pretraining starts from, and tiny sizes of each.
+FAMILY_PRESETS = ["qwen3-0.6b", "gemma3-270m", "olmo2-1b", "smollm-135m", "qwen3-tiny", "gemma3-tiny", "olmo2-tiny"]
 # The parameter counts of the published models the family presets take their shapes from (their model cards: 0.6B,
 # 268M, 1.48B, 134.5M).
 PUBLISHED_PARAMETERS = {"qwen3-0.6b": 596_049_920, "gemma3-270m": 268_098_176, "olmo2-1b": 1_484_916_736,
                         "smollm-135m": 134_515_008}  # fmt: skip
 
 
-@pytest.mark.parametrize("preset", create_config.FAMILY_PRESETS)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_each_family_preset_is_a_config_its_module_computes(preset):
     model_type, preset_values = create_config.PRESETS[preset]
-    config = create_config.CONFIG_CLASSES[model_type](**preset_values)
+    config = config_class(model_type)(**preset_values)
     create_config.check_config(config, preset)
     assert config.model_type == model_type
     if preset in PUBLISHED_PARAMETERS:

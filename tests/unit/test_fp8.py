@@ -16,9 +16,10 @@ import pytest
 from conftest import REPO_DIR
 from transformers import GPT2Config, RobertaConfig
 
-from flax_lm.models import gpt2, roberta
-from flax_lm.models.common import RowsDense, logits_dot_general
+from flax_lm.models.gpt2 import model as gpt2
 from flax_lm.models.model_code import load_model_code
+from flax_lm.models.roberta import model as roberta
+from flax_lm.models.shared.common import RowsDense, logits_dot_general
 from flax_lm.training.fp8 import fp8_dot_general, fp8_product, fp8_supported, fp8_training
 from flax_lm.training.setup import set_up_training
 

@@ -12,8 +12,11 @@ from test_clm import TINY_FAMILY_CONFIGS, tiny_config
 from test_mlm_model import example_batch
 from test_mlm_model import tiny_config as tiny_roberta_config
 
-from flax_lm.models import common, gpt2, roberta, stock_module
-from flax_lm.models.common import fused_attention, fused_attention_arguments
+from flax_lm.models import stock_module
+from flax_lm.models.gpt2 import model as gpt2
+from flax_lm.models.roberta import model as roberta
+from flax_lm.models.shared import common
+from flax_lm.models.shared.common import fused_attention, fused_attention_arguments
 
 SEPARATOR = 2  # the tiny RoBERTa's </s> and a stand-in end-of-text for the decoders
 

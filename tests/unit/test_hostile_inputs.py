@@ -299,7 +299,7 @@ REFUSALS = {
         ["attn_pdrop", "-0.1"]),
     "config-zero-inner-size": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "n_inner=0"],
-        ["n_inner must be 1 or more"]),
+        ["n_inner must be a whole number of 1 or more, not 0"]),
     "config-zero-layer-norm-epsilon": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "layer_norm_epsilon=0"],
         ["layer_norm_epsilon must be positive"]),
@@ -314,7 +314,7 @@ REFUSALS = {
         ["--config_name", "infinite: the config's initializer_range is inf, not a finite number", "config.json"]),
     "clm-config-edited-to-no-heads": (
         "run_clm_flax", [*CLM, "--config_name", "{no_heads}"],
-        ["--config_name", "no-heads: the config's n_head is 0, not a whole number of 1 or more", "config.json"]),
+        ["--config_name", "no-heads: the config's n_head must be a whole number of 1 or more, not 0", "config.json"]),
     "config-activation-no-model-computes": (
         "create_config", ["--preset", "gpt2-tiny", "--output_dir", "{out}", "--set", "activation_function=tanh"],
         ["activation_function 'tanh' is not an activation the models compute", "gelu_new"]),

@@ -14,8 +14,8 @@ import transformers
 from conftest import REPO_DIR
 from safetensors.numpy import save_file
 
-from flax_lm.models import roberta
-from flax_lm.models.common import segments_and_positions
+from flax_lm.models.roberta import model as roberta
+from flax_lm.models.shared.common import segments_and_positions
 from flax_lm.training.train_state import abstract_model_params, abstract_train_state, create_train_state
 
 sys.path.insert(0, str(REPO_DIR))

@@ -31,11 +31,13 @@ from transformers import (
     Olmo2Config,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 from flax_lm.generation.sampling import generate_ids, make_sampler
-from flax_lm.models import import_model_file, llama, model_code, stock_module
+from flax_lm.models import import_model_file, model_code, stock_module
 from flax_lm.models.huggingface import read_exported_params, save_model
+from flax_lm.models.llama import model as llama
 from flax_lm.training.train_state import abstract_model_params
 
 CORPUS = FIXTURES_DIR / "en"
@@ -116,6 +118,17 @@ FAMILY_CONFIGS = {
         }
     ),  # fmt: skip
     "olmo2": lambda **overrides: Olmo2Config(**{**FAMILY_SHAPES, **overrides}),
+    # Its second layer without rotary positions (NoPE), and a window there; biases on all four attention projections.
+    "smollm3": lambda **overrides: SmolLM3Config(
+        **{
+            **FAMILY_SHAPES,
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 5,
+            "attention_bias": True,
+            **overrides,
+        }
+    ),  # fmt: skip
 }
 
 
@@ -266,13 +279,14 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
         assert new == expected
 
 
-@pytest.mark.parametrize("name", ["gemma", "gpt2", "llama", "olmo2", "roberta"])
+@pytest.mark.parametrize("name", ["gemma", "gpt2", "llama", "olmo2", "roberta", "smollm3"])
 def test_the_verified_fingerprints_are_those_of_the_stock_modules(name):
     """An export of a stock module names its transformers architecture without a probe because the parity tests
-    compare that code: a change to the module (or to common.py) must be compared again, then its fingerprint set."""
-    fingerprint = model_code.module_code_fingerprint(importlib.import_module(f"flax_lm.models.{name}"))
+    compare that code: a change to the module (or to shared/common.py) must be compared again, then its fingerprint
+    set."""
+    fingerprint = model_code.module_code_fingerprint(importlib.import_module(f"flax_lm.models.{name}.model"))
     assert model_code.VERIFIED_FINGERPRINTS[name] == fingerprint, (
-        f"flax_lm/models/{name}.py or common.py changed: once its parity tests pass, set "
+        f"flax_lm/models/{name}/model.py or shared/common.py changed: once its parity tests pass, set "
         f'VERIFIED_FINGERPRINTS["{name}"] = "{fingerprint}" in flax_lm/models/model_code.py'
     )
 
@@ -313,7 +327,7 @@ def test_the_probe_finds_each_stock_module_equal_to_its_architecture(model_type,
 
 
 def edited_module(tmp_path, name: str, replacements: dict, model_type: str = "llama"):
-    text = (REPO_DIR / "flax_lm" / "models" / f"{model_type}.py").read_text()
+    text = (REPO_DIR / "flax_lm" / "models" / model_type / "model.py").read_text()
     for old, new in replacements.items():
         assert text.count(old) == 1, old
         text = text.replace(old, new)

@@ -17,8 +17,8 @@ from test_mlm_model import tiny_config as tiny_roberta_config
 from transformers.optimization import get_wsd_schedule
 
 import run_clm_flax
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
-from flax_lm.models.roberta import FlaxRobertaForMaskedLM
+from flax_lm.models.gpt2.model import FlaxGPT2LMHeadModel
+from flax_lm.models.roberta.model import FlaxRobertaForMaskedLM
 from flax_lm.run.record import TrainingProgress, check_resumed_run
 from flax_lm.training.train_state import abstract_model_params
 

@@ -16,7 +16,7 @@ from test_clm import run_clm_flax, tiny_config
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError
 from flax_lm.models import stock_module
-from flax_lm.models.gpt2 import FlaxGPT2LMHeadModel
+from flax_lm.models.gpt2.model import FlaxGPT2LMHeadModel
 from flax_lm.training.train_state import abstract_train_state, create_train_state, train_step_compiler_options
 
 LENGTH = 16

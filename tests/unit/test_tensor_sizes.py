@@ -5,7 +5,9 @@ import pytest
 from test_clm import tiny_config, tiny_llama_config
 
 from flax_lm.errors import UsageError
-from flax_lm.models import gpt2, llama, roberta
+from flax_lm.models.gpt2 import model as gpt2
+from flax_lm.models.llama import model as llama
+from flax_lm.models.roberta import model as roberta
 
 
 class TensorAxis:

@@ -5,7 +5,7 @@ apart from the width) and Mistral (sliding-window attention); Qwen's sliding-win
 load, and exports name the family's own transformers class. A key/value cache decodes (flax_lm.generation.sampling
 decodes with it).
 
-A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
+A model module: flax_lm/models/README.md says what one holds, and how an experiment trains a copy of its own."""
 
 import logging
 import math
@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 
 from flax_lm.errors import UsageError
-from flax_lm.models.common import (
+from flax_lm.models.shared.common import (
     CausalDecoderLM,
     DecoderPart,
     GatedMLP,
@@ -47,7 +47,7 @@ HF_ARCHITECTURES = {
 # A causal LM: its exported directory carries a generation_config.json, as transformers writes for one.
 GENERATES_TEXT = True
 
-# Re-exported: what a model module defines (see flax_lm/models/__init__.py).
+# Re-exported: what a model module defines (see flax_lm/models/README.md).
 __all__ = ["from_hf_state_dict", "hf_shapes", "to_hf_state_dict"]
 
 
@@ -69,12 +69,12 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     """Raise UsageError if `config` asks for a variant this model does not implement, or one that the tensor axis
     of `mesh` cannot split."""
     if config.model_type not in HF_ARCHITECTURES:
-        raise UsageError(f"flax_lm/models/llama.py was given a config of model type '{config.model_type}'")
+        raise UsageError(f"flax_lm/models/llama/model.py was given a config of model type '{config.model_type}'")
     # What the model type's transformers class does not read, which the decoder would compute all the same.
     foreign = {"llama": ("sliding_window", "layer_types"), "mistral": ("layer_types",)}.get(config.model_type, ())
     refuse_foreign_keys(config, (*foreign, "attn_logit_softcapping", "final_logit_softcapping"), config.model_type)
-    check_decoder_config(config, "flax_lm/models/llama.py", mesh)
-    check_rope(rope_parameters(config), "flax_lm/models/llama.py")
+    check_decoder_config(config, "flax_lm/models/llama/model.py", mesh)
+    check_rope(rope_parameters(config), "flax_lm/models/llama/model.py")
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         logger.warning("pretraining_tp %s is ignored: it splits the products alone", config.pretraining_tp)
 

@@ -3,7 +3,7 @@
 before their rotation. Parameter names and layouts are one-to-one with transformers' Olmo2ForCausalLM; a key/value
 cache decodes.
 
-A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
+A model module: flax_lm/models/README.md says what one holds, and how an experiment trains a copy of its own."""
 
 import math
 
@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 
 from flax_lm.errors import UsageError
-from flax_lm.models.common import (
+from flax_lm.models.shared.common import (
     CausalDecoderLM,
     DecoderPart,
     GatedMLP,
@@ -36,7 +36,7 @@ HF_ARCHITECTURES = {"olmo2": "Olmo2ForCausalLM"}
 # A causal LM: its exported directory carries a generation_config.json, as transformers writes for one.
 GENERATES_TEXT = True
 
-# Re-exported: what a model module defines (see flax_lm/models/__init__.py).
+# Re-exported: what a model module defines (see flax_lm/models/README.md).
 __all__ = ["from_hf_state_dict", "hf_shapes", "to_hf_state_dict"]
 
 
@@ -44,12 +44,12 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     """Raise UsageError if `config` asks for a variant this model does not implement, or one that the tensor axis
     of `mesh` cannot split."""
     if config.model_type not in HF_ARCHITECTURES:
-        raise UsageError(f"flax_lm/models/olmo2.py was given a config of model type '{config.model_type}'")
+        raise UsageError(f"flax_lm/models/olmo2/model.py was given a config of model type '{config.model_type}'")
     # What Olmo2ForCausalLM does not read, which the decoder would compute all the same.
     foreign = ("sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping")
     refuse_foreign_keys(config, foreign, "olmo2")
-    check_decoder_config(config, "flax_lm/models/olmo2.py", mesh)
-    check_rope(rope_parameters(config), "flax_lm/models/olmo2.py")
+    check_decoder_config(config, "flax_lm/models/olmo2/model.py", mesh)
+    check_rope(rope_parameters(config), "flax_lm/models/olmo2/model.py")
 
 
 class Olmo2Part(DecoderPart):

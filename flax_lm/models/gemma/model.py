@@ -4,13 +4,13 @@ as layer_types says, attention scaled by query_pre_attn_scalar; Gemma 2's soft-c
 Gemma 3's RMSNorm of each query and key head and its rotary settings for each layer type. Parameter names and layouts
 are one-to-one with transformers' Gemma2ForCausalLM and Gemma3ForCausalLM; a key/value cache decodes.
 
-A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
+A model module: flax_lm/models/README.md says what one holds, and how an experiment trains a copy of its own."""
 
 import flax.linen as nn
 import jax
 
 from flax_lm.errors import UsageError
-from flax_lm.models.common import (
+from flax_lm.models.shared.common import (
     CausalDecoderLM,
     DecoderPart,
     GatedMLP,
@@ -35,7 +35,7 @@ HF_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCaus
 # A causal LM: its exported directory carries a generation_config.json, as transformers writes for one.
 GENERATES_TEXT = True
 
-# Re-exported: what a model module defines (see flax_lm/models/__init__.py).
+# Re-exported: what a model module defines (see flax_lm/models/README.md).
 __all__ = ["from_hf_state_dict", "hf_shapes", "to_hf_state_dict"]
 
 
@@ -60,15 +60,15 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     """Raise UsageError if `config` asks for a variant this model does not implement, or one that the tensor axis
     of `mesh` cannot split."""
     if config.model_type not in HF_ARCHITECTURES:
-        raise UsageError(f"flax_lm/models/gemma.py was given a config of model type '{config.model_type}'")
-    check_decoder_config(config, "flax_lm/models/gemma.py", mesh, activation_key="hidden_activation")
+        raise UsageError(f"flax_lm/models/gemma/model.py was given a config of model type '{config.model_type}'")
+    check_decoder_config(config, "flax_lm/models/gemma/model.py", mesh, activation_key="hidden_activation")
     if config.model_type == "gemma3_text":  # its config has the field, but Gemma3ForCausalLM's attention ignores it
         refuse_foreign_keys(config, ("attn_logit_softcapping",), "gemma3_text")
     for index, layer_type in enumerate(config.layer_types):
-        check_rope(layer_rope(config, index), "flax_lm/models/gemma.py", f"rope_parameters of {layer_type}")
+        check_rope(layer_rope(config, index), "flax_lm/models/gemma/model.py", f"rope_parameters of {layer_type}")
     if getattr(config, "use_bidirectional_attention", None):
         raise UsageError(
-            "use_bidirectional_attention is not implemented by flax_lm/models/gemma.py (it computes causal "
+            "use_bidirectional_attention is not implemented by flax_lm/models/gemma/model.py (it computes causal "
             "attention); set it to false"
         )
 

@@ -6,7 +6,7 @@ QK-norm, attention and final-logit soft-capping and sliding-window layers, compu
 the families that have them. GPT2LMHeadModel has none of them, so an export of a model that uses one does not name it
 (export_refusal).
 
-A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
+A model module: flax_lm/models/README.md says what one holds, and how an experiment trains a copy of its own."""
 
 import logging
 import math
@@ -21,7 +21,7 @@ from transformers import GPT2Config
 
 from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
-from flax_lm.models.common import (
+from flax_lm.models.shared.common import (
     ACTIVATIONS,
     KeyValueCache,
     RMSNorm,

@@ -12,7 +12,7 @@ from flax import traverse_util
 
 from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
-from flax_lm.models.common import (
+from flax_lm.models.shared.common import (
     ACTIVATIONS,
     RowsDense,
     constrain,
