@@ -51,7 +51,8 @@ from flax_lm.command_line.arguments import (
     check_numeric_arguments,
     recorded_arguments,
 )
-from flax_lm.command_line.trainer_flags import check_best_model_flags
+from flax_lm.command_line.start import start_run
+from flax_lm.command_line.trainer_flags import apply_strategies, check_best_model_flags
 from flax_lm.data.host_random import random_bits, uniform_from_bits
 from flax_lm.data.loading import (
     TextsToRows,
@@ -81,12 +82,12 @@ from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.models.roberta import check_tokenizer
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json, write_train_results
+from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json
 from flax_lm.run.record import TrainingProgress
 from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
-from flax_lm.training.setup import (
+from flax_lm.training.lifecycle import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
@@ -96,7 +97,7 @@ from flax_lm.training.setup import (
     run_description,
     save_run,
     set_up_training,
-    start_run,
+    write_train_results,
 )
 from flax_lm.training.train_state import TrainState, accumulate_gradients, apply_finite_update
 
@@ -192,7 +193,6 @@ def check_arguments(model_args, data_args, training_args):
                 "add --pad_to_max_length, or leave out --steps_per_call"
             )
         training_args.steps_per_call = 1
-    optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args)
     check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
 
@@ -518,21 +518,21 @@ def train_metrics(sums: dict) -> dict:
 
 
 # Copied from run_clm_flax.learning_rate_schedule
-def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(settings: optimizers.OptimizerSettings, total_steps: int) -> optax.Schedule:
     """A linear warm-up from 0 to --learning_rate, then the schedule of LEARNING_RATE_SCHEDULES that
     --lr_scheduler_type names."""
-    schedule_after_warmup = LEARNING_RATE_SCHEDULES[training_args.lr_scheduler_type]
-    return optimizers.after_linear_warmup(schedule_after_warmup, training_args, total_steps)
+    schedule_after_warmup = LEARNING_RATE_SCHEDULES[settings.lr_scheduler_type]
+    return optimizers.after_linear_warmup(schedule_after_warmup, settings, total_steps)
 
 
-# What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
+# What --lr_scheduler_type names: the learning rate after the warm-up, from (settings, warmup_steps, total_steps);
 # its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
 # --min_lr_rate of the peak, in a shape of flax_lm.training.optimizers.DECAY_SHAPES (warmup_stable_decay:
 # --lr_decay_shape). Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
 LEARNING_RATE_SCHEDULES = {
     "linear": optimizers.decay_to_the_end("linear"),
     "cosine": optimizers.decay_to_the_end("cosine"),
-    "constant": lambda training_args, *_: optax.constant_schedule(training_args.learning_rate),
+    "constant": lambda settings, *_: optax.constant_schedule(settings.learning_rate),
     "warmup_stable_decay": optimizers.warmup_stable_decay,
 }
 
@@ -560,15 +560,15 @@ def is_hidden_matrix(path, param) -> bool:
     return names[-1] == "kernel" and param.ndim == 2 and "lm_head" not in names
 
 
-# What --optim names: the optimizer from (training_args, schedule). Add an entry here and the flag takes it.
+# What --optim names: the optimizer from (settings, schedule). Add an entry here and the flag takes it.
 # Copied from run_clm_flax.OPTIMIZERS
 OPTIMIZERS = {
-    "adamw": lambda training_args, schedule: optimizers.adamw(training_args, schedule, decay_mask),
-    "muon": lambda training_args, schedule: optimizers.muon_with_adamw(
-        training_args, schedule, optimizers.adamw(training_args, schedule, decay_mask), is_hidden_matrix
+    "adamw": lambda settings, schedule: optimizers.adamw(settings, schedule, decay_mask),
+    "muon": lambda settings, schedule: optimizers.muon_with_adamw(
+        settings, schedule, optimizers.adamw(settings, schedule, decay_mask), is_hidden_matrix
     ),
-    "lion": lambda training_args, schedule: optimizers.lion(training_args, schedule, decay_mask),
-    "adafactor": lambda training_args, schedule: optimizers.adafactor(training_args, schedule, decay_mask),
+    "lion": lambda settings, schedule: optimizers.lion(settings, schedule, decay_mask),
+    "adafactor": lambda settings, schedule: optimizers.adafactor(settings, schedule, decay_mask),
 }
 
 
@@ -578,10 +578,10 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 
 # Copied from run_clm_flax.create_optimizer
-def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
-    optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
-    if training_args.max_grad_norm > 0:
-        optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
+def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+    optimizer = OPTIMIZERS[settings.optim](settings, schedule)
+    if settings.max_grad_norm > 0:
+        optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
     return optimizers.trained_only(optimizer, is_trained)
 
 
@@ -804,15 +804,16 @@ def main():
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
     model = masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
-    train_rows, eval_step = rows.get("train"), make_eval_step(model)
-    setup = set_up_training(model, model_code, SCRIPT_TRAINING, eval_step, training_args, train_rows, max_seq_length)
+    settings, train_rows, eval_step = training_args.training_settings(), rows.get("train"), make_eval_step(model)
+    setup = set_up_training(model, model_code, SCRIPT_TRAINING, eval_step, settings, train_rows, max_seq_length)
+    apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, make_batch, training_args)
-    arguments = recorded_arguments(model_args, data_args, training_args)
+    arguments, run_settings = recorded_arguments(model_args, data_args, training_args), training_args.run_settings()
     run = run_description(arguments, config, tokenizer, setup)
-    state, progress = initial_state(model_args, training_args, setup, run)
+    state, progress = initial_state(run_settings, setup, run, model_args.pretrained_weights())
     # The lock on the output directory, held by process 0 for all processes until this one ends.
-    output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
-    trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
+    output_dir_lock = open_output_dir(run_settings.output, progress.step, [__file__, model_args.model_file])  # noqa: F841
+    trackers = open_trackers(training_args.tracker_settings(), progress, arguments, config, Evaluation.metric_tags)
     evaluation = Evaluation(setup, rows.get("validation"), make_batch, tokenizer, training_args, trackers)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
@@ -827,11 +828,11 @@ def main():
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
     elif training_args.do_train:
-        export_complete_run(training_args, state.params, config, tokenizer, model_code)
-    params, step = final_weights(training_args, setup, evaluation, state, progress, config, tokenizer)
+        export_complete_run(run_settings, state.params, config, tokenizer, setup)
+    params, step = final_weights(run_settings, setup, evaluation, state, progress, config, tokenizer)
     if train_now:
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log, step)
-    finish_run(training_args, evaluation, trackers, params, step, train_now, evaluation.fill_mask_with_export)
+    finish_run(run_settings, evaluation, trackers, params, step, train_now, evaluation.fill_mask_with_export)
 
 
 def check_model_and_tokenizer(config, tokenizer, training_args):
@@ -958,7 +959,7 @@ def train(
     which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
     Returns the state and the signal that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
-    evaluate_on_start(evaluate, state.params, progress, training_args)
+    evaluate_on_start(evaluate, state.params, progress, training_args.evaluation_schedule())
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
         open_checkpoints(training_args.output_dir, training_args.save_total_limit, progress.best_model) as checkpoints,
@@ -972,7 +973,7 @@ def train(
             step += len(step_tokens)
             checkpoint_being_written = log_when_committed(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
-            is_log_step = logs_at_step(step, is_last, training_args)
+            is_log_step = logs_at_step(step, is_last, training_args.logging_steps, training_args.logging_first_step)
             stopping = stop.requested(check_other_processes=is_log_step)
             is_save_step = step % training_args.save_steps == 0 or is_last or stopping
             if is_log_step or is_save_step:

@@ -15,16 +15,16 @@ from test_hostile_inputs import SCRIPTS
 
 from flax_lm import errors
 from flax_lm.command_line import arguments as training_arguments
+from flax_lm.command_line import start
 from flax_lm.devices import processes
 from flax_lm.models.huggingface import shard_size_in_bytes
-from flax_lm.training import setup
 
 TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
 
 
 def parse_arguments(module):
     """The argument groups of sys.argv, parsed into the script's own classes as its main() does."""
-    return training_arguments.parse_arguments(
+    return training_arguments.parse_training_arguments(
         module.ModelArguments, module.DataTrainingArguments, module.TrainingArguments
     )
 
@@ -270,9 +270,9 @@ def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_toke
     # LOG_FORMAT: the time, the level, the logger and the message.
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO __main__: From the tokenizer in .*", log_line)
     assert SCRIPTS["create_config"].LOG_FORMAT == processes.LOG_FORMAT == SCRIPTS["train_tokenizer"].LOG_FORMAT
-    # The training scripts log through flax_lm.training.setup.start_run, which sets up processes.setup_logging.
-    assert run_clm_flax.start_run is setup.start_run is SCRIPTS["run_mlm_flax"].start_run
-    assert setup.setup_logging is processes.setup_logging
+    # The training scripts log through flax_lm.command_line.start.start_run, which sets up processes.setup_logging.
+    assert run_clm_flax.start_run is start.start_run is SCRIPTS["run_mlm_flax"].start_run
+    assert start.setup_logging is processes.setup_logging
 
 
 @pytest.mark.parametrize(

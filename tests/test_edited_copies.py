@@ -38,7 +38,7 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
-from flax_lm.command_line.arguments import parse_arguments
+from flax_lm.command_line.arguments import parse_training_arguments
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.packed import PackedBlocks, read_packed_index
 from flax_lm.errors import UsageError, run
@@ -532,11 +532,11 @@ def test_a_schedule_added_to_a_copy_s_table_is_taken_by_its_flag(model_dir, tmp_
     copy = import_copy(script)
     arguments = training_arguments(model_dir, tmp_path / "run", "--lr_scheduler_type", "inverse_sqrt")
     monkeypatch.setattr(sys, "argv", [script, *map(str, arguments), "--learning_rate", "1e-2"])
-    model_args, data_args, training_args, _ = parse_arguments(
+    model_args, data_args, training_args, _ = parse_training_arguments(
         copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments, copy.FLAG_TABLES
     )
     copy.check_arguments(model_args, data_args, training_args)
-    schedule = copy.learning_rate_schedule(training_args, total_steps=4)
+    schedule = copy.learning_rate_schedule(training_args.optimizer_settings(), total_steps=4)
     np.testing.assert_allclose([schedule(step) for step in range(4)], 1e-2 / np.sqrt([1, 2, 3, 4]), rtol=1e-6)
 
 

@@ -26,10 +26,43 @@ def test_each_subpackage_says_what_it_holds_and_is_in_the_package_map(name):
     assert f"{name}/" in flax_lm.__doc__, f"flax_lm/__init__.py's map does not name {name}/"
 
 
+def imported_subpackages(path: str) -> set[str]:
+    """The subpackages of flax_lm (and errors) a module imports, anywhere in it (inside functions as well)."""
+    with open(path) as file:
+        tree = ast.parse(file.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        names.update(module.split(".")[1] for module in modules if module.startswith("flax_lm."))
+    return names
+
+
+def test_each_subpackage_imports_only_those_before_it_in_the_dependency_order():
+    """No two subpackages import each other: each imports only errors.py and those before it in
+    flax_lm.DEPENDENCY_ORDER, which lists every subpackage."""
+    order = flax_lm.DEPENDENCY_ORDER
+    assert sorted(order) == sorted(subpackages())
+    package_dir = os.path.dirname(flax_lm.__file__)
+    for position, name in enumerate(order):
+        allowed = {name, "errors", *order[:position]}
+        for directory, _, files in os.walk(os.path.join(package_dir, name)):
+            for file_name in (file_name for file_name in files if file_name.endswith(".py")):
+                path = os.path.join(directory, file_name)
+                # flax_lm.moved_from_subpackage, of the package itself, is no subpackage.
+                later = imported_subpackages(path) - allowed - {"moved_from_subpackage"}
+                assert not later, f"{os.path.relpath(path, REPO)} imports {sorted(later)}, after {name} in the order"
+    assert imported_subpackages(os.path.join(package_dir, "errors.py")) == set()
+
+
 def test_every_moved_module_of_the_flat_layout_exists_where_its_refusal_sends_the_user():
     for old, new in flax_lm.MOVED_MODULES.items():
         assert importlib.util.find_spec(f"flax_lm.{new}") is not None, f"flax_lm.{old} is said to be flax_lm.{new}"
-    for old, new in flax_lm.MODULES_NOW_SUBPACKAGES.items():
+    for old, new in [*flax_lm.MODULES_NOW_SUBPACKAGES.items(), *flax_lm.RENAMED_MODULES.items()]:
         assert importlib.util.find_spec(f"flax_lm.{new}") is not None, f"flax_lm.{old} is said to be flax_lm.{new}"
 
 
@@ -40,7 +73,8 @@ def test_every_moved_module_of_the_flat_layout_exists_where_its_refusal_sends_th
         ("import flax_lm.sampling", "flax_lm.generation.sampling"),
         ("from flax_lm import hf_io", "flax_lm.models.huggingface"),
         ("from flax_lm.data import load_data", "from flax_lm.data.loading import load_data"),
-        ("from flax_lm.training import set_up_training", "from flax_lm.training.setup import set_up_training"),
+        ("from flax_lm.training import set_up_training", "from flax_lm.training.lifecycle import set_up_training"),
+        ("from flax_lm.training.setup import set_up_training", "flax_lm.training.lifecycle"),
     ],
 )
 def test_a_script_of_the_flat_layout_is_refused_in_one_line_naming_the_new_import(tmp_path, statement, new_import):
