@@ -41,7 +41,7 @@ from transformers import (
 
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, check_writable_directory, run
+from flax_lm.errors import UsageError, call_with_one_line_errors, check_writable_directory
 from flax_lm.models import CONFIG_SIZES, MAX_VOCAB_SIZE, non_finite_config_value, stock_module
 
 logger = logging.getLogger(__name__)
@@ -594,4 +594,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

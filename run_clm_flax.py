@@ -44,8 +44,8 @@ import optax
 from tqdm.auto import tqdm
 
 from flax_lm.command_line.arguments import (
+    CommonDataArguments,
     CommonTrainingArguments,
-    DataArguments,
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
@@ -72,7 +72,7 @@ from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global
 from flax_lm.devices.processes import (
     print_once,
 )
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.evaluation.validation import evaluate_by_source, evaluate_on_start, report_by_source, saved_results
 from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
@@ -108,7 +108,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DataTrainingArguments(ExampleArguments, DataArguments):
+class DataTrainingArguments(ExampleArguments, CommonDataArguments):
     block_size: int | None = field(
         default=None,
         metadata={
@@ -665,7 +665,7 @@ class Evaluation:
                 HarnessTasks,
             )  # lm-eval is optional: imported only when asked for
 
-            scorer = Scorer(sampling_model, setup.eval_batch_size * setup.sequence_length, sampling_model.mesh)
+            scorer = Scorer(sampling_model, setup.eval_batch_size * setup.row_length, sampling_model.mesh)
             self.tasks = HarnessTasks(
                 training_args.eval_tasks.split(","),
                 training_args.eval_tasks_path,
@@ -776,8 +776,8 @@ def main():
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, training_args)
     arguments, run_settings = recorded_arguments(model_args, data_args, training_args), training_args.run_settings()
-    run = run_description(arguments, config, tokenizer, setup)
-    state, progress = initial_state(run_settings, setup, run, model_args.pretrained_weights())
+    description = run_description(arguments, config, tokenizer, setup)
+    state, progress = initial_state(run_settings, setup, description, model_args.pretrained_weights())
     # The lock on the output directory, held by process 0 for all processes until this one ends.
     output_dir_lock = open_output_dir(run_settings.output, progress.step, [__file__, model_args.model_file])  # noqa: F841
     trackers = open_trackers(training_args.tracker_settings(), progress, arguments, config, Evaluation.metric_tags)
@@ -788,7 +788,7 @@ def main():
         batches = train_batches_from(
             progress.step, setup, train_stream, texts_to_rows, route, data_args, training_args
         )
-        save = partial(save_run, setup, config, tokenizer, run)
+        save = partial(save_run, setup, config, tokenizer, description)
         log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
         state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
         if stopped_by:
@@ -844,7 +844,7 @@ def train_batches_from(first_step, setup: TrainingSetup, train_stream, texts_to_
     stacked, and the token count of each step, read ahead on a thread: from the training blocks, or `train_stream`
     (the texts of `route`, which texts_to_rows makes into blocks as it does on every route).
     The data order is a function of the step, so a resumed run sees the batches the interrupted one would have."""
-    batch_size, block_size, train_blocks = setup.train_batch_size, setup.sequence_length, setup.train_rows
+    batch_size, block_size, train_blocks = setup.train_batch_size, setup.row_length, setup.train_rows
     if isinstance(train_blocks, Mixture):
         data = f"on a mixture ({train_blocks.describe(setup.total_steps * batch_size)})"
         rows = process_slice(batch_size)
@@ -885,7 +885,7 @@ def compile_train_steps_ahead(setup: TrainingSetup, training_args):
 
 def abstract_call_batches(setup: TrainingSetup, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them."""
-    shape = (setup.train_batch_size, setup.sequence_length)
+    shape = (setup.train_batch_size, setup.row_length)
     global_batch = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32)}
     if setup.train_rows is not None and len(setup.train_rows.shape) == 3:  # examples' rows: their weights
         global_batch["weights"] = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -952,4 +952,4 @@ def train(
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

@@ -44,8 +44,8 @@ import optax
 from tqdm.auto import tqdm
 
 from flax_lm.command_line.arguments import (
+    CommonDataArguments,
     CommonTrainingArguments,
-    DataArguments,
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
@@ -69,7 +69,7 @@ from flax_lm.data.source import TextSource
 from flax_lm.data.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import print_once
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.evaluation.validation import (
     evaluate_by_source,
     evaluate_on_start,
@@ -110,7 +110,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DataTrainingArguments(DataArguments):
+class DataTrainingArguments(CommonDataArguments):
     max_seq_length: int | None = field(
         default=None,
         metadata={
@@ -770,7 +770,7 @@ class Evaluation:
         abstract_params = self.setup.abstract_state.params
         exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
         model = self.setup.model.clone(remat_policy=None, mesh=None)
-        max_seq_length = self.setup.sequence_length
+        max_seq_length = self.setup.row_length
         predictions = fill_mask(model, exported, self.tokenizer, text, self.fill_mask_top_k, max_seq_length)
         masked = f" (masked: {masked_word!r})" if masked_word else ""
         print(f"fill-mask with {self.output_dir}: {text!r}{masked}")
@@ -809,8 +809,8 @@ def main():
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, make_batch, training_args)
     arguments, run_settings = recorded_arguments(model_args, data_args, training_args), training_args.run_settings()
-    run = run_description(arguments, config, tokenizer, setup)
-    state, progress = initial_state(run_settings, setup, run, model_args.pretrained_weights())
+    description = run_description(arguments, config, tokenizer, setup)
+    state, progress = initial_state(run_settings, setup, description, model_args.pretrained_weights())
     # The lock on the output directory, held by process 0 for all processes until this one ends.
     output_dir_lock = open_output_dir(run_settings.output, progress.step, [__file__, model_args.model_file])  # noqa: F841
     trackers = open_trackers(training_args.tracker_settings(), progress, arguments, config, Evaluation.metric_tags)
@@ -818,7 +818,7 @@ def main():
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
-        save = partial(save_run, setup, config, tokenizer, run)
+        save = partial(save_run, setup, config, tokenizer, description)
         batches = train_batches_from(
             progress.step, setup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
         )
@@ -891,7 +891,7 @@ def train_batches_from(
     stacked, and the token count of each step, read ahead on a thread: from the training rows, or `train_stream` (the
     texts of `route`, which texts_to_rows makes into blocks as it does on every route). The data order and the masks
     are a function of the step, so a resumed run sees the batches the interrupted one would have."""
-    batch_size, max_seq_length, train_blocks = setup.train_batch_size, setup.sequence_length, setup.train_rows
+    batch_size, max_seq_length, train_blocks = setup.train_batch_size, setup.row_length, setup.train_rows
     if isinstance(train_blocks, Mixture):
         data = f"on a mixture ({train_blocks.describe(setup.total_steps * batch_size)})"
         local_batches = mixture_train_batches(train_blocks, make_batch, batch_size, training_args.seed, first_step)
@@ -927,7 +927,7 @@ def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, trai
 def abstract_call_batches(setup: TrainingSetup, make_batch: BatchMaker, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them: those of a
     batch made from stand-in blocks."""
-    batch_size, stand_in = setup.train_batch_size, np.zeros((1, setup.sequence_length - 2), np.int32)
+    batch_size, stand_in = setup.train_batch_size, np.zeros((1, setup.row_length - 2), np.int32)
     global_batch = make_batch(
         stand_in, np.zeros(batch_size, np.int64), batch_size, (training_args.seed, TRAIN_MASKING)
     )
@@ -996,4 +996,4 @@ def train(
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

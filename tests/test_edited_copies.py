@@ -41,7 +41,7 @@ from transformers import (
 from flax_lm.command_line.arguments import parse_training_arguments
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.packed import PackedBlocks, read_packed_index
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.models import gpt2, import_model_file, llama, roberta
 from flax_lm.models.huggingface import save_model
 from flax_lm.training.train_state import abstract_model_params
@@ -96,7 +96,8 @@ def import_copy(script):
 
 def run_in_process(script, capfd, *arguments):
     """`script` run as run_copy runs it, but in this process and its environment (no fresh import of JAX and the
-    libraries): its main() through flax_lm.errors.run, as its `__main__` block calls it, from the script's directory.
+    libraries): its main() through flax_lm.errors.call_with_one_line_errors, as its `__main__` block calls it, from
+    the script's directory.
     A CompletedProcess with the exit status and output a process would end with: 2 and one line for a user's
     mistake, 1 and the traceback for any other error. For runs that end by returning or refusing; a run whose
     outcome depends on how its process ends needs run_copy."""
@@ -105,9 +106,11 @@ def run_in_process(script, capfd, *arguments):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [str(script), *map(str, arguments)])
         patch.chdir(os.path.dirname(script))
-        patch.setattr(sys, "unraisablehook", sys.unraisablehook)  # run() wraps it: put back after
+        patch.setattr(
+            sys, "unraisablehook", sys.unraisablehook
+        )  # call_with_one_line_errors() wraps it: put back after
         try:
-            run(copy.main)
+            call_with_one_line_errors(copy.main)
             returncode = 0
         except SystemExit as exit:
             returncode = exit.code
@@ -543,7 +546,7 @@ def test_a_schedule_added_to_a_copy_s_table_is_taken_by_its_flag(model_dir, tmp_
 OPTIMIZERS_END = "schedule, decay_mask),\n}\n\n\n# The tables the flags name"
 ADEMAMIX_ADDED = {
     OPTIMIZERS_END: OPTIMIZERS_END.replace(
-        "\n}", '\n    "ademamix": lambda training_args, schedule: optax.contrib.ademamix(schedule),\n}', 1
+        "\n}", '\n    "ademamix": lambda settings, schedule: optax.contrib.ademamix(schedule),\n}', 1
     )
 }
 

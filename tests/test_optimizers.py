@@ -203,7 +203,7 @@ def test_a_resume_warns_only_where_the_learning_rate_jumps(max_steps, jumps, cap
     args = training_args(lr_scheduler_type="warmup_stable_decay", max_steps=max_steps, do_train=True)
     setup = SimpleNamespace(
         learning_rate_schedule=run_clm_flax.learning_rate_schedule(args.optimizer_settings(), max_steps),
-        train_batch_size=4, sequence_length=8, train_examples=range(100), total_steps=max_steps, model_code=None,
+        train_batch_size=4, row_length=8, train_examples=range(100), total_steps=max_steps, model_code=None,
     )  # fmt: skip
     # Step 40 of a 100-step run, in its stable phase, trained at the peak.
     with caplog.at_level(logging.WARNING):

@@ -59,6 +59,33 @@ def test_each_subpackage_imports_only_those_before_it_in_the_dependency_order():
     assert imported_subpackages(os.path.join(package_dir, "errors.py")) == set()
 
 
+# Modules outside command_line/ whose functions still take the scripts' model arguments: the Hugging Face loading,
+# which the model registry's own settings replace.
+TAKES_MODEL_ARGUMENTS_FOR_NOW = {"flax_lm/models/huggingface.py"}
+
+
+def test_no_function_outside_command_line_takes_a_whole_argument_object():
+    """Each part of flax_lm receives the values it uses (its settings, filled from the flags by command_line/), so no
+    function or method outside command_line/ has a parameter named like the tools' argument groups (training_args,
+    model_args, data_args ...: *_args; a function's *args of any name aside)."""
+    package_dir = os.path.dirname(flax_lm.__file__)
+    taking = []
+    for directory, _, files in os.walk(package_dir):
+        for path in (os.path.join(directory, name) for name in files if name.endswith(".py")):
+            relative = os.path.relpath(path, REPO)
+            if relative.startswith("flax_lm/command_line/") or relative in TAKES_MODEL_ARGUMENTS_FOR_NOW:
+                continue
+            with open(path) as file:
+                tree = ast.parse(file.read())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    arguments = node.args
+                    parameters = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+                    name = getattr(node, "name", "lambda")
+                    taking += [f"{relative}: {name}({item.arg})" for item in parameters if item.arg.endswith("_args")]
+    assert not taking, "; ".join(taking)
+
+
 def test_every_moved_module_of_the_flat_layout_exists_where_its_refusal_sends_the_user():
     for old, new in flax_lm.MOVED_MODULES.items():
         assert importlib.util.find_spec(f"flax_lm.{new}") is not None, f"flax_lm.{old} is said to be flax_lm.{new}"
@@ -184,7 +211,7 @@ def test_the_data_layer_takes_values_and_imports_downwards_only():
 
 def test_the_data_layer_check_finds_an_upward_import_and_an_arguments_parameter():
     source = (
-        "from flax_lm.command_line.arguments import DataArguments\n"
+        "from flax_lm.command_line.arguments import CommonDataArguments\n"
         "from flax_lm.data import loading\n"
         "class Reader:\n"
         "    def read(self, dataset, data_args):\n"
@@ -193,7 +220,7 @@ def test_the_data_layer_check_finds_an_upward_import_and_an_arguments_parameter(
     problems = data_layer_problems(source, "texts", ["source"])
     assert problems == [
         "texts imports flax_lm.command_line.arguments",
-        "texts imports flax_lm.command_line.arguments.DataArguments",
+        "texts imports flax_lm.command_line.arguments.CommonDataArguments",
         "texts imports flax_lm.data.loading, which is not above it",
         "texts.read takes data_args",
     ]

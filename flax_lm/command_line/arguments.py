@@ -1,7 +1,7 @@
 """The arguments both training scripts take, and the checks that refuse a mistake before any work starts.
 
 Each script adds its own (the sequence length, its data framing, what it shows at evaluation) by subclassing
-DataArguments and CommonTrainingArguments.
+CommonDataArguments and CommonTrainingArguments.
 """
 
 import json
@@ -114,7 +114,7 @@ class ModelArguments(ModelSettingsFromFlags):
 
 
 @dataclass
-class DataArguments:
+class CommonDataArguments:
     """Where the texts come from and how they are read, tokenized and stored; each script adds its sequence length."""
 
     dataset_name: str | None = field(

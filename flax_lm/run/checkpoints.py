@@ -135,9 +135,9 @@ class DamagedCheckpoint(Exception):
     """A checkpoint whose files differ from the checksums taken when it was saved."""
 
 
-# The sequence length each training script records in its checkpoints, with what the script trains: a checkpoint that
+# The row length each training script records in its checkpoints, with what the script trains: a checkpoint that
 # records the other script's was saved by that script (or a copy of it).
-SEQUENCE_LENGTH_KEYS = {"block_size": ("causal", "run_clm_flax.py"), "max_seq_length": ("masked", "run_mlm_flax.py")}
+ROW_LENGTH_KEYS = {"block_size": ("causal", "run_clm_flax.py"), "max_seq_length": ("masked", "run_mlm_flax.py")}
 
 
 def last_intact_checkpoint(checkpoints: ocp.CheckpointManager) -> str | None:
@@ -246,10 +246,10 @@ def check_progress_record(path: str, progress, progress_keys: list[str], step: i
     unreadable, for a record that is damaged)."""
     if not isinstance(progress, dict):
         raise ValueError("its progress record is not a mapping")
-    ours = [key for key in progress_keys if key in SEQUENCE_LENGTH_KEYS]
-    theirs = [key for key in SEQUENCE_LENGTH_KEYS if key in progress and key not in progress_keys]
+    ours = [key for key in progress_keys if key in ROW_LENGTH_KEYS]
+    theirs = [key for key in ROW_LENGTH_KEYS if key in progress and key not in progress_keys]
     if ours and theirs and ours[0] not in progress:
-        (our_kind, _), (their_kind, their_script) = SEQUENCE_LENGTH_KEYS[ours[0]], SEQUENCE_LENGTH_KEYS[theirs[0]]
+        (our_kind, _), (their_kind, their_script) = ROW_LENGTH_KEYS[ours[0]], ROW_LENGTH_KEYS[theirs[0]]
         raise UsageError(
             f"the training checkpoint {path} is of a {their_kind} language model, saved by {their_script} or a copy "
             f"of it, not of this script's {our_kind} one: resume it with the script that saved it, or train into "

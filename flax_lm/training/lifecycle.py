@@ -103,7 +103,7 @@ def finish_run(
 @dataclass(frozen=True)
 class ScriptTraining:
     """What a training script gives the set-up beside its model: its own schedule, optimizer and train step, the sums
-    its train step makes, and the name of its sequence length (the flag, and the key checkpoints record it under)."""
+    its train step makes, and the name of its row length (the flag, and the key checkpoints record it under)."""
 
     learning_rate_schedule: Callable  # (OptimizerSettings, total_steps) -> optax.Schedule
     create_optimizer: Callable  # (OptimizerSettings, schedule) -> optax.GradientTransformation
@@ -119,7 +119,7 @@ class TrainingSetup:
     model: nn.Module
     model_code: ModelCode
     script: ScriptTraining
-    sequence_length: int
+    row_length: int
     train_batch_size: int  # global: over all devices and micro-batches
     eval_batch_size: int
     train_rows: Any  # None for a stream
@@ -144,9 +144,9 @@ def set_up_training(
     eval_step,
     settings: TrainingSettings,
     train_rows,
-    sequence_length: int,
+    row_length: int,
 ) -> TrainingSetup:
-    """The TrainingSetup of `model` for `train_rows` of `sequence_length` tokens. The evaluation and save intervals of
+    """The TrainingSetup of `model` for `train_rows` of `row_length` tokens. The evaluation and save intervals of
     --eval_strategy and --save_strategy follow from its steps (flax_lm.command_line.trainer_flags.apply_strategies)."""
     logger.info(
         "%d devices over %d processes (%d here): %s",
@@ -171,7 +171,7 @@ def set_up_training(
     )
     schedule = script.learning_rate_schedule(settings.optimizer, total_steps)
     optimizer = script.create_optimizer(settings.optimizer, schedule)
-    abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, sequence_length), jnp.int32))
+    abstract_state = abstract_train_state(model, optimizer, mesh, jnp.zeros((1, row_length), jnp.int32))
     state_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
     logger.info(
         "%s with %.1fM parameters in %s, computing in %s, on a mesh of %s",
@@ -188,7 +188,7 @@ def set_up_training(
         model=model,
         model_code=model_code,
         script=script,
-        sequence_length=sequence_length,
+        row_length=row_length,
         train_batch_size=train_batch_size,
         eval_batch_size=settings.per_device_eval_batch_size * jax.device_count(),
         train_rows=train_rows,
@@ -249,7 +249,7 @@ def initial_state(
             check_resumed_run(record, run, progress, setup, resume)
             return state, progress
         logger.info("No training checkpoint to resume from in %s: starting a new run", settings.output.output_dir)
-    dummy_input = jnp.zeros((1, setup.sequence_length), jnp.int32)
+    dummy_input = jnp.zeros((1, setup.row_length), jnp.int32)
     loaded_params = None
     if read_pretrained is not None:
         loaded_params = read_pretrained(setup.model_code, setup.abstract_state.params)
@@ -275,7 +275,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
         global_batch_size=setup.train_batch_size,
         training_examples=None if setup.train_rows is None else len(setup.train_rows),
         learning_rate=float(setup.learning_rate_schedule(progress.step - 1)),  # that of the step just trained
-        **{setup.script.length_name: setup.sequence_length},
+        **{setup.script.length_name: setup.row_length},
     )
     if setup.steps_per_epoch:
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
