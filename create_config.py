@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, check_writable_directory, run
+from flax_lm.errors import UsageError, call_with_one_line_errors, check_writable_directory
 from flax_lm.models import CONFIG_SIZES, config_class, config_problem, family_of, presets, stock_module
 
 logger = logging.getLogger(__name__)
@@ -332,4 +332,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

@@ -46,7 +46,7 @@ from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.data.texts import ids_around_documents
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, first_line, run
+from flax_lm.errors import UsageError, call_with_one_line_errors, first_line
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.generation.sampling import DecodingBatch, Sampling, decode_rows, make_sampler
 from flax_lm.models.huggingface import check_config_values, check_local_model_directory, read_exported_params
@@ -218,7 +218,7 @@ class ServerArguments:
     )
 
 
-def parse_arguments() -> tuple[ModelArguments, GenerationArguments, ServerArguments]:
+def parse_generate_arguments() -> tuple[ModelArguments, GenerationArguments, ServerArguments]:
     parser = HfArgumentParser((ModelArguments, GenerationArguments, ServerArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         if not os.path.isfile(sys.argv[1]):
@@ -470,7 +470,7 @@ class Generator:
 
 
 def main():
-    model_args, generation_args, server_args = parse_arguments()
+    model_args, generation_args, server_args = parse_generate_arguments()
     check_arguments(generation_args, server_args)
     logging.basicConfig(format=LOG_FORMAT, level=logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
@@ -526,4 +526,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

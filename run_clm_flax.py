@@ -44,15 +44,16 @@ import optax
 from tqdm.auto import tqdm
 
 from flax_lm.command_line.arguments import (
+    CommonDataArguments,
     CommonTrainingArguments,
-    DataArguments,
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
     recorded_arguments,
 )
 from flax_lm.command_line.model_loading import model_loading
-from flax_lm.command_line.trainer_flags import check_best_model_flags
+from flax_lm.command_line.start import start_run
+from flax_lm.command_line.trainer_flags import apply_strategies, check_best_model_flags
 from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.data.finetune_examples import Example, ExampleArguments, RowCounts, encoded_examples, is_chat
 from flax_lm.data.loading import (
@@ -72,7 +73,7 @@ from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global
 from flax_lm.devices.processes import (
     print_once,
 )
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.evaluation.validation import evaluate_by_source, evaluate_on_start, report_by_source, saved_results
 from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
@@ -80,18 +81,12 @@ from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import (
-    evaluated_step,
-    open_output_dir,
-    report_stop,
-    write_json,
-    write_train_results,
-)
+from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json
 from flax_lm.run.record import TrainingProgress
 from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
-from flax_lm.training.setup import (
+from flax_lm.training.lifecycle import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
@@ -101,7 +96,7 @@ from flax_lm.training.setup import (
     run_description,
     save_run,
     set_up_training,
-    start_run,
+    write_train_results,
 )
 from flax_lm.training.train_state import TrainState, accumulate_gradients, apply_finite_update
 
@@ -114,7 +109,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DataTrainingArguments(ExampleArguments, DataArguments):
+class DataTrainingArguments(ExampleArguments, CommonDataArguments):
     block_size: int | None = field(
         default=None,
         metadata={
@@ -215,7 +210,6 @@ def check_arguments(model_args, data_args, training_args):
     )
     if training_args.sample_tokens and (problem := sample_sampling(training_args).problem("--sample_")):
         raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
-    optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
     check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
     if training_args.eval_tasks:
@@ -452,21 +446,21 @@ def train_metrics(sums: dict) -> dict:
     return metrics
 
 
-def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(settings: optimizers.OptimizerSettings, total_steps: int) -> optax.Schedule:
     """A linear warm-up from 0 to --learning_rate, then the schedule of LEARNING_RATE_SCHEDULES that
     --lr_scheduler_type names."""
-    schedule_after_warmup = LEARNING_RATE_SCHEDULES[training_args.lr_scheduler_type]
-    return optimizers.after_linear_warmup(schedule_after_warmup, training_args, total_steps)
+    schedule_after_warmup = LEARNING_RATE_SCHEDULES[settings.lr_scheduler_type]
+    return optimizers.after_linear_warmup(schedule_after_warmup, settings, total_steps)
 
 
-# What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
+# What --lr_scheduler_type names: the learning rate after the warm-up, from (settings, warmup_steps, total_steps);
 # its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
 # --min_lr_rate of the peak, in a shape of flax_lm.training.optimizers.DECAY_SHAPES (warmup_stable_decay:
 # --lr_decay_shape).
 LEARNING_RATE_SCHEDULES = {
     "linear": optimizers.decay_to_the_end("linear"),
     "cosine": optimizers.decay_to_the_end("cosine"),
-    "constant": lambda training_args, *_: optax.constant_schedule(training_args.learning_rate),
+    "constant": lambda settings, *_: optax.constant_schedule(settings.learning_rate),
     "warmup_stable_decay": optimizers.warmup_stable_decay,
 }
 
@@ -491,14 +485,14 @@ def is_hidden_matrix(path, param) -> bool:
     return names[-1] == "kernel" and param.ndim == 2 and "lm_head" not in names
 
 
-# What --optim names: the optimizer from (training_args, schedule). Add an entry here and the flag takes it.
+# What --optim names: the optimizer from (settings, schedule). Add an entry here and the flag takes it.
 OPTIMIZERS = {
-    "adamw": lambda training_args, schedule: optimizers.adamw(training_args, schedule, decay_mask),
-    "muon": lambda training_args, schedule: optimizers.muon_with_adamw(
-        training_args, schedule, optimizers.adamw(training_args, schedule, decay_mask), is_hidden_matrix
+    "adamw": lambda settings, schedule: optimizers.adamw(settings, schedule, decay_mask),
+    "muon": lambda settings, schedule: optimizers.muon_with_adamw(
+        settings, schedule, optimizers.adamw(settings, schedule, decay_mask), is_hidden_matrix
     ),
-    "lion": lambda training_args, schedule: optimizers.lion(training_args, schedule, decay_mask),
-    "adafactor": lambda training_args, schedule: optimizers.adafactor(training_args, schedule, decay_mask),
+    "lion": lambda settings, schedule: optimizers.lion(settings, schedule, decay_mask),
+    "adafactor": lambda settings, schedule: optimizers.adafactor(settings, schedule, decay_mask),
 }
 
 
@@ -506,10 +500,10 @@ OPTIMIZERS = {
 FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES}
 
 
-def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
-    optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
-    if training_args.max_grad_norm > 0:
-        optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
+def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+    optimizer = OPTIMIZERS[settings.optim](settings, schedule)
+    if settings.max_grad_norm > 0:
+        optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
     return optimizers.trained_only(optimizer, is_trained)
 
 
@@ -672,7 +666,7 @@ class Evaluation:
                 HarnessTasks,
             )  # lm-eval is optional: imported only when asked for
 
-            scorer = Scorer(sampling_model, setup.eval_batch_size * setup.sequence_length, sampling_model.mesh)
+            scorer = Scorer(sampling_model, setup.eval_batch_size * setup.row_length, sampling_model.mesh)
             self.tasks = HarnessTasks(
                 training_args.eval_tasks.split(","),
                 training_args.eval_tasks_path,
@@ -778,16 +772,16 @@ def main():
 
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
-    setup = set_up_training(
-        model, model_code, script_training(training_args), eval_step, training_args, rows.get("train"), block_size
-    )
+    script, settings = script_training(training_args), training_args.training_settings()
+    setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), block_size)
+    apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, training_args)
-    arguments = recorded_arguments(model_args, data_args, training_args)
-    run = run_description(arguments, config, tokenizer, setup)
-    state, progress = initial_state(model_args, training_args, setup, run)
+    arguments, run_settings = recorded_arguments(model_args, data_args, training_args), training_args.run_settings()
+    description = run_description(arguments, config, tokenizer, setup)
+    state, progress = initial_state(run_settings, setup, description, model_args.pretrained_weights())
     # The lock on the output directory, held by process 0 for all processes until this one ends.
-    output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
-    trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
+    output_dir_lock = open_output_dir(run_settings.output, progress.step, [__file__, model_args.model_file])  # noqa: F841
+    trackers = open_trackers(training_args.tracker_settings(), progress, arguments, config, Evaluation.metric_tags)
     evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, trackers, is_chat(example_format))
 
     train_now = training_args.do_train and progress.step < setup.total_steps
@@ -795,19 +789,19 @@ def main():
         batches = train_batches_from(
             progress.step, setup, train_stream, texts_to_rows, route, data_args, training_args
         )
-        save = partial(save_run, setup, config, tokenizer, run)
+        save = partial(save_run, setup, config, tokenizer, description)
         log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
         state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
         if stopped_by:
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
     elif training_args.do_train:
-        export_complete_run(training_args, state.params, config, tokenizer, model_code)
-    params, step = final_weights(training_args, setup, evaluation, state, progress, config, tokenizer)
+        export_complete_run(run_settings, state.params, config, tokenizer, setup)
+    params, step = final_weights(run_settings, setup, evaluation, state, progress, config, tokenizer)
     if train_now:
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log, step)
     finish_run(
-        training_args,
+        run_settings,
         evaluation,
         trackers,
         params,
@@ -851,7 +845,7 @@ def train_batches_from(first_step, setup: TrainingSetup, train_stream, texts_to_
     stacked, and the token count of each step, read ahead on a thread: from the training blocks, or `train_stream`
     (the texts of `route`, which texts_to_rows makes into blocks as it does on every route).
     The data order is a function of the step, so a resumed run sees the batches the interrupted one would have."""
-    batch_size, block_size, train_blocks = setup.train_batch_size, setup.sequence_length, setup.train_rows
+    batch_size, block_size, train_blocks = setup.train_batch_size, setup.row_length, setup.train_rows
     if isinstance(train_blocks, Mixture):
         data = f"on a mixture ({train_blocks.describe(setup.total_steps * batch_size)})"
         rows = process_slice(batch_size)
@@ -892,7 +886,7 @@ def compile_train_steps_ahead(setup: TrainingSetup, training_args):
 
 def abstract_call_batches(setup: TrainingSetup, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them."""
-    shape = (setup.train_batch_size, setup.sequence_length)
+    shape = (setup.train_batch_size, setup.row_length)
     global_batch = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32)}
     if setup.train_rows is not None and len(setup.train_rows.shape) == 3:  # examples' rows: their weights
         global_batch["weights"] = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -922,7 +916,7 @@ def train(
     which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
     Returns the state and the signal that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
-    evaluate_on_start(evaluate, state.params, progress, training_args)
+    evaluate_on_start(evaluate, state.params, progress, training_args.evaluation_schedule())
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
         open_checkpoints(training_args.output_dir, training_args.save_total_limit, progress.best_model) as checkpoints,
@@ -936,7 +930,7 @@ def train(
             step += len(step_tokens)
             checkpoint_being_written = log_when_committed(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
-            is_log_step = logs_at_step(step, is_last, training_args)
+            is_log_step = logs_at_step(step, is_last, training_args.logging_steps, training_args.logging_first_step)
             stopping = stop.requested(check_other_processes=is_log_step)
             is_save_step = step % training_args.save_steps == 0 or is_last or stopping
             if is_log_step or is_save_step:
@@ -959,4 +953,4 @@ def train(
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

@@ -44,15 +44,16 @@ import optax
 from tqdm.auto import tqdm
 
 from flax_lm.command_line.arguments import (
+    CommonDataArguments,
     CommonTrainingArguments,
-    DataArguments,
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
     recorded_arguments,
 )
 from flax_lm.command_line.model_loading import model_loading
-from flax_lm.command_line.trainer_flags import check_best_model_flags
+from flax_lm.command_line.start import start_run
+from flax_lm.command_line.trainer_flags import apply_strategies, check_best_model_flags
 from flax_lm.data.host_random import random_bits, uniform_from_bits
 from flax_lm.data.loading import (
     TextsToRows,
@@ -69,7 +70,7 @@ from flax_lm.data.source import TextSource
 from flax_lm.data.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
 from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
 from flax_lm.devices.processes import print_once
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.evaluation.validation import (
     evaluate_by_source,
     evaluate_on_start,
@@ -82,12 +83,12 @@ from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.models.roberta.model import check_tokenizer
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json, write_train_results
+from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json
 from flax_lm.run.record import TrainingProgress
 from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
-from flax_lm.training.setup import (
+from flax_lm.training.lifecycle import (
     ScriptTraining,
     TrainingSetup,
     export_complete_run,
@@ -97,7 +98,7 @@ from flax_lm.training.setup import (
     run_description,
     save_run,
     set_up_training,
-    start_run,
+    write_train_results,
 )
 from flax_lm.training.train_state import TrainState, accumulate_gradients, apply_finite_update
 
@@ -110,7 +111,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DataTrainingArguments(DataArguments):
+class DataTrainingArguments(CommonDataArguments):
     max_seq_length: int | None = field(
         default=None,
         metadata={
@@ -193,7 +194,6 @@ def check_arguments(model_args, data_args, training_args):
                 "add --pad_to_max_length, or leave out --steps_per_call"
             )
         training_args.steps_per_call = 1
-    optimizers.check_optimizer_arguments(training_args, OPTIMIZERS, LEARNING_RATE_SCHEDULES)
     check_common_arguments(model_args, data_args, training_args)
     check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
 
@@ -519,21 +519,21 @@ def train_metrics(sums: dict) -> dict:
 
 
 # Copied from run_clm_flax.learning_rate_schedule
-def learning_rate_schedule(training_args, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(settings: optimizers.OptimizerSettings, total_steps: int) -> optax.Schedule:
     """A linear warm-up from 0 to --learning_rate, then the schedule of LEARNING_RATE_SCHEDULES that
     --lr_scheduler_type names."""
-    schedule_after_warmup = LEARNING_RATE_SCHEDULES[training_args.lr_scheduler_type]
-    return optimizers.after_linear_warmup(schedule_after_warmup, training_args, total_steps)
+    schedule_after_warmup = LEARNING_RATE_SCHEDULES[settings.lr_scheduler_type]
+    return optimizers.after_linear_warmup(schedule_after_warmup, settings, total_steps)
 
 
-# What --lr_scheduler_type names: the learning rate after the warm-up, from (training_args, warmup_steps, total_steps);
+# What --lr_scheduler_type names: the learning rate after the warm-up, from (settings, warmup_steps, total_steps);
 # its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
 # --min_lr_rate of the peak, in a shape of flax_lm.training.optimizers.DECAY_SHAPES (warmup_stable_decay:
 # --lr_decay_shape). Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
 LEARNING_RATE_SCHEDULES = {
     "linear": optimizers.decay_to_the_end("linear"),
     "cosine": optimizers.decay_to_the_end("cosine"),
-    "constant": lambda training_args, *_: optax.constant_schedule(training_args.learning_rate),
+    "constant": lambda settings, *_: optax.constant_schedule(settings.learning_rate),
     "warmup_stable_decay": optimizers.warmup_stable_decay,
 }
 
@@ -561,15 +561,15 @@ def is_hidden_matrix(path, param) -> bool:
     return names[-1] == "kernel" and param.ndim == 2 and "lm_head" not in names
 
 
-# What --optim names: the optimizer from (training_args, schedule). Add an entry here and the flag takes it.
+# What --optim names: the optimizer from (settings, schedule). Add an entry here and the flag takes it.
 # Copied from run_clm_flax.OPTIMIZERS
 OPTIMIZERS = {
-    "adamw": lambda training_args, schedule: optimizers.adamw(training_args, schedule, decay_mask),
-    "muon": lambda training_args, schedule: optimizers.muon_with_adamw(
-        training_args, schedule, optimizers.adamw(training_args, schedule, decay_mask), is_hidden_matrix
+    "adamw": lambda settings, schedule: optimizers.adamw(settings, schedule, decay_mask),
+    "muon": lambda settings, schedule: optimizers.muon_with_adamw(
+        settings, schedule, optimizers.adamw(settings, schedule, decay_mask), is_hidden_matrix
     ),
-    "lion": lambda training_args, schedule: optimizers.lion(training_args, schedule, decay_mask),
-    "adafactor": lambda training_args, schedule: optimizers.adafactor(training_args, schedule, decay_mask),
+    "lion": lambda settings, schedule: optimizers.lion(settings, schedule, decay_mask),
+    "adafactor": lambda settings, schedule: optimizers.adafactor(settings, schedule, decay_mask),
 }
 
 
@@ -579,10 +579,10 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 
 # Copied from run_clm_flax.create_optimizer
-def create_optimizer(training_args, schedule: optax.Schedule) -> optax.GradientTransformation:
-    optimizer = OPTIMIZERS[training_args.optim](training_args, schedule)
-    if training_args.max_grad_norm > 0:
-        optimizer = optax.chain(optax.clip_by_global_norm(training_args.max_grad_norm), optimizer)
+def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+    optimizer = OPTIMIZERS[settings.optim](settings, schedule)
+    if settings.max_grad_norm > 0:
+        optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
     return optimizers.trained_only(optimizer, is_trained)
 
 
@@ -771,7 +771,7 @@ class Evaluation:
         abstract_params = self.setup.abstract_state.params
         exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
         model = self.setup.model.clone(remat_policy=None, mesh=None)
-        max_seq_length = self.setup.sequence_length
+        max_seq_length = self.setup.row_length
         predictions = fill_mask(model, exported, self.tokenizer, text, self.fill_mask_top_k, max_seq_length)
         masked = f" (masked: {masked_word!r})" if masked_word else ""
         print(f"fill-mask with {self.output_dir}: {text!r}{masked}")
@@ -805,20 +805,21 @@ def main():
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
     model = masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
-    train_rows, eval_step = rows.get("train"), make_eval_step(model)
-    setup = set_up_training(model, model_code, SCRIPT_TRAINING, eval_step, training_args, train_rows, max_seq_length)
+    settings, train_rows, eval_step = training_args.training_settings(), rows.get("train"), make_eval_step(model)
+    setup = set_up_training(model, model_code, SCRIPT_TRAINING, eval_step, settings, train_rows, max_seq_length)
+    apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, make_batch, training_args)
-    arguments = recorded_arguments(model_args, data_args, training_args)
-    run = run_description(arguments, config, tokenizer, setup)
-    state, progress = initial_state(model_args, training_args, setup, run)
+    arguments, run_settings = recorded_arguments(model_args, data_args, training_args), training_args.run_settings()
+    description = run_description(arguments, config, tokenizer, setup)
+    state, progress = initial_state(run_settings, setup, description, model_args.pretrained_weights())
     # The lock on the output directory, held by process 0 for all processes until this one ends.
-    output_dir_lock = open_output_dir(training_args, progress.step, [__file__, model_args.model_file])  # noqa: F841
-    trackers = open_trackers(training_args, progress, arguments, config, Evaluation.metric_tags)
+    output_dir_lock = open_output_dir(run_settings.output, progress.step, [__file__, model_args.model_file])  # noqa: F841
+    trackers = open_trackers(training_args.tracker_settings(), progress, arguments, config, Evaluation.metric_tags)
     evaluation = Evaluation(setup, rows.get("validation"), make_batch, tokenizer, training_args, trackers)
 
     train_now = training_args.do_train and progress.step < setup.total_steps
     if train_now:
-        save = partial(save_run, setup, config, tokenizer, run)
+        save = partial(save_run, setup, config, tokenizer, description)
         batches = train_batches_from(
             progress.step, setup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
         )
@@ -828,11 +829,11 @@ def main():
             report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
             return
     elif training_args.do_train:
-        export_complete_run(training_args, state.params, config, tokenizer, model_code)
-    params, step = final_weights(training_args, setup, evaluation, state, progress, config, tokenizer)
+        export_complete_run(run_settings, state.params, config, tokenizer, setup)
+    params, step = final_weights(run_settings, setup, evaluation, state, progress, config, tokenizer)
     if train_now:
         write_train_results(training_args.output_dir, train_metrics, progress, setup, log, step)
-    finish_run(training_args, evaluation, trackers, params, step, train_now, evaluation.fill_mask_with_export)
+    finish_run(run_settings, evaluation, trackers, params, step, train_now, evaluation.fill_mask_with_export)
 
 
 def check_model_and_tokenizer(config, tokenizer, training_args):
@@ -891,7 +892,7 @@ def train_batches_from(
     stacked, and the token count of each step, read ahead on a thread: from the training rows, or `train_stream` (the
     texts of `route`, which texts_to_rows makes into blocks as it does on every route). The data order and the masks
     are a function of the step, so a resumed run sees the batches the interrupted one would have."""
-    batch_size, max_seq_length, train_blocks = setup.train_batch_size, setup.sequence_length, setup.train_rows
+    batch_size, max_seq_length, train_blocks = setup.train_batch_size, setup.row_length, setup.train_rows
     if isinstance(train_blocks, Mixture):
         data = f"on a mixture ({train_blocks.describe(setup.total_steps * batch_size)})"
         local_batches = mixture_train_batches(train_blocks, make_batch, batch_size, training_args.seed, first_step)
@@ -927,7 +928,7 @@ def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, trai
 def abstract_call_batches(setup: TrainingSetup, make_batch: BatchMaker, training_args) -> dict:
     """Shape, dtype and sharding of the batches of one compiled call, as train_batches_from makes them: those of a
     batch made from stand-in blocks."""
-    batch_size, stand_in = setup.train_batch_size, np.zeros((1, setup.sequence_length - 2), np.int32)
+    batch_size, stand_in = setup.train_batch_size, np.zeros((1, setup.row_length - 2), np.int32)
     global_batch = make_batch(
         stand_in, np.zeros(batch_size, np.int64), batch_size, (training_args.seed, TRAIN_MASKING)
     )
@@ -959,7 +960,7 @@ def train(
     which a stop was requested, and evaluating every --eval_steps (with --do_eval; after a save at the same step).
     Returns the state and the signal that stopped training, None if it ran to the end."""
     eval_steps = training_args.eval_steps or training_args.logging_steps
-    evaluate_on_start(evaluate, state.params, progress, training_args)
+    evaluate_on_start(evaluate, state.params, progress, training_args.evaluation_schedule())
     # Leaving this block, for whatever reason, waits for a checkpoint still being written.
     with (
         open_checkpoints(training_args.output_dir, training_args.save_total_limit, progress.best_model) as checkpoints,
@@ -973,7 +974,7 @@ def train(
             step += len(step_tokens)
             checkpoint_being_written = log_when_committed(checkpoints, checkpoint_being_written)
             is_last = step == log.total_steps
-            is_log_step = logs_at_step(step, is_last, training_args)
+            is_log_step = logs_at_step(step, is_last, training_args.logging_steps, training_args.logging_first_step)
             stopping = stop.requested(check_other_processes=is_log_step)
             is_save_step = step % training_args.save_steps == 0 or is_last or stopping
             if is_log_step or is_save_step:
@@ -996,4 +997,4 @@ def train(
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

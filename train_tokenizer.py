@@ -35,7 +35,7 @@ from flax_lm.data.chat import CHAT_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.source import TextSource
 from flax_lm.data.text_stream import ReadCounts, counted_text_batches, open_text_sources
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, check_writable_directory, run
+from flax_lm.errors import UsageError, call_with_one_line_errors, check_writable_directory
 from flax_lm.models import tokenizer_conventions
 from flax_lm.models.family import TokenizerConventions
 from flax_lm.models.tokenizer_files import save_tokenizer_files
@@ -451,4 +451,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run(main)
+    call_with_one_line_errors(main)

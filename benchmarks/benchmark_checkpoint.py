@@ -44,7 +44,8 @@ def main():
     model = FlaxGPT2LMHeadModel(config)
     training_arguments = run_clm_flax.TrainingArguments(output_dir="unused", weight_decay=0.1)
     optimizer = run_clm_flax.create_optimizer(
-        training_arguments, run_clm_flax.learning_rate_schedule(training_arguments, 1000)
+        training_arguments.optimizer_settings(),
+        run_clm_flax.learning_rate_schedule(training_arguments.optimizer_settings(), 1000),
     )
     mesh = create_mesh()
     dummy_input = jnp.zeros((1, 8), jnp.int32)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.models.model_code import load_model_code
-from flax_lm.training.setup import set_up_training
+from flax_lm.training.lifecycle import set_up_training
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import create_config  # noqa: E402
@@ -58,7 +58,9 @@ def step_memory(config, arguments, mesh_shape: str) -> dict:
     )
     eval_step = run_clm_flax.make_eval_step(model)
     script = run_clm_flax.SCRIPT_TRAINING
-    setup = set_up_training(model, model_code, script, eval_step, training_arguments, None, arguments.block_size)
+    setup = set_up_training(
+        model, model_code, script, eval_step, training_arguments.training_settings(), None, arguments.block_size
+    )
     # One step's batch: (steps of the call, micro-batches, rows, positions).
     shape = (1, 1, setup.train_batch_size, arguments.block_size)
     batches = {"input_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.call_batches_sharding)}

@@ -40,7 +40,7 @@ from flax_lm.data.source import TextSource
 from flax_lm.devices.mesh import create_mesh
 from flax_lm.models.model_code import load_model_code
 from flax_lm.models.roberta.model import FlaxRobertaForMaskedLM
-from flax_lm.training.setup import set_up_training
+from flax_lm.training.lifecycle import set_up_training
 from flax_lm.training.train_state import create_train_state
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,7 +150,9 @@ def benchmark_training(settings, arguments) -> dict:
     eval_step = run_mlm_flax.make_eval_step(model)
     model_code = load_model_code(config, None, False, "benchmark_mlm.py")
     script = run_mlm_flax.SCRIPT_TRAINING
-    setup = set_up_training(model, model_code, script, eval_step, training_arguments, None, settings["seq_length"])
+    setup = set_up_training(
+        model, model_code, script, eval_step, training_arguments.training_settings(), None, settings["seq_length"]
+    )
     dummy_input = jnp.zeros((1, settings["seq_length"]), jnp.int32)
     state = create_train_state(model, setup.optimizer, setup.abstract_state, 0, dummy_input)
     train_steps = setup.compiled_train_steps

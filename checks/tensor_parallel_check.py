@@ -90,8 +90,8 @@ def train(
     args = script.TrainingArguments(
         output_dir="unused", optim=optim, learning_rate=1e-2, weight_decay=0.1, adam_epsilon=1e-3
     )
-    schedule = script.learning_rate_schedule(args, 10)
-    optimizer = script.create_optimizer(args, schedule)
+    schedule = script.learning_rate_schedule(args.optimizer_settings(), 10)
+    optimizer = script.create_optimizer(args.optimizer_settings(), schedule)
     dummy = jnp.zeros((1, LENGTH), jnp.int32)
     abstract = abstract_train_state(model, optimizer, mesh, dummy)
     state = create_train_state(model, optimizer, abstract, 0, dummy)

@@ -8,7 +8,11 @@
     devices/       the device mesh and the processes of a run
     generation/    decoding with a key/value cache
     server/        generate_flax.py's HTTP server
-    command_line/  the tools' arguments and their checks; errors.py turns a user's mistake into one line
+    command_line/  the tools' arguments and their checks, and the settings each part receives, filled from them;
+                   errors.py turns a user's mistake into one line
+
+A subpackage imports only those before it in DEPENDENCY_ORDER (errors.py, below them all, imports none), so that each
+reads without the ones after it; tests/test_package_layout.py holds the order.
 
 The scripts hold what an experiment changes."""
 
@@ -22,6 +26,19 @@ import sys
 # The tools import flax_lm before transformers for this.
 if importlib.util.find_spec("torch") is None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+# The subpackages, each importing only those before it.
+DEPENDENCY_ORDER = (
+    "devices",
+    "run",
+    "data",
+    "models",
+    "generation",
+    "evaluation",
+    "server",
+    "training",
+    "command_line",
+)
 
 # The modules of version 0.3, which had no subpackages, and where each went.
 MOVED_MODULES = {
@@ -54,7 +71,13 @@ MOVED_MODULES = {
     "batching": "server.request_queue",
 }
 # Modules of 0.3 whose names are subpackages now: their functions moved into the subpackage's modules.
-MODULES_NOW_SUBPACKAGES = {"data": "data.loading", "training": "training.setup", "evaluation": "evaluation.validation"}
+MODULES_NOW_SUBPACKAGES = {
+    "data": "data.loading",
+    "training": "training.lifecycle",
+    "evaluation": "evaluation.validation",
+}
+# Modules of 0.4.0 renamed since, and their new names.
+RENAMED_MODULES = {"training.setup": "training.lifecycle"}
 
 
 def refuse_moved_module(old: str):
@@ -70,6 +93,11 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
         package, _, name = fullname.partition(".")
         if package == __name__ and name in MOVED_MODULES:
             refuse_moved_module(name)
+        if package == __name__ and name in RENAMED_MODULES:
+            raise SystemExit(
+                f"error: flax_lm.{name} is flax_lm.{RENAMED_MODULES[name]} since flax_lm 0.4.0 (start_run is in "
+                f"flax_lm.command_line.start); change the import to flax_lm.{RENAMED_MODULES[name]}"
+            )
         return None
 
 

@@ -98,7 +98,7 @@ def without_echoes_of_a_failed_write(report_unraisable):
     return report
 
 
-def run(main):
+def call_with_one_line_errors(main):
     """Run a script's main(): a mistake the user can fix ends in one line on stderr and exit status 2, not a
     traceback; any other error (a bug) keeps its traceback."""
     sys.unraisablehook = without_echoes_of_a_failed_write(sys.unraisablehook)

@@ -1,7 +1,7 @@
 """The arguments both training scripts take, and the checks that refuse a mistake before any work starts.
 
 Each script adds its own (the sequence length, its data framing, what it shows at evaluation) by subclassing
-DataArguments and CommonTrainingArguments.
+CommonDataArguments and CommonTrainingArguments.
 """
 
 import json
@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 import jax
 from transformers import HfArgumentParser
 
+from flax_lm.command_line.settings import ModelSettingsFromFlags, ProcessGroupFromFlags, TrainingSettingsFromFlags
 from flax_lm.command_line.trainer_flags import (
     refuse_unknown_arguments,
     with_alias_values,
@@ -32,7 +33,7 @@ from flax_lm.training.compilation import use_compilation_cache
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(ModelSettingsFromFlags):
     """Which model, config and tokenizer to start from, and how the model computes."""
 
     model_name_or_path: str | None = field(
@@ -113,7 +114,7 @@ class ModelArguments:
 
 
 @dataclass
-class DataArguments:
+class CommonDataArguments:
     """Where the texts come from and how they are read, tokenized and stored; each script adds its sequence length."""
 
     dataset_name: str | None = field(
@@ -250,7 +251,7 @@ class DataArguments:
 
 
 @dataclass
-class CommonTrainingArguments:
+class CommonTrainingArguments(TrainingSettingsFromFlags):
     """The training arguments both scripts take; each script's TrainingArguments adds its own."""
 
     output_dir: str = field(
@@ -471,7 +472,7 @@ class CommonTrainingArguments:
 
 
 @dataclass
-class DistributedArguments:
+class DistributedArguments(ProcessGroupFromFlags):
     """How the processes of a run started by hand find each other. Not needed for a single process, nor
     where the launcher tells JAX (Cloud TPU VMs, Slurm's srun, Open MPI's mpirun): see initialize_distributed."""
 
@@ -501,7 +502,9 @@ class DistributedArguments:
     )
 
 
-def parse_arguments(model_arguments, data_arguments, training_arguments, flag_tables: dict | None = None) -> tuple:
+def parse_training_arguments(
+    model_arguments, data_arguments, training_arguments, flag_tables: dict | None = None
+) -> tuple:
     """The command line (or a single .json file of arguments) as the script's three argument dataclasses and
     DistributedArguments. Trainer's and TRL's names for our flags are taken as ours (FLAG_ALIASES). `flag_tables`:
     {flag: the script's table of what it names} ({"optim": OPTIMIZERS}), whose names the flag's --help lists, those
@@ -590,7 +593,9 @@ def check_common_arguments(model_args, data_args, training_args, evaluates_witho
             ) from None
     if training_args.do_train and training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise UsageError("no training steps: set --num_train_epochs or --max_steps to a positive number")
-    training_args.allow_resume_changes = allowed_resume_changes(training_args, (model_args, data_args, training_args))
+    names = {item.name for group in (model_args, data_args, training_args) for item in fields(group)}
+    resumes, allowed = bool(training_args.resume_from_checkpoint), training_args.allow_resume_changes
+    training_args.allow_resume_changes = allowed_resume_changes(allowed, resumes, names)
     check_chat_template(model_args.chat_template_path)
     if training_args.resume_from_checkpoint and not training_args.do_train:
         raise UsageError("--resume_from_checkpoint continues training; add --do_train")
@@ -689,12 +694,3 @@ def check_numeric_arguments(argument_groups, **script_ranges):
             value = getattr(group, argument.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise UsageError(f"--{argument.name} {value} is not a finite number")
-
-
-def check_choices(argument_group, **tables):
-    """Refuse a flag whose value is not a key of its table: the script's own (OPTIMIZERS, LEARNING_RATE_SCHEDULES),
-    so that a name added to the table of a copied script is taken by the flag at once."""
-    for flag, table in tables.items():
-        value = getattr(argument_group, flag)
-        if value not in table:
-            raise UsageError(f"--{flag} {value} is not one of {', '.join(table)}")

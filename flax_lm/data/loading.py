@@ -136,9 +136,9 @@ def streaming_train_batches(
             rows, batch_number = rows[local_batch_size:], batch_number + 1
 
 
-def first_blocks(row_arrays: Iterable[np.ndarray], block_size: int, count: int | None) -> np.ndarray:
+def first_blocks(row_arrays: Iterable[np.ndarray], row_length: int, count: int | None) -> np.ndarray:
     """The first `count` rows of a stream's row arrays (all of them when `count` is None), read into memory."""
-    blocks, total = [np.zeros((0, block_size), np.int32)], 0
+    blocks, total = [np.zeros((0, row_length), np.int32)], 0
     for block_array in row_arrays:
         blocks.append(block_array)
         total += len(block_array)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TextSource:
     """Where a run's texts come from and how they are read: the data flags that name them (the scripts' data
-    arguments give theirs, DataArguments.text_source), carried together to every function that reads texts."""
+    arguments give theirs, CommonDataArguments.text_source), carried together to every function that reads
+    texts."""
 
     train_file: list[str] | str | None = None
     validation_file: list[str] | str | None = None

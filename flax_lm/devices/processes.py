@@ -4,6 +4,7 @@ turns and agree."""
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 
 import datasets
 import jax
@@ -38,9 +39,21 @@ def multi_process_launcher() -> str | None:
     return None
 
 
-def check_distributed_arguments(distributed_args):
+@dataclass(frozen=True)
+class ProcessGroup:
+    """How the processes of a run started by hand find each other: the distributed flags of the same names (the
+    scripts' DistributedArguments give theirs, DistributedArguments.process_group); all None where a launcher tells
+    JAX, or for a single process."""
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: str | None = None  # comma-separated
+
+
+def check_process_group(group: ProcessGroup):
     """The distributed flags, checked by initialize_distributed before the processes join."""
-    explicit = [distributed_args.coordinator_address, distributed_args.num_processes, distributed_args.process_id]
+    explicit = [group.coordinator_address, group.num_processes, group.process_id]
     if any(value is not None for value in explicit) and any(value is None for value in explicit):
         raise UsageError(
             "--coordinator_address, --num_processes and --process_id go together: pass all three, or none where "
@@ -54,30 +67,30 @@ def check_distributed_arguments(distributed_args):
         )
     if address is not None and ":" not in address:
         raise UsageError(f"--coordinator_address {address} has no port; give HOST:PORT")
-    device_ids = distributed_args.local_device_ids
+    device_ids = group.local_device_ids
     if device_ids is not None and not all(part.strip().isdigit() for part in device_ids.split(",")):
         raise UsageError(f"--local_device_ids {device_ids} is not a comma-separated list of integers")
 
 
-def initialize_distributed(distributed_args):
+def initialize_distributed(group: ProcessGroup):
     """Join the other processes of a multi-process run, before anything touches the devices: with the three flags,
     or with what JAX finds itself under Slurm's srun, Open MPI's mpirun or on the hosts of a Cloud TPU slice."""
-    check_distributed_arguments(distributed_args)
-    explicit = distributed_args.coordinator_address is not None
+    check_process_group(group)
+    explicit = group.coordinator_address is not None
     launcher = None if explicit else multi_process_launcher()
-    if distributed_args.num_processes == 1 or not (explicit or launcher):
-        if distributed_args.local_device_ids is not None:
+    if group.num_processes == 1 or not (explicit or launcher):
+        if group.local_device_ids is not None:
             raise UsageError(
                 "--local_device_ids applies to multi-process runs; to choose the GPUs of a single process, set "
                 "CUDA_VISIBLE_DEVICES"
             )
         return
-    device_ids = distributed_args.local_device_ids
+    device_ids = group.local_device_ids
     try:
         jax.distributed.initialize(
-            coordinator_address=distributed_args.coordinator_address,
-            num_processes=distributed_args.num_processes,
-            process_id=distributed_args.process_id,
+            coordinator_address=group.coordinator_address,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
             local_device_ids=None if device_ids is None else [int(part) for part in device_ids.split(",")],
         )
     except ValueError as error:

@@ -3,8 +3,20 @@ source's, in the log and the trackers (the script's eval step makes the sums, it
 results and words)."""
 
 import logging
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvaluationSchedule:
+    """When a training run evaluates: the training flags --do_eval, --eval_on_start and --eval_steps (the interval
+    --eval_strategy gives, or --logging_steps where unset; the scripts' training arguments give theirs,
+    CommonTrainingArguments.evaluation_schedule)."""
+
+    do_eval: bool
+    eval_on_start: bool
+    eval_steps: int
 
 
 def evaluation_sets(validation) -> dict:
@@ -44,14 +56,14 @@ def saved_results(results: dict, names: tuple, validation) -> dict:
     return saved | {"eval_samples": sum(map(len, evaluation_sets(validation).values()))}
 
 
-def evaluate_on_start(evaluate, params, progress, training_args):
+def evaluate_on_start(evaluate, params, progress, schedule: EvaluationSchedule):
     """--eval_on_start: with --do_eval, evaluate the model of a new run before its first step (at step 0). With
     --metric_for_best_model, evaluate a resumed checkpoint of an evaluation step whose best model lacks its
     evaluation: the loop evaluates after it saves, so a checkpoint records the best before its own step's."""
-    if not training_args.do_eval:
+    if not schedule.do_eval:
         return
-    if training_args.eval_on_start and progress.step == 0:
+    if schedule.eval_on_start and progress.step == 0:
         evaluate(params, 0)
-    best, eval_steps = progress.best_model, training_args.eval_steps or training_args.logging_steps
-    if best and 0 < progress.step and best.evaluated_step < progress.step and progress.step % eval_steps == 0:
-        best.consider(evaluate(params, progress.step), progress.step)
+    best, step = progress.best_model, progress.step
+    if best and 0 < step and best.evaluated_step < step and step % schedule.eval_steps == 0:
+        best.consider(evaluate(params, step), step)

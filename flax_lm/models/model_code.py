@@ -39,8 +39,8 @@ from flax_lm.models.gpt2.model import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
 logger = logging.getLogger(__name__)
 
 # family -> module_code_fingerprint of its model.py, as tests/unit/test_models.py compares it with transformers. A
-# change to a model.py (or to a file of flax_lm/models/shared/ it imports) fails that test until its fingerprint here is
-# updated, which its parity tests passing makes right.
+# change to a model.py (or to a file of flax_lm/models/shared/ it imports) fails that test until its fingerprint here
+# is updated, which its parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
     "gemma": "c7d6428d39311be6",
     "gpt2": "160fed58a940323c",

@@ -11,6 +11,17 @@ import orbax.checkpoint as ocp
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class BestModelSettings:
+    """Which evaluation metric chooses the best model and what is done with it: the training flags
+    --metric_for_best_model (Trainer's naming: eval_loss), --greater_is_better and --load_best_model_at_end (the
+    scripts' training arguments give theirs, CommonTrainingArguments.best_model_settings)."""
+
+    metric: str
+    greater_is_better: bool
+    load_at_end: bool
+
+
 @dataclass
 class BestModel:
     """The best value of one evaluation metric (Trainer's naming: eval_loss) so far, and the step it was of."""
@@ -22,12 +33,12 @@ class BestModel:
     evaluated_step: int = 0  # the newest step whose evaluation was compared
 
     @classmethod
-    def for_arguments(cls, training_args, record: dict | None = None) -> "BestModel | None":
-        """The best model of a run with --metric_for_best_model (None without it), from a checkpoint's progress
-        `record` where it holds one for the same metric and direction."""
-        if not training_args.metric_for_best_model:
+    def for_settings(cls, settings: BestModelSettings | None, record: dict | None = None) -> "BestModel | None":
+        """The best model of a run with --metric_for_best_model (`settings`; None without it), from a checkpoint's
+        progress `record` where it holds one for the same metric and direction."""
+        if settings is None:
             return None
-        best = cls(training_args.metric_for_best_model, training_args.greater_is_better)
+        best = cls(settings.metric, settings.greater_is_better)
         recorded = (record or {}).get("best_model")
         if recorded and (recorded["metric"], recorded["greater_is_better"]) == (best.metric, best.greater_is_better):
             best.step, best.value = recorded["step"], recorded["value"]

@@ -1,5 +1,6 @@
-"""Training checkpoints with Orbax: the state and a progress record saved in the background, the newest readable
-one restored (into any mesh), and a stop on SIGINT or SIGTERM that saves first."""
+"""Training checkpoints with Orbax: the state (flax_lm.training.train_state's TrainState, a PyTreeNode with its
+params) and a progress record saved in the background, the newest readable one restored (into any mesh), and a stop
+on SIGINT or SIGTERM that saves first."""
 
 import logging
 import os
@@ -9,6 +10,7 @@ import signal
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax.struct import PyTreeNode
 from jax.experimental import multihost_utils
 
 from flax_lm.errors import UsageError, first_line
@@ -21,7 +23,6 @@ from flax_lm.run.checksums import (
     write_checkpoint_checksums,
 )
 from flax_lm.run.run_files import record_run_files
-from flax_lm.training.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def open_checkpoints(output_dir: str, save_total_limit: int, best_model=None) ->
     )
 
 
-def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progress_record: dict):
+def save_checkpoint(checkpoints: ocp.CheckpointManager, state: PyTreeNode, progress_record: dict):
     """Returns once the arrays are copied off the devices; the files are written while training goes on. Refused in
     one line, with nothing written, where the disk has no room for the checkpoint and the model's export after it."""
     step = progress_record["step"]
@@ -78,7 +79,7 @@ def save_checkpoint(checkpoints: ocp.CheckpointManager, state: TrainState, progr
         record_run_files(os.path.dirname(str(checkpoints.directory)), [f"checkpoints/{step}"])
 
 
-def check_room_to_save(checkpoints: ocp.CheckpointManager, state: TrainState, step: int):
+def check_room_to_save(checkpoints: ocp.CheckpointManager, state: PyTreeNode, step: int):
     """Refuse to save where the disk of the checkpoints (OUTPUT_DIR/checkpoints, or where a link of that name leads)
     or of the export (OUTPUT_DIR) has less room than they take: the state's bytes (Orbax compresses little of
     them), and the parameters' for the export. Written into a disk that fills, the checkpoint would fail in its
@@ -134,9 +135,9 @@ class DamagedCheckpoint(Exception):
     """A checkpoint whose files differ from the checksums taken when it was saved."""
 
 
-# The sequence length each training script records in its checkpoints, with what the script trains: a checkpoint that
+# The row length each training script records in its checkpoints, with what the script trains: a checkpoint that
 # records the other script's was saved by that script (or a copy of it).
-SEQUENCE_LENGTH_KEYS = {"block_size": ("causal", "run_clm_flax.py"), "max_seq_length": ("masked", "run_mlm_flax.py")}
+ROW_LENGTH_KEYS = {"block_size": ("causal", "run_clm_flax.py"), "max_seq_length": ("masked", "run_mlm_flax.py")}
 
 
 def last_intact_checkpoint(checkpoints: ocp.CheckpointManager) -> str | None:
@@ -151,8 +152,8 @@ def last_intact_checkpoint(checkpoints: ocp.CheckpointManager) -> str | None:
 
 
 def restore_checkpoint(
-    location: str, output_dir: str, abstract_state: TrainState, progress_keys: list[str], check_progress=None
-) -> tuple[TrainState, dict, str] | None:
+    location: str, output_dir: str, abstract_state: PyTreeNode, progress_keys: list[str], check_progress=None
+) -> tuple[PyTreeNode, dict, str] | None:
     """The training state (placed with the shardings of `abstract_state`), the progress record (which must hold
     `progress_keys`) and the path of the checkpoint at `location`: "auto" (the newest complete and readable one in
     output_dir; None where there is no complete one, for a fresh start), a checkpoints directory, or one STEP in it.
@@ -245,10 +246,10 @@ def check_progress_record(path: str, progress, progress_keys: list[str], step: i
     unreadable, for a record that is damaged)."""
     if not isinstance(progress, dict):
         raise ValueError("its progress record is not a mapping")
-    ours = [key for key in progress_keys if key in SEQUENCE_LENGTH_KEYS]
-    theirs = [key for key in SEQUENCE_LENGTH_KEYS if key in progress and key not in progress_keys]
+    ours = [key for key in progress_keys if key in ROW_LENGTH_KEYS]
+    theirs = [key for key in ROW_LENGTH_KEYS if key in progress and key not in progress_keys]
     if ours and theirs and ours[0] not in progress:
-        (our_kind, _), (their_kind, their_script) = SEQUENCE_LENGTH_KEYS[ours[0]], SEQUENCE_LENGTH_KEYS[theirs[0]]
+        (our_kind, _), (their_kind, their_script) = ROW_LENGTH_KEYS[ours[0]], ROW_LENGTH_KEYS[theirs[0]]
         raise UsageError(
             f"the training checkpoint {path} is of a {their_kind} language model, saved by {their_script} or a copy "
             f"of it, not of this script's {our_kind} one: resume it with the script that saved it, or train into "
@@ -260,7 +261,7 @@ def check_progress_record(path: str, progress, progress_keys: list[str], step: i
         raise ValueError(f"its progress record is of step {progress['step']}")
 
 
-def check_checkpoint_fits(path: str, stored_metadata, abstract_state: TrainState):
+def check_checkpoint_fits(path: str, stored_metadata, abstract_state: PyTreeNode):
     """Refuse a checkpoint of another model or optimizer in one line (a mismatch found by the restore itself
     surfaces as a flood of errors from Orbax's background reads)."""
 

@@ -9,12 +9,12 @@ import logging
 import os
 import shutil
 import socket
+from dataclasses import dataclass
 
 import jax
 import orbax.checkpoint as ocp
 from filelock import FileLock, Timeout
 
-from flax_lm.data.mixture import Mixture
 from flax_lm.devices.processes import on_process_zero, print_once
 from flax_lm.errors import UsageError
 from flax_lm.run.run_files import file_hash, forget_run_files, record_run_files, run_files, unlinked
@@ -23,6 +23,17 @@ logger = logging.getLogger(__name__)
 
 
 OUTPUT_DIR_LOCK = ".lock"
+
+
+@dataclass(frozen=True)
+class OutputDirSettings:
+    """What decides how a run may use its output directory: the training flags of the same names (the scripts'
+    training arguments give theirs, CommonTrainingArguments.output_dir_settings)."""
+
+    output_dir: str
+    do_train: bool
+    overwrite_output_dir: bool
+    resume_from_checkpoint: str | None
 
 
 def holder(lock_path: str) -> str:
@@ -75,12 +86,12 @@ def lock_output_dir(output_dir: str) -> FileLock | None:
     return take_lock(os.path.join(output_dir, OUTPUT_DIR_LOCK), output_dir, on_acquired=write_holder)
 
 
-def refuse_earlier_run(training_args):
+def refuse_earlier_run(settings: OutputDirSettings):
     """Training into an earlier run's files needs --resume_from_checkpoint or --overwrite_output_dir. The lock and
     unfinished checkpoints, which the next run deletes anyway, are not such files (a run killed before its first
     checkpoint leaves nothing else of worth)."""
-    output_dir = training_args.output_dir
-    if not training_args.do_train or training_args.overwrite_output_dir or training_args.resume_from_checkpoint:
+    output_dir = settings.output_dir
+    if not settings.do_train or settings.overwrite_output_dir or settings.resume_from_checkpoint:
         return
     checkpoints = os.path.join(output_dir, "checkpoints")
     entries = set(os.listdir(output_dir)) if os.path.isdir(output_dir) else set()
@@ -95,19 +106,19 @@ def refuse_earlier_run(training_args):
         )
 
 
-def check_output_dir(training_args):
+def check_output_dir(settings: OutputDirSettings):
     """Before any work, and writing nothing: refuse an output directory that another run holds (its lock is probed),
     one with an earlier run's files that these flags do not allow training into, or one that --overwrite_output_dir
     could not clear for a new run (refuse_user_steps)."""
-    lock_path = os.path.join(training_args.output_dir, OUTPUT_DIR_LOCK)
+    lock_path = os.path.join(settings.output_dir, OUTPUT_DIR_LOCK)
     if os.path.isfile(lock_path):
-        probe = take_lock(lock_path, training_args.output_dir)  # taken and let go at once
+        probe = take_lock(lock_path, settings.output_dir)  # taken and let go at once
         if probe is not None:
             probe.release()
-    refuse_earlier_run(training_args)
-    starts_afresh = training_args.overwrite_output_dir and not training_args.resume_from_checkpoint
-    if training_args.do_train and starts_afresh and os.path.isdir(training_args.output_dir):
-        refuse_user_steps(training_args.output_dir, run_files(training_args.output_dir))
+    refuse_earlier_run(settings)
+    starts_afresh = settings.overwrite_output_dir and not settings.resume_from_checkpoint
+    if settings.do_train and starts_afresh and os.path.isdir(settings.output_dir):
+        refuse_user_steps(settings.output_dir, run_files(settings.output_dir))
 
 
 # Where a run keeps the ids of its W&B and MLflow runs, to report into them again when it is resumed.
@@ -267,22 +278,22 @@ def set_aside_checkpoints_after(output_dir: str, step: int):
     logger.warning("moved the training checkpoints of steps %s to %s", ", ".join(map(str, later)), discarded)
 
 
-def prepare_output_dir(training_args, resumed_step: int, code_files: list[str | None]):
+def prepare_output_dir(settings: OutputDirSettings, resumed_step: int, code_files: list[str | None]):
     """Lock the output directory for this run (the lock is returned: it lasts as long as the object), clear or set
     aside what an earlier run left that this one would mix with its own, and copy the `code_files` that run (the
     script, a model file of the experiment's own; None for none) into it, so that the directory says which code made
     it. What the run writes there is recorded (flax_lm.run.run_files); a file of the user's in the way of one of the
     run's is moved aside, and said."""
     code_files = [path for path in code_files if path]
-    lock = lock_output_dir(training_args.output_dir)
-    refuse_earlier_run(training_args)  # again: another run may have ended in it since the check
-    if training_args.do_train:
-        if training_args.overwrite_output_dir and not resumed_step:
-            clear_previous_run(training_args.output_dir, code_files)
-        set_aside_checkpoints_after(training_args.output_dir, resumed_step)
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    claim_results_files(training_args.output_dir)
-    keep_code_versions(training_args.output_dir, code_files, resumed_step, branched_from(training_args))
+    lock = lock_output_dir(settings.output_dir)
+    refuse_earlier_run(settings)  # again: another run may have ended in it since the check
+    if settings.do_train:
+        if settings.overwrite_output_dir and not resumed_step:
+            clear_previous_run(settings.output_dir, code_files)
+        set_aside_checkpoints_after(settings.output_dir, resumed_step)
+    os.makedirs(settings.output_dir, exist_ok=True)
+    claim_results_files(settings.output_dir)
+    keep_code_versions(settings.output_dir, code_files, resumed_step, branched_from(settings))
     return lock
 
 
@@ -295,15 +306,15 @@ def code_versions(output_dir: str) -> list[dict]:
         return []
 
 
-def branched_from(training_args) -> str | None:
+def branched_from(settings: OutputDirSettings) -> str | None:
     """The output directory of another run whose checkpoint --resume_from_checkpoint names (a run branched into a new
     --output_dir); None for a resume in the run's own directory, or none."""
-    location = training_args.resume_from_checkpoint
+    location = settings.resume_from_checkpoint
     if not location or location == "auto":
         return None
     path = os.path.normpath(location)
     run_dir = os.path.dirname(os.path.dirname(path) if os.path.basename(path).isdigit() else path)
-    return None if os.path.realpath(run_dir) == os.path.realpath(training_args.output_dir) else run_dir
+    return None if os.path.realpath(run_dir) == os.path.realpath(settings.output_dir) else run_dir
 
 
 def keep_code_versions(output_dir: str, code_files: list[str], first_step: int, earlier_run: str | None = None):
@@ -401,12 +412,12 @@ def code_version(output_dir: str, code_files: list[str], first_step: int) -> dic
     return {"from_step": first_step, "files": files}
 
 
-def open_output_dir(training_args, resumed_step: int, code_files: list[str | None]):
+def open_output_dir(settings: OutputDirSettings, resumed_step: int, code_files: list[str | None]):
     """prepare_output_dir, by process 0 for every process: the lock it returns (None on the other processes) must be
     kept, as process 0 holds the directory as long as it keeps it."""
     return on_process_zero(
-        lambda: prepare_output_dir(training_args, resumed_step, code_files),
-        f"lock --output_dir {training_args.output_dir}",
+        lambda: prepare_output_dir(settings, resumed_step, code_files),
+        f"lock --output_dir {settings.output_dir}",
     )
 
 
@@ -501,52 +512,6 @@ def evaluated_step(output_dir: str) -> int | None:
             return json.load(file).get("step")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def write_train_results(output_dir: str, train_metrics, progress, setup, log, exported_step: int):
-    """train_results.json: the script's training metrics (`train_metrics` of the summed metrics of `progress`) over
-    the most steps that all their sums cover (from train_metrics_from_step on: the first step, unless a resume added a
-    sum), what each source of a mixture gave the run (since its sources or weights last changed in a resume), the
-    changes resumes allowed, how long it took, the step of the exported weights and, with --metric_for_best_model, the
-    best checkpoint; `setup` is the run's TrainingSetup, `log` its TrainingLog."""
-    if jax.process_index() != 0:
-        return
-    summary = progress.summary()
-    results = {f"train_{name}": value for name, value in train_metrics(summary.sums).items()}
-    train_rows = setup.train_rows
-    if isinstance(train_rows, Mixture):
-        changes = [change["step"] for change in progress.resume_changes if change["name"] in MIXTURE_CHANGES]
-        mixture_from_step = max(changes, default=0)
-        batch = setup.train_batch_size
-        contributions = train_rows.contributions(setup.total_steps * batch, mixture_from_step * batch)
-        results.update({f"train_{name}": value for name, value in contributions.items()})
-        if mixture_from_step:
-            results["train_mixture_from_step"] = mixture_from_step
-    results.update(
-        train_metrics_from_step=summary.from_step,
-        train_samples=None if train_rows is None else len(train_rows),
-        train_steps=setup.total_steps,
-        epochs=setup.total_steps / setup.steps_per_epoch if setup.steps_per_epoch else None,
-        resume_changes=progress.resume_changes,
-        exported_step=exported_step,
-    )
-    # Over the whole run: every segment, this one to its end (its last save may have come before).
-    progress.segment_done(log.first_step, progress.step, log.runtime, log.tokens)
-    runtime = sum(segment["runtime_seconds"] for segment in progress.segments)
-    results.update(
-        train_runtime_seconds=runtime,
-        train_tokens_per_second=sum(segment["tokens"] for segment in progress.segments) / runtime,
-        # Checkpoints saved before segments were recorded leave the earlier ones out: the totals start here.
-        train_runtime_from_step=progress.segments[0]["from_step"],
-        train_segments=progress.segments,
-    )
-    if progress.best_model:
-        results.update(progress.best_model.results(output_dir))
-    write_json(os.path.join(output_dir, "train_results.json"), results)
-
-
-# What a resume may change of a mixture: its sources' rows or its weights (flax_lm.run.record).
-MIXTURE_CHANGES = ("training_data", "mixture_weights")
 
 
 def report_stop(signal_name: str, step: int, output_dir: str, trackers):

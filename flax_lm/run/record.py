@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +22,21 @@ from flax_lm.errors import UsageError
 from flax_lm.run.best_model import BestModel
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResumeSettings:
+    """What a resume compares and allows: the training flags --resume_from_checkpoint and --allow_resume_changes (its
+    names, as allowed_resume_changes checked them), and what the run does (the scripts' training arguments give
+    theirs, CommonTrainingArguments.resume_settings)."""
+
+    resume_from_checkpoint: str | None
+    allowed_changes: tuple[str, ...]
+    do_train: bool
+    overwrite_output_dir: bool
+
+    def allows(self, name: str) -> bool:
+        return name in self.allowed_changes or "all" in self.allowed_changes
 
 
 @dataclass
@@ -157,17 +172,16 @@ FINGERPRINTS = {
 SETTINGS = {"global_batch_size": "the global batch", "mixture_weights": "the mixture's weights"}
 
 
-def allowed_resume_changes(training_args, argument_groups) -> list[str]:
-    """The names --allow_resume_changes gives (comma separated, in one value or several), each checked against what a
-    resume of the script of `argument_groups` (its model, data and training arguments) compares: all, the
+def allowed_resume_changes(values: list[str] | None, resumes: bool, argument_names: set[str]) -> list[str]:
+    """The names --allow_resume_changes gives (its `values`: comma separated, in one value or several), each checked
+    against what a resume (`resumes`: --resume_from_checkpoint) of the script of `argument_names` compares: all, the
     fingerprints and settings, and the arguments that change the training (those outside FREE_ON_RESUME). A name that
     is none of them (a misspelt flag) would let nothing through: refused in one line listing those it may be."""
-    names = [name.strip() for value in training_args.allow_resume_changes or [] for name in value.split(",")]
+    names = [name.strip() for value in values or [] for name in value.split(",")]
     names = [name for name in names if name]
-    if names and not training_args.resume_from_checkpoint:
+    if names and not resumes:
         raise UsageError("--allow_resume_changes names what a resume may change; add --resume_from_checkpoint")
-    arguments = {item.name for group in argument_groups for item in fields(group)}
-    valid = ["all", *FINGERPRINTS, *SETTINGS, *sorted(arguments - FREE_ON_RESUME - {"token"})]
+    valid = ["all", *FINGERPRINTS, *SETTINGS, *sorted(argument_names - FREE_ON_RESUME - {"token"})]
     if unknown := [name for name in names if name not in valid]:
         close = difflib.get_close_matches(unknown[0], valid, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
@@ -248,7 +262,7 @@ def check_model_code(model_code, progress_record: dict):
 OPTIMIZER_STATE_ARGUMENTS = ("optim",)
 
 
-def check_optimizer_arguments(run: dict, progress_record: dict):
+def check_recorded_optimizer(run: dict, progress_record: dict):
     """Refuse, naming the argument, a checkpoint whose optimizer state another optimizer made (`run`: this run's
     description): asked before the checkpoint's arrays are compared with this run's, whose shapes it explains."""
     recorded = progress_record.get("run", progress_record).get("arguments", {})
@@ -307,12 +321,12 @@ def resume_differences(record: dict, run: dict, model_code) -> tuple[dict[str, t
     return differences, None
 
 
-def refuse_differences(differences: dict[str, tuple], allowed: list[str], step: int, setup, training_args):
-    """Refuse, in one line naming each, the differences `allowed` (--allow_resume_changes) does not name; none where
-    the checkpoint ends the run (what differs changes no step)."""
-    if step == setup.total_steps and training_args.do_train:
+def refuse_differences(differences: dict[str, tuple], step: int, setup, resume: ResumeSettings):
+    """Refuse, in one line naming each, the differences --allow_resume_changes does not name; none where the
+    checkpoint ends the run (what differs changes no step)."""
+    if step == setup.total_steps and resume.do_train:
         return
-    refused = {name: values for name, values in differences.items() if name not in allowed and "all" not in allowed}
+    refused = {name: values for name, values in differences.items() if not resume.allows(name)}
     if refused:
         names = ",".join(refused)
         raise UsageError(
@@ -323,22 +337,22 @@ def refuse_differences(differences: dict[str, tuple], allowed: list[str], step: 
         )
 
 
-def check_recorded_run(run: dict, allowed: list[str], setup, training_args, record: dict):
+def check_recorded_run(run: dict, setup, resume: ResumeSettings, record: dict):
     """What a resume asks of a checkpoint's record before its arrays are compared with this run's: the model code
-    that trained it (check_model_code), and no difference in what trains that `allowed` does not name. Another
-    optimizer changes the arrays of the optimizer state, so the refusal names --optim (or the flag that differs), never
-    an array's shape."""
+    that trained it (check_model_code), and no difference in what trains that --allow_resume_changes does not name.
+    Another optimizer changes the arrays of the optimizer state, so the refusal names --optim (or the flag that
+    differs), never an array's shape."""
     check_model_code(setup.model_code, record)
     differences, _ = resume_differences(record, run, setup.model_code)
-    refuse_differences(differences, allowed, record["step"], setup, training_args)
+    refuse_differences(differences, record["step"], setup, resume)
 
 
-def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allowed: list[str], setup, training_args):
+def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, setup, resume: ResumeSettings):
     """Compare the run a checkpoint recorded with this one (`run`: describe_run's). A difference that changes the
-    training is refused in one line naming each, unless `allowed` (--allow_resume_changes) names it (or is "all");
+    training is refused in one line naming each, unless --allow_resume_changes names it (or all);
     an allowed one is logged and added to `progress.resume_changes` with the step it starts at. Refuses a checkpoint
     beyond this run's last step."""
-    if training_args.overwrite_output_dir:
+    if resume.overwrite_output_dir:
         logger.warning("--overwrite_output_dir is ignored: --resume_from_checkpoint continues the run in it")
     differences, earlier_verified = resume_differences(record, run, setup.model_code)
     if earlier_verified:
@@ -348,16 +362,16 @@ def check_resumed_run(record: dict, run: dict, progress: TrainingProgress, allow
             setup.model_code.description,
             setup.model_code.fingerprint,
         )
-    if record["step"] == setup.total_steps and training_args.do_train:
+    if record["step"] == setup.total_steps and resume.do_train:
         logger.info("The run is complete (step %d of %d): nothing left to train", record["step"], setup.total_steps)
         return  # what differs changes no step
-    refuse_differences(differences, allowed, record["step"], setup, training_args)
+    refuse_differences(differences, record["step"], setup, resume)
     for name, values in differences.items():
         logger.warning(
             "Resumed with a change allowed from step %d: %s", record["step"], describe_difference(name, values)
         )
         progress.resume_changes.append({"step": record["step"], "name": name, "from": values[0], "to": values[1]})
-    if not training_args.do_train:
+    if not resume.do_train:
         return
     if record["step"] > setup.total_steps:
         raise UsageError(

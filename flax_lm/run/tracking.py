@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import jax
 from tqdm.auto import tqdm
@@ -146,16 +147,26 @@ class TrainingLog:
         self.window, self.window_start = [], time.perf_counter()
 
 
-def tensorboard_dir(training_args) -> str:
-    """Where TensorBoard's event files go: --logging_dir, or OUTPUT_DIR/tensorboard."""
-    return training_args.logging_dir or os.path.join(training_args.output_dir, "tensorboard")
+@dataclass(frozen=True)
+class TrackerSettings:
+    """Which trackers a run reports to and where: the training flags of the same names (the scripts' training
+    arguments give theirs, CommonTrainingArguments.tracker_settings)."""
+
+    output_dir: str
+    report_to: tuple[str, ...]
+    run_name: str | None
+    logging_dir: str | None
+
+    def tensorboard_dir(self) -> str:
+        """Where TensorBoard's event files go: --logging_dir, or OUTPUT_DIR/tensorboard."""
+        return self.logging_dir or os.path.join(self.output_dir, "tensorboard")
 
 
 class TensorBoardWriter:
-    """The event files of the run in OUTPUT_DIR (`output_dir`), in `directory` (tensorboard_dir), written with the
-    tensorboard package alone (no TensorFlow). It opens with the
-    arguments, the model config and an HParams summary: the hyperparameters, and the scalars (`metric_tags`) whose
-    last values TensorBoard's HParams tab compares runs by."""
+    """The event files of the run in OUTPUT_DIR (`output_dir`), in `directory` (TrackerSettings.tensorboard_dir),
+    written with the tensorboard package alone (no TensorFlow). It opens with the arguments, the model config and an
+    HParams summary: the hyperparameters, and the scalars (`metric_tags`) whose last values TensorBoard's HParams tab
+    compares runs by."""
 
     def __init__(self, output_dir: str, directory: str, arguments: dict, model_config: dict, metric_tags: list[str]):
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -336,28 +347,28 @@ class Trackers:
             tracker.close()
 
 
-def open_trackers(training_args, progress, arguments: dict, config, metric_tags: list) -> Trackers:
+def open_trackers(settings: TrackerSettings, progress, arguments: dict, config, metric_tags: list) -> Trackers:
     """The trackers of --report_to, on process 0 only, given the run's arguments and model config. W&B and MLflow runs
     are named after the output directory; a run resumed from a checkpoint (`progress` past step 0) reports into the
     runs it started (their ids are in TRACKER_RUNS_FILE)."""
     resumed, model_config = progress.step > 0, config.to_diff_dict()
     if jax.process_index() != 0:
         return Trackers([])
-    output_dir = training_args.output_dir
+    output_dir = settings.output_dir
     ids_path = os.path.join(output_dir, TRACKER_RUNS_FILE)
     run_ids = {}
     if resumed and os.path.isfile(ids_path):
         with open(ids_path) as file:
             run_ids = json.load(file)
     trackers = []
-    for tracker in training_args.report_to:
+    for tracker in settings.report_to:
         if tracker == "tensorboard":
             trackers.append(
-                TensorBoardWriter(output_dir, tensorboard_dir(training_args), arguments, model_config, metric_tags)
+                TensorBoardWriter(output_dir, settings.tensorboard_dir(), arguments, model_config, metric_tags)
             )
             continue
         tracker_class = {"wandb": WandbTracker, "mlflow": MlflowTracker}[tracker]
-        name = training_args.run_name or os.path.basename(os.path.abspath(output_dir))
+        name = settings.run_name or os.path.basename(os.path.abspath(output_dir))
         trackers.append(tracker_class(name, run_ids.get(tracker), arguments, model_config))
         if trackers[-1].run_id != run_ids.get(tracker):
             run_ids[tracker] = trackers[-1].run_id
@@ -392,7 +403,7 @@ def markdown_table(values: dict, name_header: str) -> str:
     return "\n".join(rows)
 
 
-def logs_at_step(step: int, is_last: bool, training_args) -> bool:
+def logs_at_step(step: int, is_last: bool, logging_steps: int, logging_first_step: bool) -> bool:
     """Whether the loop logs after `step`: every --logging_steps, at the last step, and at step 1 with
     --logging_first_step."""
-    return step % training_args.logging_steps == 0 or is_last or (training_args.logging_first_step and step == 1)
+    return step % logging_steps == 0 or is_last or (logging_first_step and step == 1)

@@ -4,7 +4,8 @@ train_state.py   the training state created with its sharding, gradient accumula
 optimizers.py    schedules and optimizers from optax's parts (the scripts' OPTIMIZERS table names them)
 compilation.py   the persistent compilation cache, and the train step compiled while the run prepares
 fp8.py           --fp8: the train step's dense products in FP8 with per-tensor current scaling
-setup.py         the set-up both scripts share: shapes, shardings, compiled steps, the starting state, saves
+lifecycle.py     a run's life both scripts share: the set-up (shapes, shardings, compiled steps), the starting
+                 state, the saves, the final weights and results
 """
 
 

@@ -3,14 +3,39 @@ it, warmup-stable-decay; AdamW, Lion and Adafactor with the script's weight deca
 of them a flag names is each script's choice, in its tables LEARNING_RATE_SCHEDULES and OPTIMIZERS."""
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from flax_lm.command_line.arguments import check_choices
 from flax_lm.errors import UsageError
 from flax_lm.training.train_state import trained_mask
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What the schedules and optimizers are made from: the training flags of the same names (the scripts' training
+    arguments give theirs, CommonTrainingArguments.optimizer_settings), passed to the scripts' tables
+    LEARNING_RATE_SCHEDULES and OPTIMIZERS."""
+
+    optim: str
+    lr_scheduler_type: str
+    learning_rate: float
+    warmup_steps: int
+    warmup_ratio: float
+    min_lr_rate: float
+    lr_decay_ratio: float
+    lr_decay_shape: str
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    weight_decay: float
+    max_grad_norm: float
+    muon_learning_rate: float
+    muon_momentum: float
+    trains: bool  # --do_train: a schedule longer than the run is refused only where it trains
+
 
 # What --lr_decay_shape names: a decay from (peak, floor, steps), at `floor` from `steps` on. 1-sqrt falls fast at
 # the end, which Hägele et al. (2024, arXiv:2405.18392) found better than linear for the decay of warmup_stable_decay.
@@ -23,18 +48,18 @@ DECAY_SHAPES = {
 }
 
 
-def after_linear_warmup(schedule_after_warmup, training_args, total_steps: int) -> optax.Schedule:
+def after_linear_warmup(schedule_after_warmup, settings: OptimizerSettings, total_steps: int) -> optax.Schedule:
     """A linear warm-up from 0 to --learning_rate over --warmup_steps (or --warmup_ratio of the run), then
-    `schedule_after_warmup(training_args, warmup_steps, total_steps)`, whose step 0 is the first after the warm-up."""
-    warmup_steps = training_args.warmup_steps or math.ceil(training_args.warmup_ratio * total_steps)
-    if training_args.do_train and warmup_steps > total_steps:
+    `schedule_after_warmup(settings, warmup_steps, total_steps)`, whose step 0 is the first after the warm-up."""
+    warmup_steps = settings.warmup_steps or math.ceil(settings.warmup_ratio * total_steps)
+    if settings.trains and warmup_steps > total_steps:
         raise UsageError(
             f"--warmup_steps {warmup_steps} is longer than the run's {total_steps} steps, so the learning rate would "
             "never reach --learning_rate; pass fewer --warmup_steps, or --warmup_ratio"
         )
     warmup_steps = min(warmup_steps, total_steps)  # an evaluation alone has no steps
-    after_warmup = schedule_after_warmup(training_args, warmup_steps, total_steps)
-    warmup = optax.linear_schedule(0.0, training_args.learning_rate, max(warmup_steps, 1))
+    after_warmup = schedule_after_warmup(settings, warmup_steps, total_steps)
+    warmup = optax.linear_schedule(0.0, settings.learning_rate, max(warmup_steps, 1))
     return optax.join_schedules([warmup, after_warmup], [warmup_steps])
 
 
@@ -42,69 +67,69 @@ def decay_to_the_end(shape: str):
     """The schedule after warm-up that decays from the peak to --min_lr_rate of it over all the remaining steps, in
     the shape DECAY_SHAPES names."""
 
-    def schedule(training_args, warmup_steps: int, total_steps: int) -> optax.Schedule:
-        peak = training_args.learning_rate
-        return DECAY_SHAPES[shape](peak, peak * training_args.min_lr_rate, max(total_steps - warmup_steps, 1))
+    def schedule(settings: OptimizerSettings, warmup_steps: int, total_steps: int) -> optax.Schedule:
+        peak = settings.learning_rate
+        return DECAY_SHAPES[shape](peak, peak * settings.min_lr_rate, max(total_steps - warmup_steps, 1))
 
     return schedule
 
 
-def warmup_stable_decay(training_args, warmup_steps: int, total_steps: int) -> optax.Schedule:
+def warmup_stable_decay(settings: OptimizerSettings, warmup_steps: int, total_steps: int) -> optax.Schedule:
     """After the warm-up, the peak, held until the last --lr_decay_ratio of the run's steps, which decay to
     --min_lr_rate of it in the shape --lr_decay_shape names. The decay is placed by the run's last step alone: a
     checkpoint of the stable phase resumed with another --max_steps decays at the end of the new budget."""
-    peak = training_args.learning_rate
-    decay_steps = round(training_args.lr_decay_ratio * total_steps)
+    peak = settings.learning_rate
+    decay_steps = round(settings.lr_decay_ratio * total_steps)
     stable_steps = total_steps - warmup_steps - decay_steps
-    if training_args.do_train and stable_steps < 0:
+    if settings.trains and stable_steps < 0:
         raise UsageError(
-            f"the warm-up ({warmup_steps} steps) and the decay (--lr_decay_ratio {training_args.lr_decay_ratio}: "
+            f"the warm-up ({warmup_steps} steps) and the decay (--lr_decay_ratio {settings.lr_decay_ratio}: "
             f"{decay_steps} steps) are longer than the run's {total_steps} steps; shorten one of them"
         )
-    decay = DECAY_SHAPES[training_args.lr_decay_shape](peak, peak * training_args.min_lr_rate, max(decay_steps, 1))
+    decay = DECAY_SHAPES[settings.lr_decay_shape](peak, peak * settings.min_lr_rate, max(decay_steps, 1))
     return optax.join_schedules([optax.constant_schedule(peak), decay], [max(stable_steps, 0)])
 
 
-def adamw(training_args, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
+def adamw(settings: OptimizerSettings, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
     """AdamW with --adam_beta1, --adam_beta2, --adam_epsilon, and --weight_decay on what `decay_mask` picks."""
     return optax.adamw(
         schedule,
-        b1=training_args.adam_beta1,
-        b2=training_args.adam_beta2,
-        eps=training_args.adam_epsilon,
-        weight_decay=training_args.weight_decay,
+        b1=settings.adam_beta1,
+        b2=settings.adam_beta2,
+        eps=settings.adam_epsilon,
+        weight_decay=settings.weight_decay,
         mask=decay_mask,
     )
 
 
-def lion(training_args, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
+def lion(settings: OptimizerSettings, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
     """Lion, whose betas are --adam_beta1 and --adam_beta2, weight decay as adamw's."""
     return optax.lion(
         schedule,
-        b1=training_args.adam_beta1,
-        b2=training_args.adam_beta2,
-        weight_decay=training_args.weight_decay,
+        b1=settings.adam_beta1,
+        b2=settings.adam_beta2,
+        weight_decay=settings.weight_decay,
         mask=decay_mask,
     )
 
 
-def adafactor(training_args, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
+def adafactor(settings: OptimizerSettings, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
     """optax's Adafactor, weight decay as adamw's."""
-    return optax.adafactor(
-        schedule, weight_decay_rate=training_args.weight_decay or None, weight_decay_mask=decay_mask
-    )
+    return optax.adafactor(schedule, weight_decay_rate=settings.weight_decay or None, weight_decay_mask=decay_mask)
 
 
-def muon_with_adamw(training_args, schedule: optax.Schedule, adamw, is_hidden_matrix) -> optax.GradientTransformation:
+def muon_with_adamw(
+    settings: OptimizerSettings, schedule: optax.Schedule, adamw, is_hidden_matrix
+) -> optax.GradientTransformation:
     """optax's Muon for the parameters `is_hidden_matrix(path, param)` picks, at --muon_learning_rate, and the
     optimizer `adamw` for every other parameter, at --learning_rate: both in the shape of `schedule`."""
-    muon_scale = training_args.muon_learning_rate / training_args.learning_rate
+    muon_scale = settings.muon_learning_rate / settings.learning_rate
     # optax.contrib.muon sends what is not 2-D to an Adam of its own; given only 2-D matrices, that Adam holds
     # nothing but a step count.
     muon = optax.contrib.muon(
         lambda step: schedule(step) * muon_scale,
-        beta=training_args.muon_momentum,
-        weight_decay=training_args.weight_decay,
+        beta=settings.muon_momentum,
+        weight_decay=settings.weight_decay,
     )
     return optax.partition(
         {"muon": muon, "adamw": adamw},
@@ -152,13 +177,3 @@ def trained_only(optimizer, is_trained) -> optax.GradientTransformation:
         return all_updates, state
 
     return optax.GradientTransformation(init, update)
-
-
-def check_optimizer_arguments(training_args, optimizers: dict, learning_rate_schedules: dict):
-    """Refuse, before any work, an optimizer, schedule or decay shape that the tables do not name, and a floor for a
-    schedule that does not decay."""
-    check_choices(
-        training_args, optim=optimizers, lr_scheduler_type=learning_rate_schedules, lr_decay_shape=DECAY_SHAPES
-    )
-    if training_args.min_lr_rate and training_args.lr_scheduler_type == "constant":
-        raise UsageError("--min_lr_rate sets where a decay ends; use it with a --lr_scheduler_type that decays")

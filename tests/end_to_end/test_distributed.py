@@ -246,7 +246,7 @@ def initialize_calls(monkeypatch):
 
 
 def distributed_arguments(**settings):
-    return DistributedArguments(**settings)
+    return DistributedArguments(**settings).process_group()
 
 
 def test_a_single_process_never_starts_the_distributed_runtime(initialize_calls, monkeypatch):

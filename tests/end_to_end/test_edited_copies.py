@@ -38,10 +38,10 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
-from flax_lm.command_line.arguments import parse_arguments
+from flax_lm.command_line.arguments import parse_training_arguments
 from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.packed import PackedBlocks, read_packed_index
-from flax_lm.errors import UsageError, run
+from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.models import import_model_file
 from flax_lm.models.gpt2 import model as gpt2
 from flax_lm.models.huggingface import save_model
@@ -99,7 +99,8 @@ def import_copy(script):
 
 def run_in_process(script, capfd, *arguments):
     """`script` run as run_copy runs it, but in this process and its environment (no fresh import of JAX and the
-    libraries): its main() through flax_lm.errors.run, as its `__main__` block calls it, from the script's directory.
+    libraries): its main() through flax_lm.errors.call_with_one_line_errors, as its `__main__` block calls it, from
+    the script's directory.
     A CompletedProcess with the exit status and output a process would end with: 2 and one line for a user's
     mistake, 1 and the traceback for any other error. For runs that end by returning or refusing; a run whose
     outcome depends on how its process ends needs run_copy."""
@@ -108,9 +109,11 @@ def run_in_process(script, capfd, *arguments):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [str(script), *map(str, arguments)])
         patch.chdir(os.path.dirname(script))
-        patch.setattr(sys, "unraisablehook", sys.unraisablehook)  # run() wraps it: put back after
+        patch.setattr(
+            sys, "unraisablehook", sys.unraisablehook
+        )  # call_with_one_line_errors() wraps it: put back after
         try:
-            run(copy.main)
+            call_with_one_line_errors(copy.main)
             returncode = 0
         except SystemExit as exit:
             returncode = exit.code
@@ -535,18 +538,18 @@ def test_a_schedule_added_to_a_copy_s_table_is_taken_by_its_flag(model_dir, tmp_
     copy = import_copy(script)
     arguments = training_arguments(model_dir, tmp_path / "run", "--lr_scheduler_type", "inverse_sqrt")
     monkeypatch.setattr(sys, "argv", [script, *map(str, arguments), "--learning_rate", "1e-2"])
-    model_args, data_args, training_args, _ = parse_arguments(
+    model_args, data_args, training_args, _ = parse_training_arguments(
         copy.ModelArguments, copy.DataTrainingArguments, copy.TrainingArguments, copy.FLAG_TABLES
     )
     copy.check_arguments(model_args, data_args, training_args)
-    schedule = copy.learning_rate_schedule(training_args, total_steps=4)
+    schedule = copy.learning_rate_schedule(training_args.optimizer_settings(), total_steps=4)
     np.testing.assert_allclose([schedule(step) for step in range(4)], 1e-2 / np.sqrt([1, 2, 3, 4]), rtol=1e-6)
 
 
 OPTIMIZERS_END = "schedule, decay_mask),\n}\n\n\n# The tables the flags name"
 ADEMAMIX_ADDED = {
     OPTIMIZERS_END: OPTIMIZERS_END.replace(
-        "\n}", '\n    "ademamix": lambda training_args, schedule: optax.contrib.ademamix(schedule),\n}', 1
+        "\n}", '\n    "ademamix": lambda settings, schedule: optax.contrib.ademamix(schedule),\n}', 1
     )
 }
 

@@ -34,7 +34,7 @@ from transformers import (
 REPO = str(REPO_DIR)
 sys.path.insert(0, REPO)
 import run_mlm_flax  # noqa: E402
-from flax_lm.command_line.arguments import ModelArguments, parse_arguments  # noqa: E402
+from flax_lm.command_line.arguments import ModelArguments, parse_training_arguments  # noqa: E402
 from flax_lm.data.packed import cached_blocks  # noqa: E402
 from flax_lm.data.source import TextSource  # noqa: E402
 from flax_lm.models.huggingface import read_safetensors_checkpoint  # noqa: E402
@@ -622,9 +622,9 @@ def test_json_arguments_file_gives_the_arguments_of_the_command_line(tmp_path, m
     arguments_file.write_text(json.dumps(values))
     monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", str(arguments_file)])
     argument_classes = run_mlm_flax.ModelArguments, run_mlm_flax.DataTrainingArguments, run_mlm_flax.TrainingArguments
-    from_file = parse_arguments(*argument_classes)
+    from_file = parse_training_arguments(*argument_classes)
     monkeypatch.setattr(sys, "argv", ["run_mlm_flax.py", *(f"--{name}={value}" for name, value in values.items())])
-    assert from_file == parse_arguments(*argument_classes)
+    assert from_file == parse_training_arguments(*argument_classes)
     assert from_file[1].mlm_probability == 0.2 and from_file[1].line_by_line
 
 

@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import types
 
 import jax
 import numpy as np
@@ -594,7 +593,7 @@ def test_a_file_of_the_users_in_the_way_of_a_code_copy_is_moved_aside_and_said(t
     (experiment / "same.py").write_text("# the experiment's model file\n")
     (output_dir / "same.py").write_text("# the user's own file of the same name\n")
     code_files = [str(REPO_DIR / "run_clm_flax.py"), str(experiment / "same.py")]
-    new_run = types.SimpleNamespace(
+    new_run = flax_lm.run.output_dir.OutputDirSettings(
         output_dir=str(output_dir), do_train=True, overwrite_output_dir=True, resume_from_checkpoint=None
     )
     with caplog.at_level(logging.WARNING):

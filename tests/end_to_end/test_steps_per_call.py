@@ -32,7 +32,7 @@ from flax_lm.models.roberta.model import FlaxRobertaForMaskedLM
 from flax_lm.run.record import TrainingProgress
 from flax_lm.run.tracking import TrainingLog
 from flax_lm.training.compilation import compile_in_background
-from flax_lm.training.setup import set_up_training
+from flax_lm.training.lifecycle import set_up_training
 from flax_lm.training.train_state import create_train_state, repeat_train_step
 
 CORPUS = FIXTURES_DIR / "en"
@@ -202,7 +202,9 @@ def clm_training(training_args):
     blocks = np.random.default_rng(0).integers(0, 512, size=(64, LENGTH), dtype=np.int32)
     eval_step = run_clm_flax.make_eval_step(model, None)
     script = run_clm_flax.SCRIPT_TRAINING
-    setup = set_up_training(model, stock_code(model.config), script, eval_step, training_args, blocks, LENGTH)
+    setup = set_up_training(
+        model, stock_code(model.config), script, eval_step, training_args.training_settings(), blocks, LENGTH
+    )
     batches = run_clm_flax.train_batches_from(0, setup, None, None, None, None, training_args)
     return setup, run_clm_flax.abstract_call_batches(setup, training_args), next(iter(batches))
 
@@ -221,7 +223,9 @@ def mlm_training(training_args):
     blocks = np.random.default_rng(0).integers(5, 50, size=(64, LENGTH - 2), dtype=np.int32)
     eval_step = run_mlm_flax.make_eval_step(model)
     script = run_mlm_flax.SCRIPT_TRAINING
-    setup = set_up_training(model, stock_code(model.config), script, eval_step, training_args, blocks, LENGTH)
+    setup = set_up_training(
+        model, stock_code(model.config), script, eval_step, training_args.training_settings(), blocks, LENGTH
+    )
     batches = run_mlm_flax.train_batches_from(
         0, setup, None, make_batch, None, None, run_mlm_flax.DataTrainingArguments(), training_args
     )

@@ -10,8 +10,8 @@ from conftest import REPO_DIR
 from test_clm import OFFLINE_ENV, run_clm_flax
 from test_hostile_inputs import SCRIPTS
 
+from flax_lm.command_line import start
 from flax_lm.devices import processes
-from flax_lm.training import setup
 
 
 def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_tokenizer_dir, tmp_path):
@@ -23,9 +23,9 @@ def test_the_tools_log_in_the_format_of_the_training_scripts(run_tool, gpt2_toke
     # LOG_FORMAT: the time, the level, the logger and the message.
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO __main__: From the tokenizer in .*", log_line)
     assert SCRIPTS["create_config"].LOG_FORMAT == processes.LOG_FORMAT == SCRIPTS["train_tokenizer"].LOG_FORMAT
-    # The training scripts log through flax_lm.training.setup.start_run, which sets up processes.setup_logging.
-    assert run_clm_flax.start_run is setup.start_run is SCRIPTS["run_mlm_flax"].start_run
-    assert setup.setup_logging is processes.setup_logging
+    # The training scripts log through flax_lm.command_line.start.start_run, which sets up processes.setup_logging.
+    assert run_clm_flax.start_run is start.start_run is SCRIPTS["run_mlm_flax"].start_run
+    assert start.setup_logging is processes.setup_logging
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,8 @@ def test_no_tool_warns_that_pytorch_is_missing_where_it_is(script):
         ("import flax_lm.sampling", "flax_lm.generation.sampling"),
         ("from flax_lm import hf_io", "flax_lm.models.huggingface"),
         ("from flax_lm.data import load_data", "from flax_lm.data.loading import load_data"),
-        ("from flax_lm.training import set_up_training", "from flax_lm.training.setup import set_up_training"),
+        ("from flax_lm.training import set_up_training", "from flax_lm.training.lifecycle import set_up_training"),
+        ("from flax_lm.training.setup import set_up_training", "flax_lm.training.lifecycle"),
     ],
 )
 def test_a_script_of_the_flat_layout_is_refused_in_one_line_naming_the_new_import(tmp_path, statement, new_import):

@@ -13,6 +13,7 @@ from test_hostile_inputs import SCRIPTS
 
 from flax_lm import errors
 from flax_lm.command_line import arguments as training_arguments
+from flax_lm.command_line import start
 from flax_lm.models.huggingface import shard_size_in_bytes
 
 TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
@@ -20,7 +21,7 @@ TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
 
 def parse_arguments(module):
     """The argument groups of sys.argv, parsed into the script's own classes as its main() does."""
-    return training_arguments.parse_arguments(
+    return training_arguments.parse_training_arguments(
         module.ModelArguments, module.DataTrainingArguments, module.TrainingArguments
     )
 
@@ -34,6 +35,7 @@ def checked_arguments(tmp_path, monkeypatch):
         command_line = ["--output_dir", str(tmp_path / "out"), "--tokenizer_name", "a-tokenizer", *arguments]
         monkeypatch.setattr(sys, "argv", [f"{script}.py", *command_line])
         model_args, data_args, training_args, _ = parse_arguments(module)
+        start.check_flag_tables(training_args, module.FLAG_TABLES)
         module.check_arguments(model_args, data_args, training_args)
         return model_args, data_args, training_args
 
@@ -234,7 +236,9 @@ def test_a_json_arguments_file_may_set_gradient_checkpointing_as_a_boolean(tmp_p
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)
 def test_library_errors_for_user_mistakes_become_one_line_and_bugs_keep_their_traceback(script):
     module = SCRIPTS[script]
-    assert module.run is errors.run, "the script's command ends in the handler of flax_lm.errors"
+    assert module.call_with_one_line_errors is errors.call_with_one_line_errors, (
+        "the script's command ends in the handler of flax_lm.errors"
+    )
     offline = ConnectionError("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled)")
     assert errors.user_error_message(offline).startswith("Couldn't reach 'oscar' on the Hub (OfflineModeIsEnabled);")
     damaged = SafetensorError("Error while deserializing header: HeaderTooLarge")

@@ -21,7 +21,7 @@ from flax_lm.models.model_code import load_model_code
 from flax_lm.models.roberta import model as roberta
 from flax_lm.models.shared.common import RowsDense, logits_dot_general
 from flax_lm.training.fp8 import fp8_dot_general, fp8_product, fp8_supported, fp8_training
-from flax_lm.training.setup import set_up_training
+from flax_lm.training.lifecycle import set_up_training
 
 sys.path.insert(0, str(REPO_DIR))
 import run_clm_flax  # noqa: E402
@@ -179,8 +179,8 @@ def test_with_fp8_the_scripts_train_steps_multiply_in_fp8_and_their_eval_steps_d
     model = tiny_model(script.create_mesh())
     model_code = load_model_code(model.config, None, script is run_clm_flax, "the tests", exports=False)
     training_args = script.TrainingArguments(output_dir="unused", fp8=True, max_steps=10, steps_per_call=1)
-    setup = set_up_training(model, model_code, script.SCRIPT_TRAINING, script.make_eval_step(model), training_args,
-                            None, 16)  # fmt: skip
+    setup = set_up_training(model, model_code, script.SCRIPT_TRAINING, script.make_eval_step(model),
+                            training_args.training_settings(),                            None, 16)  # fmt: skip
     # (step of the call, micro-batch, row, ...)
     batches = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in batch.items()}
     train_steps = setup.compiled_train_steps.lower(setup.abstract_state, batches, 1).as_text()

@@ -23,7 +23,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from flax_lm.command_line.arguments import parse_arguments
+from flax_lm.command_line.arguments import parse_training_arguments
 from flax_lm.errors import UsageError
 from flax_lm.generation import sampling
 
@@ -203,7 +203,7 @@ def test_training_samples_are_decoded_by_the_sample_flags(generator, monkeypatch
     flags = ["--sample_temperature", "0", "--sample_num_beams", "2", "--sample_repetition_penalty", "1.3"]
     monkeypatch.setattr(sys, "argv", ["run_clm_flax.py", "--output_dir", "unused", "--sample_tokens", "8", *flags])
     arguments = (run_clm_flax.ModelArguments, run_clm_flax.DataTrainingArguments, run_clm_flax.TrainingArguments)
-    _, _, training_args, _ = parse_arguments(*arguments)
+    _, _, training_args, _ = parse_training_arguments(*arguments)
     sample_sampling = run_clm_flax.sample_sampling(training_args)
     texts = run_clm_flax.sample_texts(
         generator.sampler, generator.params, generator.tokenizer, PROMPTS[:2], sample_sampling, 64
@@ -215,7 +215,7 @@ def test_training_samples_are_decoded_by_the_sample_flags(generator, monkeypatch
     monkeypatch.setattr(
         sys, "argv", ["run_clm_flax.py", "--output_dir", "unused", "--model_type", "gpt2", "--sample_num_beams", "2"]
     )
-    model_args, data_args, training_args, _ = parse_arguments(*arguments)
+    model_args, data_args, training_args, _ = parse_training_arguments(*arguments)
     with pytest.raises(UsageError, match=re.escape("--sample_num_beams 2 with --sample_temperature 1")):
         run_clm_flax.check_arguments(model_args, data_args, training_args)
 

@@ -405,7 +405,9 @@ def script_arguments(script, arguments, paths, directory):
 
 def printed_error(module, error):
     """What the script's command prints after `error: ` for this exception; None where it shows a traceback."""
-    assert module.run is flax_lm.errors.run, "every script's command ends in the handler of flax_lm.errors"
+    assert module.call_with_one_line_errors is flax_lm.errors.call_with_one_line_errors, (
+        "every script's command ends in the handler of flax_lm.errors"
+    )
     return flax_lm.errors.user_error_message(error)
 
 

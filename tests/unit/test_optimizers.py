@@ -80,8 +80,8 @@ def combined(grads, state, params, hidden, others):
 @pytest.mark.parametrize("optim", ["adamw", "muon", "lion", "adafactor"])
 def test_each_optimizer_updates_as_the_optax_composition_it_names(optim):
     args = training_args(optim=optim)
-    schedule = run_clm_flax.learning_rate_schedule(args, TOTAL_STEPS)
-    optimizer = run_clm_flax.create_optimizer(args, schedule)
+    schedule = run_clm_flax.learning_rate_schedule(args.optimizer_settings(), TOTAL_STEPS)
+    optimizer = run_clm_flax.create_optimizer(args.optimizer_settings(), schedule)
     reference_init, reference_update_step = reference_update(optim, schedule)
     optimizer_update, reference_update_step = jax.jit(optimizer.update), jax.jit(reference_update_step)
     rng = np.random.default_rng(0)
@@ -103,13 +103,13 @@ def test_each_optimizer_leaves_a_frozen_parameter_as_it_was_and_keeps_no_state_f
     """is_trained edited to freeze the first block: its weights stay bit for bit, the others train as without the
     freeze, and the state holds nothing of the block's (clipped by a global norm of the trained gradients only)."""
     args = training_args(optim=optim, max_grad_norm=1.0)
-    schedule = run_clm_flax.learning_rate_schedule(args, TOTAL_STEPS)
+    schedule = run_clm_flax.learning_rate_schedule(args.optimizer_settings(), TOTAL_STEPS)
     rng = np.random.default_rng(0)
     params = unflatten_dict({path: rng.normal(size=shape).astype(np.float32) for path, shape in SHAPES.items()})
     grads = jax.tree_util.tree_map(lambda param: rng.normal(size=param.shape).astype(np.float32), params)
-    every_parameter = run_clm_flax.create_optimizer(args, schedule)
+    every_parameter = run_clm_flax.create_optimizer(args.optimizer_settings(), schedule)
     monkeypatch.setattr(run_clm_flax, "is_trained", lambda path, param: path[1].key != "h_0")
-    frozen = run_clm_flax.create_optimizer(args, schedule)
+    frozen = run_clm_flax.create_optimizer(args.optimizer_settings(), schedule)
     trained_grads = {**grads, "transformer": {"wte": grads["transformer"]["wte"]}}
     trained_params = {**params, "transformer": {"wte": params["transformer"]["wte"]}}
     expected, _ = every_parameter.update(trained_grads, every_parameter.init(trained_params), trained_params)
@@ -147,7 +147,7 @@ def test_muon_trains_the_kernels_of_the_blocks_and_no_embedding_norm_bias_or_hea
 
 def wsd_rates(total_steps: int, **overrides) -> np.ndarray:
     schedule = run_clm_flax.learning_rate_schedule(
-        training_args(lr_scheduler_type="warmup_stable_decay", **overrides), total_steps
+        training_args(lr_scheduler_type="warmup_stable_decay", **overrides).optimizer_settings(), total_steps
     )
     return np.array([float(schedule(step)) for step in range(total_steps + 3)])
 
@@ -172,7 +172,7 @@ def test_warmup_stable_decay_gives_transformers_rates(shape, warmup_steps, floor
 
 @pytest.mark.parametrize("scheduler", ["linear", "cosine"])
 def test_linear_and_cosine_decay_over_every_step_after_the_warm_up_as_optax_and_transformers_do(scheduler):
-    schedule = run_clm_flax.learning_rate_schedule(training_args(lr_scheduler_type=scheduler), 20)
+    schedule = run_clm_flax.learning_rate_schedule(training_args(lr_scheduler_type=scheduler).optimizer_settings(), 20)
     rates = np.array([float(schedule(step)) for step in range(23)])
     if scheduler == "cosine":
         expected = optax.warmup_cosine_decay_schedule(0.0, PEAK, 2, 20, end_value=PEAK * 0.1)
@@ -202,13 +202,13 @@ def resumed_record(step: int, learning_rate: float) -> dict:
 def test_a_resume_warns_only_where_the_learning_rate_jumps(max_steps, jumps, caplog):
     args = training_args(lr_scheduler_type="warmup_stable_decay", max_steps=max_steps, do_train=True)
     setup = SimpleNamespace(
-        learning_rate_schedule=run_clm_flax.learning_rate_schedule(args, max_steps),
-        train_batch_size=4, sequence_length=8, train_examples=range(100), total_steps=max_steps, model_code=None,
+        learning_rate_schedule=run_clm_flax.learning_rate_schedule(args.optimizer_settings(), max_steps),
+        train_batch_size=4, row_length=8, train_examples=range(100), total_steps=max_steps, model_code=None,
     )  # fmt: skip
     # Step 40 of a 100-step run, in its stable phase, trained at the peak.
     with caplog.at_level(logging.WARNING):
         run = {"arguments": {}, "model_code": {"fingerprint": "the same"}}  # the same run but for --max_steps
-        check_resumed_run(resumed_record(40, PEAK), run, TrainingProgress.start(()), [], setup, args)
+        check_resumed_run(resumed_record(40, PEAK), run, TrainingProgress.start(()), setup, args.resume_settings())
     assert ("the learning rate jumps at the resume" in caplog.text) == jumps, caplog.text
 
 

@@ -25,10 +25,70 @@ def test_each_subpackage_says_what_it_holds_and_is_in_the_package_map(name):
     assert f"{name}/" in flax_lm.__doc__, f"flax_lm/__init__.py's map does not name {name}/"
 
 
+def imported_subpackages(path: str) -> set[str]:
+    """The subpackages of flax_lm (and errors) a module imports, anywhere in it (inside functions as well)."""
+    with open(path) as file:
+        tree = ast.parse(file.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        names.update(module.split(".")[1] for module in modules if module.startswith("flax_lm."))
+    return names
+
+
+def test_each_subpackage_imports_only_those_before_it_in_the_dependency_order():
+    """No two subpackages import each other: each imports only errors.py and those before it in
+    flax_lm.DEPENDENCY_ORDER, which lists every subpackage."""
+    order = flax_lm.DEPENDENCY_ORDER
+    assert sorted(order) == sorted(subpackages())
+    package_dir = os.path.dirname(flax_lm.__file__)
+    for position, name in enumerate(order):
+        allowed = {name, "errors", *order[:position]}
+        for directory, _, files in os.walk(os.path.join(package_dir, name)):
+            for file_name in (file_name for file_name in files if file_name.endswith(".py")):
+                path = os.path.join(directory, file_name)
+                # flax_lm.moved_from_subpackage, of the package itself, is no subpackage.
+                later = imported_subpackages(path) - allowed - {"moved_from_subpackage"}
+                assert not later, f"{os.path.relpath(path, REPO)} imports {sorted(later)}, after {name} in the order"
+    assert imported_subpackages(os.path.join(package_dir, "errors.py")) == set()
+
+
+# Modules outside command_line/ whose functions still take the scripts' model arguments: the Hugging Face loading,
+# which the model registry's own settings replace.
+TAKES_MODEL_ARGUMENTS_FOR_NOW = {"flax_lm/models/huggingface.py"}
+
+
+def test_no_function_outside_command_line_takes_a_whole_argument_object():
+    """Each part of flax_lm receives the values it uses (its settings, filled from the flags by command_line/), so no
+    function or method outside command_line/ has a parameter named like the tools' argument groups (training_args,
+    model_args, data_args ...: *_args; a function's *args of any name aside)."""
+    package_dir = os.path.dirname(flax_lm.__file__)
+    taking = []
+    for directory, _, files in os.walk(package_dir):
+        for path in (os.path.join(directory, name) for name in files if name.endswith(".py")):
+            relative = os.path.relpath(path, REPO)
+            if relative.startswith("flax_lm/command_line/") or relative in TAKES_MODEL_ARGUMENTS_FOR_NOW:
+                continue
+            with open(path) as file:
+                tree = ast.parse(file.read())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    arguments = node.args
+                    parameters = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+                    name = getattr(node, "name", "lambda")
+                    taking += [f"{relative}: {name}({item.arg})" for item in parameters if item.arg.endswith("_args")]
+    assert not taking, "; ".join(taking)
+
+
 def test_every_moved_module_of_the_flat_layout_exists_where_its_refusal_sends_the_user():
     for old, new in flax_lm.MOVED_MODULES.items():
         assert importlib.util.find_spec(f"flax_lm.{new}") is not None, f"flax_lm.{old} is said to be flax_lm.{new}"
-    for old, new in flax_lm.MODULES_NOW_SUBPACKAGES.items():
+    for old, new in [*flax_lm.MODULES_NOW_SUBPACKAGES.items(), *flax_lm.RENAMED_MODULES.items()]:
         assert importlib.util.find_spec(f"flax_lm.{new}") is not None, f"flax_lm.{old} is said to be flax_lm.{new}"
 
 
@@ -130,7 +190,7 @@ def test_the_data_layer_takes_values_and_imports_downwards_only():
 
 def test_the_data_layer_check_finds_an_upward_import_and_an_arguments_parameter():
     source = (
-        "from flax_lm.command_line.arguments import DataArguments\n"
+        "from flax_lm.command_line.arguments import CommonDataArguments\n"
         "from flax_lm.data import loading\n"
         "class Reader:\n"
         "    def read(self, dataset, data_args):\n"
@@ -139,7 +199,7 @@ def test_the_data_layer_check_finds_an_upward_import_and_an_arguments_parameter(
     problems = data_layer_problems(source, "texts", ["source"])
     assert problems == [
         "texts imports flax_lm.command_line.arguments",
-        "texts imports flax_lm.command_line.arguments.DataArguments",
+        "texts imports flax_lm.command_line.arguments.CommonDataArguments",
         "texts imports flax_lm.data.loading, which is not above it",
         "texts.read takes data_args",
     ]

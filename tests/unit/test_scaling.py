@@ -29,8 +29,8 @@ def training_parts(config, length=LENGTH, adam_epsilon=1e-8, **model_options):
     training_args = run_clm_flax.TrainingArguments(
         output_dir="unused", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=adam_epsilon
     )
-    schedule = run_clm_flax.learning_rate_schedule(training_args, total_steps=10)
-    optimizer = run_clm_flax.create_optimizer(training_args, schedule)
+    schedule = run_clm_flax.learning_rate_schedule(training_args.optimizer_settings(), total_steps=10)
+    optimizer = run_clm_flax.create_optimizer(training_args.optimizer_settings(), schedule)
     dummy_input = jnp.zeros((1, length), jnp.int32)
     abstract_state = abstract_train_state(model, optimizer, create_mesh(), dummy_input)
     return model, optimizer, schedule, abstract_state
@@ -287,7 +287,7 @@ def test_the_decay_ends_at_min_lr_rate_of_the_peak(scheduler):
     training_args = run_clm_flax.TrainingArguments(
         output_dir="unused", learning_rate=1e-2, warmup_steps=2, lr_scheduler_type=scheduler, min_lr_rate=0.1
     )
-    schedule = run_clm_flax.learning_rate_schedule(training_args, total_steps=10)
+    schedule = run_clm_flax.learning_rate_schedule(training_args.optimizer_settings(), total_steps=10)
     rates = np.array([float(schedule(step)) for step in range(13)])
     np.testing.assert_allclose(rates[:3], [0.0, 5e-3, 1e-2], rtol=1e-6)  # the warm-up, to the peak
     assert np.all(np.diff(rates[2:11]) < 0)  # then down, step by step
@@ -298,4 +298,4 @@ def test_the_decay_ends_at_min_lr_rate_of_the_peak(scheduler):
     without_floor = run_clm_flax.TrainingArguments(
         output_dir="unused", learning_rate=1e-2, lr_scheduler_type=scheduler
     )
-    assert float(run_clm_flax.learning_rate_schedule(without_floor, total_steps=10)(10)) == 0.0
+    assert float(run_clm_flax.learning_rate_schedule(without_floor.optimizer_settings(), total_steps=10)(10)) == 0.0

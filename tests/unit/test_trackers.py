@@ -33,7 +33,7 @@ def open_trackers(report_to, output_dir, resumed=False, arguments=ARGUMENTS):
     training_args = run_clm_flax.TrainingArguments(output_dir=str(output_dir), report_to=report_to)
     progress = TrainingProgress([MetricSums(0, {"loss_sum": 0.0})], step=5 if resumed else 0)
     config = SimpleNamespace(to_diff_dict=lambda: MODEL_CONFIG)  # what the trackers read of a transformers config
-    return tracking.open_trackers(training_args, progress, arguments, config, METRIC_TAGS)
+    return tracking.open_trackers(training_args.tracker_settings(), progress, arguments, config, METRIC_TAGS)
 
 
 def wandb_records(run_dir: str) -> list:
