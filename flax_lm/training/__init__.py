@@ -5,6 +5,8 @@ optimizers.py    schedules and optimizers from optax's parts (the scripts' OPTIM
 compilation.py   the persistent compilation cache, and the train step compiled while the run prepares
 fp8.py           --fp8: the train step's dense products in FP8 with per-tensor current scaling
 setup.py         the set-up both scripts share: shapes, shardings, compiled steps, the starting state, saves
+phases.py        main()'s phases around the loop: the run started on disk (state, output directory, trackers), and
+                 its end (the weights it ends with, results, final evaluation)
 """
 
 

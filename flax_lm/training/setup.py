@@ -33,7 +33,7 @@ from flax_lm.models.huggingface import SAFETENSORS_INDEX, read_exported_params
 from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.run.best_model import BestModel
 from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
-from flax_lm.run.output_dir import check_output_dir, links_replaced, write_all_results
+from flax_lm.run.output_dir import check_output_dir, evaluated_step, links_replaced, write_all_results
 from flax_lm.run.record import (
     TrainingProgress,
     check_optimizer_arguments,
@@ -75,8 +75,14 @@ def finish_run(training_args, evaluation, trackers, params, step: int, trained_n
     result in all_results.json and the trackers, then `show_export` (the script's look at what the exported model
     does) after a run that trained."""
     if training_args.do_eval:
+        # A complete run, repeated, and a run that chose its best model have evaluated these weights already.
         reuse_saved = training_args.do_train and (not trained_now or bool(training_args.metric_for_best_model))
-        evaluation.final(params, step, reuse_saved=reuse_saved)
+        if reuse_saved and evaluated_step(training_args.output_dir) == step:
+            logger.info(
+                "The complete run's evaluation is in %s", os.path.join(training_args.output_dir, "eval_results.json")
+            )
+        else:
+            evaluation.final(params, step)
     if jax.process_index() == 0:
         trackers.results(write_all_results(training_args.output_dir), step)
     trackers.close()
@@ -291,7 +297,7 @@ def final_weights(training_args, setup: TrainingSetup, evaluation, state, progre
     if best is None:
         return state.params, step
     if best.evaluated_step < step:
-        best.consider(evaluation.final(state.params, step, reuse_saved=False), step)
+        best.consider(evaluation.final(state.params, step), step)
     if not training_args.load_best_model_at_end or best.step in (None, step):
         return state.params, step
     output_dir = training_args.output_dir
@@ -306,5 +312,5 @@ def final_weights(training_args, setup: TrainingSetup, evaluation, state, progre
         checkpoint,
         output_dir,
     )
-    evaluation.final(best_state.params, best.step, reuse_saved=False)
+    evaluation.final(best_state.params, best.step)
     return best_state.params, best.step
