@@ -21,6 +21,7 @@ from flax_lm.training.setup import (
     run_description,
     save_run,
 )
+from flax_lm.training.train_state import TrainState
 
 
 def packs_only(training_args, packed_data_dir: str | None) -> bool:
@@ -61,15 +62,14 @@ class TrainingRun:
         if self.stopped_by:
             report_stop(self.stopped_by, self.progress.step, training_args.output_dir, self.trackers)
             return
-        trained_now = self.trains_now
-        if training_args.do_train and not trained_now:
+        if training_args.do_train and not self.trains_now:
             export_complete_run(training_args, state.params, self.config, self.tokenizer, setup.model_code)
         params, step = final_weights(
             training_args, setup, evaluation, state, self.progress, self.config, self.tokenizer
         )
-        if trained_now:
+        if self.trains_now:
             write_train_results(training_args.output_dir, self.log.train_metrics, self.progress, setup, self.log, step)
-        finish_run(training_args, evaluation, self.trackers, params, step, trained_now, show_export)
+        finish_run(training_args, evaluation, self.trackers, params, step, self.trains_now, show_export)
 
 
 def start_training(
@@ -80,7 +80,7 @@ def start_training(
     train_metrics,
     eval_metrics: tuple,
     script_file: str,
-) -> tuple:
+) -> tuple[TrainState, TrainingRun]:
     """The state the run starts from (initial_state: new weights, a model's, or a resumed checkpoint's) and the
     TrainingRun around it: the output directory prepared and held, the script and `model_args.model_file` kept in it,
     the trackers opened. `argument_groups`: the script's (model, data, training) arguments; `train_metrics(sums)`:
@@ -95,7 +95,7 @@ def start_training(
     trackers = open_trackers(training_args, progress, arguments, config, metric_tags)
     log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
     trains_now = training_args.do_train and progress.step < setup.total_steps
-    run = TrainingRun(
+    training_run = TrainingRun(
         setup, config, tokenizer, training_args, description, progress, trackers, log, trains_now, output_dir_lock
     )
-    return state, run
+    return state, training_run
