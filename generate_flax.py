@@ -21,7 +21,8 @@ The server (flax_lm/server/app.py) speaks the OpenAI completions API, streaming 
 requests that arrive together are decoded together, each by its own settings.
 
 The models and the sampler are run_clm_flax.py's own (flax_lm.models, flax_lm.generation.sampling): a model trained
-there decodes here exactly as it evaluated.
+there decodes here exactly as it evaluated. The loaded model that answers prompts and requests, Generator, is in
+flax_lm/server/generator.py.
 """
 
 import json
@@ -29,32 +30,23 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transformers from warning about it on import
 
 # isort: split
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import transformers
-from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
+from transformers import HfArgumentParser
 
 from flax_lm.command_line.model_loading import model_loading
-from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
-from flax_lm.data.texts import ids_around_documents
-from flax_lm.devices.mesh import create_mesh
 from flax_lm.devices.processes import LOG_FORMAT
-from flax_lm.errors import UsageError, call_with_one_line_errors, first_line
-from flax_lm.evaluation.scoring import Scorer
-from flax_lm.generation.sampling import DecodingBatch, Sampling, decode_rows, make_sampler
-from flax_lm.models.huggingface import check_config_values, check_local_model_directory, read_exported_params
-from flax_lm.models.model_code import load_model_code
+from flax_lm.errors import UsageError, call_with_one_line_errors
+from flax_lm.generation.sampling import Sampling
 from flax_lm.server.app import listening_socket, serve
-from flax_lm.server.request_queue import STEPS_PER_CHUNK, RowFinished, RowText
+from flax_lm.server.generator import Generator, load_model
 from flax_lm.server.requests import Limits
-from flax_lm.training.train_state import abstract_model_params, parameter_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -316,155 +308,6 @@ def read_conversations(generation_args) -> list:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Model and generation
-# ----------------------------------------------------------------------------------------------------
-
-
-def load_model(model_args):
-    """(model, parameters on the default device, tokenizer) of a model directory or hub name."""
-    source = model_args.model_name_or_path
-    check_local_model_directory("--model_name_or_path", source)
-
-    def load(loader):
-        try:
-            return loader.from_pretrained(source, cache_dir=model_args.cache_dir, token=model_args.token)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot load --model_name_or_path {source}: {first_line(error)}") from None
-
-    config, tokenizer = load(AutoConfig), load(AutoTokenizer)
-    check_config_values(config, f"--model_name_or_path {source}")
-    mesh = generation_mesh(model_args.mesh_shape)
-    model_code = load_model_code(config, model_args.model_file, True, "generate_flax.py", mesh, exports=False)
-    dtype = jnp.dtype(model_args.dtype)
-    model = model_code.module.MODEL_CLASS(config, dtype=dtype, param_dtype=dtype, mesh=mesh)
-    boxed_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32), unbox=False)
-    abstract_params = nn.meta.unbox(boxed_params)
-    if mesh is not None:  # each tensor is read straight into its shards, never whole on one device
-        abstract_params = jax.tree_util.tree_map(
-            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            abstract_params,
-            parameter_shardings(boxed_params, mesh),
-        )
-    params = read_exported_params(source, model_loading(model_args), model_code, abstract_params)
-    if mesh is None:
-        return model, jax.device_put(params), tokenizer
-    return model, jax.device_put(params, parameter_shardings(boxed_params, mesh)), tokenizer
-
-
-def generation_mesh(mesh_shape: str | None):
-    """The devices the model is split over (None: the default device alone). Decoding batches are too small to split
-    by rows, so a mesh here has only its tensor axis."""
-    if mesh_shape is None:
-        return None
-    mesh = create_mesh(mesh_shape)
-    if mesh.shape["data"] * mesh.shape["fsdp"] > 1:
-        raise UsageError(
-            f"--mesh_shape {mesh_shape}: generation splits the model over a tensor axis alone; give "
-            f"tensor={jax.device_count()} (all devices), or make fewer devices visible"
-        )
-    return mesh
-
-
-class Generator:
-    """One loaded model answering batches of prompts, or of conversations with a chat model, and scoring token
-    sequences (the server's logprobs)."""
-
-    def __init__(self, model, params, tokenizer, batch_size: int):
-        self.model, self.params, self.tokenizer, self.batch_size = model, params, tokenizer, batch_size
-        eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
-        self.eos_token_id = eos_token_id
-        # A chat model's replies end at its end of turn, as its export's generation_config.json says to transformers.
-        self.stop_token_ids = stop_token_ids(tokenizer, eos_token_id)
-        self.sampler = make_sampler(model, self.stop_token_ids)
-        self.scorer = Scorer(model, batch_size * model.config.max_position_embeddings, model.mesh)
-
-    def encode(self, prompts: list[str | list[int]], max_new_tokens: int, where: str) -> list[list[int]]:
-        """Token ids of each prompt: a text, started as the documents the model was trained on are
-        (ids_around_documents: a Llama's BOS first; an empty GPT-2 text from the end-of-text token), or token ids
-        already, taken as they are. Refuses prompts that leave no room for max_new_tokens within the model's
-        positions, or hold ids outside its vocabulary (`where` names the prompt for the message)."""
-        before_documents, _ = ids_around_documents(self.tokenizer)
-        vocab_size = self.model.config.vocab_size
-        encoded = []
-        for number, prompt in enumerate(prompts, 1):
-            if isinstance(prompt, list):
-                if outside := [token_id for token_id in prompt if not 0 <= token_id < vocab_size]:
-                    raise ValueError(
-                        f"{where} {number} holds the token id {outside[0]}, outside the model's {vocab_size} tokens"
-                    )
-                encoded.append(prompt)
-            else:
-                ids = before_documents + self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                encoded.append(ids or [self.eos_token_id])
-        return self.fitting(encoded, max_new_tokens, where)
-
-    def encode_conversations(self, conversations: list, max_new_tokens: int, where: str) -> list[list[int]]:
-        """Token ids that ask for the assistant's turn after each conversation (a list of messages with a role and
-        content), rendered by the tokenizer's chat template (flax_lm.data.chat); refused as encode refuses prompts, and
-        where the model has no chat template or a conversation is not one."""
-        encoded = []
-        for number, messages in enumerate(conversations, 1):
-            try:
-                encoded.append(conversation_prompt_ids(self.tokenizer, messages))
-            except ValueError as error:
-                raise ValueError(f"{where} {number} {error}") from None
-        return self.fitting(encoded, max_new_tokens, where)
-
-    def fitting(self, encoded: list[list[int]], max_new_tokens: int, where: str) -> list[list[int]]:
-        positions = self.model.config.max_position_embeddings
-        for number, ids in enumerate(encoded, 1):
-            if len(ids) + max_new_tokens > positions:
-                raise ValueError(
-                    f"{where} {number} has {len(ids)} tokens, which with max_new_tokens {max_new_tokens} exceeds the "
-                    f"model's {positions} positions; shorten it or lower max_new_tokens"
-                )
-        return encoded
-
-    def generate(self, prompts: list[str], sampling: Sampling, where: str = "prompt", stop=()) -> list[dict]:
-        """For each prompt: its continuation, the count of prompt and new tokens, and why it stopped ("eos",
-        "stop": a `stop` string, "length"). A prompt's draws depend on the seed and its place in the list, not on
-        the other prompts."""
-        return self.continuations(self.encode(prompts, sampling.max_new_tokens, where), sampling, stop)
-
-    def reply(self, conversations: list, sampling: Sampling, where: str = "conversation", stop=()) -> list[dict]:
-        """For each conversation: the assistant's reply (up to its end of turn), as generate gives continuations."""
-        prompt_ids = self.encode_conversations(conversations, sampling.max_new_tokens, where)
-        return self.continuations(prompt_ids, sampling, stop)
-
-    def continuations(self, prompt_ids: list[list[int]], sampling: Sampling, stop: list[str] = ()) -> list[dict]:
-        results = []
-        for first in range(0, len(prompt_ids), self.batch_size):
-            batch = prompt_ids[first : first + self.batch_size]
-            samplings = [replace(sampling, prompt_index=first + row) for row in range(len(batch))]
-            for ids, ended in zip(batch, self.decode(batch, samplings, stop)):
-                results.append(
-                    {
-                        "text": ended.text,
-                        "prompt_tokens": len(ids),
-                        "new_tokens": ended.new_tokens,
-                        "finish_reason": ended.finish_reason,
-                    }
-                )
-        return results
-
-    def decode(self, prompt_ids: list[list[int]], samplings: list[Sampling], stop=()) -> list[RowFinished]:
-        """How each prompt ends, decoded together: its text (cut before a `stop` string where one comes), and its
-        new tokens (up to the one that completed the stop string, as transformers' stop_strings count them)."""
-        texts = [RowText(self.tokenizer, self.stop_token_ids, list(stop)) for _ in prompt_ids]
-        if samplings[0].num_beams > 1:  # one program to the end
-            new_ids = decode_rows(self.sampler, self.params, prompt_ids, samplings)
-            return [text.add(row, ids, True) for row, (text, ids) in enumerate(zip(texts, new_ids))]
-        decoding = DecodingBatch(self.sampler, self.params, prompt_ids, samplings)
-        # With stop strings, a look at the texts now and then ends the rows that wrote one.
-        steps = STEPS_PER_CHUNK if stop else decoding.capacity
-        while unfinished := [row for row, text in enumerate(texts) if text.result is None]:
-            new_ids = decoding.advance(steps, ended=[row for row, text in enumerate(texts) if text.result])
-            for row in unfinished:
-                texts[row].add(row, new_ids[row], bool(decoding.finished[row]))
-        return [text.result for text in texts]
-
-
-# ----------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------
 
@@ -484,7 +327,8 @@ def main():
     # Taken before the model loads, so that an address in use is said at once.
     listener = listening_socket(server_args.host, server_args.port) if server_args.serve else None
 
-    model, params, tokenizer = load_model(model_args)
+    model_file, mesh_shape = model_args.model_file, model_args.mesh_shape
+    model, params, tokenizer = load_model(model_loading(model_args), mesh_shape, model_file, model_args.dtype)
     generator = Generator(model, params, tokenizer, generation_args.batch_size)
     logger.info(
         "Loaded %s: %.1fM parameters in %s on %s",

@@ -28,7 +28,6 @@ optimizer and schedule, the train and eval steps, evaluation with samples, and t
 from the flax_lm package: copy this file anywhere, edit it, and run it where flax_lm is installed.
 """
 
-import importlib.util
 import logging
 import math
 import os
@@ -41,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 from flax_lm.command_line.arguments import (
     CommonDataArguments,
@@ -49,9 +47,10 @@ from flax_lm.command_line.arguments import (
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
-    recorded_arguments,
 )
+from flax_lm.command_line.harness_flags import HarnessArguments, check_harness_flags
 from flax_lm.command_line.model_loading import model_loading
+from flax_lm.command_line.phases import packs_only, start_training
 from flax_lm.command_line.start import start_run
 from flax_lm.command_line.trainer_flags import apply_strategies, check_best_model_flags
 from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
@@ -69,36 +68,26 @@ from flax_lm.data.loading import (
 from flax_lm.data.mixture import Mixture
 from flax_lm.data.source import ExampleSettings, TextSource
 from flax_lm.data.texts import ids_around_documents, load_text_datasets, token_arrays, token_byte_counts
-from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.devices.processes import (
-    print_once,
-)
+from flax_lm.devices.mesh import create_mesh, process_slice
 from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.evaluation.scoring import Scorer
-from flax_lm.evaluation.validation import evaluate_by_source, evaluate_on_start, report_by_source, saved_results
+from flax_lm.evaluation.validation import evaluate_on_start, saved_results, summed_over_batches, validation_results
 from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json
+from flax_lm.run.output_dir import write_json
 from flax_lm.run.record import TrainingProgress
-from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
+from flax_lm.run.tracking import TrainingLog, logs_at_step
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
 from flax_lm.training.lifecycle import (
     ScriptTraining,
     TrainingSetup,
-    export_complete_run,
-    final_weights,
-    finish_run,
-    initial_state,
-    run_description,
-    save_run,
     set_up_training,
-    write_train_results,
 )
-from flax_lm.training.train_state import TrainState, accumulate_gradients, apply_finite_update
+from flax_lm.training.train_state import TrainState, apply_mean_update, step_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +115,9 @@ class DataTrainingArguments(ExampleArguments, CommonDataArguments):
     )
 
 
+# The flags of lm-evaluation-harness tasks (--eval_tasks and lm-eval's settings) are in HarnessArguments.
 @dataclass
-class TrainingArguments(CommonTrainingArguments):
+class TrainingArguments(HarnessArguments, CommonTrainingArguments):
     sample_prompt: list[str] = field(
         default_factory=list,
         metadata={
@@ -158,41 +148,12 @@ class TrainingArguments(CommonTrainingArguments):
         default=1,
         metadata={"help": "Samples by beam search of this many beams (with --sample_temperature 0); 1 for none."},
     )
-    eval_tasks: str | None = field(
-        default=None,
-        metadata={
-            "help": "lm-evaluation-harness tasks or groups, comma-separated (hellaswag,arc_easy,lambada_openai), "
-            "scored by the model at every evaluation and at the end (needs `pip install lm_eval`). With --do_eval "
-            "alone they score --model_name_or_path, and no evaluation data is needed."
-        },
-    )
-    eval_tasks_path: str | None = field(
-        default=None,
-        metadata={"help": "A directory of task YAML files of your own, for --eval_tasks (lm-eval's include path)."},
-    )
-    eval_tasks_limit: int | None = field(
-        default=None,
-        metadata={"help": "Score only the first N documents of each task of --eval_tasks: quicker, less exact."},
-    )
-    apply_chat_template: bool = field(
-        default=False,
-        metadata={"help": "Prompt --eval_tasks as conversations in the tokenizer's chat template (lm-eval's flag)."},
-    )
     z_loss: float = field(
         default=0.0,
         metadata={
             "help": "Coefficient of the z-loss added to the training loss: coefficient * log(Z)^2 averaged over the "
             "predicted tokens, Z the softmax's normalizer (PaLM used 1e-4); it keeps the output logits from drifting "
             "large. Logged apart as train/z_loss; train/loss stays the cross-entropy. 0: none.",
-        },
-    )
-    fewshot_as_multiturn: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Each few-shot example of --eval_tasks a chat turn of its own (lm-eval's flag); default: as "
-            "--apply_chat_template, as in lm-eval.",
-            "nargs": "?",
-            "const": True,
         },
     )
 
@@ -212,22 +173,7 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
     check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
-    if training_args.eval_tasks:
-        if importlib.util.find_spec("lm_eval") is None:
-            raise UsageError("--eval_tasks needs lm-evaluation-harness, which is not installed: pip install lm_eval")
-        if not training_args.do_eval:
-            raise UsageError("--eval_tasks are scored at each evaluation: add --do_eval")
-        if training_args.eval_tasks_path and not os.path.isdir(training_args.eval_tasks_path):
-            raise UsageError(f"--eval_tasks_path {training_args.eval_tasks_path} is not a directory")
-    elif training_args.eval_tasks_path or training_args.eval_tasks_limit or training_args.apply_chat_template:
-        raise UsageError(
-            "--eval_tasks_path, --eval_tasks_limit and --apply_chat_template apply to --eval_tasks; add it or leave "
-            "them out"
-        )
-    if training_args.fewshot_as_multiturn and not training_args.apply_chat_template:
-        raise UsageError("--fewshot_as_multiturn makes the few-shot examples chat turns: add --apply_chat_template")
-    if training_args.fewshot_as_multiturn is None:
-        training_args.fewshot_as_multiturn = training_args.apply_chat_template
+    check_harness_flags(training_args)
 
 
 # ---------------------------------------------------------------------------------------------------- Data: texts
@@ -518,16 +464,9 @@ def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0):
         return sums["loss_sum"] + sums.get("z_loss_sum", 0.0), sums
 
     def train_step(state: TrainState, batch):
-        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
-        step_rng = jax.random.fold_in(dropout_key, state.step)
-        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng, is_trained)
-        # The mean over every predicted token of the whole batch, however it was split into micro-batches, in
-        # the parameters' dtype: the float32 count would otherwise turn bfloat16 gradients, and with them the
-        # optimizer state, into float32.
-        grads = jax.tree_util.tree_map(
-            lambda grad, param: (grad / sums["token_count"]).astype(param.dtype), grads, state.params
-        )
-        new_state, update_metrics = apply_finite_update(state, grads, sums["loss_sum"], optimizer)
+        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
+        # The mean over every predicted token of the whole batch.
+        new_state, update_metrics = apply_mean_update(state, grads, sums["token_count"], sums["loss_sum"], optimizer)
         return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
 
     return train_step
@@ -569,13 +508,8 @@ def make_eval_step(model, token_bytes: np.ndarray | None = None):
 
 def evaluation_sums(eval_step, params, blocks, global_batch_size, batch_sharding) -> dict:
     """The eval step's sums over every block."""
-    totals = {}
     num_batches = math.ceil(len(blocks) / global_batch_size)
-    batches = prefetch(to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, global_batch_size))
-    for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
-        for name, value in jax.device_get(eval_step(params, batch)).items():
-            totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
+    return summed_over_batches(eval_step, params, eval_batches(blocks, global_batch_size), num_batches, batch_sharding)
 
 
 def describe_results(results: dict) -> str:
@@ -647,8 +581,6 @@ class Evaluation:
     """Evaluation on the validation blocks and on the lm-evaluation-harness tasks of --eval_tasks, logged with samples
     from the same prompts each time, so that a reader sees the text get better; the sampler is compiled once."""
 
-    metric_tags = [f"eval/{name}" for name in EVAL_METRICS]  # what TensorBoard's HParams tab compares runs by
-
     def __init__(self, setup: "TrainingSetup", blocks, tokenizer, training_args, trackers, chat: bool = False):
         self.setup, self.blocks, self.tokenizer, self.trackers = setup, blocks, tokenizer, trackers
         self.output_dir = training_args.output_dir
@@ -679,21 +611,12 @@ class Evaluation:
     def __call__(self, params, step: int) -> dict:
         """The results on the whole evaluation data (if any); with a mixture, those of each source under "sources" too;
         with --eval_tasks, {task: {metric: value}} under "tasks"."""
-        setup = self.setup
         results = {}
         if self.blocks is not None:
-            results = evaluate_by_source(
-                partial(
-                    evaluation_sums,
-                    setup.eval_step,
-                    params,
-                    global_batch_size=setup.eval_batch_size,
-                    batch_sharding=setup.batch_sharding,
-                ),
-                self.blocks,
-                evaluation_results,
+            sums_of = partial(self.sums, params)
+            results = validation_results(
+                sums_of, self.blocks, evaluation_results, step, self.trackers, EVAL_METRICS, describe_results
             )
-            report_by_source(results, step, self.trackers, EVAL_METRICS, describe_results)
         if self.tasks:
             results["tasks"] = self.tasks(params)
             self.tasks.report(results["tasks"], step, self.trackers)
@@ -706,17 +629,18 @@ class Evaluation:
             self.trackers.text("samples", "\n\n---\n\n".join(code_blocks), step)
         return results
 
+    def sums(self, params, blocks) -> dict:
+        setup = self.setup
+        return evaluation_sums(setup.eval_step, params, blocks, setup.eval_batch_size, setup.batch_sharding)
+
     def samples(self, params, sampler=None) -> list[str]:
         max_length = self.setup.model.config.max_position_embeddings
         sampler = sampler or self.sampler
         return sample_texts(sampler, params, self.tokenizer, self.prompts, self.sampling, max_length, self.chat)
 
-    def final(self, params, step: int, reuse_saved: bool) -> dict | None:
-        """The evaluation of the final weights, into eval_results.json, and its results; with `reuse_saved`, one
-        already there for this step is kept (and None returned)."""
-        if reuse_saved and evaluated_step(self.output_dir) == step:
-            logger.info("The complete run's evaluation is in %s", os.path.join(self.output_dir, "eval_results.json"))
-            return None
+    def final(self, params, step: int) -> dict:
+        """The evaluation of the final weights with the tasks' scores, written to eval_results.json, and its results
+        (flax_lm.training.setup.finish_run keeps one already there for the step, of a complete run repeated)."""
         results = self(params, step)
         if jax.process_index() > 0:
             return results
@@ -766,8 +690,7 @@ def main():
     texts_to_rows = script_texts_to_rows(data_args, tokenizer, block_size)
     route = data_args.data_route(model_args, training_args)
     rows, train_stream, example_format = load_data(route, texts_to_rows)
-    if not (training_args.do_train or training_args.do_eval):  # --packed_data_dir alone: the data is packed
-        print_once(f"packed data: {data_args.packed_data_dir}")
+    if packs_only(training_args, data_args.packed_data_dir):
         return
 
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
@@ -776,39 +699,19 @@ def main():
     setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), block_size)
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, training_args)
-    arguments, run_settings = recorded_arguments(model_args, data_args, training_args), training_args.run_settings()
-    description = run_description(arguments, config, tokenizer, setup)
-    state, progress = initial_state(run_settings, setup, description, model_args.pretrained_weights())
-    # The lock on the output directory, held by process 0 for all processes until this one ends.
-    output_dir_lock = open_output_dir(run_settings.output, progress.step, [__file__, model_args.model_file])  # noqa: F841
-    trackers = open_trackers(training_args.tracker_settings(), progress, arguments, config, Evaluation.metric_tags)
-    evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, trackers, is_chat(example_format))
+    arguments = (model_args, data_args, training_args)
+    state, this_run = start_training(setup, arguments, config, tokenizer, train_metrics, EVAL_METRICS, __file__)
+    chat = is_chat(example_format)  # the samples' prompts are a user's turns
+    evaluation = Evaluation(setup, rows.get("validation"), tokenizer, training_args, this_run.trackers, chat)
 
-    train_now = training_args.do_train and progress.step < setup.total_steps
-    if train_now:
+    if this_run.trains_now:
         batches = train_batches_from(
-            progress.step, setup, train_stream, texts_to_rows, route, data_args, training_args
+            this_run.progress.step, setup, train_stream, texts_to_rows, route, data_args, training_args
         )
-        save = partial(save_run, setup, config, tokenizer, description)
-        log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
-        state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
-        if stopped_by:
-            report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
-            return
-    elif training_args.do_train:
-        export_complete_run(run_settings, state.params, config, tokenizer, setup)
-    params, step = final_weights(run_settings, setup, evaluation, state, progress, config, tokenizer)
-    if train_now:
-        write_train_results(training_args.output_dir, train_metrics, progress, setup, log, step)
-    finish_run(
-        run_settings,
-        evaluation,
-        trackers,
-        params,
-        step,
-        train_now,
-        partial(evaluation.sample_from_export, setup.abstract_state.params),
-    )
+        state, this_run.stopped_by = train(
+            state, this_run.progress, batches, setup, this_run.save, evaluation, this_run.log, training_args
+        )
+    this_run.finish(state, evaluation, partial(evaluation.sample_from_export, setup.abstract_state.params))
 
 
 def script_texts_to_rows(data_args, tokenizer, block_size: int) -> TextsToRows:

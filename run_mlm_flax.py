@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 from flax_lm.command_line.arguments import (
     CommonDataArguments,
@@ -49,9 +48,9 @@ from flax_lm.command_line.arguments import (
     ModelArguments,
     check_common_arguments,
     check_numeric_arguments,
-    recorded_arguments,
 )
 from flax_lm.command_line.model_loading import model_loading
+from flax_lm.command_line.phases import packs_only, start_training
 from flax_lm.command_line.start import start_run
 from flax_lm.command_line.trainer_flags import apply_strategies, check_best_model_flags
 from flax_lm.data.host_random import random_bits, uniform_from_bits
@@ -68,39 +67,31 @@ from flax_lm.data.loading import (
 from flax_lm.data.mixture import Mixture
 from flax_lm.data.source import TextSource
 from flax_lm.data.texts import load_text_datasets, map_in_workers, text_batches, token_arrays
-from flax_lm.devices.mesh import create_mesh, prefetch, process_slice, to_global_batch
-from flax_lm.devices.processes import print_once
+from flax_lm.devices.mesh import create_mesh, process_slice
 from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.evaluation.validation import (
-    evaluate_by_source,
     evaluate_on_start,
     evaluation_sets,
-    report_by_source,
     saved_results,
+    summed_over_batches,
+    validation_results,
 )
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.models.roberta.model import check_tokenizer
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.output_dir import evaluated_step, open_output_dir, report_stop, write_json
+from flax_lm.run.output_dir import write_json
 from flax_lm.run.record import TrainingProgress
-from flax_lm.run.tracking import TrainingLog, logs_at_step, open_trackers
+from flax_lm.run.tracking import TrainingLog, logs_at_step
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
 from flax_lm.training.lifecycle import (
     ScriptTraining,
     TrainingSetup,
-    export_complete_run,
-    final_weights,
-    finish_run,
-    initial_state,
-    run_description,
-    save_run,
     set_up_training,
-    write_train_results,
 )
-from flax_lm.training.train_state import TrainState, accumulate_gradients, apply_finite_update
+from flax_lm.training.train_state import TrainState, apply_mean_update, step_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +157,8 @@ class TrainingArguments(CommonTrainingArguments):
 
 def check_arguments(model_args, data_args, training_args):
     """Refuse argument mistakes before any work, each in one line, and fill in the defaults that depend on other
-    arguments (after initialize_distributed: see check_common_arguments)."""
+    arguments: --text_sample_by from --line_by_line, one step per compiled call for batches padded each to its own
+    length, and those of check_common_arguments (after initialize_distributed: see check_common_arguments)."""
     check_model_type(model_args.model_type, generates_text=False)
     check_numeric_arguments(
         (data_args, training_args),
@@ -529,7 +521,8 @@ def learning_rate_schedule(settings: optimizers.OptimizerSettings, total_steps: 
 # What --lr_scheduler_type names: the learning rate after the warm-up, from (settings, warmup_steps, total_steps);
 # its step 0 is the first step after the warm-up. Add an entry here and the flag takes it. The decays end at
 # --min_lr_rate of the peak, in a shape of flax_lm.training.optimizers.DECAY_SHAPES (warmup_stable_decay:
-# --lr_decay_shape). Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
+# --lr_decay_shape).
+# Copied from run_clm_flax.LEARNING_RATE_SCHEDULES
 LEARNING_RATE_SCHEDULES = {
     "linear": optimizers.decay_to_the_end("linear"),
     "cosine": optimizers.decay_to_the_end("cosine"),
@@ -604,16 +597,10 @@ def make_train_step(model, optimizer, schedule, seed: int):
         return loss_sum, {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     def train_step(state: TrainState, batch):
-        # Dropout randomness depends only on the step, so a resumed run draws the same masks.
-        step_rng = jax.random.fold_in(dropout_key, state.step)
-        grads, sums = accumulate_gradients(loss_and_sums, state.params, batch, step_rng, is_trained)
-        # The mean over every masked token of the whole batch, however it was split into micro-batches (a batch
-        # with none leaves the gradients at 0), in the parameters' dtype: the float32 count would otherwise turn
-        # bfloat16 gradients, and with them the optimizer state, into float32.
-        grads = jax.tree_util.tree_map(
-            lambda grad, param: (grad / jnp.maximum(sums["weight_sum"], 1.0)).astype(param.dtype), grads, state.params
-        )
-        new_state, update_metrics = apply_finite_update(state, grads, sums["loss_sum"], optimizer)
+        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
+        # The mean over every masked token of the whole batch; a batch with none leaves the gradients at 0.
+        masked_tokens = jnp.maximum(sums["weight_sum"], 1.0)
+        new_state, update_metrics = apply_mean_update(state, grads, masked_tokens, sums["loss_sum"], optimizer)
         return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
 
     return train_step
@@ -641,16 +628,11 @@ def make_eval_step(model):
 
 
 def evaluation_sums(eval_step, params, blocks, make_batch, global_batch_size, seed, batch_sharding) -> dict:
-    """The eval step's sums over every block."""
-    totals = {"loss_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
+    """The eval step's sums over every block, masked the same way at each evaluation (by `seed`)."""
     num_batches = math.ceil(len(blocks) / global_batch_size)
-    batches = prefetch(
-        to_global_batch(batch, batch_sharding) for batch in eval_batches(blocks, make_batch, global_batch_size, seed)
-    )
-    for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
-        for name, value in jax.device_get(eval_step(params, batch)).items():
-            totals[name] += float(value)
-    return totals
+    batches = eval_batches(blocks, make_batch, global_batch_size, seed)
+    sums = summed_over_batches(eval_step, params, batches, num_batches, batch_sharding)
+    return dict.fromkeys(TRAIN_METRIC_SUMS, 0.0) | sums  # the same sums as the train step's
 
 
 def describe_results(results: dict) -> str:
@@ -717,8 +699,6 @@ class Evaluation:
     """Evaluation on the validation blocks, masked the same way each time; and, at the end of training, what the
     exported model predicts for a masked text."""
 
-    metric_tags = [f"eval/{name}" for name in EVAL_METRICS]  # what TensorBoard's HParams tab compares runs by
-
     def __init__(self, setup: "TrainingSetup", blocks, make_batch, tokenizer, training_args, trackers):
         self.setup, self.blocks, self.make_batch = setup, blocks, make_batch
         self.tokenizer, self.trackers = tokenizer, trackers
@@ -727,29 +707,20 @@ class Evaluation:
 
     def __call__(self, params, step: int) -> dict:
         """The results on the whole evaluation data; with a mixture, those of each source under "sources" too."""
-        setup = self.setup
-        results = evaluate_by_source(
-            partial(
-                evaluation_sums,
-                setup.eval_step,
-                params,
-                make_batch=self.make_batch,
-                global_batch_size=setup.eval_batch_size,
-                seed=self.seed,
-                batch_sharding=setup.batch_sharding,
-            ),
-            self.blocks,
-            evaluation_results,
+        sums_of = partial(self.sums, params)
+        return validation_results(
+            sums_of, self.blocks, evaluation_results, step, self.trackers, EVAL_METRICS, describe_results
         )
-        report_by_source(results, step, self.trackers, EVAL_METRICS, describe_results)
-        return results
 
-    def final(self, params, step: int, reuse_saved: bool) -> dict | None:
-        """The evaluation of the final weights, into eval_results.json, and its results; with `reuse_saved`, one
-        already there for this step is kept (and None returned)."""
-        if reuse_saved and evaluated_step(self.output_dir) == step:
-            logger.info("The complete run's evaluation is in %s", os.path.join(self.output_dir, "eval_results.json"))
-            return None
+    def sums(self, params, blocks) -> dict:
+        setup, batch_size = self.setup, self.setup.eval_batch_size
+        return evaluation_sums(
+            setup.eval_step, params, blocks, self.make_batch, batch_size, self.seed, setup.batch_sharding
+        )
+
+    def final(self, params, step: int) -> dict:
+        """Evaluate the final weights: results written to eval_results.json by process 0 and printed, and returned
+        (flax_lm.training.setup.finish_run keeps one already there for the step, of a complete run repeated)."""
         results = self(params, step)
         if jax.process_index() == 0:
             saved = saved_results(results, (*EVAL_METRICS, "masked_tokens"), self.blocks) | {"step": step}
@@ -799,8 +770,7 @@ def main():
     texts_to_rows = script_texts_to_rows(data_args, tokenizer, max_seq_length - 2)
     route = data_args.data_route(model_args, training_args)
     rows, train_stream, _ = load_data(route, texts_to_rows)
-    if not (training_args.do_train or training_args.do_eval):  # --packed_data_dir alone: the data is packed
-        print_once(f"packed data: {data_args.packed_data_dir}")
+    if packs_only(training_args, data_args.packed_data_dir):
         return
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
@@ -809,31 +779,18 @@ def main():
     setup = set_up_training(model, model_code, SCRIPT_TRAINING, eval_step, settings, train_rows, max_seq_length)
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, make_batch, training_args)
-    arguments, run_settings = recorded_arguments(model_args, data_args, training_args), training_args.run_settings()
-    description = run_description(arguments, config, tokenizer, setup)
-    state, progress = initial_state(run_settings, setup, description, model_args.pretrained_weights())
-    # The lock on the output directory, held by process 0 for all processes until this one ends.
-    output_dir_lock = open_output_dir(run_settings.output, progress.step, [__file__, model_args.model_file])  # noqa: F841
-    trackers = open_trackers(training_args.tracker_settings(), progress, arguments, config, Evaluation.metric_tags)
-    evaluation = Evaluation(setup, rows.get("validation"), make_batch, tokenizer, training_args, trackers)
+    arguments = (model_args, data_args, training_args)
+    state, this_run = start_training(setup, arguments, config, tokenizer, train_metrics, EVAL_METRICS, __file__)
+    evaluation = Evaluation(setup, rows.get("validation"), make_batch, tokenizer, training_args, this_run.trackers)
 
-    train_now = training_args.do_train and progress.step < setup.total_steps
-    if train_now:
-        save = partial(save_run, setup, config, tokenizer, description)
+    if this_run.trains_now:
         batches = train_batches_from(
-            progress.step, setup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
+            this_run.progress.step, setup, train_stream, make_batch, texts_to_rows, route, data_args, training_args
         )
-        log = TrainingLog(trackers, progress, setup.total_steps, train_metrics, training_args.skip_nonfinite_steps)
-        state, stopped_by = train(state, progress, batches, setup, save, evaluation, log, training_args)
-        if stopped_by:
-            report_stop(stopped_by, progress.step, training_args.output_dir, trackers)
-            return
-    elif training_args.do_train:
-        export_complete_run(run_settings, state.params, config, tokenizer, setup)
-    params, step = final_weights(run_settings, setup, evaluation, state, progress, config, tokenizer)
-    if train_now:
-        write_train_results(training_args.output_dir, train_metrics, progress, setup, log, step)
-    finish_run(run_settings, evaluation, trackers, params, step, train_now, evaluation.fill_mask_with_export)
+        state, this_run.stopped_by = train(
+            state, this_run.progress, batches, setup, this_run.save, evaluation, this_run.log, training_args
+        )
+    this_run.finish(state, evaluation, evaluation.fill_mask_with_export)
 
 
 def check_model_and_tokenizer(config, tokenizer, training_args):

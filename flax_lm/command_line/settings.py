@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import fields
 
+from flax_lm.command_line.model_loading import model_loading
 from flax_lm.devices.processes import ProcessGroup
 from flax_lm.evaluation.validation import EvaluationSchedule
 from flax_lm.models.huggingface import read_exported_params
@@ -37,7 +38,7 @@ class ModelSettingsFromFlags:
             return None
 
         def read(model_code, abstract_params):
-            params = read_exported_params(source, self, model_code, abstract_params)
+            params = read_exported_params(source, model_loading(self), model_code, abstract_params)
             logger.info("Loaded weights from %s", source)
             return params
 

@@ -5,6 +5,11 @@ results and words)."""
 import logging
 from dataclasses import dataclass
 
+import jax
+from tqdm.auto import tqdm
+
+from flax_lm.devices.mesh import prefetch, to_global_batch
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,6 +50,24 @@ def report_by_source(results: dict, step: int, trackers, metric_names: tuple, de
         logger.info("step %d: eval%s %s", step, f" of {name}" if name else "", describe(part))
         prefix = f"eval/{name}/" if name else "eval/"
         trackers.scalars({prefix + key: part[key] for key in metric_names if key in part}, step)
+
+
+def validation_results(sums_of, validation, results_of, step: int, trackers, metric_names: tuple, describe) -> dict:
+    """evaluate_by_source's results of the validation rows, reported (report_by_source) at `step`."""
+    results = evaluate_by_source(sums_of, validation, results_of)
+    report_by_source(results, step, trackers, metric_names, describe)
+    return results
+
+
+def summed_over_batches(eval_step, params, local_batches, num_batches: int, batch_sharding) -> dict:
+    """The sums `eval_step(params, batch)` makes, added up on the host over every batch: this process's rows of each
+    global batch (`local_batches`, of `num_batches` in all, read ahead while the devices evaluate)."""
+    totals = {}
+    batches = prefetch(to_global_batch(batch, batch_sharding) for batch in local_batches)
+    for batch in tqdm(batches, total=num_batches, desc="Evaluating", leave=False, disable=jax.process_index() > 0):
+        for name, value in jax.device_get(eval_step(params, batch)).items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
 
 
 def saved_results(results: dict, names: tuple, validation) -> dict:

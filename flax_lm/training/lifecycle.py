@@ -27,7 +27,7 @@ from flax_lm.models.huggingface import SAFETENSORS_INDEX
 from flax_lm.models.model_code import FLAX_WEIGHTS_NAME, ModelCode
 from flax_lm.run.best_model import BestModel, BestModelSettings
 from flax_lm.run.checkpoints import restore_checkpoint, save_checkpoint
-from flax_lm.run.output_dir import OutputDirSettings, links_replaced, write_all_results, write_json
+from flax_lm.run.output_dir import OutputDirSettings, evaluated_step, links_replaced, write_all_results, write_json
 from flax_lm.run.record import (
     ResumeSettings,
     TrainingProgress,
@@ -89,8 +89,13 @@ def finish_run(
     result in all_results.json and the trackers, then `show_export` (the script's look at what the exported model
     does) after a run that trained."""
     if settings.do_eval:
+        # A complete run, repeated, and a run that chose its best model have evaluated these weights already.
         reuse_saved = settings.output.do_train and (not trained_now or settings.best_model is not None)
-        evaluation.final(params, step, reuse_saved=reuse_saved)
+        output_dir = settings.output.output_dir
+        if reuse_saved and evaluated_step(output_dir) == step:
+            logger.info("The complete run's evaluation is in %s", os.path.join(output_dir, "eval_results.json"))
+        else:
+            evaluation.final(params, step)
     if jax.process_index() == 0:
         trackers.results(write_all_results(settings.output.output_dir), step)
     trackers.close()
@@ -309,7 +314,7 @@ def final_weights(
     if best is None:
         return state.params, step
     if best.evaluated_step < step:
-        best.consider(evaluation.final(state.params, step, reuse_saved=False), step)
+        best.consider(evaluation.final(state.params, step), step)
     if not settings.best_model.load_at_end or best.step in (None, step):
         return state.params, step
     output_dir = settings.output.output_dir
@@ -324,7 +329,7 @@ def final_weights(
         checkpoint,
         output_dir,
     )
-    evaluation.final(best_state.params, best.step, reuse_saved=False)
+    evaluation.final(best_state.params, best.step)
     return best_state.params, best.step
 
 

@@ -96,6 +96,14 @@ def apply_finite_update(state: TrainState, grads, loss_sum, optimizer) -> tuple[
     return new_state, {"grad_norm": grad_norm, "finite": finite}
 
 
+def apply_mean_update(state: TrainState, summed_grads, count, loss_sum, optimizer) -> tuple[TrainState, dict]:
+    """apply_finite_update of the mean gradients: `summed_grads` over `count` (the tokens the loss sums over, of the
+    whole batch however it was split into micro-batches), cast back to the parameters' dtype, as the float32 count
+    would otherwise turn bfloat16 gradients, and with them the optimizer state, into float32."""
+    grads = jax.tree_util.tree_map(lambda grad, param: (grad / count).astype(param.dtype), summed_grads, state.params)
+    return apply_finite_update(state, grads, loss_sum, optimizer)
+
+
 def trained_mask(params, is_trained) -> Any:
     """`params` with each leaf replaced by `is_trained(path, param)`: whether training updates it."""
     return jax.tree_util.tree_map_with_path(lambda path, param: bool(is_trained(path, param)), params)
@@ -118,6 +126,13 @@ def accumulate_gradients(loss_and_sums, params, batch, step_rng, is_trained=None
     trained = jax.tree_util.tree_map(lambda param, trained: param if trained else None, params, mask)
     grads, sums = summed_gradients(loss_of_trained, trained, batch, step_rng)
     return joined(mask, grads, jax.tree_util.tree_map(jnp.zeros_like, frozen)), sums
+
+
+def step_gradients(loss_and_sums, state: TrainState, batch, dropout_key, is_trained=None):
+    """accumulate_gradients of the step `state` is at, its dropout drawn from `dropout_key` folded with the step alone,
+    so that a resumed run draws the masks the interrupted one would have."""
+    step_rng = jax.random.fold_in(dropout_key, state.step)
+    return accumulate_gradients(loss_and_sums, state.params, batch, step_rng, is_trained)
 
 
 def joined(mask, trained, frozen):
