@@ -7,12 +7,12 @@
     models/        the Flax models, their Hugging Face mapping and model directories
     devices/       the device mesh and the processes of a run
     generation/    decoding with a key/value cache
-    server/        generate_flax.py's HTTP server
+    server/        generate_flax.py's model loading, its Generator and its HTTP server
     command_line/  the tools' arguments and their checks, and the settings each part receives, filled from them;
                    errors.py turns a user's mistake into one line
 
 A subpackage imports only those before it in DEPENDENCY_ORDER (errors.py, below them all, imports none), so that each
-reads without the ones after it; tests/test_package_layout.py holds the order.
+reads without the ones after it; tests/unit/test_package_layout.py holds the order.
 
 The scripts hold what an experiment changes."""
 
@@ -35,8 +35,8 @@ DEPENDENCY_ORDER = (
     "models",
     "generation",
     "evaluation",
-    "server",
     "training",
+    "server",
     "command_line",
 )
 

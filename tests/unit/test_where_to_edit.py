@@ -13,8 +13,9 @@ import os
 import re
 
 import pytest
+from conftest import REPO_DIR
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_DIR)
 # The pages, and the section of each that holds the table (None: the whole page).
 PAGES = {"docs/where-to-edit.md": None, "README.md": "## Where to edit"}
 TRAINING_SCRIPTS = ["run_clm_flax.py", "run_mlm_flax.py"]
@@ -132,8 +133,8 @@ def test_every_name_of_the_where_to_edit_table_is_defined_where_its_row_says(pag
         ("`flax_lm/server/app.py`: `Endpoints`, `no_such_function`", "`no_such_function` is defined in none of"),
         ("`train_metrics_from_step` in train_results.json", "`train_metrics_from_step` is defined in none of"),
         (
-            "`flax_lm.training.setup.no_such_set_up`",
-            "`no_such_set_up` is defined in none of flax_lm/training/setup.py",
+            "`flax_lm.training.lifecycle.no_such_set_up`",
+            "`no_such_set_up` is defined in none of flax_lm/training/lifecycle.py",
         ),
         ("`BatchMaker.no_such_method`", "`BatchMaker.no_such_method` is defined in none of"),
     ],
