@@ -432,7 +432,7 @@ def test_export_loads_in_transformers_with_the_logits_of_the_flax_model(trained_
     config = RobertaConfig.from_pretrained(str(output_dir))
     model = roberta.FlaxRobertaForMaskedLM(config)
     abstract = abstract_model_params(model, jnp.zeros((1, 1), jnp.int32))
-    params = roberta.from_hf_state_dict(read_safetensors_checkpoint(str(output_dir), model_args=None), abstract)
+    params = roberta.from_hf_state_dict(read_safetensors_checkpoint(str(output_dir), None), abstract)
     logits = model.apply({"params": params}, jnp.asarray(inputs["input_ids"]), jnp.asarray(inputs["attention_mask"]))
     real = inputs["attention_mask"].astype(bool)  # PyTorch and Flax differ only at the padding
     np.testing.assert_allclose(np.asarray(logits)[real], expected[real], atol=1e-4, rtol=0)
