@@ -14,7 +14,9 @@ from test_hostile_inputs import SCRIPTS
 from flax_lm import errors
 from flax_lm.command_line import arguments as training_arguments
 from flax_lm.command_line import start
+from flax_lm.evaluation.validation import EvaluationSchedule
 from flax_lm.models.huggingface import shard_size_in_bytes
+from flax_lm.run.best_model import BestModelSettings
 
 TRAINING_SCRIPTS = ["run_clm_flax", "run_mlm_flax"]
 
@@ -57,6 +59,24 @@ def checked_arguments(tmp_path, monkeypatch):
 def test_gradient_checkpointing_takes_the_hugging_face_boolean_or_a_policy(script, flags, policy, checked_arguments):
     model_args, _, _ = checked_arguments(script, "--train_file", "train.txt", *flags)
     assert model_args.gradient_checkpointing == policy
+
+
+def test_each_part_of_flax_lm_receives_the_flags_of_its_settings(checked_arguments, tmp_path):
+    flags = ["--train_file", "train.txt", "--do_train", "--do_eval", "--learning_rate", "0.003", "--optim", "lion"]
+    flags += ["--per_device_train_batch_size", "3", "--eval_steps", "7", "--save_steps", "14", "--report_to"]
+    flags += ["tensorboard", "--load_best_model_at_end", "--resume_from_checkpoint", "--allow_resume_changes", "optim"]
+    _, _, training_args = checked_arguments("run_clm_flax", *flags)
+    optimizer = training_args.optimizer_settings()
+    assert (optimizer.optim, optimizer.learning_rate, optimizer.trains) == ("lion", 0.003, True)
+    assert training_args.training_settings().optimizer == optimizer
+    assert training_args.training_settings().per_device_train_batch_size == 3
+    run = training_args.run_settings()
+    assert run.output == training_args.output_dir_settings() and run.output.output_dir == str(tmp_path / "out")
+    assert (run.resume.resume_from_checkpoint, run.resume.allowed_changes) == ("auto", ("optim",))
+    assert run.resume.allows("optim") and not run.resume.allows("learning_rate")
+    assert run.best_model == BestModelSettings(metric="eval_loss", greater_is_better=False, load_at_end=True)
+    assert run.tensorboard_dir == str(tmp_path / "out" / "tensorboard")
+    assert training_args.evaluation_schedule() == EvaluationSchedule(do_eval=True, eval_on_start=False, eval_steps=7)
 
 
 TRAINER_NAMES = [
