@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Write the config.json of a GPT-2, Llama (SmolLM), Qwen 3, Gemma 3, OLMo 2 or RoBERTa model from a preset size,
-with your changes.
+"""Write the config.json of a GPT-2, Llama (SmolLM), Qwen 3, Gemma 3, OLMo 2, GPT-J, GPT-NeoX (Pythia), OPT or
+RoBERTa model from a preset size, with your changes.
 
 The presets are stored here, so no network is needed. Given a tokenizer directory, the vocabulary size and the
 special-token ids are taken from the tokenizer, and config.json is written next to it, so that one directory holds
@@ -33,8 +33,11 @@ from transformers import (
     AutoTokenizer,
     Gemma3TextConfig,
     GPT2Config,
+    GPTJConfig,
+    GPTNeoXConfig,
     LlamaConfig,
     Olmo2Config,
+    OPTConfig,
     Qwen3Config,
     RobertaConfig,
 )
@@ -182,6 +185,39 @@ FAMILY_PRESETS = {
         "intermediate_size": 384, "max_position_embeddings": 256, "vocab_size": 100352,
         "tie_word_embeddings": True,
     }),
+    # The models of the JAX toolkits before this one and of the Pythia suite: EleutherAI/gpt-j-6b,
+    # EleutherAI/pythia-160m and facebook/opt-125m on the Hugging Face Hub, their vocabularies and special ids unless a
+    # tokenizer gives others; and tiny sizes of our own of each.
+    "gpt-j-6b": ("gptj", {
+        "n_layer": 28, "n_embd": 4096, "n_head": 16, "rotary_dim": 64, "n_positions": 2048, "vocab_size": 50400,
+        "tie_word_embeddings": False, "bos_token_id": 50256, "eos_token_id": 50256,
+    }),
+    "pythia-160m": ("gpt_neox", {
+        "num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072,
+        "max_position_embeddings": 2048, "vocab_size": 50304, "use_parallel_residual": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
+    }),
+    "opt-125m": ("opt", {
+        "num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "ffn_dim": 3072,
+        "max_position_embeddings": 2048, "vocab_size": 50272, "word_embed_proj_dim": 768,
+        "do_layer_norm_before": True, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 2,
+        "pad_token_id": 1,
+    }),
+    "gpt-j-tiny": ("gptj", {
+        "n_layer": 2, "n_embd": 128, "n_head": 2, "rotary_dim": 16, "n_positions": 256, "vocab_size": 50400,
+        "tie_word_embeddings": False,
+    }),
+    "pythia-tiny": ("gpt_neox", {
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 512,
+        "max_position_embeddings": 256, "vocab_size": 50304,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+    }),
+    "opt-tiny": ("opt", {
+        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "ffn_dim": 512,
+        "max_position_embeddings": 256, "vocab_size": 50272, "word_embed_proj_dim": 128,
+    }),
 }  # fmt: skip
 
 # RoBERTa sizes as published with the RoBERTa paper (Liu et al., 2019) and the FacebookAI/roberta-base and
@@ -243,6 +279,9 @@ CONFIG_CLASSES = {
     "qwen3": Qwen3Config,
     "gemma3_text": Gemma3TextConfig,
     "olmo2": Olmo2Config,
+    "gptj": GPTJConfig,
+    "gpt_neox": GPTNeoXConfig,
+    "opt": OPTConfig,
     "roberta": RobertaConfig,
 }
 # Keys of config.json that describe the file rather than the model.
@@ -421,7 +460,8 @@ def check_config(config, preset, tokenizer=None):
             raise UsageError(f"{name} must be positive, not {value}; fix it with --set")
     from flax_lm.models.common import ACTIVATIONS  # here: JAX, which it imports, takes a second to load
 
-    name = {"gpt2": "activation_function", "gemma3_text": "hidden_activation"}.get(config.model_type, "hidden_act")
+    activation_names = {"gpt2": "activation_function", "gptj": "activation_function", "opt": "activation_function"}
+    name = {**activation_names, "gemma3_text": "hidden_activation"}.get(config.model_type, "hidden_act")
     if getattr(config, name) not in ACTIVATIONS:
         raise UsageError(
             f"{name} {getattr(config, name)!r} is not an activation the models compute; use one of "

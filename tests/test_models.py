@@ -30,9 +30,12 @@ from transformers import (
     AutoTokenizer,
     Gemma2Config,
     Gemma3TextConfig,
+    GPTJConfig,
+    GPTNeoXConfig,
     LlamaForCausalLM,
     MistralConfig,
     Olmo2Config,
+    OPTConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -81,6 +84,10 @@ FAMILY_SHAPES = dict(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=2,
 )  # fmt: skip
+LAYER_NORM_FAMILY_SHAPES = dict(
+    vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+    bos_token_id=0, eos_token_id=1, pad_token_id=2,
+)  # fmt: skip
 FAMILY_CONFIGS = {
     "qwen2": lambda **overrides: Qwen2Config(
         **{
@@ -121,7 +128,40 @@ FAMILY_CONFIGS = {
         }
     ),  # fmt: skip
     "olmo2": lambda **overrides: Olmo2Config(**{**FAMILY_SHAPES, **overrides}),
+    # The families of LayerNorm and an MLP of one matrix in and one out: GPT-J's rotary dimensions a part of each head
+    # (interleaved), with a tied output layer (its bias apart); Pythia's rotary_pct, parallel residual and base; OPT's
+    # norms after the sublayers, with a narrower embedding projected in and out and no biases.
+    "gptj": lambda **overrides: GPTJConfig(
+        **{**LAYER_NORM_FAMILY_SHAPES, "n_inner": 96, "rotary_dim": 6, "tie_word_embeddings": True, **overrides}
+    ),
+    "gpt_neox": lambda **overrides: GPTNeoXConfig(
+        **{
+            **LAYER_NORM_FAMILY_SHAPES,
+            "intermediate_size": 96,
+            "rotary_pct": 0.5,
+            "rotary_emb_base": 500.0,
+            **overrides,
+        }
+    ),  # fmt: skip
+    "opt": lambda **overrides: OPTConfig(
+        **{
+            **LAYER_NORM_FAMILY_SHAPES,
+            "ffn_dim": 96,
+            "do_layer_norm_before": False,
+            "word_embed_proj_dim": 32,
+            "enable_bias": False,
+            "dropout": 0.0,
+            **overrides,
+        }
+    ),  # fmt: skip
 }
+LAYER_NORM_FAMILIES = ("gptj", "gpt_neox", "opt")
+# The other way of each that has two, for the logits tests.
+FAMILY_VARIANTS = {
+    "gpt_neox sequential residual": partial(FAMILY_CONFIGS["gpt_neox"], use_parallel_residual=False),
+    "opt norms before": partial(FAMILY_CONFIGS["opt"], do_layer_norm_before=True, word_embed_proj_dim=64,
+                                enable_bias=True, tie_word_embeddings=False),
+}  # fmt: skip
 
 
 def hf_class_of(config):
@@ -159,17 +199,23 @@ def test_llama_logits_equal_pytorch_llama(variant):
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", FAMILY_CONFIGS)
-def test_each_family_computes_the_logits_of_its_transformers_class(model_type):
-    config = FAMILY_CONFIGS[model_type]()
+@pytest.mark.parametrize("variant", {**FAMILY_CONFIGS, **FAMILY_VARIANTS})
+def test_each_family_computes_the_logits_of_its_transformers_class(variant):
+    """Without a cache; and, for the families whose attention is new to the cache (partial rotary, OPT's), with the
+    rows prefilled into a cache and decoded one token at a time."""
+    config = {**FAMILY_CONFIGS, **FAMILY_VARIANTS}[variant]()
     config._attn_implementation = "eager"  # the reference: soft-capping and windows written out
     torch_model = random_torch_model(hf_class_of(config), config)
-    model, params = flax_params_of(stock_module(model_type), config, torch_model)
+    model, params = flax_params_of(stock_module(config.model_type), config, torch_model)
     input_ids = np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 24))
     with torch.no_grad():
         expected = torch_model(torch.tensor(input_ids)).logits.numpy()
-    logits = np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
     assert np.abs(expected).max() > 1
+    if config.model_type in LAYER_NORM_FAMILIES:  # the three routes in one compiled program
+        relative = model_code.routes_difference(model, params, input_ids, lambda rows: expected, generates_text=True)
+        assert relative * np.abs(expected).max() < 1e-4
+        return
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
 
 
@@ -271,13 +317,16 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
         assert new == expected
 
 
-@pytest.mark.parametrize("name", ["gemma", "gpt2", "llama", "olmo2", "roberta"])
+@pytest.mark.parametrize(
+    "name", ["gemma", "gpt2", "llama", "olmo2", "roberta", "gptj.model", "gpt_neox.model", "opt.model"]
+)
 def test_the_verified_fingerprints_are_those_of_the_stock_modules(name):
     """An export of a stock module names its transformers architecture without a probe because the parity tests
     compare that code: a change to the module (or to common.py) must be compared again, then its fingerprint set."""
-    fingerprint = model_code.module_code_fingerprint(importlib.import_module(f"flax_lm.models.{name}"))
+    module = importlib.import_module(f"flax_lm.models.{name}")
+    fingerprint, name = model_code.module_code_fingerprint(module), model_code.module_name(module)
     assert model_code.VERIFIED_FINGERPRINTS[name] == fingerprint, (
-        f"flax_lm/models/{name}.py or common.py changed: once its parity tests pass, set "
+        f"{module.__file__} or common.py changed: once its parity tests pass, set "
         f'VERIFIED_FINGERPRINTS["{name}"] = "{fingerprint}" in flax_lm/models/model_code.py'
     )
 
@@ -288,6 +337,8 @@ PROBE_CONFIGS = {
     "roberta": lambda: tiny_roberta_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "gemma2": FAMILY_CONFIGS["gemma2"],
     "olmo2": FAMILY_CONFIGS["olmo2"],
+    # Whose checkpoint's embed_out is the class's lm_head (LOADED_NAMES); a short context, for a short probe.
+    "gpt_neox": partial(FAMILY_CONFIGS["gpt_neox"], max_position_embeddings=32),
 }
 
 

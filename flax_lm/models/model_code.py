@@ -45,6 +45,9 @@ VERIFIED_FINGERPRINTS = {
     "gpt2": "61d3745b8a30cf52",
     "llama": "1fbca14013f5fdc6",
     "olmo2": "15a9ef5e60891667",
+    "gptj": "7f9b9132ce078207",
+    "gpt_neox": "d716db52d050a49b",
+    "opt": "b87ae3ea75ec17c1",
     "roberta": "7fbe975d967e2fc4",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
@@ -86,8 +89,10 @@ FLAX_WEIGHTS_NAME = "flax_model.safetensors"
 
 
 def module_name(module: ModuleType) -> str:
-    """'llama' for flax_lm.models.llama: the name VERIFIED_FINGERPRINTS keys it by."""
-    return module.__name__.rsplit(".", 1)[-1]
+    """'llama' for flax_lm.models.llama, 'gptj' for a family's package module flax_lm.models.gptj.model: the name
+    VERIFIED_FINGERPRINTS keys it by."""
+    *packages, name = module.__name__.split(".")
+    return packages[-1] if name == "model" and packages[:2] == ["flax_lm", "models"] else name
 
 
 def module_code_fingerprint(module: ModuleType) -> str:
@@ -114,7 +119,7 @@ class ModelCode:
 
     @property
     def description(self) -> str:
-        return self.own_file or f"flax_lm/models/{module_name(self.module)}.py"
+        return self.own_file or f"{self.module.__name__.replace('.', '/')}.py"
 
     @property
     def is_verified_stock(self) -> bool:
@@ -290,7 +295,12 @@ def probe_difference(module, config, hf_class) -> float | str:
         )
     with jax.default_matmul_precision("highest"):
         params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids[:1])["params"])
-    state_dict = {name: torch.from_numpy(np.array(value)) for name, value in module.to_hf_state_dict(params).items()}
+    # Under the names the PyTorch model holds them by, where the checkpoint's differ (module.LOADED_NAMES).
+    loaded_names = getattr(module, "LOADED_NAMES", {})
+    state_dict = {
+        loaded_names.get(name, name): torch.from_numpy(np.array(value))
+        for name, value in module.to_hf_state_dict(params).items()
+    }
     torch_model = hf_class(config).eval()
     missing, unexpected = torch_model.load_state_dict(state_dict, strict=False)
     tied = {name for name in missing if name.endswith(("lm_head.weight", "lm_head.decoder.weight", "decoder.bias"))}
