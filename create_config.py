@@ -45,7 +45,7 @@ from transformers import (
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, check_writable_directory, run
-from flax_lm.models import CONFIG_SIZES, MAX_VOCAB_SIZE, non_finite_config_value, stock_module
+from flax_lm.models import CONFIG_SIZES, MAX_VOCAB_SIZE, gpt_neox, gptj, non_finite_config_value, opt, stock_module
 
 logger = logging.getLogger(__name__)
 
@@ -185,40 +185,11 @@ FAMILY_PRESETS = {
         "intermediate_size": 384, "max_position_embeddings": 256, "vocab_size": 100352,
         "tie_word_embeddings": True,
     }),
-    # The models of the JAX toolkits before this one and of the Pythia suite: EleutherAI/gpt-j-6b,
-    # EleutherAI/pythia-160m and facebook/opt-125m on the Hugging Face Hub, their vocabularies and special ids unless a
-    # tokenizer gives others; and tiny sizes of our own of each.
-    "gpt-j-6b": ("gptj", {
-        "n_layer": 28, "n_embd": 4096, "n_head": 16, "rotary_dim": 64, "n_positions": 2048, "vocab_size": 50400,
-        "tie_word_embeddings": False, "bos_token_id": 50256, "eos_token_id": 50256,
-    }),
-    "pythia-160m": ("gpt_neox", {
-        "num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072,
-        "max_position_embeddings": 2048, "vocab_size": 50304, "use_parallel_residual": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
-    }),
-    "opt-125m": ("opt", {
-        "num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "ffn_dim": 3072,
-        "max_position_embeddings": 2048, "vocab_size": 50272, "word_embed_proj_dim": 768,
-        "do_layer_norm_before": True, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 2,
-        "pad_token_id": 1,
-    }),
-    "gpt-j-tiny": ("gptj", {
-        "n_layer": 2, "n_embd": 128, "n_head": 2, "rotary_dim": 16, "n_positions": 256, "vocab_size": 50400,
-        "tie_word_embeddings": False,
-    }),
-    "pythia-tiny": ("gpt_neox", {
-        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 512,
-        "max_position_embeddings": 256, "vocab_size": 50304,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": False,
-    }),
-    "opt-tiny": ("opt", {
-        "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "ffn_dim": 512,
-        "max_position_embeddings": 256, "vocab_size": 50272, "word_embed_proj_dim": 128,
-    }),
 }  # fmt: skip
+# The models of the JAX toolkits before this one and of the Pythia suite, whose families register their presets.
+FAMILY_PRESETS |= {
+    name: preset for family in (gptj.FAMILY, gpt_neox.FAMILY, opt.FAMILY) for name, preset in family.presets.items()
+}
 
 # RoBERTa sizes as published with the RoBERTa paper (Liu et al., 2019) and the FacebookAI/roberta-base and
 # roberta-large configurations on the Hugging Face Hub. RoBERTa numbers positions from pad_token_id + 1, so

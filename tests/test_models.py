@@ -240,6 +240,14 @@ def test_the_sliding_window_is_computed_not_ignored():
         ("olmo2", dict(sliding_window=4), "sliding_window is not part of olmo2"),
         ("qwen3", dict(final_logit_softcapping=30.0), "final_logit_softcapping is not part of qwen3"),
         ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping is not part of gemma3_text"),
+        ("opt", dict(layerdrop=0.1), "layerdrop 0.1 is not implemented"),
+        ("gpt_neox", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "rope_type 'dyn"),
+        (
+            "gpt_neox",
+            dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.2)),
+            "turns 3 of the 16 dimensions",
+        ),  # fmt: skip
+        ("gptj", dict(rotary_dim=7), "rotary_dim 7 is not an even number"),
     ],
 )
 def test_a_family_feature_the_module_does_not_compute_is_refused(model_type, overrides, message):

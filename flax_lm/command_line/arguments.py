@@ -46,16 +46,17 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "The model type to train from scratch without --config_name, with its default configuration: "
-            "gpt2 (the default of run_clm_flax.py), llama, mistral, qwen2, qwen3, gemma2, gemma3_text or olmo2; "
-            "roberta for run_mlm_flax.py. With a config, its model_type chooses the model."
+            "gpt2 (the default of run_clm_flax.py), llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, gptj, "
+            "gpt_neox or opt; roberta for run_mlm_flax.py. With a config, its model_type chooses the model."
         },
     )
     model_file: str | None = field(
         default=None,
         metadata={
             "help": "A model module of the experiment's own, to compute the config's model type instead of flax_lm's: "
-            "a copy of flax_lm/models/gpt2.py (or llama.py, gemma.py, olmo2.py, roberta.py), edited. The run "
-            "directory keeps it; give it again to resume, and to load the exports with generate_flax.py."
+            "a copy of flax_lm/models/gpt2.py (or llama.py, gemma.py, olmo2.py, roberta.py, gptj/model.py, "
+            "gpt_neox/model.py, opt/model.py), edited. The run directory keeps it; give it again to resume, and to "
+            "load the exports with generate_flax.py."
         },
     )
     skip_export_check: bool = field(

@@ -45,8 +45,8 @@ VERIFIED_FINGERPRINTS = {
     "gpt2": "61d3745b8a30cf52",
     "llama": "1fbca14013f5fdc6",
     "olmo2": "15a9ef5e60891667",
-    "gptj": "7f9b9132ce078207",
-    "gpt_neox": "d716db52d050a49b",
+    "gptj": "6a460acf5aac6e58",
+    "gpt_neox": "f34a434fcdb92410",
     "opt": "b87ae3ea75ec17c1",
     "roberta": "7fbe975d967e2fc4",
 }

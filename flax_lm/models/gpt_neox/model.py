@@ -43,6 +43,11 @@ HF_ARCHITECTURES = {"gpt_neox": "GPTNeoXForCausalLM"}
 GENERATES_TEXT = True
 
 
+# The rope_type values this module computes: the rotation of the rotary dimensions at GPT-NeoX's frequencies, all of
+# them divided by a factor with "linear" (as transformers computes both for the rotary dimensions alone).
+ROPE_TYPES = ("default", "linear")
+
+
 def head_dim_of(config) -> int:
     return config.hidden_size // config.num_attention_heads
 
@@ -66,10 +71,10 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     if config.hidden_act not in ACTIVATIONS:
         raise UsageError(f"hidden_act '{config.hidden_act}' is not supported; use one of {', '.join(ACTIVATIONS)}")
     rope = rope_parameters(config)
-    if rope["rope_type"] != "default":
+    if rope["rope_type"] not in ROPE_TYPES:
         raise UsageError(
             f"rope_parameters rope_type '{rope['rope_type']}' is not implemented by flax_lm/models/gpt_neox/model.py "
-            "(it computes GPT-NeoX's default rotation); use rope_type default"
+            f"(it computes {' and '.join(ROPE_TYPES)}); use one of those"
         )
     factor = rope.get("partial_rotary_factor", 1.0)
     if not 0 < factor <= 1 or rotary_dims(config) % 2:

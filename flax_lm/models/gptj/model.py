@@ -59,13 +59,7 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
             f"activation_function '{config.activation_function}' is not supported; use one of {', '.join(ACTIVATIONS)}"
         )
     rotary_dim, head_dim = config.rotary_dim, head_dim_of(config)
-    # GPTJForCausalLM turns whole heads without a rotary_dim only where a head is the whole width (one head).
-    if (
-        not isinstance(rotary_dim, int)
-        or isinstance(rotary_dim, bool)
-        or not 0 < rotary_dim <= head_dim
-        or rotary_dim % 2
-    ):
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise UsageError(
             f"rotary_dim {rotary_dim!r} is not an even number of a head's {head_dim} dimensions; set it, e.g. "
             f"--set rotary_dim={min(64, head_dim - head_dim % 2)}"
