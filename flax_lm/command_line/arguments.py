@@ -54,9 +54,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "A model module of the experiment's own, to compute the config's model type instead of flax_lm's: "
-            "a copy of flax_lm/models/gpt2.py (or llama.py, gemma.py, olmo2.py, roberta.py, gptj/model.py, "
-            "gpt_neox/model.py, opt/model.py), edited. The run directory keeps it; give it again to resume, and to "
-            "load the exports with generate_flax.py."
+            "a copy of a module of flax_lm/models (gpt2.py, llama.py, ..., opt/model.py), edited. The run "
+            "directory keeps it; give it again to resume, and to load the exports with generate_flax.py."
         },
     )
     skip_export_check: bool = field(
