@@ -161,6 +161,8 @@ FAMILY_VARIANTS = {
     "gpt_neox sequential residual": partial(FAMILY_CONFIGS["gpt_neox"], use_parallel_residual=False),
     "opt norms before": partial(FAMILY_CONFIGS["opt"], do_layer_norm_before=True, word_embed_proj_dim=64,
                                 enable_bias=True, tie_word_embeddings=False),
+    "opt without a final norm": partial(FAMILY_CONFIGS["opt"], do_layer_norm_before=True,
+                                        _remove_final_layer_norm=True, layer_norm_elementwise_affine=False),
 }  # fmt: skip
 
 
