@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Write the config.json of a GPT-2, Llama (SmolLM), Qwen 3, Gemma 3, OLMo 2 or RoBERTa model from a preset size,
-with your changes.
+"""Write the config.json of a GPT-2, Llama (SmolLM), Qwen 3, Gemma 3, OLMo 2, GPT-J, GPT-NeoX (Pythia), OPT or
+RoBERTa model from a preset size, with your changes.
 
 The presets are stored with each model family (flax_lm/models/NAME/__init__.py), so no network is needed. Given a
 tokenizer directory, the vocabulary size and the special-token ids are taken from the tokenizer, and config.json is

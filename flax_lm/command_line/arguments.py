@@ -47,8 +47,8 @@ class ModelArguments(ModelSettingsFromFlags):
         default=None,
         metadata={
             "help": "The model type to train from scratch without --config_name, with its default configuration: "
-            "gpt2 (the default of run_clm_flax.py), llama, mistral, qwen2, qwen3, gemma2, gemma3_text or olmo2; "
-            "roberta for run_mlm_flax.py. With a config, its model_type chooses the model."
+            "gpt2 (the default of run_clm_flax.py), llama, mistral, qwen2, qwen3, gemma2, gemma3_text, olmo2, gptj, "
+            "gpt_neox or opt; roberta for run_mlm_flax.py. With a config, its model_type chooses the model."
         },
     )
     model_file: str | None = field(

@@ -20,6 +20,11 @@ and, where it computes config fields its transformers class lacks (GPT-2's block
     BLOCK_OPTIONS           those fields, which create_config.py --set accepts
     export_refusal(config)  why an export of the model of `config` cannot name the architecture, or None
 
+and, where the checkpoint names a tensor otherwise than the transformers class holds it in memory (GPT-NeoX's
+embed_out, its lm_head):
+
+    LOADED_NAMES            {checkpoint name: the class's name}, for the probe that loads weights into the class
+
 To give one experiment a model of its own, copy a module beside the script (`cp flax_lm/models/gpt2/model.py
 my_gpt2.py`), edit the copy and pass it to every tool with `--model_file my_gpt2.py`: flax_lm and every other run stay
 as they are. See flax_lm/models/model_code.py for what a run records of the code and what its exports may claim.
@@ -101,6 +106,9 @@ FAMILIES = (
     "olmo2",
     "roberta",
     "smollm3",
+    "gptj",
+    "gpt_neox",
+    "opt",
 )
 
 

@@ -514,9 +514,10 @@ def export_difference(export_dir: str, trained_model, trained_params) -> float |
 
 def add_transformers_4_rope_keys(config_path: str):
     """Write the rotary settings into config.json also under the names transformers 4 reads (rope_theta, rope_scaling,
-    and Gemma 3's rope_local_base_freq for its sliding layers) beside transformers 5's rope_parameters, which
-    transformers 4 ignores: without them it would rotate with its own default base, 10,000, whatever the model was
-    trained with. transformers 5 reads the two consistently."""
+    Gemma 3's rope_local_base_freq for its sliding layers, GPT-NeoX's rotary_emb_base and rotary_pct) beside
+    transformers 5's rope_parameters, which transformers 4 ignores: without them it would rotate with its own defaults
+    (a base of 10,000, a quarter of each GPT-NeoX head), whatever the model was trained with. transformers 5 reads the
+    two consistently."""
     with open(config_path) as file:
         config = json.load(file)
     rope = config.get("rope_parameters")
@@ -528,7 +529,10 @@ def add_transformers_4_rope_keys(config_path: str):
         rope = rope["full_attention"]
     if "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
-    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if config.get("model_type") == "gpt_neox":  # which transformers 4 reads under names of its own
+        config["rotary_emb_base"] = rope.get("rope_theta", 10000.0)
+        config["rotary_pct"] = rope.get("partial_rotary_factor", 1.0)
+    scaling = {key: value for key, value in rope.items() if key not in ("rope_theta", "partial_rotary_factor")}
     if scaling.get("rope_type", "default") == "default":
         config["rope_scaling"] = None
     elif config.get("model_type") == "olmo2":  # transformers 4's OLMo 2 takes these two fields and no others

@@ -44,8 +44,11 @@ logger = logging.getLogger(__name__)
 VERIFIED_FINGERPRINTS = {
     "gemma": "c7d6428d39311be6",
     "gpt2": "160fed58a940323c",
+    "gpt_neox": "85e0e433b6fdac15",
+    "gptj": "f4b9583fd3bfaee3",
     "llama": "c008d80d34dcd6a9",
     "olmo2": "09ba662aef0ed72b",
+    "opt": "ad4e932f69f9ea35",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
 }
@@ -309,7 +312,12 @@ def probe_difference(module, config, hf_class) -> float | str:
         )
     with jax.default_matmul_precision("highest"):
         params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids[:1])["params"])
-    state_dict = {name: torch.from_numpy(np.array(value)) for name, value in module.to_hf_state_dict(params).items()}
+    # Under the names the PyTorch model holds them by, where the checkpoint's differ (module.LOADED_NAMES).
+    loaded_names = getattr(module, "LOADED_NAMES", {})
+    state_dict = {
+        loaded_names.get(name, name): torch.from_numpy(np.array(value))
+        for name, value in module.to_hf_state_dict(params).items()
+    }
     torch_model = hf_class(config).eval()
     missing, unexpected = torch_model.load_state_dict(state_dict, strict=False)
     tied = {name for name in missing if name.endswith(("lm_head.weight", "lm_head.decoder.weight", "decoder.bias"))}

@@ -40,7 +40,10 @@ CONVERSATION = [
 ]
 
 
-GPT2_FRAMED_FAMILIES = ("qwen2", "qwen3", "olmo2")
+GPT2_FRAMED_FAMILIES = ("qwen2", "qwen3", "olmo2", "gptj", "gpt_neox", "opt")
+# The families whose positions are not set by one rope_parameters of config.json: Gemma 3's for each layer type,
+# GPT-J's base fixed, OPT's learned.
+OWN_POSITION_SETTINGS = ("gemma3_text", "gptj", "opt")
 
 
 def chat_tokenizer(tokenizer_dir):
@@ -77,7 +80,7 @@ def export_dirs(gpt2_tokenizer_dir, llama_tokenizer_dir, roberta_tokenizer_dir, 
         tokenizer = AutoTokenizer.from_pretrained(framing)
         special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config = make_config(vocab_size=1000, pad_token_id=None, **special_ids)
-        if model_type != "gemma3_text":  # which sets a base and a scaling of its own for each layer type
+        if model_type not in OWN_POSITION_SETTINGS:
             # A base other than transformers 4's default, and a scaling: both must reach it from config.json.
             config.rope_parameters = {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}
         exports[model_type] = (config, hf_class_of(config), tokenizer)

@@ -52,6 +52,10 @@ def torch_parameter_count(model):
         ("qwen3-tiny", {"vocab_size": 1000}),
         ("gemma3-tiny", {"vocab_size": 1000}),
         ("olmo2-tiny", {"vocab_size": 1000, "tie_word_embeddings": False}),
+        ("gpt-j-tiny", {"vocab_size": 1000, "tie_word_embeddings": True}),
+        ("pythia-tiny", {"vocab_size": 1000, "attention_bias": False}),
+        ("opt-tiny", {"vocab_size": 1000, "word_embed_proj_dim": 64, "tie_word_embeddings": False}),
+        ("opt-tiny", {"vocab_size": 1000, "do_layer_norm_before": False, "enable_bias": False}),
     ],
 )
 def test_parameter_count_matches_the_pytorch_model(preset, overrides):
@@ -66,9 +70,11 @@ def test_parameter_count_matches_the_pytorch_model(preset, overrides):
 # The presets of the small open models that continued pretraining starts from, and tiny sizes of each.
 FAMILY_PRESETS = ["qwen3-0.6b", "gemma3-270m", "olmo2-1b", "smollm-135m", "qwen3-tiny", "gemma3-tiny", "olmo2-tiny"]
 # The parameter counts of the published models the family presets take their shapes from (their model cards: 0.6B,
-# 268M, 1.48B, 134.5M).
+# 268M, 1.48B, 134.5M; Pythia's table of sizes in the EleutherAI/pythia README; the tensors of the facebook/opt-125m
+# and EleutherAI/gpt-j-6b weight files, whose model card's table says 6,053,381,344, 2,498,560 more than they hold).
 PUBLISHED_PARAMETERS = {"qwen3-0.6b": 596_049_920, "gemma3-270m": 268_098_176, "olmo2-1b": 1_484_916_736,
-                        "smollm-135m": 134_515_008}  # fmt: skip
+                        "smollm-135m": 134_515_008, "pythia-160m": 162_322_944, "opt-125m": 125_239_296,
+                        "gpt-j-6b": 6_050_882_784}  # fmt: skip
 
 
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)

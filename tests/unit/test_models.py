@@ -26,9 +26,12 @@ from transformers import (
     AutoTokenizer,
     Gemma2Config,
     Gemma3TextConfig,
+    GPTJConfig,
+    GPTNeoXConfig,
     LlamaForCausalLM,
     MistralConfig,
     Olmo2Config,
+    OPTConfig,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -77,6 +80,10 @@ def llama_config(**overrides):
 FAMILY_SHAPES = dict(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+)  # fmt: skip
+LAYER_NORM_FAMILY_SHAPES = dict(
+    vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+    bos_token_id=0, eos_token_id=1, pad_token_id=2,
 )  # fmt: skip
 FAMILY_CONFIGS = {
     "qwen2": lambda **overrides: Qwen2Config(
@@ -129,7 +136,42 @@ FAMILY_CONFIGS = {
             **overrides,
         }
     ),  # fmt: skip
+    # The families of LayerNorm and an MLP of one matrix in and one out: GPT-J's rotary dimensions a part of each head
+    # (interleaved), with a tied output layer (its bias apart); Pythia's rotary_pct, parallel residual and base; OPT's
+    # norms after the sublayers, with a narrower embedding projected in and out and no biases.
+    "gptj": lambda **overrides: GPTJConfig(
+        **{**LAYER_NORM_FAMILY_SHAPES, "n_inner": 96, "rotary_dim": 6, "tie_word_embeddings": True, **overrides}
+    ),
+    "gpt_neox": lambda **overrides: GPTNeoXConfig(
+        **{
+            **LAYER_NORM_FAMILY_SHAPES,
+            "intermediate_size": 96,
+            "rotary_pct": 0.5,
+            "rotary_emb_base": 500.0,
+            **overrides,
+        }
+    ),  # fmt: skip
+    "opt": lambda **overrides: OPTConfig(
+        **{
+            **LAYER_NORM_FAMILY_SHAPES,
+            "ffn_dim": 96,
+            "do_layer_norm_before": False,
+            "word_embed_proj_dim": 32,
+            "enable_bias": False,
+            "dropout": 0.0,
+            **overrides,
+        }
+    ),  # fmt: skip
 }
+LAYER_NORM_FAMILIES = ("gptj", "gpt_neox", "opt")
+# The other way of each that has two, for the logits tests.
+FAMILY_VARIANTS = {
+    "gpt_neox sequential residual": partial(FAMILY_CONFIGS["gpt_neox"], use_parallel_residual=False),
+    "opt norms before": partial(FAMILY_CONFIGS["opt"], do_layer_norm_before=True, word_embed_proj_dim=64,
+                                enable_bias=True, tie_word_embeddings=False),
+    "opt without a final norm": partial(FAMILY_CONFIGS["opt"], do_layer_norm_before=True,
+                                        _remove_final_layer_norm=True, layer_norm_elementwise_affine=False),
+}  # fmt: skip
 
 
 def hf_class_of(config):
@@ -167,17 +209,23 @@ def test_llama_logits_equal_pytorch_llama(variant):
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", FAMILY_CONFIGS)
-def test_each_family_computes_the_logits_of_its_transformers_class(model_type):
-    config = FAMILY_CONFIGS[model_type]()
+@pytest.mark.parametrize("variant", {**FAMILY_CONFIGS, **FAMILY_VARIANTS})
+def test_each_family_computes_the_logits_of_its_transformers_class(variant):
+    """Without a cache; and, for the families whose attention is new to the cache (partial rotary, OPT's), with the
+    rows prefilled into a cache and decoded one token at a time."""
+    config = {**FAMILY_CONFIGS, **FAMILY_VARIANTS}[variant]()
     config._attn_implementation = "eager"  # the reference: soft-capping and windows written out
     torch_model = random_torch_model(hf_class_of(config), config)
-    model, params = flax_params_of(stock_module(model_type), config, torch_model)
+    model, params = flax_params_of(stock_module(config.model_type), config, torch_model)
     input_ids = np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 24))
     with torch.no_grad():
         expected = torch_model(torch.tensor(input_ids)).logits.numpy()
-    logits = np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
     assert np.abs(expected).max() > 1
+    if config.model_type in LAYER_NORM_FAMILIES:  # the three routes in one compiled program
+        relative = model_code.routes_difference(model, params, input_ids, lambda rows: expected, generates_text=True)
+        assert relative * np.abs(expected).max() < 1e-4
+        return
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
 
 
@@ -202,6 +250,14 @@ def test_the_sliding_window_is_computed_not_ignored():
         ("olmo2", dict(sliding_window=4), "sliding_window is not part of olmo2"),
         ("qwen3", dict(final_logit_softcapping=30.0), "final_logit_softcapping is not part of qwen3"),
         ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping is not part of gemma3_text"),
+        ("opt", dict(layerdrop=0.1), "layerdrop 0.1 is not implemented"),
+        ("gpt_neox", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "rope_type 'dyn"),
+        (
+            "gpt_neox",
+            dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.2)),
+            "turns 3 of the 16 dimensions",
+        ),  # fmt: skip
+        ("gptj", dict(rotary_dim=7), "rotary_dim 7 is not an even number"),
     ],
 )
 def test_a_family_feature_the_module_does_not_compute_is_refused(model_type, overrides, message):
@@ -279,7 +335,7 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
         assert new == expected
 
 
-@pytest.mark.parametrize("name", ["gemma", "gpt2", "llama", "olmo2", "roberta", "smollm3"])
+@pytest.mark.parametrize("name", ["gemma", "gpt2", "llama", "olmo2", "roberta", "smollm3", "gptj", "gpt_neox", "opt"])
 def test_the_verified_fingerprints_are_those_of_the_stock_modules(name):
     """An export of a stock module names its transformers architecture without a probe because the parity tests
     compare that code: a change to the module (or to shared/common.py) must be compared again, then its fingerprint
@@ -297,6 +353,8 @@ PROBE_CONFIGS = {
     "roberta": lambda: tiny_roberta_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "gemma2": FAMILY_CONFIGS["gemma2"],
     "olmo2": FAMILY_CONFIGS["olmo2"],
+    # Whose checkpoint's embed_out is the class's lm_head (LOADED_NAMES); a short context, for a short probe.
+    "gpt_neox": partial(FAMILY_CONFIGS["gpt_neox"], max_position_embeddings=32),
 }
 
 
