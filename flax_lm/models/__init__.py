@@ -47,6 +47,10 @@ MODEL_MODULES = {
     "gemma3_text": "flax_lm.models.gemma",
     "olmo2": "flax_lm.models.olmo2",
     "roberta": "flax_lm.models.roberta",
+    "mixtral": "flax_lm.models.mixtral.model",
+    "qwen2_moe": "flax_lm.models.qwen_moe.model",
+    "qwen3_moe": "flax_lm.models.qwen_moe.model",
+    "olmoe": "flax_lm.models.olmoe.model",
 }
 
 # What a module must define, for the tools to train, export and decode its model.

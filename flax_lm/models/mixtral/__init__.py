@@ -1,0 +1,1 @@
+"""The mixtral family: its model module (model.py)."""

@@ -1,0 +1,1 @@
+"""The olmoe family: its model module (model.py)."""

@@ -1,0 +1,1 @@
+"""The qwen_moe family: its model module (model.py)."""
