@@ -42,7 +42,15 @@ from transformers import (
 from flax_lm.command_line.tool_arguments import parse_arguments
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, check_writable_directory, run
-from flax_lm.models import CONFIG_SIZES, MAX_VOCAB_SIZE, non_finite_config_value, stock_module
+from flax_lm.models import (
+    CONFIG_SIZES,
+    MAX_VOCAB_SIZE,
+    mixtral,
+    non_finite_config_value,
+    olmoe,
+    qwen_moe,
+    stock_module,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +245,9 @@ PRESETS = {
     **FAMILY_PRESETS,
     **{name: ("roberta", values) for name, values in ROBERTA_PRESETS.items()},
 }
+# The mixture-of-experts families, each with its presets and config classes in its folder of flax_lm/models.
+MOE_FAMILIES = (mixtral, qwen_moe, olmoe)
+PRESETS |= {name: preset for family in MOE_FAMILIES for name, preset in family.PRESETS.items()}
 CONFIG_CLASSES = {
     "gpt2": GPT2Config,
     "llama": LlamaConfig,
@@ -244,6 +255,9 @@ CONFIG_CLASSES = {
     "gemma3_text": Gemma3TextConfig,
     "olmo2": Olmo2Config,
     "roberta": RobertaConfig,
+}
+CONFIG_CLASSES |= {
+    name: config_class for family in MOE_FAMILIES for name, config_class in family.CONFIG_CLASSES.items()
 }
 # Keys of config.json that describe the file rather than the model.
 BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}

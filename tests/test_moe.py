@@ -4,6 +4,8 @@ loss equals transformers' load_balancing_loss_func; each family's logits equal i
 (no cache, prefilled cache, one token at a time) with its checkpoint read as save_pretrained writes it; greedy
 left-padded decoding equals generate; an export loads in transformers as the same class; bad routing is refused."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,10 +17,12 @@ from test_models import random_torch_model
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+import create_config
 from flax_lm.errors import UsageError
 from flax_lm.generation.sampling import generate_ids, make_sampler
 from flax_lm.models import model_code, stock_module
 from flax_lm.models.shared import moe
+from flax_lm.models.shared.moe_decoder import parameter_counts
 from flax_lm.training.train_state import abstract_model_params
 
 SHAPES = dict(
@@ -119,24 +123,25 @@ def random_routing(tokens=40, width=16, inner=24, experts=8, k=2, seed=0):
     return x, logits, kernels
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_dropless_experts_equal_every_expert_on_every_token_with_their_gradients(renormalize):
+@pytest.mark.parametrize("grouping, renormalize", [("blocks", True), ("ragged_dot", False)])
+def test_dropless_experts_equal_every_expert_on_every_token_with_their_gradients(grouping, renormalize):
+    """Both grouped products, the router's weights renormalised or not, on tokens most of which go to one expert
+    (groups of very different sizes, several blocks of one expert, experts with no token)."""
     x, logits, kernels = random_routing()
+    logits = logits.at[:30, 3].add(4.0).at[:, 6:].add(-9.0)
 
-    def loss(implementation, x, logits, kernels):
+    def loss(experts, x, logits, kernels):
         expert_ids, weights = moe.route(logits, 2, renormalize)
-        y = moe.EXPERTS[implementation](x, expert_ids, weights, *kernels, "silu")
+        y = experts(x, expert_ids, weights, *kernels, "silu")
         return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
 
+    dropless = partial(moe.dropless_experts, grouping=grouping)
     with jax.default_matmul_precision("highest"):
-        (_, dropless), dropless_grads = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)(
-            "dropless", x, logits, kernels
-        )
-        (_, dense), dense_grads = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)(
-            "dense", x, logits, kernels
-        )
-    np.testing.assert_allclose(dropless, dense, atol=1e-5)
-    for got, expected in zip(jax.tree.leaves(dropless_grads), jax.tree.leaves(dense_grads)):
+        gradients = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)
+        (_, got), got_gradients = gradients(dropless, x, logits, kernels)
+        (_, expected), expected_gradients = gradients(moe.dense_experts, x, logits, kernels)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    for got, expected in zip(jax.tree.leaves(got_gradients), jax.tree.leaves(expected_gradients)):
         assert np.abs(expected).max() > 1e-3
         np.testing.assert_allclose(got, expected, atol=1e-4)
 
@@ -163,6 +168,24 @@ def test_the_model_sows_its_router_logits_for_the_auxiliary_losses(tmp_path):
     assert 1.0 <= float(moe.load_balancing_loss(logits, 6, 3)) < 6.0
 
 
+# The published parameter counts, in billions, total and active per token: Mistral AI's announcement of Mixtral 8x7B
+# (mistral.ai/news/mixtral-of-experts: 46.7B, 12.9B), the model card of Qwen/Qwen3-30B-A3B (30.5B, 3.3B) and the OLMoE
+# paper (arXiv 2409.02060, table 1: 6.9B, 1.3B), each to one decimal, rounded (Mixtral's 12.88B is 12.9) or cut
+# (Qwen's 3.35B is 3.3).
+PUBLISHED_SIZES = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.3), "olmoe-1b-7b": (6.9, 1.3)}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED_SIZES)
+def test_the_published_presets_have_the_published_parameter_counts(preset):
+    model_type, values = create_config.PRESETS[preset]
+    config = create_config.CONFIG_CLASSES[model_type](**values)
+    module = stock_module(model_type)
+    module.check_model_config(config)
+    total, active = parameter_counts(config, module.family_of(config))
+    published_total, published_active = PUBLISHED_SIZES[preset]
+    assert abs(total / 1e9 - published_total) < 0.06 and abs(active / 1e9 - published_active) < 0.06, (total, active)
+
+
 @pytest.mark.parametrize(
     "model_type, overrides, message",
     [
@@ -177,3 +200,14 @@ def test_routing_a_module_does_not_compute_is_refused_in_one_line(model_type, ov
         setattr(config, key, value)
     with pytest.raises(UsageError, match=message):
         stock_module(model_type).check_model_config(config)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "olmoe"])
+def test_the_verified_fingerprints_are_those_of_the_moe_modules(model_type):
+    """An export of a stock module names its architecture because the parity tests above compare that code: a
+    change to the module, to common.py or to the shared MoE parts must be compared again, then its fingerprint set."""
+    module = stock_module(model_type)
+    name, fingerprint = model_code.module_name(module), model_code.module_code_fingerprint(module)
+    assert model_code.VERIFIED_FINGERPRINTS[name] == fingerprint, (
+        f"once the parity tests pass, set VERIFIED_FINGERPRINTS[{name!r}] = {fingerprint!r} in model_code.py"
+    )

@@ -46,6 +46,9 @@ VERIFIED_FINGERPRINTS = {
     "llama": "1fbca14013f5fdc6",
     "olmo2": "15a9ef5e60891667",
     "roberta": "7fbe975d967e2fc4",
+    "mixtral/model": "d115b1bd964fbcd9",
+    "olmoe/model": "f3f0ad55ec625f70",
+    "qwen_moe/model": "c2e6456ce214cbb9",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
@@ -86,15 +89,26 @@ FLAX_WEIGHTS_NAME = "flax_model.safetensors"
 
 
 def module_name(module: ModuleType) -> str:
-    """'llama' for flax_lm.models.llama: the name VERIFIED_FINGERPRINTS keys it by."""
+    """'llama' for flax_lm.models.llama, 'mixtral/model' for flax_lm.models.mixtral.model (a family's folder): the
+    name VERIFIED_FINGERPRINTS keys it by."""
+    if module.__name__.startswith("flax_lm.models."):
+        return module.__name__.removeprefix("flax_lm.models.").replace(".", "/")
     return module.__name__.rsplit(".", 1)[-1]
 
 
 def module_code_fingerprint(module: ModuleType) -> str:
-    """sha256 of the model module's file and of flax_lm/models/common.py, which the modules build on."""
-    common = os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py")
+    """sha256 of the model module's file and of flax_lm/models/common.py, which the modules build on, and of the
+    shared parts (flax_lm/models/shared/) where the module imports them (the mixture-of-experts families)."""
+    models_dir = os.path.dirname(os.path.abspath(__file__))
+    paths = [module.__file__, os.path.join(models_dir, "common.py")]
+    with open(module.__file__, encoding="utf-8") as file:
+        if "flax_lm.models.shared" in file.read():
+            shared_dir = os.path.join(models_dir, "shared")
+            paths += [
+                os.path.join(shared_dir, name) for name in sorted(os.listdir(shared_dir)) if name.endswith(".py")
+            ]
     digest = hashlib.sha256()
-    for path in (module.__file__, common):
+    for path in paths:
         with open(path, "rb") as file:
             digest.update(file.read())
     return digest.hexdigest()[:16]

@@ -42,6 +42,11 @@ MIXTRAL = MoeFamily(
 )
 
 
+def family_of(config) -> MoeFamily:
+    """What sets the model of `config` apart (one family here)."""
+    return MIXTRAL
+
+
 def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     """Raise UsageError if `config` asks for a variant this model does not implement, or one that the tensor axis
     of `mesh` cannot split."""

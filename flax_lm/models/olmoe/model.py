@@ -43,6 +43,11 @@ OLMOE = MoeFamily(
 )
 
 
+def family_of(config) -> MoeFamily:
+    """What sets the model of `config` apart (one family here)."""
+    return OLMOE
+
+
 def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
     """Raise UsageError if `config` asks for a variant this model does not implement, or one that the tensor axis
     of `mesh` cannot split."""

@@ -54,6 +54,7 @@ def projection_biases(config) -> tuple[bool, bool]:
 
 
 def family_of(config) -> MoeFamily:
+    """What sets the model of `config` apart: Qwen 2 MoE's or Qwen 3 MoE's."""
     return QWEN2_MOE if config.model_type == "qwen2_moe" else QWEN3_MOE
 
 

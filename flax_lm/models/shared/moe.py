@@ -11,6 +11,7 @@ The router logits of each MoE layer are sown into the "intermediates" collection
 nothing unless the caller asks for the collection (model.apply(..., mutable=["intermediates"])): how a training
 objective adds the auxiliary losses."""
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -73,25 +74,59 @@ def route(
     return expert_ids.astype(jnp.int32), weights * scale
 
 
-def dropless_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, activation: str):
+def dropless_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, activation: str, grouping=None):
     """sum over each token's k experts of weight * down(act(gate(x)) * up(x)), for x (tokens, width), expert_ids and
     weights (tokens, k), kernels (experts, width, inner) and (experts, inner, width).
 
-    Dropless: the tokens * k (token, expert) pairs are sorted by expert, and each expert multiplies its contiguous rows
-    as one group of jax.lax.ragged_dot; the outputs are put back in the pairs' order and summed per token. The work is
-    that of the k experts each token uses, whatever the balance of the router."""
+    Dropless: the tokens * k (token, expert) pairs are sorted by expert, each expert multiplies its own rows, and the
+    outputs are put back in the pairs' order and summed per token; the work is that of the k experts each token uses,
+    whatever the balance of the router. The grouped products (`grouping`, by default the backend's best):
+    "ragged_dot", jax.lax.ragged_dot over the sorted rows, which XLA computes as grouped kernels on GPUs and TPUs but
+    on a CPU as every expert over every row (experts times the work); "blocks", each expert's rows padded to whole
+    blocks of rows and each block multiplied by its expert's kernels (MegaBlocks' block-sparse layout, as batched
+    products), at most about twice the rows' work, which is how a CPU runs it."""
+    grouping = grouping or ("blocks" if jax.default_backend() == "cpu" else "ragged_dot")
     tokens, k = expert_ids.shape
     experts = gate_kernel.shape[0]
     pairs = expert_ids.reshape(-1)
     order = jnp.argsort(pairs, stable=True)  # the pairs by expert
     group_sizes = jnp.bincount(pairs, length=experts).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)  # pair p is token p // k's
-    gate = jax.lax.ragged_dot(rows, gate_kernel.astype(x.dtype), group_sizes)
-    up = jax.lax.ragged_dot(rows, up_kernel.astype(x.dtype), group_sizes)
-    hidden = ACTIVATIONS[activation](gate) * up
-    out = jax.lax.ragged_dot(hidden, down_kernel.astype(x.dtype), group_sizes)
+    kernels = [kernel.astype(x.dtype) for kernel in (gate_kernel, up_kernel, down_kernel)]
+    if grouping == "ragged_dot":
+        gate, up = (jax.lax.ragged_dot(rows, kernel, group_sizes) for kernel in kernels[:2])
+        out = jax.lax.ragged_dot(ACTIVATIONS[activation](gate) * up, kernels[2], group_sizes)
+    else:
+        out = blocked_expert_mlp(rows, group_sizes, *kernels, activation)
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)  # back in the pairs' order
     return jnp.einsum("tkw,tk->tw", out, weights.astype(x.dtype))
+
+
+def blocked_expert_mlp(rows, group_sizes, gate_kernel, up_kernel, down_kernel, activation: str):
+    """down(act(gate(rows)) * up(rows)) of `rows` sorted by expert (group_sizes of them each), each expert's rows
+    padded to whole blocks: a block holds one expert's rows (and zeros), and is multiplied by that expert's kernels.
+    The block is about the mean rows per expert (8 to 128), so the padding adds at most a block per expert: the
+    shapes are static, the work about that of the rows, and the kernels gathered per block about twice their size."""
+    count, experts = rows.shape[0], group_sizes.shape[0]
+    block = int(min(128, max(8, 2 ** math.ceil(math.log2(max(1, -(-count // experts)))))))
+    blocks = -(-(count + experts * (block - 1)) // block)
+    padded_sizes = -(-group_sizes // block) * block
+    padded_starts = jnp.cumsum(padded_sizes) - padded_sizes
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    expert_of_row = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=count)
+    slots = padded_starts[expert_of_row] + jnp.arange(count) - starts[expert_of_row]
+    padded = jnp.zeros((blocks * block, rows.shape[1]), rows.dtype).at[slots].set(rows, unique_indices=True)
+    # A block's expert: the last whose padded rows start at or before it (the blocks past them all: the last expert's,
+    # multiplying zeros).
+    block_expert = jnp.searchsorted(padded_starts + padded_sizes, jnp.arange(blocks) * block, side="right")
+    block_expert = jnp.minimum(block_expert, experts - 1)
+    padded = padded.reshape(blocks, block, -1)
+
+    def product(y, kernel):
+        return jnp.einsum("bri,bio->bro", y, jnp.take(kernel, block_expert, axis=0))
+
+    hidden = ACTIVATIONS[activation](product(padded, gate_kernel)) * product(padded, up_kernel)
+    return product(hidden, down_kernel).reshape(blocks * block, -1)[slots]
 
 
 def dense_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, activation: str):

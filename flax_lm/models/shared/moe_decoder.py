@@ -235,3 +235,15 @@ def moe_architecture_shapes(config, family: MoeFamily) -> dict[str, tuple[int, .
         return shapes | {f"{layer}.{norm}.weight": (width,) for norm in norms}
 
     return decoder_shapes(config, layer_shapes)
+
+
+def parameter_counts(config, family: MoeFamily) -> tuple[int, int]:
+    """(parameters, those active for a token) of the family's model of `config`, from its checkpoint's tensors
+    (moe_architecture_shapes): a token uses num_experts_per_tok of each MoE layer's experts, and every other
+    parameter."""
+    experts, total, active = family.num_experts(config), 0, 0
+    for name, shape in moe_architecture_shapes(config, family).items():
+        size = math.prod(shape)
+        total += size
+        active += size * config.num_experts_per_tok // experts if ".experts." in name else size
+    return total, active
