@@ -28,6 +28,7 @@ import flax_lm  # noqa: F401  first: where PyTorch is missing, it keeps transfor
 
 # isort: split
 
+import transformers
 from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     AutoTokenizer,
@@ -247,7 +248,7 @@ PRESETS = {
 }
 # The mixture-of-experts families, each with its presets and config classes in its folder of flax_lm/models.
 MOE_FAMILIES = (mixtral, qwen_moe, olmoe)
-PRESETS |= {name: preset for family in MOE_FAMILIES for name, preset in family.PRESETS.items()}
+PRESETS |= {name: preset for family in MOE_FAMILIES for name, preset in family.FAMILY.presets.items()}
 CONFIG_CLASSES = {
     "gpt2": GPT2Config,
     "llama": LlamaConfig,
@@ -257,7 +258,9 @@ CONFIG_CLASSES = {
     "roberta": RobertaConfig,
 }
 CONFIG_CLASSES |= {
-    name: config_class for family in MOE_FAMILIES for name, config_class in family.CONFIG_CLASSES.items()
+    model_type: getattr(transformers, name)
+    for family in MOE_FAMILIES
+    for model_type, name in family.FAMILY.config_classes.items()
 }
 # Keys of config.json that describe the file rather than the model.
 BOOKKEEPING_KEYS = {"transformers_version", "_name_or_path"}

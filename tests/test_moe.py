@@ -2,7 +2,9 @@
 transformers: the dropless experts equal the all-experts dense formulation, gradients included; the load-balancing
 loss equals transformers' load_balancing_loss_func; each family's logits equal its transformers class's on every route
 (no cache, prefilled cache, one token at a time) with its checkpoint read as save_pretrained writes it; greedy
-left-padded decoding equals generate; an export loads in transformers as the same class; bad routing is refused."""
+left-padded decoding equals generate; the export is that layout (which transformers 4 and 5 load); the training
+objective adds the aux loss as transformers does; the published presets have the published parameter counts; bad
+routing is refused."""
 
 from functools import partial
 
@@ -14,19 +16,21 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 from test_models import random_torch_model
+from test_scaling import training_parts
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import create_config
+import run_clm_flax
 from flax_lm.errors import UsageError
 from flax_lm.generation.sampling import generate_ids, make_sampler
 from flax_lm.models import model_code, stock_module
 from flax_lm.models.shared import moe
 from flax_lm.models.shared.moe_decoder import parameter_counts
-from flax_lm.training.train_state import abstract_model_params
+from flax_lm.training.train_state import abstract_model_params, create_train_state
 
 SHAPES = dict(
-    vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=7, pad_token_id=2,
     tie_word_embeddings=False,
 )  # fmt: skip
@@ -137,7 +141,7 @@ def test_dropless_experts_equal_every_expert_on_every_token_with_their_gradients
 
     dropless = partial(moe.dropless_experts, grouping=grouping)
     with jax.default_matmul_precision("highest"):
-        gradients = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)
+        gradients = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
         (_, got), got_gradients = gradients(dropless, x, logits, kernels)
         (_, expected), expected_gradients = gradients(moe.dense_experts, x, logits, kernels)
     np.testing.assert_allclose(got, expected, atol=1e-5)
@@ -156,16 +160,6 @@ def test_the_load_balancing_loss_is_transformers_with_and_without_a_mask():
         got = moe.load_balancing_loss(layers, 6, 3, None if attention_mask is None else jnp.asarray(attention_mask))
         assert abs(float(got) - float(expected)) < 1e-5
     assert float(moe.router_z_loss(layers)) > 0
-
-
-def test_the_model_sows_its_router_logits_for_the_auxiliary_losses(tmp_path):
-    config, _, checkpoint = torch_model_and_checkpoint("qwen3_moe", tmp_path)
-    model, params = flax_model_and_params(config, checkpoint)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 8)))
-    _, state = model.apply({"params": params}, ids, mutable=["intermediates"])
-    logits = jax.tree.leaves(state["intermediates"])
-    assert [layer.shape for layer in logits] == [(16, 6)]  # layer 1 of 3: decoder_sparse_step 2
-    assert 1.0 <= float(moe.load_balancing_loss(logits, 6, 3)) < 6.0
 
 
 # The published parameter counts, in billions, total and active per token: Mistral AI's announcement of Mixtral 8x7B
@@ -211,3 +205,26 @@ def test_the_verified_fingerprints_are_those_of_the_moe_modules(model_type):
     assert model_code.VERIFIED_FINGERPRINTS[name] == fingerprint, (
         f"once the parity tests pass, set VERIFIED_FINGERPRINTS[{name!r}] = {fingerprint!r} in model_code.py"
     )
+
+
+def test_the_training_objective_adds_the_router_aux_loss_as_transformers_does(tmp_path):
+    """With output_router_logits, run_clm_flax.py's train step adds router_aux_loss_coef times the load-balancing
+    loss: on the same weights and tokens, the cross-entropy and the aux loss are transformers' loss and aux_loss."""
+    config, torch_model, checkpoint = torch_model_and_checkpoint("mixtral", tmp_path)
+    config.output_router_logits = True
+    config.router_aux_loss_coef = torch_model.router_aux_loss_coef = 0.5  # which the PyTorch model keeps apart
+    model, params = flax_model_and_params(config, checkpoint)
+    model, optimizer, schedule, abstract_state = training_parts(config, length=12)
+    state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, 12), jnp.int32))
+    state = state.replace(params=jax.tree.map(jnp.asarray, params))
+    rows = np.random.default_rng(5).integers(0, config.vocab_size, size=(2, 12), dtype=np.int32)
+    _, metrics = jax.jit(run_clm_flax.make_train_step(model, optimizer, schedule, seed=0))(
+        state, {"input_ids": rows[None]}
+    )
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(rows, dtype=torch.long), labels=torch.tensor(rows, dtype=torch.long),
+                               output_router_logits=True)  # fmt: skip
+    token_count = float(metrics["token_count"])
+    aux = float(metrics["router_aux_loss_sum"]) / token_count
+    assert aux == pytest.approx(0.5 * float(expected.aux_loss), abs=1e-5)
+    assert float(metrics["loss_sum"]) / token_count + aux == pytest.approx(float(expected.loss), abs=1e-4)

@@ -46,9 +46,9 @@ VERIFIED_FINGERPRINTS = {
     "llama": "1fbca14013f5fdc6",
     "olmo2": "15a9ef5e60891667",
     "roberta": "7fbe975d967e2fc4",
-    "mixtral/model": "d115b1bd964fbcd9",
-    "olmoe/model": "f3f0ad55ec625f70",
-    "qwen_moe/model": "c2e6456ce214cbb9",
+    "mixtral/model": "0a2d62ed23513c34",
+    "olmoe/model": "a1a8c184ee26adcd",
+    "qwen_moe/model": "e7dc74ca8e78e660",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into

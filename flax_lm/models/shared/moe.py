@@ -1,11 +1,12 @@
-"""The mixture-of-experts layer the MoE families share: a router that picks each token's k experts (softmax top-k,
-its weights renormalised or not; DeepSeek-V3's sigmoid scores with a correction bias and group-limited top-k), and the
+"""The mixture-of-experts layer the MoE families share: a router that picks each token's k experts (softmax top-k, its
+weights renormalised or not; DeepSeek-V3's sigmoid scores with a correction bias and group-limited top-k), and the
 experts computed DROPLESS: every token reaches its k experts, the (token, expert) pairs sorted by expert and each
-expert's rows multiplied as one group of jax.lax.ragged_dot (no capacity, no token dropped, no product of every token
-with every expert). The all-experts dense formulation (every expert on every token, weighted by the router's zeros
-and weights) is kept beside it: the reference the tests compare with, and what benchmarks/benchmark_moe.py measures
-against. Then the router's auxiliary losses as transformers computes them (load_balancing_loss: Switch Transformer's,
-transformers' load_balancing_loss_func) and the router z-loss (ST-MoE).
+expert's rows multiplied by its kernels alone, as a group of jax.lax.ragged_dot or, on a CPU, as blocks of rows (no
+capacity, no token dropped, no product of every token with every expert). The all-experts dense formulation (every
+expert on every token, weighted by the router's zeros and weights) is kept beside it: the reference the tests compare
+with, and what benchmarks/benchmark_moe.py measures against. Then the router's auxiliary losses as transformers
+computes them (load_balancing_loss: Switch Transformer's, transformers' load_balancing_loss_func) and the router z-loss
+(ST-MoE).
 
 The router logits of each MoE layer are sown into the "intermediates" collection ("router_logits"), which costs
 nothing unless the caller asks for the collection (model.apply(..., mutable=["intermediates"])): how a training
