@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from test_models import random_torch_model
 from test_scaling import training_parts
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import create_config
@@ -148,6 +149,34 @@ def test_dropless_experts_equal_every_expert_on_every_token_with_their_gradients
     for got, expected in zip(jax.tree.leaves(got_gradients), jax.tree.leaves(expected_gradients)):
         assert np.abs(expected).max() > 1e-3
         np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_deepseek_v3_routing_chooses_and_weighs_as_transformers(renormalize):
+    """Sigmoid scores, the correction bias choosing (negative biases included) but not weighing, 4 of 8 groups."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=16, n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=4,
+        norm_topk_prob=renormalize, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    router = DeepseekV3TopkRouter(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(std=0.5)
+    hidden = torch.randn(40, 16)
+    with torch.no_grad():
+        logits, expected_weights, expected_ids = router(hidden)
+    ids, weights = moe.route(
+        jnp.asarray(logits.numpy()), 6, renormalize, "sigmoid", jnp.asarray(router.e_score_correction_bias.numpy()),
+        groups=8, top_groups=4, scale=2.5,
+    )  # fmt: skip
+    order, expected_order = np.argsort(ids, axis=-1), np.argsort(expected_ids.numpy(), axis=-1)
+
+    def by_expert(values, order):
+        return np.take_along_axis(np.asarray(values), order, axis=-1)
+
+    np.testing.assert_array_equal(by_expert(ids, order), by_expert(expected_ids, expected_order))
+    np.testing.assert_allclose(by_expert(weights, order), by_expert(expected_weights, expected_order), atol=1e-6)
 
 
 def test_the_load_balancing_loss_is_transformers_with_and_without_a_mask():

@@ -46,9 +46,9 @@ VERIFIED_FINGERPRINTS = {
     "llama": "1fbca14013f5fdc6",
     "olmo2": "15a9ef5e60891667",
     "roberta": "7fbe975d967e2fc4",
-    "mixtral/model": "0a2d62ed23513c34",
-    "olmoe/model": "a1a8c184ee26adcd",
-    "qwen_moe/model": "e7dc74ca8e78e660",
+    "mixtral/model": "c6314218cf026d73",
+    "olmoe/model": "558cfd4420b675af",
+    "qwen_moe/model": "f58701ea389f8c34",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into

@@ -67,7 +67,7 @@ def route(
             group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # (tokens, groups)
             _, best_groups = jax.lax.top_k(group_scores, top_groups)
             kept = jax.nn.one_hot(best_groups, groups, dtype=bool).any(-2)  # (tokens, groups)
-            choice = jnp.where(kept[..., None], grouped, 0.0).reshape(choice.shape)
+            choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
         _, expert_ids = jax.lax.top_k(choice, top_k)
         weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if renormalize:
