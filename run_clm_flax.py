@@ -76,6 +76,7 @@ from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
+from flax_lm.models.shared.moe import load_balancing_loss
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
 from flax_lm.run.output_dir import write_json
 from flax_lm.run.record import TrainingProgress
@@ -455,13 +456,21 @@ def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Sch
 
 def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0):
     dropout_key = jax.random.key(seed + 1)
+    # A mixture of experts whose config asks for it (output_router_logits) adds router_aux_loss_coef times the
+    # load-balancing loss of its routers, as transformers does; summed apart as router_aux_loss_sum.
+    aux_coefficient = getattr(model.config, "output_router_logits", False) and model.config.router_aux_loss_coef
 
     def loss_and_sums(params, micro_batch, dropout_rng):
         input_ids = micro_batch["input_ids"]
-        logits = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
+        apply = partial(model.apply, {"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
+        logits, state = apply(mutable=["intermediates"]) if aux_coefficient else (apply(), None)
         weights = micro_batch.get("weights", jnp.ones(input_ids.shape, jnp.float32))  # examples carry their own
         sums = causal_lm_objective(logits, input_ids, weights, z_loss)
-        return sums["loss_sum"] + sums.get("z_loss_sum", 0.0), sums
+        if aux_coefficient:  # the loss of this micro-batch's routers, weighted by its tokens as the loss is summed
+            router_logits = jax.tree_util.tree_leaves(state["intermediates"])
+            aux = load_balancing_loss(router_logits, router_logits[0].shape[-1], model.config.num_experts_per_tok)
+            sums["router_aux_loss_sum"] = aux_coefficient * aux * sums["token_count"]
+        return sums["loss_sum"] + sums.get("z_loss_sum", 0.0) + sums.get("router_aux_loss_sum", 0.0), sums
 
     def train_step(state: TrainState, batch):
         grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)

@@ -36,6 +36,8 @@ LOGICAL_AXIS_RULES = (
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
+    # The experts of a mixture of experts (flax_lm/models/shared/moe.py): whole on every device, for now.
+    ("expert", None),
 )
 
 

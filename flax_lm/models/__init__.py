@@ -109,6 +109,9 @@ FAMILIES = (
     "gptj",
     "gpt_neox",
     "opt",
+    "mixtral",
+    "qwen_moe",
+    "olmoe",
 )
 
 

@@ -47,8 +47,11 @@ VERIFIED_FINGERPRINTS = {
     "gpt_neox": "85e0e433b6fdac15",
     "gptj": "f4b9583fd3bfaee3",
     "llama": "c008d80d34dcd6a9",
+    "mixtral": "b00fe7bcddc082f0",
     "olmo2": "09ba662aef0ed72b",
+    "olmoe": "1c7ed7355f88bd89",
     "opt": "ad4e932f69f9ea35",
+    "qwen_moe": "cc50f079d79c3611",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
 }
@@ -102,13 +105,19 @@ def module_name(module: ModuleType) -> str:
 
 def shared_files(module: ModuleType) -> list[str]:
     """The files of flax_lm/models/shared/ that the model module builds on: those it imports, or imports a function or
-    class of, in the order of their names."""
-    values = vars(module).values()
-    modules = {
-        value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None) for value in values
-    }
-    shared = sorted(name for name in modules if isinstance(name, str) and name.startswith("flax_lm.models.shared."))
-    return [sys.modules[name].__file__ for name in shared]
+    class of, and those these build on in turn (the mixture-of-experts decoder builds on moe.py), in the order of
+    their names."""
+    found, unread = set(), [module]
+    while unread:
+        values = vars(unread.pop()).values()
+        names = {
+            value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None) for value in values
+        }
+        for name in names:
+            if isinstance(name, str) and name.startswith("flax_lm.models.shared.") and name not in found:
+                found.add(name)
+                unread.append(sys.modules[name])
+    return [sys.modules[name].__file__ for name in sorted(found)]
 
 
 def module_code_fingerprint(module: ModuleType) -> str:

@@ -335,7 +335,23 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
         assert new == expected
 
 
-@pytest.mark.parametrize("name", ["gemma", "gpt2", "llama", "olmo2", "roberta", "smollm3", "gptj", "gpt_neox", "opt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gemma",
+        "gpt2",
+        "llama",
+        "olmo2",
+        "roberta",
+        "smollm3",
+        "gptj",
+        "gpt_neox",
+        "opt",
+        "mixtral",
+        "qwen_moe",
+        "olmoe",
+    ],
+)
 def test_the_verified_fingerprints_are_those_of_the_stock_modules(name):
     """An export of a stock module names its transformers architecture without a probe because the parity tests
     compare that code: a change to the module (or to shared/common.py) must be compared again, then its fingerprint
