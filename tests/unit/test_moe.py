@@ -21,11 +21,10 @@ from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeCon
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-import create_config
 import run_clm_flax
 from flax_lm.errors import UsageError
 from flax_lm.generation.sampling import generate_ids, make_sampler
-from flax_lm.models import model_code, stock_module
+from flax_lm.models import config_class, model_code, presets, stock_module
 from flax_lm.models.shared import moe
 from flax_lm.models.shared.moe_decoder import parameter_counts
 from flax_lm.training.train_state import abstract_model_params, create_train_state
@@ -200,8 +199,8 @@ PUBLISHED_SIZES = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.3), "
 
 @pytest.mark.parametrize("preset", PUBLISHED_SIZES)
 def test_the_published_presets_have_the_published_parameter_counts(preset):
-    model_type, values = create_config.PRESETS[preset]
-    config = create_config.CONFIG_CLASSES[model_type](**values)
+    model_type, values = presets()[preset]
+    config = config_class(model_type)(**values)
     module = stock_module(model_type)
     module.check_model_config(config)
     total, active = parameter_counts(config, module.moe_variant(config))
