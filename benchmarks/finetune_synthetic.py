@@ -34,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import generate_flax  # noqa: E402
 from flax_lm.generation.sampling import Sampling  # noqa: E402
+from flax_lm.models.huggingface import ModelLoading  # noqa: E402
 
 
 def task(rng: random.Random, digits: int) -> tuple[str, str]:
@@ -78,7 +79,7 @@ def run(*command):
 
 
 def accuracy_of_generator(model_dir: str, test, chat: bool) -> float:
-    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(model_dir))
+    model, params, tokenizer = generate_flax.load_model(ModelLoading(model_dir))
     generator = generate_flax.Generator(model, params, tokenizer, batch_size=64)
     if chat:
         results = generator.reply([[{"role": "user", "content": prompt}] for prompt, _ in test], Sampling(16))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from flax_lm.models import stock_module
+from flax_lm.models.huggingface import ModelLoading
 from flax_lm.models.model_code import ModelCode, load_model_code
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -143,7 +144,7 @@ def generator(tiny_gpt2_dir):
     sys.path.insert(0, str(REPO_DIR))
     import generate_flax
 
-    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_gpt2_dir)))
+    model, params, tokenizer = generate_flax.load_model(ModelLoading(str(tiny_gpt2_dir)))
     return generate_flax.Generator(model, params, tokenizer, batch_size=4)
 
 

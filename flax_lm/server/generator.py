@@ -26,7 +26,9 @@ from flax_lm.server.request_queue import STEPS_PER_CHUNK, RowFinished, RowText
 from flax_lm.training.train_state import abstract_model_params, parameter_shardings
 
 
-def load_model(loading: ModelLoading, mesh_shape: str | None, model_file: str | None, dtype: str):
+def load_model(
+    loading: ModelLoading, mesh_shape: str | None = None, model_file: str | None = None, dtype: str = "float32"
+):
     """(model, parameters on the default device, tokenizer) of a model directory or hub name, split over the tensor
     axis of `mesh_shape` where given, computed by `model_file` where given, in `dtype`."""
     source = loading.model_name_or_path

@@ -34,7 +34,7 @@ from flax_lm.data.packed import cached_blocks, load_packed_corpus
 from flax_lm.errors import UsageError
 from flax_lm.generation.sampling import Sampling
 from flax_lm.models import stock_module
-from flax_lm.models.huggingface import load_config_and_tokenizer, save_model
+from flax_lm.models.huggingface import ModelLoading, load_config_and_tokenizer, save_model
 from flax_lm.training.train_state import abstract_model_params
 
 USER_TURN = {"role": "user", "content": "Hi"}
@@ -438,7 +438,7 @@ def chat_gpt2_dir(chat_tokenizer_dirs, tmp_path_factory):
 
 
 def load_generator(model_dir) -> generate_flax.Generator:
-    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(model_dir)))
+    model, params, tokenizer = generate_flax.load_model(ModelLoading(str(model_dir)))
     return generate_flax.Generator(model, params, tokenizer, batch_size=4)
 
 

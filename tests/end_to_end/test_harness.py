@@ -30,6 +30,7 @@ from flax_lm.data.texts import token_byte_counts
 from flax_lm.devices.mesh import BATCH_AXES, create_mesh
 from flax_lm.errors import UsageError
 from flax_lm.evaluation.harness import FlaxLM, HarnessTasks, metric_values, task_index
+from flax_lm.models.huggingface import ModelLoading
 
 CHOICE, TEXTS, GENERATION, VALIDATION = "tiny_choice", "tiny_texts", "tiny_generation", "tiny_validation"
 SHORT_CHOICE = "tiny_choice_zero_shot"
@@ -213,7 +214,7 @@ def test_gemma3_scores_each_choice_in_jax_and_through_the_server_as_the_hf_backe
     local-completions against generate_flax.py's server; and the server's greedy completion."""
     import generate_flax
 
-    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(tiny_gemma3_dir)))
+    model, params, tokenizer = generate_flax.load_model(ModelLoading(str(tiny_gemma3_dir)))
     generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
     flax_model = FlaxLM(generator.scorer, generator.sampler, generator.tokenizer, batch_size=4)
     flax_model.params = generator.params
@@ -362,7 +363,7 @@ def chat_setup(tiny_gpt2_dir, tasks_dir, tmp_path_factory):
     for task, name, shots in ((CHOICE, CHOICE, 1), (GENERATION, GENERATION, 0), (CHOICE, SHORT_CHOICE, 0)):
         config = json.loads((chat_tasks_dir / f"{task}.yaml").read_text())
         (chat_tasks_dir / f"{name}.yaml").write_text(json.dumps(config | {"task": name, "num_fewshot": shots}))
-    model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(model_dir)))
+    model, params, tokenizer = generate_flax.load_model(ModelLoading(str(model_dir)))
     return model_dir, chat_tasks_dir, generate_flax.Generator(model, params, tokenizer, batch_size=4)
 
 

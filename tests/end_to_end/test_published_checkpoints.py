@@ -21,6 +21,7 @@ from transformers import (
 
 from flax_lm.data.texts import ids_around_documents
 from flax_lm.generation.sampling import generate_ids, make_sampler
+from flax_lm.models.huggingface import ModelLoading
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def test_a_sharded_bfloat16_checkpoint_of_each_family_decodes_trains_and_exports
     tokenizer.save_pretrained(checkpoint)
     assert len([name for name in os.listdir(checkpoint) if name.startswith("model-000")]) > 1
 
-    model, params, _ = generate_flax.load_model(generate_flax.ModelArguments(str(checkpoint)))
+    model, params, _ = generate_flax.load_model(ModelLoading(str(checkpoint)))
     prompt = tokenizer("The history of", add_special_tokens=True)["input_ids"]
     [decoded] = generate_ids(make_sampler(model, config.eos_token_id), params, [prompt], max_new_tokens=10)
     torch_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

@@ -26,6 +26,7 @@ from transformers import (
 from flax_lm.command_line.arguments import parse_training_arguments
 from flax_lm.errors import UsageError
 from flax_lm.generation import sampling
+from flax_lm.models.huggingface import ModelLoading
 
 sys.path.insert(0, str(REPO_DIR))
 import generate_flax  # noqa: E402
@@ -96,7 +97,7 @@ def generators(generator, tiny_gpt2_dir, tiny_llama_dir, tiny_gemma2_dir):
     """(export directory, Generator) of the tiny GPT-2, Llama and Gemma 2, by model type."""
     found = {"gpt2": (tiny_gpt2_dir, generator)}
     for model_type, directory in (("llama", tiny_llama_dir), ("gemma2", tiny_gemma2_dir)):
-        model, params, tokenizer = generate_flax.load_model(generate_flax.ModelArguments(str(directory)))
+        model, params, tokenizer = generate_flax.load_model(ModelLoading(str(directory)))
         found[model_type] = (directory, generate_flax.Generator(model, params, tokenizer, batch_size=4))
     return found
 
@@ -312,9 +313,7 @@ def test_top_k_and_top_p_draw_only_from_the_most_likely_tokens():
 
 
 def test_bfloat16_loads_bfloat16_weights_and_decodes_like_float32(generator, tiny_gpt2_dir):
-    model, params, tokenizer = generate_flax.load_model(
-        generate_flax.ModelArguments(model_name_or_path=str(tiny_gpt2_dir), dtype="bfloat16")
-    )
+    model, params, tokenizer = generate_flax.load_model(ModelLoading(str(tiny_gpt2_dir)), dtype="bfloat16")
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
     bfloat16_generator = generate_flax.Generator(model, params, tokenizer, batch_size=4)
     prompt_ids = generator.encode(PROMPTS, 4, "prompt")

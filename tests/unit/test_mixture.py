@@ -210,7 +210,7 @@ def test_mixture_misuse_is_refused_in_one_line(
     mixture = write_mixture(tmp_path, **sources)
     monkeypatch.setattr(sys, "argv", clm_arguments(model_dir, tmp_path / "run", mixture, *extra))
     with pytest.raises(SystemExit) as stopped:
-        run_clm_flax.run(run_clm_flax.main)
+        run_clm_flax.call_with_one_line_errors(run_clm_flax.main)
     assert stopped.value.code != 0
     error = capfd.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("error: ") and all(fragment in error for fragment in fragments), error
