@@ -41,8 +41,8 @@ for directory in [TESTS_DIR / tier for tier in TIERS] + [CHECKS_DIR, REPO_DIR]:
 LONGEST_FILES_FIRST = [
     "end_to_end/test_tensor_parallel.py", "end_to_end/test_edited_copies.py", "end_to_end/test_distributed.py",
     "end_to_end/test_resume.py", "end_to_end/test_run_safety.py", "end_to_end/test_mlm.py",
-    "end_to_end/test_clm_runs.py", "end_to_end/test_published_checkpoints.py", "end_to_end/test_mlm_scale.py",
-    "end_to_end/test_gpu_suite_runs.py", "unit/test_models.py", "unit/test_generate.py",
+    "end_to_end/test_gpu_suite_runs.py", "end_to_end/test_clm_runs.py", "end_to_end/test_published_checkpoints.py",
+    "end_to_end/test_mlm_scale.py", "end_to_end/test_generate_runs.py", "unit/test_models.py", "unit/test_generate.py",
 ]  # fmt: skip
 
 
