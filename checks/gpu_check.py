@@ -125,8 +125,8 @@ MODELS = ["roberta-padded", "roberta-documents", "gpt2-documents", "gemma3-windo
 
 
 def model_and_input(name: str, dtype):
-    """(model, inputs, params) of a tiny model of each kind of attention, as tests/unit/test_fused_attention.py builds
-    them (written again here so that the GPU machine needs neither pytest nor the tests' packages)."""
+    """(model, inputs, params) of a tiny model of each kind of attention, as tests/parity/test_fused_attention.py
+    builds them (written again here so that the GPU machine needs neither pytest nor the tests' packages)."""
     rng = np.random.default_rng(0)
     input_ids = rng.integers(3, 500, size=(3, 16)).astype(np.int32)
     input_ids[:, [4, 11]] = SEPARATOR

@@ -26,11 +26,13 @@ CHECKS_DIR = REPO_DIR / "checks"
 TOKENIZER_TRAINING_FILES = sorted((FIXTURES_DIR / "corpus").glob("*.txt")) + [FIXTURES_DIR / "en" / "train.txt"]
 
 
-# The tests in two tiers: tests/unit, in-process and fast (`python -m pytest tests/unit` while editing), and
-# tests/end_to_end, the scripts run as users run them, parity across routes, several processes. A test module imports
+# The tests in three tiers: tests/unit, in-process and fast (`python -m pytest tests/unit` while editing);
+# tests/parity, our models against transformers' PyTorch models and `generate` (logits on every route, decoding, the
+# probe of an export); and tests/end_to_end, the scripts run as users run them, the server, parity across routes,
+# several processes. A test module imports
 # another's helpers by its name (test_clm's tiny configs, say) whichever tier it is in and whichever tier pytest runs,
 # and a script or a check by its name.
-TIERS = ("unit", "end_to_end")
+TIERS = ("unit", "parity", "end_to_end")
 for directory in [TESTS_DIR / tier for tier in TIERS] + [CHECKS_DIR, REPO_DIR]:
     if str(directory) not in sys.path:
         sys.path.insert(0, str(directory))
@@ -42,7 +44,8 @@ LONGEST_FILES_FIRST = [
     "end_to_end/test_tensor_parallel.py", "end_to_end/test_edited_copies.py", "end_to_end/test_distributed.py",
     "end_to_end/test_resume.py", "end_to_end/test_run_safety.py", "end_to_end/test_mlm.py",
     "end_to_end/test_gpu_suite_runs.py", "end_to_end/test_clm_runs.py", "end_to_end/test_published_checkpoints.py",
-    "end_to_end/test_mlm_scale.py", "end_to_end/test_generate_runs.py", "unit/test_models.py", "unit/test_generate.py",
+    "end_to_end/test_mlm_scale.py", "end_to_end/test_generate_runs.py", "parity/test_models.py",
+    "parity/test_generate.py", "parity/test_moe.py", "end_to_end/test_serve.py", "parity/test_clm_parity.py",
 ]  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from flax_lm.models.gpt2.model import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-# family -> module_code_fingerprint of its model.py, as tests/unit/test_models.py compares it with transformers. A
+# family -> module_code_fingerprint of its model.py, as tests/parity/test_models.py compares it with transformers. A
 # change to a model.py (or to a file of flax_lm/models/shared/ it imports) fails that test until its fingerprint here
 # is updated, which its parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {

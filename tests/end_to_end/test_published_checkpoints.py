@@ -1,6 +1,6 @@
 """Checkpoints as the families publish them (bfloat16, in shards, beside a tokenizer): each loads by its config alone,
 is evaluated and decoded as PyTorch does, trains on in run_clm_flax.py (in this process), and exports what
-transformers loads and scores as the script reported. The families are those of tests/unit/test_models.py."""
+transformers loads and scores as the script reported. The families are those of tests/parity/test_models.py."""
 
 import json
 import os
