@@ -49,7 +49,7 @@ class ModelLoading:
     """What loading a model takes: where its config, tokenizer and weights come from (a directory or hub name each;
     the config and tokenizer default to the model's), the model type without a config, the chat template file, and
     how the hub is reached and what may be read. The scripts fill it from their flags
-    (flax_lm.command_line.arguments.ModelArguments.model_loading)."""
+    (flax_lm.command_line.model_loading.model_loading)."""
 
     model_name_or_path: str | None = None
     config_name: str | None = None
