@@ -112,6 +112,7 @@ FAMILIES = (
     "mixtral",
     "qwen_moe",
     "olmoe",
+    "deepseek_v3",
 )
 
 
