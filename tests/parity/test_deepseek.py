@@ -26,11 +26,11 @@ SHAPES = dict(
     bos_token_id=0, eos_token_id=7, pad_token_id=2, tie_word_embeddings=False, num_mtp_layers=0,
 )  # fmt: skip
 # One dense layer then two of experts (3 of 8 a token, from 2 of 4 groups, 2 shared experts), values narrower than
-# the keys; the query latent, interleaved rotary pairs and renormalised weights in the first; in the second the
-# query projected straight, YaRN (a factor 4 over 16 original positions, its attention factor and softmax scale) and
-# rotary halves, the weights as scored.
+# the keys; the query latent, biases on the projections that have them, interleaved rotary pairs and renormalised
+# weights in the first; in the second the query projected straight, YaRN (a factor 4 over 16 original positions, its
+# attention factor and softmax scale) and rotary halves, the weights as scored.
 VARIANTS = {
-    "query latent": {},
+    "query latent": dict(attention_bias=True),
     "yarn": dict(
         q_lora_rank=None,
         rope_interleave=False,
