@@ -19,13 +19,13 @@ from flax_lm.models.huggingface import read_safetensors_checkpoint
 from flax_lm.training.train_state import abstract_model_params
 
 SHAPES = dict(
-    vocab_size=120, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+    vocab_size=120, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
     qk_rope_head_dim=6, v_head_dim=10, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=2,
     num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, max_position_embeddings=64,
     bos_token_id=0, eos_token_id=7, pad_token_id=2, tie_word_embeddings=False, num_mtp_layers=0,
 )  # fmt: skip
-# One dense layer then two of experts (3 of 8 a token, from 2 of 4 groups, 2 shared experts), values narrower than
+# One dense layer then one of experts (3 of 8 a token, from 2 of 4 groups, 2 shared experts), values narrower than
 # the keys; the query latent, biases on the projections that have them, interleaved rotary pairs and renormalised
 # weights in the first; in the second the query projected straight, YaRN (a factor 4 over 16 original positions, its
 # attention factor and softmax scale) and rotary halves, the weights as scored.

@@ -148,7 +148,7 @@ def rotary_settings(config) -> tuple[np.ndarray, float, float]:
     kept = 1 - ramp  # the share of each dimension's own frequency
     frequencies = (interpolated * (1 - kept) + extrapolated * kept).astype(np.float32)
     if rope.get("mscale_all_dim"):
-        scale = scale * yarn_multiplier(rope["factor"], rope["mscale_all_dim"]) ** 2
+        scale = scale * yarn_multiplier(factor, rope["mscale_all_dim"]) ** 2
     return frequencies, float(attention_factor), scale
 
 
