@@ -221,7 +221,7 @@ class LatentAttention(DecoderPart):
             key = jnp.concatenate(
                 [keys_values[..., :nope], jnp.broadcast_to(shared_key, (batch, length, heads, rope_dim))], axis=-1
             )
-            y = self.causal_attention(jnp.concatenate([query_nope, query_rope], -1), key, keys_values[..., nope:],
+            y = self.uncached_attention(jnp.concatenate([query_nope, query_rope], -1), key, keys_values[..., nope:],
                                       scale, segment_ids)  # fmt: skip
         else:
             y, layer_cache = self.cached_attention(
@@ -234,7 +234,7 @@ class LatentAttention(DecoderPart):
     def latent_norm(self, name: str) -> RMSNorm:
         return RMSNorm(LATENT_NORM_EPSILON, self.dtype, self.param_dtype, logical_axis=None, name=name)
 
-    def causal_attention(self, query, key, value, scale: float, segment_ids):
+    def uncached_attention(self, query, key, value, scale: float, segment_ids):
         """common.causal_attention, whose cuDNN kernel takes values as wide as the keys: narrower ones are padded
         with zeros there (their outputs cut off after)."""
         value_dim = value.shape[-1]
