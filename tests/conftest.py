@@ -37,6 +37,23 @@ for directory in [TESTS_DIR / tier for tier in TIERS] + [CHECKS_DIR, REPO_DIR]:
     if str(directory) not in sys.path:
         sys.path.insert(0, str(directory))
 
+# A user's environment, made from requirements.txt, has no PyTorch; this one has it (the parity tests' reference), and
+# transformers imports it whenever it is installed: four fifths of a script's start-up, in CPU time. So the scripts
+# the tests start run as in a user's environment, PyTorch hidden, unless a test needs it there (lm-eval's model, the
+# probe of an edited model file).
+WITHOUT_TORCH_DIR = FIXTURES_DIR / "without_torch"
+
+
+def script_environment(torch: bool = False, **variables) -> dict:
+    """This process's environment, offline, for a script the tests start: PyTorch hidden unless `torch`
+    (tests/fixtures/without_torch/sitecustomize.py), and `variables` besides."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **variables}
+    if not torch:
+        paths = [str(WITHOUT_TORCH_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+        environment["PYTHONPATH"] = os.pathsep.join(paths)
+    return environment
+
+
 # The files that run longest, started first: with `--dist loadfile` a worker takes a whole file, and a long file begun
 # last (the alphabet puts test_tensor_parallel.py near the end) keeps one worker busy after the other has finished.
 # Paths below tests/.
@@ -68,7 +85,7 @@ def run_tool(tmp_path_factory):
     hf_home = tmp_path_factory.mktemp("hf_home")
 
     def run(script, *args, cwd=None):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(hf_home))
+        env = script_environment(HF_HOME=str(hf_home))
         command = [sys.executable, str(REPO_DIR / script), *map(str, args)]
         return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
@@ -157,7 +174,7 @@ def server_process(model_dir, log_path, *arguments):
     `arguments` besides: (the process, its URL, its log file). Killed at the end if it still runs."""
     log = open(log_path, "w+")  # a file, not a pipe: a full pipe would block the server
     command = [sys.executable, str(REPO_DIR / "generate_flax.py"), "--model_name_or_path", str(model_dir), "--serve"]
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    environment = script_environment(TOKENIZERS_PARALLELISM="false")
     server = subprocess.Popen(
         [*command, "--port", "0", *map(str, arguments)], stdout=subprocess.PIPE, stderr=log, text=True, env=environment
     )

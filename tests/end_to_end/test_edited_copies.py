@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES_DIR, REPO_DIR, stock_code
+from conftest import FIXTURES_DIR, REPO_DIR, script_environment, stock_code
 from safetensors import safe_open
 from safetensors.numpy import load_file
-from test_clm import OFFLINE_ENV, model_dir_with_config, run_clm_flax, tiny_config, tiny_llama_config
+from test_clm import model_dir_with_config, run_clm_flax, tiny_config, tiny_llama_config
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -59,13 +59,15 @@ def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
-    """Offline, with a datasets cache of its own and one compilation cache, so each program is compiled once."""
-    return {
-        **OFFLINE_ENV,
-        "HF_HOME": str(tmp_path_factory.mktemp("hf-home")),
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("compilation-cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+    """Offline, with a datasets cache of its own and one compilation cache, so each program is compiled once; with
+    PyTorch, which the probe of an edited model file compares it with."""
+    return script_environment(
+        torch=True,
+        TOKENIZERS_PARALLELISM="false",
+        HF_HOME=str(tmp_path_factory.mktemp("hf-home")),
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("compilation-cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
 
 
 def edited_copy(source, target, replacements: dict[str, str] | None = None):

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
-from test_clm import model_dir_with_config
+from test_clm import OFFLINE_ENV, model_dir_with_config
 from test_edited_copies import edited_copy, progress_record, run_copy, run_in_process, snapshot, training_arguments
 
 from flax_lm.run.record import run_differences
@@ -23,8 +23,6 @@ def model_dir(gpt2_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def environment(tmp_path_factory):
-    from test_edited_copies import OFFLINE_ENV
-
     return {
         **OFFLINE_ENV,
         "HF_HOME": str(tmp_path_factory.mktemp("hf-home")),

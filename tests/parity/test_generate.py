@@ -2,7 +2,6 @@
 cached logits equal to a full recompute, seeded sampling, stopping at the end-of-text token, the command line and the
 server."""
 
-import os
 import re
 import shutil
 import sys
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_DIR
+from conftest import REPO_DIR, script_environment
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -32,7 +31,8 @@ sys.path.insert(0, str(REPO_DIR))
 import generate_flax  # noqa: E402
 
 PROMPTS = ["The gardener", "In the morning the old house was quiet and", "A"]
-OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# A script started by a test: offline, PyTorch hidden as in a user's environment (conftest.script_environment).
+OFFLINE_ENV = script_environment(TOKENIZERS_PARALLELISM="false")
 
 
 def torch_greedy_ids(model_dir, prompt_ids, max_new_tokens):

@@ -8,7 +8,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO_DIR
+from conftest import REPO_DIR, script_environment
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoTokenizer,
@@ -29,7 +29,8 @@ sys.path.insert(0, REPO)
 import run_clm_flax  # noqa: E402
 
 CORPUS = os.path.join(REPO, "tests", "fixtures", "en")
-OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# A script started by a test: offline, PyTorch hidden as in a user's environment (conftest.script_environment).
+OFFLINE_ENV = script_environment(TOKENIZERS_PARALLELISM="false")
 
 
 def tiny_config(**overrides) -> GPT2Config:
