@@ -235,13 +235,26 @@ def test_the_training_objective_adds_the_router_aux_loss_as_transformers_does(tm
     state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, 12), jnp.int32))
     state = state.replace(params=jax.tree.map(jnp.asarray, params))
     rows = np.random.default_rng(5).integers(0, config.vocab_size, size=(2, 12), dtype=np.int32)
-    _, metrics = jax.jit(run_clm_flax.make_train_step(model, optimizer, schedule, seed=0))(
-        state, {"input_ids": rows[None]}
-    )
+    training_args = run_clm_flax.TrainingArguments(output_dir="unused", router_z_loss_coef=0.25)
+    script = run_clm_flax.script_training(training_args, model)
+    _, metrics = jax.jit(script.make_train_step(model, optimizer, schedule, seed=0))(state, {"input_ids": rows[None]})
     with torch.no_grad():
         expected = torch_model(torch.tensor(rows, dtype=torch.long), labels=torch.tensor(rows, dtype=torch.long),
                                output_router_logits=True)  # fmt: skip
     token_count = float(metrics["token_count"])
     aux = float(metrics["router_aux_loss_sum"]) / token_count
     assert aux == pytest.approx(0.5 * float(expected.aux_loss), abs=1e-5)
-    assert float(metrics["loss_sum"]) / token_count + aux == pytest.approx(float(expected.loss), abs=1e-4)
+    # ST-MoE's router z-loss of transformers' router logits, and each layer's loads: the share of the top-2 choices.
+    router_logits = [logits.float() for logits in expected.router_logits]
+    z_loss = torch.stack([torch.logsumexp(logits, -1).square().mean() for logits in router_logits]).mean()
+    router_z = float(metrics["router_z_loss_sum"]) / token_count
+    assert router_z == pytest.approx(0.25 * float(z_loss), rel=1e-4)
+    trained = float(metrics["loss_sum"]) / token_count + aux + router_z
+    assert trained == pytest.approx(float(expected.loss) + 0.25 * float(z_loss), abs=1e-4)
+    shown = run_clm_flax.train_metrics(jax.device_get(metrics))
+    assert sorted(set(script.metric_sums) - set(metrics)) == [] and shown["router_z_loss"] == pytest.approx(router_z)
+    assert shown["moe/load_balancing_loss"] == pytest.approx(float(expected.aux_loss), abs=1e-5)
+    for layer, logits in enumerate(router_logits):
+        loads = torch.bincount(logits.topk(2).indices.reshape(-1), minlength=4) / logits.topk(2).indices.numel()
+        assert shown[f"moe/layer_{layer}/expert_load_max"] == pytest.approx(float(loads.max()))
+        assert shown[f"moe/layer_{layer}/expert_load_min"] == pytest.approx(float(loads.min()))

@@ -13,11 +13,13 @@ nothing unless the caller asks for the collection (model.apply(..., mutable=["in
 objective adds the auxiliary losses."""
 
 import math
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
 
 from flax_lm.errors import UsageError
 from flax_lm.models.shared.common import ACTIVATIONS, DecoderPart
@@ -173,6 +175,56 @@ def router_z_loss(router_logits, mask=None):
         weight = jnp.ones_like(squared) if mask is None else mask.reshape(-1).astype(jnp.float32)
         losses.append(jnp.sum(squared * weight) / jnp.maximum(weight.sum(), 1.0))
     return jnp.mean(jnp.stack(losses))
+
+
+def router_logits_by_layer(intermediates) -> dict:
+    """{"layer_3": its router logits (tokens, experts)} of each MoE layer that sowed them into `intermediates` (the
+    collection model.apply(..., mutable=["intermediates"]) returns), named by the decoder layer holding it."""
+    by_layer = {}
+    for path, sown in flatten_dict(intermediates).items():
+        if path[-1] == "router_logits":
+            layer = next((name for name in path if name.startswith("layers_")), "/".join(path[:-1]))
+            by_layer[layer.replace("layers_", "layer_")] = sown[0]
+    return by_layer
+
+
+def router_metric_names(model, dummy_input) -> tuple[str, ...]:
+    """The sums router_metric_sums makes for `model` without coefficients (none for a model without routers), from
+    the layers its initialisation sows router logits in: traced, not computed."""
+    init = partial(model.init, deterministic=True, mutable=True)  # init keeps no intermediates otherwise
+    variables = jax.eval_shape(init, jax.random.key(0), dummy_input)
+    layers = router_logits_by_layer(variables.get("intermediates", {}))
+    if not layers:
+        return ()
+    per_layer = [f"moe/{layer}/expert_load_{end}" for layer in layers for end in ("max", "min")]
+    return ("moe/load_balancing_loss", "moe/router_z_loss", *per_layer)
+
+
+def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0.0, z_coefficient=0.0) -> dict:
+    """What the routers sowed in `intermediates` add to a train step's sums, each times `token_count` as the loss is
+    summed, so that the sums of several steps over their tokens are means: to watch the routers (a collapsing one
+    sends most tokens to few experts), the load-balancing loss (1 for an even router) and router z-loss of all the
+    MoE layers, and per layer the largest and smallest fraction of the layer's top-k choices that one expert got
+    ("moe/layer_3/expert_load_max"; 1/experts each for an even router); with a coefficient, that coefficient times
+    the loss, which the trained loss adds (router_aux_loss_sum, router_z_loss_sum). Every token counts, as in
+    transformers' loss without an attention mask. Empty for a model without routers."""
+    by_layer = router_logits_by_layer(intermediates)
+    if not by_layer:
+        return {}
+    experts = next(iter(by_layer.values())).shape[-1]
+    balance = load_balancing_loss(by_layer.values(), experts, top_k)
+    z_loss = router_z_loss(by_layer.values())
+    sums = {"moe/load_balancing_loss": balance * token_count, "moe/router_z_loss": z_loss * token_count}
+    for layer, logits in by_layer.items():
+        _, chosen = jax.lax.top_k(logits.reshape(-1, experts).astype(jnp.float32), top_k)
+        load = jnp.bincount(chosen.reshape(-1), length=experts) / chosen.size
+        sums |= {f"moe/{layer}/expert_load_max": load.max() * token_count}
+        sums |= {f"moe/{layer}/expert_load_min": load.min() * token_count}
+    if aux_coefficient:
+        sums["router_aux_loss_sum"] = aux_coefficient * balance * token_count
+    if z_coefficient:
+        sums["router_z_loss_sum"] = z_coefficient * z_loss * token_count
+    return sums
 
 
 class SparseMoeBlock(DecoderPart):
