@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_lm.devices.mesh import check_expert_split
 from flax_lm.errors import UsageError
 from flax_lm.models import model_module
 from flax_lm.models.gpt2.model import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
@@ -47,11 +48,11 @@ VERIFIED_FINGERPRINTS = {
     "gpt_neox": "85e0e433b6fdac15",
     "gptj": "f4b9583fd3bfaee3",
     "llama": "c008d80d34dcd6a9",
-    "mixtral": "6d5a3cbaa1572c71",
+    "mixtral": "4699c268c09cb21d",
     "olmo2": "09ba662aef0ed72b",
-    "olmoe": "982025d8503e89a5",
+    "olmoe": "a08699640d51fbe5",
     "opt": "ad4e932f69f9ea35",
-    "qwen_moe": "dfb1d66c5162f180",
+    "qwen_moe": "a57256407dd7beff",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
 }
@@ -226,6 +227,8 @@ def load_model_code(
     such code claim nothing."""
     module = model_module(config.model_type, model_file, generates_text, tool)
     module.check_model_config(config, mesh)
+    if mesh is not None and not hasattr(config, "num_experts_per_tok"):  # an MoE module checks its experts itself
+        check_expert_split(mesh, None)
     fingerprint = module_code_fingerprint(module)
     fields_set = frozenset(
         name
@@ -295,6 +298,23 @@ def architecture_claim(module, config, fingerprint: str, model_file: str | None)
     )
 
 
+def loaded_as_a_checkpoint(hf_class, config, state_dict: dict) -> tuple[Any, list[str], list[str]]:
+    """(the PyTorch model of `hf_class` with `state_dict`, the tensors it lacks, those it does not hold) read as
+    from_pretrained reads a checkpoint directory, with the conversions transformers makes on load: transformers 5
+    fuses the experts of a mixture of experts, each a tensor of its own in the checkpoints (and in exports), into
+    3-D tensors of all."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        save_file({name: tensor.contiguous() for name, tensor in state_dict.items()}, f"{directory}/model.safetensors")
+        model, loading = hf_class.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    return model.eval(), loading["missing_keys"], loading["unexpected_keys"]
+
+
 def probe_difference(module, config, hf_class) -> float | str:
     """The largest difference between the logits of `module`'s model and of the transformers class `hf_class` with
     the same random weights, or why the weights do not map onto the class (or why the probe would cost too much).
@@ -334,6 +354,8 @@ def probe_difference(module, config, hf_class) -> float | str:
     torch_model = hf_class(config).eval()
     missing, unexpected = torch_model.load_state_dict(state_dict, strict=False)
     tied = {name for name in missing if name.endswith(("lm_head.weight", "lm_head.decoder.weight", "decoder.bias"))}
+    if unexpected or set(missing) - tied:  # a layout the class converts as it loads a checkpoint, or none it reads
+        torch_model, missing, unexpected = loaded_as_a_checkpoint(hf_class, config, state_dict)
     if unexpected or set(missing) - tied:
         return f"the architecture has no tensor {(unexpected or sorted(set(missing) - tied))[0]}"
     del state_dict

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from flax_lm.devices.mesh import check_expert_split
 from flax_lm.errors import UsageError
 from flax_lm.models.shared import common
 from flax_lm.models.shared.common import (
@@ -58,10 +59,12 @@ def moe_implementation(config) -> str:
 
 def check_moe_config(config, variant: MoeVariant, mesh=None):
     """Refuse what the MoE decoder does not compute, in one line: the decoder's checks (common.py), the routing's
-    (moe.check_routing), an unknown moe_implementation."""
+    (moe.check_routing), experts that the expert axis of `mesh` does not divide, an unknown moe_implementation."""
     check_decoder_config(config, variant.module_file, mesh)
     check_rope(rope_parameters(config), variant.module_file)
     check_routing(variant.num_experts(config), config.num_experts_per_tok)
+    if mesh is not None:
+        check_expert_split(mesh, variant.num_experts(config))
     if moe_implementation(config) not in IMPLEMENTATIONS:
         raise UsageError(
             f"moe_implementation '{config.moe_implementation}' is not implemented by {variant.module_file}; use one "
