@@ -76,7 +76,7 @@ from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
-from flax_lm.models.shared.moe import router_metric_names, router_metric_sums
+from flax_lm.models.shared.moe import router_metric_names, router_metric_sums, with_capacity
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
 from flax_lm.run.output_dir import write_json
 from flax_lm.run.record import TrainingProgress
@@ -165,6 +165,14 @@ class TrainingArguments(HarnessArguments, CommonTrainingArguments):
             "loss stay the language model's cross-entropy. 0: none.",
         },
     )
+    moe_capacity_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "A mixture of experts trains with each expert taking at most this factor times an even share of "
+            "the (token, expert) pairs, the rest dropped (logged per layer); evaluation and exports stay dropless. "
+            "0: dropless, every token reaches its experts.",
+        },
+    )
 
 
 def check_arguments(model_args, data_args, training_args):
@@ -178,6 +186,7 @@ def check_arguments(model_args, data_args, training_args):
         eval_tasks_limit=(lambda value: value is None or value >= 1, "must be at least 1"),
         z_loss=(lambda value: value >= 0, "must be 0 (none) or more"),
         router_z_loss_coef=(lambda value: value >= 0, "must be 0 (none) or more"),
+        moe_capacity_factor=(lambda value: value >= 0, "must be 0 (dropless) or more"),
     )
     if training_args.sample_tokens and (problem := sample_sampling(training_args).problem("--sample_")):
         raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
@@ -466,21 +475,17 @@ def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Sch
     return optimizers.trained_only(optimizer, is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0, router_z_loss: float = 0.0):
+def make_train_step(model, optimizer, schedule, seed: int, z_loss=0.0, router_z_loss=0.0, capacity_factor=None):
     dropout_key = jax.random.key(seed + 1)
+    model = with_capacity(model, capacity_factor)  # a mixture of experts' experts with a capacity, where one is set
     # A mixture of experts whose config asks for it (output_router_logits) adds router_aux_loss_coef times the
     # load-balancing loss of its routers, as transformers does, and with --router_z_loss_coef the router z-loss.
     aux_coefficient = getattr(model.config, "output_router_logits", False) and model.config.router_aux_loss_coef
 
     def loss_and_sums(params, micro_batch, dropout_rng):
         input_ids = micro_batch["input_ids"]
-        logits, state = model.apply(
-            {"params": params},
-            input_ids,
-            deterministic=False,
-            rngs={"dropout": dropout_rng},
-            mutable=["intermediates"],
-        )
+        apply = partial(model.apply, {"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
+        logits, state = apply(mutable=["intermediates"])  # what a mixture of experts' routers sowed too
         weights = micro_batch.get("weights", jnp.ones(input_ids.shape, jnp.float32))  # examples carry their own
         sums = causal_lm_objective(logits, input_ids, weights, z_loss)
         # The routers' losses (of an MoE) and what the trackers watch of them, weighted by the tokens as the loss is.
@@ -509,20 +514,17 @@ SCRIPT_TRAINING = ScriptTraining(
 def script_training(training_args, model) -> ScriptTraining:
     """SCRIPT_TRAINING, with --z_loss a train step that adds the z-loss and sums it apart, as a metric of its own; for
     a mixture of experts, with the sums of its routers (and their losses, where a coefficient asks for them)."""
-    coefficients = {"z_loss": training_args.z_loss, "router_z_loss": training_args.router_z_loss_coef}
-    router_sums = router_metric_names(model, jnp.zeros((1, 2), jnp.int32))
-    if training_args.router_z_loss_coef and not router_sums:
-        raise UsageError(
-            f"--router_z_loss_coef is for a mixture of experts; a {model.config.model_type} has no router"
-        )
+    options = {"z_loss": training_args.z_loss, "router_z_loss": training_args.router_z_loss_coef}
+    options["capacity_factor"] = training_args.moe_capacity_factor
+    router_sums = router_metric_names(with_capacity(model, options["capacity_factor"]), jnp.zeros((1, 2), jnp.int32))
+    for flag in ("router_z_loss_coef", "moe_capacity_factor"):
+        if getattr(training_args, flag) and not router_sums:
+            raise UsageError(f"--{flag} is for a mixture of experts; a {model.config.model_type} has no router")
     if router_sums and getattr(model.config, "output_router_logits", False) and model.config.router_aux_loss_coef:
         router_sums = ("router_aux_loss_sum", *router_sums)
-    coefficient_sums = tuple(f"{name}_sum" for name, value in coefficients.items() if value)
-    return replace(
-        SCRIPT_TRAINING,
-        make_train_step=partial(make_train_step, **coefficients),
-        metric_sums=(*TRAIN_METRIC_SUMS, *coefficient_sums, *router_sums),
-    )
+    loss_sums = tuple(f"{name}_sum" for name in ("z_loss", "router_z_loss") if options[name])
+    step = partial(make_train_step, **options)
+    return replace(SCRIPT_TRAINING, make_train_step=step, metric_sums=(*TRAIN_METRIC_SUMS, *loss_sums, *router_sums))
 
 
 def make_eval_step(model, token_bytes: np.ndarray | None = None):

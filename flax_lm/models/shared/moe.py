@@ -12,6 +12,7 @@ The router logits of each MoE layer are sown into the "intermediates" collection
 nothing unless the caller asks for the collection (model.apply(..., mutable=["intermediates"])): how a training
 objective adds the auxiliary losses."""
 
+import copy
 import math
 from functools import partial
 from typing import Any
@@ -146,6 +147,30 @@ def dense_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, a
 EXPERTS = {"dropless": dropless_experts, "dense": dense_experts}
 
 
+def capacity_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, activation: str, factor: float):
+    """(what dropless_experts computes, but for the pairs over capacity, the fraction of pairs dropped): the classic
+    fixed-capacity dispatch (GShard, Switch Transformer), for comparison with the dropless default. Each expert takes
+    at most ceil(factor * tokens * k / experts) of the (token, expert) pairs, the earlier tokens first; a dropped
+    pair adds nothing to its token (the residual carries it). The kept rows are copied into one buffer of capacity
+    rows per expert, each expert multiplies its buffer (its work and memory fixed by the factor, whatever the
+    router does) and the rows are gathered back."""
+    tokens, k = expert_ids.shape
+    experts, width = gate_kernel.shape[0], x.shape[-1]
+    capacity = max(1, math.ceil(factor * tokens * k / experts))
+    pairs = expert_ids.reshape(-1)  # token by token: the earlier tokens are queued first
+    queued = jax.nn.one_hot(pairs, experts, dtype=jnp.int32)
+    place = jnp.sum((jnp.cumsum(queued, axis=0) - 1) * queued, axis=-1)  # each pair's place in its expert's queue
+    kept = place < capacity
+    slots = jnp.where(kept, pairs * capacity + place, experts * capacity)  # a dropped pair's slot: past the end
+    rows = jnp.zeros((experts * capacity, width), x.dtype).at[slots].set(jnp.repeat(x, k, axis=0), mode="drop")
+    rows = rows.reshape(experts, capacity, width)
+    kernels = [kernel.astype(x.dtype) for kernel in (gate_kernel, up_kernel, down_kernel)]
+    gate, up = (jnp.einsum("ecw,ewi->eci", rows, kernel) for kernel in kernels[:2])
+    out = jnp.einsum("eci,eiw->ecw", ACTIVATIONS[activation](gate) * up, kernels[2]).reshape(-1, width)
+    out = jnp.take(out, slots, axis=0, mode="fill", fill_value=0).reshape(tokens, k, width)
+    return jnp.einsum("tkw,tk->tw", out, weights.astype(x.dtype)), 1.0 - jnp.mean(kept.astype(jnp.float32))
+
+
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, mask=None):
     """Switch Transformer's load-balancing loss as transformers' load_balancing_loss_func computes it over the router
     logits of every MoE layer (a sequence of (tokens, experts) arrays): num_experts * sum over experts of (the fraction
@@ -177,13 +202,34 @@ def router_z_loss(router_logits, mask=None):
     return jnp.mean(jnp.stack(losses))
 
 
+# The config attribute of the train step's model under run_clm_flax.py --moe_capacity_factor (with_capacity): not a
+# key of a config file, which would make the evaluation and the exports drop tokens too (the MoE decoder refuses it).
+CAPACITY_KEY = "moe_capacity_factor"
+
+
+def with_capacity(model, factor: float | None):
+    """`model` with its MoE layers computing capacity_experts of `factor` (a copy of its config says so): the train
+    step's model under --moe_capacity_factor; the model itself (what evaluation, sampling and exports compute) stays
+    dropless. The model itself where `factor` is 0 or None."""
+    if not factor:
+        return model
+    config = copy.copy(model.config)
+    setattr(config, CAPACITY_KEY, factor)
+    return model.clone(config=config)
+
+
 def router_logits_by_layer(intermediates) -> dict:
     """{"layer_3": its router logits (tokens, experts)} of each MoE layer that sowed them into `intermediates` (the
     collection model.apply(..., mutable=["intermediates"]) returns), named by the decoder layer holding it."""
+    return sown_by_layer(intermediates, "router_logits")
+
+
+def sown_by_layer(intermediates, name: str) -> dict:
+    """{"layer_3": what its MoE layer sowed as `name`} of each layer that did."""
     by_layer = {}
     for path, sown in flatten_dict(intermediates).items():
-        if path[-1] == "router_logits":
-            layer = next((name for name in path if name.startswith("layers_")), "/".join(path[:-1]))
+        if path[-1] == name:
+            layer = next((part for part in path if part.startswith("layers_")), "/".join(path[:-1]))
             by_layer[layer.replace("layers_", "layer_")] = sown[0]
     return by_layer
 
@@ -197,7 +243,10 @@ def router_metric_names(model, dummy_input) -> tuple[str, ...]:
     if not layers:
         return ()
     per_layer = [f"moe/{layer}/expert_load_{end}" for layer in layers for end in ("max", "min")]
-    return ("moe/load_balancing_loss", "moe/router_z_loss", *per_layer)
+    dropped = [
+        f"moe/{layer}/dropped_fraction" for layer in sown_by_layer(variables["intermediates"], "dropped_fraction")
+    ]
+    return ("moe/load_balancing_loss", "moe/router_z_loss", *per_layer, *dropped)
 
 
 def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0.0, z_coefficient=0.0) -> dict:
@@ -205,7 +254,8 @@ def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0
     summed, so that the sums of several steps over their tokens are means: to watch the routers (a collapsing one
     sends most tokens to few experts), the load-balancing loss (1 for an even router) and router z-loss of all the
     MoE layers, and per layer the largest and smallest fraction of the layer's top-k choices that one expert got
-    ("moe/layer_3/expert_load_max"; 1/experts each for an even router); with a coefficient, that coefficient times
+    ("moe/layer_3/expert_load_max"; 1/experts each for an even router) and, with a capacity, the fraction of its
+    (token, expert) pairs it dropped; with a coefficient, that coefficient times
     the loss, which the trained loss adds (router_aux_loss_sum, router_z_loss_sum). Every token counts, as in
     transformers' loss without an attention mask. Empty for a model without routers."""
     by_layer = router_logits_by_layer(intermediates)
@@ -220,6 +270,8 @@ def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0
         load = jnp.bincount(chosen.reshape(-1), length=experts) / chosen.size
         sums |= {f"moe/{layer}/expert_load_max": load.max() * token_count}
         sums |= {f"moe/{layer}/expert_load_min": load.min() * token_count}
+    for layer, dropped in sown_by_layer(intermediates, "dropped_fraction").items():  # with a capacity
+        sums[f"moe/{layer}/dropped_fraction"] = dropped * token_count
     if aux_coefficient:
         sums["router_aux_loss_sum"] = aux_coefficient * balance * token_count
     if z_coefficient:
@@ -240,6 +292,7 @@ class SparseMoeBlock(DecoderPart):
     expert_names: tuple = ("gate_proj", "up_proj", "down_proj")
     shared_inner: int | None = None
     implementation: str = "dropless"
+    capacity_factor: float | None = None  # capacity_experts in place of the implementation (with_capacity)
 
     @nn.compact
     def __call__(self, x):
@@ -254,7 +307,11 @@ class SparseMoeBlock(DecoderPart):
             name="experts",
         )()  # fmt: skip
         kernels = [kernel.astype(self.dtype) for kernel in kernels]
-        y = EXPERTS[self.implementation](rows, expert_ids, weights, *kernels, config.hidden_act)
+        if self.capacity_factor:
+            y, dropped = capacity_experts(rows, expert_ids, weights, *kernels, config.hidden_act, self.capacity_factor)
+            self.sow("intermediates", "dropped_fraction", dropped)
+        else:
+            y = EXPERTS[self.implementation](rows, expert_ids, weights, *kernels, config.hidden_act)
         if self.shared_inner:
             shared = self.child(SizedGatedMLP, "shared_expert", inner=self.shared_inner)(rows)
             y = y + jax.nn.sigmoid(self.dense(1, ("embed", None), False, "shared_expert_gate")(rows)) * shared

@@ -33,7 +33,7 @@ from flax_lm.models.shared.common import (
     rotary_frequencies,
     rotate,
 )
-from flax_lm.models.shared.moe import IMPLEMENTATIONS, SizedGatedMLP, SparseMoeBlock, check_routing
+from flax_lm.models.shared.moe import CAPACITY_KEY, IMPLEMENTATIONS, SizedGatedMLP, SparseMoeBlock, check_routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,11 @@ def check_moe_config(config, variant: MoeVariant, mesh=None):
     check_routing(variant.num_experts(config), config.num_experts_per_tok)
     if mesh is not None:
         check_expert_split(mesh, variant.num_experts(config))
+    if getattr(config, CAPACITY_KEY, None) is not None:
+        raise UsageError(
+            f"{CAPACITY_KEY} in the config is not read by {variant.module_file}: a capacity applies to training "
+            "alone, with run_clm_flax.py --moe_capacity_factor; remove it from config.json"
+        )
     if moe_implementation(config) not in IMPLEMENTATIONS:
         raise UsageError(
             f"moe_implementation '{config.moe_implementation}' is not implemented by {variant.module_file}; use one "
@@ -123,7 +128,7 @@ class MoeDecoderLayer(DecoderPart):
                 top_k=config.num_experts_per_tok, inner=variant.expert_inner(config),
                 renormalize=variant.renormalize(config),
                 expert_names=variant.expert_names, shared_inner=variant.shared_inner(config),
-                implementation=moe_implementation(config),
+                implementation=moe_implementation(config), capacity_factor=getattr(config, CAPACITY_KEY, None),
             )  # fmt: skip
         else:
             mlp = self.child(SizedGatedMLP, "mlp", inner=config.intermediate_size)
