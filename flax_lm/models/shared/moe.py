@@ -173,10 +173,10 @@ def capacity_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, mask=None):
     """Switch Transformer's load-balancing loss as transformers' load_balancing_loss_func computes it over the router
-    logits of every MoE layer (a sequence of (tokens, experts) arrays): num_experts * sum over experts of (the fraction
-    of the k choices that go to it) * (its mean router probability), the tokens of every layer pooled; with `mask`
-    (tokens,), only the tokens it marks count (padding does not). 1 for a perfectly even router; the training loss adds
-    it times router_aux_loss_coef."""
+    logits of every MoE layer (a sequence of (tokens, experts) arrays): num_experts * sum over experts of (the number
+    of times it is chosen per token) * (its mean router probability), the tokens of every layer pooled; with `mask`
+    (tokens,), only the tokens it marks count (padding does not). top_k for a perfectly even router, up to num_experts
+    for one that gives every token to one expert; the training loss adds it times router_aux_loss_coef."""
     counts = jnp.zeros(num_experts, jnp.float32)
     probabilities = jnp.zeros(num_experts, jnp.float32)
     rows = 0.0
@@ -252,7 +252,7 @@ def router_metric_names(model, dummy_input) -> tuple[str, ...]:
 def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0.0, z_coefficient=0.0) -> dict:
     """What the routers sowed in `intermediates` add to a train step's sums, each times `token_count` as the loss is
     summed, so that the sums of several steps over their tokens are means: to watch the routers (a collapsing one
-    sends most tokens to few experts), the load-balancing loss (1 for an even router) and router z-loss of all the
+    sends most tokens to few experts), the load-balancing loss (k for an even router) and router z-loss of all the
     MoE layers, and per layer the largest and smallest fraction of the layer's top-k choices that one expert got
     ("moe/layer_3/expert_load_max"; 1/experts each for an even router) and, with a capacity, the fraction of its
     (token, expert) pairs it dropped; with a coefficient, that coefficient times
