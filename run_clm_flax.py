@@ -76,7 +76,7 @@ from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
 from flax_lm.models.model_code import ModelCode, load_model_code
-from flax_lm.models.shared.moe import load_balancing_loss
+from flax_lm.models.shared.moe import router_metric_names, router_metric_sums, with_capacity
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
 from flax_lm.run.output_dir import write_json
 from flax_lm.run.record import TrainingProgress
@@ -157,6 +157,22 @@ class TrainingArguments(HarnessArguments, CommonTrainingArguments):
             "large. Logged apart as train/z_loss; train/loss stays the cross-entropy. 0: none.",
         },
     )
+    router_z_loss_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "A mixture of experts: coefficient of ST-MoE's router z-loss added to the training loss, the mean "
+            "of logsumexp(router logits)^2 (ST-MoE used 1e-3). Logged as train/router_z_loss; train/loss and the eval "
+            "loss stay the language model's cross-entropy. 0: none.",
+        },
+    )
+    moe_capacity_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "A mixture of experts trains with each expert taking at most this factor times an even share of "
+            "the (token, expert) pairs, the rest dropped (logged per layer); evaluation and exports stay dropless. "
+            "0: dropless, every token reaches its experts.",
+        },
+    )
 
 
 def check_arguments(model_args, data_args, training_args):
@@ -169,6 +185,8 @@ def check_arguments(model_args, data_args, training_args):
         sample_tokens=(lambda value: value >= 0, "must be 0 (no samples) or more"),
         eval_tasks_limit=(lambda value: value is None or value >= 1, "must be at least 1"),
         z_loss=(lambda value: value >= 0, "must be 0 (none) or more"),
+        router_z_loss_coef=(lambda value: value >= 0, "must be 0 (none) or more"),
+        moe_capacity_factor=(lambda value: value >= 0, "must be 0 (dropless) or more"),
     )
     if training_args.sample_tokens and (problem := sample_sampling(training_args).problem("--sample_")):
         raise UsageError(problem.replace("--sample_max_new_tokens", "--sample_tokens"))
@@ -387,10 +405,13 @@ TRAIN_METRIC_SUMS = ("loss_sum", "token_count")
 def train_metrics(sums: dict) -> dict:
     """The training metrics of a log line and of train_results.json, from the sums over the steps it covers."""
     token_count = max(sums["token_count"], 1.0)
+    # train/loss: the cross-entropy alone, whatever the step adds to it (each addition a metric of its own).
     metrics = {"loss": sums["loss_sum"] / token_count}
-    if "z_loss_sum" in sums:
-        metrics["z_loss"] = sums["z_loss_sum"] / token_count
-    return metrics
+    for name in ("z_loss", "router_aux_loss", "router_z_loss"):
+        if f"{name}_sum" in sums:
+            metrics[name] = sums[f"{name}_sum"] / token_count
+    # A mixture of experts' routers, which the trackers show (moe/...): moe.router_metric_sums says what each is.
+    return metrics | {name: value / token_count for name, value in sums.items() if name.startswith("moe/")}
 
 
 def learning_rate_schedule(settings: optimizers.OptimizerSettings, total_steps: int) -> optax.Schedule:
@@ -454,23 +475,25 @@ def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Sch
     return optimizers.trained_only(optimizer, is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0):
+def make_train_step(model, optimizer, schedule, seed: int, z_loss=0.0, router_z_loss=0.0, capacity_factor=None):
     dropout_key = jax.random.key(seed + 1)
+    model = with_capacity(model, capacity_factor)  # a mixture of experts' experts with a capacity, where one is set
     # A mixture of experts whose config asks for it (output_router_logits) adds router_aux_loss_coef times the
-    # load-balancing loss of its routers, as transformers does; summed apart as router_aux_loss_sum.
+    # load-balancing loss of its routers, as transformers does, and with --router_z_loss_coef the router z-loss.
     aux_coefficient = getattr(model.config, "output_router_logits", False) and model.config.router_aux_loss_coef
 
     def loss_and_sums(params, micro_batch, dropout_rng):
         input_ids = micro_batch["input_ids"]
         apply = partial(model.apply, {"params": params}, input_ids, deterministic=False, rngs={"dropout": dropout_rng})
-        logits, state = apply(mutable=["intermediates"]) if aux_coefficient else (apply(), None)
+        logits, state = apply(mutable=["intermediates"])  # what a mixture of experts' routers sowed too
         weights = micro_batch.get("weights", jnp.ones(input_ids.shape, jnp.float32))  # examples carry their own
         sums = causal_lm_objective(logits, input_ids, weights, z_loss)
-        if aux_coefficient:  # the loss of this micro-batch's routers, weighted by its tokens as the loss is summed
-            router_logits = jax.tree_util.tree_leaves(state["intermediates"])
-            aux = load_balancing_loss(router_logits, router_logits[0].shape[-1], model.config.num_experts_per_tok)
-            sums["router_aux_loss_sum"] = aux_coefficient * aux * sums["token_count"]
-        return sums["loss_sum"] + sums.get("z_loss_sum", 0.0) + sums.get("router_aux_loss_sum", 0.0), sums
+        # The routers' losses (of an MoE) and what the trackers watch of them, weighted by the tokens as the loss is.
+        top_k = getattr(model.config, "num_experts_per_tok", 1)
+        routers = (state.get("intermediates", {}), top_k, sums["token_count"], aux_coefficient, router_z_loss)
+        sums |= router_metric_sums(*routers)
+        auxiliary = sums.get("z_loss_sum", 0.0) + sums.get("router_aux_loss_sum", 0.0)
+        return sums["loss_sum"] + auxiliary + sums.get("router_z_loss_sum", 0.0), sums
 
     def train_step(state: TrainState, batch):
         grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
@@ -488,15 +511,20 @@ SCRIPT_TRAINING = ScriptTraining(
 )
 
 
-def script_training(training_args) -> ScriptTraining:
-    """SCRIPT_TRAINING, with --z_loss a train step that adds the z-loss and sums it apart, as a metric of its own."""
-    if not training_args.z_loss:
-        return SCRIPT_TRAINING
-    return replace(
-        SCRIPT_TRAINING,
-        make_train_step=partial(make_train_step, z_loss=training_args.z_loss),
-        metric_sums=(*TRAIN_METRIC_SUMS, "z_loss_sum"),
-    )
+def script_training(training_args, model) -> ScriptTraining:
+    """SCRIPT_TRAINING, with --z_loss a train step that adds the z-loss and sums it apart, as a metric of its own; for
+    a mixture of experts, with the sums of its routers (and their losses, where a coefficient asks for them)."""
+    options = {"z_loss": training_args.z_loss, "router_z_loss": training_args.router_z_loss_coef}
+    options["capacity_factor"] = training_args.moe_capacity_factor
+    router_sums = router_metric_names(with_capacity(model, options["capacity_factor"]), jnp.zeros((1, 2), jnp.int32))
+    for flag in ("router_z_loss_coef", "moe_capacity_factor"):
+        if getattr(training_args, flag) and not router_sums:
+            raise UsageError(f"--{flag} is for a mixture of experts; a {model.config.model_type} has no router")
+    if router_sums and getattr(model.config, "output_router_logits", False) and model.config.router_aux_loss_coef:
+        router_sums = ("router_aux_loss_sum", *router_sums)
+    loss_sums = tuple(f"{name}_sum" for name in ("z_loss", "router_z_loss") if options[name])
+    step = partial(make_train_step, **options)
+    return replace(SCRIPT_TRAINING, make_train_step=step, metric_sums=(*TRAIN_METRIC_SUMS, *loss_sums, *router_sums))
 
 
 def make_eval_step(model, token_bytes: np.ndarray | None = None):
@@ -704,7 +732,7 @@ def main():
 
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
-    script, settings = script_training(training_args), training_args.training_settings()
+    script, settings = script_training(training_args, model), training_args.training_settings()
     setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), block_size)
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, training_args)

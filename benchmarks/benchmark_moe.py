@@ -6,7 +6,9 @@ and the activation memory of each: the temporaries XLA allocates for the step (m
 program), beside the memory of the inputs and weights.
 
 Dropless is measured with each grouped product (moe.dropless_experts): "blocks", the default on a CPU, and
-jax.lax.ragged_dot, which XLA:CPU computes as every expert over every row (on GPUs and TPUs, grouped kernels).
+jax.lax.ragged_dot, which XLA:CPU computes as every expert over every row (on GPUs and TPUs, grouped kernels). Beside
+them the fixed-capacity dispatch of --moe_capacity_factor 1.25 (moe.capacity_experts), whose output differs by the
+(token, expert) pairs it drops.
 
 A step is the experts' forward and backward pass (the gradients of the input and of the three stacked kernels) on
 --tokens tokens of --width, each routed to --top_k experts of --inner width by a random router; both formulations
@@ -44,10 +46,13 @@ def parse_arguments():
     return parser.parse_args()
 
 
-# The formulations compared: dropless with each grouped product, and every expert on every token.
+# The formulations compared: dropless with each grouped product, run_clm_flax.py --moe_capacity_factor 1.25's experts
+# (each takes at most 1.25 times an even share of the pairs: the output differs by the pairs dropped), and every
+# expert on every token.
 FORMULATIONS = {
     "dropless (blocks)": partial(moe.dropless_experts, grouping="blocks"),
     "dropless (ragged_dot)": partial(moe.dropless_experts, grouping="ragged_dot"),
+    "capacity 1.25": lambda *arguments: moe.capacity_experts(*arguments, factor=1.25)[0],
     "dense": moe.dense_experts,
 }
 

@@ -23,6 +23,7 @@ from flax_lm.devices.mesh import BATCH_AXES, MESH_AXES, create_mesh  # noqa: E40
 from flax_lm.models.gemma.model import FlaxGemmaForCausalLM  # noqa: E402
 from flax_lm.models.gpt2.model import FlaxGPT2LMHeadModel  # noqa: E402
 from flax_lm.models.llama.model import FlaxLlamaForCausalLM  # noqa: E402
+from flax_lm.models.mixtral.model import FlaxMixtralForCausalLM  # noqa: E402
 from flax_lm.models.olmo2.model import FlaxOlmo2ForCausalLM  # noqa: E402
 from flax_lm.models.roberta.model import FlaxRobertaForMaskedLM  # noqa: E402
 from flax_lm.training.train_state import abstract_train_state, create_train_state  # noqa: E402
@@ -52,6 +53,13 @@ GEMMA = transformers.Gemma3TextConfig(
 )  # fmt: skip
 OLMO2 = transformers.Olmo2Config(**DECODER_SHAPES)
 FAMILIES_TENSOR_ONLY = ("gemma", "olmo2")
+# A mixture of experts (8 of them, 2 per token, the router's aux loss trained on) meets the expert axis beside the
+# three others: each device holds half the experts, halved by fsdp and tensor. Its step without remat or
+# micro-batches, which the other models check: the plain step compiles faster.
+MIXTRAL = transformers.MixtralConfig(
+    **DECODER_SHAPES, num_local_experts=8, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1
+)
+EXPERT_MESH, PLAIN_STEP = "fsdp=2,expert=2,tensor=2", {"remat_policy": None, "micro_batches": 1}
 # GPT-2 alone also meets FSDP over every device: the state divided eight ways (the batch over data and fsdp together is
 # the mesh of all three axes').
 FSDP_MESH = "fsdp=8"
@@ -146,21 +154,24 @@ def results_of(losses, params, shares, state_share, bytes_share, reference_param
 
 
 def main():
-    one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
+    one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), MESH_AXES)
     results = {}
     mesh_shapes = {"clm": [*sys.argv[1:], FSDP_MESH], **dict.fromkeys(FAMILIES_TENSOR_ONLY, ["tensor=8"])}
+    mesh_shapes["mixtral"] = [EXPERT_MESH]
     for name, script, model_class, config in (
         ("clm", run_clm_flax, FlaxGPT2LMHeadModel, GPT2),
         ("llama", run_clm_flax, FlaxLlamaForCausalLM, LLAMA),
         ("gemma", run_clm_flax, FlaxGemmaForCausalLM, GEMMA),
         ("olmo2", run_clm_flax, FlaxOlmo2ForCausalLM, OLMO2),
+        ("mixtral", run_clm_flax, FlaxMixtralForCausalLM, MIXTRAL),
         ("mlm", run_mlm_flax, FlaxRobertaForMaskedLM, ROBERTA),
     ):
-        reference_losses, reference_params, *_ = train(script, model_class, config, one_device)
+        options = PLAIN_STEP if name == "mixtral" else {}
+        reference_losses, reference_params, *_ = train(script, model_class, config, one_device, **options)
         results[name] = {"one device": {"losses": reference_losses}}
         # The other decoders meet the mesh where their heads are: split one key/value head to a device.
         for mesh_shape in mesh_shapes.get(name, sys.argv[1:]):
-            trained = train(script, model_class, config, create_mesh(mesh_shape))
+            trained = train(script, model_class, config, create_mesh(mesh_shape), **options)
             results[name][mesh_shape] = results_of(*trained, reference_params)
     # The other optimizers of --optim, on the mesh of all three axes. Their update follows the gradient's sum, which
     # comes with the same shardings with or without remat and micro-batches (AdamW's runs above check those on this

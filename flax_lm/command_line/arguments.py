@@ -287,9 +287,10 @@ class CommonTrainingArguments(TrainingSettingsFromFlags):
     mesh_shape: str | None = field(
         default=None,
         metadata={
-            "help": "How the devices are arranged, e.g. data=2,fsdp=2,tensor=2: the batch is split over data and "
-            "fsdp; parameters, gradients and optimizer state over fsdp (like ZeRO-3); attention heads, MLP columns "
-            "and the vocabulary over tensor (Megatron-style tensor parallelism). Default: data=all devices."
+            "help": "How the devices are arranged, e.g. data=2,fsdp=2,tensor=2: the batch is split over data, fsdp "
+            "and expert; parameters, gradients and optimizer state over fsdp (like ZeRO-3); a mixture of experts' "
+            "experts over expert (data=2,expert=4); attention heads, MLP columns and the vocabulary over tensor "
+            "(Megatron-style tensor parallelism). Default: data=all devices."
         },
     )
     optim: str = field(

@@ -1,6 +1,7 @@
 """The device mesh: how the batch and the parameters are split over every device of every process, and how a
 process's rows of a batch become one global array."""
 
+import math
 import queue
 import threading
 from collections.abc import Iterator
@@ -9,24 +10,27 @@ import jax
 
 from flax_lm.errors import UsageError
 
-# The mesh has three axes.
+# The mesh has four axes.
 # - "data": each device computes its own rows of the batch with whole parameters (data parallelism).
 # - "fsdp": the batch is split over it too, and the parameters (with their gradients and optimizer state) are split
 #   along their embedding dimension; XLA gathers each layer's parameters as it needs them (ZeRO-3/FSDP).
+# - "expert": the batch is split over it too, and a mixture of experts' experts are split over it, each device
+#   holding its share of every MoE layer's experts (expert parallelism); the other parameters are whole on it, as on
+#   "data". A model without experts is refused on it (check_expert_split).
 # - "tensor": the devices of a group compute the same rows, each with its share of the attention heads, of the
 #   MLP's inner columns and of the vocabulary (Megatron-LM's tensor parallelism): a layer's first matrix is split
 #   by columns, its second by rows, so a block costs one sum over the group in each direction.
 # The default mesh puts every device on "data".
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Batches arrive split over every device, each process loading its own rows (see process_slice); the models then
-# regroup the rows over "data" and "fsdp" (the logical "batch" below), every device of a tensor group with the
-# group's rows.
+# regroup the rows over "data", "fsdp" and "expert" (the logical "batch" below), every device of a tensor group with
+# the group's rows.
 BATCH_AXES = MESH_AXES
 
 # Logical axis names (on parameters, and on activations in the models' sharding constraints) -> mesh axes.
 LOGICAL_AXIS_RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     # The positions of the activations between the split layers (residuals, layer norms), split over the tensor
     # axis where the layers are not (Megatron-LM's sequence parallelism): the sum that ends a split layer is
     # scattered over the positions, and gathered again where the next one starts, for the same traffic as one sum.
@@ -36,29 +40,30 @@ LOGICAL_AXIS_RULES = (
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
-    # The experts of a mixture of experts (flax_lm/models/shared/moe.py): whole on every device, for now.
-    ("expert", None),
+    # The experts of a mixture of experts (flax_lm/models/shared/moe.py).
+    ("expert", "expert"),
 )
 
 
 def create_mesh(mesh_shape: str | None = None) -> jax.sharding.Mesh:
-    """All devices of all processes on MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=2,tensor=2"); an axis left out
-    has size 1, but for "data", which takes the devices the others leave. By default all devices are on "data"."""
+    """All devices of all processes on MESH_AXES, sized by `mesh_shape` ("data=2,fsdp=2,tensor=2", "expert=4"); an axis
+    left out has size 1, but for "data", which takes the devices the others leave. By default all devices are on
+    "data"."""
     given = {}
     if mesh_shape:
         try:
             pairs = [(name.strip(), int(size)) for name, size in (part.split("=") for part in mesh_shape.split(","))]
         except ValueError:
-            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M,tensor=K") from None
+            raise UsageError(f"--mesh_shape {mesh_shape}: write it as data=N,fsdp=M,expert=E,tensor=K") from None
         given = dict(pairs)
         if len(given) < len(pairs):
             repeated = next(name for name, _ in pairs if [other for other, _ in pairs].count(name) > 1)
             raise UsageError(f"--mesh_shape {mesh_shape} sizes the {repeated} axis twice; give each axis once")
         if not set(given) <= set(MESH_AXES) or min(given.values()) < 1:
-            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are data, fsdp and tensor, each at least 1")
-    others = given.get("fsdp", 1) * given.get("tensor", 1)
-    sizes = {"data": max(1, jax.device_count() // others), "fsdp": 1, "tensor": 1, **given}
-    total = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+            raise UsageError(f"--mesh_shape {mesh_shape}: the axes are data, fsdp, expert and tensor, each at least 1")
+    others = given.get("fsdp", 1) * given.get("expert", 1) * given.get("tensor", 1)
+    sizes = {"data": max(1, jax.device_count() // others), "fsdp": 1, "expert": 1, "tensor": 1, **given}
+    total = math.prod(sizes.values())
     if total != jax.device_count():
         raise UsageError(
             f"--mesh_shape {mesh_shape} has {total} devices but there are {jax.device_count()}; make the sizes "
@@ -82,6 +87,24 @@ def check_tensor_split(mesh: jax.sharding.Mesh, split_sizes: dict[str, int]):
                 f"--mesh_shape tensor={tensor} does not divide the {what} {size}: choose a tensor size that divides "
                 f"it, or {fix}"
             )
+
+
+def check_expert_split(mesh: jax.sharding.Mesh, experts: int | None):
+    """Refuse an expert axis that does not divide the experts of every MoE layer (`experts`; None for a model without
+    experts, which the axis cannot split)."""
+    size = mesh.shape.get("expert", 1)
+    if size == 1:
+        return
+    if experts is None:
+        raise UsageError(
+            f"--mesh_shape expert={size} splits a mixture of experts' experts, and this model has none; put the "
+            "devices on data or fsdp"
+        )
+    if experts % size:
+        raise UsageError(
+            f"--mesh_shape expert={size} does not divide the {experts} experts of the model: choose an expert size "
+            "that divides them"
+        )
 
 
 def to_global_batch(local_batch: dict, batch_sharding) -> dict:

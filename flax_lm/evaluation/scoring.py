@@ -37,13 +37,14 @@ class Scorer:
     """Scores sequences of token ids with `model` (`model.apply({"params": params}, input_ids)` -> float32 logits
     (batch, length, vocab)), at most `tokens_per_batch` padded positions at a time. A sequence may hold up to the
     model's positions plus one tokens (the last is predicted, never read). With the model on a `mesh`, the rows of a
-    batch are split over its data and fsdp axes."""
+    batch are split over its data, fsdp and expert axes."""
 
     def __init__(self, model, tokens_per_batch: int, mesh: jax.sharding.Mesh | None = None):
         self.max_length = model.config.max_position_embeddings  # positions; GPT2Config maps it to n_positions
         self.tokens_per_batch = max(tokens_per_batch, self.max_length)
-        self.row_multiple = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-        self.input_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+        rows_over = ("data", "fsdp", "expert")
+        self.row_multiple = 1 if mesh is None else math.prod(mesh.shape[axis] for axis in rows_over)
+        self.input_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(rows_over))
 
         def scores(params, input_ids, target_ids, top_k: int):
             logits = model.apply({"params": params}, input_ids)  # (rows, length, vocab)

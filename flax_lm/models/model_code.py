@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_lm.devices.mesh import check_expert_split
 from flax_lm.errors import UsageError
 from flax_lm.models import model_module
 from flax_lm.models.gpt2.model import BLOCK_OPTIONS as GPT2_BLOCK_OPTIONS
@@ -48,11 +49,11 @@ VERIFIED_FINGERPRINTS = {
     "gpt_neox": "85e0e433b6fdac15",
     "gptj": "f4b9583fd3bfaee3",
     "llama": "c008d80d34dcd6a9",
-    "mixtral": "b00fe7bcddc082f0",
+    "mixtral": "2249ec051abe0889",
     "olmo2": "09ba662aef0ed72b",
-    "olmoe": "1c7ed7355f88bd89",
+    "olmoe": "0058d68a38e1f1d8",
     "opt": "ad4e932f69f9ea35",
-    "qwen_moe": "cc50f079d79c3611",
+    "qwen_moe": "cd46b93be4545022",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
 }
@@ -66,12 +67,16 @@ VERIFIED_FINGERPRINTS = {
 # every module computes as before. GPT-2's query/key/value product has since been a method of its own, which --fp8
 # computes in FP8; without it, the same product as before. Then each family became a folder, model.py beside its
 # registration, and common.py moved, unchanged, to shared/: the models' import lines and the file paths in their
-# messages changed, nothing computed.)
+# messages changed, nothing computed. The mixture-of-experts layer has since told the train step what its routers did,
+# beside the same logits.)
 EARLIER_VERIFIED_FINGERPRINTS = {
     "gemma": {"ccb4a731dc070557", "70cb8883ead381c2"},
     "gpt2": {"9235ed61450115e6", "37d74b0550392686", "29b9bcfd3633837a", "272c7f9596cdb77c", "61d3745b8a30cf52"},
     "llama": {"e66a74462a8dd3d2", "503e53ad0738fa05", "1fbca14013f5fdc6"},
+    "mixtral": {"b00fe7bcddc082f0"},
     "olmo2": {"b0877faf3731d06d", "15a9ef5e60891667"},
+    "olmoe": {"1c7ed7355f88bd89"},
+    "qwen_moe": {"cc50f079d79c3611"},
     "roberta": {"695c5ddd82d1a2e0", "fdebdf944a44cb5c", "7fbe975d967e2fc4"},
 }
 # Config fields an earlier verified version read nothing of: it computed as today's code only for a config that leaves
@@ -223,6 +228,8 @@ def load_model_code(
     such code claim nothing."""
     module = model_module(config.model_type, model_file, generates_text, tool)
     module.check_model_config(config, mesh)
+    if mesh is not None and not hasattr(config, "num_experts_per_tok"):  # an MoE module checks its experts itself
+        check_expert_split(mesh, None)
     fingerprint = module_code_fingerprint(module)
     fields_set = frozenset(
         name
@@ -292,6 +299,23 @@ def architecture_claim(module, config, fingerprint: str, model_file: str | None)
     )
 
 
+def loaded_as_a_checkpoint(hf_class, config, state_dict: dict) -> tuple[Any, list[str], list[str]]:
+    """(the PyTorch model of `hf_class` with `state_dict`, the tensors it lacks, those it does not hold) read as
+    from_pretrained reads a checkpoint directory, with the conversions transformers makes on load: transformers 5
+    fuses the experts of a mixture of experts, each a tensor of its own in the checkpoints (and in exports), into
+    3-D tensors of all."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        save_file({name: tensor.contiguous() for name, tensor in state_dict.items()}, f"{directory}/model.safetensors")
+        model, loading = hf_class.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
+    return model.eval(), loading["missing_keys"], loading["unexpected_keys"]
+
+
 def probe_difference(module, config, hf_class) -> float | str:
     """The largest difference between the logits of `module`'s model and of the transformers class `hf_class` with
     the same random weights, or why the weights do not map onto the class (or why the probe would cost too much).
@@ -331,6 +355,8 @@ def probe_difference(module, config, hf_class) -> float | str:
     torch_model = hf_class(config).eval()
     missing, unexpected = torch_model.load_state_dict(state_dict, strict=False)
     tied = {name for name in missing if name.endswith(("lm_head.weight", "lm_head.decoder.weight", "decoder.bias"))}
+    if unexpected or set(missing) - tied:  # a layout the class converts as it loads a checkpoint, or none it reads
+        torch_model, missing, unexpected = loaded_as_a_checkpoint(hf_class, config, state_dict)
     if unexpected or set(missing) - tied:
         return f"the architecture has no tensor {(unexpected or sorted(set(missing) - tied))[0]}"
     del state_dict

@@ -126,18 +126,21 @@ class TrainingLog:
             return
         window_sums = {name: sum(float(metrics[name]) for metrics in self.window) for name in self.metric_names}
         summary = self.train_metrics(window_sums)
+        # A metric named as a path (a mixture of experts' moe/layer_3/expert_load_max) goes to the trackers alone: the
+        # log line and the progress bar keep to those a reader follows step by step.
+        shown = {name: value for name, value in summary.items() if "/" not in name}
         learning_rate, grad_norm = float(self.window[-1]["learning_rate"]), float(self.window[-1]["grad_norm"])
         elapsed = time.perf_counter() - self.window_start
         tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / elapsed
         self.progress_bar.set_postfix(
-            **{name: f"{value:.4f}" for name, value in summary.items()},
+            **{name: f"{value:.4f}" for name, value in shown.items()},
             lr=f"{learning_rate:.2e}",
             tokens_per_s=f"{tokens_per_second:.0f}",
         )
         logger.info(
             "step %d: %s, learning rate %.3e, grad norm %.3f, %.0f tokens/s",
             step,
-            ", ".join(f"{name} {value:.4f}" for name, value in summary.items()),
+            ", ".join(f"{name} {value:.4f}" for name, value in shown.items()),
             learning_rate,
             grad_norm,
             tokens_per_second,

@@ -66,7 +66,7 @@ def generation_mesh(mesh_shape: str | None):
     if mesh_shape is None:
         return None
     mesh = create_mesh(mesh_shape)
-    if mesh.shape["data"] * mesh.shape["fsdp"] > 1:
+    if mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"] > 1:
         raise UsageError(
             f"--mesh_shape {mesh_shape}: generation splits the model over a tensor axis alone; give "
             f"tensor={jax.device_count()} (all devices), or make fewer devices visible"

@@ -416,9 +416,9 @@ SEQUENCE_COUNT = {
     'TRAIN_METRIC_SUMS = ("loss_sum", "token_count")': (
         'TRAIN_METRIC_SUMS = ("loss_sum", "token_count", "sequence_count")'
     ),
-    '        return sums["loss_sum"] + sums.get("z_loss_sum", 0.0) + sums.get("router_aux_loss_sum", 0.0), sums\n': (
+    '        return sums["loss_sum"] + auxiliary + sums.get("router_z_loss_sum", 0.0), sums\n': (
         "        sums = sums | {'sequence_count': jnp.float32(input_ids.shape[0])}\n"
-        "        return sums['loss_sum'] + sums.get('z_loss_sum', 0.0) + sums.get('router_aux_loss_sum', 0.0), sums\n"
+        "        return sums['loss_sum'] + auxiliary + sums.get('router_z_loss_sum', 0.0), sums\n"
     ),
     '    metrics = {"loss": sums["loss_sum"] / token_count}\n': (
         '    metrics = {"loss": sums["loss_sum"] / token_count}\n'

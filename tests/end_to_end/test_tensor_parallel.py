@@ -48,12 +48,16 @@ def mesh_results():
 @pytest.mark.parametrize(
     "script, mesh_shape",
     [(script, mesh) for script in ("clm", "llama", "mlm") for mesh in MESH_SHAPES]
-    + [("gemma", "tensor=8"), ("olmo2", "tensor=8")],  # the other decoders: where their heads are split
+    + [("gemma", "tensor=8"), ("olmo2", "tensor=8")]  # the other decoders: where their heads are split
+    + [("mixtral", "fsdp=2,expert=2,tensor=2")],  # a mixture of experts: its experts split over devices
 )
 def test_every_mix_of_data_fsdp_and_tensor_trains_as_one_device(mesh_results, script, mesh_shape):
     one_device, mesh = mesh_results[script]["one device"], mesh_results[script][mesh_shape]
     np.testing.assert_allclose(mesh["losses"], one_device["losses"], rtol=1e-5)
     assert mesh["largest_weight_difference"] < 1e-5
+    if script == "mixtral":  # a device holds half the experts, halved by fsdp and by tensor
+        experts = {path: share for path, share in mesh["shares"].items() if "/experts/" in path}
+        assert len(experts) == 6 and set(experts.values()) == {1 / 8}
 
 
 @pytest.mark.parametrize("optim", ["muon", "adafactor"])

@@ -372,6 +372,18 @@ PROBE_CONFIGS = {
     "olmo2": FAMILY_CONFIGS["olmo2"],
     # Whose checkpoint's embed_out is the class's lm_head (LOADED_NAMES); a short context, for a short probe.
     "gpt_neox": partial(FAMILY_CONFIGS["gpt_neox"], max_position_embeddings=32),
+    # Whose experts, a tensor each in the checkpoint, transformers 5 fuses as it loads one (and the probe with it).
+    "mixtral": lambda: transformers.MixtralConfig(
+        vocab_size=120,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),  # fmt: skip
 }
 
 

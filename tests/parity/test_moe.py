@@ -150,6 +150,27 @@ def test_dropless_experts_equal_every_expert_on_every_token_with_their_gradients
         np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
+def test_capacity_experts_drop_the_pairs_over_each_experts_capacity_and_compute_the_others_as_dense():
+    """With room for every pair (a factor of experts / k), the dense formulation; with a factor of 1, on a router
+    sending most tokens to one expert, the dense formulation of the pairs kept, each expert keeping its earliest."""
+    x, logits, kernels = random_routing()
+    logits = logits.at[:30, 3].add(4.0)
+    expert_ids, weights = moe.route(logits, 2, True)
+    tokens, experts = logits.shape
+    roomy, nothing_dropped = moe.capacity_experts(x, expert_ids, weights, *kernels, "silu", experts / 2)
+    np.testing.assert_allclose(roomy, moe.dense_experts(x, expert_ids, weights, *kernels, "silu"), atol=1e-5)
+    assert float(nothing_dropped) == 0.0
+    got, dropped = moe.capacity_experts(x, expert_ids, weights, *kernels, "silu", 1.0)
+    capacity, queued = -(-tokens * 2 // experts), np.zeros(experts, int)
+    kept_weights = np.array(weights)
+    for token, choice in np.ndindex(*expert_ids.shape):
+        expert = int(expert_ids[token, choice])
+        queued[expert] += 1
+        kept_weights[token, choice] *= queued[expert] <= capacity
+    assert float(dropped) == pytest.approx(np.mean(kept_weights == 0)) and float(dropped) > 0.2
+    np.testing.assert_allclose(got, moe.dense_experts(x, expert_ids, kept_weights, *kernels, "silu"), atol=1e-5)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_deepseek_v3_routing_chooses_and_weighs_as_transformers(renormalize):
     """Sigmoid scores, the correction bias choosing (negative biases included) but not weighing, 4 of 8 groups."""
@@ -235,13 +256,35 @@ def test_the_training_objective_adds_the_router_aux_loss_as_transformers_does(tm
     state = create_train_state(model, optimizer, abstract_state, 0, jnp.zeros((1, 12), jnp.int32))
     state = state.replace(params=jax.tree.map(jnp.asarray, params))
     rows = np.random.default_rng(5).integers(0, config.vocab_size, size=(2, 12), dtype=np.int32)
-    _, metrics = jax.jit(run_clm_flax.make_train_step(model, optimizer, schedule, seed=0))(
-        state, {"input_ids": rows[None]}
-    )
+    training_args = run_clm_flax.TrainingArguments(output_dir="unused", router_z_loss_coef=0.25)
+    script = run_clm_flax.script_training(training_args, model)
+    _, metrics = jax.jit(script.make_train_step(model, optimizer, schedule, seed=0))(state, {"input_ids": rows[None]})
     with torch.no_grad():
         expected = torch_model(torch.tensor(rows, dtype=torch.long), labels=torch.tensor(rows, dtype=torch.long),
                                output_router_logits=True)  # fmt: skip
     token_count = float(metrics["token_count"])
     aux = float(metrics["router_aux_loss_sum"]) / token_count
     assert aux == pytest.approx(0.5 * float(expected.aux_loss), abs=1e-5)
-    assert float(metrics["loss_sum"]) / token_count + aux == pytest.approx(float(expected.loss), abs=1e-4)
+    # ST-MoE's router z-loss of transformers' router logits, and each layer's loads: the share of the top-2 choices.
+    router_logits = [logits.float() for logits in expected.router_logits]
+    z_loss = torch.stack([torch.logsumexp(logits, -1).square().mean() for logits in router_logits]).mean()
+    router_z = float(metrics["router_z_loss_sum"]) / token_count
+    assert router_z == pytest.approx(0.25 * float(z_loss), rel=1e-4)
+    trained = float(metrics["loss_sum"]) / token_count + aux + router_z
+    assert trained == pytest.approx(float(expected.loss) + 0.25 * float(z_loss), abs=1e-4)
+    shown = run_clm_flax.train_metrics(jax.device_get(metrics))
+    assert sorted(set(script.metric_sums) - set(metrics)) == [] and shown["router_z_loss"] == pytest.approx(router_z)
+    assert shown["moe/load_balancing_loss"] == pytest.approx(float(expected.aux_loss), abs=1e-5)
+    for layer, logits in enumerate(router_logits):
+        loads = torch.bincount(logits.topk(2).indices.reshape(-1), minlength=4) / logits.topk(2).indices.numel()
+        assert shown[f"moe/layer_{layer}/expert_load_max"] == pytest.approx(float(loads.max()))
+        assert shown[f"moe/layer_{layer}/expert_load_min"] == pytest.approx(float(loads.min()))
+    # With a capacity of half an even share, the train step drops pairs, says how many, and trains on another loss.
+    capped_args = run_clm_flax.TrainingArguments(output_dir="unused", moe_capacity_factor=0.5)
+    capped = run_clm_flax.script_training(capped_args, model)
+    _, capped_metrics = jax.jit(capped.make_train_step(model, optimizer, schedule, seed=0))(
+        state, {"input_ids": rows[None]}
+    )
+    dropped = [float(capped_metrics[f"moe/layer_{layer}/dropped_fraction"]) / token_count for layer in (0, 1)]
+    assert set(capped.metric_sums) <= set(capped_metrics) and all(0.5 <= fraction < 1 for fraction in dropped)
+    assert float(capped_metrics["loss_sum"]) != pytest.approx(float(metrics["loss_sum"]), rel=1e-4)

@@ -247,13 +247,34 @@ def test_bfloat16_parameters_and_optimizer_state_stay_bfloat16():
     "mesh_shape, message",
     [
         ("data=3,fsdp=3", "has 9 devices but there are 1"),
-        ("data=1,model=1", "the axes are data, fsdp and tensor"),
+        ("data=1,model=1", "the axes are data, fsdp, expert and tensor"),
         ("fsdp", "write it as"),
     ],
 )
 def test_bad_mesh_shape_is_refused(mesh_shape, message):
     with pytest.raises(UsageError, match=message):
         create_mesh(mesh_shape)
+
+
+@pytest.mark.parametrize(
+    "model_type, expert_axis, message",
+    [
+        ("mixtral", 3, "expert=3 does not divide the 8 experts of the model"),
+        ("llama", 2, "expert=2 splits a mixture of experts' experts, and this model has none"),
+    ],
+)
+def test_an_expert_axis_the_model_cannot_split_is_refused_before_any_work(model_type, expert_axis, message):
+    """Checked as every tool loads its model code, from the mesh's sizes (no mesh of that many devices needed)."""
+    from types import SimpleNamespace
+
+    from flax_lm.models import config_class, presets
+    from flax_lm.models.model_code import load_model_code
+
+    config = config_class(model_type)(**presets()[f"{model_type}-tiny"][1])
+    mesh = SimpleNamespace(shape={"data": 1, "fsdp": 1, "expert": expert_axis, "tensor": 1})
+    with pytest.raises(UsageError, match=message):
+        load_model_code(config, None, True, "run_clm_flax.py", mesh, exports=False)
+    load_model_code(config, None, True, "run_clm_flax.py", SimpleNamespace(shape=mesh.shape | {"expert": 1}))
 
 
 def test_command_line_accumulation_matches_the_larger_batch(gpt2_tokenizer_dir, tmp_path, monkeypatch):

@@ -12,12 +12,15 @@ The router logits of each MoE layer are sown into the "intermediates" collection
 nothing unless the caller asks for the collection (model.apply(..., mutable=["intermediates"])): how a training
 objective adds the auxiliary losses."""
 
+import copy
 import math
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
 
 from flax_lm.errors import UsageError
 from flax_lm.models.shared.common import ACTIVATIONS, DecoderPart
@@ -144,12 +147,36 @@ def dense_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, a
 EXPERTS = {"dropless": dropless_experts, "dense": dense_experts}
 
 
+def capacity_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, activation: str, factor: float):
+    """(what dropless_experts computes, but for the pairs over capacity, the fraction of pairs dropped): the classic
+    fixed-capacity dispatch (GShard, Switch Transformer), for comparison with the dropless default. Each expert takes
+    at most ceil(factor * tokens * k / experts) of the (token, expert) pairs, the earlier tokens first; a dropped
+    pair adds nothing to its token (the residual carries it). The kept rows are copied into one buffer of capacity
+    rows per expert, each expert multiplies its buffer (its work and memory fixed by the factor, whatever the
+    router does) and the rows are gathered back."""
+    tokens, k = expert_ids.shape
+    experts, width = gate_kernel.shape[0], x.shape[-1]
+    capacity = max(1, math.ceil(factor * tokens * k / experts))
+    pairs = expert_ids.reshape(-1)  # token by token: the earlier tokens are queued first
+    queued = jax.nn.one_hot(pairs, experts, dtype=jnp.int32)
+    place = jnp.sum((jnp.cumsum(queued, axis=0) - 1) * queued, axis=-1)  # each pair's place in its expert's queue
+    kept = place < capacity
+    slots = jnp.where(kept, pairs * capacity + place, experts * capacity)  # a dropped pair's slot: past the end
+    rows = jnp.zeros((experts * capacity, width), x.dtype).at[slots].set(jnp.repeat(x, k, axis=0), mode="drop")
+    rows = rows.reshape(experts, capacity, width)
+    kernels = [kernel.astype(x.dtype) for kernel in (gate_kernel, up_kernel, down_kernel)]
+    gate, up = (jnp.einsum("ecw,ewi->eci", rows, kernel) for kernel in kernels[:2])
+    out = jnp.einsum("eci,eiw->ecw", ACTIVATIONS[activation](gate) * up, kernels[2]).reshape(-1, width)
+    out = jnp.take(out, slots, axis=0, mode="fill", fill_value=0).reshape(tokens, k, width)
+    return jnp.einsum("tkw,tk->tw", out, weights.astype(x.dtype)), 1.0 - jnp.mean(kept.astype(jnp.float32))
+
+
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, mask=None):
     """Switch Transformer's load-balancing loss as transformers' load_balancing_loss_func computes it over the router
-    logits of every MoE layer (a sequence of (tokens, experts) arrays): num_experts * sum over experts of (the fraction
-    of the k choices that go to it) * (its mean router probability), the tokens of every layer pooled; with `mask`
-    (tokens,), only the tokens it marks count (padding does not). 1 for a perfectly even router; the training loss adds
-    it times router_aux_loss_coef."""
+    logits of every MoE layer (a sequence of (tokens, experts) arrays): num_experts * sum over experts of (the number
+    of times it is chosen per token) * (its mean router probability), the tokens of every layer pooled; with `mask`
+    (tokens,), only the tokens it marks count (padding does not). top_k for a perfectly even router, up to num_experts
+    for one that gives every token to one expert; the training loss adds it times router_aux_loss_coef."""
     counts = jnp.zeros(num_experts, jnp.float32)
     probabilities = jnp.zeros(num_experts, jnp.float32)
     rows = 0.0
@@ -175,6 +202,83 @@ def router_z_loss(router_logits, mask=None):
     return jnp.mean(jnp.stack(losses))
 
 
+# The config attribute of the train step's model under run_clm_flax.py --moe_capacity_factor (with_capacity): not a
+# key of a config file, which would make the evaluation and the exports drop tokens too (the MoE decoder refuses it).
+CAPACITY_KEY = "moe_capacity_factor"
+
+
+def with_capacity(model, factor: float | None):
+    """`model` with its MoE layers computing capacity_experts of `factor` (a copy of its config says so): the train
+    step's model under --moe_capacity_factor; the model itself (what evaluation, sampling and exports compute) stays
+    dropless. The model itself where `factor` is 0 or None."""
+    if not factor:
+        return model
+    config = copy.copy(model.config)
+    setattr(config, CAPACITY_KEY, factor)
+    return model.clone(config=config)
+
+
+def router_logits_by_layer(intermediates) -> dict:
+    """{"layer_3": its router logits (tokens, experts)} of each MoE layer that sowed them into `intermediates` (the
+    collection model.apply(..., mutable=["intermediates"]) returns), named by the decoder layer holding it."""
+    return sown_by_layer(intermediates, "router_logits")
+
+
+def sown_by_layer(intermediates, name: str) -> dict:
+    """{"layer_3": what its MoE layer sowed as `name`} of each layer that did."""
+    by_layer = {}
+    for path, sown in flatten_dict(intermediates).items():
+        if path[-1] == name:
+            layer = next((part for part in path if part.startswith("layers_")), "/".join(path[:-1]))
+            by_layer[layer.replace("layers_", "layer_")] = sown[0]
+    return by_layer
+
+
+def router_metric_names(model, dummy_input) -> tuple[str, ...]:
+    """The sums router_metric_sums makes for `model` without coefficients (none for a model without routers), from
+    the layers its initialisation sows router logits in: traced, not computed."""
+    init = partial(model.init, deterministic=True, mutable=True)  # init keeps no intermediates otherwise
+    variables = jax.eval_shape(init, jax.random.key(0), dummy_input)
+    layers = router_logits_by_layer(variables.get("intermediates", {}))
+    if not layers:
+        return ()
+    per_layer = [f"moe/{layer}/expert_load_{end}" for layer in layers for end in ("max", "min")]
+    dropped = [
+        f"moe/{layer}/dropped_fraction" for layer in sown_by_layer(variables["intermediates"], "dropped_fraction")
+    ]
+    return ("moe/load_balancing_loss", "moe/router_z_loss", *per_layer, *dropped)
+
+
+def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0.0, z_coefficient=0.0) -> dict:
+    """What the routers sowed in `intermediates` add to a train step's sums, each times `token_count` as the loss is
+    summed, so that the sums of several steps over their tokens are means: to watch the routers (a collapsing one
+    sends most tokens to few experts), the load-balancing loss (k for an even router) and router z-loss of all the
+    MoE layers, and per layer the largest and smallest fraction of the layer's top-k choices that one expert got
+    ("moe/layer_3/expert_load_max"; 1/experts each for an even router) and, with a capacity, the fraction of its
+    (token, expert) pairs it dropped; with a coefficient, that coefficient times
+    the loss, which the trained loss adds (router_aux_loss_sum, router_z_loss_sum). Every token counts, as in
+    transformers' loss without an attention mask. Empty for a model without routers."""
+    by_layer = router_logits_by_layer(intermediates)
+    if not by_layer:
+        return {}
+    experts = next(iter(by_layer.values())).shape[-1]
+    balance = load_balancing_loss(by_layer.values(), experts, top_k)
+    z_loss = router_z_loss(by_layer.values())
+    sums = {"moe/load_balancing_loss": balance * token_count, "moe/router_z_loss": z_loss * token_count}
+    for layer, logits in by_layer.items():
+        _, chosen = jax.lax.top_k(logits.reshape(-1, experts).astype(jnp.float32), top_k)
+        load = jnp.bincount(chosen.reshape(-1), length=experts) / chosen.size
+        sums |= {f"moe/{layer}/expert_load_max": load.max() * token_count}
+        sums |= {f"moe/{layer}/expert_load_min": load.min() * token_count}
+    for layer, dropped in sown_by_layer(intermediates, "dropped_fraction").items():  # with a capacity
+        sums[f"moe/{layer}/dropped_fraction"] = dropped * token_count
+    if aux_coefficient:
+        sums["router_aux_loss_sum"] = aux_coefficient * balance * token_count
+    if z_coefficient:
+        sums["router_z_loss_sum"] = z_coefficient * z_loss * token_count
+    return sums
+
+
 class SparseMoeBlock(DecoderPart):
     """A mixture-of-experts MLP: the router ("gate", an nn.Linear of the checkpoint: (experts, width)), the experts'
     gated MLPs (`expert_names`: the checkpoint's names of the gate, up and down projections of each, stored here as one
@@ -188,6 +292,7 @@ class SparseMoeBlock(DecoderPart):
     expert_names: tuple = ("gate_proj", "up_proj", "down_proj")
     shared_inner: int | None = None
     implementation: str = "dropless"
+    capacity_factor: float | None = None  # capacity_experts in place of the implementation (with_capacity)
 
     @nn.compact
     def __call__(self, x):
@@ -202,7 +307,11 @@ class SparseMoeBlock(DecoderPart):
             name="experts",
         )()  # fmt: skip
         kernels = [kernel.astype(self.dtype) for kernel in kernels]
-        y = EXPERTS[self.implementation](rows, expert_ids, weights, *kernels, config.hidden_act)
+        if self.capacity_factor:
+            y, dropped = capacity_experts(rows, expert_ids, weights, *kernels, config.hidden_act, self.capacity_factor)
+            self.sow("intermediates", "dropped_fraction", dropped)
+        else:
+            y = EXPERTS[self.implementation](rows, expert_ids, weights, *kernels, config.hidden_act)
         if self.shared_inner:
             shared = self.child(SizedGatedMLP, "shared_expert", inner=self.shared_inner)(rows)
             y = y + jax.nn.sigmoid(self.dense(1, ("embed", None), False, "shared_expert_gate")(rows)) * shared

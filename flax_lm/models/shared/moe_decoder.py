@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from flax_lm.devices.mesh import check_expert_split
 from flax_lm.errors import UsageError
 from flax_lm.models.shared import common
 from flax_lm.models.shared.common import (
@@ -32,7 +33,7 @@ from flax_lm.models.shared.common import (
     rotary_frequencies,
     rotate,
 )
-from flax_lm.models.shared.moe import IMPLEMENTATIONS, SizedGatedMLP, SparseMoeBlock, check_routing
+from flax_lm.models.shared.moe import CAPACITY_KEY, IMPLEMENTATIONS, SizedGatedMLP, SparseMoeBlock, check_routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +59,17 @@ def moe_implementation(config) -> str:
 
 def check_moe_config(config, variant: MoeVariant, mesh=None):
     """Refuse what the MoE decoder does not compute, in one line: the decoder's checks (common.py), the routing's
-    (moe.check_routing), an unknown moe_implementation."""
+    (moe.check_routing), experts that the expert axis of `mesh` does not divide, an unknown moe_implementation."""
     check_decoder_config(config, variant.module_file, mesh)
     check_rope(rope_parameters(config), variant.module_file)
     check_routing(variant.num_experts(config), config.num_experts_per_tok)
+    if mesh is not None:
+        check_expert_split(mesh, variant.num_experts(config))
+    if getattr(config, CAPACITY_KEY, None) is not None:
+        raise UsageError(
+            f"{CAPACITY_KEY} in the config is not read by {variant.module_file}: a capacity applies to training "
+            "alone, with run_clm_flax.py --moe_capacity_factor; remove it from config.json"
+        )
     if moe_implementation(config) not in IMPLEMENTATIONS:
         raise UsageError(
             f"moe_implementation '{config.moe_implementation}' is not implemented by {variant.module_file}; use one "
@@ -120,7 +128,7 @@ class MoeDecoderLayer(DecoderPart):
                 top_k=config.num_experts_per_tok, inner=variant.expert_inner(config),
                 renormalize=variant.renormalize(config),
                 expert_names=variant.expert_names, shared_inner=variant.shared_inner(config),
-                implementation=moe_implementation(config),
+                implementation=moe_implementation(config), capacity_factor=getattr(config, CAPACITY_KEY, None),
             )  # fmt: skip
         else:
             mlp = self.child(SizedGatedMLP, "mlp", inner=config.intermediate_size)
