@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_lm.devices.mesh import check_tensor_split
+from flax_lm.devices.mesh import check_expert_split, check_tensor_split
 from flax_lm.errors import UsageError
 from flax_lm.models.shared.common import (
     CausalDecoderLM,
@@ -103,6 +103,7 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
         )
     if mesh is not None:
         check_tensor_split(mesh, {"expert width (moe_intermediate_size)": config.moe_intermediate_size})
+        check_expert_split(mesh, config.n_routed_experts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
