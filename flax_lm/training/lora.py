@@ -101,17 +101,8 @@ def adapter_settings(settings: LoraSettings) -> LoraSettings:
     its rank, alpha, dropout and target modules."""
     if settings.adapter is None:
         return settings
-    path = os.path.join(settings.adapter, ADAPTER_CONFIG)
-    try:
-        with open(path) as file:
-            config = json.load(file)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--lora_adapter {settings.adapter}: cannot read {ADAPTER_CONFIG} ({error})") from None
-    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
-        raise UsageError(f"--lora_adapter: {path} is not a plain LoRA adapter (peft_type LORA, no rsLoRA or DoRA)")
-    targets = config.get("target_modules")
-    if not isinstance(targets, list) or not all(isinstance(name, str) for name in targets):
-        raise UsageError(f"--lora_adapter: {path} names its target_modules by a pattern; a list of names is needed")
+    config = read_adapter_config(settings.adapter)
+    targets = config["target_modules"]
     return LoraSettings(
         int(config["r"]),
         float(config["lora_alpha"]),
@@ -120,6 +111,40 @@ def adapter_settings(settings: LoraSettings) -> LoraSettings:
         settings.adapter,
         settings.merge,
     )
+
+
+def read_adapter_config(directory: str) -> dict:
+    """The adapter_config.json of the PEFT adapter in `directory`, refused in one line where it is not one of plain
+    LoRA adapters on modules named in a list (what this module computes)."""
+    path = os.path.join(directory, ADAPTER_CONFIG)
+    try:
+        with open(path) as file:
+            config = json.load(file)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read the adapter's {path} ({error})") from None
+    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
+        raise UsageError(f"{path} is not of a plain LoRA adapter (peft_type LORA, without rsLoRA or DoRA)")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not all(isinstance(name, str) for name in targets):
+        raise UsageError(f"{path} names its target_modules by a pattern; a list of module names is needed")
+    return config
+
+
+def adapter_base(directory: str) -> str:
+    """The base model of the PEFT adapter in `directory` (its base_model_name_or_path)."""
+    base = read_adapter_config(directory).get("base_model_name_or_path")
+    if not base:
+        raise UsageError(f"{os.path.join(directory, ADAPTER_CONFIG)} names no base_model_name_or_path to adapt")
+    return base
+
+
+def with_adapter_merged(directory: str, params, module):
+    """The base parameters `params` of `module` (a family's model module) with the PEFT adapter in `directory`
+    merged into them (merged_params): the model the adapter computes, as an ordinary one."""
+    settings = adapter_settings(LoraSettings(0, 1.0, 0.0, None, directory))
+    targets = adapter_targets(params, module, settings.target_modules)
+    adapters = read_adapters(directory, targets, settings.rank, np.float32)
+    return merged_params(with_adapters(params, adapters), targets, settings.scale)
 
 
 def adapter_targets(abstract_params, module, target_modules: tuple[str, ...] | None) -> list[AdapterTarget]:
@@ -313,13 +338,13 @@ def read_adapters(directory: str, targets: list[AdapterTarget], rank: int, dtype
     try:
         tensors = load_file(path)
     except (SafetensorError, OSError, ValueError) as error:
-        raise UsageError(f"--lora_adapter: cannot read {path} ({error})") from None
+        raise UsageError(f"cannot read the adapter's {path} ({error})") from None
     adapters = {}
     for target in targets:
         for leaf, shape in (("lora_A", (rank, target.fan_in)), ("lora_B", (target.fan_out, rank))):
             name = peft_name(target, leaf)
             if name not in tensors or tensors[name].shape != shape:
-                raise UsageError(f"--lora_adapter: {path} has no {name} of shape {shape}; it adapts another model")
+                raise UsageError(f"{path} has no {name} of shape {shape}: the adapter is of another model")
             adapters[(*target.path, leaf)] = np.asarray(tensors[name].T, dtype)
     return adapters
 

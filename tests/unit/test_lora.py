@@ -90,7 +90,9 @@ def test_new_adapters_start_as_the_base_model_and_merge_into_it_exactly(tmp_path
         np.array_equal(read[path], flat_value) for path, flat_value in flatten_dict(trained).items() if path in read
     )
     assert len(read) == 2 * len(targets)
-    with pytest.raises(UsageError, match="^--lora_adapter: .* has no base_model.model.model.layers.0.mlp.down_proj"):
+    with pytest.raises(
+        UsageError, match="^.*adapter_model.safetensors has no base_model.model.model.layers.0.mlp.down_proj"
+    ):
         lora.read_adapters(str(tmp_path), targets, 8, jnp.float32)
 
 
