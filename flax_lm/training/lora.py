@@ -299,7 +299,7 @@ def adapter_tensors(params, targets: list[AdapterTarget]) -> dict[str, np.ndarra
     }
 
 
-def adapter_config(settings: LoraSettings, targets: list[AdapterTarget], base_model: str, task_type: str) -> dict:
+def adapter_config(settings: LoraSettings, targets: list[AdapterTarget], base_model: str, task_type) -> dict:
     """adapter_config.json of PEFT's LoraConfig: the fields that say what the adapters compute."""
     return {
         "peft_type": "LORA",
@@ -318,7 +318,7 @@ def adapter_config(settings: LoraSettings, targets: list[AdapterTarget], base_mo
     }
 
 
-def write_adapter(output_dir: str, host_params, targets, settings: LoraSettings, base_model: str, task_type: str):
+def write_adapter(output_dir: str, host_params, targets, settings: LoraSettings, base_model: str, task_type):
     """adapter_config.json and adapter_model.safetensors of the adapters in `host_params`, in `output_dir`."""
     config = adapter_config(settings, targets, base_model, task_type)
     weights = os.path.join(output_dir, ADAPTER_WEIGHTS)
@@ -358,7 +358,7 @@ class Adapters:
     targets: tuple[AdapterTarget, ...]
     base_model: str
     read_base: Callable
-    task_type: str = "CAUSAL_LM"
+    task_type: str | None = "CAUSAL_LM"
 
     def describe(self, abstract_params) -> str:
         trained = sum(value.size for path, value in flatten_dict(abstract_params).items() if is_adapter(path))
