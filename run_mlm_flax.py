@@ -576,15 +576,17 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 # Copied from run_clm_flax.create_optimizer
 def create_optimizer(
-    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, is_trained=is_trained
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, trains=None
 ) -> optax.GradientTransformation:
+    """The optimizer of --optim, for the parameters is_trained picks (or `trains`, in its place: LoRA's adapters)."""
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
-    return optimizers.trained_only(optimizer, is_trained)
+    return optimizers.trained_only(optimizer, trains or is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, is_trained=is_trained):
+def make_train_step(model, optimizer, schedule, seed: int, trains=None):
+    # `trains`: what trains in place of is_trained (LoRA's adapters: flax_lm.training.lora.is_adapter).
     dropout_key = jax.random.key(seed + 1)
 
     def loss_and_sums(params, micro_batch, dropout_rng):
@@ -602,7 +604,7 @@ def make_train_step(model, optimizer, schedule, seed: int, is_trained=is_trained
         return loss_sum, {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     def train_step(state: TrainState, batch):
-        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
+        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, trains or is_trained)
         # The mean over every masked token of the whole batch; a batch with none leaves the gradients at 0.
         masked_tokens = jnp.maximum(sums["weight_sum"], 1.0)
         new_state, update_metrics = apply_mean_update(state, grads, masked_tokens, sums["loss_sum"], optimizer)
@@ -613,7 +615,7 @@ def make_train_step(model, optimizer, schedule, seed: int, is_trained=is_trained
 
 def adapters_trained(script: ScriptTraining) -> ScriptTraining:
     """`script` training LoRA's adapters alone (--lora_rank): flax_lm.training.lora.is_adapter for is_trained."""
-    optimizer, step = partial(create_optimizer, is_trained=is_adapter), partial(make_train_step, is_trained=is_adapter)
+    optimizer, step = partial(create_optimizer, trains=is_adapter), partial(make_train_step, trains=is_adapter)
     return replace(script, create_optimizer=optimizer, make_train_step=step)
 
 
