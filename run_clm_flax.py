@@ -15,7 +15,8 @@ device of every process with `jax.jit` over a device mesh. On several hosts ever
 initialize_distributed for how the processes find each other) and process 0 writes the outputs.
 
 The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors,
-tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch.
+tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch; with --lora_rank
+(low-rank adapters on the frozen --model_name_or_path) a PEFT adapter (docs/adapting.md).
 
     ./run_clm_flax.py --output_dir gpt2-run --config_name my-model --tokenizer_name my-model \
         --train_file "data/*.txt" --do_train --do_eval --block_size 512

@@ -14,7 +14,8 @@ as they are. The loss and the accuracy count the chosen tokens only. On several 
 each makes and masks only its own rows of every batch, and process 0 writes the outputs.
 
 The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors, tokenizer files) that
-`AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch.
+`AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch; with --lora_rank (low-rank adapters on the frozen
+--model_name_or_path) a PEFT adapter (docs/adapting.md).
 
     ./run_mlm_flax.py --output_dir roberta-run --config_name my-model --tokenizer_name my-model \
         --train_file "data/*.txt" --do_train --do_eval --max_seq_length 128
