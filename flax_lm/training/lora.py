@@ -171,16 +171,19 @@ def adapter_targets(abstract_params, module, target_modules: tuple[str, ...] | N
         if path[-2] not in target_modules:
             continue
         name = "/".join(path[:-1])
-        # Where the export puts a kernel of this path: a (1, 2) probe comes back (1, 2) or transposed.
-        mapped = module.to_hf_state_dict(unflatten_dict({path: np.zeros((1, 2), np.float32)}))
-        if kernel.ndim != 2 or len(mapped) != 1 or not next(iter(mapped)).endswith(".weight"):
+        # Where the export puts a kernel of this path: a probe of distinct numbers comes back as it is (GPT-2's
+        # Conv1D) or transposed (nn.Linear), else the layer is not one of the transformers model's weights as it is.
+        probe = np.arange(6, dtype=np.float32).reshape(2, 3)
+        mapped = module.to_hf_state_dict(unflatten_dict({path: probe}))
+        (hf_name, weight), = mapped.items() if len(mapped) == 1 else (("", None),)  # fmt: skip
+        as_is, transposed = (weight is not None and np.array_equal(weight, layout) for layout in (probe, probe.T))
+        if kernel.ndim != 2 or not hf_name.endswith(".weight") or not (as_is or transposed):
             raise UsageError(
                 f"--lora_target_modules {path[-2]}: the layer {name} is not one weight matrix of the transformers "
                 "model, which PEFT could adapt; leave it out"
             )
-        (hf_name, probe), = mapped.items()  # fmt: skip
         fan_in, fan_out = kernel.shape
-        targets.append(AdapterTarget(path[:-1], hf_name[: -len(".weight")], fan_in, fan_out, probe.shape == (1, 2)))
+        targets.append(AdapterTarget(path[:-1], hf_name[: -len(".weight")], fan_in, fan_out, as_is))
     return targets
 
 
