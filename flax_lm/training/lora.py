@@ -252,6 +252,7 @@ def adapted_class(model_class: type, adapters: tuple) -> type:
             return {**variables, "params": with_adapters(variables["params"], adapters)}
 
         def apply(self, variables, *args, **kwargs):
+            # The models take it by keyword, as the scripts' train steps pass it: without it, no dropout (evaluation).
             deterministic = kwargs.get("deterministic", True)
             in_call = set()
 
