@@ -15,7 +15,8 @@ device of every process with `jax.jit` over a device mesh. On several hosts ever
 initialize_distributed for how the processes find each other) and process 0 writes the outputs.
 
 The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors,
-tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch.
+tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch; with --lora_rank
+(low-rank adapters on the frozen --model_name_or_path) a PEFT adapter (docs/adapting.md).
 
     ./run_clm_flax.py --output_dir gpt2-run --config_name my-model --tokenizer_name my-model \
         --train_file "data/*.txt" --do_train --do_eval --block_size 512
@@ -49,6 +50,7 @@ from flax_lm.command_line.arguments import (
     check_numeric_arguments,
 )
 from flax_lm.command_line.harness_flags import HarnessArguments, check_harness_flags
+from flax_lm.command_line.lora_flags import LoraArguments, adapted, check_lora_flags
 from flax_lm.command_line.model_loading import model_loading
 from flax_lm.command_line.phases import packs_only, start_training
 from flax_lm.command_line.start import start_run
@@ -74,7 +76,7 @@ from flax_lm.evaluation.scoring import Scorer
 from flax_lm.evaluation.validation import evaluate_on_start, saved_results, summed_over_batches, validation_results
 from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.models import check_model_type
-from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
+from flax_lm.models.huggingface import load_config_and_tokenizer
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.models.shared.moe import router_metric_names, router_metric_sums, with_capacity
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
@@ -88,6 +90,7 @@ from flax_lm.training.lifecycle import (
     TrainingSetup,
     set_up_training,
 )
+from flax_lm.training.lora import is_adapter
 from flax_lm.training.train_state import TrainState, apply_mean_update, step_gradients
 
 logger = logging.getLogger(__name__)
@@ -116,9 +119,10 @@ class DataTrainingArguments(ExampleArguments, CommonDataArguments):
     )
 
 
-# The flags of lm-evaluation-harness tasks (--eval_tasks and lm-eval's settings) are in HarnessArguments.
+# The flags of lm-evaluation-harness tasks (--eval_tasks and lm-eval's settings) are in HarnessArguments, those of
+# low-rank adapters (--lora_rank ...) in LoraArguments.
 @dataclass
-class TrainingArguments(HarnessArguments, CommonTrainingArguments):
+class TrainingArguments(LoraArguments, HarnessArguments, CommonTrainingArguments):
     sample_prompt: list[str] = field(
         default_factory=list,
         metadata={
@@ -193,6 +197,7 @@ def check_arguments(model_args, data_args, training_args):
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
     check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
     check_harness_flags(training_args)
+    check_lora_flags(model_args, training_args)
 
 
 # ---------------------------------------------------------------------------------------------------- Data: texts
@@ -468,14 +473,20 @@ OPTIMIZERS = {
 FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES}
 
 
-def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+def create_optimizer(
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, trains=None
+) -> optax.GradientTransformation:
+    """The optimizer of --optim, for the parameters is_trained picks (or `trains`, in its place: LoRA's adapters)."""
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
-    return optimizers.trained_only(optimizer, is_trained)
+    return optimizers.trained_only(optimizer, trains or is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, z_loss=0.0, router_z_loss=0.0, capacity_factor=None):
+def make_train_step(
+    model, optimizer, schedule, seed: int, z_loss=0.0, router_z_loss=0.0, capacity_factor=None, trains=None
+):
+    # `trains`: what trains in place of is_trained (LoRA's adapters: flax_lm.training.lora.is_adapter).
     dropout_key = jax.random.key(seed + 1)
     model = with_capacity(model, capacity_factor)  # a mixture of experts' experts with a capacity, where one is set
     # A mixture of experts whose config asks for it (output_router_logits) adds router_aux_loss_coef times the
@@ -496,7 +507,7 @@ def make_train_step(model, optimizer, schedule, seed: int, z_loss=0.0, router_z_
         return sums["loss_sum"] + auxiliary + sums.get("router_z_loss_sum", 0.0), sums
 
     def train_step(state: TrainState, batch):
-        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
+        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, trains or is_trained)
         # The mean over every predicted token of the whole batch.
         new_state, update_metrics = apply_mean_update(state, grads, sums["token_count"], sums["loss_sum"], optimizer)
         return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
@@ -511,9 +522,10 @@ SCRIPT_TRAINING = ScriptTraining(
 )
 
 
-def script_training(training_args, model) -> ScriptTraining:
+def script_training(training_args, model, adapters=None) -> ScriptTraining:
     """SCRIPT_TRAINING, with --z_loss a train step that adds the z-loss and sums it apart, as a metric of its own; for
-    a mixture of experts, with the sums of its routers (and their losses, where a coefficient asks for them)."""
+    a mixture of experts, with the sums of its routers (and their losses, where a coefficient asks for them); with
+    `adapters` (LoRA's) one that trains them alone."""
     options = {"z_loss": training_args.z_loss, "router_z_loss": training_args.router_z_loss_coef}
     options["capacity_factor"] = training_args.moe_capacity_factor
     router_sums = router_metric_names(with_capacity(model, options["capacity_factor"]), jnp.zeros((1, 2), jnp.int32))
@@ -523,8 +535,15 @@ def script_training(training_args, model) -> ScriptTraining:
     if router_sums and getattr(model.config, "output_router_logits", False) and model.config.router_aux_loss_coef:
         router_sums = ("router_aux_loss_sum", *router_sums)
     loss_sums = tuple(f"{name}_sum" for name in ("z_loss", "router_z_loss") if options[name])
+    if adapters:
+        options["trains"] = is_adapter
     step = partial(make_train_step, **options)
-    return replace(SCRIPT_TRAINING, make_train_step=step, metric_sums=(*TRAIN_METRIC_SUMS, *loss_sums, *router_sums))
+    training = replace(
+        SCRIPT_TRAINING, make_train_step=step, metric_sums=(*TRAIN_METRIC_SUMS, *loss_sums, *router_sums)
+    )
+    if adapters:
+        training = replace(training, create_optimizer=partial(create_optimizer, trains=is_adapter))
+    return training
 
 
 def make_eval_step(model, token_bytes: np.ndarray | None = None):
@@ -700,7 +719,7 @@ class Evaluation:
         """Samples from the exported model, read back: they also show that the saved files hold the trained model."""
         if jax.process_index() != 0 or self.sampling.max_new_tokens <= 0:
             return
-        exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
+        exported = self.setup.read_export(self.output_dir, abstract_params)
         sampler = self.sampler
         if jax.process_count() > 1:  # process 0 alone, so on its own device, not on a mesh the others would share
             model = self.setup.model.clone(remat_policy=None, document_separator_id=None, mesh=None)
@@ -731,9 +750,10 @@ def main():
         return
 
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
+    model, adapters = adapted(model, model_code, model_args, training_args, block_size, training_args.seed)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
-    script, settings = script_training(training_args, model), training_args.training_settings()
-    setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), block_size)
+    script, settings = script_training(training_args, model, adapters), training_args.training_settings()
+    setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), block_size, adapters)
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, training_args)
     arguments = (model_args, data_args, training_args)
