@@ -1,7 +1,7 @@
 """T5 (flax_lm/models/t5) against transformers' T5ForConditionalGeneration: the logits of the original T5 (ReLU,
 output layer tied and scaled), of v1.1 (gated GELU, a head of its own) and of a byte vocabulary (ByT5), without a
 cache and one decoder token at a time with it; an export loaded by transformers; a sharded bfloat16 checkpoint saved
-by transformers loaded into ours; greedy decoding equal to generate."""
+by transformers loaded into ours; greedy decoding equal to generate; the presets' parameter counts."""
 
 import flax.linen as nn
 import jax
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from test_create_config import create_config
 
 from flax_lm.models.huggingface import read_exported_params, save_model
 from flax_lm.models.model_code import load_model_code
@@ -130,3 +131,18 @@ def test_a_sharded_bfloat16_checkpoint_of_transformers_loads_into_ours(tmp_path)
     expected = torch_logits(loaded, input_ids, attention_mask, decoder_input_ids)
     logits = model.apply({"params": params}, input_ids, attention_mask, decoder_input_ids)
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["t5-tiny", "t5-small", "t5-base", "t5-v1_1-small", "t5-v1_1-base"])
+def test_the_presets_count_the_parameters_of_the_transformers_model(preset):
+    """Counted on the meta device (no memory), v1.1's head of its own as its published checkpoints hold it."""
+    model_type, values = create_config.PRESETS[preset]
+    config = transformers.T5Config(**values)
+    create_config.check_config(config, preset)
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+        if not t5.scales_output(config):
+            model.lm_head.weight = torch.nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+    assert create_config.count_parameters(config) == sum(parameter.numel() for parameter in model.parameters())
+    if preset == "t5-v1_1-small":  # google/t5-v1_1-small's weights
+        assert create_config.count_parameters(config) == 76_961_152
