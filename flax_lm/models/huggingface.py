@@ -471,6 +471,8 @@ def write_export(output_dir: str, host_params, config, tokenizer, model_code: Mo
         add_transformers_4_rope_keys(os.path.join(output_dir, "config.json"))
         if model.GENERATES_TEXT or getattr(model, "ENCODER_DECODER", False):
             generation_config = GenerationConfig.from_model_config(config)
+            if getattr(model, "ENCODER_DECODER", False):  # generate starts the decoder there (T5's: from pad)
+                generation_config.decoder_start_token_id = model.decoder_start_id(config)
             # Where the tokenizer's chat template ends a turn with a token of its own, generation stops there too.
             if len(stop_ids := stop_token_ids(tokenizer, config.eos_token_id)) > 1:
                 generation_config.eos_token_id = stop_ids

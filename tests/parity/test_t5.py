@@ -111,6 +111,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits(variant, tmp_path)
     assert torch_model.config.scale_decoder_outputs == t5.scales_output(config)
     # A head of its own is loaded as one, not tied to the embedding.
     assert (torch_model.lm_head.weight is torch_model.shared.weight) == t5.scales_output(config)
+    assert torch_model.generation_config.decoder_start_token_id == 0  # which generate needs, and T5's config lacks
     input_ids, attention_mask, decoder_input_ids = inputs(config, np.random.default_rng(1))
     expected = torch_logits(torch_model.eval(), input_ids, attention_mask, decoder_input_ids)
     logits = model.apply({"params": params}, input_ids, attention_mask, decoder_input_ids)
