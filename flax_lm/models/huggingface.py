@@ -397,7 +397,8 @@ def check_architecture_fits(params, config, model):
 
 def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode, max_shard_size: str | None = None):
     """A Hugging Face model directory: config.json, the weights, the tokenizer and, for a model that generates text
-    (GENERATES_TEXT), its generation config (for one that does not, an earlier model's there is removed). Where
+    (GENERATES_TEXT, or an encoder-decoder: ENCODER_DECODER), its generation config (for one that does not, an
+    earlier model's there is removed). Where
     `model_code` claims its architecture (flax_lm.models.model_code), the config names it and model.safetensors holds
     the weights as the module maps them (to_hf_state_dict), for transformers; otherwise flax_model.safetensors holds
     the Flax parameters, beside a copy of the model file, for the tools of this repository (--model_file), and

@@ -254,6 +254,8 @@ class T5LayerFF(T5Part):
 
 
 class T5DenseActDense(T5Part):
+    """The MLP, named as the checkpoint names it whatever its activation: wi (or the gate wi_0 and wi_1), then wo."""
+
     def setup(self):
         config = self.config
         activation, self.gated = FEED_FORWARD[config.feed_forward_proj]
@@ -275,6 +277,9 @@ class T5DenseActDense(T5Part):
 
 
 class T5LayerSelfAttention(T5Part):
+    """A block's layer.0: its norm and self-attention, which T5Block calls apart (a decoder's keys and values go
+    through its cache)."""
+
     relative_bias: bool = False
     bidirectional: bool = True
 
@@ -287,6 +292,8 @@ class T5LayerSelfAttention(T5Part):
 
 
 class T5LayerCrossAttention(T5Part):
+    """A decoder block's layer.1: its norm and its attention over the encoder's output (keys and values made once)."""
+
     def setup(self):
         self.layer_norm = self.rms_norm()
         self.EncDecAttention = T5Attention(self.config, self.dtype, self.param_dtype, mesh=self.mesh)
