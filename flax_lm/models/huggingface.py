@@ -397,7 +397,8 @@ def check_architecture_fits(params, config, model):
 
 def save_model(output_dir: str, params, config, tokenizer, model_code: ModelCode, max_shard_size: str | None = None):
     """A Hugging Face model directory: config.json, the weights, the tokenizer and, for a model that generates text
-    (GENERATES_TEXT), its generation config (for one that does not, an earlier model's there is removed). Where
+    (GENERATES_TEXT, or an encoder-decoder: ENCODER_DECODER), its generation config (for one that does not, an
+    earlier model's there is removed). Where
     `model_code` claims its architecture (flax_lm.models.model_code), the config names it and model.safetensors holds
     the weights as the module maps them (to_hf_state_dict), for transformers; otherwise flax_model.safetensors holds
     the Flax parameters, beside a copy of the model file, for the tools of this repository (--model_file), and
@@ -469,8 +470,10 @@ def write_export(output_dir: str, host_params, config, tokenizer, model_code: Mo
             setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
         config.save_pretrained(output_dir)
         add_transformers_4_rope_keys(os.path.join(output_dir, "config.json"))
-        if model.GENERATES_TEXT:
+        if model.GENERATES_TEXT or getattr(model, "ENCODER_DECODER", False):
             generation_config = GenerationConfig.from_model_config(config)
+            if getattr(model, "ENCODER_DECODER", False):  # generate starts the decoder there (T5's: from pad)
+                generation_config.decoder_start_token_id = model.decoder_start_id(config)
             # Where the tokenizer's chat template ends a turn with a token of its own, generation stops there too.
             if len(stop_ids := stop_token_ids(tokenizer, config.eos_token_id)) > 1:
                 generation_config.eos_token_id = stop_ids

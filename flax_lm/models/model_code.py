@@ -56,6 +56,7 @@ VERIFIED_FINGERPRINTS = {
     "qwen_moe": "cd46b93be4545022",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
+    "t5": "99a35b4ffc6457a9",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
@@ -220,13 +221,14 @@ def load_model_code(
     mesh=None,
     exports: bool = True,
     compare_exports: bool = True,
+    encoder_decoder: bool = False,
 ) -> ModelCode:
     """The code of `config`'s model for `tool`: the module of --model_file or of config.model_type, its config checked
     (against the tensor axis of `mesh` too), its fingerprint, and what its exports may claim. Where that takes a probe
     (code other than a verified stock module), it is decided at the first export (ModelCode.export_claim); for
     a tool that `exports` nothing, or without `compare_exports` (--skip_export_check), no probe runs and exports of
-    such code claim nothing."""
-    module = model_module(config.model_type, model_file, generates_text, tool)
+    such code claim nothing. A tool of encoder-decoders (run_t5_mlm_flax.py) passes `encoder_decoder`."""
+    module = model_module(config.model_type, model_file, generates_text, tool, encoder_decoder)
     module.check_model_config(config, mesh)
     if mesh is not None and not hasattr(config, "num_experts_per_tok"):  # an MoE module checks its experts itself
         check_expert_split(mesh, None)
