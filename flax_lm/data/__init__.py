@@ -14,6 +14,7 @@ packed.py             packed corpora on disk (the token cache and --packed_data_
 mixture.py            several sources mixed by weight (--data_mixture)
 loading.py            a run's rows for each split from whichever route the arguments name, and their order
 host_random.py        counter-based random numbers for the choices made per row (MLM's masks)
+span_corruption.py    T5's span corruption: the row length that fills the input, the dropped spans, the sentinels
 """
 
 
