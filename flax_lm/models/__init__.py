@@ -112,6 +112,7 @@ FAMILIES = (
     "mixtral",
     "qwen_moe",
     "olmoe",
+    "t5",
 )
 
 
@@ -162,13 +163,37 @@ MODULE_INTERFACE = (
 
 
 def model_types(generates_text: bool) -> list[str]:
-    """The model types of FAMILIES that generate text (causal LMs), or that do not (masked LMs)."""
-    return [name for name in family_of_model_types() if stock_module(name).GENERATES_TEXT == generates_text]
+    """The model types of FAMILIES that generate text (causal LMs), or that do not (masked LMs); encoder-decoders
+    (encoder_decoder_types) are neither."""
+    return [
+        name
+        for name, family in family_of_model_types().items()
+        if not family.encoder_decoder and stock_module(name).GENERATES_TEXT == generates_text
+    ]
+
+
+def encoder_decoder_types() -> list[str]:
+    """The model types of FAMILIES that are encoder-decoders (T5), which run_t5_mlm_flax.py trains."""
+    return [name for name, family in family_of_model_types().items() if family.encoder_decoder]
+
+
+def encoder_decoder_refusal(model_type: str | None, tool: str) -> UsageError | None:
+    """The refusal of an encoder-decoder's model type by a script that trains causal or masked LMs, else None."""
+    found = family_of(model_type) if model_type else None
+    if found is None or not found.encoder_decoder:
+        return None
+    return UsageError(
+        f"{tool} does not train {found.title} (model type '{model_type}', an encoder-decoder); "
+        "run_t5_mlm_flax.py trains it"
+    )
 
 
 def check_model_type(model_type: str | None, generates_text: bool):
     """Refuse a --model_type the script does not train: run_clm_flax.py trains the models that generate text,
-    run_mlm_flax.py the others."""
+    run_mlm_flax.py the others, run_t5_mlm_flax.py the encoder-decoders."""
+    script = "run_clm_flax.py" if generates_text else "run_mlm_flax.py"
+    if refusal := encoder_decoder_refusal(model_type, script):
+        raise refusal
     if model_type not in (None, *model_types(generates_text)):
         these, others = " and ".join(model_types(generates_text)), " and ".join(model_types(not generates_text))
         other_script = "run_mlm_flax.py" if generates_text else "run_clm_flax.py"
@@ -206,10 +231,17 @@ def import_model_file(path: str) -> ModuleType:
     return module
 
 
-def model_module(model_type: str, model_file: str | None, generates_text: bool, tool: str) -> ModuleType:
+def model_module(
+    model_type: str, model_file: str | None, generates_text: bool, tool: str, encoder_decoder: bool = False
+) -> ModuleType:
     """The module that computes `model_type` for `tool` (a script name, for the messages): that of --model_file when
     given, else its family's model.py. Refused in one line: a type without a module, or a module of another
-    type or of the other kind of model (masked for a causal tool, or the reverse)."""
+    type or of the other kind of model (masked for a causal tool, or the reverse; an encoder-decoder for either, or
+    either for a tool of `encoder_decoder` models)."""
+    if encoder_decoder:
+        return encoder_decoder_module(model_type, model_file, tool)
+    if refusal := encoder_decoder_refusal(model_type, tool):
+        raise refusal
     kind = "causal" if generates_text else "masked"
     if model_file:
         module = import_model_file(model_file)
@@ -229,6 +261,25 @@ def model_module(model_type: str, model_file: str | None, generates_text: bool, 
             "flax_lm/models/__init__.py); pass a config of one of those (create_config.py makes one)"
         )
     return stock_module(model_type)
+
+
+def encoder_decoder_module(model_type: str, model_file: str | None, tool: str) -> ModuleType:
+    """model_module's answer for a tool of encoder-decoders (run_t5_mlm_flax.py): a module setting ENCODER_DECODER."""
+    module = import_model_file(model_file) if model_file else None
+    if module is None and family_of(model_type) is not None and family_of(model_type).encoder_decoder:
+        module = stock_module(model_type)
+    if module is None or not getattr(module, "ENCODER_DECODER", False):
+        source = f"--model_file {model_file}" if model_file else f"model type '{model_type}'"
+        raise UsageError(
+            f"{tool} trains encoder-decoders ({', '.join(encoder_decoder_types())}), not {source}; pass a config of "
+            "one (create_config.py --preset t5-tiny makes one)"
+        )
+    if model_type not in module.HF_ARCHITECTURES:
+        raise UsageError(
+            f"--model_file {model_file} computes model type {' and '.join(module.HF_ARCHITECTURES)} but the config is "
+            f"of model type '{model_type}'; pass a config of that type, or a copy of the module of '{model_type}'"
+        )
+    return module
 
 
 def non_finite_config_value(config) -> tuple[str, float] | None:

@@ -50,6 +50,9 @@ class ModelFamily:
     # of model.py's hf_architecture_shapes(config), which GPT-2 and RoBERTa count otherwise (block options, an untied
     # masked-LM head).
     count_parameters: Callable[[Any], int] | None = None
+    # Whether the model is an encoder-decoder (T5): neither a causal LM (run_clm_flax.py) nor a masked one
+    # (run_mlm_flax.py), it is trained by run_t5_mlm_flax.py and decoded by flax_lm/generation/seq2seq.py.
+    encoder_decoder: bool = False
 
     @property
     def module_name(self) -> str:

@@ -214,13 +214,14 @@ def load_model_code(
     mesh=None,
     exports: bool = True,
     compare_exports: bool = True,
+    encoder_decoder: bool = False,
 ) -> ModelCode:
     """The code of `config`'s model for `tool`: the module of --model_file or of config.model_type, its config checked
     (against the tensor axis of `mesh` too), its fingerprint, and what its exports may claim. Where that takes a probe
     (code other than a verified stock module), it is decided at the first export (ModelCode.export_claim); for
     a tool that `exports` nothing, or without `compare_exports` (--skip_export_check), no probe runs and exports of
-    such code claim nothing."""
-    module = model_module(config.model_type, model_file, generates_text, tool)
+    such code claim nothing. A tool of encoder-decoders (run_t5_mlm_flax.py) passes `encoder_decoder`."""
+    module = model_module(config.model_type, model_file, generates_text, tool, encoder_decoder)
     module.check_model_config(config, mesh)
     fingerprint = module_code_fingerprint(module)
     fields_set = frozenset(
