@@ -579,11 +579,6 @@ def batch_maker(config, tokenizer, data_args) -> BatchMaker:
     span corruption needs, and a --max_seq_length too short for one span."""
     if config.model_type != "t5":
         raise UsageError(f"run_t5_mlm_flax.py trains T5 models, and the config is of a {config.model_type} model")
-    if len(tokenizer) > config.vocab_size:
-        raise UsageError(
-            f"the tokenizer has {len(tokenizer)} tokens but the config's vocab_size is {config.vocab_size}; "
-            "raise vocab_size in the config (create_config.py --tokenizer_dir)"
-        )
     corruption = data_args.span_corruption()
     row_length, target_length = span_corruption_lengths(data_args.max_seq_length, corruption)
     _, spans = corruption.noise_counts(row_length)
