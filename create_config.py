@@ -156,6 +156,8 @@ def values_from_tokenizer(tokenizer, model_type, tokenizer_dir):
         if token_id is not None:
             values[f"{role}_token_id"] = token_id
     family = family_of(model_type)
+    if family.encoder_decoder and tokenizer.pad_token_id is not None:  # T5's decoder starts from the padding token
+        values["decoder_start_token_id"] = tokenizer.pad_token_id
     if family.positions_after_pad_id and tokenizer.pad_token_id is None:
         raise UsageError(
             f"the tokenizer in {tokenizer_dir} has no padding token, which {family.title} needs; "
@@ -194,6 +196,13 @@ def check_config(config, preset, tokenizer=None):
             raise UsageError(
                 f"{name} {token_id} is outside the vocabulary of {config.vocab_size}; set vocab_size higher"
             )
+    if tokenizer is not None and config.vocab_size < len(tokenizer):
+        raise UsageError(
+            f"vocab_size {config.vocab_size} is smaller than the tokenizer's vocabulary of {len(tokenizer)}; "
+            f"leave vocab_size out or set it to at least {len(tokenizer)}"
+        )
+    if getattr(config, "max_position_embeddings", None) is None:  # relative positions (T5): no limit of its own
+        return
     # RoBERTa numbers positions from pad_token_id + 1, so that many positions are never used.
     position_offset = config.pad_token_id + 1 if family.positions_after_pad_id else 0
     if config.max_position_embeddings <= position_offset:
@@ -204,11 +213,6 @@ def check_config(config, preset, tokenizer=None):
     usable_positions = config.max_position_embeddings - position_offset
 
     if tokenizer is not None:
-        if config.vocab_size < len(tokenizer):
-            raise UsageError(
-                f"vocab_size {config.vocab_size} is smaller than the tokenizer's vocabulary of {len(tokenizer)}; "
-                f"leave vocab_size out or set it to at least {len(tokenizer)}"
-            )
         # A tokenizer without a limit has model_max_length of 1e30; only a real limit is checked.
         if usable_positions < tokenizer.model_max_length < 1e9:
             name = config.attribute_map.get(
@@ -323,10 +327,12 @@ def main():
     write_config_atomically(config, output_dir)
     parameters = count_parameters(config)
     print(f"Wrote {os.path.abspath(os.path.join(output_dir, 'config.json'))}")
+    layers, positions = f"{config.num_hidden_layers} layers", getattr(config, "max_position_embeddings", None)
+    if family_of(model_type).encoder_decoder:
+        layers = f"{config.num_layers} encoder and {config.num_decoder_layers} decoder layers"
     print(
-        f"{args.preset} ({model_type}): {config.num_hidden_layers} layers, hidden size {config.hidden_size}, "
-        f"{config.num_attention_heads} heads, {config.max_position_embeddings} positions, "
-        f"vocab size {config.vocab_size}"
+        f"{args.preset} ({model_type}): {layers}, hidden size {config.hidden_size}, {config.num_attention_heads} "
+        f"heads, {f'{positions} positions' if positions else 'relative positions'}, vocab size {config.vocab_size}"
     )
     print(f"parameters: {parameters:,} ({parameters / 1e6:.1f}M)")
 

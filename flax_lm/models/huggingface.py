@@ -469,7 +469,7 @@ def write_export(output_dir: str, host_params, config, tokenizer, model_code: Mo
             setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
         config.save_pretrained(output_dir)
         add_transformers_4_rope_keys(os.path.join(output_dir, "config.json"))
-        if model.GENERATES_TEXT:
+        if model.GENERATES_TEXT or getattr(model, "ENCODER_DECODER", False):
             generation_config = GenerationConfig.from_model_config(config)
             # Where the tokenizer's chat template ends a turn with a token of its own, generation stops there too.
             if len(stop_ids := stop_token_ids(tokenizer, config.eos_token_id)) > 1:

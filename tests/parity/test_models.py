@@ -350,6 +350,7 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
         "mixtral",
         "qwen_moe",
         "olmoe",
+        "t5",
     ],
 )
 def test_the_verified_fingerprints_are_those_of_the_stock_modules(name):

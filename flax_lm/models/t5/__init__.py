@@ -54,5 +54,6 @@ FAMILY = ModelFamily(
     title="T5",
     config_classes={"t5": "T5Config"},
     presets={name: ("t5", values) for name, values in T5_PRESETS.items()},
+    head_dim_apart=("t5",),  # d_kv
     encoder_decoder=True,
 )

@@ -13,7 +13,8 @@ dtype, param_dtype, remat_policy, mesh)`, ids int32, masks bool or 0/1 (1: a tok
                 deterministic=True, rngs={"dropout": key})
         -> float32 logits (batch, target length, vocab_size), as T5ForConditionalGeneration(...).logits;
         decoder_input_ids are the labels shifted right (shift_right(labels, config.decoder_start_token_id)), the
-        decoder attends causally; decoder_attention_mask may be None (every target token is real).
+        decoder attends causally; either mask may be None (every token is real). model.init(key, input_ids) reads
+        input_ids as both, for the parameters' shapes.
     model.apply({"params": params}, input_ids, attention_mask, method="encode")
         -> the encoder's output (batch, source length, d_model), in the compute dtype.
     model.apply({"params": params}, encoder_output, attention_mask, max_target_length, method="start_decoding")
@@ -428,8 +429,15 @@ class FlaxT5ForConditionalGeneration(T5Part):
         return self.constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
 
     def __call__(
-        self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask=None, deterministic: bool = True
+        self,
+        input_ids,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        deterministic: bool = True,
     ):
+        if decoder_input_ids is None:  # init from one array of ids, as the tools make the parameters' shapes
+            decoder_input_ids = input_ids
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, bool)
         encoder_output = self.encode(input_ids, attention_mask, deterministic)
