@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Train a byte-level BPE tokenizer for GPT-2, Llama or RoBERTa on your own text.
+"""Train a byte-level BPE tokenizer for GPT-2, Llama or RoBERTa, or a unigram one for T5 (with its sentinel tokens),
+on your own text.
 
 The text comes from local files (.txt, .json/.jsonl, .csv, .parquet; the first three also compressed, such as
 corpus.jsonl.gz; several files and glob patterns), from a
@@ -38,6 +39,7 @@ from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, call_with_one_line_errors, check_writable_directory
 from flax_lm.models import tokenizer_conventions
 from flax_lm.models.family import TokenizerConventions
+from flax_lm.models.t5.tokenizer import new_unigram, t5_tokenizer, unigram_trainer
 from flax_lm.models.tokenizer_files import save_tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -239,7 +241,10 @@ def wrap_for_transformers(tokenizer, model_type, roles, extra_special_tokens, mo
         extra_special_tokens=[special_token(token) for token in extra_special_tokens],
         **tokens,
     )
-    tokenizer_class = CONVENTIONS[model_type].tokenizer_class
+    conventions = CONVENTIONS[model_type]
+    if conventions.sentinel_tokens:
+        return t5_tokenizer(tokenizer, roles, extra_special_tokens, conventions.sentinel_tokens, model_max_length)
+    tokenizer_class = conventions.tokenizer_class
     if tokenizer_class == "RobertaTokenizer":
         # RoBERTa starts a sequence with its classifier token and ends it with the separator: <s> A </s></s> B </s>.
         options.update(cls_token=tokens["bos_token"], sep_token=tokens["eos_token"])
@@ -313,12 +318,14 @@ def check_arguments(data_args, tokenizer_args) -> tuple[SpecialTokens, int]:
             )
         extra_special_tokens = list(dict.fromkeys(extra_special_tokens + CHAT_SPECIAL_TOKENS))
     special_tokens = list(dict.fromkeys(list(roles.values()) + extra_special_tokens))
-    minimum_vocab_size = BYTE_ALPHABET_SIZE + len(special_tokens)
+    sentinels = CONVENTIONS[tokenizer_args.model_type].sentinel_tokens
+    # A byte-level BPE holds every byte; T5's unigram model at least a piece of its own, beside its sentinels.
+    pieces = f"{sentinels} sentinels + 1 piece" if sentinels else f"{BYTE_ALPHABET_SIZE} byte tokens"
+    minimum_vocab_size = (sentinels + 1 if sentinels else BYTE_ALPHABET_SIZE) + len(special_tokens)
     if tokenizer_args.vocab_size < minimum_vocab_size:
         raise UsageError(
             f"--vocab_size {tokenizer_args.vocab_size} is too small: it must be at least {minimum_vocab_size} "
-            f"({BYTE_ALPHABET_SIZE} byte tokens + {len(special_tokens)} special token"
-            f"{'' if len(special_tokens) == 1 else 's'})"
+            f"({pieces} + {len(special_tokens)} special token{'' if len(special_tokens) == 1 else 's'})"
         )
     if tokenizer_args.min_frequency < 0:
         raise UsageError(f"--min_frequency must be 0 or more, not {tokenizer_args.min_frequency}")
@@ -347,16 +354,24 @@ def expected_text_count(sources, data_args) -> int | None:
 def train_tokenizer(sources, data_args, tokenizer_args, special: SpecialTokens) -> tuple[Tokenizer, ReadCounts]:
     """A byte-level BPE trained on the texts of `sources`, with the post-processor of --model_type; and the counts of
     what it read. Refuses sources without text before anything is saved, so a tokenizer in --output_dir stays."""
-    tokenizer = new_byte_level_bpe()
-    trainer = trainers.BpeTrainer(
-        vocab_size=tokenizer_args.vocab_size,
-        min_frequency=tokenizer_args.min_frequency,
-        special_tokens=[
-            special_token(token, takes_space_before=token == special.roles.get("mask_token")) for token in special.all
-        ],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=sys.stderr.isatty(),  # the bars are drawn on a terminal only
-    )
+    sentinels = CONVENTIONS[tokenizer_args.model_type].sentinel_tokens
+    if sentinels:  # T5's: unigram pieces, the sentinels added after them
+        tokenizer = new_unigram()
+        trainer = unigram_trainer(
+            tokenizer_args.vocab_size - sentinels, special.all, special.roles["unk_token"], sys.stderr.isatty()
+        )
+    else:
+        tokenizer = new_byte_level_bpe()
+        trainer = trainers.BpeTrainer(
+            vocab_size=tokenizer_args.vocab_size,
+            min_frequency=tokenizer_args.min_frequency,
+            special_tokens=[
+                special_token(token, takes_space_before=token == special.roles.get("mask_token"))
+                for token in special.all
+            ],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=sys.stderr.isatty(),  # the bars are drawn on a terminal only
+        )
     counts = ReadCounts()
     start_time = time.perf_counter()
     # The trainer's progress bar counts the texts as they are read, then shows the merges.
@@ -383,12 +398,14 @@ def train_tokenizer(sources, data_args, tokenizer_args, special: SpecialTokens) 
         seconds,
         counts.bytes / 1e6 / seconds,
     )
-    if tokenizer.get_vocab_size() < tokenizer_args.vocab_size:
+    if tokenizer.get_vocab_size() + sentinels < tokenizer_args.vocab_size:
         logger.warning(
-            "The corpus only supports %d tokens, fewer than --vocab_size %d: every pair seen at least "
-            "--min_frequency times has been merged.",
-            tokenizer.get_vocab_size(),
+            "The corpus only supports %d tokens, fewer than --vocab_size %d: %s.",
+            tokenizer.get_vocab_size() + sentinels,
             tokenizer_args.vocab_size,
+            "the unigram trainer found no more pieces"
+            if sentinels
+            else "every pair seen at least --min_frequency times has been merged",
         )
     add_post_processor(tokenizer, CONVENTIONS[tokenizer_args.model_type], special.roles)
     return tokenizer, counts

@@ -17,7 +17,7 @@ class TokenizerConventions:
     # The default --model_max_length: the longest input the family's presets take, in tokens.
     model_max_length: int
     # The transformers class the tokenizer is saved as, which AutoTokenizer loads it as: GPT2Tokenizer,
-    # PreTrainedTokenizerFast (Llama 3's tokenizers), or RobertaTokenizer (<s> A </s> around each text).
+    # PreTrainedTokenizerFast (Llama 3's tokenizers), RobertaTokenizer (<s> A </s> around each text) or T5Tokenizer.
     tokenizer_class: str = "GPT2Tokenizer"
     # Whether the beginning-of-text token goes before every text encoded (Llama's tokenizers).
     bos_before_each_text: bool = False
@@ -25,6 +25,10 @@ class TokenizerConventions:
     distinct_roles: tuple[str, ...] = ("mask_token",)
     # Whether --chat_template is offered: a causal LM that converses.
     converses: bool = True
+    # T5's sentinel tokens <extra_id_0>, <extra_id_1>, ..., at the end of the vocabulary (<extra_id_0> last), which
+    # span corruption puts in place of the spans it drops. A tokenizer with them is T5's: a unigram model
+    # (flax_lm/models/t5/tokenizer.py) saved as T5Tokenizer, which ends every text with its end-of-text token.
+    sentinel_tokens: int = 0
 
 
 @dataclass(frozen=True)

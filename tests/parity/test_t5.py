@@ -11,6 +11,7 @@ import torch
 import transformers
 from test_create_config import create_config
 
+from flax_lm.generation.seq2seq import generate_seq2seq_ids, make_seq2seq_generate
 from flax_lm.models.huggingface import read_exported_params, save_model
 from flax_lm.models.model_code import load_model_code
 from flax_lm.models.t5 import model as t5
@@ -146,3 +147,34 @@ def test_the_presets_count_the_parameters_of_the_transformers_model(preset):
     assert create_config.count_parameters(config) == sum(parameter.numel() for parameter in model.parameters())
     if preset == "t5-v1_1-small":  # google/t5-v1_1-small's weights
         assert create_config.count_parameters(config) == 76_961_152
+
+
+def test_greedy_decoding_equals_generate_for_a_batch_of_sources_of_different_lengths():
+    """Weights drawn wide, so that the tokens vary; the end-of-text id one that two rows write."""
+    config = t5_config(**VARIANTS["v1.1 gated-gelu untied"], eos_token_id=7, initializer_factor=3.0)
+    model = t5.MODEL_CLASS(config)
+    params = random_params(model, config, seed=2)
+    rng = np.random.default_rng(3)
+    sources = [rng.integers(6, config.vocab_size, length).tolist() + [5] for length in (11, 4, 7)]
+    generate = make_seq2seq_generate(model, config.eos_token_id, t5.decoder_start_id(config))
+    ours = generate_seq2seq_ids(generate, params, sources, config.vocab_size, max_new_tokens=12)
+
+    torch_model = torch_model_of(config, params)
+    input_ids = np.zeros((len(sources), max(map(len, sources))), np.int64)  # right-padded, as a tokenizer pads
+    for row, source in enumerate(sources):
+        input_ids[row, : len(source)] = source
+    with torch.no_grad():
+        output = torch_model.generate(
+            input_ids=torch.from_numpy(input_ids),
+            attention_mask=torch.from_numpy((input_ids > 0).astype(np.int64)),
+            do_sample=False,
+            max_new_tokens=12,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        ).numpy()
+    for row, tokens in enumerate(ours):
+        expected = output[row, 1:].tolist()  # after the decoder start token
+        if 7 in expected:
+            expected = expected[: expected.index(7) + 1]
+        assert tokens == expected
+    assert [len(tokens) for tokens in ours] == [5, 5, 12] and len(set(ours[0])) > 2

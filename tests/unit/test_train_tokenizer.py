@@ -9,10 +9,12 @@ import datasets
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from tokenizers import trainers
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, T5Tokenizer
 
 import flax_lm.data.texts
 from flax_lm.data import text_stream
+from flax_lm.errors import UsageError
+from flax_lm.models.t5.tokenizer import sentinel_token_ids
 
 CORPUS_DIR = FIXTURES_DIR / "corpus"
 
@@ -169,3 +171,21 @@ def test_a_text_of_one_long_line_is_read_in_pieces_that_train_the_same_tokenizer
     assert len(whole) == 1 and len(pieces) > 10 and max(map(len, pieces)) < 2 * 2**12 + 100
     assert "".join(pieces) == whole[0] and piece_counts.texts == whole_counts.texts == 1
     assert piece_model["vocab"] == whole_model["vocab"] and piece_model["merges"] == whole_model["merges"]
+
+
+def test_t5_tokenizer_has_t5_s_ids_sentinels_last_and_ends_each_text_with_eos(tmp_path, monkeypatch):
+    train_tokenizer = load_train_tokenizer_module()
+    arguments = ["--train_file", CORPUS_DIR / "english.txt", "--model_type", "t5", "--vocab_size", 600]
+    monkeypatch.setattr(sys, "argv", ["train_tokenizer.py", *map(str, arguments), "--output_dir", str(tmp_path)])
+    train_tokenizer.main()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+
+    assert type(tokenizer).__name__ == "T5Tokenizer" and tokenizer.model_max_length == 512
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    sentinels = sentinel_token_ids(tokenizer, str(tmp_path))
+    assert sentinels == list(range(len(tokenizer) - 1, len(tokenizer) - 101, -1))  # <extra_id_0> the last id
+    ids = tokenizer("The harbour <extra_id_3> quiet.")["input_ids"]
+    assert ids[-1] == tokenizer.eos_token_id and ids.count(sentinels[3]) == 1 and 2 not in ids
+    with pytest.raises(UsageError, match="no sentinel tokens") as refusal:
+        sentinel_token_ids(T5Tokenizer(extra_ids=0), "my-tokenizer")
+    assert "my-tokenizer" in str(refusal.value) and "\n" not in str(refusal.value)

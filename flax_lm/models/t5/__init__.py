@@ -1,7 +1,7 @@
 """The T5 family: its model type, create_config.py presets and tokenizer conventions (flax_lm/models/README.md). The
 model, an encoder-decoder, is model.py; run_t5_mlm_flax.py trains it, generate_flax.py decodes with it."""
 
-from flax_lm.models.family import ModelFamily
+from flax_lm.models.family import ModelFamily, TokenizerConventions
 
 # T5 sizes as published: the original T5 (Raffel et al., 2020; google-t5/t5-small and t5-base on the Hugging Face
 # Hub: ReLU MLP, the output layer the embedding scaled by d_model**-0.5) and T5 v1.1 (google/t5-v1_1-small and
@@ -55,5 +55,17 @@ FAMILY = ModelFamily(
     config_classes={"t5": "T5Config"},
     presets={name: ("t5", values) for name, values in T5_PRESETS.items()},
     head_dim_apart=("t5",),  # d_kv
+    # <pad>=0, </s>=1, <unk>=2, then the pieces, then 100 sentinels, <extra_id_0> the last id, as in T5's vocabulary;
+    # </s> after each text. The decoder starts from <pad>, and </s> ends a target: each needs a token of its own.
+    tokenizers={
+        "t5": TokenizerConventions(
+            special_tokens={"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"},
+            model_max_length=512,
+            tokenizer_class="T5Tokenizer",
+            distinct_roles=("pad_token", "eos_token"),
+            converses=False,
+            sentinel_tokens=100,
+        )
+    },
     encoder_decoder=True,
 )

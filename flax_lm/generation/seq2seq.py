@@ -1,0 +1,135 @@
+"""Generating text with an encoder-decoder (T5, flax_lm/models/t5): each source encoded once, the decoder's
+cross-attention keys and values computed once from it, then the target decoded token by token over the decoder's
+cache from the decoder start token, all in one compiled program. Each row by its own Sampling (greedy at temperature
+0, or drawn, with transformers' logit processors over the target so far, as its generate applies them to an
+encoder-decoder's decoder input); beam search is the causal models' alone (sampling.py)."""
+
+from functools import partial
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_lm.errors import UsageError
+from flax_lm.generation.sampling import (
+    VARIANT_NAMES,
+    RowSettings,
+    Sampling,
+    batch_settings,
+    candidates_to_sort,
+    left_padded,
+    next_tokens,
+    on_host,
+    processed_scores,
+    processing_variant,
+    shape_bucket,
+)
+
+
+class TargetState(flax.struct.PyTreeNode):
+    """What the decoding loop carries from one target token to the next."""
+
+    cache: object  # the model's decoder cache (flax_lm.models.t5.model.DecoderCache)
+    last_token: jax.Array  # (batch,) int32
+    tokens: jax.Array  # (batch, capacity) int32: the new tokens so far, then padding
+    counts: jax.Array  # (batch,) int32: new tokens per row, the end-of-text token included
+    finished: jax.Array  # (batch,) bool
+    step: jax.Array  # int32: the column of `tokens` the next token goes to
+
+
+def make_seq2seq_generate(model, eos_token_id: int | list[int] | None, decoder_start_token_id: int):
+    """The compiled decoding of the encoder-decoder `model` (its encode, start_decoding and decode methods): a
+    function (params, source_ids, source_mask, settings, *, capacity, **variant) -> (tokens (batch, capacity), counts
+    (batch,)), each row ending at the first of `eos_token_id` or at its max_new_tokens. Compiled once per (batch,
+    source length, capacity) and variant; every setting of a row is data."""
+    stop_ids = [] if eos_token_id is None else np.atleast_1d(eos_token_id).tolist()
+    pad = max(stop_ids[0], 0) if stop_ids else 0  # what finished rows write
+
+    @partial(jax.jit, static_argnames=("capacity", *VARIANT_NAMES))
+    def generate(params, source_ids, source_mask, settings: RowSettings, *, capacity: int, **variant):
+        variables = {"params": params}
+        encoder_output = model.apply(variables, source_ids, source_mask, method="encode")
+        cache = model.apply(variables, encoder_output, source_mask, capacity, method="start_decoding")
+        batch = source_ids.shape[0]
+        # The decoder's input so far, as transformers' processors read it: the start token, then the new tokens.
+        start_ids = jnp.full((batch, 1), decoder_start_token_id, jnp.int32)
+
+        def row_key(seed, prompt_index, step):
+            return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), prompt_index), step)
+
+        def not_done(state: TargetState):
+            return (state.step < capacity) & ~jnp.all(state.finished)
+
+        def decode_one(state: TargetState):
+            logits, cache = model.apply(variables, state.last_token[:, None], state.cache, method="decode")
+            scores = processed_scores(logits[:, 0], settings, start_ids, state.tokens, state.step, stop_ids, variant)
+            keys = jax.vmap(row_key, in_axes=(0, 0, None))(settings.seed, settings.prompt_index, state.step)
+            token = next_tokens(
+                scores,
+                keys,
+                settings.temperature,
+                settings.top_k,
+                settings.top_p,
+                variant["do_sample"],
+                variant["candidates"],
+            )
+            token = jnp.where(state.finished, pad, token)
+            counts = state.counts + ~state.finished
+            return state.replace(
+                cache=cache,
+                last_token=token,
+                tokens=state.tokens.at[:, state.step].set(token),
+                counts=counts,
+                finished=state.finished
+                | jnp.isin(token, jnp.asarray(stop_ids or [-1]))
+                | (counts >= settings.max_new_tokens),
+                step=state.step + 1,
+            )
+
+        state = TargetState(
+            cache=cache,
+            last_token=start_ids[:, 0],
+            tokens=jnp.full((batch, capacity), pad, jnp.int32),
+            counts=jnp.zeros((batch,), jnp.int32),
+            finished=settings.max_new_tokens <= 0,  # the rows that only fill the batch
+            step=jnp.zeros((), jnp.int32),
+        )
+        final = jax.lax.while_loop(not_done, decode_one, state)
+        return final.tokens, final.counts
+
+    return generate
+
+
+def decode_sources(generate, params, sources: list[list[int]], samplings: list[Sampling], vocab_size: int):
+    """The new tokens for each source (a non-empty list of ids, its end-of-text token included as the tokenizer puts
+    it), ending with the end-of-text token where the model wrote it; `generate`: make_seq2seq_generate's."""
+    if any(sampling.num_beams > 1 for sampling in samplings):
+        raise UsageError("beam search (num_beams above 1) is for causal models; decode an encoder-decoder with 1")
+    # Left-padded, as the causal models' prompts: T5's relative positions see only distances, and the mask the padding.
+    source_ids, source_mask = left_padded(sources)
+    settings = batch_settings(samplings, len(source_ids), vocab_size)
+    variant = {
+        "do_sample": any(s.temperature > 0 for s in samplings),
+        "candidates": candidates_to_sort(samplings, vocab_size),
+        **processing_variant(samplings),
+    }
+    capacity = shape_bucket(max(s.max_new_tokens for s in samplings), 8)
+    tokens, counts = on_host(*generate(params, source_ids, source_mask, settings, capacity=capacity, **variant))
+    return [tokens[row, : counts[row]].tolist() for row in range(len(sources))]
+
+
+def generate_seq2seq_ids(
+    generate,
+    params,
+    sources: list[list[int]],
+    vocab_size: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[list[int]]:
+    """decode_sources with the same settings for every source. Temperature 0 is greedy decoding."""
+    samplings = [Sampling(max_new_tokens, temperature, top_k, top_p, seed, row) for row in range(len(sources))]
+    return decode_sources(generate, params, sources, samplings, vocab_size)
