@@ -62,7 +62,7 @@ from flax_lm.data.loading import (
 )
 from flax_lm.data.mixture import Mixture
 from flax_lm.data.source import ExampleSettings, TextSource
-from flax_lm.data.span_corruption import SpanCorruption, corrupt_spans, sentinel_id, span_corruption_lengths
+from flax_lm.data.span_corruption import SpanCorruption, corrupt_spans, span_corruption_lengths
 from flax_lm.data.text_pairs import pair_columns, pair_rows
 from flax_lm.data.texts import load_text_datasets, token_arrays
 from flax_lm.devices.mesh import create_mesh, process_slice
@@ -75,6 +75,7 @@ from flax_lm.evaluation.validation import (
 )
 from flax_lm.models.huggingface import load_config_and_tokenizer
 from flax_lm.models.model_code import load_model_code
+from flax_lm.models.t5.tokenizer import sentinel_token_ids
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
 from flax_lm.run.output_dir import write_json
 from flax_lm.run.record import TrainingProgress
@@ -244,7 +245,7 @@ class BatchMaker:
     rows that fill up a partial batch), (rows, target_length)."""
 
     corruption: SpanCorruption
-    first_sentinel_id: int
+    sentinel_ids: tuple  # of <extra_id_0>, <extra_id_1>, ...: the n-th dropped span of a row becomes the n-th
     eos_token_id: int
     pad_token_id: int
     decoder_start_token_id: int
@@ -258,7 +259,7 @@ class BatchMaker:
 
     def corrupted(self, rows: np.ndarray, seed: tuple, row_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets) of rows of text: T5's span corruption."""
-        return corrupt_spans(rows, self.corruption, self.first_sentinel_id, self.eos_token_id, seed, row_numbers)
+        return corrupt_spans(rows, self.corruption, self.sentinel_ids, self.eos_token_id, seed, row_numbers)
 
     def __call__(self, rows, indices: np.ndarray, num_rows: int, seed: tuple, own: slice = slice(None)) -> dict:
         """The rows `own` of the batch of `num_rows` rows made from rows[indices], then empty rows."""
@@ -582,10 +583,17 @@ def batch_maker(config, tokenizer, data_args) -> BatchMaker:
     corruption = data_args.span_corruption()
     row_length, target_length = span_corruption_lengths(data_args.max_seq_length, corruption)
     _, spans = corruption.noise_counts(row_length)
+    sentinel_ids = sentinel_token_ids(tokenizer, tokenizer.name_or_path)
+    if len(sentinel_ids) < spans:
+        raise UsageError(
+            f"--max_seq_length {data_args.max_seq_length} corrupts rows of {row_length} tokens, dropping {spans} "
+            f"spans, and the tokenizer {tokenizer.name_or_path} has {len(sentinel_ids)} sentinels (one a span); "
+            "lower --max_seq_length, or train a tokenizer with more (train_tokenizer.py --model_type t5 has 100)"
+        )
     start = getattr(config, "decoder_start_token_id", None)  # T5's is pad
     return BatchMaker(
         corruption=corruption,
-        first_sentinel_id=sentinel_id(tokenizer, spans),
+        sentinel_ids=tuple(sentinel_ids[:spans]),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         decoder_start_token_id=config.pad_token_id if start is None else start,

@@ -7,7 +7,7 @@ target is the dropped spans, each after its sentinel. Both end with EOS:
     input    Thank you <extra_id_0> me to your party <extra_id_1> week . </s>
     target   <extra_id_0> for inviting <extra_id_1> last </s>
 
-The sentinels are numbered from the end of the vocabulary down (<extra_id_0> is the highest id of a T5 tokenizer).
+The n-th span of a row becomes <extra_id_n> (in a T5 tokenizer, numbered down from the highest id).
 How many tokens and spans are dropped depends on the row's length only, so every row of a length corrupts into an
 input and a target of fixed lengths (input_and_target_lengths); rows are made of the length whose input is exactly
 --max_seq_length long (span_corruption_lengths). Which tokens are dropped is drawn for each row from counters of its
@@ -103,12 +103,12 @@ def random_spans_noise_mask(
     return np.repeat(is_noise, span_lengths.ravel()).reshape(-1, length)
 
 
-def with_sentinels(tokens: np.ndarray, dropped: np.ndarray, first_sentinel_id: int, eos_token_id: int) -> np.ndarray:
+def with_sentinels(tokens: np.ndarray, dropped: np.ndarray, sentinel_ids: np.ndarray, eos_token_id: int) -> np.ndarray:
     """The tokens of each row that are not `dropped`, each run of dropped ones replaced by one sentinel (the n-th run
-    of a row by first_sentinel_id - n), and EOS at the end: (rows, tokens kept + runs + 1). Every row must keep as
-    many tokens and have as many runs as the others (those of random_spans_noise_mask do)."""
+    of a row by sentinel_ids[n]), and EOS at the end: (rows, tokens kept + runs + 1). Every row must keep as many
+    tokens and have as many runs as the others (those of random_spans_noise_mask do)."""
     starts = dropped & ~np.pad(dropped, ((0, 0), (1, 0)))[:, :-1]
-    sentinels = first_sentinel_id - (np.cumsum(starts, axis=1) - 1)
+    sentinels = np.asarray(sentinel_ids, tokens.dtype)[np.maximum(np.cumsum(starts, axis=1) - 1, 0)]
     kept = np.where(starts, sentinels, tokens)[~dropped | starts].reshape(len(tokens), -1)
     return np.concatenate([kept, np.full((len(tokens), 1), eos_token_id, kept.dtype)], axis=1)
 
@@ -116,34 +116,16 @@ def with_sentinels(tokens: np.ndarray, dropped: np.ndarray, first_sentinel_id: i
 def corrupt_spans(
     tokens: np.ndarray,
     corruption: SpanCorruption,
-    first_sentinel_id: int,
+    sentinel_ids: np.ndarray,
     eos_token_id: int,
     seed: int | tuple,
     row_numbers: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets) of rows of tokens (rows, length), int32: the spans random_spans_noise_mask drops replaced by
-    sentinels in the inputs, the kept spans in the targets, where the sentinels are numbered alike."""
+    sentinels in the inputs, the kept spans in the targets, the n-th span of each by sentinel_ids[n] (<extra_id_n>):
+    at least noise_counts(length)[1] of them."""
     noise = random_spans_noise_mask(tokens.shape[1], corruption, seed, row_numbers)
     tokens = np.asarray(tokens, np.int32)
-    return with_sentinels(tokens, noise, first_sentinel_id, eos_token_id), with_sentinels(
-        tokens, ~noise, first_sentinel_id, eos_token_id
+    return with_sentinels(tokens, noise, sentinel_ids, eos_token_id), with_sentinels(
+        tokens, ~noise, sentinel_ids, eos_token_id
     )
-
-
-def sentinel_id(tokenizer, spans: int) -> int:
-    """The id of <extra_id_0>, the first sentinel; refuses a tokenizer without `spans` of them, numbered down from
-    it as T5's are."""
-    first = tokenizer.convert_tokens_to_ids("<extra_id_0>")
-    if first is None or first == tokenizer.unk_token_id:
-        raise UsageError(
-            f"the tokenizer {tokenizer.name_or_path} has no sentinel tokens (<extra_id_0> ...), which span "
-            "corruption replaces the dropped spans with; train it with train_tokenizer.py --model_type t5"
-        )
-    last = tokenizer.convert_tokens_to_ids(f"<extra_id_{spans - 1}>")
-    if last != first - (spans - 1):
-        raise UsageError(
-            f"the tokenizer {tokenizer.name_or_path} needs {spans} sentinel tokens numbered down from <extra_id_0> "
-            f"(id {first}) for rows of this length, and <extra_id_{spans - 1}> is not id {first - (spans - 1)}; "
-            "train it with train_tokenizer.py --model_type t5 (100 sentinels), or lower --max_seq_length"
-        )
-    return first

@@ -13,6 +13,7 @@ from flax_lm.data.span_corruption import (
 from flax_lm.errors import UsageError
 
 T5 = SpanCorruption(noise_density=0.15, mean_noise_span_length=3.0)
+SENTINELS = np.arange(31999, 31999 - 100, -1)  # <extra_id_0>, <extra_id_1>, ... as T5's vocabulary numbers them
 
 
 @pytest.mark.parametrize("max_seq_length", [10, 11, 64, 127, 128, 512, 568])
@@ -21,7 +22,7 @@ def test_rows_of_the_computed_length_corrupt_into_inputs_that_fill_max_seq_lengt
     assert T5.input_and_target_lengths(length) == (max_seq_length, target_length)
     assert T5.input_and_target_lengths(length + 1)[0] > max_seq_length  # the longest such row
     tokens = np.arange(100, 100 + 3 * length, dtype=np.int32).reshape(3, length)
-    inputs, targets = corrupt_spans(tokens, T5, 1000, 1, 0, np.arange(3))
+    inputs, targets = corrupt_spans(tokens, T5, SENTINELS, 1, 0, np.arange(3))
     assert inputs.shape == (3, max_seq_length) and targets.shape == (3, target_length)
 
 
@@ -62,11 +63,11 @@ def test_the_mask_of_a_row_depends_on_the_seed_and_its_number_only():
 
 
 def test_every_token_is_in_the_input_or_the_target_once_after_sentinels_numbered_in_order():
-    length, first_sentinel, eos = 200, 31999, 1
+    length, first_sentinel, eos = 200, SENTINELS[0], 1
     tokens = np.arange(100, 100 + 4 * length, dtype=np.int32).reshape(4, length)
-    inputs, targets = corrupt_spans(tokens, T5, first_sentinel, eos, 11, np.arange(4))
+    inputs, targets = corrupt_spans(tokens, T5, SENTINELS, eos, 11, np.arange(4))
     _, noise_spans = T5.noise_counts(length)
-    sentinels = first_sentinel - np.arange(noise_spans)
+    sentinels = SENTINELS[:noise_spans]
     for row, row_input, row_target in zip(tokens, inputs, targets):
         assert row_input[-1] == eos and row_target[-1] == eos
         input_sentinels = row_input[row_input > first_sentinel - 100]
