@@ -10,6 +10,11 @@ compiled XLA program per shape (batch, prompt length and new tokens are rounded 
 few shapes serve all requests). Decoding is greedy by default (--temperature 0), or draws with a
 temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-text token.
 
+A T5 (an encoder-decoder) answers each prompt with the text its decoder writes for it, printed alone
+(flax_lm/generation/seq2seq.py: greedy or drawn, no beam search, no --serve or --chat):
+
+    ./generate_flax.py --model_name_or_path t5-run --prompt "The <extra_id_0> walks in <extra_id_1> park"
+
     ./generate_flax.py --model_name_or_path gpt2-run --prompt "def main(" --prompt "import " --max_new_tokens 40
     ./generate_flax.py --model_name_or_path gpt2-run --prompt_file prompts.txt --temperature 0.8 --top_p 0.95
     ./generate_flax.py --model_name_or_path gpt2-run --serve --port 8000
@@ -45,7 +50,7 @@ from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.generation.sampling import Sampling
 from flax_lm.server.app import listening_socket, serve
-from flax_lm.server.generator import Generator, load_model
+from flax_lm.server.generator import Generator, Seq2SeqGenerator, is_encoder_decoder, load_model
 from flax_lm.server.requests import Limits
 
 logger = logging.getLogger(__name__)
@@ -66,8 +71,8 @@ MODEL_FILE_HELP = (
 class ModelArguments:
     model_name_or_path: str = field(
         metadata={
-            "help": "A causal LM (GPT-2, Llama): a directory with config.json, model.safetensors and tokenizer "
-            "files, or a hub name."
+            "help": "A causal LM (GPT-2, Llama) or a T5: a directory with config.json, model.safetensors and "
+            "tokenizer files, or a hub name."
         }
     )
     model_file: str | None = field(default=None, metadata={"help": MODEL_FILE_HELP})
@@ -329,7 +334,10 @@ def main():
 
     model_file, mesh_shape = model_args.model_file, model_args.mesh_shape
     model, params, tokenizer = load_model(model_loading(model_args), mesh_shape, model_file, model_args.dtype)
-    generator = Generator(model, params, tokenizer, generation_args.batch_size)
+    generator_class = Seq2SeqGenerator if is_encoder_decoder(model) else Generator
+    generator = generator_class(model, params, tokenizer, generation_args.batch_size)
+    if not generator.continues_prompt and (server_args.serve or generation_args.chat):
+        raise UsageError(f"--{'serve' if server_args.serve else 'chat'} is for causal LMs; a T5 answers --prompt")
     logger.info(
         "Loaded %s: %.1fM parameters in %s on %s",
         model_args.model_name_or_path,
@@ -365,8 +373,8 @@ def main():
             print(json.dumps({"messages" if generation_args.chat else "prompt": prompt, **result}))
         elif generation_args.chat:
             print(result["text"], end="\n\n")  # the reply
-        else:
-            print(prompt + result["text"], end="\n\n")
+        else:  # a causal LM's continuation, or what an encoder-decoder writes for the prompt
+            print((prompt if generator.continues_prompt else "") + result["text"], end="\n\n")
 
 
 if __name__ == "__main__":

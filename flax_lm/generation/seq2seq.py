@@ -38,8 +38,9 @@ class TargetState(flax.struct.PyTreeNode):
     step: jax.Array  # int32: the column of `tokens` the next token goes to
 
 
-def make_seq2seq_generate(model, eos_token_id: int | list[int] | None, decoder_start_token_id: int):
-    """The compiled decoding of the encoder-decoder `model` (its encode, start_decoding and decode methods): a
+def make_seq2seq_generate(model, eos_token_id: int | list[int] | None):
+    """The compiled decoding of the encoder-decoder `model` (its encode, start_decoding and decode methods, and the
+    decoder_start_token_id it starts from): a
     function (params, source_ids, source_mask, settings, *, capacity, **variant) -> (tokens (batch, capacity), counts
     (batch,)), each row ending at the first of `eos_token_id` or at its max_new_tokens. Compiled once per (batch,
     source length, capacity) and variant; every setting of a row is data."""
@@ -53,7 +54,7 @@ def make_seq2seq_generate(model, eos_token_id: int | list[int] | None, decoder_s
         cache = model.apply(variables, encoder_output, source_mask, capacity, method="start_decoding")
         batch = source_ids.shape[0]
         # The decoder's input so far, as transformers' processors read it: the start token, then the new tokens.
-        start_ids = jnp.full((batch, 1), decoder_start_token_id, jnp.int32)
+        start_ids = jnp.full((batch, 1), model.decoder_start_token_id, jnp.int32)
 
         def row_key(seed, prompt_index, step):
             return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), prompt_index), step)

@@ -54,7 +54,7 @@ VERIFIED_FINGERPRINTS = {
     "qwen_moe": "cc50f079d79c3611",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
-    "t5": "ed1be7a5a08c7af7",
+    "t5": "2efd04d8e4a6cfb3",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into

@@ -15,6 +15,8 @@ from flax_lm.devices.mesh import create_mesh
 from flax_lm.errors import UsageError, first_line
 from flax_lm.evaluation.scoring import Scorer
 from flax_lm.generation.sampling import DecodingBatch, Sampling, decode_rows, make_sampler
+from flax_lm.generation.seq2seq import decode_sources, make_seq2seq_generate
+from flax_lm.models import family_of
 from flax_lm.models.huggingface import (
     ModelLoading,
     check_config_values,
@@ -43,7 +45,10 @@ def load_model(
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
     check_config_values(config, f"--model_name_or_path {source}")
     mesh = generation_mesh(mesh_shape)
-    model_code = load_model_code(config, model_file, True, "generate_flax.py", mesh, exports=False)
+    encoder_decoder = family_of(config.model_type) is not None and family_of(config.model_type).encoder_decoder
+    model_code = load_model_code(
+        config, model_file, True, "generate_flax.py", mesh, exports=False, encoder_decoder=encoder_decoder
+    )
     dtype = jnp.dtype(dtype)
     model = model_code.module.MODEL_CLASS(config, dtype=dtype, param_dtype=dtype, mesh=mesh)
     boxed_params = abstract_model_params(model, jnp.zeros((1, 8), jnp.int32), unbox=False)
@@ -74,9 +79,16 @@ def generation_mesh(mesh_shape: str | None):
     return mesh
 
 
+def is_encoder_decoder(model) -> bool:
+    """Whether `model` is an encoder-decoder (T5), which Seq2SeqGenerator decodes; else Generator does."""
+    return family_of(model.config.model_type).encoder_decoder
+
+
 class Generator:
     """One loaded model answering batches of prompts, or of conversations with a chat model, and scoring token
     sequences (the server's logprobs)."""
+
+    continues_prompt = True  # its text follows the prompt
 
     def __init__(self, model, params, tokenizer, batch_size: int):
         self.model, self.params, self.tokenizer, self.batch_size = model, params, tokenizer, batch_size
@@ -171,3 +183,40 @@ class Generator:
             for row in unfinished:
                 texts[row].add(row, new_ids[row], bool(decoding.finished[row]))
         return [text.result for text in texts]
+
+
+class Seq2SeqGenerator:
+    """An encoder-decoder (T5) answering batches of prompts: each prompt, encoded as its tokenizer encodes a text
+    (T5's: </s> after it), is the source, and the text the decoder writes for it (greedy or drawn, as Sampling says;
+    no beam search) is the answer, which does not continue the prompt."""
+
+    continues_prompt = False
+
+    def __init__(self, model, params, tokenizer, batch_size: int):
+        self.model, self.params, self.tokenizer, self.batch_size = model, params, tokenizer, batch_size
+        eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
+        self.stop_token_ids = [] if eos_token_id is None else [eos_token_id]
+        self.decoding = make_seq2seq_generate(model, self.stop_token_ids)
+
+    def generate(self, prompts: list[str], sampling: Sampling, where: str = "prompt", stop=()) -> list[dict]:
+        """For each prompt: the text written for it, the count of its tokens and of the new ones, and why it stopped
+        ("eos", "stop": a `stop` string, "length"), as Generator.generate gives them."""
+        if sampling.num_beams > 1:
+            raise ValueError(f"num_beams {sampling.num_beams}: beam search is for causal models; decode a T5 with 1")
+        sources = [self.tokenizer(prompt)["input_ids"] or self.stop_token_ids[:1] for prompt in prompts]
+        results = []
+        for first in range(0, len(sources), self.batch_size):
+            batch = sources[first : first + self.batch_size]
+            samplings = [replace(sampling, prompt_index=first + row) for row in range(len(batch))]
+            new_ids = decode_sources(self.decoding, self.params, batch, samplings, self.model.config.vocab_size)
+            for row, (ids, tokens) in enumerate(zip(batch, new_ids)):
+                ended = RowText(self.tokenizer, self.stop_token_ids, list(stop)).add(row, tokens, True)
+                results.append(
+                    {
+                        "text": ended.text,
+                        "prompt_tokens": len(ids),
+                        "new_tokens": ended.new_tokens,
+                        "finish_reason": ended.finish_reason,
+                    }
+                )
+        return results

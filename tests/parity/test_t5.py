@@ -156,7 +156,7 @@ def test_greedy_decoding_equals_generate_for_a_batch_of_sources_of_different_len
     params = random_params(model, config, seed=2)
     rng = np.random.default_rng(3)
     sources = [rng.integers(6, config.vocab_size, length).tolist() + [5] for length in (11, 4, 7)]
-    generate = make_seq2seq_generate(model, config.eos_token_id, t5.decoder_start_id(config))
+    generate = make_seq2seq_generate(model, config.eos_token_id)
     ours = generate_seq2seq_ids(generate, params, sources, config.vocab_size, max_new_tokens=12)
 
     torch_model = torch_model_of(config, params)

@@ -7,7 +7,19 @@ import sys
 import pytest
 from conftest import REPO_DIR
 
-from flax_lm.models import FAMILIES, config_class, family, import_model_file, presets, stock_module
+from flax_lm.errors import UsageError
+from flax_lm.models import (
+    FAMILIES,
+    check_model_type,
+    config_class,
+    encoder_decoder_types,
+    family,
+    import_model_file,
+    model_module,
+    model_types,
+    presets,
+    stock_module,
+)
 from flax_lm.models.model_code import EARLIER_VERIFIED_FINGERPRINTS, module_code_fingerprint
 
 
@@ -54,3 +66,21 @@ def test_a_copy_of_a_0_4_module_runs_as_it_was_with_the_fingerprint_its_runs_rec
     module = import_model_file(str(tmp_path / "my_gpt2.py"))
     assert module_code_fingerprint(module) in EARLIER_VERIFIED_FINGERPRINTS["gpt2"]
     assert "flax_lm.models.common" not in sys.modules  # only the model file's import finds it
+
+
+@pytest.mark.parametrize("generates_text, script", [(True, "run_clm_flax.py"), (False, "run_mlm_flax.py")])
+def test_the_causal_and_masked_scripts_refuse_an_encoder_decoder_in_one_line_naming_its_script(generates_text, script):
+    assert "t5" not in model_types(generates_text) and encoder_decoder_types() == ["t5"]
+    refusal = f"^{script} does not train T5 \\(model type 't5', an encoder-decoder\\); run_t5_mlm_flax.py trains it$"
+    with pytest.raises(UsageError, match=refusal):
+        check_model_type("t5", generates_text)  # --model_type t5
+    with pytest.raises(UsageError, match=refusal):
+        model_module("t5", None, generates_text, script)  # a T5 config.json
+
+
+def test_the_t5_script_s_lookup_takes_t5_alone():
+    assert model_module("t5", None, False, "run_t5_mlm_flax.py", encoder_decoder=True).ENCODER_DECODER
+    with pytest.raises(
+        UsageError, match="run_t5_mlm_flax.py trains encoder-decoders \\(t5\\), not model type 'llama'"
+    ):
+        model_module("llama", None, False, "run_t5_mlm_flax.py", encoder_decoder=True)

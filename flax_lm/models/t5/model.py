@@ -409,6 +409,11 @@ class FlaxT5ForConditionalGeneration(T5Part):
                 dot_general=logits_dot_general,
             )
 
+    @property
+    def decoder_start_token_id(self) -> int:
+        """The token the decoder starts from (decoder_start_id), for the decoding loop."""
+        return decoder_start_id(self.config)
+
     def embed(self, ids):
         return look_up(self.shared, "vocab", self.constrain(ids, ("batch", None)), self.mesh, self.dtype)
 
