@@ -130,10 +130,11 @@ def test_every_marked_copy_matches_run_clm_flax(script):
     assert not problems, "\n".join(problems)
 
 
-def test_the_mlm_script_keeps_its_loop_as_checked_copies():
-    """The loop, the optimizer and the save are what a researcher edits in either script; the MLM script carries
-    them as marked copies, so that the check above has something to check."""
-    copied = {name for _, name, _, _ in marked_copies(os.path.join(REPO, "run_mlm_flax.py"))}
+@pytest.mark.parametrize("script", ["run_mlm_flax.py", "run_t5_mlm_flax.py"])
+def test_the_mlm_script_keeps_its_loop_as_checked_copies(script):
+    """The loop, the optimizer and the save are what a researcher edits in every training script; the MLM and T5
+    scripts carry them as marked copies, so that the check above has something to check."""
+    copied = {name for _, name, _, _ in marked_copies(os.path.join(REPO, script))}
     assert {"train", "create_optimizer", "steps_of_calls", "SCRIPT_TRAINING"} <= copied, sorted(copied)
 
 
@@ -263,8 +264,10 @@ SCRIPT_LINES_CEILINGS = {
 }
 
 
-def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded():
-    """Of the code run_mlm_flax.py shares with run_clm_flax.py, the lines that no copy check keeps identical.
+@pytest.mark.parametrize("script", ["run_mlm_flax.py", "run_t5_mlm_flax.py"])
+def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded(script):
+    """Of the code run_mlm_flax.py (or run_t5_mlm_flax.py) shares with run_clm_flax.py, the lines that no copy check
+    keeps identical.
 
     A line of run_mlm_flax.py counts as shared when it belongs to a run of SHARED_RUN_LINES consecutive meaningful
     lines that run_clm_flax.py also has, in the same order, indentation ignored, either as written or after one of
@@ -274,13 +277,13 @@ def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded
     lines, so that a line both scripts happen to write (`dtype=self.dtype,` in two different models) is not taken for
     shared code. A shared line is checked when it lies inside a definition marked `# Copied from run_clm_flax.NAME`.
     """
-    mlm, clm = os.path.join(REPO, "run_mlm_flax.py"), os.path.join(REPO, "run_clm_flax.py")
-    shared = shared_line_numbers(mlm, clm)
-    unchecked = shared - checked_copy_line_numbers(mlm)
+    path, clm = os.path.join(REPO, script), os.path.join(REPO, "run_clm_flax.py")
+    shared = shared_line_numbers(path, clm)
+    unchecked = shared - checked_copy_line_numbers(path)
     assert len(unchecked) <= UNCHECKED_SHARED_LINES_CEILING, (
-        f"run_mlm_flax.py shares {len(unchecked)} lines with run_clm_flax.py outside checked copies (ceiling "
+        f"{script} shares {len(unchecked)} lines with run_clm_flax.py outside checked copies (ceiling "
         f"{UNCHECKED_SHARED_LINES_CEILING}); move shared code into flax_lm or mark a deliberate copy. Most: "
-        f"{largest_unchecked(mlm, unchecked)}"
+        f"{largest_unchecked(path, unchecked)}"
     )
     print(f"shared lines: {len(shared)}, outside checked copies: {len(unchecked)}")
 
