@@ -109,6 +109,18 @@ def test_a_pair_without_its_target_is_refused_naming_the_file_row_and_field(mode
     )
 
 
+def test_conversations_are_refused(model_dirs, monkeypatch, tmp_path):
+    conversations = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    conversations.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(4)))
+    directory = model_dirs["t5"]
+    message = refusal(
+        monkeypatch, tmp_path, "--config_name", directory, "--tokenizer_name", directory, "--train_file",
+        conversations, "--max_seq_length", 32, "--cache_dir", tmp_path / "cache",
+    )  # fmt: skip
+    assert "conversations" in message and "run_t5_mlm_flax.py trains on plain text or on input/target pairs" in message
+
+
 def batch_maker(directory, max_seq_length: int):
     config, tokenizer = T5Config.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
     data_args = run_t5_mlm_flax.DataTrainingArguments(max_seq_length=max_seq_length)
