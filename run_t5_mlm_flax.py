@@ -227,7 +227,9 @@ def check_row_shapes(rows: dict, max_seq_length: int):
     """Refuse pairs packed for another --max_seq_length: a packed corpus records the row length of plain text, which
     other noise flags can make the same."""
     for split, split_rows in rows.items():
-        if len(split_rows.shape) == 3 and split_rows.shape[2] != max_seq_length:
+        if isinstance(split_rows, dict):  # a mixture's validation rows, by source
+            check_row_shapes(split_rows, max_seq_length)
+        elif len(split_rows.shape) == 3 and split_rows.shape[2] != max_seq_length:
             raise UsageError(
                 f"the {split} pairs were packed in rows of {split_rows.shape[2]} tokens, not --max_seq_length "
                 f"{max_seq_length}; add --overwrite_cache to pack them again"
