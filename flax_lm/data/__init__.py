@@ -9,11 +9,13 @@ texts.py              reading text files, datasets and streams, and encoding the
 text_stream.py        a whole corpus read once in counted batches of texts (train_tokenizer.py)
 chat.py               chat templates: rendering a conversation, the tokens that end a turn
 finetune_examples.py  prompt/completion pairs and conversations in TRL's formats, with their loss weights
+text_pairs.py         input/target pairs tokenized for a sequence-to-sequence model (T5)
 cache_key.py          the fingerprint of the code that turns texts into tokens, which keys the token cache
 packed.py             packed corpora on disk (the token cache and --packed_data_dir), read by memory maps
 mixture.py            several sources mixed by weight (--data_mixture)
 loading.py            a run's rows for each split from whichever route the arguments name, and their order
 host_random.py        counter-based random numbers for the choices made per row (MLM's masks)
+span_corruption.py    T5's span corruption: the row length that fills the input, the dropped spans, the sentinels
 """
 
 

@@ -23,7 +23,14 @@ from conftest import REPO_DIR
 REPO = str(REPO_DIR)
 MARKER = re.compile(r"^# Copied from run_clm_flax\.(?P<name>\w+)(?: with (?P<renames>\S.*?))?\s*$")
 RENAME = re.compile(r"^(\w+)->(\w+)$")
-SCRIPTS = ["run_clm_flax.py", "run_mlm_flax.py", "generate_flax.py", "create_config.py", "train_tokenizer.py"]
+SCRIPTS = [
+    "run_clm_flax.py",
+    "run_mlm_flax.py",
+    "run_t5_mlm_flax.py",
+    "generate_flax.py",
+    "create_config.py",
+    "train_tokenizer.py",
+]
 LIBRARY_MODULES = sorted(
     os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, "flax_lm", "**", "*.py"), recursive=True)
 )
@@ -123,10 +130,11 @@ def test_every_marked_copy_matches_run_clm_flax(script):
     assert not problems, "\n".join(problems)
 
 
-def test_the_mlm_script_keeps_its_loop_as_checked_copies():
-    """The loop, the optimizer and the save are what a researcher edits in either script; the MLM script carries
-    them as marked copies, so that the check above has something to check."""
-    copied = {name for _, name, _, _ in marked_copies(os.path.join(REPO, "run_mlm_flax.py"))}
+@pytest.mark.parametrize("script", ["run_mlm_flax.py", "run_t5_mlm_flax.py"])
+def test_the_mlm_script_keeps_its_loop_as_checked_copies(script):
+    """The loop, the optimizer and the save are what a researcher edits in every training script; the MLM and T5
+    scripts carry them as marked copies, so that the check above has something to check."""
+    copied = {name for _, name, _, _ in marked_copies(os.path.join(REPO, script))}
     assert {"train", "create_optimizer", "steps_of_calls", "SCRIPT_TRAINING"} <= copied, sorted(copied)
 
 
@@ -248,11 +256,18 @@ LIBRARY_MODULE_LINES_CEILING = 700
 MAIN_LINES_CEILING = 60
 # A script is read in one sitting: what grows past this belongs in flax_lm (generate_flax.py's decoding and serving
 # in flax_lm/server and flax_lm/generation).
-SCRIPT_LINES_CEILINGS = {"run_clm_flax.py": 900, "run_mlm_flax.py": 999, "generate_flax.py": 450}
+SCRIPT_LINES_CEILINGS = {
+    "run_clm_flax.py": 900,
+    "run_mlm_flax.py": 999,
+    "run_t5_mlm_flax.py": 750,
+    "generate_flax.py": 450,
+}
 
 
-def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded():
-    """Of the code run_mlm_flax.py shares with run_clm_flax.py, the lines that no copy check keeps identical.
+@pytest.mark.parametrize("script", ["run_mlm_flax.py", "run_t5_mlm_flax.py"])
+def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded(script):
+    """Of the code run_mlm_flax.py (or run_t5_mlm_flax.py) shares with run_clm_flax.py, the lines that no copy check
+    keeps identical.
 
     A line of run_mlm_flax.py counts as shared when it belongs to a run of SHARED_RUN_LINES consecutive meaningful
     lines that run_clm_flax.py also has, in the same order, indentation ignored, either as written or after one of
@@ -262,13 +277,13 @@ def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded
     lines, so that a line both scripts happen to write (`dtype=self.dtype,` in two different models) is not taken for
     shared code. A shared line is checked when it lies inside a definition marked `# Copied from run_clm_flax.NAME`.
     """
-    mlm, clm = os.path.join(REPO, "run_mlm_flax.py"), os.path.join(REPO, "run_clm_flax.py")
-    shared = shared_line_numbers(mlm, clm)
-    unchecked = shared - checked_copy_line_numbers(mlm)
+    path, clm = os.path.join(REPO, script), os.path.join(REPO, "run_clm_flax.py")
+    shared = shared_line_numbers(path, clm)
+    unchecked = shared - checked_copy_line_numbers(path)
     assert len(unchecked) <= UNCHECKED_SHARED_LINES_CEILING, (
-        f"run_mlm_flax.py shares {len(unchecked)} lines with run_clm_flax.py outside checked copies (ceiling "
+        f"{script} shares {len(unchecked)} lines with run_clm_flax.py outside checked copies (ceiling "
         f"{UNCHECKED_SHARED_LINES_CEILING}); move shared code into flax_lm or mark a deliberate copy. Most: "
-        f"{largest_unchecked(mlm, unchecked)}"
+        f"{largest_unchecked(path, unchecked)}"
     )
     print(f"shared lines: {len(shared)}, outside checked copies: {len(unchecked)}")
 

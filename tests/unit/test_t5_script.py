@@ -1,0 +1,161 @@
+"""run_t5_mlm_flax.py in this process: its batches of plain text and of pairs, and its one-line refusals of a
+tokenizer without sentinels, a --max_seq_length too short for one span and a pair without its target."""
+
+import importlib.util
+import json
+import string
+import sys
+
+import datasets
+import numpy as np
+import pytest
+from conftest import FIXTURES_DIR, REPO_DIR
+from transformers import AutoTokenizer, T5Config, T5Tokenizer
+
+from flax_lm.data.source import ExampleSettings, TextSource
+from flax_lm.errors import UsageError
+
+TRAIN_FILE = FIXTURES_DIR / "en" / "train.txt"
+SENTINELS = 10
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("run_t5_mlm_flax", REPO_DIR / "run_t5_mlm_flax.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run_t5_mlm_flax = load_script()
+
+
+def t5_tokenizer(sentinels: int) -> T5Tokenizer:
+    """A T5 tokenizer of single characters (and word starts), its sentinels numbered down from the top id."""
+    characters = string.ascii_letters + string.digits + ".,;:!?'\"-()"
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(character, -3.0) for character in characters]
+    pieces += [("\u2581" + character, -3.5) for character in string.ascii_lowercase]
+    pieces += [(f"<extra_id_{number}>", 0.0) for number in reversed(range(sentinels))]
+    return T5Tokenizer(vocab=pieces, extra_ids=sentinels)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """{"t5": a tiny T5 config with a tokenizer of SENTINELS sentinels, "no_sentinels": the same without}."""
+    dirs = {}
+    for name, sentinels in (("t5", SENTINELS), ("no_sentinels", 0)):
+        directory = tmp_path_factory.mktemp(name)
+        tokenizer = t5_tokenizer(sentinels)
+        tokenizer.save_pretrained(directory)
+        config = T5Config(vocab_size=128, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        config.save_pretrained(directory)
+        dirs[name] = directory
+    return dirs
+
+
+def refusal(monkeypatch, tmp_path, *arguments) -> str:
+    """The one-line message main() refuses `arguments` with; nothing is written."""
+    output_dir = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["run_t5_mlm_flax.py", "--output_dir", str(output_dir), *map(str, arguments)])
+    with pytest.raises(UsageError) as refused:
+        run_t5_mlm_flax.main()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert not output_dir.exists() or not list(output_dir.iterdir()), "it wrote output before refusing"
+    return message
+
+
+def test_a_tokenizer_without_sentinels_is_refused(model_dirs, monkeypatch, tmp_path):
+    directory = model_dirs["no_sentinels"]
+    message = refusal(
+        monkeypatch, tmp_path, "--config_name", directory, "--tokenizer_name", directory, "--train_file", TRAIN_FILE
+    )
+    assert message.startswith(f"the tokenizer in {directory} has no sentinel tokens (<extra_id_0>, "), message
+    assert "train_tokenizer.py --model_type t5" in message
+
+
+def test_a_max_seq_length_too_short_for_one_span_is_refused(model_dirs, monkeypatch, tmp_path):
+    directory = model_dirs["t5"]
+    message = refusal(
+        monkeypatch, tmp_path, "--config_name", directory, "--tokenizer_name", directory, "--train_file", TRAIN_FILE,
+        "--max_seq_length", 6,
+    )  # fmt: skip
+    assert message.startswith("--max_seq_length 6 is too short for one span of noise"), message
+    assert message.endswith("raise it to at least 10")
+
+
+def test_rows_needing_more_sentinels_than_the_tokenizer_has_are_refused(model_dirs, monkeypatch, tmp_path):
+    directory = model_dirs["t5"]
+    # 568 tokens drop 85 in 28 spans, and the tokenizer has 10 sentinels.
+    message = refusal(
+        monkeypatch, tmp_path, "--config_name", directory, "--tokenizer_name", directory, "--train_file", TRAIN_FILE,
+        "--max_seq_length", 512,
+    )  # fmt: skip
+    assert "dropping 28 spans, and the tokenizer" in message and "has 10 sentinels" in message, message
+
+
+def test_a_pair_without_its_target_is_refused_naming_the_file_row_and_field(model_dirs, monkeypatch, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"in_text": f"question {number}", "out_text": f"answer {number}"} for number in range(5)]
+    del rows[2]["out_text"]
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    directory = model_dirs["t5"]
+    message = refusal(
+        monkeypatch, tmp_path, "--config_name", directory, "--tokenizer_name", directory, "--train_file", pairs,
+        "--max_seq_length", 32, "--cache_dir", tmp_path / "cache",
+    )  # fmt: skip
+    assert message.startswith(f"row 3 of {pairs} has no completion (field 'completion' or 'out_text': missing"), (
+        message
+    )
+
+
+def test_conversations_are_refused(model_dirs, monkeypatch, tmp_path):
+    conversations = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    conversations.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(4)))
+    directory = model_dirs["t5"]
+    message = refusal(
+        monkeypatch, tmp_path, "--config_name", directory, "--tokenizer_name", directory, "--train_file",
+        conversations, "--max_seq_length", 32, "--cache_dir", tmp_path / "cache",
+    )  # fmt: skip
+    assert "conversations" in message and "run_t5_mlm_flax.py trains on plain text or on input/target pairs" in message
+
+
+def batch_maker(directory, max_seq_length: int):
+    config, tokenizer = T5Config.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    data_args = run_t5_mlm_flax.DataTrainingArguments(max_seq_length=max_seq_length)
+    return run_t5_mlm_flax.batch_maker(config, tokenizer, data_args), tokenizer
+
+
+def test_a_batch_of_pairs_holds_them_as_the_tokenizer_encodes_them_for_a_seq2seq_model(model_dirs):
+    make_batch, tokenizer = batch_maker(model_dirs["t5"], 24)
+    pairs = {"prompt": ["translate: a cat", "b", "a long input that does not fit the row at all"], "completion": [
+        "le chat", "c d e", "x"]}  # fmt: skip
+    source = TextSource(examples=ExampleSettings())
+    dataset = datasets.Dataset.from_dict(pairs)
+    row_arrays = run_t5_mlm_flax.example_rows(dataset, "train", tokenizer, make_batch.row_length, source,
+                                              "prompt_completion", max_seq_length=24)  # fmt: skip
+    rows = np.concatenate(list(row_arrays))
+    assert rows.shape == (2, 2, 24)  # the third pair is longer than a row: left out
+    batch = make_batch(rows, np.arange(2), 3, (0,))  # and a third, empty row
+    for row, (prompt, completion) in enumerate(zip(pairs["prompt"][:2], pairs["completion"][:2])):
+        input_ids, labels = tokenizer(prompt)["input_ids"], tokenizer(text_target=completion)["input_ids"]
+        assert batch["input_ids"][row, : len(input_ids)].tolist() == input_ids and labels[-1] == tokenizer.eos_token_id
+        assert batch["attention_mask"][row].sum() == len(input_ids)
+        assert batch["labels"][row, : len(labels)].tolist() == labels
+        assert batch["label_weights"][row].tolist() == [1.0] * len(labels) + [0.0] * (24 - len(labels))
+        assert batch["decoder_input_ids"][row, : len(labels)].tolist() == [0] + labels[:-1]
+    assert batch["label_weights"][2].sum() == 0 and batch["attention_mask"][2].all()  # nothing masked out entirely
+
+
+def test_a_batch_of_text_is_corrupted_into_inputs_of_max_seq_length(model_dirs):
+    make_batch, tokenizer = batch_maker(model_dirs["t5"], 64)
+    rows = np.random.default_rng(0).integers(3, 80, (4, make_batch.row_length)).astype(np.int32)
+    batch = make_batch(rows, np.arange(4), 4, (1, 2))
+    assert batch["input_ids"].shape == (4, 64) and batch["attention_mask"].all() and batch["label_weights"].all()
+    assert batch["labels"].shape == (4, make_batch.target_length)
+    assert (batch["labels"][:, 0] == tokenizer.convert_tokens_to_ids("<extra_id_0>")).all()
+    assert (batch["decoder_input_ids"][:, 1:] == batch["labels"][:, :-1]).all()
+    # Rows 2 and 3 are corrupted alike when they are a process's share of the batch.
+    share = make_batch(rows, np.arange(4), 4, (1, 2), slice(2, 4))
+    assert (share["input_ids"] == batch["input_ids"][2:]).all()
