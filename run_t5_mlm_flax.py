@@ -424,11 +424,14 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 
 # Copied from run_clm_flax.create_optimizer
-def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+def create_optimizer(
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, trains=None
+) -> optax.GradientTransformation:
+    """The optimizer of --optim, for the parameters is_trained picks (or `trains`, in its place: LoRA's adapters)."""
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
-    return optimizers.trained_only(optimizer, is_trained)
+    return optimizers.trained_only(optimizer, trains or is_trained)
 
 
 def model_logits(model, params, batch, **options):

@@ -257,7 +257,7 @@ MAIN_LINES_CEILING = 60
 # A script is read in one sitting: what grows past this belongs in flax_lm (generate_flax.py's decoding and serving
 # in flax_lm/server and flax_lm/generation).
 SCRIPT_LINES_CEILINGS = {
-    "run_clm_flax.py": 900,
+    "run_clm_flax.py": 920,  # its objective holds the routers' losses of a mixture of experts and LoRA's adapters
     "run_mlm_flax.py": 999,
     "run_t5_mlm_flax.py": 750,
     "generate_flax.py": 450,
