@@ -49,6 +49,7 @@ from flax_lm.command_line.arguments import (
     check_numeric_arguments,
 )
 from flax_lm.command_line.harness_flags import HarnessArguments, check_harness_flags
+from flax_lm.command_line.lora_flags import LoraArguments, adapted, check_lora_flags
 from flax_lm.command_line.model_loading import model_loading
 from flax_lm.command_line.phases import packs_only, start_training
 from flax_lm.command_line.start import start_run
@@ -74,7 +75,7 @@ from flax_lm.evaluation.scoring import Scorer
 from flax_lm.evaluation.validation import evaluate_on_start, saved_results, summed_over_batches, validation_results
 from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
 from flax_lm.models import check_model_type
-from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
+from flax_lm.models.huggingface import load_config_and_tokenizer
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.models.shared.moe import load_balancing_loss
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
@@ -88,6 +89,7 @@ from flax_lm.training.lifecycle import (
     TrainingSetup,
     set_up_training,
 )
+from flax_lm.training.lora import is_adapter
 from flax_lm.training.train_state import TrainState, apply_mean_update, step_gradients
 
 logger = logging.getLogger(__name__)
@@ -116,9 +118,10 @@ class DataTrainingArguments(ExampleArguments, CommonDataArguments):
     )
 
 
-# The flags of lm-evaluation-harness tasks (--eval_tasks and lm-eval's settings) are in HarnessArguments.
+# The flags of lm-evaluation-harness tasks (--eval_tasks and lm-eval's settings) are in HarnessArguments, those of
+# low-rank adapters (--lora_rank ...) in LoraArguments.
 @dataclass
-class TrainingArguments(HarnessArguments, CommonTrainingArguments):
+class TrainingArguments(LoraArguments, HarnessArguments, CommonTrainingArguments):
     sample_prompt: list[str] = field(
         default_factory=list,
         metadata={
@@ -175,6 +178,7 @@ def check_arguments(model_args, data_args, training_args):
     check_common_arguments(model_args, data_args, training_args, evaluates_without_data=bool(training_args.eval_tasks))
     check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
     check_harness_flags(training_args)
+    check_lora_flags(model_args, training_args)
 
 
 # ---------------------------------------------------------------------------------------------------- Data: texts
@@ -447,14 +451,16 @@ OPTIMIZERS = {
 FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES}
 
 
-def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+def create_optimizer(
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, is_trained=is_trained
+) -> optax.GradientTransformation:
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
     return optimizers.trained_only(optimizer, is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0):
+def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0, is_trained=is_trained):
     dropout_key = jax.random.key(seed + 1)
     # A mixture of experts whose config asks for it (output_router_logits) adds router_aux_loss_coef times the
     # load-balancing loss of its routers, as transformers does; summed apart as router_aux_loss_sum.
@@ -488,15 +494,18 @@ SCRIPT_TRAINING = ScriptTraining(
 )
 
 
-def script_training(training_args) -> ScriptTraining:
-    """SCRIPT_TRAINING, with --z_loss a train step that adds the z-loss and sums it apart, as a metric of its own."""
-    if not training_args.z_loss:
-        return SCRIPT_TRAINING
-    return replace(
-        SCRIPT_TRAINING,
-        make_train_step=partial(make_train_step, z_loss=training_args.z_loss),
-        metric_sums=(*TRAIN_METRIC_SUMS, "z_loss_sum"),
-    )
+def script_training(training_args, adapters=None) -> ScriptTraining:
+    """SCRIPT_TRAINING, with --z_loss a train step that adds the z-loss and sums it apart, as a metric of its own;
+    with `adapters` (LoRA's) one that trains them alone."""
+    training = SCRIPT_TRAINING
+    if training_args.z_loss:
+        make_step = partial(make_train_step, z_loss=training_args.z_loss)
+        training = replace(training, make_train_step=make_step, metric_sums=(*TRAIN_METRIC_SUMS, "z_loss_sum"))
+    if adapters:
+        trains_adapters = partial(training.make_train_step, is_trained=is_adapter)
+        training = replace(training, create_optimizer=partial(create_optimizer, is_trained=is_adapter))
+        training = replace(training, make_train_step=trains_adapters)
+    return training
 
 
 def make_eval_step(model, token_bytes: np.ndarray | None = None):
@@ -672,7 +681,7 @@ class Evaluation:
         """Samples from the exported model, read back: they also show that the saved files hold the trained model."""
         if jax.process_index() != 0 or self.sampling.max_new_tokens <= 0:
             return
-        exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
+        exported = self.setup.read_export(self.output_dir, abstract_params)
         sampler = self.sampler
         if jax.process_count() > 1:  # process 0 alone, so on its own device, not on a mesh the others would share
             model = self.setup.model.clone(remat_policy=None, document_separator_id=None, mesh=None)
@@ -703,9 +712,10 @@ def main():
         return
 
     model = causal_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
+    model, adapters = adapted(model, model_code, model_args, training_args, block_size, training_args.seed)
     eval_step = make_eval_step(model, token_byte_counts(tokenizer, config.vocab_size))
-    script, settings = script_training(training_args), training_args.training_settings()
-    setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), block_size)
+    script, settings = script_training(training_args, adapters), training_args.training_settings()
+    setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), block_size, adapters)
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, training_args)
     arguments = (model_args, data_args, training_args)

@@ -572,7 +572,9 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 
 # Copied from run_clm_flax.create_optimizer
-def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+def create_optimizer(
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, is_trained=is_trained
+) -> optax.GradientTransformation:
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)

@@ -31,6 +31,7 @@ FLAG_ALIASES = {
     "max_seq_length": ["block_size"],
     "dataset_text_field": ["text_column_name"],
     "dataset_num_proc": ["preprocessing_num_workers"],
+    "lora_r": ["lora_rank"],
 }
 # Trainer's --bf16 (compute in bfloat16, the parameters kept in float32) is --dtype bfloat16.
 SWITCH_ALIASES = {"bf16": ("dtype", "bfloat16")}

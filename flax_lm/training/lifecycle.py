@@ -37,6 +37,7 @@ from flax_lm.run.record import (
     describe_run,
 )
 from flax_lm.training.fp8 import fp8_training
+from flax_lm.training.lora import ADAPTER_WEIGHTS, Adapters
 from flax_lm.training.optimizers import OptimizerSettings
 from flax_lm.training.train_state import (
     TrainState,
@@ -140,6 +141,21 @@ class TrainingSetup:
     eval_step: Any
     max_shard_size: str | None  # --max_shard_size of the exports
     seed: int  # --seed: of new weights, and of the train step's dropout
+    adapters: Adapters | None = None  # LoRA's (--lora_rank, --lora_adapter): the model trains these alone
+
+    def export(self, output_dir: str, params, config, tokenizer):
+        """Export the model: a Hugging Face model directory (save_model), or with adapters a PEFT adapter."""
+        if self.adapters is None:
+            save_model(output_dir, params, config, tokenizer, self.model_code, self.max_shard_size)
+        else:
+            with links_replaced(output_dir):
+                self.adapters.save(output_dir, params, config, tokenizer, self.model_code, self.max_shard_size)
+
+    def read_export(self, output_dir: str, abstract_params):
+        """The parameters of the model exported to `output_dir` (with adapters: on the base model's weights)."""
+        if self.adapters is None:
+            return huggingface.read_exported_params(output_dir, None, self.model_code, abstract_params)
+        return self.adapters.read_export(output_dir, self.model_code, abstract_params)
 
 
 def set_up_training(
@@ -150,9 +166,11 @@ def set_up_training(
     settings: TrainingSettings,
     train_rows,
     row_length: int,
+    adapters: Adapters | None = None,
 ) -> TrainingSetup:
-    """The TrainingSetup of `model` for `train_rows` of `row_length` tokens. The evaluation and save intervals of
-    --eval_strategy and --save_strategy follow from its steps (flax_lm.command_line.trainer_flags.apply_strategies)."""
+    """The TrainingSetup of `model` (with `adapters`, adapted_model's) for `train_rows` of `row_length` tokens. The
+    evaluation and save intervals of --eval_strategy and --save_strategy follow from its steps
+    (flax_lm.command_line.trainer_flags.apply_strategies)."""
     logger.info(
         "%d devices over %d processes (%d here): %s",
         jax.device_count(),
@@ -186,6 +204,12 @@ def set_up_training(
         jnp.dtype(model.dtype),
         dict(mesh.shape),
     )
+    if adapters is not None:
+        logger.info(adapters.describe(abstract_state.params))
+    optimizer_bytes = sum(
+        leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(abstract_state.opt_state)
+    )
+    logger.info("The optimizer's state: %.2f MB", optimizer_bytes / 1e6)
     # With --fp8 the train step alone multiplies in FP8: evaluation and samples compute as the exports do.
     train_model = fp8_training(model) if settings.fp8 else model
     train_step = script.make_train_step(train_model, optimizer, schedule, settings.seed)
@@ -214,6 +238,7 @@ def set_up_training(
         eval_step=jax.jit(eval_step, in_shardings=(state_shardings.params, batch_sharding)),
         max_shard_size=settings.max_shard_size,
         seed=settings.seed,
+        adapters=adapters,
     )
 
 
@@ -256,7 +281,9 @@ def initial_state(
         logger.info("No training checkpoint to resume from in %s: starting a new run", settings.output.output_dir)
     dummy_input = jnp.zeros((1, setup.row_length), jnp.int32)
     loaded_params = None
-    if read_pretrained is not None:
+    if setup.adapters is not None:
+        loaded_params = setup.adapters.start_params(setup.model_code, setup.abstract_state.params, setup.seed)
+    elif read_pretrained is not None:
         loaded_params = read_pretrained(setup.model_code, setup.abstract_state.params)
     state = create_train_state(
         setup.model, setup.optimizer, setup.abstract_state, setup.seed, dummy_input, loaded_params
@@ -286,7 +313,7 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
-    save_model(output_dir, state.params, config, tokenizer, setup.model_code, setup.max_shard_size)
+    setup.export(output_dir, state.params, config, tokenizer)
     logger.info(
         "step %d: exported the model to %s; writing the training checkpoint in the background",
         progress.step,
@@ -298,9 +325,12 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
 def export_complete_run(settings: RunSettings, params, config, tokenizer, setup: TrainingSetup):
     """Export the model of a run that is complete, where it is missing: the run was stopped after its last
     checkpoint was committed but before the export."""
-    output_dir, weights = settings.output.output_dir, ("model.safetensors", SAFETENSORS_INDEX, FLAX_WEIGHTS_NAME)
+    output_dir = settings.output.output_dir
+    weights = (
+        ("model.safetensors", SAFETENSORS_INDEX, FLAX_WEIGHTS_NAME) if setup.adapters is None else (ADAPTER_WEIGHTS,)
+    )
     if not any(os.path.isfile(os.path.join(output_dir, name)) for name in weights):
-        save_model(output_dir, params, config, tokenizer, setup.model_code, setup.max_shard_size)
+        setup.export(output_dir, params, config, tokenizer)
         logger.info("Exported the model of the complete run to %s", output_dir)
 
 
@@ -320,7 +350,7 @@ def final_weights(
     output_dir = settings.output.output_dir
     checkpoint = os.path.join(output_dir, "checkpoints", str(best.step))
     best_state, _, _ = restore_checkpoint(checkpoint, output_dir, setup.abstract_state, ["step"])
-    save_model(output_dir, best_state.params, config, tokenizer, setup.model_code, setup.max_shard_size)
+    setup.export(output_dir, best_state.params, config, tokenizer)
     logger.info(
         "Exported the best model, of step %d (%s %.6g), from %s to %s",
         best.step,
