@@ -42,6 +42,7 @@ from flax_lm.command_line.arguments import (
     check_common_arguments,
     check_numeric_arguments,
 )
+from flax_lm.command_line.lora_flags import LoraArguments, adapted, check_lora_flags
 from flax_lm.command_line.model_loading import model_loading
 from flax_lm.command_line.phases import start_training
 from flax_lm.command_line.start import start_run
@@ -62,6 +63,7 @@ from flax_lm.run.tracking import TrainingLog, logs_at_step
 from flax_lm.training import optimizers
 from flax_lm.training.compilation import compile_in_background
 from flax_lm.training.lifecycle import ScriptTraining, TrainingSetup, set_up_training
+from flax_lm.training.lora import is_adapter, without_adapters
 from flax_lm.training.train_state import TrainState, apply_mean_update, step_gradients
 
 logger = logging.getLogger(__name__)
@@ -99,8 +101,9 @@ class DataTrainingArguments(CommonDataArguments):
     )
 
 
+# The flags of low-rank adapters (--lora_rank ...) are in LoraArguments.
 @dataclass
-class TrainingArguments(CommonTrainingArguments):
+class TrainingArguments(LoraArguments, CommonTrainingArguments):
     learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (TRL's DPO default, 1e-6)."})
     beta: float = field(
         default=0.1,
@@ -144,6 +147,7 @@ def check_arguments(model_args, data_args, training_args):
         raise UsageError("--label_smoothing applies to --loss_type robust only; leave it out or pass that")
     check_common_arguments(model_args, data_args, training_args)
     check_best_model_flags(training_args, EVAL_METRICS)  # after the defaults of --do_train and --do_eval
+    check_lora_flags(model_args, training_args)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -387,21 +391,31 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 
 # Copied from run_clm_flax.create_optimizer
-def create_optimizer(settings: optimizers.OptimizerSettings, schedule: optax.Schedule) -> optax.GradientTransformation:
+def create_optimizer(
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, is_trained=is_trained
+) -> optax.GradientTransformation:
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
     return optimizers.trained_only(optimizer, is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, loss_type="sigmoid", beta=0.1, label_smoothing=0.0):
-    """The train step: one forward of the chosen and rejected sequences of every pair, the --loss_type loss against
-    the reference log-probabilities the batch carries, and the update of its mean over the pairs."""
+def make_train_step(
+    model, optimizer, schedule, seed: int, losses: dict, is_trained=is_trained, reference_is_base: bool = False
+):
+    """The train step: one forward of the chosen and rejected sequences of every pair, the --loss_type loss (`losses`:
+    the flags --loss_type, --beta and --label_smoothing) against the reference log-probabilities the batch carries,
+    and the update of its mean over the pairs. With `reference_is_base` (LoRA's adapters alone train, and no other
+    reference is named) the reference is the base model, the same weights without the adapters: the step computes its
+    log-probabilities itself, with no second copy of the weights."""
     dropout_key = jax.random.key(seed + 1)  # unused: dropout is off, as in TRL (pair_log_probs)
 
     def loss_and_sums(params, micro_batch, dropout_rng):
         policy_logps = pair_log_probs(model, params, micro_batch)
-        sums = preference_sums(policy_logps, micro_batch, loss_type, beta, label_smoothing)
+        if reference_is_base:
+            base_logps = jax.lax.stop_gradient(pair_log_probs(model, without_adapters(params), micro_batch))
+            micro_batch = micro_batch | {"reference_logps": base_logps}
+        sums = preference_sums(policy_logps, micro_batch, **losses)
         return sums["loss_sum"], sums
 
     def train_step(state: TrainState, batch):
@@ -412,19 +426,33 @@ def make_train_step(model, optimizer, schedule, seed: int, loss_type="sigmoid", 
     return train_step
 
 
-def script_training(training_args) -> ScriptTraining:
+def script_training(training_args, adapters=None, base_reference: bool = False) -> ScriptTraining:
     """What flax_lm's set-up (set_up_training) builds the training from: this script's schedule, optimizer and train
-    step (with the loss the flags choose), the sums its train step makes, and the flag of its sequence length."""
-    losses = {name: getattr(training_args, name) for name in ("loss_type", "beta", "label_smoothing")}
-    return ScriptTraining(
-        learning_rate_schedule, create_optimizer, partial(make_train_step, **losses), TRAIN_METRIC_SUMS, "max_length"
-    )
+    step (with the loss the flags choose), the sums its train step makes, and the flag of its sequence length; with
+    `adapters` (LoRA's) a train step that trains them alone, the reference the base model with `base_reference`."""
+    make_step = partial(make_train_step, losses=loss_settings(training_args))
+    if adapters is None:
+        return ScriptTraining(learning_rate_schedule, create_optimizer, make_step, TRAIN_METRIC_SUMS, "max_length")
+    make_step = partial(make_step, is_trained=is_adapter, reference_is_base=base_reference)
+    optimizer = partial(create_optimizer, is_trained=is_adapter)
+    return ScriptTraining(learning_rate_schedule, optimizer, make_step, TRAIN_METRIC_SUMS, "max_length")
+
+
+def loss_settings(training_args) -> dict:
+    return {name: getattr(training_args, name) for name in ("loss_type", "beta", "label_smoothing")}
+
+
+def reference_is_base(model_args, training_args) -> bool:
+    """Whether the train step computes the reference's log-probabilities with the base model (LoRA's adapters left
+    out): with adapters, no --ref_model_name_or_path and no --precompute_ref_log_probs."""
+    named_otherwise = model_args.ref_model_name_or_path or training_args.precompute_ref_log_probs
+    return training_args.lora_settings() is not None and not named_otherwise
 
 
 def make_eval_step(model, training_args):
     """The sums of preference_sums over a batch, with the loss --loss_type names: DPOTrainer.evaluate() reports the
     training loss, so the evaluation does too."""
-    losses = {name: getattr(training_args, name) for name in ("loss_type", "beta", "label_smoothing")}
+    losses = loss_settings(training_args)
 
     def eval_step(params, batch):
         return preference_sums(pair_log_probs(model, params, batch), batch, **losses)
@@ -458,21 +486,26 @@ class Reference:
     --precompute_ref_log_probs of the training pairs) computed once here; otherwise of each training batch as it
     comes, from the reference weights held beside the trained ones (no optimizer state). The weights are read from
     --ref_model_name_or_path, or --model_name_or_path: never from a checkpoint, so that a resumed run keeps its
-    reference."""
+    reference. With LoRA's adapters and no --ref_model_name_or_path, the reference is the base model: the frozen
+    weights of `state` without the adapters, no copy (and the train step computes it: reference_is_base)."""
 
-    def __init__(self, setup: TrainingSetup, model_args, rows: dict, training_args):
-        source = model_args.ref_model_name_or_path or model_args.model_name_or_path
+    def __init__(self, setup: TrainingSetup, model_args, rows: dict, training_args, state):
+        self.setup, self.logps, self.in_step = setup, {}, reference_is_base(model_args, training_args)
         abstract_params = setup.abstract_state.params
-        params = read_exported_params(source, model_loading(model_args), setup.model_code, abstract_params)
-        shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_params)
-        self.params = jax.device_put(params, shardings)
-        self.setup, self.logps = setup, {}
+        if setup.adapters is not None and not model_args.ref_model_name_or_path:
+            self.params = without_adapters(state.params)  # read before the train step donates them
+        else:
+            source = model_args.ref_model_name_or_path or model_args.model_name_or_path
+            abstract_params = without_adapters(abstract_params)
+            params = read_exported_params(source, model_loading(model_args), setup.model_code, abstract_params)
+            self.params = jax.device_put(params, jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_params))
+        shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, without_adapters(abstract_params))
         forward = jax.jit(partial(pair_log_probs, setup.model), in_shardings=(shardings, setup.batch_sharding))
         precomputed = ["validation"] + (["train"] if training_args.precompute_ref_log_probs else [])
         for split in precomputed:
             if split in rows:
                 self.logps[split] = self.of_rows(forward, rows[split])
-        if training_args.precompute_ref_log_probs or not training_args.do_train:
+        if training_args.precompute_ref_log_probs or not training_args.do_train or self.in_step:
             self.params = None  # the log-probabilities are all it is needed for
         else:
 
@@ -497,7 +530,7 @@ class Reference:
     def added(self, call_batches):
         """The batches of each compiled call with the reference's log-probabilities, where they are not precomputed."""
         for batch, step_tokens in call_batches:
-            if "reference_logps" not in batch:
+            if "reference_logps" not in batch and not self.in_step:
                 batch = batch | {"reference_logps": self.of_call(self.params, batch)}
             yield batch, step_tokens
 
@@ -556,16 +589,16 @@ def main():
     rows = load_preference_rows(data_args, tokenizer, training_args)
     row_length = next(iter(rows.values())).shape[-1]
     model = policy_model(config, model_args, mesh, model_code)
+    model, adapters = adapted(model, model_code, model_args, training_args, row_length, training_args.seed)
     eval_step = make_eval_step(model, training_args)
-    setup = set_up_training(
-        model, model_code, script_training(training_args), eval_step, training_args.training_settings(),
-        rows.get("train"), row_length,
-    )  # fmt: skip
+    script = script_training(training_args, adapters, reference_is_base(model_args, training_args))
+    settings = training_args.training_settings()
+    setup = set_up_training(model, model_code, script, eval_step, settings, rows.get("train"), row_length, adapters)
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
-    compile_train_steps_ahead(setup, training_args)
+    compile_train_steps_ahead(setup, training_args, reference_is_base(model_args, training_args))
     arguments = (model_args, data_args, training_args)
     state, this_run = start_training(setup, arguments, config, tokenizer, preference_metrics, EVAL_METRICS, __file__)
-    reference = Reference(setup, model_args, rows, training_args)
+    reference = Reference(setup, model_args, rows, training_args, state)
     validation_logps = reference.logps.get("validation")
     evaluation = Evaluation(
         setup, rows.get("validation"), validation_logps, this_run.trackers, training_args.output_dir
@@ -610,15 +643,17 @@ def train_batches_from(first_step, setup: TrainingSetup, reference: Reference, t
     return reference.added(call_batch_stream)
 
 
-def compile_train_steps_ahead(setup: TrainingSetup, training_args):
-    """With --do_train, start compiling the train step on a thread, while the weights are read."""
+def compile_train_steps_ahead(setup: TrainingSetup, training_args, base_reference: bool):
+    """With --do_train, start compiling the train step on a thread, while the weights are read. The batches carry the
+    reference's log-probabilities unless the step computes them (`base_reference`)."""
     if training_args.do_train:
         pairs, length = setup.train_batch_size, setup.row_length
         global_batch = {
             "input_ids": jax.ShapeDtypeStruct((pairs, 2, length), jnp.int32),
             "completion_mask": jax.ShapeDtypeStruct((pairs, 2, length), jnp.int32),
-            "reference_logps": jax.ShapeDtypeStruct((pairs, 2), jnp.float32),
         }
+        if not base_reference:
+            global_batch["reference_logps"] = jax.ShapeDtypeStruct((pairs, 2), jnp.float32)
         accumulation_steps, steps = training_args.gradient_accumulation_steps, training_args.steps_per_call
         abstract_batches = call_batch_shapes(global_batch, accumulation_steps, steps, setup.call_batches_sharding)
         compile_in_background(setup.compiled_train_steps, setup.abstract_state, abstract_batches, steps)
