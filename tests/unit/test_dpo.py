@@ -4,9 +4,13 @@ as rows (truncation, the implicit prompt) and the refusals of bad pairs and flag
 import json
 import math
 import sys
+from functools import partial
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import FIXTURES_DIR, REPO_DIR
 from test_clm import tiny_llama_config
@@ -15,6 +19,9 @@ from transformers import PreTrainedTokenizerFast
 
 from flax_lm.data.chat import DEFAULT_CHAT_TEMPLATE
 from flax_lm.data.preferences import check_pair, pair_rows
+from flax_lm.models import stock_module
+from flax_lm.training import lora
+from flax_lm.training.train_state import TrainState
 
 sys.path.insert(0, str(REPO_DIR))
 import run_dpo_flax  # noqa: E402
@@ -189,3 +196,35 @@ def test_dpo_needs_a_starting_model(tmp_path, monkeypatch):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", text_pairs())
     with pytest.raises(run_dpo_flax.UsageError, match="pass --model_name_or_path"):
         run_main(monkeypatch, "--train_file", pairs, "--output_dir", tmp_path / "out")
+
+
+def test_under_adapters_the_reference_is_the_base_model_without_them():
+    """With LoRA's adapters and no other reference, the train step takes the reference's log-probabilities from the
+    same weights with the adapters left out: the rewards are beta times (adapted - base) log-probabilities."""
+    config = tiny_llama_config(num_hidden_layers=1)
+    module = stock_module("llama")
+    ids = jnp.asarray(np.random.RandomState(0).randint(2, 512, (2, 2, 10)), jnp.int32)
+    model = module.MODEL_CLASS(config)
+    base = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids[0])["params"])
+    targets = lora.adapter_targets(base, module, ("q_proj", "v_proj"))
+    settings = lora.LoraSettings(rank=2, alpha=4.0, dropout=0.0, target_modules=("q_proj", "v_proj"))
+    adapted = lora.adapted_model(model, targets, settings, seed=0)
+    # Adapters that change the model (new ones start at B = 0, as the base).
+    adapters = {(*target.path, "lora_B"): jnp.full((2, target.fan_out), 0.05) for target in targets}
+    adapters |= {(*target.path, "lora_A"): jnp.full((target.fan_in, 2), 0.1) for target in targets}
+    params = lora.with_adapters(base, adapters)
+    completion_mask = jnp.zeros(ids.shape, jnp.int32).at[:, :, 6:].set(1)
+    batch = {"input_ids": ids, "completion_mask": completion_mask}
+    optimizer = optax.set_to_zero()  # the rewards of the step's batch are what is compared
+    losses = {"loss_type": "sigmoid", "beta": 0.5, "label_smoothing": 0.0}
+    step = run_dpo_flax.make_train_step(
+        adapted, optimizer, optax.constant_schedule(0.0), 0, losses, lora.is_adapter, reference_is_base=True
+    )
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    _, metrics = jax.jit(step)(state, jax.tree_util.tree_map(lambda values: values[None], batch))  # one micro-batch
+    policy = jax.jit(partial(run_dpo_flax.pair_log_probs, adapted))(params, batch)
+    reference = jax.jit(partial(run_dpo_flax.pair_log_probs, model))(base, batch)
+    assert float(jnp.max(jnp.abs(policy - reference))) > 1e-3  # the adapters do change the model
+    expected = 0.5 * jnp.sum(policy - reference, axis=0)
+    np.testing.assert_allclose(metrics["chosen_reward_sum"], expected[0], rtol=1e-4)
+    np.testing.assert_allclose(metrics["rejected_reward_sum"], expected[1], rtol=1e-4)
