@@ -11,7 +11,7 @@ as a user runs it, its steps/s read from the log lines (tokens/s over the tokens
 between the ends of its steps, taken by a callback. Each side's speed is the best of its windows of --window steps
 after the first window (which compiles, or warms up).
 
-    python benchmarks/benchmark_dpo.py [--steps 48] [--batch_size 8] [--hidden_size 256] [--layers 4]
+    python benchmarks/benchmark_dpo.py [--steps 24] [--batch_size 8] [--hidden_size 256] [--layers 4]
 """
 
 import argparse
@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -30,12 +31,12 @@ WORDS = "apple river stone cloud green tiger house music paper light north glass
 
 def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--window", type=int, default=8, help="steps a speed is measured over")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--window", type=int, default=6, help="steps a speed is measured over")
     parser.add_argument("--batch_size", type=int, default=8, help="pairs a step")
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--pairs", type=int, default=256)
+    parser.add_argument("--pairs", type=int, default=64)
     parser.add_argument("--prompt_words", type=int, default=24)
     parser.add_argument("--completion_words", type=int, default=16)
     parser.add_argument("--json", help="also write the results to this JSON file")
@@ -89,7 +90,7 @@ def ours(model_dir: str, pairs: str, output_dir: str, arguments) -> dict:
         "--per_device_train_batch_size", arguments.batch_size, "--report_to", "none",
         "--steps_per_call", arguments.window, "--compilation_cache_dir", "none",
     ]  # fmt: skip
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), children_cpu_seconds()
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=offline_environment())
     if result.returncode:
         raise SystemExit(f"run_dpo_flax.py failed:\n{result.stderr[-3000:]}")
@@ -100,6 +101,7 @@ def ours(model_dir: str, pairs: str, output_dir: str, arguments) -> dict:
         "steps_per_second": max(steps_per_second),
         "sequence_length": length,
         "wall_seconds": time.perf_counter() - started,
+        "cpu_seconds": children_cpu_seconds() - cpu,
     }
 
 
@@ -108,11 +110,19 @@ def trl(model_dir: str, pairs: str, arguments) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--trl_side", model_dir, pairs]
     command += ["--steps", str(arguments.steps), "--window", str(arguments.window)]
     command += ["--batch_size", str(arguments.batch_size)]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), children_cpu_seconds()
     result = subprocess.run(command, capture_output=True, text=True, env=offline_environment())
     if result.returncode:
         raise SystemExit(f"TRL's side failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1]) | {"wall_seconds": time.perf_counter() - started}
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return measured | {"wall_seconds": time.perf_counter() - started, "cpu_seconds": children_cpu_seconds() - cpu}
+
+
+def children_cpu_seconds() -> float:
+    """The CPU seconds (user and system) of the finished child processes: on a machine others share, a side's
+    steps/s varies with their load, its CPU time much less."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def trl_side(model_dir: str, pairs: str, arguments):
@@ -161,12 +171,16 @@ def main():
         make_model(model_dir, arguments)
         write_pairs(pairs, arguments)
         results = {"flax_lm": ours(model_dir, pairs, os.path.join(directory, "run"), arguments)}
+        print("flax_lm:", json.dumps(results["flax_lm"]), flush=True)
         results["trl"] = trl(model_dir, pairs, arguments)
     ratio = results["flax_lm"]["steps_per_second"] / results["trl"]["steps_per_second"]
     shape = f"{arguments.batch_size} pairs x 2 x {results['flax_lm']['sequence_length']} tokens"
     print(f"Llama {arguments.layers} x {arguments.hidden_size}, {shape}, {arguments.steps} steps")
     for side, result in results.items():
-        print(f"{side:8} {result['steps_per_second']:.2f} steps/s (process {result['wall_seconds']:.0f} s)")
+        print(
+            f"{side:8} {result['steps_per_second']:.2f} steps/s; the whole process {result['wall_seconds']:.0f} s, "
+            f"{result['cpu_seconds']:.0f} CPU s"
+        )
     print(f"flax_lm / trl: {ratio:.2f}x")
     if arguments.json:
         with open(arguments.json, "w") as file:
