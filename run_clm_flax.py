@@ -15,7 +15,8 @@ device of every process with `jax.jit` over a device mesh. On several hosts ever
 initialize_distributed for how the processes find each other) and process 0 writes the outputs.
 
 The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors,
-tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch.
+tokenizer files, generation_config.json) that `transformers.AutoModelForCausalLM` loads in PyTorch; with --lora_rank
+(low-rank adapters on the frozen --model_name_or_path) a PEFT adapter (docs/adapting.md).
 
     ./run_clm_flax.py --output_dir gpt2-run --config_name my-model --tokenizer_name my-model \
         --train_file "data/*.txt" --do_train --do_eval --block_size 512
@@ -452,15 +453,17 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 
 def create_optimizer(
-    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, is_trained=is_trained
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, trains=None
 ) -> optax.GradientTransformation:
+    """The optimizer of --optim, for the parameters is_trained picks (or `trains`, in its place: LoRA's adapters)."""
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
-    return optimizers.trained_only(optimizer, is_trained)
+    return optimizers.trained_only(optimizer, trains or is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0, is_trained=is_trained):
+def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0, trains=None):
+    # `trains`: what trains in place of is_trained (LoRA's adapters: flax_lm.training.lora.is_adapter).
     dropout_key = jax.random.key(seed + 1)
     # A mixture of experts whose config asks for it (output_router_logits) adds router_aux_loss_coef times the
     # load-balancing loss of its routers, as transformers does; summed apart as router_aux_loss_sum.
@@ -479,7 +482,7 @@ def make_train_step(model, optimizer, schedule, seed: int, z_loss: float = 0.0, 
         return sums["loss_sum"] + sums.get("z_loss_sum", 0.0) + sums.get("router_aux_loss_sum", 0.0), sums
 
     def train_step(state: TrainState, batch):
-        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
+        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, trains or is_trained)
         # The mean over every predicted token of the whole batch.
         new_state, update_metrics = apply_mean_update(state, grads, sums["token_count"], sums["loss_sum"], optimizer)
         return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
@@ -502,8 +505,8 @@ def script_training(training_args, adapters=None) -> ScriptTraining:
         make_step = partial(make_train_step, z_loss=training_args.z_loss)
         training = replace(training, make_train_step=make_step, metric_sums=(*TRAIN_METRIC_SUMS, "z_loss_sum"))
     if adapters:
-        trains_adapters = partial(training.make_train_step, is_trained=is_adapter)
-        training = replace(training, create_optimizer=partial(create_optimizer, is_trained=is_adapter))
+        trains_adapters = partial(training.make_train_step, trains=is_adapter)
+        training = replace(training, create_optimizer=partial(create_optimizer, trains=is_adapter))
         training = replace(training, make_train_step=trains_adapters)
     return training
 

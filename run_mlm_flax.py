@@ -14,7 +14,8 @@ as they are. The loss and the accuracy count the chosen tokens only. On several 
 each makes and masks only its own rows of every batch, and process 0 writes the outputs.
 
 The output directory is an ordinary Hugging Face model directory (config.json, model.safetensors, tokenizer files) that
-`AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch.
+`AutoModelForMaskedLM` and `pipeline("fill-mask")` load in PyTorch; with --lora_rank (low-rank adapters on the frozen
+--model_name_or_path) a PEFT adapter (docs/adapting.md).
 
     ./run_mlm_flax.py --output_dir roberta-run --config_name my-model --tokenizer_name my-model \
         --train_file "data/*.txt" --do_train --do_eval --max_seq_length 128
@@ -33,7 +34,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import flax.linen as nn
@@ -49,6 +50,7 @@ from flax_lm.command_line.arguments import (
     check_common_arguments,
     check_numeric_arguments,
 )
+from flax_lm.command_line.lora_flags import LoraArguments, adapted, check_lora_flags
 from flax_lm.command_line.model_loading import model_loading
 from flax_lm.command_line.phases import packs_only, start_training
 from flax_lm.command_line.start import start_run
@@ -77,7 +79,7 @@ from flax_lm.evaluation.validation import (
     validation_results,
 )
 from flax_lm.models import check_model_type
-from flax_lm.models.huggingface import load_config_and_tokenizer, read_exported_params
+from flax_lm.models.huggingface import load_config_and_tokenizer
 from flax_lm.models.model_code import ModelCode, load_model_code
 from flax_lm.models.roberta.model import check_tokenizer
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
@@ -91,6 +93,7 @@ from flax_lm.training.lifecycle import (
     TrainingSetup,
     set_up_training,
 )
+from flax_lm.training.lora import is_adapter
 from flax_lm.training.train_state import TrainState, apply_mean_update, step_gradients
 
 logger = logging.getLogger(__name__)
@@ -144,7 +147,7 @@ class DataTrainingArguments(CommonDataArguments):
 
 
 @dataclass
-class TrainingArguments(CommonTrainingArguments):
+class TrainingArguments(LoraArguments, CommonTrainingArguments):  # LoRA's flags (--lora_rank ...): LoraArguments
     fill_mask_text: str = field(
         default="",
         metadata={
@@ -160,6 +163,7 @@ def check_arguments(model_args, data_args, training_args):
     arguments: --text_sample_by from --line_by_line, one step per compiled call for batches padded each to its own
     length, and those of check_common_arguments (after initialize_distributed: see check_common_arguments)."""
     check_model_type(model_args.model_type, generates_text=False)
+    check_lora_flags(model_args, training_args)
     check_numeric_arguments(
         (data_args, training_args),
         max_seq_length=(lambda value: value is None or value >= 3, "must be at least 3: <s>, one token and </s>"),
@@ -573,15 +577,17 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 # Copied from run_clm_flax.create_optimizer
 def create_optimizer(
-    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, is_trained=is_trained
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, trains=None
 ) -> optax.GradientTransformation:
+    """The optimizer of --optim, for the parameters is_trained picks (or `trains`, in its place: LoRA's adapters)."""
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
-    return optimizers.trained_only(optimizer, is_trained)
+    return optimizers.trained_only(optimizer, trains or is_trained)
 
 
-def make_train_step(model, optimizer, schedule, seed: int):
+def make_train_step(model, optimizer, schedule, seed: int, trains=None):
+    # `trains`: what trains in place of is_trained (LoRA's adapters: flax_lm.training.lora.is_adapter).
     dropout_key = jax.random.key(seed + 1)
 
     def loss_and_sums(params, micro_batch, dropout_rng):
@@ -599,13 +605,19 @@ def make_train_step(model, optimizer, schedule, seed: int):
         return loss_sum, {"loss_sum": loss_sum, "correct_sum": correct_sum, "weight_sum": weight_sum}
 
     def train_step(state: TrainState, batch):
-        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
+        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, trains or is_trained)
         # The mean over every masked token of the whole batch; a batch with none leaves the gradients at 0.
         masked_tokens = jnp.maximum(sums["weight_sum"], 1.0)
         new_state, update_metrics = apply_mean_update(state, grads, masked_tokens, sums["loss_sum"], optimizer)
         return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
 
     return train_step
+
+
+def adapters_trained(script: ScriptTraining) -> ScriptTraining:
+    """`script` training LoRA's adapters alone (--lora_rank): flax_lm.training.lora.is_adapter for is_trained."""
+    optimizer, step = partial(create_optimizer, trains=is_adapter), partial(make_train_step, trains=is_adapter)
+    return replace(script, create_optimizer=optimizer, make_train_step=step)
 
 
 # What flax_lm's set-up (set_up_training) builds the training from: this script's schedule, optimizer and train step,
@@ -742,7 +754,7 @@ class Evaluation:
         if not text:
             return
         abstract_params = self.setup.abstract_state.params
-        exported = read_exported_params(self.output_dir, None, self.setup.model_code, abstract_params)
+        exported = self.setup.read_export(self.output_dir, abstract_params)
         model = self.setup.model.clone(remat_policy=None, mesh=None)
         max_seq_length = self.setup.row_length
         predictions = fill_mask(model, exported, self.tokenizer, text, self.fill_mask_top_k, max_seq_length)
@@ -777,8 +789,10 @@ def main():
     make_batch = BatchMaker.from_tokenizer(tokenizer, max_seq_length, data_args)
 
     model = masked_lm_model(config, tokenizer, model_args, data_args, mesh, model_code)
+    model, adapters = adapted(model, model_code, model_args, training_args, max_seq_length, training_args.seed, None)
     settings, train_rows, eval_step = training_args.training_settings(), rows.get("train"), make_eval_step(model)
-    setup = set_up_training(model, model_code, SCRIPT_TRAINING, eval_step, settings, train_rows, max_seq_length)
+    script = adapters_trained(SCRIPT_TRAINING) if adapters else SCRIPT_TRAINING
+    setup = set_up_training(model, model_code, script, eval_step, settings, train_rows, max_seq_length, adapters)
     apply_strategies(training_args, setup.steps_per_epoch, setup.total_steps)
     compile_train_steps_ahead(setup, make_batch, training_args)
     arguments = (model_args, data_args, training_args)

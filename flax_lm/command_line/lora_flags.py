@@ -40,8 +40,8 @@ class LoraArguments:
         default=None,
         metadata={
             "help": "The layers adapted, by PEFT's module names: q_proj k_proj v_proj o_proj gate_proj up_proj "
-            "down_proj (Llama and the families like it), c_attn c_proj c_fc (GPT-2). Default: PEFT's (q_proj v_proj; "
-            "GPT-2's c_attn).",
+            "down_proj (Llama and the families like it), c_attn c_proj c_fc (GPT-2), query key value dense (RoBERTa). "
+            "Default: PEFT's (q_proj v_proj; GPT-2's c_attn; RoBERTa's query value).",
             "nargs": "+",
         },
     )
@@ -92,13 +92,17 @@ def check_lora_flags(model_args, arguments: LoraArguments):
         raise UsageError("--fp8 does not multiply adapters in FP8; leave --fp8 out for a run with adapters")
 
 
-def adapted(model, model_code, model_args, arguments: LoraArguments, row_length: int, seed: int) -> tuple:
+def adapted(
+    model, model_code, model_args, arguments: LoraArguments, row_length: int, seed: int, task_type="CAUSAL_LM"
+) -> tuple:
     """(the model a run trains, its Adapters): `model` itself and None without adapters; else adapted_model's of it,
-    its adapters on the layers --lora_target_modules names."""
+    its adapters on the layers --lora_target_modules names. `task_type`: PEFT's of the model (None: its PeftModel
+    class, as for a masked language model, of which PEFT has no task type)."""
     settings = arguments.lora_settings()
     if settings is None:
         return model, None
     abstract_params = abstract_model_params(model, jnp.zeros((1, row_length), jnp.int32))
     targets = adapter_targets(abstract_params, model_code.module, settings.target_modules)
-    adapters = Adapters(settings, tuple(targets), model_args.model_name_or_path, model_args.pretrained_weights())
+    base_model, read_base = model_args.model_name_or_path, model_args.pretrained_weights()
+    adapters = Adapters(settings, tuple(targets), base_model, read_base, task_type)
     return adapted_model(model, targets, settings, seed), adapters

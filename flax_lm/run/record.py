@@ -141,7 +141,8 @@ class TrainingProgress:
 # output, the caches and the trackers go); the batch per device and the accumulation where the global batch they make
 # is compared instead (the same global batch trains alike on any number of devices); --model_type where the config it
 # chooses is compared instead; --skip_nonfinite_steps changes only the steps it skips, each of which is logged;
-# --skip_export_check only what the exports claim.
+# --skip_export_check and --merge_adapters only what the exports are; --lora_adapter only the adapters a new run starts
+# from.
 FREE_ON_RESUME = {
     "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "allow_resume_changes", "do_train", "do_eval",
     "max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps", "save_total_limit", "report_to",
@@ -153,12 +154,12 @@ FREE_ON_RESUME = {
     "dataset_config_name", "data_mixture", "allow_pickle_weights", "coordinator_address", "num_processes",
     "process_id", "local_device_ids", "per_device_train_batch_size", "gradient_accumulation_steps",
     "skip_nonfinite_steps", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
-    "skip_export_check", "preprocessing_piece_mb",
+    "skip_export_check", "preprocessing_piece_mb", "merge_adapters", "lora_adapter",
 }  # fmt: skip
 
 # Arguments that change the training, added to the scripts since checkpoints were first written, with the value a
 # checkpoint that does not record them trained with: they are compared as that value.
-VALUES_BEFORE_RECORDED = {"fp8": False}
+VALUES_BEFORE_RECORDED = {"fp8": False, "lora_rank": None}
 
 # The fingerprints a run's description holds beside its arguments, with what they are of, for the messages.
 FINGERPRINTS = {

@@ -2,6 +2,7 @@
 command line and its server answers requests with. load_model reads a model directory (or hub name) onto the device
 or the tensor mesh of --mesh_shape; Generator encodes the prompts, decodes them in batches and scores sequences."""
 
+import os
 from dataclasses import replace
 
 import flax.linen as nn
@@ -23,6 +24,7 @@ from flax_lm.models.huggingface import (
 )
 from flax_lm.models.model_code import load_model_code
 from flax_lm.server.request_queue import STEPS_PER_CHUNK, RowFinished, RowText
+from flax_lm.training.lora import ADAPTER_CONFIG, adapter_base, with_adapter_merged
 from flax_lm.training.train_state import abstract_model_params, parameter_shardings
 
 
@@ -30,9 +32,18 @@ def load_model(
     loading: ModelLoading, mesh_shape: str | None = None, model_file: str | None = None, dtype: str = "float32"
 ):
     """(model, parameters on the default device, tokenizer) of a model directory or hub name, split over the tensor
-    axis of `mesh_shape` where given, computed by `model_file` where given, in `dtype`."""
+    axis of `mesh_shape` where given, computed by `model_file` where given, in `dtype`. A PEFT LoRA adapter's
+    directory (run_clm_flax.py --lora_rank's output) is its base model with the adapter merged in."""
+    check_local_model_directory("--model_name_or_path", loading.model_name_or_path)
+    adapter = (
+        loading.model_name_or_path
+        if os.path.isfile(os.path.join(loading.model_name_or_path, ADAPTER_CONFIG))
+        else None
+    )
+    if adapter:
+        loading = replace(loading, model_name_or_path=adapter_base(adapter))
+        check_local_model_directory("the adapter's base_model_name_or_path", loading.model_name_or_path)
     source = loading.model_name_or_path
-    check_local_model_directory("--model_name_or_path", source)
 
     def load(loader):
         try:
@@ -41,6 +52,8 @@ def load_model(
             raise UsageError(f"cannot load --model_name_or_path {source}: {first_line(error)}") from None
 
     config, tokenizer = load(AutoConfig), load(AutoTokenizer)
+    if adapter:  # the tokenizer the adapter was trained with
+        tokenizer = AutoTokenizer.from_pretrained(adapter)
     check_config_values(config, f"--model_name_or_path {source}")
     mesh = generation_mesh(mesh_shape)
     model_code = load_model_code(config, model_file, True, "generate_flax.py", mesh, exports=False)
@@ -55,6 +68,8 @@ def load_model(
             parameter_shardings(boxed_params, mesh),
         )
     params = read_exported_params(source, loading, model_code, abstract_params)
+    if adapter:
+        params = with_adapter_merged(adapter, params, model_code.module)
     if mesh is None:
         return model, jax.device_put(params), tokenizer
     return model, jax.device_put(params, parameter_shardings(boxed_params, mesh)), tokenizer

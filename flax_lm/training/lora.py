@@ -101,17 +101,8 @@ def adapter_settings(settings: LoraSettings) -> LoraSettings:
     its rank, alpha, dropout and target modules."""
     if settings.adapter is None:
         return settings
-    path = os.path.join(settings.adapter, ADAPTER_CONFIG)
-    try:
-        with open(path) as file:
-            config = json.load(file)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"--lora_adapter {settings.adapter}: cannot read {ADAPTER_CONFIG} ({error})") from None
-    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
-        raise UsageError(f"--lora_adapter: {path} is not a plain LoRA adapter (peft_type LORA, no rsLoRA or DoRA)")
-    targets = config.get("target_modules")
-    if not isinstance(targets, list) or not all(isinstance(name, str) for name in targets):
-        raise UsageError(f"--lora_adapter: {path} names its target_modules by a pattern; a list of names is needed")
+    config = read_adapter_config(settings.adapter)
+    targets = config["target_modules"]
     return LoraSettings(
         int(config["r"]),
         float(config["lora_alpha"]),
@@ -120,6 +111,40 @@ def adapter_settings(settings: LoraSettings) -> LoraSettings:
         settings.adapter,
         settings.merge,
     )
+
+
+def read_adapter_config(directory: str) -> dict:
+    """The adapter_config.json of the PEFT adapter in `directory`, refused in one line where it is not one of plain
+    LoRA adapters on modules named in a list (what this module computes)."""
+    path = os.path.join(directory, ADAPTER_CONFIG)
+    try:
+        with open(path) as file:
+            config = json.load(file)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read the adapter's {path} ({error})") from None
+    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
+        raise UsageError(f"{path} is not of a plain LoRA adapter (peft_type LORA, without rsLoRA or DoRA)")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not all(isinstance(name, str) for name in targets):
+        raise UsageError(f"{path} names its target_modules by a pattern; a list of module names is needed")
+    return config
+
+
+def adapter_base(directory: str) -> str:
+    """The base model of the PEFT adapter in `directory` (its base_model_name_or_path)."""
+    base = read_adapter_config(directory).get("base_model_name_or_path")
+    if not base:
+        raise UsageError(f"{os.path.join(directory, ADAPTER_CONFIG)} names no base_model_name_or_path to adapt")
+    return base
+
+
+def with_adapter_merged(directory: str, params, module):
+    """The base parameters `params` of `module` (a family's model module) with the PEFT adapter in `directory`
+    merged into them (merged_params): the model the adapter computes, as an ordinary one."""
+    settings = adapter_settings(LoraSettings(0, 1.0, 0.0, None, directory))
+    targets = adapter_targets(params, module, settings.target_modules)
+    adapters = read_adapters(directory, targets, settings.rank, np.float32)
+    return merged_params(with_adapters(params, adapters), targets, settings.scale)
 
 
 def adapter_targets(abstract_params, module, target_modules: tuple[str, ...] | None) -> list[AdapterTarget]:
@@ -146,16 +171,19 @@ def adapter_targets(abstract_params, module, target_modules: tuple[str, ...] | N
         if path[-2] not in target_modules:
             continue
         name = "/".join(path[:-1])
-        # Where the export puts a kernel of this path: a (1, 2) probe comes back (1, 2) or transposed.
-        mapped = module.to_hf_state_dict(unflatten_dict({path: np.zeros((1, 2), np.float32)}))
-        if kernel.ndim != 2 or len(mapped) != 1 or not next(iter(mapped)).endswith(".weight"):
+        # Where the export puts a kernel of this path: a probe of distinct numbers comes back as it is (GPT-2's
+        # Conv1D) or transposed (nn.Linear), else the layer is not one of the transformers model's weights as it is.
+        probe = np.arange(6, dtype=np.float32).reshape(2, 3)
+        mapped = module.to_hf_state_dict(unflatten_dict({path: probe}))
+        (hf_name, weight), = mapped.items() if len(mapped) == 1 else (("", None),)  # fmt: skip
+        as_is, transposed = (weight is not None and np.array_equal(weight, layout) for layout in (probe, probe.T))
+        if kernel.ndim != 2 or not hf_name.endswith(".weight") or not (as_is or transposed):
             raise UsageError(
                 f"--lora_target_modules {path[-2]}: the layer {name} is not one weight matrix of the transformers "
                 "model, which PEFT could adapt; leave it out"
             )
-        (hf_name, probe), = mapped.items()  # fmt: skip
         fan_in, fan_out = kernel.shape
-        targets.append(AdapterTarget(path[:-1], hf_name[: -len(".weight")], fan_in, fan_out, probe.shape == (1, 2)))
+        targets.append(AdapterTarget(path[:-1], hf_name[: -len(".weight")], fan_in, fan_out, as_is))
     return targets
 
 
@@ -224,6 +252,7 @@ def adapted_class(model_class: type, adapters: tuple) -> type:
             return {**variables, "params": with_adapters(variables["params"], adapters)}
 
         def apply(self, variables, *args, **kwargs):
+            # The models take it by keyword, as the scripts' train steps pass it: without it, no dropout (evaluation).
             deterministic = kwargs.get("deterministic", True)
             in_call = set()
 
@@ -274,7 +303,7 @@ def adapter_tensors(params, targets: list[AdapterTarget]) -> dict[str, np.ndarra
     }
 
 
-def adapter_config(settings: LoraSettings, targets: list[AdapterTarget], base_model: str, task_type: str) -> dict:
+def adapter_config(settings: LoraSettings, targets: list[AdapterTarget], base_model: str, task_type) -> dict:
     """adapter_config.json of PEFT's LoraConfig: the fields that say what the adapters compute."""
     return {
         "peft_type": "LORA",
@@ -293,7 +322,7 @@ def adapter_config(settings: LoraSettings, targets: list[AdapterTarget], base_mo
     }
 
 
-def write_adapter(output_dir: str, host_params, targets, settings: LoraSettings, base_model: str, task_type: str):
+def write_adapter(output_dir: str, host_params, targets, settings: LoraSettings, base_model: str, task_type):
     """adapter_config.json and adapter_model.safetensors of the adapters in `host_params`, in `output_dir`."""
     config = adapter_config(settings, targets, base_model, task_type)
     weights = os.path.join(output_dir, ADAPTER_WEIGHTS)
@@ -313,13 +342,13 @@ def read_adapters(directory: str, targets: list[AdapterTarget], rank: int, dtype
     try:
         tensors = load_file(path)
     except (SafetensorError, OSError, ValueError) as error:
-        raise UsageError(f"--lora_adapter: cannot read {path} ({error})") from None
+        raise UsageError(f"cannot read the adapter's {path} ({error})") from None
     adapters = {}
     for target in targets:
         for leaf, shape in (("lora_A", (rank, target.fan_in)), ("lora_B", (target.fan_out, rank))):
             name = peft_name(target, leaf)
             if name not in tensors or tensors[name].shape != shape:
-                raise UsageError(f"--lora_adapter: {path} has no {name} of shape {shape}; it adapts another model")
+                raise UsageError(f"{path} has no {name} of shape {shape}: the adapter is of another model")
             adapters[(*target.path, leaf)] = np.asarray(tensors[name].T, dtype)
     return adapters
 
@@ -333,7 +362,7 @@ class Adapters:
     targets: tuple[AdapterTarget, ...]
     base_model: str
     read_base: Callable
-    task_type: str = "CAUSAL_LM"
+    task_type: str | None = "CAUSAL_LM"
 
     def describe(self, abstract_params) -> str:
         trained = sum(value.size for path, value in flatten_dict(abstract_params).items() if is_adapter(path))

@@ -1,6 +1,6 @@
 """LoRA adapters against PEFT's: the adapter directory a run writes (flax_lm/training/lora.py), loaded by
 `peft.PeftModel.from_pretrained(base, directory)` on the base model in PyTorch, computes the logits of our adapted
-model, for Llama's seven projections and for GPT-2's Conv1D layers (PEFT's fan_in_fan_out)."""
+model, for Llama's seven projections, GPT-2's Conv1D layers (PEFT's fan_in_fan_out) and RoBERTa's (run_mlm_flax.py)."""
 
 import flax.linen as nn
 import jax
@@ -11,11 +11,12 @@ import torch
 import transformers
 from peft import PeftModel
 from test_clm import tiny_config, tiny_llama_config
+from test_mlm_model import tiny_config as tiny_roberta_config
 
 from flax_lm.models import stock_module
 from flax_lm.training import lora
 
-IDS = np.random.RandomState(0).randint(0, 512, (2, 16))
+IDS = np.random.RandomState(0).randint(3, 100, (2, 16))  # ids of every tiny vocabulary, none a padding token
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -24,8 +25,9 @@ LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
     [
         (tiny_llama_config(tie_word_embeddings=False), LLAMA_TARGETS),
         (tiny_config(), ("c_attn", "c_proj", "c_fc")),
+        (tiny_roberta_config(), ("query", "key", "value", "dense")),
     ],
-    ids=["llama", "gpt2"],
+    ids=["llama", "gpt2", "roberta"],
 )
 def test_peft_loads_the_adapters_and_computes_our_adapted_model(config, target_modules, tmp_path):
     module = stock_module(config.model_type)
@@ -50,7 +52,8 @@ def test_peft_loads_the_adapters_and_computes_our_adapted_model(config, target_m
         name: torch.tensor(value) for name, value in module.to_hf_state_dict(lora.without_adapters(params)).items()
     }
     base.load_state_dict(state_dict, strict=False)  # a tied lm_head is the embedding
-    lora.write_adapter(str(tmp_path), params, targets, settings, "base", "CAUSAL_LM")
+    task_type = "CAUSAL_LM" if module.GENERATES_TEXT else None  # PEFT has no task type of masked language models
+    lora.write_adapter(str(tmp_path), params, targets, settings, "base", task_type)
     peft_model = PeftModel.from_pretrained(base, str(tmp_path)).eval()
     with torch.no_grad():
         peft_logits = peft_model(torch.tensor(IDS)).logits.numpy()

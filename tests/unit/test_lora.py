@@ -90,8 +90,21 @@ def test_new_adapters_start_as_the_base_model_and_merge_into_it_exactly(tmp_path
         np.array_equal(read[path], flat_value) for path, flat_value in flatten_dict(trained).items() if path in read
     )
     assert len(read) == 2 * len(targets)
-    with pytest.raises(UsageError, match="^--lora_adapter: .* has no base_model.model.model.layers.0.mlp.down_proj"):
+    with pytest.raises(
+        UsageError, match="^.*adapter_model.safetensors has no base_model.model.model.layers.0.mlp.down_proj"
+    ):
         lora.read_adapters(str(tmp_path), targets, 8, jnp.float32)
+    # --lora_adapter: a run continues from the adapter's settings and weights, on the base model's weights.
+    continued = lora.adapter_settings(lora.LoraSettings(0, 16.0, 0.0, None, adapter=str(tmp_path)))
+    assert (continued.rank, continued.alpha, continued.dropout, continued.target_modules) == (
+        4,
+        8.0,
+        0.1,
+        tuple(sorted(LLAMA_TARGETS)),
+    )
+    adapters = lora.Adapters(continued, tuple(targets), "base", lambda code, shapes: lora.without_adapters(params))
+    start = flatten_dict(adapters.start_params(None, params, seed=0))
+    assert all(np.array_equal(start[path], value) for path, value in flatten_dict(trained).items())
 
 
 @pytest.mark.parametrize(
