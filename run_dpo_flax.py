@@ -392,20 +392,20 @@ FLAG_TABLES = {"optim": OPTIMIZERS, "lr_scheduler_type": LEARNING_RATE_SCHEDULES
 
 # Copied from run_clm_flax.create_optimizer
 def create_optimizer(
-    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, is_trained=is_trained
+    settings: optimizers.OptimizerSettings, schedule: optax.Schedule, trains=None
 ) -> optax.GradientTransformation:
+    """The optimizer of --optim, for the parameters is_trained picks (or `trains`, in its place: LoRA's adapters)."""
     optimizer = OPTIMIZERS[settings.optim](settings, schedule)
     if settings.max_grad_norm > 0:
         optimizer = optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), optimizer)
-    return optimizers.trained_only(optimizer, is_trained)
+    return optimizers.trained_only(optimizer, trains or is_trained)
 
 
-def make_train_step(
-    model, optimizer, schedule, seed: int, losses: dict, is_trained=is_trained, reference_is_base: bool = False
-):
+def make_train_step(model, optimizer, schedule, seed: int, losses: dict, trains=None, reference_is_base: bool = False):
     """The train step: one forward of the chosen and rejected sequences of every pair, the --loss_type loss (`losses`:
     the flags --loss_type, --beta and --label_smoothing) against the reference log-probabilities the batch carries,
-    and the update of its mean over the pairs. With `reference_is_base` (LoRA's adapters alone train, and no other
+    and the update of its mean over the pairs; `trains`: what trains in place of is_trained (LoRA's adapters:
+    flax_lm.training.lora.is_adapter). With `reference_is_base` (LoRA's adapters alone train, and no other
     reference is named) the reference is the base model, the same weights without the adapters: the step computes its
     log-probabilities itself, with no second copy of the weights."""
     dropout_key = jax.random.key(seed + 1)  # unused: dropout is off, as in TRL (pair_log_probs)
@@ -419,7 +419,7 @@ def make_train_step(
         return sums["loss_sum"], sums
 
     def train_step(state: TrainState, batch):
-        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, is_trained)
+        grads, sums = step_gradients(loss_and_sums, state, batch, dropout_key, trains or is_trained)
         new_state, update_metrics = apply_mean_update(state, grads, sums["pair_count"], sums["loss_sum"], optimizer)
         return new_state, sums | {"learning_rate": schedule(state.step)} | update_metrics
 
@@ -433,8 +433,8 @@ def script_training(training_args, adapters=None, base_reference: bool = False) 
     make_step = partial(make_train_step, losses=loss_settings(training_args))
     if adapters is None:
         return ScriptTraining(learning_rate_schedule, create_optimizer, make_step, TRAIN_METRIC_SUMS, "max_length")
-    make_step = partial(make_step, is_trained=is_adapter, reference_is_base=base_reference)
-    optimizer = partial(create_optimizer, is_trained=is_adapter)
+    make_step = partial(make_step, trains=is_adapter, reference_is_base=base_reference)
+    optimizer = partial(create_optimizer, trains=is_adapter)
     return ScriptTraining(learning_rate_schedule, optimizer, make_step, TRAIN_METRIC_SUMS, "max_length")
 
 
