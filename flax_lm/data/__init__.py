@@ -10,6 +10,7 @@ text_stream.py        a whole corpus read once in counted batches of texts (trai
 chat.py               chat templates: rendering a conversation, the tokens that end a turn
 finetune_examples.py  prompt/completion pairs and conversations in TRL's formats, with their loss weights
 text_pairs.py         input/target pairs tokenized for a sequence-to-sequence model (T5)
+preferences.py        preference pairs (prompt, chosen, rejected) in TRL's formats as DPO's rows (run_dpo_flax.py)
 cache_key.py          the fingerprint of the code that turns texts into tokens, which keys the token cache
 packed.py             packed corpora on disk (the token cache and --packed_data_dir), read by memory maps
 mixture.py            several sources mixed by weight (--data_mixture)

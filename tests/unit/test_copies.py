@@ -27,6 +27,7 @@ SCRIPTS = [
     "run_clm_flax.py",
     "run_mlm_flax.py",
     "run_t5_mlm_flax.py",
+    "run_dpo_flax.py",
     "generate_flax.py",
     "create_config.py",
     "train_tokenizer.py",
@@ -260,6 +261,7 @@ SCRIPT_LINES_CEILINGS = {
     "run_clm_flax.py": 920,  # its objective holds the routers' losses of a mixture of experts and LoRA's adapters
     "run_mlm_flax.py": 999,
     "run_t5_mlm_flax.py": 750,
+    "run_dpo_flax.py": 750,
     "generate_flax.py": 450,
 }
 
