@@ -2,6 +2,7 @@
 worker processes whose results come back in order, with the progress shown."""
 
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
@@ -125,14 +126,14 @@ def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterat
     if num_workers is None:
         num_workers, started = available_cores(), time.monotonic()
         if num_workers > 1:  # here until the work has lasted long enough to be worth starting the workers
-            for item in items:
-                yield function(item)
-                if time.monotonic() - started > preprocessing.seconds_before_workers:
-                    break
-            else:
-                return
+
+            def long_enough() -> bool:
+                return time.monotonic() - started > preprocessing.seconds_before_workers
+
+            if not (yield from map_here(function, items, long_enough)):
+                return  # every item done here
     if num_workers < 2:
-        yield from map(function, items)
+        yield from map_here(function, items)
         return
     context = multiprocessing.get_context("spawn")
     with script_left_unimported(function):
@@ -145,6 +146,27 @@ def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterat
                 yield in_flight.popleft().get()
         while in_flight:
             yield in_flight.popleft().get()
+
+
+def map_here(function, items: Iterator, enough=lambda: False) -> Iterator:
+    """function(item) for each item, in order, in this process, until `enough()` is true (the items left are not
+    read; the generator then returns True): each call runs on a thread of its own while the next item is read and
+    the result before it is used, so that the reading, packing and writing around the tokenizer overlap its encoding
+    (the tokenizers library lets go of the interpreter while it encodes, on threads of its own)."""
+    stopped = False
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode") as thread:
+        running = None
+        for item in items:
+            following = thread.submit(function, item)
+            if running is not None:
+                yield running.result()
+            running = following
+            if enough():
+                stopped = True
+                break
+        if running is not None:
+            yield running.result()
+    return stopped
 
 
 @contextlib.contextmanager

@@ -536,14 +536,14 @@ def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
 def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
     """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
     if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
-        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
     token_lists = []
     for text in texts:
         pieces = text_pieces(text)
         ids = []
         for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
             group = pieces[first : first + TEXT_PIECES_AT_ONCE]
-            for encoding in backend.encode_batch(group, add_special_tokens=False):
+            for encoding in backend.encode_batch_fast(group, add_special_tokens=False):
                 ids.extend(encoding.ids)
         token_lists.append(ids)
     return token_lists
