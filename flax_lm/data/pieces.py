@@ -87,7 +87,8 @@ class TokenTrail:
         stream is to start (taken by start_for), or None: from the first piece."""
         self.split, self.start, self.taken, self.cuts = split, start, False, None
         self.pieces = self.tokens = 0  # pieces handed on, and the tokens of the stream up to the end of the last
-        self.recent = collections.deque(maxlen=self.held_pieces)  # (piece number, its first token, its array)
+        # (piece number, where it starts in the stream, its tokens handed on, how many of its first were dropped)
+        self.recent = collections.deque(maxlen=self.held_pieces)
 
     def start_for(self, split: str, cuts: list) -> tuple[int, int]:
         """(pieces to read past without tokenizing them, tokens of the next piece to drop) for the token stream of
