@@ -12,9 +12,10 @@ in a fresh process with fresh caches (the conversion `datasets` makes of the fil
 seconds, megabytes of text a second (of the whole command, and of the tokenizing and packing alone, as
 its log says), the peak memory of the whole process tree (the sum of the resident sizes of
 the script and its workers, sampled four times a second; /usr/bin/time's figure is one process's alone) and the
-disk the packed corpus and `datasets`' conversion take. Beside it, the rate of `encode_batch` in one process
-(tokenizers' own threads, pieces of --piece_mb) over the first 20 MB of the same files, measured before each
-size, which the packing cannot beat on one worker.
+disk the packed corpus and `datasets`' conversion take. Beside it, the rates of `encode_batch` and of
+`encode_batch_fast` (ids alone, what the packing calls) in one process (tokenizers' own threads, pieces of
+--piece_mb) over the first 20 MB of the same files, measured before each size: the packing cannot beat the
+second on one worker.
 
     python benchmarks/benchmark_preprocessing.py --shards 'corpus/*.txt' --tokenizer DIR \\
         [--sizes 40 160 1600] [--workers 1 2] [--json results.json]
@@ -108,13 +109,14 @@ def pack(files: list[str], tokenizer: str, workers: int, scratch: str, piece_mb:
     }
 
 
-def encode_batch_rate(files: list[str], tokenizer: str, piece_mb: float) -> float:
-    """Megabytes of text a second that tokenizers' encode_batch encodes in this process, pieces of `piece_mb` of
-    the files' text at a time (cut at line ends), reading not counted."""
+def encode_batch_rates(files: list[str], tokenizer: str, piece_mb: float) -> tuple[float, float]:
+    """Megabytes of text a second that tokenizers' encode_batch, and its encode_batch_fast (ids without offsets,
+    which the packing uses), encode in this process, pieces of `piece_mb` of the files' text at a time (cut at line
+    ends), reading not counted; the two alternate piece by piece, so that both see the same load."""
     from transformers import AutoTokenizer
 
     backend = AutoTokenizer.from_pretrained(tokenizer).backend_tokenizer
-    seconds, size = 0.0, 0
+    seconds, fast_seconds, size = 0.0, 0.0, 0
     for path in files:
         with open(path, encoding="utf-8") as file:
             while lines := file.readlines(int(piece_mb * 2**20)):
@@ -122,8 +124,11 @@ def encode_batch_rate(files: list[str], tokenizer: str, piece_mb: float) -> floa
                 started = time.monotonic()
                 backend.encode_batch(texts, add_special_tokens=False)
                 seconds += time.monotonic() - started
+                started = time.monotonic()
+                backend.encode_batch_fast(texts, add_special_tokens=False)
+                fast_seconds += time.monotonic() - started
                 size += sum(len(text.encode()) for text in texts)
-    return size / 1e6 / seconds
+    return size / 1e6 / seconds, size / 1e6 / fast_seconds
 
 
 def main():
@@ -144,12 +149,17 @@ def main():
             files = corpus_files(shards, megabytes, scratch)
             text_mb = sum(os.path.getsize(path) for path in files) / 1e6
             load = os.getloadavg()[0]
-            rate = encode_batch_rate(corpus_files(shards, 20, scratch), args.tokenizer, args.piece_mb)
-            print(f"{text_mb:.0f} MB: encode_batch alone {rate:.2f} MB/s (load {load:.1f})", flush=True)
+            rate, fast_rate = encode_batch_rates(corpus_files(shards, 20, scratch), args.tokenizer, args.piece_mb)
+            print(
+                f"{text_mb:.0f} MB: encode_batch alone {rate:.2f} MB/s, encode_batch_fast {fast_rate:.2f} MB/s "
+                f"(load {load:.1f})",
+                flush=True,
+            )
             for workers in args.workers:
                 load = os.getloadavg()[0]
                 run = pack(files, args.tokenizer, workers, scratch, args.piece_mb)
                 run.update(text_mb=text_mb, workers=workers, load=load, encode_batch_mb_per_s=rate)
+                run["encode_batch_fast_mb_per_s"] = fast_rate
                 run["mb_per_s"] = text_mb / run["seconds"]
                 results.append(run)
                 print(

@@ -22,7 +22,7 @@ from flax_lm.data.cache_key import function_code_fingerprint
 from flax_lm.data.chat import chat_template_of
 from flax_lm.data.data_files import data_file_patterns
 from flax_lm.data.finetune_examples import recorded_example_format
-from flax_lm.data.pieces import PackingProgress, text_megabytes
+from flax_lm.data.pieces import PackingProgress, text_megabytes, token_trail
 from flax_lm.data.source import TextSource
 from flax_lm.devices.processes import main_process_first
 from flax_lm.errors import UsageError, check_writable_directory
@@ -101,12 +101,15 @@ def write_packed_split(
     blocks_per_shard: int,
     finished: list[dict] = (),
     on_shard=None,
+    resume_point: dict | None = None,
 ) -> dict:
     """Write the block arrays of one split (count, block_size), or (count, ..., block_size) for rows of several
     arrays (examples: token ids and loss weights), as shards of `blocks_per_shard` blocks (the last one may be
     shorter) and return the split's entry of the index. `finished`: the entries of shards an interrupted run
-    wrote already, whose blocks (the first of `blocks`) are skipped rather than written again; `on_shard(entry)` is
-    told of each shard as it is finished.
+    wrote already, whose blocks (the first of `blocks`) are skipped rather than written again, or, where
+    `resume_point` (recorded with the last of them) is where `blocks` start (the rows of token_arrays' stream: see
+    TokenTrail), not even made; `on_shard(entry, point)` is told of each shard as it is finished, with where the
+    rows after it start in the texts (TokenTrail.point_after; None where not known).
 
     Memory stays bounded whatever the corpus size: each shard is filled through a memory map of its file
     and written under a temporary name, then renamed. No shard is written for an empty split.
@@ -118,6 +121,7 @@ def write_packed_split(
 
     def finish_shard():
         name = f"{split}-{len(shards):05d}.npy"
+        point = token_trail.point_after(split, num_blocks * shard[0].size, np.asarray(shard[filled - 1]))
         if filled == len(shard):
             shard.flush()
             written_path = shard.filename
@@ -129,10 +133,16 @@ def write_packed_split(
         checksum = file_checksum(os.path.join(directory, name))
         shards.append({"file": name, "num_blocks": filled, "checksum": checksum})
         if on_shard is not None:
-            on_shard(shards[-1])
+            on_shard(shards[-1], point)
 
+    token_trail.begin(split, resume_point if skip else None)
     for block_array in blocks:
         row_shape = list(block_array.shape[1:])
+        if skip and token_trail.taken:  # the rows start after the finished shards' own
+            logger.info(
+                "Reading the %s texts on from piece %d, where the finished shards end", split, resume_point["piece"]
+            )
+            skip = 0
         if skip:
             skipped = min(skip, len(block_array))
             block_array, skip = block_array[skipped:], skip - skipped
@@ -161,6 +171,7 @@ def write_packed_split(
     if shard is not None:
         finish_shard()
         del shard
+    token_trail.begin(None, None)
     entry = {"num_blocks": num_blocks, "shards": shards}
     if row_shape is not None and len(row_shape) > 1:  # rows of one array of block_size need no record
         entry["row_shape"] = row_shape
@@ -173,17 +184,18 @@ def write_packed_split(
 PACKING_MANIFEST_FILE = "packing.json"
 
 
-def finished_shards(directory: str, plan: dict) -> dict[str, list[dict]]:
+def finished_shards(directory: str, plan: dict) -> tuple[dict[str, list[dict]], dict[str, list]]:
     """{split: entries of the shards an interrupted write of the same `plan` finished}, each checked against the
-    checksum taken when it was written; only the unbroken run of good shards from the first is kept."""
+    checksum taken when it was written (only the unbroken run of good shards from the first is kept), and {split:
+    where in the texts the rows after each of them start (TokenTrail.point_after, or None)}."""
     try:
         with open(os.path.join(directory, PACKING_MANIFEST_FILE)) as file:
             manifest = json.load(file)
     except (OSError, ValueError):
-        return {}
+        return {}, {}
     if not isinstance(manifest, dict) or manifest.get("plan") != plan:
-        return {}
-    finished = {}
+        return {}, {}
+    finished, points = {}, {}
     for split, entries in manifest.get("finished", {}).items():
         good = []
         for entry in entries:
@@ -193,7 +205,8 @@ def finished_shards(directory: str, plan: dict) -> dict[str, list[dict]]:
             good.append(entry)
         if good:
             finished[split] = good
-    return finished
+            points[split] = manifest.get("points", {}).get(split, [None] * len(entries))[: len(good)]
+    return finished, points
 
 
 def write_packed_corpus(
@@ -215,7 +228,7 @@ def write_packed_corpus(
     layout = {"format_version": PACKED_FORMAT_VERSION, **description, "dtype": np.dtype(dtype).name}
     layout["blocks_per_shard"] = blocks_per_shard
     plan = {"layout": layout, "texts": resume_key}
-    finished = finished_shards(directory, plan) if resume_key is not None else {}
+    finished, points = finished_shards(directory, plan) if resume_key is not None else ({}, {})
     kept = {entry["file"] for entries in finished.values() for entry in entries}
     split_names = "|".join(map(re.escape, splits))
     leftover = re.compile(rf"^({split_names})-\d{{5}}\.npy(\.\d+(\.end)?\.tmp\.npy)?$")
@@ -226,13 +239,14 @@ def write_packed_corpus(
         logger.info("Keeping the %d %s shards an interrupted run finished in %s", len(entries), split, directory)
     manifest_path = os.path.join(directory, PACKING_MANIFEST_FILE)
 
-    def record(split: str, entry: dict):
+    def record(split: str, entry: dict, point: dict | None):
         if resume_key is None:
             return
         finished.setdefault(split, []).append(entry)
+        points.setdefault(split, []).append(point)
         temporary = f"{manifest_path}.{os.getpid()}.tmp"
         with open(temporary, "w") as file:
-            json.dump({"plan": plan, "finished": finished}, file)
+            json.dump({"plan": plan, "finished": finished, "points": points}, file)
         os.replace(temporary, manifest_path)
 
     index = {
@@ -246,6 +260,7 @@ def write_packed_corpus(
                 blocks_per_shard,
                 list(finished.get(split, [])),
                 functools.partial(record, split),
+                (points.get(split) or [None])[-1],
             )
             for split, blocks in splits.items()
         },

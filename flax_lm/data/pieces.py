@@ -2,6 +2,7 @@
 worker processes whose results come back in order, with the progress shown."""
 
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
@@ -68,6 +69,68 @@ class ReadProgress:
 read_progress = ReadProgress()
 
 
+class TokenTrail:
+    """Where the token stream of the split being packed (token_arrays' arrays, end to end) stands in its texts,
+    piece by piece: what a packing run records with each shard it finishes (point_after), so that the run that goes
+    on after an interruption starts reading the texts at the piece the shard ends in rather than tokenizing
+    everything before it again (flax_lm.data.packed.write_packed_corpus). Only the last few pieces are held, and a
+    point is recorded only where the shard's last row is found to be those very tokens (rows cut from the stream,
+    as the scripts' pack_blocks cuts them; other rows, examples and lines, are never resumed this way)."""
+
+    held_pieces = 4
+
+    def __init__(self):
+        self.begin(None, None)
+
+    def begin(self, split: str | None, start: dict | None):
+        """Follow the pieces of `split` from here on; `start`: a point_after an interrupted run recorded, where the
+        stream is to start (taken by start_for), or None: from the first piece."""
+        self.split, self.start, self.taken, self.cuts = split, start, False, None
+        self.pieces = self.tokens = 0  # pieces handed on, and the tokens of the stream up to the end of the last
+        # (piece number, where it starts in the stream, its tokens handed on, how many of its first were dropped)
+        self.recent = collections.deque(maxlen=self.held_pieces)
+
+    def start_for(self, split: str, cuts: list) -> tuple[int, int]:
+        """(pieces to read past without tokenizing them, tokens of the next piece to drop) for the token stream of
+        `split` whose pieces are cut by the settings `cuts`: from a recorded point, where it was recorded for the
+        same cuts; (0, 0) otherwise."""
+        if split != self.split:
+            return 0, 0
+        self.cuts = cuts
+        if self.start is None or self.start.get("cuts") != cuts:
+            return 0, 0
+        self.taken = True
+        self.pieces, self.tokens = self.start["piece"], self.start["piece_start"]
+        return self.start["piece"], self.start["skip_tokens"]
+
+    def handed_on(self, split: str, tokens: np.ndarray, skipped: int = 0):
+        """Told of each piece's tokens as they are handed on (the first `skipped` of them dropped)."""
+        if split == self.split:
+            self.recent.append((self.pieces, self.tokens, tokens, skipped))
+            self.pieces, self.tokens = self.pieces + 1, self.tokens + skipped + len(tokens)
+
+    def point_after(self, split: str, end: int, last_row: np.ndarray) -> dict | None:
+        """Where the stream goes on after its first `end` tokens, whose last ones are `last_row`: the piece they end
+        in and the tokens of it before that; None where that piece is no longer held or the row is not those
+        tokens."""
+        if split != self.split or self.cuts is None or last_row.ndim != 1 or not self.recent or end > self.tokens:
+            return None
+        _, first, _, skipped = self.recent[0]
+        held_from = first + skipped  # where the tokens held start in the stream
+        if end - len(last_row) < held_from:
+            return None
+        held = np.concatenate([tokens for _, _, tokens, _ in self.recent])
+        if not np.array_equal(held[end - len(last_row) - held_from : end - held_from], last_row):
+            return None
+        if end == self.tokens:  # at the end of the last piece handed on: the next one starts there
+            return {"piece": self.pieces, "piece_start": end, "skip_tokens": 0, "cuts": self.cuts}
+        number, first = [(number, first) for number, first, _, _ in self.recent if first <= end][-1]
+        return {"piece": number, "piece_start": first, "skip_tokens": end - first, "cuts": self.cuts}
+
+
+token_trail = TokenTrail()
+
+
 def page_out_texts(table: pyarrow.Table):
     """Let the kernel take back the pages of memory-mapped Arrow files that hold the texts of `table`, read once
     and not needed again: resident pages of a mapped file count to the process's memory, which would otherwise grow
@@ -125,14 +188,14 @@ def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterat
     if num_workers is None:
         num_workers, started = available_cores(), time.monotonic()
         if num_workers > 1:  # here until the work has lasted long enough to be worth starting the workers
-            for item in items:
-                yield function(item)
-                if time.monotonic() - started > preprocessing.seconds_before_workers:
-                    break
-            else:
-                return
+
+            def long_enough() -> bool:
+                return time.monotonic() - started > preprocessing.seconds_before_workers
+
+            if not (yield from map_here(function, items, long_enough)):
+                return  # every item done here
     if num_workers < 2:
-        yield from map(function, items)
+        yield from map_here(function, items)
         return
     context = multiprocessing.get_context("spawn")
     with script_left_unimported(function):
@@ -145,6 +208,27 @@ def map_in_workers(function, items: Iterable, num_workers: int | None) -> Iterat
                 yield in_flight.popleft().get()
         while in_flight:
             yield in_flight.popleft().get()
+
+
+def map_here(function, items: Iterator, enough=lambda: False) -> Iterator:
+    """function(item) for each item, in order, in this process, until `enough()` is true (the items left are not
+    read; the generator then returns True): each call runs on a thread of its own while the next item is read and
+    the result before it is used, so that the reading, packing and writing around the tokenizer overlap its encoding
+    (the tokenizers library lets go of the interpreter while it encodes, on threads of its own)."""
+    stopped = False
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode") as thread:
+        running = None
+        for item in items:
+            following = thread.submit(function, item)
+            if running is not None:
+                yield running.result()
+            running = following
+            if enough():
+                stopped = True
+                break
+        if running is not None:
+            yield running.result()
+    return stopped
 
 
 @contextlib.contextmanager

@@ -25,7 +25,13 @@ class TextSource:
 
     def text_builder_options(self) -> dict:
         # Unset, a .txt file is one document: the text builder would read no rows at all
-        return {"sample_by": self.text_sample_by or "document", "keep_linebreaks": self.keep_linebreaks}
+        options = {"sample_by": self.text_sample_by or "document", "keep_linebreaks": self.keep_linebreaks}
+        if options["sample_by"] == "document":
+            # Each document written to Arrow as soon as it is read: `datasets` holds rows that come one at a time
+            # (a file read as one document is one) until it has a batch of 1,000, so that converting the files held
+            # every document of the corpus in memory at once. The same dataset and fingerprint either way.
+            options["writer_batch_size"] = 1
+        return options
 
 
 @dataclass(frozen=True)

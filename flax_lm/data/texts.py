@@ -32,6 +32,7 @@ from flax_lm.data.pieces import (
     page_out_texts,
     preprocessing,
     read_progress,
+    token_trail,
 )
 from flax_lm.data.source import TextSource
 from flax_lm.errors import UsageError
@@ -536,14 +537,14 @@ def cuts_at_line_starts_keep_the_tokens(backend) -> bool:
 def encode_texts(backend, texts: list[str], cut_long_texts: bool) -> list[list[int]]:
     """The token ids of each text, without special tokens; long texts in pieces when `cut_long_texts`."""
     if not cut_long_texts or all(len(text) <= TEXT_PIECE_CHARACTERS for text in texts):
-        return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
     token_lists = []
     for text in texts:
         pieces = text_pieces(text)
         ids = []
         for first in range(0, len(pieces), TEXT_PIECES_AT_ONCE):
             group = pieces[first : first + TEXT_PIECES_AT_ONCE]
-            for encoding in backend.encode_batch(group, add_special_tokens=False):
+            for encoding in backend.encode_batch_fast(group, add_special_tokens=False):
                 ids.extend(encoding.ids)
         token_lists.append(ids)
     return token_lists
@@ -602,7 +603,8 @@ def token_arrays(
     ids `around` it (before, after; by default nothing before and EOS after), as flat int32 arrays of a piece of text
     each (--preprocessing_piece_mb; document_pieces), in the dataset's order, tokenized in `num_workers` processes
     (map_in_workers). Only a few pieces are in memory at a time, and the arrays are the same for any number of
-    workers."""
+    workers. Where a packing run interrupted goes on (TokenTrail), the stream starts at the recorded point, the pieces
+    before it read but not tokenized."""
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise UsageError("the tokenizer has no end-of-text token; set eos_token in its tokenizer_config.json")
@@ -613,7 +615,13 @@ def token_arrays(
     cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
     encode = partial(encode_documents, backend, around, cut_long_texts)
     work = document_pieces(text_batches(dataset, text_column, split), cut_long_texts)
-    yield from map_in_workers(encode, work, num_workers)
+    cuts = [preprocessing.piece_characters, TEXT_PIECE_CHARACTERS, TEXTS_PER_BATCH, cut_long_texts]
+    first_piece, skipped = token_trail.start_for(split, cuts)  # where a packing run interrupted goes on
+    for tokens in map_in_workers(encode, itertools.islice(work, first_piece, None), num_workers):
+        tokens = tokens[skipped:]
+        token_trail.handed_on(split, tokens, skipped)
+        yield tokens
+        skipped = 0
 
 
 def token_byte_counts(tokenizer, vocab_size: int) -> np.ndarray | None:

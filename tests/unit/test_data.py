@@ -480,6 +480,39 @@ def test_a_packing_run_killed_halfway_goes_on_from_its_finished_shards(tmp_path,
 real_open_memmap = np.lib.format.open_memmap
 
 
+def test_a_packing_run_killed_halfway_reads_on_from_where_its_finished_shards_end(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", 2000)  # a document cut into dozens of pieces
+    documents = datasets.Dataset.from_dict({"text": [(CORPUS / "train.txt").read_text(), "A short text."] * 2})
+    encoded, encode_documents = [], flax_lm.data.texts.encode_documents
+    monkeypatch.setattr(flax_lm.data.texts, "encode_documents", lambda *arguments: encoded.append(arguments[-1][0])
+                        or encode_documents(*arguments))  # fmt: skip
+
+    def pack(directory, stop_after=None):
+        def tokenized_rows(*arguments):
+            for number, rows in enumerate(run_clm_flax.tokenized_rows(*arguments, num_workers=1)):
+                if number == stop_after:
+                    raise KeyboardInterrupt  # killed while a shard is half written
+                yield rows
+
+        return flax_lm.data.packed.pack_texts(
+            str(directory), {"train": documents}, tokenized_rows, tokenizer, 32, {"block_size": 32},
+            TextSource(train_file="unused"), tokens_per_shard=32 * 100, resume=True,
+        )  # fmt: skip
+
+    with flax_lm.data.pieces.pieces_of(2**12 / 2**20):
+        whole, pieces = pack(tmp_path / "whole"), list(encoded)
+        with pytest.raises(KeyboardInterrupt):
+            pack(tmp_path / "packed", stop_after=len(pieces) // 2)
+        finished = len(list((tmp_path / "packed").glob("train-?????.npy")))
+        encoded.clear()
+        assert pack(tmp_path / "packed") == whole
+    assert len(pieces) > 40 and finished > 5
+    assert pieces[-len(encoded) :] == encoded and len(encoded) < len(pieces) - len(pieces) // 3  # read on, not again
+    assert sorted(os.listdir(tmp_path / "packed")) == sorted(os.listdir(tmp_path / "whole"))
+    for name in os.listdir(tmp_path / "whole"):
+        assert (tmp_path / "packed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
 def test_an_unknown_dataset_config_is_named_in_the_message(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "texts.jsonl").write_text('{"text": "a text"}\n')

@@ -71,6 +71,8 @@ def test_txt_files_are_cut_into_documents_each_followed_by_eos(sample_by, recipe
     }[sample_by]
     dataset = load(tmp_path, train_file=str(tmp_path / "*.txt"), text_sample_by=sample_by)["train"]
     assert dataset["text"] == expected_texts
+    if sample_by == "document":  # each document written to Arrow as it was read, not the corpus held to the end
+        assert len(dataset.data.to_batches()) == len(expected_texts)
 
     eos = recipe_tokenizer.eos_token_id
     tokens = np.concatenate(list(run_clm_flax.token_arrays(dataset, recipe_tokenizer, "text")))
