@@ -23,7 +23,10 @@ from conftest import REPO_DIR
 REPO = str(REPO_DIR)
 MARKER = re.compile(r"^# Copied from run_clm_flax\.(?P<name>\w+)(?: with (?P<renames>\S.*?))?\s*$")
 RENAME = re.compile(r"^(\w+)->(\w+)$")
-SCRIPTS = ["run_clm_flax.py", "run_mlm_flax.py", "generate_flax.py", "create_config.py", "train_tokenizer.py"]
+SCRIPTS = [
+    "run_clm_flax.py", "run_mlm_flax.py", "generate_flax.py", "create_config.py", "train_tokenizer.py",
+    "run_grpo_flax.py",
+]  # fmt: skip
 LIBRARY_MODULES = sorted(
     os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, "flax_lm", "**", "*.py"), recursive=True)
 )
@@ -248,7 +251,12 @@ LIBRARY_MODULE_LINES_CEILING = 700
 MAIN_LINES_CEILING = 60
 # A script is read in one sitting: what grows past this belongs in flax_lm (generate_flax.py's decoding and serving
 # in flax_lm/server and flax_lm/generation).
-SCRIPT_LINES_CEILINGS = {"run_clm_flax.py": 900, "run_mlm_flax.py": 999, "generate_flax.py": 450}
+SCRIPT_LINES_CEILINGS = {
+    "run_clm_flax.py": 900,
+    "run_mlm_flax.py": 999,
+    "generate_flax.py": 450,
+    "run_grpo_flax.py": 500,
+}
 
 
 def test_shared_lines_of_the_training_scripts_outside_checked_copies_are_bounded():
