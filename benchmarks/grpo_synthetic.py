@@ -6,7 +6,7 @@ Llama, fine-tunes it briefly with run_clm_flax.py on prompt/completion pairs ("3
 sampled answers are right, then trains it with run_grpo_flax.py on the 100 prompts "a+b=" with the `addition`
 reward (1 for the right sum), and prints the mean reward of each logged step: the curve should rise.
 
-    python benchmarks/grpo_synthetic.py [--sft_steps 150] [--grpo_steps 60] [--output_dir /tmp/grpo-synthetic]
+    python benchmarks/grpo_synthetic.py [--sft_steps 150] [--grpo_steps 400] [--output_dir /tmp/grpo-synthetic]
 """
 
 import argparse
@@ -63,8 +63,8 @@ def main():
     parser.add_argument("--output_dir", default="/tmp/grpo-synthetic")
     parser.add_argument("--sft_pairs", type=int, default=400)
     parser.add_argument("--sft_steps", type=int, default=150)
-    parser.add_argument("--grpo_steps", type=int, default=60)
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--grpo_steps", type=int, default=400)
+    parser.add_argument("--learning_rate", type=float, default=5e-4)
     parser.add_argument("--loss_type", default="grpo")
     parser.add_argument("--beta", type=float, default=0.0)
     args = parser.parse_args()
@@ -82,7 +82,7 @@ def main():
         "run_grpo_flax.py", "--model_name_or_path", sft_dir, "--train_file", prompts_file, "--output_dir", grpo_dir,
         "--reward_funcs", "addition", "--num_generations", 8, "--per_device_train_batch_size", 64,
         "--max_completion_length", 4, "--learning_rate", args.learning_rate, "--loss_type", args.loss_type,
-        "--beta", args.beta, "--max_steps", args.grpo_steps, "--logging_steps", 5,
+        "--beta", args.beta, "--max_steps", args.grpo_steps, "--logging_steps", 25,
     )  # fmt: skip
     with open(os.path.join(grpo_dir, "grpo_log.jsonl")) as file:
         logged = [json.loads(line) for line in file]
