@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Fine-tune a causal language model by GRPO (group relative policy optimization) with JAX/Flax.
 
-Each step takes prompts from a JSONL file (a `prompt` field a row: Hugging Face TRL's prompt-only format), samples
+Each step takes prompts from a JSONL file (a `prompt` field a row, a text or a conversation: Hugging Face TRL's
+prompt-only formats), samples
 --num_generations completions of each with the package's sampler (flax_lm.generation.sampling: batched, compiled, with
 the key/value cache), scores every completion with the reward functions of this file (REWARD_FUNCTIONS, which
 --reward_funcs picks from), turns the rewards into advantages normalised within each prompt's group, and takes one
@@ -38,6 +39,7 @@ import transformers
 from transformers import HfArgumentParser
 
 from flax_lm.command_line.model_loading import model_loading
+from flax_lm.data.chat import conversation_prompt_ids, stop_token_ids
 from flax_lm.devices.processes import LOG_FORMAT
 from flax_lm.errors import UsageError, call_with_one_line_errors
 from flax_lm.generation.sampling import Sampling, decode_rows, make_sampler
@@ -125,8 +127,9 @@ def check_arguments(args: GRPOArguments):
         raise UsageError("--beta, --epsilon and --epsilon_high must be 0 or more")
 
 
-def read_prompts(path: str) -> list[str]:
-    """The `prompt` field of each line of a JSONL file; a conversation (a list of messages) is refused here."""
+def read_prompts(path: str) -> list:
+    """The `prompt` field of each line of a JSONL file: a text, or a conversation (a list of {"role", "content"}
+    messages, TRL's conversational format) that the tokenizer's chat template renders."""
     if not os.path.isfile(path):
         raise UsageError(f"--train_file {path} does not exist")
     prompts = []
@@ -138,12 +141,20 @@ def read_prompts(path: str) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise UsageError(f"--train_file {path} line {number} is not JSON: {error}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UsageError(f'--train_file {path} line {number} has no text "prompt" field; give each line one')
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), (str, list)):
+                raise UsageError(
+                    f'--train_file {path} line {number} has no "prompt" field (a text or a list of messages); '
+                    "give each line one"
+                )
             prompts.append(row["prompt"])
     if not prompts:
         raise UsageError(f"--train_file {path} holds no prompts")
     return prompts
+
+
+def prompt_text(prompt) -> str:
+    """What a reward function sees of a prompt: its text, or the content of a conversation's last message."""
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -298,7 +309,7 @@ def generation_batch(step: int, prompts, prompt_ids, order, sampler, params, tok
     ]
     completions = decode_rows(sampler, params, rows, samplings)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    prompt_texts = [prompts[index] for index in chosen for _ in range(args.num_generations)]
+    prompt_texts = [prompt_text(prompts[index]) for index in chosen for _ in range(args.num_generations)]
     rewards = {
         name: np.array([REWARD_FUNCTIONS[name](p, c) for p, c in zip(prompt_texts, texts)], np.float32)
         for name in args.reward_funcs
@@ -346,7 +357,7 @@ def main():
     clip = [optax.clip_by_global_norm(args.max_grad_norm)] if args.max_grad_norm > 0 else []
     optimizer = optax.chain(*clip, optax.adamw(args.learning_rate, weight_decay=args.weight_decay))
     train_step = make_train_step(model, optimizer, settings)
-    sampler = make_sampler(model, tokenizer.eos_token_id)
+    sampler = make_sampler(model, stop_token_ids(tokenizer, tokenizer.eos_token_id))  # a chat's end of turn too
     os.makedirs(args.output_dir, exist_ok=True)
     params = train(params, optimizer.init(params), train_step, sampler, tokenizer, prompts, prompt_ids, args)
     model_code = load_model_code(model.config, args.model_file, True, "run_grpo_flax.py")
@@ -354,8 +365,18 @@ def main():
     print(f"model written to {args.output_dir}; metrics in {os.path.join(args.output_dir, LOG_FILE)}")
 
 
-def tokenized_prompts(prompts: list[str], tokenizer, config, args) -> list[list[int]]:
-    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+def tokenized_prompts(prompts: list, tokenizer, config, args) -> list[list[int]]:
+    """The ids of each prompt: a text as the tokenizer encodes it, a conversation as the chat template renders it
+    with the assistant's turn to come."""
+    prompt_ids = []
+    for number, prompt in enumerate(prompts, 1):
+        if isinstance(prompt, str):
+            prompt_ids.append(tokenizer(prompt)["input_ids"])
+            continue
+        try:
+            prompt_ids.append(conversation_prompt_ids(tokenizer, prompt))
+        except ValueError as error:
+            raise UsageError(f"--train_file {args.train_file}: the conversation of prompt {number} {error}") from None
     if any(not ids for ids in prompt_ids):
         raise UsageError(f"--train_file {args.train_file} has an empty prompt; give every prompt some text")
     longest = max(map(len, prompt_ids))

@@ -39,6 +39,28 @@ def test_the_addition_reward_checks_the_sum_the_prompt_asks_for():
     assert run_grpo_flax.addition("no question", "7") == 0.0
 
 
+def test_a_conversation_prompt_is_rendered_by_the_chat_template_and_rewarded_on_its_last_message():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, **{character: i + 1 for i, character in enumerate("0123456789+=>: ")}}
+    tokenizer_model = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer_model.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer_model, eos_token="<|endoftext|>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}:{% endif %}"
+    )
+    conversation = [{"role": "user", "content": "1+2="}]
+    args = run_grpo_flax.GRPOArguments("model", "prompts.jsonl", "out", max_completion_length=4)
+    ids = run_grpo_flax.tokenized_prompts(
+        ["1+2=", conversation], tokenizer, LlamaConfig(max_position_embeddings=64), args
+    )
+    assert (
+        tokenizer.decode(ids[0]).replace(" ", "") == "1+2=" and tokenizer.decode(ids[1]).replace(" ", "") == "1+2=>:"
+    )
+    assert run_grpo_flax.addition(run_grpo_flax.prompt_text(conversation), "3") == 1.0
+
+
 @pytest.mark.parametrize(
     ("flags", "rows", "message"),
     [
@@ -50,7 +72,7 @@ def test_the_addition_reward_checks_the_sum_the_prompt_asks_for():
         ),
         (["--reward_funcs", "nonsense"], None, "--reward_funcs nonsense is not in REWARD_FUNCTIONS"),
         (["--temperature", "0"], None, "--temperature must be positive"),
-        ([], [{"prompt": "1+2="}, {"question": "3+4="}], 'line 2 has no text "prompt" field'),
+        ([], [{"prompt": "1+2="}, {"question": "3+4="}], 'line 2 has no "prompt" field'),
     ],
 )
 def test_bad_input_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch, flags, rows, message):
