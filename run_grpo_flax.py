@@ -2,14 +2,14 @@
 """Fine-tune a causal language model by GRPO (group relative policy optimization) with JAX/Flax.
 
 Each step takes prompts from a JSONL file (a `prompt` field a row, a text or a conversation: Hugging Face TRL's
-prompt-only formats), samples
---num_generations completions of each with the package's sampler (flax_lm.generation.sampling: batched, compiled, with
-the key/value cache), scores every completion with the reward functions of this file (REWARD_FUNCTIONS, which
---reward_funcs picks from), turns the rewards into advantages normalised within each prompt's group, and takes one
-optimizer step on the clipped objective, with a KL term to the starting model when --beta is above 0. The flags and
-the logged names are those of TRL's GRPOTrainer (--num_generations, --beta, --epsilon, --max_completion_length,
---temperature, --loss_type; reward, reward_std, kl, completions/mean_length, clip_ratio/...), and the loss of a step
-equals GRPOTrainer's on the same completions and rewards (tests/parity/test_grpo.py).
+prompt-only formats), samples --num_generations completions of each with the package's sampler
+(flax_lm.generation.sampling: batched, compiled, with the key/value cache), scores every completion with the reward
+functions of this file (REWARD_FUNCTIONS, which --reward_funcs picks from), turns the rewards into advantages
+normalised within each prompt's group, and takes one optimizer step on the clipped objective, with a KL term to the
+starting model when --beta is above 0. The flags and the logged names are those of TRL's GRPOTrainer
+(--num_generations, --beta, --epsilon, --max_completion_length, --temperature, --loss_type; reward, reward_std, kl,
+completions/mean_length, clip_ratio/...), and the loss of a step equals GRPOTrainer's on the same completions and
+rewards (tests/parity/test_grpo_parity.py).
 
     ./run_grpo_flax.py --model_name_or_path sft-run --train_file prompts.jsonl --output_dir grpo-run \
         --reward_funcs addition --num_generations 8 --per_device_train_batch_size 32 --max_steps 100
@@ -329,7 +329,12 @@ def generation_batch(step: int, prompts, prompt_ids, order, sampler, params, tok
 def parse_arguments() -> GRPOArguments:
     parser = HfArgumentParser(GRPOArguments)
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))[0]
+        if not os.path.isfile(sys.argv[1]):
+            raise UsageError(f"arguments file {sys.argv[1]} does not exist")
+        try:
+            return parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))[0]
+        except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError; a missing field, a TypeError
+            raise UsageError(f"arguments file {sys.argv[1]}: {error}") from None
     args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:
         raise UsageError(f"unknown argument {unknown[0]}; see --help for the arguments this script takes")
