@@ -28,6 +28,7 @@ SCRIPTS = [
     "run_mlm_flax.py",
     "run_t5_mlm_flax.py",
     "run_dpo_flax.py",
+    "run_grpo_flax.py",
     "generate_flax.py",
     "create_config.py",
     "train_tokenizer.py",
@@ -263,6 +264,7 @@ SCRIPT_LINES_CEILINGS = {
     "run_t5_mlm_flax.py": 750,
     "run_dpo_flax.py": 750,
     "generate_flax.py": 450,
+    "run_grpo_flax.py": 500,
 }
 
 

@@ -18,7 +18,9 @@ from conftest import REPO_DIR
 REPO = str(REPO_DIR)
 # The pages, and the section of each that holds the table (None: the whole page).
 PAGES = {"docs/where-to-edit.md": None, "README.md": "## Where to edit"}
-TRAINING_SCRIPTS = ["run_clm_flax.py", "run_mlm_flax.py", "run_t5_mlm_flax.py", "run_dpo_flax.py"]
+TRAINING_SCRIPTS = [
+    "run_clm_flax.py", "run_mlm_flax.py", "run_t5_mlm_flax.py", "run_dpo_flax.py", "run_grpo_flax.py",
+]  # fmt: skip
 BACKTICKED = re.compile(r"`([^`]+)`")
 # A name, dotted or not, optionally called: `make_sampler`, `BatchMaker.from_tokenizer`, `is_trained(path, param)`.
 NAME = re.compile(r"^(?P<name>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(.*\))?$")
