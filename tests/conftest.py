@@ -63,6 +63,9 @@ LONGEST_FILES_FIRST = [
     "end_to_end/test_gpu_suite_runs.py", "end_to_end/test_clm_runs.py", "end_to_end/test_published_checkpoints.py",
     "end_to_end/test_mlm_scale.py", "end_to_end/test_generate_runs.py", "parity/test_models.py",
     "parity/test_generate.py", "parity/test_moe.py", "end_to_end/test_serve.py", "parity/test_clm_parity.py",
+    "end_to_end/test_dpo_runs.py", "end_to_end/test_lora_runs.py", "end_to_end/test_pipeline.py",
+    "parity/test_t5.py", "parity/test_deepseek.py", "parity/test_lora_parity.py", "parity/test_dpo_parity.py",
+    "parity/test_grpo_parity.py", "end_to_end/test_t5_runs.py",
 ]  # fmt: skip
 
 
