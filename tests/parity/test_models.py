@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from flax_lm.generation.sampling import generate_ids, make_sampler
-from flax_lm.models import import_model_file, model_code, stock_module
+from flax_lm.models import FAMILIES, import_model_file, model_code, stock_module
 from flax_lm.models.huggingface import read_exported_params, save_model
 from flax_lm.models.llama import model as llama
 from flax_lm.training.train_state import abstract_model_params
@@ -335,25 +335,7 @@ def test_greedy_decoding_equals_pytorch_generate(model_type):
         assert new == expected
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "gemma",
-        "gpt2",
-        "llama",
-        "olmo2",
-        "roberta",
-        "smollm3",
-        "gptj",
-        "gpt_neox",
-        "opt",
-        "mixtral",
-        "qwen_moe",
-        "olmoe",
-        "deepseek_v3",
-        "t5",
-    ],
-)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_the_verified_fingerprints_are_those_of_the_stock_modules(name):
     """An export of a stock module names its transformers architecture without a probe because the parity tests
     compare that code: a change to the module (or to shared/common.py) must be compared again, then its fingerprint
