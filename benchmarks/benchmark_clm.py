@@ -20,9 +20,14 @@ same texts read as a stream, tokenized and packed on the fly as --streaming does
     python benchmarks/benchmark_clm.py --preset gpt2    # GPT-2 124M, sequence 1024, bfloat16 (for a GPU)
     python benchmarks/benchmark_clm.py --model_type llama  # a Llama of the preset's shape (SwiGLU, rotary, GQA)
     python benchmarks/benchmark_clm.py --model_type llama --packed_examples  # fine-tuning on packed examples
+    python benchmarks/benchmark_clm.py --model_type qwen3_moe --experts 8 --experts_per_token 2  # a Qwen3-MoE
 
 With --model_type llama the preset's layers, width and heads make a Llama whose MLP has 3 x 8/3 of the width (rounded
-up to a multiple of 64) where GPT-2's has 2 x 4: about GPT-2's parameters, less its position table.
+up to a multiple of 64) where GPT-2's has 2 x 4: about GPT-2's parameters, less its position table. With
+--model_type qwen3_moe each layer's MLP is --experts experts of --expert_intermediate_size (default: the Llama's MLP
+width over --experts_per_token, so a token meets the Llama's MLP weights), --experts_per_token of them per token by
+Qwen3-MoE's renormalised softmax routing, its load-balancing loss (coefficient 0.001) in the loss: MFU counts the
+weights a token meets.
 """
 
 import argparse
@@ -40,7 +45,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, Qwen3MoeConfig
 
 from flax_lm.command_line.arguments import default_steps_per_call
 from flax_lm.data.packed import cached_blocks
@@ -77,7 +82,12 @@ def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=PRESETS, default="cpu-small")
     parser.add_argument(
-        "--model_type", choices=["gpt2", "llama"], default="gpt2", help="the model of the preset's shape"
+        "--model_type", choices=["gpt2", "llama", "qwen3_moe"], default="gpt2", help="the model of the preset's shape"
+    )
+    parser.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts in each layer")
+    parser.add_argument("--experts_per_token", type=int, default=2, help="qwen3_moe: the experts each token reaches")
+    parser.add_argument(
+        "--expert_intermediate_size", type=int, help="qwen3_moe: an expert's MLP width (default: see above)"
     )
     parser.add_argument("--key_value_heads", type=int, help="llama: key/value heads (default: as many as heads)")
     parser.add_argument("--intermediate_size", type=int, help="llama: the MLP's width (default: 8/3 of the width)")
@@ -164,8 +174,12 @@ def projection_shapes(config) -> list[tuple[int, int]]:
     else:
         heads_width = config.num_attention_heads * config.head_dim
         key_value_width = config.num_key_value_heads * config.head_dim
-        inner = config.intermediate_size
         layer = [(width, heads_width), (width, key_value_width), (width, key_value_width), (heads_width, width)]
+        if config.model_type == "qwen3_moe":  # the router, and each token's experts side by side
+            inner = config.num_experts_per_tok * config.moe_intermediate_size
+            layer += [(width, config.num_experts)]
+        else:
+            inner = config.intermediate_size
         layer += [(width, inner), (width, inner), (inner, width)]
     return layer * config.num_hidden_layers + [(width, config.vocab_size)]
 
@@ -225,13 +239,23 @@ def model_config(settings, arguments):
             attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
     if arguments.dropout:
-        raise SystemExit("error: the Llama model has no dropout; leave --dropout out")
-    return LlamaConfig(
+        raise SystemExit(f"error: the {arguments.model_type} model has no dropout; leave --dropout out")
+    shape = dict(
         vocab_size=settings["vocab_size"], max_position_embeddings=settings["block_size"],
         hidden_size=settings["width"], num_hidden_layers=settings["layers"], num_attention_heads=settings["heads"],
         num_key_value_heads=arguments.key_value_heads or settings["heads"],
-        intermediate_size=arguments.intermediate_size or math.ceil(8 * settings["width"] / 3 / 64) * 64,
         tie_word_embeddings=True, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+    )  # fmt: skip
+    intermediate_size = arguments.intermediate_size or math.ceil(8 * settings["width"] / 3 / 64) * 64
+    if arguments.model_type == "llama":
+        return LlamaConfig(**shape, intermediate_size=intermediate_size)
+    if not 0 < arguments.experts_per_token <= arguments.experts:
+        raise SystemExit("error: --experts_per_token must be between 1 and --experts")
+    return Qwen3MoeConfig(
+        **shape, head_dim=settings["width"] // settings["heads"], num_experts=arguments.experts,
+        num_experts_per_tok=arguments.experts_per_token,
+        moe_intermediate_size=arguments.expert_intermediate_size or intermediate_size // arguments.experts_per_token,
+        norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.001,
     )  # fmt: skip
 
 
@@ -365,6 +389,9 @@ def matmul_diagnostics(settings, config, parameters: int, timing: dict, tokens_p
     # Tables only looked up are no products: GPT-2's positions, an embedding apart from the output layer.
     looked_up = config.hidden_size * (config.max_position_embeddings if config.model_type == "gpt2" else 0)
     looked_up += 0 if config.tie_word_embeddings else config.hidden_size * config.vocab_size
+    if config.model_type == "qwen3_moe":  # the experts a token does not reach do not multiply it
+        idle_experts = config.num_experts - config.num_experts_per_tok
+        looked_up += config.num_hidden_layers * idle_experts * 3 * config.hidden_size * config.moe_intermediate_size
     matmul_parameters = parameters - looked_up
     attention_flops = 12 * config.num_hidden_layers * attention_width(config) * settings["block_size"]
     flops_per_token = 6 * matmul_parameters + attention_flops

@@ -12,6 +12,10 @@ Rows (bfloat16, random ids, the same shape and batch on both sides):
     llama_finetune  that Llama fine-tuned on packed prompt/completion rows with the loss on the completions:
                     benchmark_clm.py --model_type llama --packed_examples, beside LlamaForCausalLM with labels -100
                     outside the completions and positions restarting at each example
+    qwen3_moe       a Qwen3-MoE of that shape whose tokens meet as many MLP weights as the Llama's: 64 experts of
+                    256, 8 per token (Qwen3-30B-A3B's 128 experts, 8 per token, scaled down), dropless, the
+                    load-balancing loss in the loss: benchmark_clm.py --model_type qwen3_moe, beside transformers'
+                    Qwen3MoeForCausalLM
     roberta         RoBERTa-base MLM, 32 x 512, 15% of the positions predicted: benchmark_mlm.py --preset
                     roberta-base, beside transformers' RobertaForMaskedLM
 
@@ -56,12 +60,12 @@ BENCHMARKS_DIR = os.path.dirname(os.path.abspath(__file__))
 SHAPES = {
     "gpu": dict(
         layers=12, width=768, heads=12, key_value_heads=4, intermediate_size=2048, vocab_size=50304,
-        causal_batch=(32, 1024), masked_batch=(32, 512), dtype="bfloat16",
+        causal_batch=(32, 1024), masked_batch=(32, 512), dtype="bfloat16", experts=64, experts_per_token=8,
         generation_batch_sizes=(1, 32), prompt_tokens=16, new_tokens=128,
     ),
     "smoke": dict(
         layers=2, width=64, heads=4, key_value_heads=2, intermediate_size=128, vocab_size=256,
-        causal_batch=(4, 64), masked_batch=(4, 64), dtype="float32",
+        causal_batch=(4, 64), masked_batch=(4, 64), dtype="float32", experts=8, experts_per_token=2,
         generation_batch_sizes=(1, 4), prompt_tokens=4, new_tokens=8,
     ),
 }  # fmt: skip
@@ -82,7 +86,7 @@ PUBLISHED_BFLOAT16_PEAKS = (
 # In the order they run: RoBERTa last, whose compile has been the slowest.
 # A side that would start with less of the time budget left is not started: no GPU side compiles in less.
 SIDE_MINIMUM_SECONDS = 45
-TRAINING_ROWS = ["gpt2", "llama", "llama_finetune", "roberta"]
+TRAINING_ROWS = ["gpt2", "llama", "llama_finetune", "qwen3_moe", "roberta"]
 GENERATION_ROW = "generate"
 
 
@@ -100,7 +104,7 @@ class Side:
 class Row:
     name: str
     description: str
-    kind: str  # gpt2, llama or roberta: what the FLOP count reads
+    kind: str  # gpt2, llama, qwen3_moe or roberta: what the FLOP count reads
     project: Side
     peers: list[Side] = field(default_factory=list)
 
@@ -113,6 +117,7 @@ def rows_of(shape: dict, arguments) -> list[Row]:
     common = ["--layers", shape["layers"], "--width", shape["width"], "--heads", shape["heads"]]
     common += ["--vocab_size", shape["vocab_size"], "--dtype", shape["dtype"]]
     llama = ["--key_value_heads", shape["key_value_heads"], "--intermediate_size", shape["intermediate_size"]]
+    moe = [*llama, "--experts", shape["experts"], "--experts_per_token", shape["experts_per_token"]]
     clm = ["benchmark_clm.py", "--preset", "gpt2", *common, "--block_size", length, "--batch_size", batch]
     clm += ["--skip_preprocessing", "--skip_matmul_peak", *timing]
     mlm = ["benchmark_mlm.py", "--preset", "roberta-base", *common, "--seq_length", masked_length]
@@ -138,6 +143,12 @@ def rows_of(shape: dict, arguments) -> list[Row]:
             "llama_finetune", f"Llama fine-tuning, packed prompt/completion rows, {batch} x {length}", "llama",
             Side("flax_lm", [*clm, "--model_type", "llama", *llama, "--packed_examples"]),
             [Side("transformers LlamaForCausalLM", [*torch, "--model", "llama", *llama, "--packed_examples"])],
+        ),
+        Row(
+            "qwen3_moe", f"Qwen3-MoE {shape['layers']} x {shape['width']}, {shape['experts_per_token']} of "
+            f"{shape['experts']} experts, {batch} x {length}", "qwen3_moe",
+            Side("flax_lm", [*clm, "--model_type", "qwen3_moe", *moe]),
+            [Side("transformers Qwen3MoeForCausalLM", [*torch, "--model", "qwen3_moe", *moe])],
         ),
         Row(
             "roberta", f"RoBERTa-{'base' if not arguments.smoke else 'tiny'} MLM, {masked_batch} x {masked_length}",
@@ -173,9 +184,11 @@ def flops_per_token(kind: str, shape: dict, sequence_length: int) -> float:
     """(6 x the weights that multiply + 12 x layers x width x sequence length) a token: the same count for both
     sides of a row, from its shape alone. Biases and norms are left out; the tied output layer counts."""
     width, layers, vocab_size = shape["width"], shape["layers"], shape["vocab_size"]
-    if kind == "llama":
+    if kind in ("llama", "qwen3_moe"):
         key_value_width = width // shape["heads"] * shape["key_value_heads"]
-        layer = 2 * width * width + 2 * width * key_value_width + 3 * width * shape["intermediate_size"]
+        # A Qwen3-MoE's tokens meet its router and as many expert weights as the Llama's MLP has (see the rows).
+        router = width * shape["experts"] if kind == "qwen3_moe" else 0
+        layer = 2 * width * width + 2 * width * key_value_width + 3 * width * shape["intermediate_size"] + router
         weights = layers * layer + vocab_size * width
     else:
         weights = layers * 12 * width * width + vocab_size * width

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The PyTorch peer of one row of benchmarks/gpu_suite.py: a train step as a PyTorch user writes it, timed as the
-project's benchmark_clm.py / benchmark_mlm.py time theirs. transformers' GPT2LMHeadModel, LlamaForCausalLM or
-RobertaForMaskedLM (SDPA attention), or the lean single-file GPT of lean_gpt.py; torch.compile; fused AdamW with the
+project's benchmark_clm.py / benchmark_mlm.py time theirs. transformers' GPT2LMHeadModel, LlamaForCausalLM,
+Qwen3MoeForCausalLM (its load-balancing loss in the loss, as on the project's side) or RobertaForMaskedLM (SDPA
+attention), or the lean single-file GPT of lean_gpt.py; torch.compile; fused AdamW with the
 gradients clipped to norm 1; bfloat16 through autocast over float32 weights (as transformers' Trainer --bf16 and
 nanoGPT run). Batches are random ids of the row's shape, made once and on the device: causal rows (the labels are the
 inputs), masked rows (15% of the positions predicted, BERT's 80/10/10 replacement), or with --packed_examples the
@@ -37,11 +38,13 @@ from transformers import (  # noqa: E402
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     RobertaConfig,
     RobertaForMaskedLM,
 )
 
-MODELS = ("gpt2", "lean_gpt", "llama", "roberta")
+MODELS = ("gpt2", "lean_gpt", "llama", "qwen3_moe", "roberta")
 ROBERTA_SPECIAL_IDS = dict(bos=0, pad=1, eos=2, mask=4)  # <s>, <pad>, </s>, <unk>=3, <mask>: as benchmark_mlm.py's
 
 
@@ -53,6 +56,11 @@ def parse_arguments():
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--key_value_heads", type=int, help="llama: key/value heads (default: as many as heads)")
     parser.add_argument("--intermediate_size", type=int, default=2048, help="llama: the MLP's width")
+    parser.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts in each layer")
+    parser.add_argument("--experts_per_token", type=int, default=2, help="qwen3_moe: the experts each token reaches")
+    parser.add_argument(
+        "--expert_intermediate_size", type=int, help="qwen3_moe: an expert's width (default: the MLP's over top-k)"
+    )
     parser.add_argument("--vocab_size", type=int, default=50304)
     parser.add_argument("--sequence_length", type=int, default=1024)
     parser.add_argument("--batch_size", type=int, default=32)
@@ -93,6 +101,17 @@ def build_model(arguments) -> torch.nn.Module:
             tie_word_embeddings=True, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
         )  # fmt: skip
         return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    if arguments.model == "qwen3_moe":
+        expert_width = arguments.expert_intermediate_size or arguments.intermediate_size // arguments.experts_per_token
+        config = Qwen3MoeConfig(
+            **shape, num_key_value_heads=arguments.key_value_heads or arguments.heads,
+            head_dim=arguments.width // arguments.heads, num_experts=arguments.experts,
+            num_experts_per_tok=arguments.experts_per_token, moe_intermediate_size=expert_width,
+            norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.001,
+            max_position_embeddings=arguments.sequence_length, tie_word_embeddings=True, bos_token_id=BOS_TOKEN_ID,
+            eos_token_id=EOS_TOKEN_ID,
+        )  # fmt: skip
+        return Qwen3MoeForCausalLM._from_config(config, attn_implementation="sdpa")
     config = RobertaConfig(
         **shape, intermediate_size=4 * arguments.width,
         max_position_embeddings=arguments.sequence_length + ROBERTA_SPECIAL_IDS["pad"] + 1, type_vocab_size=1,

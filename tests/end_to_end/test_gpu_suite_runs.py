@@ -30,6 +30,7 @@ def test_the_smoke_measures_the_rows_on_both_sides_and_its_json_holds_the_printe
         ("gpt2", "flax_lm"), ("gpt2", "transformers GPT2LMHeadModel"), ("gpt2", "lean GPT (peers/lean_gpt.py)"),
         ("gpt2", "flax_lm --fp8"),
         ("llama_finetune", "flax_lm"), ("llama_finetune", "transformers LlamaForCausalLM"),
+        ("qwen3_moe", "flax_lm"), ("qwen3_moe", "transformers Qwen3MoeForCausalLM"),
         ("roberta", "flax_lm"), ("roberta", "transformers RobertaForMaskedLM"),
     ]  # fmt: skip
     measurements = report["measurements"]
