@@ -676,7 +676,9 @@ class Evaluation:
         if self.tasks:
             results["tasks"] = self.tasks(params)
             self.tasks.report(results["tasks"], step, self.trackers)
-        if self.sampling.max_new_tokens > 0:
+        if self.sampling.max_new_tokens > 0:  # the first compiles the sampler: tens of seconds on a CPU
+            logger.info("step %d: sampling %d tokens after each of %d prompts", step, self.sampling.max_new_tokens,
+                        len(self.prompts))  # fmt: skip
             texts = self.samples(params)
             for text in texts:
                 logger.info("step %d: sample %r", step, text)

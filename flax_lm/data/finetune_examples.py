@@ -145,7 +145,7 @@ def data_format(texts: dict, source: TextSource, streaming_alone: bool) -> str |
             "--packed_data_dir to pack the stream's examples once and train on them"
         )
     if found is not None:
-        logger.info("The data are %s: %s", FORMAT_NAMES[found], example_framing(found, source.examples))
+        logger.info("The data are %s", example_framing(found, source.examples))
     return found
 
 

@@ -87,7 +87,10 @@ def check_pair(row, where: str) -> dict:
         raise UsageError(f"{where} is not an object with the fields prompt, chosen and rejected")
     for name in ("chosen", "rejected"):
         if row.get(name) is None:
-            raise UsageError(f"{where} has no '{name}' field; each pair needs prompt, chosen and rejected")
+            raise UsageError(
+                f"{where} has no '{name}' field; each pair needs chosen and rejected (and a prompt, unless "
+                "they are conversations that share their start)"
+            )
     if isinstance(row["chosen"], list) and row.get("prompt") is None:
         row = implicit_prompt(row["chosen"], row["rejected"], where)
     if row.get("prompt") is None:

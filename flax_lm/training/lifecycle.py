@@ -313,12 +313,10 @@ def save_run(setup: TrainingSetup, config, tokenizer, run: dict, checkpoints, st
         record["epoch"], record["batch_in_epoch"] = divmod(progress.step, setup.steps_per_epoch)
     save_checkpoint(checkpoints, state, record)
     output_dir = os.path.dirname(str(checkpoints.directory))
+    # Gathering a sharded model's weights and checking the export against them takes a while on a big mesh.
+    logger.info("step %d: exporting the model to %s", progress.step, output_dir)
     setup.export(output_dir, state.params, config, tokenizer)
-    logger.info(
-        "step %d: exported the model to %s; writing the training checkpoint in the background",
-        progress.step,
-        output_dir,
-    )
+    logger.info("step %d: exported the model; writing the training checkpoint in the background", progress.step)
     return progress.step
 
 

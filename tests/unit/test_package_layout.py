@@ -200,3 +200,14 @@ def test_the_data_layer_check_finds_an_upward_import_and_an_arguments_parameter(
         "texts imports flax_lm.data.loading, which is not above it",
         "texts.read takes data_args",
     ]
+
+
+def test_every_script_at_the_top_runs_as_the_docs_write_it():
+    """`./run_grpo_flax.py ...`, as the README and docs/ write each command, needs the file's executable bit."""
+    scripts = [name for name in os.listdir(REPO) if name.endswith(".py") and not name.startswith("_")]
+    with_shebang = []
+    for name in scripts:
+        with open(os.path.join(REPO, name)) as file:
+            with_shebang += [name] if file.readline().startswith("#!") else []
+    assert len(with_shebang) >= 8
+    assert [name for name in with_shebang if not os.access(os.path.join(REPO, name), os.X_OK)] == []
