@@ -555,6 +555,7 @@ def main():
     )
     model, adapters = adapted(model, model_code, model_args, training_args, length, training_args.seed)
     script, settings = script_training(training_args, adapters), training_args.training_settings()
+    # The training rows as the record of the run and its epochs count them: each prompt once per completion.
     rows = np.repeat(padded(prompt_ids, max(map(len, prompt_ids)), 0, left=True)[0], training_args.num_generations, 0)
     no_evaluation = lambda params, batch: {}  # noqa: E731
     setup = set_up_training(model, model_code, script, no_evaluation, settings, rows, length, adapters)
@@ -564,6 +565,7 @@ def main():
 
     if this_run.trains_now:
         if jax.process_index() == 0:
+            # grpo_log.jsonl: one tracker more, given what the others are.
             this_run.trackers.trackers.append(MetricsFile(training_args.output_dir, this_run.progress.step))
         generation = Generation(setup, prompts, prompt_ids, tokenizer, training_args)
         reference = Reference(setup, model_args, training_args) if training_args.beta else None
