@@ -70,7 +70,7 @@ def ours(args) -> float:
         "--train_file", args.train_file, "--output_dir", output_dir, "--num_generations", str(args.num_generations),
         "--per_device_train_batch_size", str(args.batch), "--max_completion_length", str(args.max_completion_length),
         "--learning_rate", str(args.learning_rate), "--loss_type", "grpo", "--max_steps", str(args.steps),
-        "--logging_steps", "1", "--seed", str(args.seed),
+        "--logging_steps", "1", "--seed", str(args.seed), "--lr_scheduler_type", "constant",
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, text=True)
     with open(os.path.join(output_dir, "grpo_log.jsonl")) as file:

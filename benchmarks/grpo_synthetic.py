@@ -82,7 +82,8 @@ def main():
         "run_grpo_flax.py", "--model_name_or_path", sft_dir, "--train_file", prompts_file, "--output_dir", grpo_dir,
         "--reward_funcs", "addition", "--num_generations", 8, "--per_device_train_batch_size", 64,
         "--max_completion_length", 4, "--learning_rate", args.learning_rate, "--loss_type", args.loss_type,
-        "--beta", args.beta, "--max_steps", args.grpo_steps, "--logging_steps", 25,
+        "--beta", args.beta, "--max_steps", args.grpo_steps, "--logging_steps", 25, "--lr_scheduler_type", "constant",
+        "--overwrite_output_dir",
     )  # fmt: skip
     with open(os.path.join(grpo_dir, "grpo_log.jsonl")) as file:
         logged = [json.loads(line) for line in file]

@@ -81,6 +81,18 @@ def is_adapter(path, param=None) -> bool:
     return getattr(last, "key", last) in ADAPTER_LEAVES
 
 
+def decaying_adapters(decay_mask):
+    """`decay_mask(params)` (a script's: True where weight decay applies) with LoRA's adapters decayed as well, as
+    transformers' Trainer decays a PEFT model's: every trained parameter but biases and norms (its
+    get_decay_parameter_names), lora_A and lora_B among them; a script's mask that names kernels alone would leave
+    them out. A model without adapters keeps the script's mask as it is."""
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, decayed: decayed or is_adapter(path), decay_mask(params))
+
+    return mask
+
+
 def without_adapters(params):
     """`params` (or their shapes) without the adapters: the base model's."""
     return unflatten_dict({path: value for path, value in flatten_dict(params).items() if not is_adapter(path)})

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from flax_lm.errors import UsageError
+from flax_lm.training.lora import decaying_adapters
 from flax_lm.training.train_state import trained_mask
 
 
@@ -91,14 +92,15 @@ def warmup_stable_decay(settings: OptimizerSettings, warmup_steps: int, total_st
 
 
 def adamw(settings: OptimizerSettings, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
-    """AdamW with --adam_beta1, --adam_beta2, --adam_epsilon, and --weight_decay on what `decay_mask` picks."""
+    """AdamW with --adam_beta1, --adam_beta2, --adam_epsilon, and --weight_decay on what `decay_mask` picks and on
+    LoRA's adapters (decaying_adapters)."""
     return optax.adamw(
         schedule,
         b1=settings.adam_beta1,
         b2=settings.adam_beta2,
         eps=settings.adam_epsilon,
         weight_decay=settings.weight_decay,
-        mask=decay_mask,
+        mask=decaying_adapters(decay_mask),
     )
 
 
@@ -109,13 +111,15 @@ def lion(settings: OptimizerSettings, schedule: optax.Schedule, decay_mask) -> o
         b1=settings.adam_beta1,
         b2=settings.adam_beta2,
         weight_decay=settings.weight_decay,
-        mask=decay_mask,
+        mask=decaying_adapters(decay_mask),
     )
 
 
 def adafactor(settings: OptimizerSettings, schedule: optax.Schedule, decay_mask) -> optax.GradientTransformation:
     """optax's Adafactor, weight decay as adamw's."""
-    return optax.adafactor(schedule, weight_decay_rate=settings.weight_decay or None, weight_decay_mask=decay_mask)
+    return optax.adafactor(
+        schedule, weight_decay_rate=settings.weight_decay or None, weight_decay_mask=decaying_adapters(decay_mask)
+    )
 
 
 def muon_with_adamw(

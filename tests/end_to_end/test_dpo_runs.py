@@ -1,8 +1,10 @@
-"""run_dpo_flax.py as a user runs it: DPO on an easy preference set raises the reward accuracy and margin, and the
-exported model, loaded by transformers, gives the log-probabilities the final evaluation reported."""
+"""run_dpo_flax.py as a user runs it: DPO on an easy preference set raises the reward accuracy and margin, the
+exported model, loaded by transformers, gives the log-probabilities the final evaluation reported, and the run resumed
+from its first checkpoint ends with the same results."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import torch
@@ -26,15 +28,15 @@ def test_dpo_learns_an_easy_preference_and_exports_what_it_evaluated(run_tool, t
     LlamaForCausalLM(AutoConfig.from_pretrained(model_dir)).save_pretrained(model_dir)
     train, validation = easy_pairs(40), easy_pairs(48)[40:]
     output_dir = tmp_path / "run"
-    result = run_tool(
-        "run_dpo_flax.py",
+    flags = [
         "--model_name_or_path", model_dir,
         "--train_file", write_jsonl(tmp_path / "train.jsonl", train),
         "--validation_file", write_jsonl(tmp_path / "validation.jsonl", validation),
-        "--do_train", "--do_eval", "--eval_on_start", "--output_dir", output_dir,
+        "--do_train", "--do_eval", "--eval_on_start",
         "--learning_rate", "1e-3", "--max_steps", "10", "--per_device_train_batch_size", "8",
-        "--logging_steps", "5", "--save_steps", "10", "--report_to", "none",
-    )  # fmt: skip
+        "--logging_steps", "5", "--save_steps", "5", "--report_to", "none",
+    ]  # fmt: skip
+    result = run_tool("run_dpo_flax.py", *flags, "--output_dir", output_dir)
     assert result.returncode == 0, result.stderr[-3000:]
 
     evaluations = re.findall(
@@ -59,3 +61,20 @@ def test_dpo_learns_an_easy_preference_and_exports_what_it_evaluated(run_tool, t
         targets = ids[0, 1:]
         chosen_logps.append(log_probs[torch.arange(len(targets)), targets][len(prompt) - 1 :].sum().item())
     np.testing.assert_allclose(np.mean(chosen_logps), results["eval_logps/chosen"], atol=1e-3)
+
+    # Interrupted after the save of step 5 (its results not yet written), and resumed by the same command: the same
+    # batches and steps, so the same training metrics over the whole run and the same final evaluation.
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(output_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "10")
+    for name in ("train_results.json", "eval_results.json", "all_results.json"):
+        (resumed_dir / name).unlink()
+    result = run_tool("run_dpo_flax.py", *flags, "--output_dir", resumed_dir, "--resume_from_checkpoint")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resumed from" in result.stderr
+    assert json.loads((resumed_dir / "eval_results.json").read_text()) == results
+    train_results, resumed_train_results = (
+        json.loads((directory / "train_results.json").read_text()) for directory in (output_dir, resumed_dir)
+    )
+    for name in ("train_loss", "train_rewards/accuracies", "train_rewards/margins", "train_logps/chosen"):
+        assert resumed_train_results[name] == train_results[name], name

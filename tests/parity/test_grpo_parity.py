@@ -11,6 +11,7 @@ from conftest import REPO_DIR
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from flax_lm.command_line.arguments import ModelArguments
 from flax_lm.command_line.model_loading import model_loading
 from flax_lm.models.llama.model import to_hf_state_dict
 from flax_lm.server.generator import load_model
@@ -98,11 +99,13 @@ def trl_loss_and_gradients(policy, reference, step, loss_type: str, beta: float,
 @pytest.mark.parametrize(("loss_type", "beta", "temperature"), [("grpo", 0.04, 1.0), ("dr_grpo", 0.1, 0.7)])
 def test_the_loss_and_its_gradients_equal_trls(fixed_step, loss_type, beta, temperature):
     policy, reference, step = fixed_step
-    model, params, _ = load_model(model_loading(run_grpo_flax.GRPOArguments(policy, "", "")))
-    _, ref_params, _ = load_model(model_loading(run_grpo_flax.GRPOArguments(reference, "", "")))
+    model, params, _ = load_model(model_loading(ModelArguments(policy)))
+    _, ref_params, _ = load_model(model_loading(ModelArguments(reference)))
     settings = run_grpo_flax.LossSettings(temperature, beta, 0.2, 0.2, loss_type, COMPLETION_LENGTH)
+    # As the script's Reference adds them to each batch: the reference's log-probabilities of the completions.
+    step = step | {"ref_log_probs": run_grpo_flax.batch_log_probs(model, ref_params, step, temperature)}
     loss_and_gradients = jax.value_and_grad(run_grpo_flax.grpo_loss, has_aux=True)
-    (loss, metrics), gradients = loss_and_gradients(params, ref_params, model, step, settings)
+    (loss, metrics), gradients = loss_and_gradients(params, model, step, settings)
     trl_loss, trl_gradients, trl_metrics = trl_loss_and_gradients(
         policy, reference, step, loss_type, beta, temperature
     )

@@ -51,7 +51,7 @@ def test_a_conversation_prompt_is_rendered_by_the_chat_template_and_rewarded_on_
         "{% for m in messages %}{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}:{% endif %}"
     )
     conversation = [{"role": "user", "content": "1+2="}]
-    args = run_grpo_flax.GRPOArguments("model", "prompts.jsonl", "out", max_completion_length=4)
+    args = run_grpo_flax.TrainingArguments(output_dir="out", max_completion_length=4)
     ids = run_grpo_flax.tokenized_prompts(
         ["1+2=", conversation], tokenizer, LlamaConfig(max_position_embeddings=64), args
     )
@@ -62,22 +62,22 @@ def test_a_conversation_prompt_is_rendered_by_the_chat_template_and_rewarded_on_
 
 
 @pytest.mark.parametrize(
-    ("flags", "rows", "message"),
+    ("flags", "message"),
     [
-        (["--num_generations", "1"], None, "--num_generations must be at least 2"),
+        (["--num_generations", "1"], "--num_generations 1 must be at least 2"),
         (
             ["--per_device_train_batch_size", "10", "--num_generations", "4"],
-            None,
             "not a multiple of --num_generations",
         ),
-        (["--reward_funcs", "nonsense"], None, "--reward_funcs nonsense is not in REWARD_FUNCTIONS"),
-        (["--temperature", "0"], None, "--temperature must be positive"),
-        ([], [{"prompt": "1+2="}, {"question": "3+4="}], 'line 2 has no "prompt" field'),
+        (["--reward_funcs", "nonsense"], "--reward_funcs nonsense is not in REWARD_FUNCTIONS"),
+        (["--temperature", "0"], "--temperature must be positive"),
+        (["--gradient_accumulation_steps", "2"], "leave --gradient_accumulation_steps and --steps_per_call"),
+        (["--do_eval"], "run_grpo_flax.py has no evaluation"),
     ],
 )
-def test_bad_input_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch, flags, rows, message):
+def test_bad_input_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch, flags, message):
     train_file = tmp_path / "prompts.jsonl"
-    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows or [{"prompt": "1+2="}]))
+    train_file.write_text(json.dumps({"prompt": "1+2="}) + "\n")
     output_dir = tmp_path / "out"
     arguments = ["--model_name_or_path", str(tmp_path / "no-model"), "--train_file", str(train_file)]
     monkeypatch.setattr(sys, "argv", ["run_grpo_flax.py", *arguments, "--output_dir", str(output_dir), *flags])
@@ -85,3 +85,11 @@ def test_bad_input_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch,
         run_grpo_flax.main()
     assert "\n" not in str(refusal.value)
     assert not output_dir.exists()
+
+
+def test_a_prompt_file_line_without_a_prompt_is_refused_in_one_line(tmp_path):
+    train_file = tmp_path / "prompts.jsonl"
+    train_file.write_text(json.dumps({"prompt": "1+2="}) + "\n" + json.dumps({"question": "3+4="}) + "\n")
+    with pytest.raises(UsageError, match='line 2 has no "prompt" field') as refusal:
+        run_grpo_flax.read_prompts([str(train_file)])
+    assert "\n" not in str(refusal.value)

@@ -123,3 +123,28 @@ def test_adapter_flags_that_cannot_apply_are_refused_in_one_line(flags, refusal,
     flags = [str(tmp_path / flag) if flag == "model.py" else flag for flag in flags]
     with pytest.raises(UsageError, match=f"^{refusal}"):
         checked_arguments("run_clm_flax", "--train_file", "train.txt", *base, *flags)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "lion"])
+def test_weight_decay_reaches_the_adapters_as_trainers_does_a_peft_models(optim):
+    """transformers' Trainer decays every parameter of a PEFT model but biases and norms, lora_A and lora_B among
+    them; the scripts' decay mask names kernels and embeddings, so the optimizer adds the adapters to it. With zero
+    gradients an update is the decay alone: -learning rate x weight decay x the parameter."""
+    import run_clm_flax
+
+    rng = np.random.default_rng(0)
+    shapes = {("q_proj", "kernel"): (4, 6), ("q_proj", "bias"): (6,), ("q_proj", "lora_A"): (4, 2)}
+    shapes |= {("q_proj", "lora_B"): (2, 6), ("norm", "scale"): (4,)}
+    params = {path: rng.normal(size=shape).astype(np.float32) for path, shape in shapes.items()}
+    params = jax.tree_util.tree_map(jnp.asarray, lora.unflatten_dict(params))
+    args = run_clm_flax.TrainingArguments(
+        output_dir="unused", optim=optim, learning_rate=0.01, weight_decay=0.1, max_grad_norm=0.0
+    )
+    schedule = run_clm_flax.learning_rate_schedule(args.optimizer_settings(), 10)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    for trains, decayed in [(lora.is_adapter, ("lora_A", "lora_B")), (None, ("kernel", "lora_A", "lora_B"))]:
+        optimizer = run_clm_flax.create_optimizer(args.optimizer_settings(), schedule, trains)
+        updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+        for path, update in flatten_dict(updates).items():
+            expected = -0.01 * 0.1 * flatten_dict(params)[path] if path[-1] in decayed else 0 * update
+            np.testing.assert_allclose(update, expected, rtol=1e-5, atol=1e-9, err_msg=f"{trains} {path}")
