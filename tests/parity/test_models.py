@@ -240,6 +240,27 @@ def test_the_sliding_window_is_computed_not_ignored():
     assert np.abs(windowed[:, 6:] - full[:, 6:]).max() > 1e-2
 
 
+# Every dropout rate of each LayerNorm family's config.
+LAYER_NORM_DROPOUTS = {
+    "gptj": dict(embd_pdrop=0.5, attn_pdrop=0.5, resid_pdrop=0.5),
+    "gpt_neox": dict(hidden_dropout=0.5, attention_dropout=0.5),
+    "opt": dict(dropout=0.5, attention_dropout=0.5),
+}
+
+
+@pytest.mark.parametrize("model_type", LAYER_NORM_FAMILIES)
+def test_a_layer_norm_family_trains_with_the_dropout_its_config_sets(model_type):
+    """In training (deterministic=False) the logits differ from those of evaluation: the embedding's dropout
+    included, which a stack built in setup holds as a module of its own."""
+    config = FAMILY_CONFIGS[model_type](**LAYER_NORM_DROPOUTS[model_type])
+    model = stock_module(model_type).MODEL_CLASS(config)
+    input_ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, size=(2, 8)))
+    params = nn.unbox(model.init(jax.random.PRNGKey(0), input_ids)["params"])
+    evaluated = model.apply({"params": params}, input_ids)
+    trained = model.apply({"params": params}, input_ids, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    assert np.abs(np.asarray(trained) - np.asarray(evaluated)).max() > 1e-3
+
+
 @pytest.mark.parametrize(
     "model_type, overrides, message",
     [

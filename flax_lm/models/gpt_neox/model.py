@@ -6,35 +6,26 @@ GPTNeoXForCausalLM; a key/value cache decodes (flax_lm.generation.sampling decod
 
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
-import logging
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
 from flax_lm.models.shared.common import (
     ACTIVATIONS,
-    DecoderPart,
     KeyValueCache,
-    RowsDense,
-    cached_attention,
-    causal_attention,
     linear_shapes,
-    logits_dot_general,
     look_up,
     rope_parameters,
     rotary_frequencies,
     rotate,
-    segments_and_positions,
-    tied_logits,
 )
-
-logger = logging.getLogger(__name__)
+from flax_lm.models.shared.hf_state_dict import params_of, shapes_of, state_dict_of, warn_of_unused
+from flax_lm.models.shared.layer_norm_decoder import LayerNormPart, run_layers, token_positions
 
 # The config.model_type this module computes -> the transformers class whose checkpoint layout the parameters map
 # onto, named in an exported config.json.
@@ -93,21 +84,11 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
         )
 
 
-class NeoXPart(DecoderPart):
-    """Base of the model's parts: DecoderPart's, with LayerNorm."""
+class NeoXPart(LayerNormPart):
+    """Base of the model's parts: LayerNormPart's, with the config's LayerNorm."""
 
-    def layer_norm(self, name: str | None) -> nn.LayerNorm:
-        return nn.LayerNorm(
-            epsilon=self.config.layer_norm_eps,
-            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    def dropout(self, x, rate: float, deterministic: bool):
-        return x if deterministic or not rate else nn.Dropout(rate, deterministic=False)(x)
+    def norm(self, name: str | None) -> nn.LayerNorm:
+        return self.layer_norm(name, self.config.layer_norm_eps)
 
 
 def rotate_leading(x, positions, frequencies, dims: int):
@@ -138,15 +119,11 @@ class NeoXAttention(NeoXPart):
             rotate_leading(query, positions, frequencies, dims),
             rotate_leading(key, positions, frequencies, dims),
         )
-        scale = 1 / math.sqrt(head_dim)
-        layer_cache = None
-        if cache is not None:
-            y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)
-        else:
-            no_dropout = deterministic or not config.attention_dropout
-            dropout = None if no_dropout else nn.Dropout(config.attention_dropout, deterministic=False)
-            y = causal_attention(query, key, value, scale, dropout, segment_ids)
-        y = self.dense(width, ("heads", "embed"), config.attention_bias, "dense")(y.reshape(batch, length, width))
+        scale, rate = 1 / math.sqrt(head_dim), config.attention_dropout
+        y, layer_cache = self.attend_with_dropout(
+            query, key, value, scale, rate, deterministic, cache, self.layer_index, segment_ids
+        )
+        y = self.dense(width, ("heads", "embed"), config.attention_bias, "dense")(y)
         return self.constrain(y, ("batch", "length", None)), layer_cache
 
 
@@ -169,26 +146,15 @@ class NeoXLayer(NeoXPart):
     def __call__(self, x, positions, deterministic: bool, cache: KeyValueCache | None = None, segment_ids=None):
         rate = self.config.hidden_dropout
         attention = self.child(NeoXAttention, "attention", layer_index=self.layer_index)
-        y, layer_cache = attention(self.layer_norm("input_layernorm")(x), positions, deterministic, cache, segment_ids)
+        y, layer_cache = attention(self.norm("input_layernorm")(x), positions, deterministic, cache, segment_ids)
         y = self.dropout(y, rate, deterministic)
         mlp = self.child(NeoXMLP, "mlp")
         if self.config.use_parallel_residual:
-            return x + y + self.dropout(mlp(self.layer_norm("post_attention_layernorm")(x)), rate, deterministic), (
+            return x + y + self.dropout(mlp(self.norm("post_attention_layernorm")(x)), rate, deterministic), (
                 layer_cache
             )
         x = x + y
-        return x + self.dropout(mlp(self.layer_norm("post_attention_layernorm")(x)), rate, deterministic), layer_cache
-
-
-def token_positions(input_ids, cache: KeyValueCache | None, separator_id):
-    """(positions (batch, length), segment ids or None) of the tokens: counted in the cache's rows when decoding, from
-    each document's start with `separator_id`, else from the row's start."""
-    if cache is not None:
-        return cache.positions(input_ids.shape[1]), None
-    if separator_id is not None:
-        segment_ids, positions = segments_and_positions(input_ids, separator_id)
-        return positions, segment_ids
-    return jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None, :], input_ids.shape), None
+        return x + self.dropout(mlp(self.norm("post_attention_layernorm")(x)), rate, deterministic), layer_cache
 
 
 class NeoXModel(NeoXPart):
@@ -196,30 +162,17 @@ class NeoXModel(NeoXPart):
 
     def setup(self):
         config = self.config
-        init = nn.with_logical_partitioning(nn.initializers.normal(config.initializer_range), ("vocab", "embed"))
-        self.embed_in = nn.Embed(
-            config.vocab_size, config.hidden_size, embedding_init=init, dtype=self.dtype, param_dtype=self.param_dtype
-        )
-        layer = NeoXLayer
-        if self.remat_policy:
-            # Argument 3 (deterministic) is a Python bool that selects code, not an array.
-            layer = nn.remat(layer, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(3,))
-        # A list attribute names its modules layers_0, layers_1, ...: the checkpoint's layers.0, layers.1, ...
-        self.layers = [self.child(layer, None, layer_index=index) for index in range(config.num_hidden_layers)]
-        self.final_layer_norm = self.layer_norm(None)
+        self.embed_in = self.embedding(config.vocab_size, config.hidden_size, config.initializer_range)
+        self.emb_dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = self.stacked_layers(NeoXLayer, config.num_hidden_layers, deterministic_argnum=3)
+        self.final_layer_norm = self.norm(None)
 
     def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None, separator_id=None):
         input_ids = self.constrain(input_ids, ("batch", None))  # every device of a tensor group takes its rows
         positions, segment_ids = token_positions(input_ids, cache, separator_id)
         x = look_up(self.embed_in, "vocab", input_ids, self.mesh, self.dtype)
-        x = self.constrain(self.dropout(x, self.config.hidden_dropout, deterministic), ("batch", "length", None))
-        layer_caches = []
-        for layer in self.layers:
-            x, layer_cache = layer(x, positions, deterministic, cache, segment_ids)
-            layer_caches.append(layer_cache)
-        if cache is not None:
-            keys, values = zip(*layer_caches)
-            cache = cache.replace(keys=keys, values=values, index=cache.index + input_ids.shape[1])
+        x = self.constrain(self.emb_dropout(x, deterministic=deterministic), ("batch", "length", None))
+        x, cache = run_layers(self.layers, x, cache, positions, deterministic, cache, segment_ids)
         return self.final_layer_norm(x), cache
 
 
@@ -241,7 +194,7 @@ class FlaxGPTNeoXForCausalLM(NeoXPart):
     def __call__(self, input_ids, deterministic: bool = True, cache: KeyValueCache | None = None):
         model = self.child(NeoXModel, "gpt_neox")
         hidden, cache = model(input_ids, deterministic, cache, self.document_separator_id)
-        logits = output_logits(self, hidden, model.embed_in)
+        logits = self.output_logits(hidden, model.embed_in, self.config.initializer_range)
         return logits if cache is None else (logits, cache)
 
     def empty_cache(self, prompt_mask, new_tokens: int) -> KeyValueCache:
@@ -251,27 +204,6 @@ class FlaxGPTNeoXForCausalLM(NeoXPart):
             config.num_hidden_layers, config.num_attention_heads, head_dim_of(config), prompt_mask, new_tokens,
             self.dtype,
         )  # fmt: skip
-
-
-def output_logits(part: DecoderPart, hidden, embedding: nn.Embed):
-    """float32 logits of `hidden`: the token `embedding` transposed where the config ties them, else an output layer
-    of its own (lm_head; its parameters' name keeps it with AdamW under --optim muon)."""
-    config = part.config
-    if config.tie_word_embeddings:
-        logits = tied_logits(hidden, embedding.embedding.astype(part.dtype))
-    else:
-        logits = RowsDense(
-            config.vocab_size,
-            use_bias=False,
-            kernel_init=nn.with_logical_partitioning(
-                nn.initializers.normal(config.initializer_range), ("embed", "vocab")
-            ),
-            dtype=part.dtype,
-            param_dtype=part.param_dtype,
-            dot_general=logits_dot_general,
-            name="lm_head",
-        )(hidden)
-    return part.constrain(logits, ("batch", None, "vocab")).astype(jnp.float32)
 
 
 # The model class of this module, as the scripts construct it: (config, dtype, param_dtype, remat_policy, mesh,
@@ -294,21 +226,17 @@ def hf_name(flax_path: tuple) -> str:
 
 
 def to_hf_state_dict(params) -> dict[str, np.ndarray]:
-    """Flax parameters as the PyTorch GPTNeoXForCausalLM state dict (float32 numpy, HF names and layouts): every
-    dense kernel, stored (in, out) here, is an nn.Linear weight (out, in) there."""
-    return {
-        hf_name(path): np.ascontiguousarray(np.asarray(value, np.float32).T if path[-1] == "kernel" else value)
-        for path, value in flatten_dict(params).items()
-    }
+    """Flax parameters as the PyTorch GPTNeoXForCausalLM state dict (float32 numpy, HF names and layouts)."""
+    return state_dict_of(params, hf_name)
 
 
 def hf_shapes(params) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone (arrays or
-    jax.ShapeDtypeStruct): nothing is read or allocated. It follows to_hf_state_dict; change both together."""
-    return {
-        hf_name(path): tuple(value.shape[::-1] if path[-1] == "kernel" else value.shape)
-        for path, value in flatten_dict(params).items()
-    }
+    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone."""
+    return shapes_of(params, hf_name)
+
+
+# Buffers some checkpoints carry (the causal mask, rotary frequencies), which the model computes.
+HF_BUFFERS = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
 
 
 def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
@@ -317,27 +245,10 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
     (transformers 5's name for it in memory). The checkpoint's tensors may be of any float dtype."""
     if "lm_head.weight" in state_dict and "embed_out.weight" not in state_dict:
         state_dict = {"embed_out.weight" if name == "lm_head.weight" else name: v for name, v in state_dict.items()}
-    params, used = {}, set()
-    for path, expected in flatten_dict(abstract_params).items():
-        name = hf_name(path)
-        if name not in state_dict:
-            raise UsageError(f"the checkpoint has no tensor {name}; it does not match the model config")
-        value = state_dict[name].T if path[-1] == "kernel" else state_dict[name]
-        if value.shape != expected.shape:
-            raise UsageError(
-                f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
-                "pass the config the checkpoint was trained with"
-            )
-        params[path] = jax.device_put(np.asarray(value, dtype=expected.dtype), getattr(expected, "sharding", None))
-        used.add(name)
-    # Buffers some checkpoints carry (the causal mask, rotary frequencies); a tied output layer is the embedding.
-    buffers = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
-    ignored = [n for n in state_dict if n not in used and not n.endswith(buffers) and n != "embed_out.weight"]
-    if ignored:
-        logger.warning(
-            "Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5])
-        )
-    return unflatten_dict(params)
+    params, unused = params_of(state_dict, abstract_params, hf_name)
+    # A tied output layer is the embedding.
+    warn_of_unused([name for name in unused if not name.endswith(HF_BUFFERS) and name != "embed_out.weight"])
+    return params
 
 
 def hf_architecture_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -5,33 +5,24 @@ one-to-one with transformers' GPTJForCausalLM; a key/value cache decodes (flax_l
 
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
-import logging
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
 from flax_lm.models.shared.common import (
     ACTIVATIONS,
-    DecoderPart,
     KeyValueCache,
-    RowsDense,
-    cached_attention,
-    causal_attention,
     linear_shapes,
-    logits_dot_general,
     look_up,
     rotary_frequencies,
-    segments_and_positions,
-    tied_logits,
 )
-
-logger = logging.getLogger(__name__)
+from flax_lm.models.shared.hf_state_dict import params_of, shapes_of, state_dict_of, warn_of_unused
+from flax_lm.models.shared.layer_norm_decoder import LayerNormPart, run_layers, token_positions
 
 # The config.model_type this module computes -> the transformers class whose checkpoint layout the parameters map
 # onto, named in an exported config.json.
@@ -79,23 +70,6 @@ def inner_width(config) -> int:
     return config.n_inner if config.n_inner is not None else 4 * config.n_embd
 
 
-class GPTJPart(DecoderPart):
-    """Base of the model's parts: DecoderPart's, with LayerNorm and dropout."""
-
-    def layer_norm(self, name: str | None) -> nn.LayerNorm:
-        return nn.LayerNorm(
-            epsilon=self.config.layer_norm_epsilon,
-            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    def dropout(self, x, rate: float, deterministic: bool):
-        return x if deterministic or not rate else nn.Dropout(rate, deterministic=False)(x)
-
-
 def rotate_interleaved(x, positions, frequencies, dims: int):
     """x (batch, length, heads, head_dim) with its first `dims` dimensions of each head turned by the rotary angles
     of `positions` (batch, length), dimensions 2i and 2i + 1 the coordinates of pair i (transformers'
@@ -109,7 +83,7 @@ def rotate_interleaved(x, positions, frequencies, dims: int):
     return jnp.concatenate([turned.reshape(*x.shape[:-1], dims), x[..., dims:]], axis=-1)
 
 
-class GPTJAttention(GPTJPart):
+class GPTJAttention(LayerNormPart):
     layer_index: int = 0
 
     @nn.compact
@@ -128,20 +102,16 @@ class GPTJAttention(GPTJPart):
         frequencies = rotary_frequencies({"rope_type": "default", "rope_theta": ROTARY_BASE}, config.rotary_dim)
         query = rotate_interleaved(query, positions, frequencies, config.rotary_dim)
         key = rotate_interleaved(key, positions, frequencies, config.rotary_dim)
-        scale = 1 / math.sqrt(head_dim)
-        layer_cache = None
-        if cache is not None:
-            y, layer_cache = cached_attention(query, key, value, scale, cache, self.layer_index, self.mesh)
-        else:
-            no_dropout = deterministic or not config.attn_pdrop
-            dropout = None if no_dropout else nn.Dropout(config.attn_pdrop, deterministic=False)
-            y = causal_attention(query, key, value, scale, dropout, segment_ids)
-        y = self.dense(width, ("heads", "embed"), False, "out_proj")(y.reshape(batch, length, width))
+        scale, rate = 1 / math.sqrt(head_dim), config.attn_pdrop
+        y, layer_cache = self.attend_with_dropout(
+            query, key, value, scale, rate, deterministic, cache, self.layer_index, segment_ids
+        )
+        y = self.dense(width, ("heads", "embed"), False, "out_proj")(y)
         y = self.constrain(y, ("batch", "length", None))
         return self.dropout(y, config.resid_pdrop, deterministic), layer_cache
 
 
-class GPTJMLP(GPTJPart):
+class GPTJMLP(LayerNormPart):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         config = self.config
@@ -151,63 +121,39 @@ class GPTJMLP(GPTJPart):
         return self.dropout(x, config.resid_pdrop, deterministic)
 
 
-class GPTJBlock(GPTJPart):
+class GPTJBlock(LayerNormPart):
     """x + attention(ln_1(x)) + mlp(ln_1(x)): both from the one norm, in parallel."""
 
     layer_index: int = 0
 
     @nn.compact
     def __call__(self, x, positions, deterministic: bool, cache: KeyValueCache | None = None, segment_ids=None):
-        normed = self.layer_norm("ln_1")(x)
+        normed = self.layer_norm("ln_1", self.config.layer_norm_epsilon)(x)
         attention = self.child(GPTJAttention, "attn", layer_index=self.layer_index)
         y, layer_cache = attention(normed, positions, deterministic, cache, segment_ids)
         return x + y + self.child(GPTJMLP, "mlp")(normed, deterministic), layer_cache
 
 
-def token_positions(input_ids, cache: KeyValueCache | None, separator_id):
-    """(positions (batch, length), segment ids or None) of the tokens: counted in the cache's rows when decoding, from
-    each document's start with `separator_id`, else from the row's start."""
-    if cache is not None:
-        return cache.positions(input_ids.shape[1]), None
-    if separator_id is not None:
-        segment_ids, positions = segments_and_positions(input_ids, separator_id)
-        return positions, segment_ids
-    return jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None, :], input_ids.shape), None
-
-
-class GPTJModel(GPTJPart):
+class GPTJModel(LayerNormPart):
     """The token embedding (wte), the blocks (h) and the final LayerNorm (ln_f)."""
 
     def setup(self):
         config = self.config
-        init = nn.with_logical_partitioning(nn.initializers.normal(config.initializer_range), ("vocab", "embed"))
-        self.wte = nn.Embed(
-            config.vocab_size, config.n_embd, embedding_init=init, dtype=self.dtype, param_dtype=self.param_dtype
-        )
-        block = GPTJBlock
-        if self.remat_policy:
-            # Argument 3 (deterministic) is a Python bool that selects code, not an array.
-            block = nn.remat(block, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(3,))
-        # A list attribute names its modules h_0, h_1, ...: the checkpoint's h.0, h.1, ...
-        self.h = [self.child(block, None, layer_index=index) for index in range(config.n_layer)]
-        self.ln_f = self.layer_norm(None)
+        self.wte = self.embedding(config.vocab_size, config.n_embd, config.initializer_range)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = self.stacked_layers(GPTJBlock, config.n_layer, deterministic_argnum=3)
+        self.ln_f = self.layer_norm(None, config.layer_norm_epsilon)
 
     def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None, separator_id=None):
         input_ids = self.constrain(input_ids, ("batch", None))  # every device of a tensor group takes its rows
         positions, segment_ids = token_positions(input_ids, cache, separator_id)
         x = look_up(self.wte, "vocab", input_ids, self.mesh, self.dtype)
-        x = self.constrain(self.dropout(x, self.config.embd_pdrop, deterministic), ("batch", "length", None))
-        layer_caches = []
-        for block in self.h:
-            x, layer_cache = block(x, positions, deterministic, cache, segment_ids)
-            layer_caches.append(layer_cache)
-        if cache is not None:
-            keys, values = zip(*layer_caches)
-            cache = cache.replace(keys=keys, values=values, index=cache.index + input_ids.shape[1])
+        x = self.constrain(self.drop(x, deterministic=deterministic), ("batch", "length", None))
+        x, cache = run_layers(self.h, x, cache, positions, deterministic, cache, segment_ids)
         return self.ln_f(x), cache
 
 
-class OutputBias(GPTJPart):
+class OutputBias(LayerNormPart):
     """The output layer's bias alone, where its weight is the token embedding (tie_word_embeddings)."""
 
     @nn.compact
@@ -216,7 +162,7 @@ class OutputBias(GPTJPart):
         return logits + self.param("bias", init, (self.config.vocab_size,), self.param_dtype).astype(jnp.float32)
 
 
-class FlaxGPTJForCausalLM(GPTJPart):
+class FlaxGPTJForCausalLM(LayerNormPart):
     """GPT-J with its output layer (lm_head, with a bias); returns float32 logits (batch, length, vocab_size).
 
     Given a KeyValueCache (decoding), the input is the tokens that follow the cached ones, and the result is
@@ -234,22 +180,9 @@ class FlaxGPTJForCausalLM(GPTJPart):
         config = self.config
         transformer = self.child(GPTJModel, "transformer")
         hidden, cache = transformer(input_ids, deterministic, cache, self.document_separator_id)
+        logits = self.output_logits(hidden, transformer.wte, config.initializer_range, use_bias=True)
         if config.tie_word_embeddings:
-            logits = tied_logits(hidden, transformer.wte.embedding.astype(self.dtype))
             logits = self.child(OutputBias, "lm_head")(logits)
-        else:
-            logits = RowsDense(
-                config.vocab_size,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(config.initializer_range), ("embed", "vocab")
-                ),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                dot_general=logits_dot_general,
-                name="lm_head",
-            )(hidden)
-        logits = self.constrain(logits, ("batch", None, "vocab")).astype(jnp.float32)
         return logits if cache is None else (logits, cache)
 
     def empty_cache(self, prompt_mask, new_tokens: int) -> KeyValueCache:
@@ -273,47 +206,26 @@ def hf_name(flax_path: tuple) -> str:
 
 
 def to_hf_state_dict(params) -> dict[str, np.ndarray]:
-    """Flax parameters as the PyTorch GPTJForCausalLM state dict (float32 numpy, HF names and layouts): every dense
-    kernel, stored (in, out) here, is an nn.Linear weight (out, in) there."""
-    return {
-        hf_name(path): np.ascontiguousarray(np.asarray(value, np.float32).T if path[-1] == "kernel" else value)
-        for path, value in flatten_dict(params).items()
-    }
+    """Flax parameters as the PyTorch GPTJForCausalLM state dict (float32 numpy, HF names and layouts)."""
+    return state_dict_of(params, hf_name)
 
 
 def hf_shapes(params) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone (arrays or
-    jax.ShapeDtypeStruct): nothing is read or allocated. It follows to_hf_state_dict; change both together."""
-    return {
-        hf_name(path): tuple(value.shape[::-1] if path[-1] == "kernel" else value.shape)
-        for path, value in flatten_dict(params).items()
-    }
+    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone."""
+    return shapes_of(params, hf_name)
+
+
+# Buffers some checkpoints carry (the causal mask, the rotary table), which the model computes.
+HF_BUFFERS = (".attn.bias", ".attn.masked_bias", ".embed_positions")
 
 
 def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
     """The inverse of to_hf_state_dict, shaped like `abstract_params` (from jax.eval_shape of init), in their dtypes
     and placed as they are laid out. The checkpoint's tensors may be of any float dtype."""
-    params, used = {}, set()
-    for path, expected in flatten_dict(abstract_params).items():
-        name = hf_name(path)
-        if name not in state_dict:
-            raise UsageError(f"the checkpoint has no tensor {name}; it does not match the model config")
-        value = state_dict[name].T if path[-1] == "kernel" else state_dict[name]
-        if value.shape != expected.shape:
-            raise UsageError(
-                f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
-                "pass the config the checkpoint was trained with"
-            )
-        params[path] = jax.device_put(np.asarray(value, dtype=expected.dtype), getattr(expected, "sharding", None))
-        used.add(name)
-    # Buffers some checkpoints carry (the causal mask, the rotary table); a tied lm_head weight is the embedding.
-    buffers = (".attn.bias", ".attn.masked_bias", ".embed_positions")
-    ignored = [n for n in state_dict if n not in used and not n.endswith(buffers) and n != "lm_head.weight"]
-    if ignored:
-        logger.warning(
-            "Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5])
-        )
-    return unflatten_dict(params)
+    params, unused = params_of(state_dict, abstract_params, hf_name)
+    # A tied lm_head weight is the embedding.
+    warn_of_unused([name for name in unused if not name.endswith(HF_BUFFERS) and name != "lm_head.weight"])
+    return params
 
 
 def hf_architecture_shapes(config) -> dict[str, tuple[int, ...]]:

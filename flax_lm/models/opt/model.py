@@ -6,31 +6,16 @@ them). Parameter names and layouts are one-to-one with transformers' OPTForCausa
 
 A model module: flax_lm/models/__init__.py says what one holds, and how an experiment trains a copy of its own."""
 
-import logging
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
-from flax_lm.models.shared.common import (
-    ACTIVATIONS,
-    DecoderPart,
-    KeyValueCache,
-    RowsDense,
-    cached_attention,
-    causal_attention,
-    linear_shapes,
-    logits_dot_general,
-    look_up,
-    segments_and_positions,
-    tied_logits,
-)
-
-logger = logging.getLogger(__name__)
+from flax_lm.models.shared.common import ACTIVATIONS, KeyValueCache, RowsDense, linear_shapes, look_up
+from flax_lm.models.shared.hf_state_dict import params_of, shapes_of, state_dict_of, warn_of_unused
+from flax_lm.models.shared.layer_norm_decoder import LayerNormPart, run_layers, token_positions
 
 # The config.model_type this module computes -> the transformers class whose checkpoint layout the parameters map
 # onto, named in an exported config.json.
@@ -80,9 +65,9 @@ def check_model_config(config, mesh: jax.sharding.Mesh | None = None):
         )
 
 
-class OPTPart(DecoderPart):
-    """Base of the model's parts: DecoderPart's, with LayerNorm (without a weight and bias where
-    layer_norm_elementwise_affine is false) and dropout; weights drawn from N(0, init_std), OPT's name for it."""
+class OPTPart(LayerNormPart):
+    """Base of the model's parts: LayerNormPart's, with OPT's LayerNorm (without a weight and bias where
+    layer_norm_elementwise_affine is false) and weights drawn from N(0, init_std), OPT's name for it."""
 
     def dense(self, features: int, names: tuple, use_bias: bool, name: str | None) -> RowsDense:
         return RowsDense(
@@ -95,21 +80,9 @@ class OPTPart(DecoderPart):
             name=name,
         )
 
-    def layer_norm(self, name: str | None) -> nn.LayerNorm:
-        affine = self.config.layer_norm_elementwise_affine
-        return nn.LayerNorm(
-            epsilon=1e-5,  # torch.nn.LayerNorm's, which OPT keeps
-            use_scale=affine,
-            use_bias=affine,
-            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name=name,
-        )
-
-    def dropout(self, x, rate: float, deterministic: bool):
-        return x if deterministic or not rate else nn.Dropout(rate, deterministic=False)(x)
+    def norm(self, name: str | None) -> nn.LayerNorm:
+        # torch.nn.LayerNorm's epsilon, which OPT keeps
+        return self.layer_norm(name, 1e-5, affine=self.config.layer_norm_elementwise_affine)
 
 
 class OPTAttention(OPTPart):
@@ -131,14 +104,10 @@ class OPTAttention(OPTPart):
         # The queries scaled before their product with the keys, as OPT scales them.
         query = project("q_proj") * jnp.asarray(head_dim**-0.5, self.dtype)
         key, value = project("k_proj"), project("v_proj")
-        layer_cache = None
-        if cache is not None:
-            y, layer_cache = cached_attention(query, key, value, 1.0, cache, self.layer_index, self.mesh)
-        else:
-            no_dropout = deterministic or not config.attention_dropout
-            dropout = None if no_dropout else nn.Dropout(config.attention_dropout, deterministic=False)
-            y = causal_attention(query, key, value, 1.0, dropout, segment_ids)
-        y = self.dense(width, ("heads", "embed"), config.enable_bias, "out_proj")(y.reshape(batch, length, width))
+        y, layer_cache = self.attend_with_dropout(
+            query, key, value, 1.0, config.attention_dropout, deterministic, cache, self.layer_index, segment_ids
+        )
+        y = self.dense(width, ("heads", "embed"), config.enable_bias, "out_proj")(y)
         return self.constrain(y, ("batch", "length", None)), layer_cache
 
 
@@ -152,7 +121,7 @@ class OPTDecoderLayer(OPTPart):
     def __call__(self, x, deterministic: bool, cache: KeyValueCache | None = None, segment_ids=None):
         config = self.config
         before = config.do_layer_norm_before
-        attention_norm, mlp_norm = self.layer_norm("self_attn_layer_norm"), self.layer_norm("final_layer_norm")
+        attention_norm, mlp_norm = self.norm("self_attn_layer_norm"), self.norm("final_layer_norm")
         attention = self.child(OPTAttention, "self_attn", layer_index=self.layer_index)
         y, layer_cache = attention(attention_norm(x) if before else x, deterministic, cache, segment_ids)
         x = x + self.dropout(y, config.dropout, deterministic)
@@ -170,49 +139,26 @@ class OPTDecoder(OPTPart):
 
     def setup(self):
         config = self.config
-
-        def embed(rows: int, width: int, names: tuple) -> nn.Embed:
-            init = nn.with_logical_partitioning(nn.initializers.normal(config.init_std), names)
-            return nn.Embed(rows, width, embedding_init=init, dtype=self.dtype, param_dtype=self.param_dtype)
-
-        self.embed_tokens = embed(config.vocab_size, config.word_embed_proj_dim, ("vocab", "embed"))
-        self.embed_positions = embed(
-            config.max_position_embeddings + POSITION_OFFSET, config.hidden_size, ("positions", "embed")
-        )
+        self.embed_tokens = self.embedding(config.vocab_size, config.word_embed_proj_dim, config.init_std)
+        rows = config.max_position_embeddings + POSITION_OFFSET
+        self.embed_positions = self.embedding(rows, config.hidden_size, config.init_std, ("positions", "embed"))
         if projects_embedding(config):
             self.project_in = self.dense(config.hidden_size, (None, "embed"), False, None)
             self.project_out = self.dense(config.word_embed_proj_dim, ("embed", None), False, None)
-        layer = OPTDecoderLayer
-        if self.remat_policy:
-            # Argument 2 (deterministic) is a Python bool that selects code, not an array.
-            layer = nn.remat(layer, policy=getattr(jax.checkpoint_policies, self.remat_policy), static_argnums=(2,))
-        # A list attribute names its modules layers_0, layers_1, ...: the checkpoint's layers.0, layers.1, ...
-        self.layers = [self.child(layer, None, layer_index=index) for index in range(config.num_hidden_layers)]
+        self.layers = self.stacked_layers(OPTDecoderLayer, config.num_hidden_layers, deterministic_argnum=2)
         if has_final_norm(config):
-            self.final_layer_norm = self.layer_norm(None)
+            self.final_layer_norm = self.norm(None)
 
     def __call__(self, input_ids, deterministic: bool, cache: KeyValueCache | None = None, separator_id=None):
         config = self.config
         input_ids = self.constrain(input_ids, ("batch", None))  # every device of a tensor group takes its rows
-        segment_ids = None
-        if cache is not None:
-            positions = cache.positions(input_ids.shape[1])
-        elif separator_id is not None:
-            segment_ids, positions = segments_and_positions(input_ids, separator_id)
-        else:
-            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None, :], input_ids.shape)
+        positions, segment_ids = token_positions(input_ids, cache, separator_id)
         x = look_up(self.embed_tokens, "vocab", input_ids, self.mesh, self.dtype)
         if projects_embedding(config):
             x = self.project_in(x)
         x = x + look_up(self.embed_positions, "positions", positions + POSITION_OFFSET, self.mesh, self.dtype)
         x = self.constrain(x, ("batch", "length", None))
-        layer_caches = []
-        for layer in self.layers:
-            x, layer_cache = layer(x, deterministic, cache, segment_ids)
-            layer_caches.append(layer_cache)
-        if cache is not None:
-            keys, values = zip(*layer_caches)
-            cache = cache.replace(keys=keys, values=values, index=cache.index + input_ids.shape[1])
+        x, cache = run_layers(self.layers, x, cache, deterministic, cache, segment_ids)
         if has_final_norm(config):
             x = self.final_layer_norm(x)
         return (self.project_out(x) if projects_embedding(config) else x), cache
@@ -237,19 +183,7 @@ class FlaxOPTForCausalLM(OPTPart):
         config = self.config
         decoder = self.child(OPTDecoder, "decoder")
         hidden, cache = decoder(input_ids, deterministic, cache, self.document_separator_id)
-        if config.tie_word_embeddings:
-            logits = tied_logits(hidden, decoder.embed_tokens.embedding.astype(self.dtype))
-        else:
-            logits = RowsDense(
-                config.vocab_size,
-                use_bias=False,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(config.init_std), ("embed", "vocab")),
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                dot_general=logits_dot_general,
-                name="lm_head",
-            )(hidden)
-        logits = self.constrain(logits, ("batch", None, "vocab")).astype(jnp.float32)
+        logits = self.output_logits(hidden, decoder.embed_tokens, config.init_std)
         return logits if cache is None else (logits, cache)
 
     def empty_cache(self, prompt_mask, new_tokens: int) -> KeyValueCache:
@@ -275,21 +209,13 @@ def hf_name(flax_path: tuple) -> str:
 
 
 def to_hf_state_dict(params) -> dict[str, np.ndarray]:
-    """Flax parameters as the PyTorch OPTForCausalLM state dict (float32 numpy, HF names and layouts): every dense
-    kernel, stored (in, out) here, is an nn.Linear weight (out, in) there."""
-    return {
-        hf_name(path): np.ascontiguousarray(np.asarray(value, np.float32).T if path[-1] == "kernel" else value)
-        for path, value in flatten_dict(params).items()
-    }
+    """Flax parameters as the PyTorch OPTForCausalLM state dict (float32 numpy, HF names and layouts)."""
+    return state_dict_of(params, hf_name)
 
 
 def hf_shapes(params) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone (arrays or
-    jax.ShapeDtypeStruct): nothing is read or allocated. It follows to_hf_state_dict; change both together."""
-    return {
-        hf_name(path): tuple(value.shape[::-1] if path[-1] == "kernel" else value.shape)
-        for path, value in flatten_dict(params).items()
-    }
+    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone."""
+    return shapes_of(params, hf_name)
 
 
 def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
@@ -298,25 +224,9 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
     may be of any float dtype."""
     if not any(name.startswith("model.") for name in state_dict):
         state_dict = {f"model.{name}": value for name, value in state_dict.items()}
-    params, used = {}, set()
-    for path, expected in flatten_dict(abstract_params).items():
-        name = hf_name(path)
-        if name not in state_dict:
-            raise UsageError(f"the checkpoint has no tensor {name}; it does not match the model config")
-        value = state_dict[name].T if path[-1] == "kernel" else state_dict[name]
-        if value.shape != expected.shape:
-            raise UsageError(
-                f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
-                "pass the config the checkpoint was trained with"
-            )
-        params[path] = jax.device_put(np.asarray(value, dtype=expected.dtype), getattr(expected, "sharding", None))
-        used.add(name)
-    ignored = [name for name in state_dict if name not in used and name != "lm_head.weight"]  # tied: the embedding
-    if ignored:
-        logger.warning(
-            "Ignoring %d checkpoint tensors the model does not use: %s", len(ignored), ", ".join(ignored[:5])
-        )
-    return unflatten_dict(params)
+    params, unused = params_of(state_dict, abstract_params, hf_name)
+    warn_of_unused([name for name in unused if name != "lm_head.weight"])  # tied: the embedding
+    return params
 
 
 def hf_architecture_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -34,7 +34,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flax_lm.devices.mesh import check_tensor_split
 from flax_lm.errors import UsageError
@@ -47,6 +46,7 @@ from flax_lm.models.shared.common import (
     look_up,
     tied_logits,
 )
+from flax_lm.models.shared.hf_state_dict import params_of, shapes_of, state_dict_of
 
 # The config.model_type this module computes -> the transformers class whose checkpoint layout the parameters map
 # onto, named in an exported config.json.
@@ -511,20 +511,12 @@ def to_hf_state_dict(params) -> dict[str, np.ndarray]:
     """The Flax parameters as T5ForConditionalGeneration's state dict (float32 numpy, its names and layouts), as
     save_pretrained writes it: the embedding once, as shared.weight (the encoder's and decoder's embed_tokens are
     it), and lm_head.weight where the output layer is its own."""
-    state_dict = {}
-    for path, value in flatten_dict(params).items():
-        value = np.asarray(value, dtype=np.float32)
-        state_dict[hf_name(path)] = np.ascontiguousarray(value.T if path[-1] == "kernel" else value)
-    return state_dict
+    return state_dict_of(params, hf_name)
 
 
 def hf_shapes(params) -> dict[str, tuple[int, ...]]:
-    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone. It follows
-    to_hf_state_dict; change both together."""
-    return {
-        hf_name(path): tuple(value.shape[::-1] if path[-1] == "kernel" else value.shape)
-        for path, value in flatten_dict(params).items()
-    }
+    """The names and shapes of the tensors to_hf_state_dict makes of `params`, from their shapes alone."""
+    return shapes_of(params, hf_name)
 
 
 # What a checkpoint may hold beside the parameters: the stacks' views of shared.weight, and the cross-attention bias
@@ -540,30 +532,14 @@ def from_hf_state_dict(state_dict: dict, abstract_params) -> dict:
     """The inverse of to_hf_state_dict, shaped like `abstract_params` (from jax.eval_shape of init), in their dtypes
     and placed as they are laid out. A v1.1 model saved by transformers with its head tied to the embedding (a new
     one: transformers ties until a checkpoint's lm_head differs) has no lm_head.weight: the embedding is the head."""
-    params, used = {}, set()
-    for path, expected in flatten_dict(abstract_params).items():
-        name = hf_name(path)
-        if name == "lm_head.weight" and name not in state_dict:
-            name = "shared.weight"
-        if name not in state_dict:
-            raise UsageError(f"the checkpoint has no tensor {name}; it does not match the T5 config")
-        value = state_dict[name]
-        if path[-1] == "kernel":
-            value = value.T
-        if value.shape != expected.shape:
-            raise UsageError(
-                f"checkpoint tensor {name} has shape {value.shape} but the config needs {expected.shape}; "
-                "pass the config the checkpoint was trained with"
-            )
-        params[path] = jax.device_put(np.asarray(value, dtype=expected.dtype), getattr(expected, "sharding", None))
-        used.add(name)
-    unexpected = [name for name in state_dict if name not in used and name not in IGNORED_HF_TENSORS]
+    params, unused = params_of(state_dict, abstract_params, hf_name, stand_ins={"lm_head.weight": "shared.weight"})
+    unexpected = [name for name in unused if name not in IGNORED_HF_TENSORS]
     if unexpected and not (unexpected == ["lm_head.weight"] and scales_output_from(abstract_params)):
         raise UsageError(
             f"checkpoint tensor {unexpected[0]} is not part of T5ForConditionalGeneration with this config; pass the "
             "config the checkpoint was trained with"
         )
-    return unflatten_dict(params)
+    return params
 
 
 def scales_output_from(params) -> bool:
