@@ -16,6 +16,11 @@ compute the same output (checked). The first call compiles; the best of --rounds
 reported.
 
     python benchmarks/benchmark_moe.py [--experts 8 64] [--tokens 2048] [--width 256] [--inner 512] [--top_k 2]
+
+With --mesh_shape (data=2,expert=4, over forced CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8),
+the rows split over the mesh's batch axes and the experts over its expert axis as the models lay them out, the dropless
+experts as XLA lays them out (moe.dropless_experts) beside the tokens exchanged by all-to-all
+(moe.expert_parallel_experts), the first the reference of the last column.
 """
 
 import argparse
@@ -28,8 +33,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flax_lm.devices.mesh import create_mesh  # noqa: E402
 from flax_lm.models.shared import moe  # noqa: E402
 
 
@@ -42,6 +49,7 @@ def parse_arguments():
     parser.add_argument("--top_k", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mesh_shape", help="compare the dropless experts' layouts on this mesh (data=2,expert=4)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args()
 
@@ -57,19 +65,37 @@ FORMULATIONS = {
 }
 
 
-def step_function(implementation: str, top_k: int):
+def mesh_formulations(mesh) -> dict:
+    """The dropless experts on `mesh`: as XLA lays them out (the reference, first), and with the tokens exchanged."""
+    return {
+        "dropless (XLA's layout)": moe.dropless_experts,
+        "dropless (all-to-all)": partial(moe.expert_parallel_experts, mesh=mesh),
+    }
+
+
+def on_mesh(mesh, x, logits, kernels):
+    """The inputs laid out as the models lay them out: the rows over the batch's axes, the kernels' experts over the
+    expert axis, their width over fsdp and their inner columns over tensor."""
+    rows = NamedSharding(mesh, PartitionSpec(moe.TOKEN_AXES, None))
+    inward = NamedSharding(mesh, PartitionSpec("expert", "fsdp", "tensor"))
+    outward = NamedSharding(mesh, PartitionSpec("expert", "tensor", "fsdp"))
+    placed = [jax.device_put(kernel, sharding) for kernel, sharding in zip(kernels, (inward, inward, outward))]
+    return jax.device_put(x, rows), jax.device_put(logits, rows), tuple(placed)
+
+
+def step_function(experts_function, top_k: int):
     """The experts' forward and backward pass: (gradients of x and the kernels of a sum of squares, the output)."""
 
     def loss(x, logits, kernels):
         expert_ids, weights = moe.route(logits, top_k, renormalize=True)
-        y = FORMULATIONS[implementation](x, expert_ids, weights, *kernels, "silu")
+        y = experts_function(x, expert_ids, weights, *kernels, "silu")
         return jnp.sum(y * y), y
 
     return jax.jit(jax.grad(loss, argnums=(0, 2), has_aux=True))
 
 
-def measure(implementation: str, arguments, experts: int, inputs) -> dict:
-    step = step_function(implementation, arguments.top_k)
+def measure(implementation: str, experts_function, arguments, experts: int, inputs) -> dict:
+    step = step_function(experts_function, arguments.top_k)
     compiled = step.lower(*inputs).compile()
     memory = compiled.memory_analysis()
     started = time.perf_counter()
@@ -96,6 +122,11 @@ def measure(implementation: str, arguments, experts: int, inputs) -> dict:
 
 def main():
     arguments = parse_arguments()
+    formulations, reference = FORMULATIONS, "dense"
+    if arguments.mesh_shape:
+        mesh = create_mesh(arguments.mesh_shape)
+        formulations = mesh_formulations(mesh)
+        reference = next(iter(formulations))
     rows = []
     for experts in arguments.experts:
         rng = np.random.default_rng(0)
@@ -106,21 +137,23 @@ def main():
             jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]), jnp.float32)
             for shape in ((experts, width, inner), (experts, width, inner), (experts, inner, width))
         )
-        measured = [measure(name, arguments, experts, (x, logits, kernels)) for name in FORMULATIONS]
-        dense_output = measured[-1]["output"]
+        inputs = on_mesh(mesh, x, logits, kernels) if arguments.mesh_shape else (x, logits, kernels)
+        measured = [measure(name, function, arguments, experts, inputs) for name, function in formulations.items()]
+        reference_output = next(row["output"] for row in measured if row["implementation"] == reference)
         for row in measured:
-            difference = float(np.abs(row.pop("output") - dense_output).max())
+            difference = float(np.abs(row.pop("output") - reference_output).max())
             rows.append({**row, "largest_output_difference": difference})
     print(
         f"{arguments.tokens} tokens of width {arguments.width}, experts of width {arguments.inner}, "
         f"top-{arguments.top_k}, forward and backward, {jax.devices()[0].device_kind}"
+        + (f", mesh {arguments.mesh_shape} of {jax.device_count()} devices" if arguments.mesh_shape else "")
     )
-    print(f"{'experts':>7} {'formulation':>22} {'tokens/s':>10} {'step ms':>9} {'temporaries MB':>15} {'x dense':>8}")
+    print(f"{'experts':>7} {'formulation':>24} {'tokens/s':>10} {'step ms':>9} {'temporaries MB':>15} {'x ref':>6}")
     for row in rows:
-        dense = next(r for r in rows if r["experts"] == row["experts"] and r["implementation"] == "dense")
+        base = next(r for r in rows if r["experts"] == row["experts"] and r["implementation"] == reference)
         print(
-            f"{row['experts']:>7} {row['implementation']:>22} {row['tokens_per_s']:>10.0f} {row['step_ms']:>9.1f} "
-            f"{row['temporaries_mb']:>15.1f} {row['tokens_per_s'] / dense['tokens_per_s']:>8.2f}"
+            f"{row['experts']:>7} {row['implementation']:>24} {row['tokens_per_s']:>10.0f} {row['step_ms']:>9.1f} "
+            f"{row['temporaries_mb']:>15.1f} {row['tokens_per_s'] / base['tokens_per_s']:>6.2f}"
         )
     if arguments.json:
         with open(arguments.json, "w") as file:

@@ -43,17 +43,17 @@ logger = logging.getLogger(__name__)
 # change to a model.py (or to a file of flax_lm/models/shared/ it imports) fails that test until its fingerprint here
 # is updated, which its parity tests passing makes right.
 VERIFIED_FINGERPRINTS = {
-    "deepseek_v3": "08aa212ac6c437af",
+    "deepseek_v3": "fb7c08f2bf496656",
     "gemma": "c7d6428d39311be6",
     "gpt2": "160fed58a940323c",
     "gpt_neox": "512bc35e1c6dc38b",
     "gptj": "b66b2a7d6cbe3962",
     "llama": "c008d80d34dcd6a9",
-    "mixtral": "2249ec051abe0889",
+    "mixtral": "e381cb994ed0894b",
     "olmo2": "09ba662aef0ed72b",
-    "olmoe": "0058d68a38e1f1d8",
+    "olmoe": "d8e65fed5d0429c0",
     "opt": "e0d75633fcee52f9",
-    "qwen_moe": "cd46b93be4545022",
+    "qwen_moe": "df448de35eac42a5",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
     "t5": "9e16feaa649a3d8d",
@@ -71,18 +71,21 @@ VERIFIED_FINGERPRINTS = {
 # messages changed, nothing computed. The mixture-of-experts layer has since told the train step what its routers did,
 # beside the same logits. GPT-J, GPT-NeoX and OPT have since built their stacks from shared/layer_norm_decoder.py, and
 # they and T5 map their checkpoints through shared/hf_state_dict.py: the same parameters and logits, and GPT-J's and
-# GPT-NeoX's embedding dropout, which training with a config that set it stopped at before, now computed.)
+# GPT-NeoX's embedding dropout, which training with a config that set it stopped at before, now computed. Then the
+# dropless experts exchanged the tokens over a mesh's expert axis by all-to-all (the same sums, in another order), and
+# DeepSeek-V3's router told the train step which experts it chose.)
 EARLIER_VERIFIED_FINGERPRINTS = {
+    "deepseek_v3": {"08aa212ac6c437af"},
     "gemma": {"ccb4a731dc070557", "70cb8883ead381c2"},
     "gpt2": {"9235ed61450115e6", "37d74b0550392686", "29b9bcfd3633837a", "272c7f9596cdb77c", "61d3745b8a30cf52"},
     "gpt_neox": {"85e0e433b6fdac15"},
     "gptj": {"f4b9583fd3bfaee3"},
     "llama": {"e66a74462a8dd3d2", "503e53ad0738fa05", "1fbca14013f5fdc6"},
-    "mixtral": {"b00fe7bcddc082f0"},
+    "mixtral": {"b00fe7bcddc082f0", "2249ec051abe0889"},
     "olmo2": {"b0877faf3731d06d", "15a9ef5e60891667"},
-    "olmoe": {"1c7ed7355f88bd89"},
+    "olmoe": {"1c7ed7355f88bd89", "0058d68a38e1f1d8"},
     "opt": {"ad4e932f69f9ea35"},
-    "qwen_moe": {"cc50f079d79c3611"},
+    "qwen_moe": {"cc50f079d79c3611", "cd46b93be4545022"},
     "roberta": {"695c5ddd82d1a2e0", "fdebdf944a44cb5c", "7fbe975d967e2fc4"},
     "t5": {"99a35b4ffc6457a9"},
 }

@@ -45,7 +45,7 @@ from flax_lm.models.shared.common import (
     rotate,
     use_cudnn_attention,
 )
-from flax_lm.models.shared.moe import EXPERTS, ExpertWeights, SizedGatedMLP, check_routing, route
+from flax_lm.models.shared.moe import EXPERTS, ExpertWeights, SizedGatedMLP, check_routing, route, routed_experts
 from flax_lm.models.shared.moe_decoder import from_hf_state_dict, hf_shapes, moe_implementation, to_hf_state_dict
 
 # The config.model_type this module computes -> the transformers class whose checkpoint layout the parameters map
@@ -276,7 +276,8 @@ class Router(DecoderPart):
     """transformers' DeepseekV3TopkRouter: the router's weight (`kernel`, an nn.Linear's (experts, width) in the
     checkpoint), applied in float32 as transformers keeps it, and e_score_correction_bias, which the routing reads
     but no gradient reaches (DeepSeek-V3 adjusts it by the experts' load, apart from the loss; here it stays as
-    loaded). Returns (expert ids, weights), both (tokens, num_experts_per_tok)."""
+    loaded). Returns (expert ids, weights), both (tokens, num_experts_per_tok); sows the logits and the expert ids,
+    from which the train step counts each expert's load (moe.router_metric_sums)."""
 
     @nn.compact
     def __call__(self, rows):
@@ -288,10 +289,12 @@ class Router(DecoderPart):
         correction_bias = self.param("e_score_correction_bias", bias_init, (experts,), self.param_dtype)
         logits = jnp.dot(rows.astype(jnp.float32), kernel.astype(jnp.float32))
         self.sow("intermediates", "router_logits", logits)
-        return route(
+        expert_ids, weights = route(
             logits, config.num_experts_per_tok, config.norm_topk_prob, "sigmoid",
             jax.lax.stop_gradient(correction_bias), config.n_group, config.topk_group, config.routed_scaling_factor,
         )  # fmt: skip
+        self.sow("intermediates", "expert_ids", expert_ids)
+        return expert_ids, weights
 
 
 class DeepseekMoE(DecoderPart):
@@ -308,7 +311,9 @@ class DeepseekMoE(DecoderPart):
             config.initializer_range, self.param_dtype, name="experts",
         )()  # fmt: skip
         kernels = [kernel.astype(self.dtype) for kernel in kernels]
-        y = EXPERTS[moe_implementation(config)](rows, expert_ids, weights, *kernels, config.hidden_act)
+        y = routed_experts(
+            rows, expert_ids, weights, kernels, config.hidden_act, moe_implementation(config), self.mesh
+        )
         shared_inner = config.moe_intermediate_size * config.n_shared_experts
         y = y + self.child(SizedGatedMLP, "shared_experts", inner=shared_inner)(rows)
         return self.constrain(y.reshape(batch, length, width).astype(self.dtype), ("batch", "length", None))

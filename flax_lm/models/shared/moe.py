@@ -2,9 +2,10 @@
 weights renormalised or not; DeepSeek-V3's sigmoid scores with a correction bias and group-limited top-k), and the
 experts computed DROPLESS: every token reaches its k experts, the (token, expert) pairs sorted by expert and each
 expert's rows multiplied by its kernels alone, as a group of jax.lax.ragged_dot or, on a CPU, as blocks of rows (no
-capacity, no token dropped, no product of every token with every expert). The all-experts dense formulation (every
-expert on every token, weighted by the router's zeros and weights) is kept beside it: the reference the tests compare
-with, and what benchmarks/benchmark_moe.py measures against. Then the router's auxiliary losses as transformers
+capacity, no token dropped, no product of every token with every expert); over a mesh with an expert axis, the
+experts split over its devices and the tokens exchanged between them by all-to-all. The all-experts dense formulation
+(every expert on every token, weighted by the router's zeros and weights) is kept beside it: the reference the tests
+compare with, and what benchmarks/benchmark_moe.py measures against. Then the router's auxiliary losses as transformers
 computes them (load_balancing_loss: Switch Transformer's, transformers' load_balancing_loss_func) and the router z-loss
 (ST-MoE).
 
@@ -21,7 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict
+from jax.sharding import PartitionSpec
 
+from flax_lm.devices.mesh import LOGICAL_AXIS_RULES
 from flax_lm.errors import UsageError
 from flax_lm.models.shared.common import ACTIVATIONS, DecoderPart
 
@@ -29,6 +32,9 @@ from flax_lm.models.shared.common import ACTIVATIONS, DecoderPart
 IMPLEMENTATIONS = ("dropless", "dense")
 # How the router scores experts: a softmax over them (Mixtral, Qwen-MoE, OLMoE), or a sigmoid each (DeepSeek-V3).
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
+# The mesh axes a batch's rows are split over: the devices between which expert_parallel_experts exchanges tokens are
+# those of the expert axis, the others computing their rows apart.
+TOKEN_AXES = dict(LOGICAL_AXIS_RULES)["batch"]
 
 
 def check_routing(num_experts: int, top_k: int, scoring: str = "softmax", groups: int = 1, top_groups: int = 1):
@@ -84,12 +90,7 @@ def dropless_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel
 
     Dropless: the tokens * k (token, expert) pairs are sorted by expert, each expert multiplies its own rows, and the
     outputs are put back in the pairs' order and summed per token; the work is that of the k experts each token uses,
-    whatever the balance of the router. The grouped products (`grouping`, by default the backend's best):
-    "ragged_dot", jax.lax.ragged_dot over the sorted rows, which XLA computes as grouped kernels on GPUs and TPUs but
-    on a CPU as every expert over every row (experts times the work); "blocks", each expert's rows padded to whole
-    blocks of rows and each block multiplied by its expert's kernels (MegaBlocks' block-sparse layout, as batched
-    products), at most about twice the rows' work, which is how a CPU runs it."""
-    grouping = grouping or ("blocks" if jax.default_backend() == "cpu" else "ragged_dot")
+    whatever the balance of the router (the grouped products: grouped_expert_mlp)."""
     tokens, k = expert_ids.shape
     experts = gate_kernel.shape[0]
     pairs = expert_ids.reshape(-1)
@@ -97,13 +98,24 @@ def dropless_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel
     group_sizes = jnp.bincount(pairs, length=experts).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)  # pair p is token p // k's
     kernels = [kernel.astype(x.dtype) for kernel in (gate_kernel, up_kernel, down_kernel)]
-    if grouping == "ragged_dot":
-        gate, up = (jax.lax.ragged_dot(rows, kernel, group_sizes) for kernel in kernels[:2])
-        out = jax.lax.ragged_dot(ACTIVATIONS[activation](gate) * up, kernels[2], group_sizes)
-    else:
-        out = blocked_expert_mlp(rows, group_sizes, *kernels, activation)
+    out = grouped_expert_mlp(rows, group_sizes, *kernels, activation, grouping)
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(tokens, k, -1)  # back in the pairs' order
     return jnp.einsum("tkw,tk->tw", out, weights.astype(x.dtype))
+
+
+def grouped_expert_mlp(rows, group_sizes, gate_kernel, up_kernel, down_kernel, activation: str, grouping=None):
+    """down(act(gate(rows)) * up(rows)) of `rows` sorted by expert, group_sizes of them each, each expert's rows
+    multiplied by its kernels alone; rows past the groups come out as zeros where they are zeros (the padding of
+    expert_parallel_experts). The grouped products (`grouping`, by default the backend's best): "ragged_dot",
+    jax.lax.ragged_dot over the sorted rows, which XLA computes as grouped kernels on GPUs and TPUs but on a CPU as
+    every expert over every row (experts times the work); "blocks", each expert's rows padded to whole blocks of rows
+    and each block multiplied by its expert's kernels (MegaBlocks' block-sparse layout, as batched products), at most
+    about twice the rows' work, which is how a CPU runs it."""
+    grouping = grouping or ("blocks" if jax.default_backend() == "cpu" else "ragged_dot")
+    if grouping == "blocks":
+        return blocked_expert_mlp(rows, group_sizes, gate_kernel, up_kernel, down_kernel, activation)
+    gate, up = (jax.lax.ragged_dot(rows, kernel, group_sizes) for kernel in (gate_kernel, up_kernel))
+    return jax.lax.ragged_dot(ACTIVATIONS[activation](gate) * up, down_kernel, group_sizes)
 
 
 def blocked_expert_mlp(rows, group_sizes, gate_kernel, up_kernel, down_kernel, activation: str):
@@ -117,6 +129,7 @@ def blocked_expert_mlp(rows, group_sizes, gate_kernel, up_kernel, down_kernel, a
     padded_sizes = -(-group_sizes // block) * block
     padded_starts = jnp.cumsum(padded_sizes) - padded_sizes
     starts = jnp.cumsum(group_sizes) - group_sizes
+    # Rows past the groups (expert_parallel_experts' padding) are the last expert's, in blocks past its own.
     expert_of_row = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=count)
     slots = padded_starts[expert_of_row] + jnp.arange(count) - starts[expert_of_row]
     padded = jnp.zeros((blocks * block, rows.shape[1]), rows.dtype).at[slots].set(rows, unique_indices=True)
@@ -145,6 +158,71 @@ def dense_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, a
 
 
 EXPERTS = {"dropless": dropless_experts, "dense": dense_experts}
+
+
+def exchanges_tokens(mesh, tokens: int) -> bool:
+    """Whether the dropless experts of `tokens` rows are computed by expert_parallel_experts over `mesh`: one with an
+    expert axis of more than one device, and rows that the batch's mesh axes divide (a batch they do not, as a
+    generation's odd number of prompts, is computed by dropless_experts, as XLA lays it out)."""
+    if mesh is None or mesh.shape.get("expert", 1) == 1:
+        return False
+    return tokens % math.prod(mesh.shape[axis] for axis in TOKEN_AXES) == 0
+
+
+def expert_parallel_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, activation: str, mesh):
+    """What dropless_experts computes, with the experts split over the expert axis of `mesh` (each device holding
+    experts / E of them) and the tokens exchanged between its devices (expert parallelism, as GShard): each device
+    sends each (token, expert) pair of its rows to the device holding the expert, in one all-to-all, multiplies the
+    pairs it receives by its experts (grouped_expert_mlp) and sends the outputs back in a second; with a tensor
+    axis, each device of a tensor group its share of the experts' inner columns, the outputs summed over the group.
+
+    Dropless with static shapes: a device may receive every pair of every device for its experts, so each device
+    sends every other a fixed buffer of the most pairs it can send one (its tokens times min(k, experts per device),
+    a token's k experts being distinct), the unused rows zeros. An all-to-all of ragged sizes
+    (jax.lax.ragged_all_to_all) would send the pairs alone, but XLA:CPU does not compile it, and its receiving
+    buffer would be as large. The fixed buffer costs E * min(k, experts / E) / k times the pairs' traffic and
+    memory, and on a CPU the blocks' products over the whole received buffer: E * min(k, experts / E) / k times the
+    experts' work of dropless_experts (docs/model-families.md has the figures)."""
+    devices, tensor = mesh.shape["expert"], mesh.shape.get("tensor", 1)
+    inner_axis = "tensor" if gate_kernel.shape[-1] % tensor == 0 and tensor > 1 else None
+    rows_spec = PartitionSpec(TOKEN_AXES, None)
+
+    def on_each_device(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel):
+        tokens, k = expert_ids.shape
+        local_experts, width = gate_kernel.shape[0], x.shape[-1]
+        room = tokens * min(k, local_experts)  # the most pairs one device can send another
+        pairs = expert_ids.reshape(-1)  # pair p is token p // k's
+        destination = pairs // local_experts
+        queued = jax.nn.one_hot(destination, devices, dtype=jnp.int32)
+        place = jnp.sum((jnp.cumsum(queued, axis=0) - 1) * queued, axis=-1)  # each pair's place among those sent
+        slots = destination * room + place
+        sent = jnp.zeros((devices * room, width), x.dtype).at[slots].set(jnp.repeat(x, k, axis=0), unique_indices=True)
+        # Each row's expert among the receiver's, and past them (local_experts) for the unused rows.
+        sent_experts = jnp.full(devices * room, local_experts, jnp.int32).at[slots].set(pairs % local_experts)
+        received, received_experts = (jax.lax.all_to_all(y, "expert", 0, 0, tiled=True) for y in (sent, sent_experts))
+        order = jnp.argsort(received_experts, stable=True)  # the rows by expert, the unused ones last
+        group_sizes = jnp.bincount(received_experts, length=local_experts).astype(jnp.int32)
+        kernels = [kernel.astype(x.dtype) for kernel in (gate_kernel, up_kernel, down_kernel)]
+        out = grouped_expert_mlp(jnp.take(received, order, axis=0), group_sizes, *kernels, activation)
+        out = jnp.take(out, jnp.argsort(order), axis=0)  # in the order received, to be sent back so
+        out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
+        y = jnp.einsum("tkw,tk->tw", jnp.take(out, slots, axis=0).reshape(tokens, k, width), weights.astype(x.dtype))
+        return jax.lax.psum(y, inner_axis) if inner_axis else y
+
+    inward, outward = PartitionSpec("expert", None, inner_axis), PartitionSpec("expert", inner_axis, None)
+    computed = jax.shard_map(
+        on_each_device, mesh=mesh, in_specs=(rows_spec, rows_spec, rows_spec, inward, inward, outward),
+        out_specs=rows_spec,
+    )  # fmt: skip
+    return computed(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel)
+
+
+def routed_experts(x, expert_ids, weights, kernels, activation: str, implementation: str, mesh=None):
+    """The MoE layers' experts of `implementation` (EXPERTS) over rows `x`: dropless ones over a mesh with an expert
+    axis exchange the tokens between its devices (expert_parallel_experts) where the rows allow it."""
+    if implementation == "dropless" and exchanges_tokens(mesh, x.shape[0]):
+        return expert_parallel_experts(x, expert_ids, weights, *kernels, activation, mesh)
+    return EXPERTS[implementation](x, expert_ids, weights, *kernels, activation)
 
 
 def capacity_experts(x, expert_ids, weights, gate_kernel, up_kernel, down_kernel, activation: str, factor: float):
@@ -253,10 +331,11 @@ def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0
     """What the routers sowed in `intermediates` add to a train step's sums, each times `token_count` as the loss is
     summed, so that the sums of several steps over their tokens are means: to watch the routers (a collapsing one
     sends most tokens to few experts), the load-balancing loss (k for an even router) and router z-loss of all the
-    MoE layers, and per layer the largest and smallest fraction of the layer's top-k choices that one expert got
-    ("moe/layer_3/expert_load_max"; 1/experts each for an even router) and, with a capacity, the fraction of its
-    (token, expert) pairs it dropped; with a coefficient, that coefficient times
-    the loss, which the trained loss adds (router_aux_loss_sum, router_z_loss_sum). Every token counts, as in
+    MoE layers, and per layer the largest and smallest fraction of the (token, expert) pairs the layer routed that one
+    expert got ("moe/layer_3/expert_load_max"; 1/experts each for an even router): the experts the router sowed
+    (expert_ids: DeepSeek-V3's, chosen by its biased scores within groups), else the top-k of its logits; with a
+    capacity, the fraction of its (token, expert) pairs it dropped; with a coefficient, that coefficient times the
+    loss, which the trained loss adds (router_aux_loss_sum, router_z_loss_sum). Every token counts, as in
     transformers' loss without an attention mask. Empty for a model without routers."""
     by_layer = router_logits_by_layer(intermediates)
     if not by_layer:
@@ -265,8 +344,11 @@ def router_metric_sums(intermediates, top_k: int, token_count, aux_coefficient=0
     balance = load_balancing_loss(by_layer.values(), experts, top_k)
     z_loss = router_z_loss(by_layer.values())
     sums = {"moe/load_balancing_loss": balance * token_count, "moe/router_z_loss": z_loss * token_count}
+    chosen_by_layer = sown_by_layer(intermediates, "expert_ids")
     for layer, logits in by_layer.items():
-        _, chosen = jax.lax.top_k(logits.reshape(-1, experts).astype(jnp.float32), top_k)
+        chosen = chosen_by_layer.get(layer)
+        if chosen is None:  # a softmax router's choice: the top-k of its logits
+            _, chosen = jax.lax.top_k(logits.reshape(-1, experts).astype(jnp.float32), top_k)
         load = jnp.bincount(chosen.reshape(-1), length=experts) / chosen.size
         sums |= {f"moe/{layer}/expert_load_max": load.max() * token_count}
         sums |= {f"moe/{layer}/expert_load_min": load.min() * token_count}
@@ -311,7 +393,7 @@ class SparseMoeBlock(DecoderPart):
             y, dropped = capacity_experts(rows, expert_ids, weights, *kernels, config.hidden_act, self.capacity_factor)
             self.sow("intermediates", "dropped_fraction", dropped)
         else:
-            y = EXPERTS[self.implementation](rows, expert_ids, weights, *kernels, config.hidden_act)
+            y = routed_experts(rows, expert_ids, weights, kernels, config.hidden_act, self.implementation, self.mesh)
         if self.shared_inner:
             shared = self.child(SizedGatedMLP, "shared_expert", inner=self.shared_inner)(rows)
             y = y + jax.nn.sigmoid(self.dense(1, ("embed", None), False, "shared_expert_gate")(rows)) * shared

@@ -1,0 +1,44 @@
+"""Expert parallelism (the expert axis of --mesh_shape): the experts of a mixture of experts split over devices, the
+tokens exchanged by all-to-all, compute what one device does, and a checkpoint saved on an expert mesh resumes on a
+mesh without one. checks/expert_parallel_check.py does the work in a process of its own with 8 forced CPU devices."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import CHECKS_DIR
+from test_tensor_parallel import devices_env
+
+
+@pytest.fixture(scope="module")
+def results():
+    result = subprocess.run(
+        [sys.executable, str(CHECKS_DIR / "expert_parallel_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=devices_env(8),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh_shape, devices", [("expert=4", 4), ("fsdp=2,expert=2,tensor=2", 8)])
+def test_experts_split_over_devices_exchange_tokens_by_all_to_all_and_compute_as_one_device(
+    results, mesh_shape, devices
+):
+    mesh = results[mesh_shape]
+    assert mesh["devices"] == devices and mesh["all_to_all"]
+    assert mesh["loss_difference"] < 1e-5 and mesh["largest_gradient_difference"] < 1e-5
+
+
+def test_a_checkpoint_saved_on_an_expert_mesh_resumes_on_a_data_mesh_with_the_same_losses(results):
+    """Saved at step 2 of data=2,expert=4, resumed on data=4: step 3, computed without the exchange, has the loss
+    and ends with the weights of the uninterrupted run's."""
+    resumed = results["resumed"]
+    saved_on, resumed_on = resumed["data=2,expert=4"], resumed["data=4"]
+    assert saved_on["all_to_all"] and not resumed_on["all_to_all"]
+    np.testing.assert_allclose(resumed_on["losses"], saved_on["losses"][2:], rtol=1e-5)
+    assert resumed["largest_weight_difference"] < 1e-5
