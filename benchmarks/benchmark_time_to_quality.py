@@ -73,7 +73,8 @@ RECIPES = {
 # token (378,432 against the GPT-2's 378,624): a Mixtral of the same depth, width and heads, each MLP 8 SwiGLU experts
 # of 107, 2 a token (Mixtral's routing; the experts as wide as a SwiGLU of the GPT-2's MLP weights, 171, split in two,
 # and then wider by what the GPT-2 has and the Mixtral has not: position embeddings, biases), dropless, with the
-# load-balancing loss at Mixtral's coefficient (transformers' default, 0.001). 624,960 parameters in all.
+# load-balancing loss at Mixtral's coefficient (transformers' default, 0.001). 624,960 parameters in all. --optim muon
+# trains its experts' stacked 3-D kernels with AdamW, not Muon; docs/measurements.md has what that costs.
 RECIPES["moe"] = Recipe(
     vocab_size=4096,
     positions=256,
