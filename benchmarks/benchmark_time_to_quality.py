@@ -223,7 +223,7 @@ def main():
     for wall_time, step, value in evaluations(run_dir):
         training_cpu = cpu_seconds_at(cpu_clock, wall_time)
         cpu = None if training_cpu is None else round(cpu_before_training + training_cpu, 1)
-        logged.append((step, round(wall_time - start, 1), cpu, round(value, 4)))
+        logged.append((step, round(wall_time - start, 1), cpu, value))
     with open(os.path.join(run_dir, "eval_results.json")) as file:
         final_bits_per_byte = json.load(file)["eval_bits_per_byte"]
     reached = next((evaluation for evaluation in logged if evaluation[3] <= arguments.target_bits_per_byte), None)
@@ -241,7 +241,7 @@ def main():
         "total_tokens": max_steps * step_tokens,
         "seconds_per_tool": {script: round(value, 1) for script, value in seconds.items()},
         "load_average": os.getloadavg()[0],  # of the last minute, at the end
-        "evaluations": logged,  # [step, wall seconds, CPU seconds, bits per byte]
+        "evaluations": [(*evaluation[:3], round(evaluation[3], 4)) for evaluation in logged],
     }
     if reached is None:
         print(f"never reached {arguments.target_bits_per_byte} bits per byte in {results['total_time_s']} s")
