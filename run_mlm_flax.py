@@ -551,11 +551,13 @@ def is_trained(path, param) -> bool:
 # Copied from run_clm_flax.is_hidden_matrix
 def is_hidden_matrix(path, param) -> bool:
     """Whether --optim muon trains this parameter with Muon: a 2-D kernel of the blocks (the attention and MLP
-    projections). The embeddings, the output layer and head (lm_head), norms and biases are AdamW's. Decided by name
-    and shape, so a matrix added to a block goes to Muon as well; a new head named other than lm_head must be
-    named here to stay with AdamW."""
+    projections) or a mixture of experts' stack of them (experts, in, out), each expert's matrix its own. The
+    embeddings, the output layer and head (lm_head), norms and biases are AdamW's. Decided by name and shape, so a
+    matrix added to a block goes to Muon as well; a new head named other than lm_head must be named here to stay
+    with AdamW."""
     names = [entry.key for entry in path]
-    return names[-1] == "kernel" and param.ndim == 2 and "lm_head" not in names
+    is_kernel = (names[-1] == "kernel" and param.ndim == 2) or (names[-2:-1] == ["experts"] and param.ndim == 3)
+    return is_kernel and "lm_head" not in names
 
 
 # What --optim names: the optimizer from (settings, schedule). Add an entry here and the flag takes it.

@@ -74,8 +74,7 @@ RECIPES = {
 # of 107, 2 a token (Mixtral's routing; the experts as wide as a SwiGLU of the GPT-2's MLP weights, 171, split in two,
 # and then wider by what the GPT-2 has and the Mixtral has not: position embeddings, biases), dropless, with the
 # load-balancing loss at Mixtral's coefficient (transformers' default, 0.001). 624,960 parameters in all. The training
-# is the recommended recipe's but for AdamW's rate, 4e-3 rather than 1.6e-2: --optim muon leaves the experts' stacked
-# 3-D kernels to AdamW, and of 1.6e-2, 8e-3 and 4e-3 the last ended lowest (docs/measurements.md).
+# is the recommended recipe's: --optim muon trains each expert's matrix as the GPT-2's MLP kernels (measurements.md).
 RECIPES["moe"] = Recipe(
     vocab_size=4096,
     positions=256,
@@ -84,7 +83,7 @@ RECIPES["moe"] = Recipe(
         "hidden_size=64", "num_attention_heads=2", "num_key_value_heads=2", "intermediate_size=107",
         "num_local_experts=8", "num_experts_per_tok=2", "output_router_logits=true", "router_aux_loss_coef=0.001",
     ],
-    training=[*RECIPES["recommended"].training, "--learning_rate", "4e-3"],
+    training=RECIPES["recommended"].training,
 )  # fmt: skip
 
 

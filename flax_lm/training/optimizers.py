@@ -128,12 +128,16 @@ def muon_with_adamw(
     """optax's Muon for the parameters `is_hidden_matrix(path, param)` picks, at --muon_learning_rate, and the
     optimizer `adamw` for every other parameter, at --learning_rate: both in the shape of `schedule`."""
     muon_scale = settings.muon_learning_rate / settings.learning_rate
-    # optax.contrib.muon sends what is not 2-D to an Adam of its own; given only 2-D matrices, that Adam holds
-    # nothing but a step count.
+    # optax.contrib.muon sends what is not 2-D to an Adam of its own unless told which axes are the matrix: here the
+    # last two (in, out), any before them a stack of matrices each orthogonalised alone (a mixture's experts). Given
+    # only such matrices, its Adam holds nothing but a step count.
     muon = optax.contrib.muon(
         lambda step: schedule(step) * muon_scale,
         beta=settings.muon_momentum,
         weight_decay=settings.weight_decay,
+        muon_weight_dimension_numbers=lambda params: jax.tree_util.tree_map(
+            lambda param: optax.contrib.MuonDimensionNumbers(param.ndim - 2, param.ndim - 1), params
+        ),
     )
     return optax.partition(
         {"muon": muon, "adamw": adamw},

@@ -145,6 +145,24 @@ def test_muon_trains_the_kernels_of_the_blocks_and_no_embedding_norm_bias_or_hea
     assert muon_parameters(roberta, 8) == expected  # the head's dense kernel (lm_head/dense) stays AdamW's
 
 
+def test_muon_orthogonalises_each_expert_of_a_mixture_as_a_matrix_of_its_own():
+    """A mixture's stacked expert kernels (experts, in, out) are Muon's, each expert's slice updated as Muon updates
+    that matrix alone: not AdamW's, and not one matrix of the whole stack."""
+    settings = training_args(optim="muon", warmup_steps=0).optimizer_settings()  # no rate of 0 at the first step
+    muon = run_clm_flax.OPTIMIZERS["muon"](settings, run_clm_flax.learning_rate_schedule(settings, TOTAL_STEPS))
+    rng = np.random.default_rng(0)
+    stack, stack_grads = rng.normal(size=(2, 3, 4, 6)).astype(np.float32)
+    stacked = {"layers_0": {"experts": {"w1": stack}}}
+    assert run_clm_flax.is_hidden_matrix(jax.tree_util.tree_flatten_with_path(stacked)[0][0][0], stack)
+    update, _ = muon.update({"layers_0": {"experts": {"w1": stack_grads}}}, muon.init(stacked), stacked)
+    for expert in range(3):
+        alone = {"layers_0": {"dense": {"kernel": stack[expert]}}}
+        expected, _ = muon.update({"layers_0": {"dense": {"kernel": stack_grads[expert]}}}, muon.init(alone), alone)
+        np.testing.assert_allclose(
+            update["layers_0"]["experts"]["w1"][expert], expected["layers_0"]["dense"]["kernel"], rtol=1e-5, atol=1e-7
+        )
+
+
 def wsd_rates(total_steps: int, **overrides) -> np.ndarray:
     schedule = run_clm_flax.learning_rate_schedule(
         training_args(lr_scheduler_type="warmup_stable_decay", **overrides).optimizer_settings(), total_steps
