@@ -5,6 +5,7 @@ import importlib.util
 import json
 import string
 import sys
+import warnings
 
 import datasets
 import numpy as np
@@ -159,3 +160,16 @@ def test_a_batch_of_text_is_corrupted_into_inputs_of_max_seq_length(model_dirs):
     # Rows 2 and 3 are corrupted alike when they are a process's share of the batch.
     share = make_batch(rows, np.arange(4), 4, (1, 2), slice(2, 4))
     assert (share["input_ids"] == batch["input_ids"][2:]).all()
+
+
+def test_the_token_cache_key_of_the_scripts_row_functions_is_read_without_numpys_future_warnings():
+    """The rows' code reads `.str` and `.object` of other things beside `np.`; the key asks numpy for those names
+    without its FutureWarning about removed aliases, which a run printed before."""
+    from flax_lm.data.cache_key import function_code_fingerprint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        keys = {
+            function_code_fingerprint(rows) for rows in (run_t5_mlm_flax.tokenized_rows, run_t5_mlm_flax.example_rows)
+        }
+    assert len(keys) == 2
