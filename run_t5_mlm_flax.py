@@ -610,11 +610,15 @@ def batch_maker(config, tokenizer, data_args) -> BatchMaker:
 
 def script_texts_to_rows(data_args, tokenizer, make_batch: BatchMaker) -> TextsToRows:
     """How this script's texts become rows of plain text (of make_batch.row_length tokens, which corrupt into inputs of
-    --max_seq_length) or of pairs, with the settings of its flags bound."""
+    --max_seq_length) or of pairs (of --max_seq_length, which keys their token cache), with the settings of its flags
+    bound."""
     workers = data_args.preprocessing_num_workers
     rows = partial(tokenized_rows, num_workers=workers)
     examples = partial(example_rows, max_seq_length=data_args.max_seq_length, num_workers=workers)
-    return TextsToRows(read_texts, rows, tokenizer, make_batch.row_length, "--max_seq_length", examples)
+    return TextsToRows(
+        read_texts, rows, tokenizer, make_batch.row_length, "--max_seq_length", examples,
+        example_row_length=data_args.max_seq_length,
+    )  # fmt: skip
 
 
 def t5_model(config, model_args, mesh, model_code):

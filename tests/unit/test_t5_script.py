@@ -173,3 +173,26 @@ def test_the_token_cache_key_of_the_scripts_row_functions_is_read_without_numpys
             function_code_fingerprint(rows) for rows in (run_t5_mlm_flax.tokenized_rows, run_t5_mlm_flax.example_rows)
         }
     assert len(keys) == 2
+
+
+def test_the_token_cache_of_pairs_is_keyed_by_max_seq_length_not_by_the_row_length_of_text(model_dirs, tmp_path):
+    """Pairs are padded to --max_seq_length whatever the noise flags, which set the length of the rows of text: other
+    noise flags find the pairs' cache, another --max_seq_length packs them anew in rows of its length."""
+    from flax_lm.data.loading import DataRoute, cached_rows
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"in_text": f"question {n}", "out_text": f"answer {n}"}) + "\n" for n in range(4))
+    )
+    config, tokenizer = T5Config.from_pretrained(model_dirs["t5"]), AutoTokenizer.from_pretrained(model_dirs["t5"])
+    source = TextSource(train_file=str(pairs), examples=ExampleSettings(), cache_dir=str(tmp_path / "texts"))
+    caches = []
+    for max_seq_length, noise_density in ((24, 0.15), (24, 0.3), (32, 0.15)):
+        data_args = run_t5_mlm_flax.DataTrainingArguments(max_seq_length=max_seq_length, noise_density=noise_density)
+        texts_to_rows = run_t5_mlm_flax.script_texts_to_rows(
+            data_args, tokenizer, run_t5_mlm_flax.batch_maker(config, tokenizer, data_args)
+        )
+        rows, _ = cached_rows(DataRoute(source, do_eval=False), texts_to_rows)
+        assert np.asarray(rows["train"]).shape == (4, 2, max_seq_length)
+        caches.append(rows["train"].directory)
+    assert caches[0] == caches[1] != caches[2]
