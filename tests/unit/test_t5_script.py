@@ -139,14 +139,22 @@ def test_a_batch_of_pairs_holds_them_as_the_tokenizer_encodes_them_for_a_seq2seq
     rows = np.concatenate(list(row_arrays))
     assert rows.shape == (2, 2, 24)  # the third pair is longer than a row: left out
     batch = make_batch(rows, np.arange(2), 3, (0,))  # and a third, empty row
+    # As wide as the longest input and target, rounded up to a power of two from 16: not the row's 24.
+    assert batch["input_ids"].shape == batch["labels"].shape == (3, 16)
     for row, (prompt, completion) in enumerate(zip(pairs["prompt"][:2], pairs["completion"][:2])):
         input_ids, labels = tokenizer(prompt)["input_ids"], tokenizer(text_target=completion)["input_ids"]
         assert batch["input_ids"][row, : len(input_ids)].tolist() == input_ids and labels[-1] == tokenizer.eos_token_id
         assert batch["attention_mask"][row].sum() == len(input_ids)
         assert batch["labels"][row, : len(labels)].tolist() == labels
-        assert batch["label_weights"][row].tolist() == [1.0] * len(labels) + [0.0] * (24 - len(labels))
+        assert batch["label_weights"][row].tolist() == [1.0] * len(labels) + [0.0] * (16 - len(labels))
         assert batch["decoder_input_ids"][row, : len(labels)].tolist() == [0] + labels[:-1]
     assert batch["label_weights"][2].sum() == 0 and batch["attention_mask"][2].all()  # nothing masked out entirely
+    # A call runs its steps' batches as one array: each is padded to the widest of its call.
+    narrow = make_batch(rows, np.arange(1), 3, (0,))
+    wide = {name: np.pad(values, ((0, 0), (0, 16))) for name, values in batch.items()}
+    (padded, _), (same, _) = run_t5_mlm_flax.as_wide_as_their_call(iter([(narrow, 1), (wide, 2)]), [2], 0)
+    assert padded["labels"].shape == (3, 32) and (padded["label_weights"][:, 16:] == 0).all()
+    assert (padded["input_ids"][:, :16] == narrow["input_ids"]).all() and (same["labels"] == wide["labels"]).all()
 
 
 def test_a_batch_of_text_is_corrupted_into_inputs_of_max_seq_length(model_dirs):
