@@ -11,7 +11,7 @@ few shapes serve all requests). Decoding is greedy by default (--temperature 0),
 temperature, top-k and top-p, reproducibly from --seed; it stops at the end-of-text token.
 
 A T5 (an encoder-decoder) answers each prompt with the text its decoder writes for it, printed alone
-(flax_lm/generation/seq2seq.py: greedy or drawn, no beam search, no --serve or --chat):
+(flax_lm/generation/seq2seq.py: greedy, drawn or by beam search; no --serve or --chat):
 
     ./generate_flax.py --model_name_or_path t5-run --prompt "The <extra_id_0> walks in <extra_id_1> park"
 

@@ -242,9 +242,9 @@ class BatchMaker:
     pairs taken as they are. Each process makes only its own rows of a global batch, and corrupts a row with random
     numbers drawn for its number in the global batch, so the global batch is the same whatever the process count.
 
-    A batch: input_ids and attention_mask (rows, max_seq_length); labels, decoder_input_ids (the labels shifted right
+    A batch: input_ids and attention_mask (rows, input width); labels, decoder_input_ids (the labels shifted right
     after the decoder's start token) and label_weights (1.0 for a target token, 0.0 for padding and for the empty
-    rows that fill up a partial batch), (rows, target_length)."""
+    rows that fill up a partial batch), (rows, target width); the widths are those of `widths`."""
 
     corruption: SpanCorruption
     sentinel_ids: tuple  # of <extra_id_0>, <extra_id_1>, ...: the n-th dropped span of a row becomes the n-th
@@ -255,9 +255,15 @@ class BatchMaker:
     row_length: int  # of plain text: tokens in a row before corruption
     target_length: int  # of plain text: tokens in a corrupted row's target
 
-    def widths(self, pairs: bool) -> tuple[int, int]:
-        """The lengths of the inputs and of the targets of a batch of pairs, or of plain text."""
-        return (self.max_seq_length, self.max_seq_length) if pairs else (self.max_seq_length, self.target_length)
+    def widths(self, rows, indices: np.ndarray) -> tuple[int, int]:
+        """The lengths of the inputs and of the targets of a batch: of plain text, fixed; of pairs, the longest input
+        and target of the global batch (so the same on every process), each rounded up to a power of two from 16 to
+        --max_seq_length, so that short targets cost no decoder work and few shapes compile."""
+        if len(rows.shape) != 3:
+            return self.max_seq_length, self.target_length
+        used = (np.asarray(rows[indices]) != self.pad_token_id).any(axis=0)  # (2, max_seq_length)
+        longest = [int(np.flatnonzero(side)[-1]) + 1 if side.any() else 1 for side in used]
+        return tuple(min(self.max_seq_length, max(16, 1 << (length - 1).bit_length())) for length in longest)
 
     def corrupted(self, rows: np.ndarray, seed: tuple, row_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets) of rows of text: T5's span corruption."""
@@ -268,12 +274,15 @@ class BatchMaker:
         row_numbers = np.arange(num_rows)[own]
         own_indices = indices[own]
         pairs = len(rows.shape) == 3  # a packed corpus, a mixture or an array
-        input_width, target_width = self.widths(pairs)
+        input_width, target_width = self.widths(rows, indices)
         inputs = np.full((len(row_numbers), input_width), self.pad_token_id, np.int32)
         labels = np.full((len(row_numbers), target_width), self.pad_token_id, np.int32)
         if len(own_indices) and pairs:
             data = np.asarray(rows[own_indices])
-            inputs[: len(own_indices)], labels[: len(own_indices)] = data[:, 0], data[:, 1]
+            inputs[: len(own_indices)], labels[: len(own_indices)] = (
+                data[:, 0, :input_width],
+                data[:, 1, :target_width],
+            )
         elif len(own_indices):
             data = np.asarray(rows[own_indices])
             inputs[: len(own_indices)], labels[: len(own_indices)] = self.corrupted(
@@ -610,11 +619,15 @@ def batch_maker(config, tokenizer, data_args) -> BatchMaker:
 
 def script_texts_to_rows(data_args, tokenizer, make_batch: BatchMaker) -> TextsToRows:
     """How this script's texts become rows of plain text (of make_batch.row_length tokens, which corrupt into inputs of
-    --max_seq_length) or of pairs, with the settings of its flags bound."""
+    --max_seq_length) or of pairs (of --max_seq_length, which keys their token cache), with the settings of its flags
+    bound."""
     workers = data_args.preprocessing_num_workers
     rows = partial(tokenized_rows, num_workers=workers)
     examples = partial(example_rows, max_seq_length=data_args.max_seq_length, num_workers=workers)
-    return TextsToRows(read_texts, rows, tokenizer, make_batch.row_length, "--max_seq_length", examples)
+    return TextsToRows(
+        read_texts, rows, tokenizer, make_batch.row_length, "--max_seq_length", examples,
+        example_row_length=data_args.max_seq_length,
+    )  # fmt: skip
 
 
 def t5_model(config, model_args, mesh, model_code):
@@ -638,7 +651,22 @@ def train_batches_from(first_step, setup: TrainingSetup, make_batch: BatchMaker,
     logger.info("Training steps %d to %d %s, global batch %d", first_step + 1, setup.total_steps, data, batch_size)
     calls = steps_of_calls(first_step, setup.total_steps, training_args)
     accumulation_steps, sharding = training_args.gradient_accumulation_steps, setup.call_batches_sharding
+    local_batches = as_wide_as_their_call(local_batches, calls, make_batch.pad_token_id)
     return call_batches(local_batches, accumulation_steps, calls, training_args.steps_per_call, sharding)
+
+
+def as_wide_as_their_call(batches_and_tokens, calls: list[int], pad_token_id: int):
+    """The batches of each call padded to the widest of the call, which runs them as one array: batches of pairs are
+    as wide as their longest pair. Padding is the pad token, a weight of 0 and no attention."""
+    for steps in calls:
+        group = list(itertools.islice(batches_and_tokens, steps))
+        widths = {name: max(batch[name].shape[1] for batch, _ in group) for name in group[0][0]}
+        for batch, tokens in group:
+            padded = {}
+            for name, values in batch.items():
+                fill = pad_token_id if name.endswith("ids") or name == "labels" else 0
+                padded[name] = np.pad(values, ((0, 0), (0, widths[name] - values.shape[1])), constant_values=fill)
+            yield padded, tokens
 
 
 def compile_train_steps_ahead(setup: TrainingSetup, make_batch: BatchMaker, training_args):

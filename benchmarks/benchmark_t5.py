@@ -16,6 +16,12 @@ above the training speed since it runs on the host, one batch ahead of the step.
 
     python benchmarks/benchmark_t5.py                                      # T5-small's shape, inputs of 128, on a CPU
     python benchmarks/benchmark_t5.py --max_seq_length 512 --batch_size 64 --dtype bfloat16      # a GPU
+
+--versus runs the whole script beside the Hugging Face Flax example on the same text instead (versus_t5_example.py;
+benchmarks/README.md says how to get the example and an environment it runs in):
+
+    python benchmarks/benchmark_t5.py --versus /tmp/hf_t5/run_t5_mlm_flax.py --versus_python /tmp/venv_hf/bin/python \
+        --model_dir my-t5 --train_file tests/fixtures/en/train.txt --validation_file tests/fixtures/en/validation.txt
 """
 
 import argparse
@@ -39,6 +45,7 @@ from flax_lm.training.train_state import create_train_state
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark_clm import matmul_peak_flops, peak_device_memory_bytes  # noqa: E402  (same folder)
 from suite_shared import seconds_since_process_start  # noqa: E402
+from versus_t5_example import versus  # noqa: E402
 
 import run_t5_mlm_flax  # noqa: E402
 
@@ -55,7 +62,21 @@ def parse_arguments():
     parser.add_argument("--rounds", type=int, default=2, help="rounds of timing; the best round counts")
     parser.add_argument("--skip_matmul_peak", action="store_true", help="leave out the measured peak and the MFU")
     parser.add_argument("--json", help="also write the results to this JSON file")
-    return parser.parse_args()
+    versus_flags = parser.add_argument_group("--versus: the whole script beside the Hugging Face example")
+    versus_flags.add_argument("--versus", help="the path of the example's run_t5_mlm_flax.py")
+    versus_flags.add_argument("--versus_python", help="the Python of an environment the example runs in")
+    versus_flags.add_argument("--model_dir", help="the config and tokenizer both train from (create_config.py)")
+    versus_flags.add_argument("--train_file", default="tests/fixtures/en/train.txt", help="text, a line a text")
+    versus_flags.add_argument("--validation_file", default="tests/fixtures/en/validation.txt", help="held-out text")
+    versus_flags.add_argument("--learning_rate", type=float, default=5e-3, help="the peak of the linear schedule")
+    versus_flags.add_argument("--warmup_steps", type=int, default=5, help="of the linear schedule")
+    versus_flags.add_argument("--seed", type=int, default=42, help="both scripts' --seed")
+    versus_flags.add_argument("--versus_rounds", type=int, default=2, help="runs of each script, alternating")
+    versus_flags.add_argument("--versus_skip_steps", type=int, default=5, help="steps left out of the timing")
+    arguments = parser.parse_args()
+    if arguments.versus and not (arguments.versus_python and arguments.model_dir):
+        parser.error("--versus needs --versus_python and --model_dir")
+    return arguments
 
 
 def batch_maker(config, max_seq_length: int) -> run_t5_mlm_flax.BatchMaker:
@@ -169,8 +190,33 @@ def benchmark_host_corruption(config, arguments) -> dict:
     return {"corruption_tokens_per_second": rows.size / seconds}
 
 
+def print_versus(arguments):
+    corruption = run_t5_mlm_flax.SpanCorruption()
+    row_length, _ = run_t5_mlm_flax.span_corruption_lengths(arguments.max_seq_length, corruption)
+    results = versus(arguments, row_length)
+    print(f"{results['steps']} steps of {arguments.batch_size} rows of {row_length} tokens of text; medians:")
+    for side, medians in results["medians"].items():
+        print(
+            f"{side}: {medians['tokens_per_second']:,.0f} tokens/s, "
+            f"{medians['tokens_per_cpu_second']:,.0f} tokens/CPU-s "
+            f"({medians['cpu_seconds_per_step']:.2f} CPU-s a step), eval loss {medians['eval_loss']:.4f}, "
+            f"whole run {medians['wall_seconds']:.0f} s and {medians['cpu_seconds']:.0f} CPU-s"
+        )
+    ratios = results["ratios"]
+    print(
+        f"ours / example: {ratios['tokens_per_second']:.2f}x tokens/s, "
+        f"{ratios['tokens_per_cpu_second']:.2f}x tokens per CPU-second"
+    )
+    if arguments.json:
+        with open(arguments.json, "w") as file:
+            json.dump({"arguments": vars(arguments)} | results, file, indent=2)
+
+
 def main():
     arguments = parse_arguments()
+    if arguments.versus:
+        print_versus(arguments)
+        return
     config = T5Config(**T5_PRESETS[arguments.preset])
     print(
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; {arguments.preset}'s shape, inputs of "

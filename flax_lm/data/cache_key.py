@@ -7,6 +7,7 @@ import functools
 import hashlib
 import inspect
 import types
+import warnings
 
 
 def is_own_code(value, script_module: str) -> bool:
@@ -28,6 +29,14 @@ def referenced_names(code: types.CodeType) -> set[str]:
 
 
 CONSTANT_TYPES = (bool, int, float, str, bytes, tuple, frozenset)
+
+
+def module_attributes(module: types.ModuleType, names: set[str]) -> list[tuple[str, object]]:
+    """The attributes of `module` among `names`, in order, without the FutureWarning numpy prints when asked for a
+    removed alias (np.str, np.object): code that reads `.str` of anything, beside `np.`, asks numpy for it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return [(name, getattr(module, name)) for name in sorted(names) if hasattr(module, name)]
 
 
 def function_code_fingerprint(function) -> str:
@@ -54,8 +63,7 @@ def function_code_fingerprint(function) -> str:
             for name in sorted(names & member.__globals__.keys()):
                 found = member.__globals__[name]
                 if isinstance(found, types.ModuleType):  # `module.name`: the names of the module the code reads
-                    reached = [(f"{name}.{attribute}", getattr(found, attribute)) for attribute in sorted(names)
-                               if hasattr(found, attribute)]  # fmt: skip
+                    reached = [(f"{name}.{attribute}", value) for attribute, value in module_attributes(found, names)]
                 else:
                     reached = [(name, found)]
                 for reached_name, candidate in reached:

@@ -165,6 +165,15 @@ class TextsToRows:
     # examples; None elsewhere.
     example_rows: Callable | None = None
     framing: str = "grouped"  # rows of plain text: texts joined and cut into blocks, or "line_by_line"
+    # The length that shapes the rows of examples where it is not row_length (run_t5_mlm_flax.py's pairs: padded to
+    # --max_seq_length, while its rows of text are longer): the token cache is keyed by the length of its rows.
+    example_row_length: int | None = None
+
+    def length_of(self, example_format: str | None) -> int:
+        """The length that shapes the rows of data in `example_format` (None: plain text)."""
+        if example_format and self.example_row_length is not None:
+            return self.example_row_length
+        return self.row_length
 
     def read(self, source: TextSource, streaming=False, evaluation_only=False, streaming_alone=False) -> tuple:
         """The texts of each split that the script's read_texts reads from `source`, and the format of their examples
@@ -184,7 +193,9 @@ class TextsToRows:
         return example_framing(example_format, source.examples) if example_format else self.framing
 
     def rows_of(self, dataset, split: str, source: TextSource, example_format: str | None):
-        return self.row_function(example_format)(dataset, split, self.tokenizer, self.row_length, source)
+        return self.row_function(example_format)(
+            dataset, split, self.tokenizer, self.length_of(example_format), source
+        )
 
 
 @dataclass(frozen=True)
@@ -293,7 +304,7 @@ def cached_rows(route: DataRoute, texts_to_rows: TextsToRows) -> tuple[dict, str
                 split,
                 texts_to_rows.row_function(example_format),
                 texts_to_rows.tokenizer,
-                texts_to_rows.row_length,
+                texts_to_rows.length_of(example_format),
                 cache_dir,
                 route.source,
                 framing=texts_to_rows.framing_of(example_format, route.source),

@@ -363,26 +363,60 @@ def make_sampler(model, eos_token_id: int | list[int] | None) -> Sampler:
     def beam_search(params, prompt_ids, prompt_mask, settings, *, num_beams: int, capacity: int, **variant):
         """The best hypothesis of each prompt by beam search, as transformers' generate finds it: (batch, capacity)
         tokens, then padding, and (batch,) their counts."""
-        batch, beams = prompt_ids.shape[0], num_beams
+        cache = model.empty_cache(prompt_mask, capacity)
+        logits, cache = model.apply({"params": params}, prompt_ids, cache=cache)
+
+        def decode_step(tokens, cache):
+            return model.apply({"params": params}, tokens, cache=cache)
+
+        history = jnp.where(prompt_mask, prompt_ids, model.config.vocab_size)
+        search = BeamSearch(decode_step, stop_ids, pad, num_beams, capacity, variant)
+        return search(logits[:, -1], cache, settings, history)
+
+    return Sampler(prefill, decode, beam_search, model.config.vocab_size)
+
+
+@dataclass(frozen=True)
+class BeamSearch:
+    """Beam search over a decoder with a cache, as transformers' generate does it, in one while_loop: of a causal
+    model after its prompt (make_sampler), or of an encoder-decoder's decoder after its start token
+    (flax_lm/generation/seq2seq.py). `decode_step(tokens (rows, 1), cache) -> (logits (rows, 1, vocab), cache)`
+    decodes one token of each row; every array of the cache with a shape has the rows first."""
+
+    decode_step: Callable
+    stop_ids: list
+    pad: int  # what the rows write after their end
+    num_beams: int
+    capacity: int  # new tokens at most
+    variant: dict  # processed_scores' "penalize" and "ngram"
+
+    def __call__(self, logits, cache, settings: RowSettings, history):
+        """(batch, capacity) tokens of each row's best hypothesis, then padding, and (batch,) their counts, from the
+        float logits (batch, vocab_size) of the first new token and the cache that gave them, one row a prompt; the
+        processors read `history` (batch, length), what transformers' generate sees before the new tokens (vocab_size
+        in the padding)."""
+        batch, beams, capacity, stop_ids, pad = logits.shape[0], self.num_beams, self.capacity, self.stop_ids, self.pad
+        decode_step, variant = self.decode_step, self.variant
+        vocab_size = logits.shape[-1]
         # The most likely 2 * beams continuations (more with several end-of-text tokens) keep `beams` running ones
         # even where the most likely all end.
         kept = max(2, 1 + len(stop_ids)) * beams
-        vocab_size = model.config.vocab_size
-        cache = model.empty_cache(prompt_mask, capacity)
-        logits, cache = model.apply({"params": params}, prompt_ids, cache=cache)
         # Every beam of a prompt starts from its prompt: read once, then repeated.
         cache = jax.tree.map(lambda leaf: jnp.repeat(leaf, beams, axis=0) if leaf.ndim else leaf, cache)
         beam_settings = settings.repeat(beams)
-        beam_prompt_ids = jnp.repeat(jnp.where(prompt_mask, prompt_ids, vocab_size), beams, axis=0)
+        beam_prompt_ids = jnp.repeat(history, beams, axis=0)
         max_new_tokens = settings.max_new_tokens[:, None]
         length_penalty = settings.length_penalty[:, None]
         stop_early, never = settings.early_stopping == EARLY_STOPPING[True], settings.early_stopping == 2
+
+        def ends(token):
+            return jnp.isin(token, jnp.asarray(stop_ids or [-1], jnp.int32))
 
         def gather(array, indices):  # array (batch, n, ...) at indices (batch, m) of its second axis
             return jax.vmap(lambda rows, index: rows[index])(array, indices)
 
         initial = {
-            "logits": jnp.repeat(logits[:, -1].astype(jnp.float32), beams, axis=0),
+            "logits": jnp.repeat(logits.astype(jnp.float32), beams, axis=0),
             "cache": cache,
             "running": jnp.zeros((batch, beams, capacity), jnp.int32),
             "running_scores": jnp.zeros((batch, beams)).at[:, 1:].set(RULED_OUT),
@@ -442,7 +476,7 @@ def make_sampler(model, eos_token_id: int | list[int] | None) -> Sampler:
             # The cache follows each beam to the beam it continues, on the device
             sources = (jnp.arange(batch)[:, None] * beams + running_sources).reshape(-1)
             cache = jax.tree.map(lambda leaf: leaf[sources] if leaf.ndim else leaf, state["cache"])
-            logits, cache = model.apply({"params": params}, running[:, :, step].reshape(-1, 1), cache=cache)
+            logits, cache = decode_step(running[:, :, step].reshape(-1, 1), cache)
             return {
                 "logits": logits[:, 0].astype(jnp.float32),
                 "cache": cache,
@@ -458,8 +492,6 @@ def make_sampler(model, eos_token_id: int | list[int] | None) -> Sampler:
 
         final = jax.lax.while_loop(searching, search_one, initial)
         return final["done"][:, 0], final["done_counts"][:, 0]
-
-    return Sampler(prefill, decode, beam_search, model.config.vocab_size)
 
 
 def shape_bucket(size: int, smallest: int) -> int:

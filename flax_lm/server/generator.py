@@ -202,8 +202,8 @@ class Generator:
 
 class Seq2SeqGenerator:
     """An encoder-decoder (T5) answering batches of prompts: each prompt, encoded as its tokenizer encodes a text
-    (T5's: </s> after it), is the source, and the text the decoder writes for it (greedy or drawn, as Sampling says;
-    no beam search) is the answer, which does not continue the prompt."""
+    (T5's: </s> after it), is the source, and the text the decoder writes for it (greedy, drawn or by beam search,
+    as Sampling says) is the answer, which does not continue the prompt."""
 
     continues_prompt = False
 
@@ -216,8 +216,6 @@ class Seq2SeqGenerator:
     def generate(self, prompts: list[str], sampling: Sampling, where: str = "prompt", stop=()) -> list[dict]:
         """For each prompt: the text written for it, the count of its tokens and of the new ones, and why it stopped
         ("eos", "stop": a `stop` string, "length"), as Generator.generate gives them."""
-        if sampling.num_beams > 1:
-            raise ValueError(f"num_beams {sampling.num_beams}: beam search is for causal models; decode a T5 with 1")
         sources = [self.tokenizer(prompt)["input_ids"] or self.stop_token_ids[:1] for prompt in prompts]
         results = []
         for first in range(0, len(sources), self.batch_size):

@@ -1,7 +1,7 @@
 """T5 (flax_lm/models/t5) against transformers' T5ForConditionalGeneration: the logits of the original T5 (ReLU,
 output layer tied and scaled), of v1.1 (gated GELU, a head of its own) and of a byte vocabulary (ByT5), without a
 cache and one decoder token at a time with it; an export loaded by transformers; a sharded bfloat16 checkpoint saved
-by transformers loaded into ours; greedy decoding equal to generate; the presets' parameter counts."""
+by transformers loaded into ours; greedy decoding and beam search equal to generate; the presets' parameter counts."""
 
 import flax.linen as nn
 import jax
@@ -11,7 +11,8 @@ import torch
 import transformers
 from test_create_config import create_config
 
-from flax_lm.generation.seq2seq import generate_seq2seq_ids, make_seq2seq_generate
+from flax_lm.generation.sampling import Sampling
+from flax_lm.generation.seq2seq import decode_sources, generate_seq2seq_ids, make_seq2seq_generate
 from flax_lm.models.huggingface import read_exported_params, save_model
 from flax_lm.models.model_code import load_model_code
 from flax_lm.models.t5 import model as t5
@@ -179,3 +180,43 @@ def test_greedy_decoding_equals_generate_for_a_batch_of_sources_of_different_len
             expected = expected[: expected.index(7) + 1]
         assert tokens == expected
     assert [len(tokens) for tokens in ours] == [5, 5, 12] and len(set(ours[0])) > 2
+
+
+def test_beam_search_equals_generate_with_its_length_penalty_and_early_stopping():
+    """Three beams, a length penalty below 1 (shorter hypotheses favoured) and transformers' default early stopping
+    (false: the search ends once no running beam is likely to beat the finished ones), on sources of different
+    lengths; the beams write other tokens than greedy decoding does for some source."""
+    config = t5_config(**VARIANTS["original relu tied"], eos_token_id=7, initializer_factor=3.0)
+    model = t5.MODEL_CLASS(config)
+    params = random_params(model, config, seed=4)
+    rng = np.random.default_rng(5)
+    sources = [rng.integers(8, config.vocab_size, length).tolist() + [1] for length in (9, 3, 6)]
+    decoding = make_seq2seq_generate(model, config.eos_token_id)
+    beams = [Sampling(12, prompt_index=row, num_beams=3, length_penalty=0.7) for row in range(len(sources))]
+    ours = decode_sources(decoding, params, sources, beams, config.vocab_size)
+    greedy = generate_seq2seq_ids(decoding, params, sources, config.vocab_size, max_new_tokens=12)
+
+    input_ids = np.zeros((len(sources), max(map(len, sources))), np.int64)
+    for row, source in enumerate(sources):
+        input_ids[row, : len(source)] = source
+    with torch.no_grad():
+        output = (
+            torch_model_of(config, params)
+            .generate(
+                input_ids=torch.from_numpy(input_ids),
+                attention_mask=torch.from_numpy((input_ids > 0).astype(np.int64)),
+                do_sample=False,
+                num_beams=3,
+                length_penalty=0.7,
+                early_stopping=False,
+                max_new_tokens=12,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+            .numpy()
+        )
+    for row, tokens in enumerate(ours):
+        expected = output[row, 1:].tolist()  # after the decoder start token
+        expected = expected[: expected.index(7) + 1] if 7 in expected else expected
+        assert tokens == expected
+    assert ours != greedy

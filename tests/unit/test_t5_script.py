@@ -5,6 +5,7 @@ import importlib.util
 import json
 import string
 import sys
+import warnings
 
 import datasets
 import numpy as np
@@ -138,14 +139,22 @@ def test_a_batch_of_pairs_holds_them_as_the_tokenizer_encodes_them_for_a_seq2seq
     rows = np.concatenate(list(row_arrays))
     assert rows.shape == (2, 2, 24)  # the third pair is longer than a row: left out
     batch = make_batch(rows, np.arange(2), 3, (0,))  # and a third, empty row
+    # As wide as the longest input and target, rounded up to a power of two from 16: not the row's 24.
+    assert batch["input_ids"].shape == batch["labels"].shape == (3, 16)
     for row, (prompt, completion) in enumerate(zip(pairs["prompt"][:2], pairs["completion"][:2])):
         input_ids, labels = tokenizer(prompt)["input_ids"], tokenizer(text_target=completion)["input_ids"]
         assert batch["input_ids"][row, : len(input_ids)].tolist() == input_ids and labels[-1] == tokenizer.eos_token_id
         assert batch["attention_mask"][row].sum() == len(input_ids)
         assert batch["labels"][row, : len(labels)].tolist() == labels
-        assert batch["label_weights"][row].tolist() == [1.0] * len(labels) + [0.0] * (24 - len(labels))
+        assert batch["label_weights"][row].tolist() == [1.0] * len(labels) + [0.0] * (16 - len(labels))
         assert batch["decoder_input_ids"][row, : len(labels)].tolist() == [0] + labels[:-1]
     assert batch["label_weights"][2].sum() == 0 and batch["attention_mask"][2].all()  # nothing masked out entirely
+    # A call runs its steps' batches as one array: each is padded to the widest of its call.
+    narrow = make_batch(rows, np.arange(1), 3, (0,))
+    wide = {name: np.pad(values, ((0, 0), (0, 16))) for name, values in batch.items()}
+    (padded, _), (same, _) = run_t5_mlm_flax.as_wide_as_their_call(iter([(narrow, 1), (wide, 2)]), [2], 0)
+    assert padded["labels"].shape == (3, 32) and (padded["label_weights"][:, 16:] == 0).all()
+    assert (padded["input_ids"][:, :16] == narrow["input_ids"]).all() and (same["labels"] == wide["labels"]).all()
 
 
 def test_a_batch_of_text_is_corrupted_into_inputs_of_max_seq_length(model_dirs):
@@ -159,3 +168,39 @@ def test_a_batch_of_text_is_corrupted_into_inputs_of_max_seq_length(model_dirs):
     # Rows 2 and 3 are corrupted alike when they are a process's share of the batch.
     share = make_batch(rows, np.arange(4), 4, (1, 2), slice(2, 4))
     assert (share["input_ids"] == batch["input_ids"][2:]).all()
+
+
+def test_the_token_cache_key_of_the_scripts_row_functions_is_read_without_numpys_future_warnings():
+    """The rows' code reads `.str` and `.object` of other things beside `np.`; the key asks numpy for those names
+    without its FutureWarning about removed aliases, which a run printed before."""
+    from flax_lm.data.cache_key import function_code_fingerprint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        keys = {
+            function_code_fingerprint(rows) for rows in (run_t5_mlm_flax.tokenized_rows, run_t5_mlm_flax.example_rows)
+        }
+    assert len(keys) == 2
+
+
+def test_the_token_cache_of_pairs_is_keyed_by_max_seq_length_not_by_the_row_length_of_text(model_dirs, tmp_path):
+    """Pairs are padded to --max_seq_length whatever the noise flags, which set the length of the rows of text: other
+    noise flags find the pairs' cache, another --max_seq_length packs them anew in rows of its length."""
+    from flax_lm.data.loading import DataRoute, cached_rows
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"in_text": f"question {n}", "out_text": f"answer {n}"}) + "\n" for n in range(4))
+    )
+    config, tokenizer = T5Config.from_pretrained(model_dirs["t5"]), AutoTokenizer.from_pretrained(model_dirs["t5"])
+    source = TextSource(train_file=str(pairs), examples=ExampleSettings(), cache_dir=str(tmp_path / "texts"))
+    caches = []
+    for max_seq_length, noise_density in ((24, 0.15), (24, 0.3), (32, 0.15)):
+        data_args = run_t5_mlm_flax.DataTrainingArguments(max_seq_length=max_seq_length, noise_density=noise_density)
+        texts_to_rows = run_t5_mlm_flax.script_texts_to_rows(
+            data_args, tokenizer, run_t5_mlm_flax.batch_maker(config, tokenizer, data_args)
+        )
+        rows, _ = cached_rows(DataRoute(source, do_eval=False), texts_to_rows)
+        assert np.asarray(rows["train"]).shape == (4, 2, max_seq_length)
+        caches.append(rows["train"].directory)
+    assert caches[0] == caches[1] != caches[2]
