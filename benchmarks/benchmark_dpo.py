@@ -5,11 +5,11 @@ The model is a random Llama (--hidden_size, --layers; transformers' LlamaForCaus
 BPE tokenizer of 512 tokens trained on the test corpus; the pairs are made-up prompts of --prompt_words words with
 a chosen and a rejected completion of --completion_words words each, so that every sequence has about the same
 length on both sides (TRL pads each batch to its longest, run_dpo_flax.py every batch to the longest of the data).
-Both sides train with AdamW, loss sigmoid, the reference model's log-probabilities computed in every step (no
---precompute_ref_log_probs), --batch_size pairs a step, each in its own process, one after the other: run_dpo_flax.py
-as a user runs it, its steps/s read from the log lines (tokens/s over the tokens of a step); TRL's from the time
-between the ends of its steps, taken by a callback. Each side's speed is the best of its windows of --window steps
-after the first window (which compiles, or warms up).
+Both sides train with AdamW in float32 (on the GPU where there is one), loss sigmoid, the reference model's
+log-probabilities computed in every step (no --precompute_ref_log_probs), --batch_size pairs a step, each in its own
+process, one after the other: run_dpo_flax.py as a user runs it, its steps/s read from the log lines (tokens/s over the
+tokens of a step); TRL's from the time between the ends of its steps, taken by a callback. Each side's speed is the
+best of its windows of --window steps after the first window (which compiles, or warms up).
 
     python benchmarks/benchmark_dpo.py [--steps 24] [--batch_size 8] [--hidden_size 256] [--layers 4]
 """
@@ -127,6 +127,7 @@ def children_cpu_seconds() -> float:
 
 def trl_side(model_dir: str, pairs: str, arguments):
     """DPOTrainer on the same model and pairs; prints its best steps/s over windows after the first, as JSON."""
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
@@ -142,7 +143,7 @@ def trl_side(model_dir: str, pairs: str, arguments):
     config = DPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=arguments.batch_size, max_steps=arguments.steps,
         learning_rate=1e-6, lr_scheduler_type="linear", logging_steps=arguments.steps, save_strategy="no",
-        report_to="none", use_cpu=True, loss_type=["sigmoid"], max_length=1024,
+        report_to="none", use_cpu=not torch.cuda.is_available(), loss_type=["sigmoid"], max_length=1024,
     )  # fmt: skip
     trainer = DPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),

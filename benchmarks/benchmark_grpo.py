@@ -5,8 +5,11 @@ CPU or accelerator. Each side's rate is taken after its first --warmup_steps (co
 
     python benchmarks/benchmark_grpo.py --model_name_or_path /tmp/grpo-synthetic/sft \
         --train_file /tmp/grpo-synthetic/prompts.jsonl [--steps 60] [--batch 64] [--num_generations 8]
+    python benchmarks/benchmark_grpo.py --hidden_size 256 --layers 4    # a random Llama, prompts "a+b=" made here
 
-benchmarks/grpo_synthetic.py writes such a model and prompts. Needs the test requirements (TRL, PyTorch).
+benchmarks/grpo_synthetic.py writes such a model and prompts; without them, benchmark_dpo.py's random Llama (its
+tokenizer trained on the test corpus) and the 100 prompts "a+b=" are made in a temporary directory, whose rewards
+are mostly 0: the steps' work is the same. Needs the test requirements (TRL, PyTorch).
 """
 
 import argparse
@@ -18,6 +21,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_dpo import make_model  # noqa: E402  (same folder)
 
 
 def trl_side(args):
@@ -82,8 +87,11 @@ def ours(args) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model_name_or_path", required=True)
-    parser.add_argument("--train_file", required=True)
+    parser.add_argument("--model_name_or_path", help="default: a random Llama of --hidden_size and --layers")
+    parser.add_argument("--train_file", help='prompts, JSON lines of {"prompt": ...} (default: the 100 "a+b=")')
+    parser.add_argument("--hidden_size", type=int, default=256, help="the random Llama's width")
+    parser.add_argument("--layers", type=int, default=4, help="the random Llama's layers")
+    parser.add_argument("--json", help="also write both sides' steps/s and their ratio to this JSON file")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup_steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
@@ -95,13 +103,25 @@ def main():
     args = parser.parse_args()
     if args.side == "trl":
         return trl_side(args)
-    flax_rate = ours(args)
-    result = subprocess.run(
-        [sys.executable, __file__, *sys.argv[1:], "--side", "trl"], check=True, capture_output=True, text=True
-    )
+    with tempfile.TemporaryDirectory() as directory:
+        if args.model_name_or_path is None:
+            args.model_name_or_path = os.path.join(directory, "model")
+            make_model(args.model_name_or_path, args)
+        if args.train_file is None:
+            args.train_file = os.path.join(directory, "prompts.jsonl")
+            with open(args.train_file, "w") as file:
+                file.writelines(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a in range(10) for b in range(10))
+        flax_rate = ours(args)
+        trl_command = [sys.executable, __file__, *sys.argv[1:], "--side", "trl"]
+        trl_command += ["--model_name_or_path", args.model_name_or_path, "--train_file", args.train_file]
+        result = subprocess.run(trl_command, check=True, capture_output=True, text=True)
     trl_rate = json.loads(result.stdout.strip().splitlines()[-1])["steps_per_second"]
     print(f"GRPO steps/s, {args.batch} completions of {args.max_completion_length} tokens a step:")
     print(f"  run_grpo_flax.py: {flax_rate:.2f}   TRL GRPOTrainer: {trl_rate:.2f}   ratio {flax_rate / trl_rate:.2f}x")
+    if args.json:
+        results = {"flax_lm": {"steps_per_second": flax_rate}, "trl": {"steps_per_second": trl_rate}}
+        with open(args.json, "w") as file:
+            json.dump(results | {"ratio": flax_rate / trl_rate}, file, indent=2)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,15 @@ Rows (bfloat16, random ids, the same shape and batch on both sides):
     roberta         RoBERTa-base MLM, 32 x 512, 15% of the positions predicted: benchmark_mlm.py --preset
                     roberta-base, beside transformers' RobertaForMaskedLM
 
+Rows of post-training, each one process that runs both sides, its project's side in a process and TRL's in another
+(float32 on both sides; a call of their own on a GPU, like generation):
+
+    dpo             benchmark_dpo.py: run_dpo_flax.py's steps/s beside TRL's DPOTrainer, a random Llama of the
+                    width of the rows above in 4 layers, 8 pairs a step of about 2 x 121 tokens, the reference model's
+                    log-probabilities in every step
+    grpo            benchmark_grpo.py: run_grpo_flax.py's steps/s beside TRL's GRPOTrainer on that Llama, 64
+                    completions of 16 tokens a step (8 a prompt) sampled and trained on
+
 Each side runs in its own process, one after the other, so that neither GPU memory nor compile caches mix (each gets
 fresh torch.compile and Triton caches: its time to the first step is a cold start). The peers run
 peers/train_torch.py: torch.compile, fused AdamW, SDPA attention, autocast to bfloat16. Each side is timed as best of
@@ -33,6 +42,7 @@ layer is, at every position) x tokens/s, divided by the card's published dense b
 
     python benchmarks/gpu_suite.py --json gpu_suite.json            # on a GPU: the rows above, about 7 minutes
     python benchmarks/gpu_suite.py --rows llama roberta               # some rows
+    python benchmarks/gpu_suite.py --rows dpo grpo                    # post-training beside TRL, a call of its own
     python benchmarks/gpu_suite.py --smoke                            # the same table at tiny shapes on a CPU
 
 --smoke runs tiny models in float32 for a few steps, the PyTorch side without torch.compile (its compile takes longer
@@ -88,6 +98,7 @@ PUBLISHED_BFLOAT16_PEAKS = (
 SIDE_MINIMUM_SECONDS = 45
 TRAINING_ROWS = ["gpt2", "llama", "llama_finetune", "qwen3_moe", "roberta"]
 GENERATION_ROW = "generate"
+POST_TRAINING_ROWS = ["dpo", "grpo"]
 
 
 @dataclass
@@ -178,6 +189,22 @@ def generation_side(shape: dict, arguments) -> Side:
     return Side(
         "generate_flax.py's sampler, transformers generate", command, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     )
+
+
+def post_training_side(name: str, shape: dict, arguments) -> Side:
+    """benchmark_dpo.py or benchmark_grpo.py at the shape's width, 4 layers (2 for --smoke): both sides in one call."""
+    model = ["--hidden_size", shape["width"], "--layers", 4 if not arguments.smoke else 2]
+    if name == "dpo":
+        steps = ["--steps", arguments.steps * (arguments.rounds + 1), "--window", arguments.steps]
+        return Side("run_dpo_flax.py, TRL DPOTrainer", ["benchmark_dpo.py", *model, *steps])
+    steps = ["--steps", arguments.steps * (arguments.rounds + 1), "--warmup_steps", arguments.steps]
+    completions = [
+        "--batch",
+        64 if not arguments.smoke else 8,
+        "--max_completion_length",
+        16 if not arguments.smoke else 4,
+    ]
+    return Side("run_grpo_flax.py, TRL GRPOTrainer", ["benchmark_grpo.py", *model, *steps, *completions])
 
 
 def flops_per_token(kind: str, shape: dict, sequence_length: int) -> float:
@@ -277,9 +304,10 @@ def parse_arguments():
     parser.add_argument(
         "--rows",
         nargs="+",
-        choices=[*TRAINING_ROWS, GENERATION_ROW],
+        choices=[*TRAINING_ROWS, GENERATION_ROW, *POST_TRAINING_ROWS],
         default=TRAINING_ROWS,
-        help=f"the rows to run (default: the training rows; {GENERATION_ROW}: generation, a call of its own on a GPU)",
+        help=f"the rows to run (default: the training rows; {GENERATION_ROW}: generation, and "
+        f"{', '.join(POST_TRAINING_ROWS)}: post-training beside TRL, calls of their own on a GPU)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in float32 on a CPU, PyTorch uncompiled")
     parser.add_argument("--steps", type=int, help="steps in each timed window (default: 10; 2 with --smoke)")
@@ -341,7 +369,21 @@ def main():
             print(f"{GENERATION_ROW}: {side.label} ...", file=sys.stderr, flush=True)
             generation = run_side(side, min(arguments.side_timeout, left), log_dir, GENERATION_ROW, arguments.smoke)
         generation["command"] = " ".join(map(str, side.command))
+    post_training = {}
+    for name in (name for name in POST_TRAINING_ROWS if name in arguments.rows):
+        side = post_training_side(name, shape, arguments)
+        left = deadline - time.monotonic()
+        if left < SIDE_MINIMUM_SECONDS:
+            post_training[name] = {"error": "not run: the suite's --time_budget was spent"}
+        else:
+            print(f"{name}: {side.label} ...", file=sys.stderr, flush=True)
+            # Its two sides run one after the other in it: twice a side's time.
+            post_training[name] = run_side(side, min(2 * arguments.side_timeout, left), log_dir, name, arguments.smoke)
+        post_training[name]["command"] = " ".join(map(str, side.command))
     report = summarize(measurements, generation, arguments)
+    report["post_training"] = post_training
+    if post_training:
+        report["text"] += "\n\n" + "\n".join(post_training_table(post_training))
     print(report["text"])
     if arguments.json:
         with open(arguments.json, "w") as file:
@@ -434,6 +476,17 @@ def generation_table(generation: dict, smoke: bool) -> list[str]:
             f"| {row['decoding']} | {row['jax_tokens_per_second']:,.0f} | {row['torch_tokens_per_second']:,.0f} | "
             f"{ratio:.2f} | {row['rows_with_the_same_tokens']} of {row['batch_size']} |"
         )
+    return lines
+
+
+def post_training_table(post_training: dict) -> list[str]:
+    lines = ["| post-training | flax_lm steps/s | TRL steps/s | ratio | command |", "| --- | --- | --- | --- | --- |"]
+    for name, result in post_training.items():
+        if "error" in result:
+            lines.append(f"| {name} | failed: {result['error']} | – | – | {result['command']} |")
+            continue
+        ours, theirs = result["flax_lm"]["steps_per_second"], result["trl"]["steps_per_second"]
+        lines.append(f"| {name} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | {result['command']} |")
     return lines
 
 

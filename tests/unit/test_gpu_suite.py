@@ -76,6 +76,19 @@ def test_sides_that_the_time_budget_leaves_no_room_for_are_reported_as_not_run(s
     assert printed.count("| failed: not run: the suite's --time_budget was spent |") == 12
 
 
+def test_post_training_rows_run_when_named_and_report_both_sides_or_why_not(suite, tmp_path, monkeypatch, capsys):
+    json_path = tmp_path / "suite.json"
+    argv = ["gpu_suite.py", "--smoke", "--rows", "dpo", "grpo", "--time_budget", "30", "--json", str(json_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    suite.main()
+    printed = capsys.readouterr().out
+    report = json.loads(json_path.read_text())
+    assert report["measurements"] == [] and set(report["post_training"]) == {"dpo", "grpo"}
+    assert printed.count("failed: not run: the suite's --time_budget was spent") == 2
+    measured = {"flax_lm": {"steps_per_second": 3.0}, "trl": {"steps_per_second": 0.5}, "command": "benchmark_dpo.py"}
+    assert suite.post_training_table({"dpo": measured})[-1] == "| dpo | 3.00 | 0.50 | 6.00 | benchmark_dpo.py |"
+
+
 def test_packed_example_rows_hold_whole_examples_with_the_loss_on_their_completions():
     shared = load_benchmark("suite_shared")
     rows = shared.packed_example_rows(batch_size=3, sequence_length=256, vocab_size=100)
