@@ -229,6 +229,11 @@ def test_a_txt_document_longer_than_a_piece_gives_the_tokens_of_the_whole_text(
     whole = recipe_tokenizer.backend_tokenizer.encode(text[1:], add_special_tokens=False).ids
     np.testing.assert_array_equal(tokens, [*whole, recipe_tokenizer.eos_token_id])
     assert cut  # read as a LongText, never one string
+    assert not dataset.cache_files  # the file itself, mapped: no conversion by datasets
+    # Carriage returns, which datasets' text reader turns into line feeds: that reader reads the file then.
+    (tmp_path / "windows.txt").write_bytes(b"one\r\ntwo\r\n")
+    converted = load(tmp_path, train_file=str(tmp_path / "windows.txt"))["train"]
+    assert converted["text"] == ["one\ntwo\n"] and converted.cache_files
 
 
 def spy(function, calls: list):
