@@ -66,7 +66,7 @@ def long_text_of(column: pyarrow.Array) -> LongText | None:
         column = chunks[0]
     if (
         not (pyarrow.types.is_string(column.type) or pyarrow.types.is_large_string(column.type))
-        or not column[0].is_valid
+        or column.null_count  # (column[0] would copy the text into a scalar)
     ):
         return None
     _, offsets, data = column.buffers()
