@@ -8,7 +8,8 @@ files again under other names for sizes beyond them) and each number of workers 
     run_clm_flax.py --train_file FILES --packed_data_dir DIR --do_train false --do_eval false \\
         --preprocessing_num_workers N --block_size 128
 
-in a fresh process with fresh caches (the conversion `datasets` makes of the files included) and reports the
+in a fresh process with fresh caches (`datasets`' conversion of the files included where it makes one: not of
+`.txt` files read as one document, as these are, which are read as they are) and reports the
 seconds, megabytes of text a second (of the whole command, and of the tokenizing and packing alone, as
 its log says), the peak memory of the whole process tree (the sum of the resident sizes of
 the script and its workers, sampled four times a second; /usr/bin/time's figure is one process's alone) and the

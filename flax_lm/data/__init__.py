@@ -5,6 +5,7 @@ unpack their flags into the values and settings these functions take):
 source.py             where the texts come from and how they are read (TextSource), how examples become rows
 data_files.py         which local files --train_file names (one rule for every tool), each format's reader
 pieces.py             texts tokenized a piece at a time, in worker processes, with the progress shown
+long_texts.py         a text longer than memory, read and cut a stretch at a time; .txt files as they are
 texts.py              reading text files, datasets and streams, and encoding them into token ids
 text_stream.py        a whole corpus read once in counted batches of texts (train_tokenizer.py)
 chat.py               chat templates: rendering a conversation, the tokens that end a turn

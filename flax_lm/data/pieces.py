@@ -148,10 +148,16 @@ def page_out_texts(table: pyarrow.Table):
             width = np.int64 if pyarrow.types.is_large_string(chunk.type) else np.int32
             offsets = np.frombuffer(chunk.buffers()[1], width)
             first, last = int(offsets[chunk.offset]), int(offsets[chunk.offset + len(chunk)])
-            start = -(-(data.address + first) // mmap.PAGESIZE) * mmap.PAGESIZE
-            end = (data.address + last) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > start:
-                libc_madvise(start, end - start, MADV_PAGEOUT)
+            page_out_bytes(data.address + first, data.address + last)
+
+
+def page_out_bytes(first: int, last: int):
+    """Let the kernel take back the whole pages of memory between the addresses `first` and `last` (Linux's
+    MADV_PAGEOUT; elsewhere nothing is done): see page_out_texts."""
+    start = -(-first // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = last // mmap.PAGESIZE * mmap.PAGESIZE
+    if libc_madvise is not None and end > start:
+        libc_madvise(start, end - start, MADV_PAGEOUT)
 
 
 # Linux's value (5.4 on), which Python's mmap module names only from 3.13.

@@ -27,6 +27,7 @@ from flax_lm.data.data_files import (
     is_saved_dataset,
     resolve_data_files,
 )
+from flax_lm.data.long_texts import LongText, documents_of_text_files, long_text_of, long_text_pieces
 from flax_lm.data.pieces import (
     map_in_workers,
     page_out_texts,
@@ -64,14 +65,18 @@ def load_data_files(groups: dict[str, list[str]], split: str, source: TextSource
     parts = []
     for builder, files in groups.items():
         checksum = None if streaming else files_checksum(files)
-        part = datasets.load_dataset(
-            builder,
-            data_files={split: files},
-            split=split,
-            cache_dir=source.cache_dir if streaming else content_cache_dir(source.cache_dir, checksum),
-            streaming=streaming,
-            **(text_options if builder == "text" else {}),
-        )
+        part = None
+        if builder == "text" and not streaming and text_options["sample_by"] == "document":
+            part = documents_of_text_files(files)  # each file one text, never read whole into memory
+        if part is None:
+            part = datasets.load_dataset(
+                builder,
+                data_files={split: files},
+                split=split,
+                cache_dir=source.cache_dir if streaming else content_cache_dir(source.cache_dir, checksum),
+                streaming=streaming,
+                **(text_options if builder == "text" else {}),
+            )
         if not streaming:
             part = by_content(part, checksum)
         if len(groups) > 1:
@@ -391,11 +396,17 @@ BYTE_ORDER_MARK = "\ufeff"
 def without_byte_order_marks(texts: list, where: str) -> list:
     """The texts with the byte-order mark (U+FEFF) that starts a file saved as "UTF-8 with BOM" taken off: it names
     the encoding and is no part of the text (the text reader keeps it). Each one dropped is noted in the log."""
-    marked = sum(isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) for text in texts)
-    if not marked:
+
+    def marked(text) -> bool:
+        return isinstance(text, (str, LongText)) and text.startswith(BYTE_ORDER_MARK)
+
+    if not (count := sum(map(marked, texts))):
         return texts
-    logger.info("%s: dropped the byte-order mark (U+FEFF) at the start of %d text(s)", where, marked)
-    return [text[1:] if isinstance(text, str) and text.startswith(BYTE_ORDER_MARK) else text for text in texts]
+    logger.info("%s: dropped the byte-order mark (U+FEFF) at the start of %d text(s)", where, count)
+    return [
+        (text.after(BYTE_ORDER_MARK) if isinstance(text, LongText) else text[1:]) if marked(text) else text
+        for text in texts
+    ]
 
 
 def stream_batches(stream, columns) -> Iterator[dict]:
@@ -419,13 +430,16 @@ def stream_batches(stream, columns) -> Iterator[dict]:
         yield batch(rows)
 
 
-def column_batches(dataset, columns, split: str, column_flag: str | None = None) -> Iterator[dict]:
+def column_batches(
+    dataset, columns, split: str, column_flag: str | None = None, long_texts: bool = False
+) -> Iterator[dict]:
     """The rows of a dataset or a stream in order, as {column: values}, TEXTS_PER_BATCH rows or a piece of text
     (Preprocessing, --preprocessing_piece_mb) at a time, whichever comes first; a row larger than a piece alone.
     Of `columns` only where a dataset can leave the others unread. A file the reader cannot parse, or a missing
-    column (with the flag that names it, `column_flag`), ends the command in one line."""
+    column (with the flag that names it, `column_flag`), ends the command in one line. With `long_texts`, a
+    dataset's text longer than a piece comes as a LongText, read a stretch at a time, rather than as one string."""
     if isinstance(dataset, datasets.Dataset):
-        batches = dataset_batches(dataset, columns)
+        batches = dataset_batches(dataset, columns, long_texts)
     else:
         batches = stream_batches(dataset, columns)
     while True:
@@ -447,10 +461,11 @@ def column_batches(dataset, columns, split: str, column_flag: str | None = None)
         yield batch
 
 
-def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
+def dataset_batches(dataset: datasets.Dataset, columns, long_texts: bool = False) -> Iterator[dict]:
     """The rows of a dataset as {column: values}, read as Arrow (memory-mapped, nothing copied) TEXTS_PER_BATCH rows
     at a time and made Python values a piece at a time: so a batch of long documents is never in memory whole. The
-    other columns are not even read."""
+    other columns are not even read. With `long_texts`, a text of more characters than a piece, alone in its batch,
+    comes as a LongText: never one string."""
     selected = dataset.select_columns(list(columns))
     tables = selected.with_format("arrow").iter(batch_size=TEXTS_PER_BATCH)
     for table in tables:
@@ -463,18 +478,29 @@ def dataset_batches(dataset: datasets.Dataset, columns) -> Iterator[dict]:
             stop = start + max(
                 1, int(np.searchsorted(np.cumsum(sizes[start:]), preprocessing.piece_characters, "right"))
             )
-            read_progress.add(int(sizes[start:stop].sum()), stop - start)
             piece = table.slice(start, stop - start)
-            # Decoded as datasets' Python format does: rows of differing structure are kept as Json (messages).
-            yield selected.features.decode_batch(piece.to_pydict())
-            if dataset.cache_files:
-                page_out_texts(piece)
+            long_text = None
+            if (
+                long_texts
+                and len(columns) == 1
+                and stop - start == 1
+                and sizes[start] > preprocessing.piece_characters
+            ):
+                long_text = long_text_of(piece.column(0))
+            if long_text is not None and len(long_text) > preprocessing.piece_characters:
+                read_progress.add(0, 1)  # its bytes as they are read (LongText.stretches)
+                yield {columns[0]: [long_text]}
+            else:  # decoded as datasets' Python format does: rows of differing structure are kept as Json (messages)
+                read_progress.add(int(sizes[start:stop].sum()), stop - start)
+                yield selected.features.decode_batch(piece.to_pydict())
+            page_out_texts(piece)  # a mapped file's pages (a table built in memory: nothing, without swap)
             start = stop
 
 
-def text_batches(dataset, text_column: str, split: str) -> Iterator[list[str]]:
-    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order (byte-order marks dropped)."""
-    for batch in column_batches(dataset, [text_column], split, "--text_column_name"):
+def text_batches(dataset, text_column: str, split: str, long_texts: bool = False) -> Iterator[list]:
+    """The texts of a dataset or a stream, TEXTS_PER_BATCH at a time, in order (byte-order marks dropped); with
+    `long_texts`, a text longer than a piece of a dataset as a LongText (column_batches)."""
+    for batch in column_batches(dataset, [text_column], split, "--text_column_name", long_texts):
         yield without_byte_order_marks(batch[text_column], split)
 
 
@@ -563,14 +589,20 @@ def encode_documents(backend, around: tuple, cut_long_texts: bool, piece: tuple)
     return np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, sum(map(len, token_lists)))
 
 
-def document_pieces(batches: Iterable[list[str]], cut_long_texts: bool) -> Iterator[tuple[list[str], bool, bool]]:
-    """The texts of `batches` (column_batches: a piece or less of text each, or one longer text) as pieces to encode
-    apart: (texts, whether the first continues a document of the piece before, whether the last goes on in the
-    next). A text longer than a piece is cut where text_pieces cuts it into pieces of about a piece (Preprocessing),
-    where cutting keeps the tokens (`cut_long_texts`); otherwise it is encoded whole."""
+def document_pieces(batches: Iterable[list], cut_long_texts: bool) -> Iterator[tuple[list[str], bool, bool]]:
+    """The texts of `batches` (column_batches: a piece or less of text each, or one longer text, maybe a LongText) as
+    pieces to encode apart: (texts, whether the first continues a document of the piece before, whether the last goes
+    on in the next). A text longer than a piece is cut where text_pieces cuts it into pieces of about a piece
+    (Preprocessing), where cutting keeps the tokens (`cut_long_texts`); otherwise it is encoded whole. A LongText is
+    cut the same, read as it is cut (long_text_pieces)."""
     for texts in batches:
         if not (cut_long_texts and len(texts) == 1 and len(texts[0]) > preprocessing.piece_characters):
-            yield texts, False, False
+            yield [text.whole() if isinstance(text, LongText) else text for text in texts], False, False
+            continue
+        if isinstance(texts[0], LongText):
+            stretches = texts[0].stretches()
+            pieces = long_text_pieces(stretches, preprocessing.piece_characters, TEXT_PIECE_CHARACTERS, next_cut)
+            yield from (([text], started, goes_on) for text, started, goes_on in pieces)
             continue
         group, size, started = [], 0, False  # text pieces of the document that make one piece to encode
         for text_piece in lazy_text_pieces(texts[0]):
@@ -614,7 +646,7 @@ def token_arrays(
     around = around or ([], [eos_id])
     cut_long_texts = cuts_at_line_starts_keep_the_tokens(backend)
     encode = partial(encode_documents, backend, around, cut_long_texts)
-    work = document_pieces(text_batches(dataset, text_column, split), cut_long_texts)
+    work = document_pieces(text_batches(dataset, text_column, split, long_texts=True), cut_long_texts)
     cuts = [preprocessing.piece_characters, TEXT_PIECE_CHARACTERS, TEXTS_PER_BATCH, cut_long_texts]
     first_piece, skipped = token_trail.start_for(split, cuts)  # where a packing run interrupted goes on
     for tokens in map_in_workers(encode, itertools.islice(work, first_piece, None), num_workers):

@@ -5,6 +5,7 @@ recipe), and bits per byte; checked against the exported model scored in PyTorch
 import shutil
 
 import numpy as np
+import pyarrow
 import pytest
 from conftest import FIXTURES_DIR, TOKENIZER_TRAINING_FILES
 from test_clm import run_clm_flax, tiny_config
@@ -12,8 +13,12 @@ from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoTokenizer
 
 import flax_lm.data.loading
+import flax_lm.data.long_texts
+import flax_lm.data.pieces
 import flax_lm.data.texts
+from flax_lm.data.long_texts import LongText, long_text_of
 from flax_lm.data.source import TextSource
+from flax_lm.data.texts import BYTE_ORDER_MARK, without_byte_order_marks
 
 CORPUS = FIXTURES_DIR / "en"
 BLOCK_SIZE = 64
@@ -172,6 +177,71 @@ def test_a_text_of_one_long_line_is_encoded_in_bounded_pieces_with_the_tokens_of
     assert "".join(pieces) == line and len(pieces) > 40
     # Each piece at most two lengths, but where no space comes for that long (the 1000 x's): up to the next word.
     assert sorted(len(piece) for piece in pieces)[-2] <= 600 and max(len(piece) for piece in pieces) < 1400
+
+
+def test_a_long_text_read_a_stretch_at_a_time_is_cut_as_the_whole_string_is(monkeypatch):
+    """A text longer than a piece (a .txt file read as one document) is read from its Arrow bytes a stretch at a
+    time, never far beyond the piece being cut: the same pieces as the whole string gives."""
+    monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", 300)
+    monkeypatch.setattr(flax_lm.data.long_texts, "STRETCH_BYTES", 101)  # cuts characters of several bytes too
+    prose = (CORPUS / "train.txt").read_text()
+    texts = [
+        BYTE_ORDER_MARK + prose,
+        prose.replace("\n", " ")[:20_000],  # one line: cut at words
+        "é" * 50 + prose[:5000].replace(" ", "") + " ü ß" * 2000,  # no cut for thousands of characters, then words
+    ]
+    read = []
+    with flax_lm.data.pieces.pieces_of(2**11 / 2**20):
+        for text in texts:
+            whole = list(flax_lm.data.texts.document_pieces([without_byte_order_marks([text], "t")], True))
+            long_text = long_text_of(pyarrow.array([text]))
+            stretches = long_text.after(BYTE_ORDER_MARK) if long_text.startswith(BYTE_ORDER_MARK) else long_text
+            assert isinstance(without_byte_order_marks([long_text], "t")[0], LongText)
+
+            def counted(stretches):
+                for stretch in stretches:
+                    read.append(len(stretch))
+                    yield stretch
+
+            pieces, ahead = [], []
+            for text_piece, started, goes_on in flax_lm.data.long_texts.long_text_pieces(
+                counted(stretches.stretches()), 2**11, 300, flax_lm.data.texts.next_cut
+            ):
+                pieces.append(([text_piece], started, goes_on))
+                ahead.append(sum(read) - sum(len(piece) for [piece], _, _ in pieces))
+            assert pieces == whole and len(whole) > 4
+            read.clear()
+            if text is texts[0]:  # text read beyond the pieces handed on: at most the next cut's search and a stretch
+                assert max(ahead) <= 2 * 300 + 101 + 2**11
+
+
+def test_a_txt_document_longer_than_a_piece_gives_the_tokens_of_the_whole_text(
+    recipe_tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(flax_lm.data.texts, "TEXT_PIECE_CHARACTERS", 300)
+    cut = []
+    monkeypatch.setattr(flax_lm.data.texts, "long_text_pieces", spy(flax_lm.data.texts.long_text_pieces, cut))
+    text = BYTE_ORDER_MARK + (CORPUS / "train.txt").read_text()
+    (tmp_path / "long.txt").write_text(text)
+    dataset = load(tmp_path, train_file=str(tmp_path / "long.txt"))["train"]
+    with flax_lm.data.pieces.pieces_of(2**13 / 2**20):
+        tokens = np.concatenate(list(run_clm_flax.token_arrays(dataset, recipe_tokenizer, "text")))
+    whole = recipe_tokenizer.backend_tokenizer.encode(text[1:], add_special_tokens=False).ids
+    np.testing.assert_array_equal(tokens, [*whole, recipe_tokenizer.eos_token_id])
+    assert cut  # read as a LongText, never one string
+    assert not dataset.cache_files  # the file itself, mapped: no conversion by datasets
+    # Carriage returns, which datasets' text reader turns into line feeds: that reader reads the file then.
+    (tmp_path / "windows.txt").write_bytes(b"one\r\ntwo\r\n")
+    converted = load(tmp_path, train_file=str(tmp_path / "windows.txt"))["train"]
+    assert converted["text"] == ["one\ntwo\n"] and converted.cache_files
+
+
+def spy(function, calls: list):
+    def recorded(*arguments):
+        calls.append(arguments)
+        return function(*arguments)
+
+    return recorded
 
 
 def test_the_recipe_tokenizer_ends_documents_with_the_models_eos(recipe_tokenizer, caplog):
