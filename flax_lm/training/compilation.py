@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import threading
+import warnings
 
 import jax
 import xxhash
@@ -48,6 +49,15 @@ def use_compilation_cache(directory: str | None):
     if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no limit, and no locks
         jax.config.update("jax_compilation_cache_max_size", CACHE_SIZE_LIMIT_BYTES)
     keep_entries_keyed()
+    ignore_lock_timeouts()
+
+
+def ignore_lock_timeouts():
+    """Leave out JAX's warning that another process held the cache's lock too long to read or write an entry: it
+    compiles the program instead, which the run only sees as time, and the warning reads like an error."""
+    warnings.filterwarnings(
+        "ignore", message=r"Error (reading|writing) persistent compilation cache entry for .*: Timeout: The file lock"
+    )
 
 
 class KeyedEntries(CacheInterface):
