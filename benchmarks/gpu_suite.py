@@ -66,7 +66,8 @@ import numpy as np
 
 BENCHMARKS_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# The shapes of the rows: the training scripts' GPU presets, and a tiny model of each kind for --smoke.
+# The shapes of the rows: the training scripts' GPU presets, and a tiny model of each kind for --smoke (one layer: its
+# sides' time is mostly compiling, which each layer adds to).
 SHAPES = {
     "gpu": dict(
         layers=12, width=768, heads=12, key_value_heads=4, intermediate_size=2048, vocab_size=50304,
@@ -74,7 +75,7 @@ SHAPES = {
         generation_batch_sizes=(1, 32), prompt_tokens=16, new_tokens=128,
     ),
     "smoke": dict(
-        layers=2, width=64, heads=4, key_value_heads=2, intermediate_size=128, vocab_size=256,
+        layers=1, width=64, heads=4, key_value_heads=2, intermediate_size=128, vocab_size=256,
         causal_batch=(4, 64), masked_batch=(4, 64), dtype="float32", experts=8, experts_per_token=2,
         generation_batch_sizes=(1, 4), prompt_tokens=4, new_tokens=8,
     ),

@@ -4,10 +4,12 @@ tiny GPT-2 with the Generator that generate_flax.py decodes it with, and its ser
 import contextlib
 import os
 import queue
+import resource
 import shutil
 import subprocess
 import sys
 import threading
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,14 +60,16 @@ def script_environment(torch: bool = False, **variables) -> dict:
 # last (the alphabet puts test_tensor_parallel.py near the end) keeps one worker busy after the other has finished.
 # Paths below tests/.
 LONGEST_FILES_FIRST = [
-    "end_to_end/test_tensor_parallel.py", "end_to_end/test_edited_copies.py", "end_to_end/test_distributed.py",
-    "end_to_end/test_resume.py", "end_to_end/test_run_safety.py", "end_to_end/test_mlm.py",
-    "end_to_end/test_gpu_suite_runs.py", "end_to_end/test_clm_runs.py", "end_to_end/test_published_checkpoints.py",
-    "end_to_end/test_mlm_scale.py", "end_to_end/test_generate_runs.py", "parity/test_models.py",
-    "parity/test_generate.py", "parity/test_moe.py", "end_to_end/test_serve.py", "parity/test_clm_parity.py",
-    "end_to_end/test_dpo_runs.py", "end_to_end/test_lora_runs.py", "end_to_end/test_pipeline.py",
-    "parity/test_t5.py", "parity/test_deepseek.py", "parity/test_lora_parity.py", "parity/test_dpo_parity.py",
-    "parity/test_grpo_parity.py", "end_to_end/test_t5_runs.py",
+    "end_to_end/test_tensor_parallel.py", "end_to_end/test_mlm.py", "end_to_end/test_edited_copies.py",
+    "parity/test_models.py", "end_to_end/test_run_safety.py", "parity/test_moe.py",
+    "end_to_end/test_gpu_suite_runs.py", "end_to_end/test_distributed.py", "parity/test_generate.py",
+    "end_to_end/test_resume.py", "end_to_end/test_serve.py", "end_to_end/test_finetune.py",
+    "end_to_end/test_mlm_scale.py", "end_to_end/test_steps_per_call.py", "end_to_end/test_clm_runs.py",
+    "end_to_end/test_lora_runs.py", "unit/test_scaling.py", "end_to_end/test_grpo_runs.py",
+    "end_to_end/test_dpo_runs.py", "end_to_end/test_generate_runs.py", "end_to_end/test_harness.py",
+    "parity/test_t5.py", "parity/test_grpo_parity.py", "end_to_end/test_published_checkpoints.py",
+    "end_to_end/test_expert_parallel.py", "parity/test_clm_parity.py", "end_to_end/test_pipeline.py",
+    "parity/test_deepseek.py", "parity/test_lora_parity.py", "parity/test_dpo_parity.py", "end_to_end/test_t5_runs.py",
 ]  # fmt: skip
 
 
@@ -75,6 +79,66 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
 
     items.sort(key=rank)  # stable: the other files keep their order, and every file its tests' order
+
+
+# --cpu-durations=N: the CPU seconds each test costs, user and system, of the test process and of the scripts it
+# started and waited for, from its set-up to its teardown (a session fixture counts in the first test that asks for
+# it). Wall times say little on a shared machine; CPU seconds are what the suite costs on two cores whatever the load.
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="list the N tests and the N files that take the most CPU seconds (0: all), with the suite's total",
+    )
+
+
+def cpu_seconds() -> float:
+    """CPU seconds, user and system, of this process and of its children that have been waited for."""
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(usage.ru_utime + usage.ru_stime for usage in usages)
+
+
+CPU_SECONDS_AT = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[CPU_SECONDS_AT] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Adds to each phase's report the CPU seconds since the end of the phase before (its start, for set-up): the
+    reports travel from pytest-xdist's workers to the process that prints the summary."""
+    report = (yield).get_result()
+    now = cpu_seconds()
+    report.user_properties.append(("cpu_seconds", now - item.stash.get(CPU_SECONDS_AT, now)))
+    item.stash[CPU_SECONDS_AT] = now
+
+
+CPU_SECONDS_BY_TEST = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    CPU_SECONDS_BY_TEST[report.nodeid] += sum(value for name, value in report.user_properties if name == "cpu_seconds")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.getoption("cpu_durations")
+    if count is None or not CPU_SECONDS_BY_TEST:
+        return
+    by_file = defaultdict(float)
+    for nodeid, seconds in CPU_SECONDS_BY_TEST.items():
+        by_file[nodeid.split("::")[0]] += seconds
+    for title, table in [("tests", CPU_SECONDS_BY_TEST), ("files", by_file)]:
+        ranked = sorted(table.items(), key=lambda pair: pair[1], reverse=True)
+        terminalreporter.write_sep("=", f"CPU seconds of the {title}, most first")
+        for name, seconds in ranked[: count or None]:
+            terminalreporter.write_line(f"{seconds:8.1f}s {name}")
+    terminalreporter.write_line(f"{sum(CPU_SECONDS_BY_TEST.values()):8.1f}s in all, {len(CPU_SECONDS_BY_TEST)} tests")
 
 
 def stock_code(config) -> ModelCode:
