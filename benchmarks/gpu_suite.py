@@ -290,6 +290,16 @@ def run_side(side: Side, timeout: float, log_dir: str, name: str, smoke: bool) -
     return {**results.get("training", results), "device_kind": results.get("device_kind"), "seconds": seconds}
 
 
+def run_in_budget(side: Side, row: str, name: str, timeout: float, deadline: float, log_dir: str, smoke: bool):
+    """run_side for at most `timeout` seconds and what is left of the suite's --time_budget; "not run" where less is
+    left than a side needs."""
+    left = deadline - time.monotonic()
+    if left < SIDE_MINIMUM_SECONDS:
+        return {"error": "not run: the suite's --time_budget was spent"}
+    print(f"{row}: {side.label} ...", file=sys.stderr, flush=True)
+    return run_side(side, min(timeout, left), log_dir, name, smoke)
+
+
 def versions() -> dict:
     found = {}
     for name in ("jax", "jaxlib", "flax", "torch", "transformers"):
@@ -342,13 +352,8 @@ def main():
     for row in rows:
         sequence_length = shape["masked_batch" if row.kind == "roberta" else "causal_batch"][1]
         for number, side in enumerate([row.project, *row.peers]):
-            left = deadline - time.monotonic()
-            if left < SIDE_MINIMUM_SECONDS:
-                result = {"error": "not run: the suite's --time_budget was spent"}
-            else:
-                print(f"{row.name}: {side.label} ...", file=sys.stderr, flush=True)
-                timeout = min(arguments.side_timeout, left)
-                result = run_side(side, timeout, log_dir, f"{row.name}-{number}", arguments.smoke)
+            name = f"{row.name}-{number}"
+            result = run_in_budget(side, row.name, name, arguments.side_timeout, deadline, log_dir, arguments.smoke)
             measurements.append(
                 {
                     "row": row.name,
@@ -363,23 +368,16 @@ def main():
     generation = None
     if GENERATION_ROW in arguments.rows:
         side = generation_side(shape, arguments)
-        left = deadline - time.monotonic()
-        if left < SIDE_MINIMUM_SECONDS:
-            generation = {"error": "not run: the suite's --time_budget was spent"}
-        else:
-            print(f"{GENERATION_ROW}: {side.label} ...", file=sys.stderr, flush=True)
-            generation = run_side(side, min(arguments.side_timeout, left), log_dir, GENERATION_ROW, arguments.smoke)
+        generation = run_in_budget(
+            side, GENERATION_ROW, GENERATION_ROW, arguments.side_timeout, deadline, log_dir, arguments.smoke
+        )
         generation["command"] = " ".join(map(str, side.command))
     post_training = {}
     for name in (name for name in POST_TRAINING_ROWS if name in arguments.rows):
         side = post_training_side(name, shape, arguments)
-        left = deadline - time.monotonic()
-        if left < SIDE_MINIMUM_SECONDS:
-            post_training[name] = {"error": "not run: the suite's --time_budget was spent"}
-        else:
-            print(f"{name}: {side.label} ...", file=sys.stderr, flush=True)
-            # Its two sides run one after the other in it: twice a side's time.
-            post_training[name] = run_side(side, min(2 * arguments.side_timeout, left), log_dir, name, arguments.smoke)
+        # Its two sides run one after the other in it: twice a side's time.
+        timeout = 2 * arguments.side_timeout
+        post_training[name] = run_in_budget(side, name, name, timeout, deadline, log_dir, arguments.smoke)
         post_training[name]["command"] = " ".join(map(str, side.command))
     report = summarize(measurements, generation, arguments)
     report["post_training"] = post_training

@@ -2,27 +2,14 @@
 tokens exchanged by all-to-all, compute what one device does, and a checkpoint saved on an expert mesh resumes on a
 mesh without one. checks/expert_parallel_check.py does the work in a process of its own with 8 forced CPU devices."""
 
-import json
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from conftest import CHECKS_DIR
-from test_tensor_parallel import devices_env
+from test_tensor_parallel import check_results
 
 
 @pytest.fixture(scope="module")
 def results():
-    result = subprocess.run(
-        [sys.executable, str(CHECKS_DIR / "expert_parallel_check.py")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=devices_env(8),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return check_results("expert_parallel_check.py")
 
 
 @pytest.mark.parametrize("mesh_shape, devices", [("expert=4", 4), ("fsdp=2,expert=2,tensor=2", 8)])

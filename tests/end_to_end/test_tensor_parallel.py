@@ -29,20 +29,20 @@ def devices_env(count: int) -> dict:
     return {**OFFLINE_ENV, "XLA_FLAGS": flags}
 
 
+def check_results(script: str, *arguments) -> dict:
+    """The results a script of checks/ prints as its last line of JSON, run over 8 forced CPU devices."""
+    command = [sys.executable, str(CHECKS_DIR / script), *arguments]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=devices_env(8))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def mesh_results():
     """checks/tensor_parallel_check.py's results: CLM (GPT-2 with dropout, and Llama) and MLM steps with remat and 2
     micro-batches, on one device and on each mesh of MESH_SHAPES over 8 devices (GPT-2 also on fsdp=8); and CLM steps
     with each other --optim (without remat or micro-batches) on one device and on data=2,fsdp=2,tensor=2."""
-    result = subprocess.run(
-        [sys.executable, str(CHECKS_DIR / "tensor_parallel_check.py"), *MESH_SHAPES],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=devices_env(8),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return check_results("tensor_parallel_check.py", *MESH_SHAPES)
 
 
 @pytest.mark.parametrize(
