@@ -223,19 +223,6 @@ def example_rows(
     yield from pair_rows(dataset, split, tokenizer, max_seq_length, source, num_workers)
 
 
-def check_row_shapes(rows: dict, max_seq_length: int):
-    """Refuse pairs packed for another --max_seq_length: a packed corpus records the row length of plain text, which
-    other noise flags can make the same."""
-    for split, split_rows in rows.items():
-        if isinstance(split_rows, dict):  # a mixture's validation rows, by source
-            check_row_shapes(split_rows, max_seq_length)
-        elif len(split_rows.shape) == 3 and split_rows.shape[2] != max_seq_length:
-            raise UsageError(
-                f"the {split} pairs were packed in rows of {split_rows.shape[2]} tokens, not --max_seq_length "
-                f"{max_seq_length}; add --overwrite_cache to pack them again"
-            )
-
-
 @dataclass(frozen=True)
 class BatchMaker:
     """Turns rows into model inputs: rows of text corrupted into inputs and targets (corrupt_spans), or rows of
@@ -571,7 +558,6 @@ def main():
     texts_to_rows = script_texts_to_rows(data_args, tokenizer, make_batch)
     route = data_args.data_route(model_args, training_args)
     rows, _, _ = load_data(route, texts_to_rows)
-    check_row_shapes(rows, data_args.max_seq_length)
     if packs_only(training_args, data_args.packed_data_dir):
         return
 

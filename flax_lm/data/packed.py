@@ -402,7 +402,7 @@ def open_packed_corpus(directory: str, index: dict, on_damage=None) -> dict[str,
     }
     for split, split_blocks in blocks.items():
         logger.info(
-            "%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), index["block_size"], directory
+            "%s: %d packed blocks of %d tokens in %s", split, len(split_blocks), split_blocks.row_shape[-1], directory
         )
     return blocks
 
@@ -542,7 +542,8 @@ def load_packed_corpus(
     --overwrite_cache), by process 0 alone while the others wait, from the texts of `source` that `texts_to_rows`
     (the script's flax_lm.data.loading.TextsToRows) reads, as they are or, `streaming`, as a stream. A directory
     packed with another tokenizer, row length or source is refused, never reused; one packed by other code (its
-    fingerprint of the script's tokenized_rows differs) is used with a warning."""
+    fingerprint of the script's tokenized_rows differs) is used with a warning. Rows of examples are as long as
+    texts_to_rows.length_of says (run_t5_mlm_flax.py's pairs: --max_seq_length, not its longer rows of text)."""
     tokenized_rows, tokenizer = texts_to_rows.tokenized_rows, texts_to_rows.tokenizer
     block_size, length_flag = texts_to_rows.row_length, texts_to_rows.length_flag
     if os.path.exists(directory) and not os.path.isdir(directory):
@@ -570,16 +571,18 @@ def load_packed_corpus(
                 f"--packed_data_dir {directory} holds a packed corpus of format version "
                 f"{index['format_version']}; {fix}"
             )
-        if index["block_size"] != block_size:
-            raise UsageError(
-                f"--packed_data_dir {directory} holds blocks of {index['block_size']} tokens, not the {block_size} "
-                f"that {length_flag} sets; {fix}"
-            )
-        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
-            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
         framing = index.get("framing", "grouped")  # corpora before lines: grouped
         if example_format is None:  # a corpus used without reading its data: its examples are of the recorded format
             example_format = recorded_example_format(framing, source.examples)
+        # The rows' own length: pairs packed before it was recorded as the block size have it in their row shape.
+        recorded_length = row_shape_of(next(iter(index["splits"].values()), {}), index)[-1]
+        if recorded_length != (length := texts_to_rows.length_of(example_format)):
+            raise UsageError(
+                f"--packed_data_dir {directory} holds blocks of {recorded_length} tokens, not the {length} that "
+                f"{length_flag} sets; {fix}"
+            )
+        if index["tokenizer_fingerprint"] != description["tokenizer_fingerprint"]:
+            raise UsageError(f"--packed_data_dir {directory} was packed with another tokenizer; {fix}")
         if framing != (framing_here := texts_to_rows.framing_of(example_format, source)):
             raise UsageError(f"--packed_data_dir {directory} holds {framing} rows, not {framing_here} ones; {fix}")
         if problem := packed_shards_problem(directory, index):
@@ -612,7 +615,10 @@ def load_packed_corpus(
             logger.info("Packing %s into %s", " and ".join(texts), directory)
             row_function = texts_to_rows.row_function(example_format)  # known once the data are read
             framing = texts_to_rows.framing_of(example_format, source)
-            description.update(framing=framing, code_fingerprint=function_code_fingerprint(row_function))
+            block_size = texts_to_rows.length_of(example_format)
+            description.update(
+                framing=framing, code_fingerprint=function_code_fingerprint(row_function), block_size=block_size
+            )
             index = pack_texts(
                 directory,
                 texts,

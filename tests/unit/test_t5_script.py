@@ -204,3 +204,35 @@ def test_the_token_cache_of_pairs_is_keyed_by_max_seq_length_not_by_the_row_leng
         assert np.asarray(rows["train"]).shape == (4, 2, max_seq_length)
         caches.append(rows["train"].directory)
     assert caches[0] == caches[1] != caches[2]
+
+
+def test_pairs_packed_in_a_packed_data_dir_record_max_seq_length_and_are_read_again_with_other_noise_flags(
+    model_dirs, tmp_path
+):
+    """--packed_data_dir records the length of the pairs' rows, --max_seq_length, not that of rows of text (which the
+    noise flags change): a run with other noise flags reads the corpus; one of another --max_seq_length is refused."""
+    from flax_lm.data.loading import DataRoute, load_data
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"question {n}", "completion": f"answer {n}"}) + "\n" for n in range(4))
+    )
+    config, tokenizer = T5Config.from_pretrained(model_dirs["t5"]), AutoTokenizer.from_pretrained(model_dirs["t5"])
+    source = TextSource(train_file=str(pairs), examples=ExampleSettings(), cache_dir=str(tmp_path / "texts"))
+    packed_dir = tmp_path / "packed"
+
+    def load(max_seq_length: int, noise_density: float) -> dict:
+        data_args = run_t5_mlm_flax.DataTrainingArguments(max_seq_length=max_seq_length, noise_density=noise_density)
+        texts_to_rows = run_t5_mlm_flax.script_texts_to_rows(
+            data_args, tokenizer, run_t5_mlm_flax.batch_maker(config, tokenizer, data_args)
+        )
+        return load_data(DataRoute(source, do_eval=False, packed_data_dir=str(packed_dir)), texts_to_rows).rows
+
+    packed = np.asarray(load(24, 0.15)["train"])
+    assert packed.shape == (4, 2, 24)
+    assert json.loads((packed_dir / "index.json").read_text())["block_size"] == 24
+    written = (packed_dir / "train-00000.npy").stat().st_mtime_ns
+    np.testing.assert_array_equal(np.asarray(load(24, 0.3)["train"]), packed)  # rows of text of 29 tokens, not 26
+    assert (packed_dir / "train-00000.npy").stat().st_mtime_ns == written
+    with pytest.raises(UsageError, match="holds blocks of 24 tokens, not the 32 that --max_seq_length sets"):
+        load(32, 0.15)
