@@ -9,13 +9,15 @@ for 512), the length the Hugging Face example calls expanded_inputs_length; the 
 runs on are reported too. Model-FLOPs utilisation (MFU) divides the model's FLOPs (6 x the weights that multiply, per
 token they multiply: the encoder's per input token, the decoder's and the output layer's per target token; plus
 attention, 12 x layers x d_model x keys per query token, self and cross; PaLM's appendix B) by a matmul peak measured
-in the same run on the same devices (benchmark_clm.matmul_peak_flops).
+in the same run on the same devices (benchmark_clm.matmul_peak_flops). The cross-attention's key and value
+projections, which multiply the encoder's output, count per input token.
 
 Host: how many tokens of text per second BatchMaker corrupts into inputs and targets with numpy, which must stay well
 above the training speed since it runs on the host, one batch ahead of the step.
 
     python benchmarks/benchmark_t5.py                                      # T5-small's shape, inputs of 128, on a CPU
     python benchmarks/benchmark_t5.py --max_seq_length 512 --batch_size 64 --dtype bfloat16      # a GPU
+    python benchmarks/gpu_suite.py --rows t5       # that, beside transformers' T5ForConditionalGeneration (its peer)
 
 --versus runs the whole script beside the Hugging Face Flax example on the same text instead (versus_t5_example.py;
 benchmarks/README.md says how to get the example and an environment it runs in):
@@ -50,17 +52,24 @@ from versus_t5_example import versus  # noqa: E402
 import run_t5_mlm_flax  # noqa: E402
 
 SENTINELS = 100  # T5's: <extra_id_0> is the highest id, the others below it
+# The flags that override the preset's shape (benchmarks/gpu_suite.py's tiny --smoke T5), and what they set: layers
+# set the encoder's and the decoder's, heads d_kv as d_model over heads.
+SHAPE_FLAGS = {"layers": "num_layers", "width": "d_model", "heads": "num_heads", "intermediate_size": "d_ff"}
+SHAPE_FLAGS["vocab_size"] = "vocab_size"
 
 
 def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=T5_PRESETS, default="t5-small", help="the model's shape")
+    for name, preset_name in SHAPE_FLAGS.items():
+        parser.add_argument(f"--{name}", type=int, help=f"override the preset's {preset_name}")
     parser.add_argument("--max_seq_length", type=int, default=128, help="input tokens of a row (T5 trained on 512)")
     parser.add_argument("--batch_size", type=int, default=8, help="rows of the global batch")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
     parser.add_argument("--steps", type=int, default=3, help="training steps timed in each round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of timing; the best round counts")
     parser.add_argument("--skip_matmul_peak", action="store_true", help="leave out the measured peak and the MFU")
+    parser.add_argument("--skip_host", action="store_true", help="leave out the host's span corruption speed")
     parser.add_argument("--json", help="also write the results to this JSON file")
     versus_flags = parser.add_argument_group("--versus: the whole script beside the Hugging Face example")
     versus_flags.add_argument("--versus", help="the path of the example's run_t5_mlm_flax.py")
@@ -77,6 +86,22 @@ def parse_arguments():
     if arguments.versus and not (arguments.versus_python and arguments.model_dir):
         parser.error("--versus needs --versus_python and --model_dir")
     return arguments
+
+
+def model_config(arguments) -> T5Config:
+    """The preset's T5, with the shape flags given in its place."""
+    settings = dict(T5_PRESETS[arguments.preset])
+    settings |= {name: getattr(arguments, flag) for flag, name in SHAPE_FLAGS.items() if getattr(arguments, flag)}
+    if arguments.layers:
+        settings["num_decoder_layers"] = arguments.layers
+    if arguments.width or arguments.heads:
+        settings["d_kv"] = settings["d_model"] // settings["num_heads"]
+    return T5Config(**settings)
+
+
+def shape_name(arguments) -> str:
+    overridden = [f"--{flag} {getattr(arguments, flag)}" for flag in SHAPE_FLAGS if getattr(arguments, flag)]
+    return f"{arguments.preset}'s shape" + (f" with {' '.join(overridden)}" if overridden else "")
 
 
 def batch_maker(config, max_seq_length: int) -> run_t5_mlm_flax.BatchMaker:
@@ -109,8 +134,11 @@ def flops_per_step(params, config, batch_size: int, input_length: int, target_le
         )
 
     inner = config.num_heads * config.d_kv
-    encoder = 6 * count(params["encoder"]) + 12 * config.num_layers * inner * input_length
-    decoder = 6 * count(params["decoder"]) + 12 * config.num_decoder_layers * inner * (target_length + input_length)
+    # The cross-attention's keys and values: projections of the encoder's output, one for each input token.
+    cross_keys_values = config.num_decoder_layers * 2 * config.d_model * inner
+    encoder = 6 * (count(params["encoder"]) + cross_keys_values) + 12 * config.num_layers * inner * input_length
+    decoder = 6 * (count(params["decoder"]) - cross_keys_values)
+    decoder += 12 * config.num_decoder_layers * inner * (target_length + input_length)
     output_layer = 6 * config.vocab_size * config.d_model
     return batch_size * (input_length * encoder + target_length * (decoder + output_layer))
 
@@ -168,6 +196,7 @@ def benchmark_training(config, arguments) -> dict:
         "seconds_to_first_step": first_step_seconds,
         "peak_memory_bytes": peak_memory_bytes,
         "text_tokens_per_second": arguments.batch_size * make_batch.row_length / step_seconds,
+        "train_tokens_per_second": arguments.batch_size * make_batch.row_length / step_seconds,  # gpu_suite.py's
         "model_tokens_per_second": arguments.batch_size * (arguments.max_seq_length + target_length) / step_seconds,
         "model_tflops_per_second": flops / step_seconds / 1e12,
         "final_loss": float(metrics["loss_sum"][-1] / metrics["weight_sum"][-1]),
@@ -217,9 +246,9 @@ def main():
     if arguments.versus:
         print_versus(arguments)
         return
-    config = T5Config(**T5_PRESETS[arguments.preset])
+    config = model_config(arguments)
     print(
-        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; {arguments.preset}'s shape, inputs of "
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; {shape_name(arguments)}, inputs of "
         f"{arguments.max_seq_length} tokens, batch {arguments.batch_size}, {arguments.dtype}"
     )
     results = {"arguments": vars(arguments), "device_kind": jax.devices()[0].device_kind}
@@ -236,8 +265,9 @@ def main():
             f"of a measured matmul peak of {training['matmul_peak_tflops_per_second']:.3f} TFLOP/s: "
             f"MFU {training['mfu']:.1%}"
         )
-    results["host"] = host = benchmark_host_corruption(config, arguments)
-    print(f"host span corruption: {host['corruption_tokens_per_second']:,.0f} tokens of text/s")
+    if not arguments.skip_host:
+        results["host"] = host = benchmark_host_corruption(config, arguments)
+        print(f"host span corruption: {host['corruption_tokens_per_second']:,.0f} tokens of text/s")
     if arguments.json:
         with open(arguments.json, "w") as file:
             json.dump(results, file, indent=2)

@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_run.sh                     # the training rows, about 7 minutes on an H100 or H200
 #   bash benchmarks/gpu_run.sh --rows generate     # generation, a second call
+#   bash benchmarks/gpu_run.sh --rows t5           # T5 beside transformers, a call of its own
 #   bash benchmarks/gpu_run.sh --smoke             # tiny shapes, on a CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."

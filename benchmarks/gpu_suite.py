@@ -18,6 +18,11 @@ Rows (bfloat16, random ids, the same shape and batch on both sides):
                     Qwen3MoeForCausalLM
     roberta         RoBERTa-base MLM, 32 x 512, 15% of the positions predicted: benchmark_mlm.py --preset
                     roberta-base, beside transformers' RobertaForMaskedLM
+    t5              (named with --rows: a call of its own on a GPU) T5-small (60.5M parameters, 6 + 6 layers x 512,
+                    ReLU MLP 2048, vocabulary 32128) span-corruption pretraining, 64 inputs of 512 tokens (rows of 568
+                    tokens of text) and targets of 114: benchmark_t5.py, run_t5_mlm_flax.py's train step with its
+                    default Adafactor, beside transformers' T5ForConditionalGeneration trained with transformers'
+                    Adafactor set as the script's (peers/train_torch.py --model t5), on the same corrupted batch
 
 Rows of post-training, each one process that runs both sides, its project's side in a process and TRL's in another
 (float32 on both sides; a call of their own on a GPU, like generation):
@@ -38,11 +43,13 @@ time from the process's start to the end of its first step.
 
 MFU is the same formula on both sides: (6 x the weights that multiply + 12 x layers x width x sequence length)
 FLOPs a token (PaLM, Chowdhery et al. 2022, appendix B; position and token lookups are no products, the tied output
-layer is, at every position) x tokens/s, divided by the card's published dense bfloat16 peak.
+layer is, at every position) x tokens/s, divided by the card's published dense bfloat16 peak. T5's tokens are tokens
+of text, as benchmark_t5.py counts them, and its FLOPs those of t5_flops_per_token.
 
     python benchmarks/gpu_suite.py --json gpu_suite.json            # on a GPU: the rows above, about 7 minutes
     python benchmarks/gpu_suite.py --rows llama roberta               # some rows
     python benchmarks/gpu_suite.py --rows dpo grpo                    # post-training beside TRL, a call of its own
+    python benchmarks/gpu_suite.py --rows t5                          # T5 beside transformers, a call of its own
     python benchmarks/gpu_suite.py --smoke                            # the same table at tiny shapes on a CPU
 
 --smoke runs tiny models in float32 for a few steps, the PyTorch side without torch.compile (its compile takes longer
@@ -64,6 +71,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flax_lm.data.span_corruption import SpanCorruption, span_corruption_lengths  # numpy alone: no framework here
+
 BENCHMARKS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # The shapes of the rows: the training scripts' GPU presets, and a tiny model of each kind for --smoke (one layer: its
@@ -73,13 +82,18 @@ SHAPES = {
         layers=12, width=768, heads=12, key_value_heads=4, intermediate_size=2048, vocab_size=50304,
         causal_batch=(32, 1024), masked_batch=(32, 512), dtype="bfloat16", experts=64, experts_per_token=8,
         generation_batch_sizes=(1, 32), prompt_tokens=16, new_tokens=128,
+        t5=dict(layers=6, width=512, heads=8, intermediate_size=2048, vocab_size=32128, batch=(64, 512)),
     ),
     "smoke": dict(
         layers=1, width=64, heads=4, key_value_heads=2, intermediate_size=128, vocab_size=256,
         causal_batch=(4, 64), masked_batch=(4, 64), dtype="float32", experts=8, experts_per_token=2,
         generation_batch_sizes=(1, 4), prompt_tokens=4, new_tokens=8,
+        t5=dict(layers=1, width=64, heads=4, intermediate_size=128, vocab_size=256, batch=(4, 64)),
     ),
 }  # fmt: skip
+
+# A smoke side's XLA: the tiny T5's side took 14 CPU-seconds with them against 19 without (compiling 8 s, not 15).
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 # Dense bfloat16 peaks of the cards' data sheets (without sparsity), by a part of the name the drivers report; the
 # first that matches counts.
@@ -98,6 +112,8 @@ PUBLISHED_BFLOAT16_PEAKS = (
 # A side that would start with less of the time budget left is not started: no GPU side compiles in less.
 SIDE_MINIMUM_SECONDS = 45
 TRAINING_ROWS = ["gpt2", "llama", "llama_finetune", "qwen3_moe", "roberta"]
+# A training row run only when named: the default rows already fill a call (benchmarks/README.md).
+T5_ROW = "t5"
 GENERATION_ROW = "generate"
 POST_TRAINING_ROWS = ["dpo", "grpo"]
 
@@ -116,7 +132,7 @@ class Side:
 class Row:
     name: str
     description: str
-    kind: str  # gpt2, llama, qwen3_moe or roberta: what the FLOP count reads
+    kind: str  # gpt2, llama, qwen3_moe, roberta or t5: what the FLOP count reads
     project: Side
     peers: list[Side] = field(default_factory=list)
 
@@ -139,6 +155,14 @@ def rows_of(shape: dict, arguments) -> list[Row]:
     masked_torch = ["peers/train_torch.py", *common, "--sequence_length", masked_length]
     masked_torch += ["--batch_size", masked_batch, *timing, *compiled]
     size = "124M" if not arguments.smoke else "tiny"
+    t5 = shape["t5"]
+    t5_batch, t5_length = t5["batch"]
+    t5_shape = ["--layers", t5["layers"], "--width", t5["width"], "--heads", t5["heads"]]
+    t5_shape += ["--intermediate_size", t5["intermediate_size"], "--vocab_size", t5["vocab_size"]]
+    t5_shape += ["--batch_size", t5_batch, "--dtype", shape["dtype"]]
+    t5_ours = ["benchmark_t5.py", *t5_shape, "--max_seq_length", t5_length, "--skip_matmul_peak", "--skip_host"]
+    t5_peer = ["peers/train_torch.py", "--model", "t5", *t5_shape, "--sequence_length", t5_length, *compiled]
+    t5_row_length, t5_target_length = span_corruption_lengths(t5_length, SpanCorruption())
     return [
         Row(
             "gpt2", f"GPT-2 {size}, {batch} x {length}", "gpt2", Side("flax_lm", clm),
@@ -166,6 +190,12 @@ def rows_of(shape: dict, arguments) -> list[Row]:
             "roberta", f"RoBERTa-{'base' if not arguments.smoke else 'tiny'} MLM, {masked_batch} x {masked_length}",
             "roberta", Side("flax_lm", mlm),
             [Side("transformers RobertaForMaskedLM", [*masked_torch, "--model", "roberta"])],
+        ),
+        Row(
+            T5_ROW, f"T5-{'small' if not arguments.smoke else 'tiny'} span corruption, {t5_batch} x {t5_length} "
+            f"inputs (rows of {t5_row_length} tokens of text), targets of {t5_target_length}", "t5",
+            Side("flax_lm", [*t5_ours, *timing]),
+            [Side("transformers T5ForConditionalGeneration, Adafactor", [*t5_peer, *timing])],
         ),
     ]  # fmt: skip
 
@@ -211,6 +241,8 @@ def post_training_side(name: str, shape: dict, arguments) -> Side:
 def flops_per_token(kind: str, shape: dict, sequence_length: int) -> float:
     """(6 x the weights that multiply + 12 x layers x width x sequence length) a token: the same count for both
     sides of a row, from its shape alone. Biases and norms are left out; the tied output layer counts."""
+    if kind == "t5":
+        return t5_flops_per_token(shape["t5"])
     width, layers, vocab_size = shape["width"], shape["layers"], shape["vocab_size"]
     if kind in ("llama", "qwen3_moe"):
         key_value_width = width // shape["heads"] * shape["key_value_heads"]
@@ -222,6 +254,27 @@ def flops_per_token(kind: str, shape: dict, sequence_length: int) -> float:
         weights = layers * 12 * width * width + vocab_size * width
         weights += width * width if kind == "roberta" else 0  # the MLM head's dense layer before the output layer
     return 6 * weights + 12 * layers * width * sequence_length
+
+
+def t5_flops_per_token(t5: dict) -> float:
+    """A T5's FLOPs (ReLU MLP, as T5-small's) per token of text, a row of text being corrupted into an input of
+    t5["batch"][1] tokens and a shorter target: 6 x the weights that multiply each token, plus attention, 12 x layers x
+    width x keys per query token. Each input token meets the encoder's weights (4 width x width of self-attention, 2 x
+    width x intermediate size of MLP, a layer) and the cross-attention's key and value projections of each decoder
+    layer (2 width x width); each target token meets the decoder's self-attention, the cross-attention's query and
+    output projections and the MLP, and the output layer (vocabulary x width); the encoder's attention has the input's
+    keys, the decoder's the target's and then the input's (heads x d_kv is the width, as in T5-small). Norms and
+    relative position tables are left out. The sum over a row, divided by its tokens of text. benchmark_t5.py counts
+    the same from its weights (its norms too)."""
+    width, layers, vocab_size = t5["width"], t5["layers"], t5["vocab_size"]
+    input_length = t5["batch"][1]
+    row_length, target_length = span_corruption_lengths(input_length, SpanCorruption())
+    attention, mlp = 4 * width * width, 2 * width * t5["intermediate_size"]
+    cross_keys_values, cross_queries_outputs = 2 * width * width, 2 * width * width
+    per_input_token = 6 * layers * (attention + mlp + cross_keys_values) + 12 * layers * width * input_length
+    per_target_token = 6 * (layers * (attention + cross_queries_outputs + mlp) + vocab_size * width)
+    per_target_token += 12 * layers * width * (target_length + input_length)
+    return (input_length * per_input_token + target_length * per_target_token) / row_length
 
 
 def numpy_float32_peak() -> float:
@@ -249,7 +302,9 @@ def last_error_line(text: str) -> str:
 def run_side(side: Side, timeout: float, log_dir: str, name: str, smoke: bool) -> dict:
     """Runs one side in a process of its own session (so that a timeout ends its compile workers too), with fresh
     compile caches; its results, or its failure. A smoke's side computes on one thread: its tiny steps gain nothing
-    from more, and on a shared CPU PyTorch's waiting threads slow them a hundredfold."""
+    from more, and on a shared CPU PyTorch's waiting threads slow them a hundredfold. Its JAX compiles without
+    XLA's costly CPU optimisations (SMOKE_XLA_FLAGS): compiling is most of a smoke side's time, and its speed says
+    nothing."""
     json_path = os.path.join(log_dir, f"{name}.json")
     log_path = os.path.join(log_dir, f"{name}.log")
     if os.path.exists(json_path):  # an earlier run's, which a failing side must not pass off as its own
@@ -260,7 +315,11 @@ def run_side(side: Side, timeout: float, log_dir: str, name: str, smoke: bool) -
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
         "TRITON_CACHE_DIR": os.path.join(caches, "triton"),
         "PYTHONUNBUFFERED": "1",
-        **({"OMP_NUM_THREADS": "1"} if smoke else {}),
+        **(
+            {"OMP_NUM_THREADS": "1", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}"}
+            if smoke
+            else {}
+        ),
         **side.environment,
     }
     environment.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -315,10 +374,11 @@ def parse_arguments():
     parser.add_argument(
         "--rows",
         nargs="+",
-        choices=[*TRAINING_ROWS, GENERATION_ROW, *POST_TRAINING_ROWS],
+        choices=[*TRAINING_ROWS, T5_ROW, GENERATION_ROW, *POST_TRAINING_ROWS],
         default=TRAINING_ROWS,
-        help=f"the rows to run (default: the training rows; {GENERATION_ROW}: generation, and "
-        f"{', '.join(POST_TRAINING_ROWS)}: post-training beside TRL, calls of their own on a GPU)",
+        help=f"the rows to run (default: the training rows but {T5_ROW}; {T5_ROW}: T5 beside transformers, "
+        f"{GENERATION_ROW}: generation, and {', '.join(POST_TRAINING_ROWS)}: post-training beside TRL, calls of "
+        "their own on a GPU)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in float32 on a CPU, PyTorch uncompiled")
     parser.add_argument("--steps", type=int, help="steps in each timed window (default: 10; 2 with --smoke)")
@@ -350,7 +410,7 @@ def main():
     deadline = time.monotonic() + arguments.time_budget
     measurements = []
     for row in rows:
-        sequence_length = shape["masked_batch" if row.kind == "roberta" else "causal_batch"][1]
+        sequence_length = shape["masked_batch" if row.kind == "roberta" else "causal_batch"][1]  # T5: its own
         for number, side in enumerate([row.project, *row.peers]):
             name = f"{row.name}-{number}"
             result = run_in_budget(side, row.name, name, arguments.side_timeout, deadline, log_dir, arguments.smoke)
@@ -421,7 +481,8 @@ def summarize(measurements: list[dict], generation: dict | None, arguments) -> d
         "steps": arguments.steps,
         "rounds": arguments.rounds,
         "mfu_peak_flops": peak,
-        "mfu_formula": "(6 x weights that multiply + 12 x layers x width x sequence length) FLOPs a token x tokens/s "
+        "mfu_formula": "(6 x weights that multiply + 12 x layers x width x sequence length) FLOPs a token (T5: "
+        "t5_flops_per_token, a token of text) x tokens/s "
         f"/ {peak_source or 'no known peak for this card: MFU left out'}",
         "measurements": measurements,
         "generation": generation,
@@ -435,7 +496,7 @@ def table_text(report: dict) -> str:
     lines = [
         f"card: {report['card']}; {versions_line}",
         f"{report['dtype']}; best of {report['rounds']} windows of {report['steps']} steps after the first steps; "
-        f"peers: {compile_note}, fused AdamW, SDPA attention",
+        f"peers: {compile_note}, fused AdamW (T5: transformers' Adafactor), SDPA attention",
         f"MFU: {report['mfu_formula']}",
         "",
         "| model, shape | side | tokens/s | ratio (flax_lm / peer; fp8 / flax_lm) | MFU | peak memory | first step |",

@@ -1,6 +1,7 @@
 """What both sides of benchmarks/gpu_suite.py measure alike, with no framework imported (numpy and the standard
 library only), so that importing it costs neither side's time to the first step anything: the clock from the
-process's start, the peak memory, and the packed prompt/completion rows the fine-tuning rows train on.
+process's start, the peak memory, the packed prompt/completion rows the fine-tuning rows train on, and the
+span-corrupted batch of the T5 row.
 """
 
 import os
@@ -8,6 +9,10 @@ import resource
 import time
 
 import numpy as np
+
+# T5's: <pad>=0 (the decoder's start), </s>=1, <unk>=2; the sentinels <extra_id_0>, <extra_id_1>, ... numbered down
+# from the highest id.
+T5_EOS_TOKEN_ID, T5_SENTINELS = 1, 100
 
 # The token ids of the packed examples: each example begins with BOS (a Llama tokenizer's <s>, where document
 # attention starts a document) and ends with EOS; the ids of prompts and completions lie above them.
@@ -57,3 +62,20 @@ def packed_example_rows(batch_size: int, sequence_length: int, vocab_size: int, 
         # The padding continues the last example's positions: it attends as part of it, as in the project's model.
         positions[row, filled:] = np.arange(filled - last_start, sequence_length - last_start)
     return {"input_ids": input_ids, "weights": weights, "position_ids": positions}
+
+
+def span_corrupted_batch(batch_size: int, input_length: int, vocab_size: int) -> dict:
+    """The batch benchmark_t5.py trains the project's T5 on, made alike for its peer: rows of random ordinary tokens
+    (past <pad>, </s> and <unk>, below the sentinels) of the length whose span-corrupted input is `input_length`
+    long, corrupted as run_t5_mlm_flax.py's BatchMaker corrupts a first batch (seed (0,), rows numbered from 0).
+    {"input_ids": (rows, input_length), "labels": (rows, target length), "row_length": tokens of text in a row}."""
+    # flax_lm's span corruption (numpy alone), imported here: only the T5 row's peer needs it.
+    from flax_lm.data.span_corruption import SpanCorruption, corrupt_spans, span_corruption_lengths
+
+    corruption = SpanCorruption()
+    row_length, _ = span_corruption_lengths(input_length, corruption)
+    generator = np.random.default_rng(0)
+    rows = generator.integers(3, vocab_size - T5_SENTINELS, (batch_size, row_length), dtype=np.int32)
+    sentinel_ids = tuple(range(vocab_size - 1, vocab_size - 1 - T5_SENTINELS, -1))
+    inputs, targets = corrupt_spans(rows, corruption, sentinel_ids, T5_EOS_TOKEN_ID, (0,), np.arange(batch_size))
+    return {"input_ids": inputs, "labels": targets, "row_length": row_length}

@@ -19,7 +19,7 @@ def test_the_smoke_measures_the_rows_on_both_sides_and_its_json_holds_the_printe
     json_path = tmp_path / "suite.json"
     # The Llama's pretraining row is left out: its fine-tuning row runs the same model and peer class, with packed
     # examples and the loss mask besides, and each row is two processes that import jax or torch.
-    rows = [*(row for row in suite.TRAINING_ROWS if row != "llama"), suite.GENERATION_ROW]
+    rows = [*(row for row in suite.TRAINING_ROWS if row != "llama"), suite.T5_ROW, suite.GENERATION_ROW]
     argv = ["gpu_suite.py", "--smoke", "--steps", "1", "--rounds", "1", "--rows", *rows, "--json", str(json_path)]
     monkeypatch.setattr(sys, "argv", argv)
     suite.main()
@@ -32,6 +32,7 @@ def test_the_smoke_measures_the_rows_on_both_sides_and_its_json_holds_the_printe
         ("llama_finetune", "flax_lm"), ("llama_finetune", "transformers LlamaForCausalLM"),
         ("qwen3_moe", "flax_lm"), ("qwen3_moe", "transformers Qwen3MoeForCausalLM"),
         ("roberta", "flax_lm"), ("roberta", "transformers RobertaForMaskedLM"),
+        ("t5", "flax_lm"), ("t5", "transformers T5ForConditionalGeneration, Adafactor"),
     ]  # fmt: skip
     measurements = report["measurements"]
     assert [(m["row"], m["side"]) for m in measurements] == expected_sides
@@ -39,6 +40,10 @@ def test_the_smoke_measures_the_rows_on_both_sides_and_its_json_holds_the_printe
     assert not failures, failures
     for row in {m["row"] for m in measurements}:  # both sides train the same model
         assert len({m["parameters"] for m in measurements if m["row"] == row}) == 1, row
+    # T5's FLOPs a token of text, counted from the shape here and by benchmark_t5.py from its weights (norms too).
+    t5 = next(m for m in measurements if m["row"] == "t5" and m["side"] == "flax_lm")
+    counted_there = t5["model_tflops_per_second"] * 1e12 / t5["train_tokens_per_second"]
+    assert abs(counted_there / t5["flops_per_token"] - 1) < 0.01, (counted_there, t5["flops_per_token"])
 
     table = [line.split(" | ") for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
     training_table = table[1 : 1 + len(expected_sides)]  # after the header, before the generation table's

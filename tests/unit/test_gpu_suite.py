@@ -1,5 +1,6 @@
 """benchmarks/gpu_suite.py, the project's train steps beside their PyTorch peers on a GPU: a side that fails or hangs
-is reported, not waited for; the fine-tuning rows pack whole examples with the loss on their completions. (Its CPU
+is reported, not waited for; the fine-tuning rows pack whole examples with the loss on their completions; the T5
+row's two sides train on the same span-corrupted batch. (Its CPU
 smoke, which measures each model on both sides: tests/end_to_end/test_gpu_suite_runs.py.)"""
 
 import importlib.util
@@ -9,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO_DIR
+from transformers import T5Config
 
 
 def load_benchmark(name: str):
@@ -106,3 +108,16 @@ def test_packed_example_rows_hold_whole_examples_with_the_loss_on_their_completi
             assert np.all(example_weights[:first_weighted] == 0)
         last_end = ends[ends > starts[-1]][0]
         assert np.all(weights[last_end + 1 :] == 0)  # the padding after the last example is not trained on
+
+
+def test_the_t5_peer_trains_on_the_batch_benchmark_t5_corrupts_for_the_project():
+    shared, benchmark_t5 = load_benchmark("suite_shared"), load_benchmark("benchmark_t5")
+    peer = shared.span_corrupted_batch(batch_size=3, input_length=64, vocab_size=256)
+    config = T5Config(vocab_size=256)
+    make_batch = benchmark_t5.batch_maker(config, 64)
+    rows = benchmark_t5.random_rows(config, make_batch, 3)
+    ours = make_batch(rows, np.arange(3), 3, (0,))
+    assert peer["row_length"] == make_batch.row_length == 70
+    np.testing.assert_array_equal(peer["input_ids"], ours["input_ids"])
+    np.testing.assert_array_equal(peer["labels"], ours["labels"])
+    assert (peer["input_ids"] >= 256 - shared.T5_SENTINELS).any()  # corrupted: sentinels stand for the spans
