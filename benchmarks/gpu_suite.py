@@ -92,7 +92,8 @@ SHAPES = {
     ),
 }  # fmt: skip
 
-# A smoke side's XLA: the tiny T5's side took 14 CPU-seconds with them against 19 without (compiling 8 s, not 15).
+# A smoke side's XLA: the tiny T5's side took 14 CPU-seconds with them against 19 without (compiling 8 s, not 15);
+# the smoke of tests/end_to_end/test_gpu_suite_runs.py without its T5 row, 108 against 120.
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 # Dense bfloat16 peaks of the cards' data sheets (without sparsity), by a part of the name the drivers report; the
