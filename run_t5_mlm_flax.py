@@ -214,7 +214,7 @@ def example_rows(
 ) -> Iterator[np.ndarray]:
     """The rows of a packed corpus made from one split of pairs: (count, 2, max_seq_length), the input's ids and the
     target's, padded (flax_lm.data.text_pairs). Conversations are refused: a sequence-to-sequence model reads pairs.
-    The corpus records `row_length`, that of plain text, which --max_seq_length sets with the noise flags."""
+    The corpus records their length, --max_seq_length; `row_length`, that of rows of text, is not theirs."""
     if example_format != PROMPT_COMPLETION:
         raise UsageError(
             f"the {split} data are {FORMAT_NAMES[example_format]}; run_t5_mlm_flax.py trains on plain text or on "
