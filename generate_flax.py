@@ -92,7 +92,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "Split the model over devices by attention heads, MLP columns and vocabulary: tensor=N, with N "
-            "the number of devices (a model too big for one device's memory). Default: one device."
+            "the number of devices (a model too big for one device's memory); a mixture of experts' experts too: "
+            "expert=E or tensor=N,expert=E, with N x E the devices. Default: one device."
         },
     )
     allow_pickle_weights: bool = field(

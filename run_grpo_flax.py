@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -55,7 +54,7 @@ from flax_lm.models import check_model_type
 from flax_lm.models.huggingface import load_config_and_tokenizer
 from flax_lm.models.model_code import load_model_code
 from flax_lm.run.checkpoints import StopRequest, log_when_committed, open_checkpoints, wait_until_committed
-from flax_lm.run.tracking import logs_at_step
+from flax_lm.run.tracking import JsonLinesLog, logs_at_step
 from flax_lm.training import optimizers
 from flax_lm.training.lifecycle import ScriptTraining, TrainingSetup, set_up_training
 from flax_lm.training.lora import is_adapter, without_adapters
@@ -568,7 +567,8 @@ def main():
     if this_run.trains_now:
         if jax.process_index() == 0:
             # grpo_log.jsonl: one tracker more, given what the others are.
-            this_run.trackers.trackers.append(MetricsFile(training_args.output_dir, this_run.progress.step))
+            log_file = JsonLinesLog(training_args.output_dir, "grpo_log.jsonl", resumed=this_run.progress.step > 0)
+            this_run.trackers.trackers.append(log_file)
         generation = Generation(setup, prompts, prompt_ids, tokenizer, training_args)
         reference = Reference(setup, model_args, training_args) if training_args.beta else None
         state, this_run.stopped_by = train(state, this_run, generation, reference, training_args)
@@ -611,34 +611,6 @@ def train(state, this_run, generation: Generation, reference: Reference | None, 
                 break
         wait_until_committed(checkpoints, checkpoint_being_written)
     return state, stop.signal_name if stopping else None
-
-
-LOG_FILE = "grpo_log.jsonl"
-
-
-class MetricsFile:
-    """A tracker that writes each log line's metrics to OUTPUT_DIR/grpo_log.jsonl under TRL's names, with the step
-    and the steps per second since the run (or this resumed part of it) started: from the start, or appended to."""
-
-    def __init__(self, output_dir: str, first_step: int):
-        self.file = open(os.path.join(output_dir, LOG_FILE), "a" if first_step else "w")
-        self.first_step, self.started = first_step, time.perf_counter()
-
-    def scalars(self, values: dict, step: int):
-        logged = {name.removeprefix("train/"): value for name, value in values.items()}
-        seconds = time.perf_counter() - self.started
-        self.file.write(json.dumps(logged | {"step": step, "steps_per_second": (step - self.first_step) / seconds}))
-        self.file.write("\n")
-        self.file.flush()
-
-    def text(self, tag: str, markdown: str, step: int = 0):
-        pass
-
-    def results(self, results: dict, step: int):
-        pass
-
-    def close(self):
-        self.file.close()
 
 
 if __name__ == "__main__":

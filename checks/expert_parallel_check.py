@@ -1,9 +1,11 @@
 """The mixture-of-experts layer's experts split over the expert axis of meshes of 4 and 8 forced CPU devices, the
-tokens exchanged by all-to-all (moe.expert_parallel_experts), against the dropless experts on one device; and a tiny
+tokens exchanged by all-to-all (moe.expert_parallel_experts), against the dropless experts on one device; a tiny
 Mixtral trained by run_clm_flax.py's step on data=2,expert=4, its checkpoint of step 2 resumed on data=4 (4 devices,
-no token exchanged). Prints, as one JSON line, for each mesh whether its compiled step holds an all-to-all and how far
-its loss and gradients are from one device's, relative to their largest magnitude; and the losses and largest weight
-difference of the uninterrupted and the resumed runs.
+no token exchanged); and the same Mixtral's greedy generation (the sampler generate_flax.py decodes with) on the
+expert=2,tensor=2. Prints, as one JSON line, for each mesh whether its compiled step holds an all-to-all and how far
+its loss and gradients are from one device's, relative to their largest magnitude; the losses and largest weight
+difference of the uninterrupted and the resumed runs; and whether the generation's prefill holds an all-to-all and
+its tokens are one device's.
 
 Run by tests/end_to_end/test_expert_parallel.py in a process of its own with 8 forced CPU devices:
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python checks/expert_parallel_check.py
@@ -23,10 +25,16 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run_clm_flax  # noqa: E402
 from flax_lm.devices.mesh import BATCH_AXES, MESH_AXES  # noqa: E402
+from flax_lm.generation import sampling  # noqa: E402
 from flax_lm.models.mixtral.model import FlaxMixtralForCausalLM  # noqa: E402
 from flax_lm.models.shared import moe  # noqa: E402
 from flax_lm.run.checkpoints import open_checkpoints, restore_checkpoint, save_checkpoint  # noqa: E402
-from flax_lm.training.train_state import abstract_train_state, create_train_state  # noqa: E402
+from flax_lm.training.train_state import (  # noqa: E402
+    abstract_model_params,
+    abstract_train_state,
+    create_train_state,
+    parameter_shardings,
+)
 
 TOKENS, WIDTH, INNER, EXPERTS, TOP_K = 64, 16, 24, 8, 2
 # The expert axis alone over 4 devices, and mixed with fsdp and tensor over 8 (the mesh's axes: data, fsdp, expert,
@@ -37,6 +45,9 @@ MESHES = {"expert=4": (1, 1, 4, 1), "fsdp=2,expert=2,tensor=2": (1, 2, 2, 2)}
 SAVED_ON, RESUMED_ON = {"data=2,expert=4": (2, 1, 4, 1)}, {"data=4": (4, 1, 1, 1)}
 STEPS, SAVED_STEP = 3, 2
 ROWS, LENGTH, VOCAB = 8, 8, 128
+# Greedy generation with the experts split over the expert axis, mixed with tensor (generate_flax.py's meshes: whole
+# rows on every device): 3 prompts, a batch of 4 rows, whose tokens the expert axis exchanges.
+GENERATION_MESH, PROMPTS, NEW_TOKENS = (1, 1, 2, 2), [[5, 9, 17], [3], [40, 41, 42, 43]], 4
 MIXTRAL = transformers.MixtralConfig(
     vocab_size=VOCAB, max_position_embeddings=LENGTH, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
     num_key_value_heads=2, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, bos_token_id=0,
@@ -105,7 +116,32 @@ def main():
         resumed_on: {"losses": resumed["losses"], "all_to_all": resumed["all_to_all"]},
         "largest_weight_difference": max(jax.tree.leaves(differences)),
     }
+    results["generation"] = generation(resumed["params"])
     print(json.dumps(results))
+
+
+def generation(params) -> dict:
+    """{"all_to_all": whether the prefill on GENERATION_MESH exchanges tokens, "same_tokens": whether the tokens
+    decoded there are one device's} of the tiny Mixtral's greedy decoding of PROMPTS with the weights `params`."""
+    dummy = jnp.zeros((1, LENGTH), jnp.int32)
+    samplings = [sampling.Sampling(NEW_TOKENS)] * len(PROMPTS)
+    one_device = sampling.make_sampler(FlaxMixtralForCausalLM(MIXTRAL), MIXTRAL.eos_token_id)
+    expected = sampling.decode_rows(one_device, params, PROMPTS, samplings)
+    model = FlaxMixtralForCausalLM(MIXTRAL, mesh=mesh_of(GENERATION_MESH))
+    split_params = jax.device_put(params, parameter_shardings(abstract_model_params(model, dummy, False), model.mesh))
+    sampler = sampling.make_sampler(model, MIXTRAL.eos_token_id)
+    got = sampling.decode_rows(sampler, split_params, PROMPTS, samplings)
+    # The prefill as DecodingBatch calls it, lowered again (not compiled) to read its collectives.
+    prompt_ids, prompt_mask = sampling.left_padded(PROMPTS)
+    settings = sampling.batch_settings(samplings, len(prompt_ids), VOCAB)
+    variant = {
+        "do_sample": False,
+        "candidates": sampling.candidates_to_sort(samplings, VOCAB),
+        **sampling.processing_variant(samplings),
+    }
+    capacity = sampling.shape_bucket(NEW_TOKENS, 8)
+    prefill = sampler.prefill.lower(split_params, prompt_ids, prompt_mask, settings, capacity=capacity, **variant)
+    return {"all_to_all": "all_to_all" in prefill.as_text(), "same_tokens": got == expected}
 
 
 def train(mesh, output_dir: str, first_step: int):

@@ -98,7 +98,7 @@ def check_expert_split(mesh: jax.sharding.Mesh, experts: int | None):
     if experts is None:
         raise UsageError(
             f"--mesh_shape expert={size} splits a mixture of experts' experts, and this model has none; put the "
-            "devices on data or fsdp"
+            "devices on another axis (data or fsdp to train, tensor to generate)"
         )
     if experts % size:
         raise UsageError(

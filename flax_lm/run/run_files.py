@@ -44,12 +44,12 @@ def run_files(output_dir: str) -> set[str]:
 
 
 # The kinds of paths runs record (flax_lm.run.output_dir, checkpoints, tracking): their checkpoints, code versions and
-# copies of the code that ran, results files, TensorBoard's event files (wherever --logging_dir puts them inside the
-# directory) and the folders that hold them.
+# copies of the code that ran, results files, logs of metrics (run_grpo_flax.py's grpo_log.jsonl), TensorBoard's event
+# files (wherever --logging_dir puts them inside the directory) and the folders that hold them.
 RUN_FILE_KINDS = re.compile(
     r"checkpoints/\d+(\.orbax-checkpoint-tmp[^/]*)?|discarded-checkpoints/\d+(-\d+)?"
     r"|code/([0-9a-f]{12}|versions\.json)|[^/]+\.py"
-    r"|train_results\.json|eval_results\.json|all_results\.json|tracker_runs\.json"
+    r"|train_results\.json|eval_results\.json|all_results\.json|tracker_runs\.json|[^/]+_log\.jsonl"
     r"|([^/]+/)*events\.out\.tfevents\.[^/]+|([^/]+/)+"
 )
 

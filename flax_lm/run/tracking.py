@@ -16,7 +16,7 @@ from flax_lm.errors import UsageError
 from flax_lm.run.checkpoints import last_intact_checkpoint
 from flax_lm.run.checksums import checkpoint_has_checksums
 from flax_lm.run.output_dir import TRACKER_RUNS_FILE, write_json
-from flax_lm.run.run_files import record_run_files
+from flax_lm.run.run_files import record_run_files, unlinked
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class TrainingLog:
             initial=self.first_step, total=self.total_steps, desc="Training", disable=jax.process_index() > 0
         )
         self.start = self.window_start = time.perf_counter()
+        self.window_first_step = self.first_step  # the step before those of the next log line
         return self
 
     def __exit__(self, *exception):
@@ -130,8 +131,10 @@ class TrainingLog:
         # log line and the progress bar keep to those a reader follows step by step.
         shown = {name: value for name, value in summary.items() if "/" not in name}
         learning_rate, grad_norm = float(self.window[-1]["learning_rate"]), float(self.window[-1]["grad_norm"])
+        # Rates over the steps since the last log line (a skipped non-finite step took its time, but added no tokens).
         elapsed = time.perf_counter() - self.window_start
         tokens_per_second = sum(metrics["tokens"] for metrics in self.window) / elapsed
+        steps_per_second = (step - self.window_first_step) / elapsed
         self.progress_bar.set_postfix(
             **{name: f"{value:.4f}" for name, value in shown.items()},
             lr=f"{learning_rate:.2e}",
@@ -145,9 +148,14 @@ class TrainingLog:
             grad_norm,
             tokens_per_second,
         )
-        logged = {"learning_rate": learning_rate, "grad_norm": grad_norm, "tokens_per_second": tokens_per_second}
+        logged = {
+            "learning_rate": learning_rate,
+            "grad_norm": grad_norm,
+            "tokens_per_second": tokens_per_second,
+            "steps_per_second": steps_per_second,
+        }
         self.trackers.scalars({f"train/{name}": value for name, value in {**summary, **logged}.items()}, step)
-        self.window, self.window_start = [], time.perf_counter()
+        self.window, self.window_start, self.window_first_step = [], time.perf_counter(), step
 
 
 @dataclass(frozen=True)
@@ -300,6 +308,31 @@ class MlflowTracker:
 
     def close(self):
         self._mlflow.end_run()
+
+
+class JsonLinesLog:
+    """A tracker that writes each log line's scalars to OUTPUT_DIR/`name`, one JSON object a line with the step, under
+    the names of the log without their train/ prefix (run_grpo_flax.py's grpo_log.jsonl: TRL's names). The file is
+    the run's (recorded in run_files.json, never written through a link): a run from the start writes it anew, a
+    resumed one appends to it."""
+
+    def __init__(self, output_dir: str, name: str, resumed: bool):
+        record_run_files(output_dir, [name])
+        self.file = open(unlinked(os.path.join(output_dir, name)), "a" if resumed else "w")
+
+    def scalars(self, values: dict, step: int):
+        logged = {name.removeprefix("train/"): value for name, value in values.items()}
+        self.file.write(json.dumps(logged | {"step": step}) + "\n")
+        self.file.flush()
+
+    def text(self, tag: str, markdown: str, step: int = 0):
+        pass
+
+    def results(self, results: dict, step: int):
+        pass
+
+    def close(self):
+        self.file.close()
 
 
 # The trackers of --report_to, each imported from the package of its name (TensorBoard's is a requirement).

@@ -1,6 +1,7 @@
 """A loaded model that answers prompts, and conversations with a chat model: what generate_flax.py decodes from the
 command line and its server answers requests with. load_model reads a model directory (or hub name) onto the device
-or the tensor mesh of --mesh_shape; Generator encodes the prompts, decodes them in batches and scores sequences."""
+or the tensor (and expert) mesh of --mesh_shape; Generator encodes the prompts, decodes them in batches and scores
+sequences."""
 
 import os
 from dataclasses import replace
@@ -34,8 +35,8 @@ def load_model(
     loading: ModelLoading, mesh_shape: str | None = None, model_file: str | None = None, dtype: str = "float32"
 ):
     """(model, parameters on the default device, tokenizer) of a model directory or hub name, split over the tensor
-    axis of `mesh_shape` where given, computed by `model_file` where given, in `dtype`. A PEFT LoRA adapter's
-    directory (run_clm_flax.py --lora_rank's output) is its base model with the adapter merged in."""
+    and expert axes of `mesh_shape` where given, computed by `model_file` where given, in `dtype`. A PEFT LoRA
+    adapter's directory (run_clm_flax.py --lora_rank's output) is its base model with the adapter merged in."""
     check_local_model_directory("--model_name_or_path", loading.model_name_or_path)
     adapter = (
         loading.model_name_or_path
@@ -82,14 +83,17 @@ def load_model(
 
 def generation_mesh(mesh_shape: str | None):
     """The devices the model is split over (None: the default device alone). Decoding batches are too small to split
-    by rows, so a mesh here has only its tensor axis."""
+    by rows, so a mesh here has a tensor axis and, for a mixture of experts, an expert axis: whole rows on every
+    device, and the experts split over the expert axis as in training (the tokens exchanged by all-to-all where the
+    rows divide among its devices, flax_lm.models.shared.moe.exchanges_tokens)."""
     if mesh_shape is None:
         return None
     mesh = create_mesh(mesh_shape)
-    if mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"] > 1:
+    if mesh.shape["data"] * mesh.shape["fsdp"] > 1:
         raise UsageError(
-            f"--mesh_shape {mesh_shape}: generation splits the model over a tensor axis alone; give "
-            f"tensor={jax.device_count()} (all devices), or make fewer devices visible"
+            f"--mesh_shape {mesh_shape}: generation splits the model over the tensor and expert axes alone; give "
+            f"tensor={jax.device_count()} (all devices), or for a mixture of experts tensor and expert sizes that "
+            "multiply to it, or make fewer devices visible"
         )
     return mesh
 

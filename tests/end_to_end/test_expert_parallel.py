@@ -1,6 +1,7 @@
 """Expert parallelism (the expert axis of --mesh_shape): the experts of a mixture of experts split over devices, the
-tokens exchanged by all-to-all, compute what one device does, and a checkpoint saved on an expert mesh resumes on a
-mesh without one. checks/expert_parallel_check.py does the work in a process of its own with 8 forced CPU devices."""
+tokens exchanged by all-to-all, compute what one device does, a checkpoint saved on an expert mesh resumes on a mesh
+without one, and generation on an expert mesh decodes one device's tokens. checks/expert_parallel_check.py does the
+work in a process of its own with 8 forced CPU devices."""
 
 import numpy as np
 import pytest
@@ -29,3 +30,9 @@ def test_a_checkpoint_saved_on_an_expert_mesh_resumes_on_a_data_mesh_with_the_sa
     assert saved_on["all_to_all"] and not resumed_on["all_to_all"]
     np.testing.assert_allclose(resumed_on["losses"], saved_on["losses"][2:], rtol=1e-5)
     assert resumed["largest_weight_difference"] < 1e-5
+
+
+def test_generation_with_the_experts_split_over_an_expert_axis_decodes_the_tokens_of_one_device(results):
+    """generate_flax.py's sampler on expert=2,tensor=2, the rows whole on every device: the prefill exchanges the
+    tokens by all-to-all, and greedy decoding gives one device's tokens."""
+    assert results["generation"] == {"all_to_all": True, "same_tokens": True}

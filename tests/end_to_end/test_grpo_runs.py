@@ -1,11 +1,13 @@
 """run_grpo_flax.py as a user runs it, with LoRA's adapters and the KL term to the base model: a run saves
-checkpoints, exports a PEFT adapter and logs TRL's names to TensorBoard; the same run resumed from its first
-checkpoint samples the same completions and ends with the uninterrupted run's metrics and adapter."""
+checkpoints, exports a PEFT adapter, logs TRL's names to TensorBoard and grpo_log.jsonl and records its files; the
+same run resumed from its first checkpoint samples the same completions and ends with the uninterrupted run's metrics
+and adapter."""
 
 import json
 import shutil
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_grpo_parity import save_tiny_llama
@@ -27,6 +29,19 @@ def test_a_grpo_run_with_adapters_resumes_to_the_metrics_and_adapter_of_an_unint
     logged = [json.loads(line) for line in (output_dir / "grpo_log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in logged] == [2, 4]
     assert logged[-1]["kl"] > 0  # the adapters moved the policy away from the base model, the reference
+    # Each line's rates are of the steps since the line before (not of the run so far, compilation and all): of the
+    # same seconds, so that their ratio is a step's tokens, of 8 prompts of 4 tokens and their completions.
+    for row in logged:
+        tokens_per_step = 8 * (4 + row["completions/mean_length"])
+        assert row["tokens_per_second"] / row["steps_per_second"] == pytest.approx(tokens_per_step), row
+    # The record of the run's files (what --overwrite_output_dir removes) has all but the export, the lock and itself.
+    recorded = set(json.loads((output_dir / "run_files.json").read_text())["paths"])
+    run_folders = ("checkpoints", "code", "tensorboard")
+    written = {path.name for path in output_dir.iterdir() if path.name not in run_folders} | {
+        f"{folder}/{path.name}" for folder in run_folders for path in (output_dir / folder).iterdir()
+    }
+    export = {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert written - export - {".lock", "run_files.json"} <= recorded, written - recorded
 
     events = EventAccumulator(str(output_dir / "tensorboard"))
     events.Reload()

@@ -211,8 +211,8 @@ def test_generation_on_a_mesh_with_rows_split_is_refused(model_dir, tmp_path):
     )
     assert result.returncode == 2
     assert last_line(result.stderr).endswith(
-        "generation splits the model over a tensor axis alone; give tensor=4 (all devices), or make fewer devices "
-        "visible"
+        "generation splits the model over the tensor and expert axes alone; give tensor=4 (all devices), or for a "
+        "mixture of experts tensor and expert sizes that multiply to it, or make fewer devices visible"
     )
 
 
