@@ -56,7 +56,7 @@ VERIFIED_FINGERPRINTS = {
     "qwen_moe": "df448de35eac42a5",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
-    "t5": "9e16feaa649a3d8d",
+    "t5": "40900b44ec997bf7",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
@@ -73,7 +73,9 @@ VERIFIED_FINGERPRINTS = {
 # they and T5 map their checkpoints through shared/hf_state_dict.py: the same parameters and logits, and GPT-J's and
 # GPT-NeoX's embedding dropout, which training with a config that set it stopped at before, now computed. Then the
 # dropless experts exchanged the tokens over a mesh's expert axis by all-to-all (the same sums, in another order), and
-# DeepSeek-V3's router told the train step which experts it chose.)
+# DeepSeek-V3's router told the train step which experts it chose. T5 has since drawn its dropout masks from 16-bit
+# random numbers, two from each 32 random bits, and summed its position bias's gradient over the batch as a product:
+# the same logits, other masks.)
 EARLIER_VERIFIED_FINGERPRINTS = {
     "deepseek_v3": {"08aa212ac6c437af"},
     "gemma": {"ccb4a731dc070557", "70cb8883ead381c2"},
@@ -87,7 +89,7 @@ EARLIER_VERIFIED_FINGERPRINTS = {
     "opt": {"ad4e932f69f9ea35"},
     "qwen_moe": {"cc50f079d79c3611", "cd46b93be4545022"},
     "roberta": {"695c5ddd82d1a2e0", "fdebdf944a44cb5c", "7fbe975d967e2fc4"},
-    "t5": {"99a35b4ffc6457a9"},
+    "t5": {"99a35b4ffc6457a9", "9e16feaa649a3d8d"},
 }
 # Config fields an earlier verified version read nothing of: it computed as today's code only for a config that leaves
 # them unset (GPT-2's block options, which a hand-edited config could hold before create_config.py took them).
