@@ -16,7 +16,7 @@ import sys
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 
 def read_directory(directory: str, request: dict) -> dict:
@@ -39,7 +39,10 @@ def read_directory(directory: str, request: dict) -> dict:
             request["conversation"], tokenize=False, add_generation_prompt=True
         )
     config = AutoConfig.from_pretrained(directory)
-    model_class = AutoModelForMaskedLM if config.model_type == "roberta" else AutoModelForCausalLM
+    if config.is_encoder_decoder:
+        model_class = AutoModelForSeq2SeqLM
+    else:
+        model_class = AutoModelForMaskedLM if config.model_type == "roberta" else AutoModelForCausalLM
     attention = request.get("attn_implementation", {}).get(directory)
     model, loading_info = model_class.from_pretrained(
         directory, output_loading_info=True, **({"attn_implementation": attention} if attention else {})
@@ -47,7 +50,8 @@ def read_directory(directory: str, request: dict) -> dict:
     reading["model_class"] = type(model).__name__
     reading["loading_problems"] = {kind: sorted(names) for kind, names in loading_info.items() if names}
     with torch.no_grad():
-        logits = model.eval()(torch.tensor([request["token_ids"]])).logits
+        ids = torch.tensor([request["token_ids"]])  # an encoder-decoder's decoder reads them too
+        logits = model.eval()(ids, **({"decoder_input_ids": ids} if config.is_encoder_decoder else {})).logits
     reading["logits"] = logits[0].tolist()
     return reading
 

@@ -143,7 +143,9 @@ def pytest_terminal_summary(terminalreporter, config):
 
 def stock_code(config) -> ModelCode:
     """The code of `config`'s model as flax_lm ships it, loaded as the tools load it (save_model takes it)."""
-    return load_model_code(config, None, stock_module(config.model_type).GENERATES_TEXT, "the tests")
+    module = stock_module(config.model_type)
+    encoder_decoder = getattr(module, "ENCODER_DECODER", False)
+    return load_model_code(config, None, module.GENERATES_TEXT, "the tests", encoder_decoder=encoder_decoder)
 
 
 @pytest.fixture(scope="session")

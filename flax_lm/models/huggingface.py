@@ -469,7 +469,7 @@ def write_export(output_dir: str, host_params, config, tokenizer, model_code: Mo
             setattr(config, MODEL_FILE_KEY, model_file)
             setattr(config, FINGERPRINT_KEY, model_code.fingerprint)
         config.save_pretrained(output_dir)
-        add_transformers_4_rope_keys(os.path.join(output_dir, "config.json"))
+        add_transformers_4_keys(os.path.join(output_dir, "config.json"))
         if model.GENERATES_TEXT or getattr(model, "ENCODER_DECODER", False):
             generation_config = GenerationConfig.from_model_config(config)
             if getattr(model, "ENCODER_DECODER", False):  # generate starts the decoder there (T5's: from pad)
@@ -512,20 +512,35 @@ def export_difference(export_dir: str, trained_model, trained_params) -> float |
     def expected_logits(rows):
         return np.asarray(exported_logits(params, rows))
 
-    return routes_difference(trained_model, trained_params, ids, expected_logits, module.GENERATES_TEXT)
+    encoder_decoder = getattr(module, "ENCODER_DECODER", False)
+    return routes_difference(
+        trained_model, trained_params, ids, expected_logits, module.GENERATES_TEXT, encoder_decoder
+    )
 
 
-def add_transformers_4_rope_keys(config_path: str):
-    """Write the rotary settings into config.json also under the names transformers 4 reads (rope_theta, rope_scaling,
-    Gemma 3's rope_local_base_freq for its sliding layers, GPT-NeoX's rotary_emb_base and rotary_pct) beside
-    transformers 5's rope_parameters, which transformers 4 ignores: without them it would rotate with its own defaults
-    (a base of 10,000, a quarter of each GPT-NeoX head), whatever the model was trained with. transformers 5 reads the
-    two consistently."""
+def add_transformers_4_keys(config_path: str):
+    """Write into config.json what transformers 4 reads under other names than transformers 5 writes: the rotary
+    settings (rope_theta, rope_scaling, Gemma 3's rope_local_base_freq for its sliding layers, GPT-NeoX's
+    rotary_emb_base and rotary_pct) beside transformers 5's rope_parameters, which transformers 4 ignores: without them
+    it would rotate with its own defaults (a base of 10,000, a quarter of each GPT-NeoX head), whatever the model was
+    trained with; and whether a T5's output layer is its own (v1.1): transformers 5 writes tie_word_embeddings true for
+    every T5 and keeps that in scale_decoder_outputs, transformers 4 reads tie_word_embeddings alone and would replace
+    the head with the embedding. transformers 5 reads both consistently."""
     with open(config_path) as file:
         config = json.load(file)
+    if config.get("model_type") == "t5" and config.get("scale_decoder_outputs") is False:
+        config["tie_word_embeddings"] = False
     rope = config.get("rope_parameters")
-    if not isinstance(rope, dict):
-        return
+    if isinstance(rope, dict):
+        add_transformers_4_rope_keys(config, rope)
+    with open(f"{config_path}.tmp", "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True)
+        file.write("\n")
+    os.replace(f"{config_path}.tmp", config_path)
+
+
+def add_transformers_4_rope_keys(config: dict, rope: dict):
+    """The rotary settings of `rope` (rope_parameters) added to `config` under transformers 4's names."""
     if "full_attention" in rope:  # one setting per layer type (Gemma 3): transformers 4 scales the global layers only
         if "rope_theta" in rope.get("sliding_attention", {}):
             config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
@@ -542,10 +557,6 @@ def add_transformers_4_rope_keys(config_path: str):
         config["rope_scaling"] = {"type": scaling["rope_type"], "factor": scaling.get("factor")}
     else:
         config["rope_scaling"] = scaling
-    with open(f"{config_path}.tmp", "w") as file:
-        json.dump(config, file, indent=2, sort_keys=True)
-        file.write("\n")
-    os.replace(f"{config_path}.tmp", config_path)
 
 
 def remove_replaced_weights(output_dir: str, written: set[str]):

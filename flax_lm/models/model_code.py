@@ -56,7 +56,7 @@ VERIFIED_FINGERPRINTS = {
     "qwen_moe": "df448de35eac42a5",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
-    "t5": "40900b44ec997bf7",
+    "t5": "a1e906e1e9c845df",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into
@@ -305,7 +305,8 @@ def architecture_claim(module, config, fingerprint: str, model_file: str | None)
             f"{difference:.2g}, so transformers would compute another model; they hold {FLAX_WEIGHTS_NAME} and the "
             "model file"
         )
-    routes = ", with and without the key/value cache," if module.GENERATES_TEXT else ""
+    cached = module.GENERATES_TEXT or getattr(module, "ENCODER_DECODER", False)
+    routes = ", with and without the key/value cache," if cached else ""
     return True, (
         f"on a probe of every layer, position and token id{routes} its logits equal those of transformers' "
         f"{architecture} (within {difference:.1g}); each export is compared with the trained model"
@@ -374,21 +375,30 @@ def probe_difference(module, config, hf_class) -> float | str:
         return f"the architecture has no tensor {(unexpected or sorted(set(missing) - tied))[0]}"
     del state_dict
 
-    def torch_logits(rows):
-        with torch.no_grad():
-            return torch_model(torch.from_numpy(rows.astype(np.int64))).logits.numpy()
+    encoder_decoder = getattr(module, "ENCODER_DECODER", False)
 
-    return routes_difference(model, params, ids, torch_logits, module.GENERATES_TEXT)
+    def torch_logits(rows):
+        rows = torch.from_numpy(rows.astype(np.int64))
+        with torch.no_grad():  # an encoder-decoder's decoder reads the rows its encoder read
+            return torch_model(rows, decoder_input_ids=rows if encoder_decoder else None).logits.numpy()
+
+    return routes_difference(model, params, ids, torch_logits, module.GENERATES_TEXT, encoder_decoder)
 
 
 def routes_difference(
-    model, params, ids: np.ndarray, expected_logits: Callable[[np.ndarray], np.ndarray], generates_text: bool
+    model,
+    params,
+    ids: np.ndarray,
+    expected_logits: Callable[[np.ndarray], np.ndarray],
+    generates_text: bool,
+    encoder_decoder: bool = False,
 ) -> float:
     """The largest difference between the logits `expected_logits` gives for rows of `ids` and those of `model` with
     `params` (float32) on each route it computes them by, relative to the largest logit where that is over 1: without a
     cache and, for a causal LM (`generates_text`), with the rows prefilled into a cache at once (as a prompt is) and
-    decoded one token at a time from an empty cache (as generation is). The rows go probe_group_rows at a time, the
-    matrix products in float32."""
+    decoded one token at a time from an empty cache (as generation is); an encoder-decoder reads the rows into its
+    encoder and its decoder, at once and one token at a time from the cache of the encoder's output. The rows go
+    probe_group_rows at a time, the matrix products in float32."""
 
     def uncached(params, rows):
         return model.apply({"params": params}, rows)
@@ -405,7 +415,21 @@ def routes_difference(
         cache = model.empty_cache(jnp.ones((rows.shape[0], 0), bool), rows.shape[1])
         return jnp.swapaxes(jax.lax.scan(step, cache, rows.T)[1], 0, 1)
 
-    routes = [uncached, prefilled, decoded] if generates_text else [uncached]
+    def decoded_after_encoding(params, rows):  # as an encoder-decoder generates: the encoder once, then the decoder
+        variables = {"params": params}
+        encoder_output = model.apply(variables, rows, method="encode")
+        cache = model.apply(variables, encoder_output, None, rows.shape[1], method="start_decoding")
+
+        def step(cache, column):
+            logits, cache = model.apply(variables, column[:, None], cache, method="decode")
+            return cache, logits[:, 0]
+
+        return jnp.swapaxes(jax.lax.scan(step, cache, rows.T)[1], 0, 1)
+
+    if encoder_decoder:
+        routes = [uncached, decoded_after_encoding]
+    else:
+        routes = [uncached, prefilled, decoded] if generates_text else [uncached]
 
     @jax.jit
     def largest_difference(params, rows, expected):  # one compiled program for every route
@@ -422,7 +446,11 @@ def routes_difference(
 
 def probe_length(module, config) -> int:
     """The positions a row of the model's input may have: the config's max_position_embeddings, less, for a masked
-    LM, the pad_token_id + 1 that RoBERTa's numbering of positions leaves unused."""
+    LM, the pad_token_id + 1 that RoBERTa's numbering of positions leaves unused; for a model of relative positions
+    only (an encoder-decoder such as T5), the module's probe_length: rows long enough for every distance it tells
+    apart."""
+    if hasattr(module, "probe_length"):
+        return module.probe_length(config)
     if module.GENERATES_TEXT:
         return config.max_position_embeddings
     return config.max_position_embeddings - (config.pad_token_id + 1)

@@ -16,6 +16,7 @@ from conftest import CHECKS_DIR, REPO_DIR, stock_code
 from test_clm import tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
 from test_models import FAMILY_CONFIGS, flax_params_of, hf_class_of, random_torch_model
+from test_t5 import random_params, t5_config
 from tokenizers import AddedToken, Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM, RobertaForMaskedLM
 
@@ -84,9 +85,20 @@ def export_dirs(gpt2_tokenizer_dir, llama_tokenizer_dir, roberta_tokenizer_dir, 
             # A base other than transformers 4's default, and a scaling: both must reach it from config.json.
             config.rope_parameters = {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}
         exports[model_type] = (config, hf_class_of(config), tokenizer)
+    # T5 v1.1, whose output layer is its own, and the original, whose output is the scaled embedding: transformers 5
+    # writes tie_word_embeddings true for both (their weights are random Flax ones: transformers 5 ties its own).
+    for name, tied in [("t5_v1_1", False), ("t5", True)]:
+        config = t5_config(
+            vocab_size=1000, tie_word_embeddings=tied, feed_forward_proj="relu" if tied else "gated-gelu"
+        )
+        exports[name] = (config, None, AutoTokenizer.from_pretrained(llama_tokenizer_dir))
     dirs = {}
     for name, (config, torch_class, tokenizer) in exports.items():
-        _, params = flax_params_of(stock_module(config.model_type), config, random_torch_model(torch_class, config))
+        module = stock_module(config.model_type)
+        if torch_class is None:
+            params = random_params(module.MODEL_CLASS(config), config)
+        else:
+            _, params = flax_params_of(module, config, random_torch_model(torch_class, config))
         dirs[name] = str(directory / name)
         save_model(dirs[name], params, config, tokenizer, stock_code(config))
     return dirs
@@ -112,7 +124,7 @@ def readings(export_dirs, transformers_4_python):
     return {"5": read_with_transformers.read_directories(request), "4": json.loads(result.stdout)}
 
 
-@pytest.mark.parametrize("export", ["gpt2", "llama", "roberta", "chat", *FAMILY_CONFIGS])
+@pytest.mark.parametrize("export", ["gpt2", "llama", "roberta", "chat", *FAMILY_CONFIGS, "t5_v1_1", "t5"])
 def test_the_export_reads_the_same_in_transformers_4_and_5_and_tokenizers(export, export_dirs, readings):
     directory = export_dirs[export]
     version_5, version_4 = readings["5"][directory], readings["4"][directory]

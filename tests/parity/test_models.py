@@ -21,6 +21,7 @@ import transformers
 from conftest import FIXTURES_DIR, REPO_DIR, stock_code
 from test_clm import tiny_config, tiny_llama_config
 from test_mlm_model import tiny_config as tiny_roberta_config
+from test_t5 import t5_config
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -454,6 +455,24 @@ def test_the_probe_tells_an_edited_computation_from_a_refactoring(tmp_path, prob
     claims_other, reason_other = model_code.architecture_claim(other, config, "x", "other.py")
     assert claims_same, reason_same
     assert not claims_other and "logits differ" in reason_other, reason_other
+
+
+def test_an_edited_t5_claims_its_architecture_only_where_its_encoder_and_cached_decoder_compute_as_before(tmp_path):
+    """An edited copy of the encoder-decoder is probed as the causal families are (its exports were refused at the
+    first save before): a refactoring keeps the claim; an edit of the cached decoding alone, which the teacher-forced
+    logits do not show, loses it."""
+    config = t5_config()
+    refactored = {"visible = (positions[:, None] >= jnp.arange(slots)[None, :])[None]": (
+        "visible = (jnp.arange(slots)[None, :] <= positions[:, None])[None]"
+    )}  # fmt: skip
+    cached_otherwise = {"return self.logits(hidden), cache.replace(": "return 2 * self.logits(hidden), cache.replace("}
+    for name, edit, claimed in [("same.py", refactored, True), ("other.py", cached_otherwise, False)]:
+        module = edited_module(tmp_path, name, edit, "t5")
+        claims, reason = model_code.architecture_claim(
+            module, config, model_code.module_code_fingerprint(module), name
+        )
+        assert claims == claimed, reason
+        assert ("with and without the key/value cache" in reason) if claimed else ("logits differ" in reason)
 
 
 # Edits of gpt2.py that change what it computes only somewhere a small probe does not look: positions 40 and beyond,

@@ -107,6 +107,13 @@ def decoder_start_id(config) -> int:
     return config.pad_token_id if start is None else start
 
 
+def probe_length(config) -> int:
+    """The length of the rows that compare an edited copy of this module with transformers' class
+    (flax_lm.models.model_code): one past the longest distance the position buckets tell apart, so that every bucket
+    of both directions takes part."""
+    return config.relative_attention_max_distance + 1
+
+
 def shift_right(labels, decoder_start_token_id: int, pad_token_id: int = 0):
     """The decoder's input for `labels` (batch, target length): the start token, then the labels but the last, the
     ignored ones (-100) as padding; as transformers' T5 makes it."""
