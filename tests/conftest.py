@@ -81,6 +81,13 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: the other files keep their order, and every file its tests' order
 
 
+def pytest_configure(config):
+    # pytest-xdist hands out the files of --dist loadfile by their number of tests, most first, unless told to keep
+    # the order of the collection: the order above, without which a long file of few tests starts last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 # --cpu-durations=N: the CPU seconds each test costs, user and system, of the test process and of the scripts it
 # started and waited for, from its set-up to its teardown (a session fixture counts in the first test that asks for
 # it). Wall times say little on a shared machine; CPU seconds are what the suite costs on two cores whatever the load.

@@ -38,6 +38,11 @@ def test_the_files_started_first_exist_in_a_tier():
         assert name.split("/")[0] in TIERS and (TESTS_DIR / name).is_file(), name
 
 
+def test_pytest_xdist_hands_out_the_files_in_the_order_of_the_collection(request):
+    """Else it sorts them by their number of tests and the files of LONGEST_FILES_FIRST start wherever they fall."""
+    assert request.config.option.loadscopereorder is False
+
+
 def test_the_test_folders_hold_only_tests_and_their_shared_fixtures():
     others = [
         path.relative_to(TESTS_DIR).as_posix()
