@@ -56,7 +56,7 @@ VERIFIED_FINGERPRINTS = {
     "qwen_moe": "df448de35eac42a5",
     "roberta": "1d60caad7d524b02",
     "smollm3": "304c0e44d23cd281",
-    "t5": "a1e906e1e9c845df",
+    "t5": "aeeebafdcf6db97c",
 }
 # Fingerprints of earlier stock modules, each verified against the same transformers class by the parity tests of its
 # version: a checkpoint they trained resumes with today's verified stock code. (0.4 moved flax_lm's modules into

@@ -378,13 +378,9 @@ class T5Block(T5Part):
             cross_keys, cross_values, cross_visible = cross
             cross_attention = self.layer[1]
             normalized = cross_attention.layer_norm(x)
+            no_position_bias = None  # T5's cross-attention has none
             y = cross_attention.EncDecAttention(
-                normalized,
-                cross_keys,
-                cross_values,
-                None,
-                cross_visible,
-                deterministic,  # no position bias
+                normalized, cross_keys, cross_values, no_position_bias, cross_visible, deterministic
             )
             x = x + self.dropout(y, deterministic)
         return self.layer[-1](x, deterministic), layer_cache
